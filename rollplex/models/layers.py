@@ -1,0 +1,53 @@
+"""Small building blocks shared by the vision tower and the text decoder.
+
+Numerics follow transformers' Qwen2.5-VL exactly (that is what the parity tests hold us to):
+RMSNorm normalises in fp32 and multiplies the weight in the input dtype; the text rotary applies
+cos/sin already cast to the activation dtype, the vision rotary applies them in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU with gate and up fused in one GEMM: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, hidden: int, bias: bool):
+        super().__init__()
+        self.hidden = hidden
+        self.gate_up_proj = nn.Linear(dim, 2 * hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.hidden, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, in whatever dtype the inputs have (broadcasting cos/sin)."""
+    return x * cos + rotate_half(x) * sin
+
+
+def rotary_inv_freq(dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))

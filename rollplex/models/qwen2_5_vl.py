@@ -1,0 +1,198 @@
+"""Qwen2.5-VL for Rollplex: one model for the rollout engine, the reference scorer and the trainer.
+
+The forward splits at the prompt/response boundary:
+
+    prefix(prompts)                    vision tower + prompt tokens  -> PrefixState
+    response_hidden(prefix, ids, idx)  response tokens attending to a PrefixState -> hidden
+    forward(prompts)                   the composition (full sequences)
+
+A PrefixState holds, per layer, the prompt's rotated K/V ([B, Hkv, Pmax, D], right-padded), the
+prompt lengths, the M-RoPE delta and the last prompt token's final hidden state. Response i attends
+to prefix `prefix_index[i]`, so the n samples of a GRPO group share one prefix computed once; with
+autograd on, the gather `keys[prefix_index]` sends every response's gradient back into the one
+prefix graph. Shared-prefix == n full forwards (logits and gradients) is held by the tests.
+
+`forward_embeds(embeds, positions, attend)` is the incremental path for the engine: positions and
+the attention callable (which owns the KV cache) are explicit arguments.
+
+Prompts are duck-typed: anything with `input_ids` (list[int]) and optional `pixel_values`,
+`image_grid_thw`, `pixel_values_videos`, `video_grid_thw`, `second_per_grid_ts` (what
+`rollplex.processor.VLProcessor.encode` returns).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .attention import sdpa
+from .config import ModelConfig
+from .layers import rotary_inv_freq
+from .rope import mrope_cos_sin, mrope_positions
+from .text import AttendFn, TextDecoder
+from .vision import VisionTower
+
+
+@dataclass
+class PrefixState:
+    keys: list[torch.Tensor]  # per layer [B, Hkv, Pmax, D], rotated, right-padded
+    values: list[torch.Tensor]  # per layer [B, Hkv, Pmax, D]
+    lens: torch.Tensor  # [B] long, prompt lengths
+    rope_delta: torch.Tensor  # [B] long: response token j sits at position lens + j + delta
+    last_hidden: torch.Tensor  # [B, C] final-normed hidden of the last prompt token
+
+    @property
+    def batch_size(self) -> int:
+        return self.lens.shape[0]
+
+
+@dataclass
+class EmbeddedPrompts:
+    embeds: torch.Tensor  # [B, Pmax, C], right-padded
+    positions: torch.Tensor  # [3, B, Pmax]
+    lens: torch.Tensor  # [B]
+    rope_delta: torch.Tensor  # [B]
+
+
+def _grids(g) -> list[tuple[int, int, int]]:
+    if g is None:
+        return []
+    if isinstance(g, torch.Tensor):
+        g = g.tolist()
+    return [tuple(int(x) for x in row) for row in g]
+
+
+class Qwen25VL(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.visual = VisionTower(cfg.vision)
+        self.model = TextDecoder(cfg.text)
+        self.lm_head = None if cfg.text.tie_word_embeddings else nn.Linear(
+            cfg.text.hidden_size, cfg.text.vocab_size, bias=False
+        )
+        self.register_buffer("inv_freq", rotary_inv_freq(cfg.text.head_dim, cfg.text.rope_theta), persistent=False)
+
+    # ---- pieces ----------------------------------------------------------------------------
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.head_weight)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return mrope_cos_sin(positions, self.inv_freq, self.cfg.text.mrope_section, dtype)
+
+    def embed_prompts(self, prompts: Sequence) -> EmbeddedPrompts:
+        """Token embeddings with every image/video of the batch encoded in one vision-tower call."""
+        cfg, dev = self.cfg, self.inv_freq.device
+        emb = self.model.embed_tokens
+        ids = [list(p.input_ids) for p in prompts]
+        if not ids or any(len(x) == 0 for x in ids):
+            raise ValueError("every prompt needs at least one token")
+        B, P = len(ids), max(len(x) for x in ids)
+        pad = torch.zeros(B, P, dtype=torch.long)
+        positions = torch.zeros(3, B, P, dtype=torch.long)
+        deltas = []
+        for b, (p, x) in enumerate(zip(prompts, ids)):
+            pad[b, : len(x)] = torch.tensor(x)
+            pos, delta = mrope_positions(
+                x, cfg, _grids(getattr(p, "image_grid_thw", None)), _grids(getattr(p, "video_grid_thw", None)),
+                getattr(p, "second_per_grid_ts", None),
+            )
+            positions[:, b, : len(x)] = pos
+            deltas.append(delta)
+        pad = pad.to(dev)
+        x = emb(pad)
+        pixels, grids, kinds = [], [], []
+        for kind, pv_name, g_name in (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw")):
+            for p in prompts:
+                pv = getattr(p, pv_name, None)
+                if pv is not None and len(_grids(getattr(p, g_name))):
+                    pixels.append(pv)
+                    grids.extend(_grids(getattr(p, g_name)))
+                    kinds.extend([kind] * len(_grids(getattr(p, g_name))))
+        if pixels:
+            feats = self.visual(torch.cat([t.to(dev) for t in pixels]), grids).to(x.dtype)
+            m2 = cfg.vision.spatial_merge_size**2
+            sizes = [t * h * w // m2 for t, h, w in grids]
+            n_img = sum(s for s, k in zip(sizes, kinds) if k == "image")
+            for tok, f in ((cfg.image_token_id, feats[:n_img]), (cfg.video_token_id, feats[n_img:])):
+                mask = pad == tok
+                if int(mask.sum()) != f.shape[0]:
+                    raise ValueError(f"{int(mask.sum())} placeholder tokens (id {tok}) but {f.shape[0]} visual embeddings")
+                x = x.masked_scatter(mask[..., None], f)
+        lens = torch.tensor([len(t) for t in ids], device=dev)
+        return EmbeddedPrompts(x, positions.to(dev), lens, torch.tensor(deltas, dtype=torch.long, device=dev))
+
+    def forward_embeds(self, embeds: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+        """Incremental path: embeds [B, L, C], positions [3, B, L], attend owns K/V -> normed hidden."""
+        cos, sin = self.rope(positions, embeds.dtype)
+        return self.model(embeds, cos, sin, attend)
+
+    # ---- prefix / response / full -----------------------------------------------------------
+    def _run_prompts(self, prompts: Sequence, keep_kv: bool) -> tuple[torch.Tensor, EmbeddedPrompts, list, list]:
+        e = self.embed_prompts(prompts)
+        keys, values = [], []
+
+        def attend(layer, q, k, v):
+            if keep_kv:
+                keys.append(k)
+                values.append(v)
+            return sdpa(q, k, v, causal=True)  # right padding: valid queries never see pads
+
+        return self.forward_embeds(e.embeds, e.positions, attend), e, keys, values
+
+    def prefix(self, prompts: Sequence) -> PrefixState:
+        hidden, e, keys, values = self._run_prompts(prompts, keep_kv=True)
+        last = hidden[torch.arange(hidden.shape[0], device=hidden.device), e.lens - 1]
+        return PrefixState(keys, values, e.lens, e.rope_delta, last)
+
+    def response_hidden(
+        self, prefix: PrefixState, response_ids: torch.Tensor, prefix_index: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Hidden states predicting each response token: [N, R, C] for response_ids [N, R].
+
+        Row j predicts response_ids[:, j] (row 0 is the prefix's last hidden), exactly the rows
+        `P-1 .. P+R-2` of a full forward over prompt + response. Right padding is fine: causal
+        attention keeps valid tokens from seeing pads.
+        """
+        N, R = response_ids.shape
+        dev = prefix.lens.device
+        idx = torch.arange(N, device=dev) if prefix_index is None else prefix_index.to(dev)
+        if idx.shape != (N,) or (N and int(idx.max()) >= prefix.batch_size):
+            raise ValueError("prefix_index must give one prefix row per response")
+        first = prefix.last_hidden[idx][:, None]  # [N, 1, C]
+        if R <= 1:
+            return first[:, :R]
+        tokens = response_ids[:, :-1].to(dev)  # the last token is only a target
+        Rin = R - 1
+        lens, delta = prefix.lens[idx], prefix.rope_delta[idx]
+        pos = (lens + delta)[:, None] + torch.arange(Rin, device=dev)  # [N, Rin]
+        positions = pos[None].expand(3, N, Rin)
+        Pmax = prefix.keys[0].shape[2]
+        prefix_ok = torch.arange(Pmax, device=dev)[None, :] < lens[:, None]  # [N, Pmax]
+        causal = torch.ones(Rin, Rin, dtype=torch.bool, device=dev).tril()
+        mask = torch.cat([prefix_ok[:, None, :].expand(N, Rin, Pmax), causal.expand(N, Rin, Rin)], dim=-1)
+        mask = mask[:, None]  # [N, 1, Rin, Pmax + Rin]
+
+        def attend(layer, q, k, v):
+            kp = torch.cat([prefix.keys[layer][idx], k], dim=2)
+            vp = torch.cat([prefix.values[layer][idx], v], dim=2)
+            return sdpa(q, kp, vp, mask=mask)
+
+        hidden = self.forward_embeds(self.model.embed_tokens(tokens), positions, attend)
+        return torch.cat([first, hidden], dim=1)
+
+    def response_logits(self, prefix: PrefixState, response_ids: torch.Tensor, prefix_index=None) -> torch.Tensor:
+        return self.logits(self.response_hidden(prefix, response_ids, prefix_index))
+
+    def forward(self, prompts: Sequence) -> torch.Tensor:
+        """Full forward over whole sequences: logits [B, Lmax, V] (rows past a sequence's end are junk)."""
+        hidden, _, _, _ = self._run_prompts(prompts, keep_kv=False)
+        return self.logits(hidden)

@@ -1,0 +1,151 @@
+"""Qwen2.5-VL vision tower: patch embed -> window/full attention blocks -> 2x2 patch merger.
+
+All images and video frames of a batch travel as one packed sequence of patches. Patches are
+permuted once into window order (merge-unit granularity, as in the reference model), so every
+attention window — and every frame, for the full-attention blocks — is a contiguous segment and a
+block runs ONE varlen attention call over all of them (`attention.segment_attention`). The merger
+output is permuted back to the processor's patch order, so embeddings line up with the
+`<|image_pad|>` / `<|video_pad|>` tokens of the prompt.
+
+`VisionLayout.build(grid_thw)` does the integer bookkeeping on the CPU once per forward; the
+blocks only see tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .attention import Segments, segment_attention
+from .config import VisionConfig
+from .layers import GatedMLP, RMSNorm, apply_rotary, rotary_inv_freq
+
+
+@dataclass
+class VisionLayout:
+    """Per-forward metadata derived from the (t, h, w) patch grids of the inputs."""
+
+    window_index: torch.Tensor  # [n_units] merge-unit permutation into window order
+    reverse_index: torch.Tensor  # inverse permutation
+    hw_pos: torch.Tensor  # [n_patches, 2] (row, col) of each patch, processor order
+    windows: Segments  # window segments, in permuted order
+    frames: Segments  # one segment per frame (full-attention blocks)
+
+    @classmethod
+    def build(cls, grid_thw: list[tuple[int, int, int]], cfg: VisionConfig, device) -> VisionLayout:
+        m = cfg.spatial_merge_size
+        unit = m * m
+        win = cfg.window_size // m // cfg.patch_size  # window side in merged units
+        window_index, hw_pos = [], []
+        cu_win, cu_frame = [0], [0]
+        offset = 0
+        for t, h, w in grid_thw:
+            if h % m or w % m:
+                raise ValueError(f"grid {(t, h, w)} not divisible by spatial_merge_size {m}")
+            hpos = torch.arange(h)[:, None].expand(h, w).reshape(h // m, m, w // m, m).transpose(1, 2).flatten()
+            wpos = torch.arange(w)[None, :].expand(h, w).reshape(h // m, m, w // m, m).transpose(1, 2).flatten()
+            hw_pos.append(torch.stack([hpos, wpos], -1).repeat(t, 1))
+            lh, lw = h // m, w // m
+            idx = torch.arange(t * lh * lw).reshape(t, lh, lw)
+            ph, pw = -lh % win, -lw % win
+            nh, nw = (lh + ph) // win, (lw + pw) // win
+            idx = F.pad(idx, (0, pw, 0, ph), value=-1)
+            idx = idx.reshape(t, nh, win, nw, win).permute(0, 1, 3, 2, 4).reshape(t, nh * nw, win * win)
+            counts = (idx >= 0).sum(-1).flatten()
+            window_index.append(idx[idx >= 0] + offset)
+            for c in counts.tolist():
+                if c:
+                    cu_win.append(cu_win[-1] + c * unit)
+            base = cu_frame[-1]
+            cu_frame.extend(base + (i + 1) * h * w for i in range(t))
+            offset += t * lh * lw
+        window_index = torch.cat(window_index)
+        return cls(
+            window_index=window_index.to(device),
+            reverse_index=torch.argsort(window_index).to(device),
+            hw_pos=torch.cat(hw_pos).to(device),
+            windows=Segments(cu_win, torch.device(device)),
+            frames=Segments(cu_frame, torch.device(device)),
+        )
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv(x).view(T, 3, self.num_heads, -1).unbind(1)  # each [T, H, D]
+        dtype = q.dtype
+        q = apply_rotary(q.float(), cos, sin).to(dtype)
+        k = apply_rotary(k.float(), cos, sin).to(dtype)
+        return self.proj(segment_attention(q, k, v, seg).reshape(T, -1))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.hidden_size, eps=1e-6)
+        self.norm2 = RMSNorm(cfg.hidden_size, eps=1e-6)
+        self.attn = VisionAttention(cfg)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=True)
+
+    def forward(self, x, cos, sin, seg: Segments):
+        x = x + self.attn(self.norm1(x), cos, sin, seg)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.merged_dim = cfg.hidden_size * cfg.spatial_merge_size**2
+        self.ln_q = RMSNorm(cfg.hidden_size, eps=1e-6)
+        self.fc1 = nn.Linear(self.merged_dim, self.merged_dim)
+        self.fc2 = nn.Linear(self.merged_dim, cfg.out_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(self.ln_q(x).view(-1, self.merged_dim))))
+
+
+class VisionTower(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.cfg = cfg
+        # Conv3d with kernel == stride is a linear map of each flattened patch; we keep the conv's
+        # weight shape [E, C, T, P, P] (checkpoint compatible) and run it as one GEMM.
+        self.patch_embed = nn.Linear(cfg.patch_dim, cfg.hidden_size, bias=False)
+        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg)
+        self.register_buffer("inv_freq", rotary_inv_freq(cfg.head_dim // 2, cfg.rope_theta), persistent=False)
+        self.full_blocks = frozenset(cfg.fullatt_block_indexes)
+
+    def rotary(self, layout: VisionLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = layout.hw_pos[..., None].float() * self.inv_freq.float()  # [N, 2, D/4]
+        freqs = freqs.flatten(1)  # [N, D/2]: h-freqs then w-freqs
+        emb = torch.cat([freqs, freqs], -1)
+        return emb.cos()[:, None, :], emb.sin()[:, None, :]  # broadcast over heads
+
+    def permute(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        unit = self.cfg.spatial_merge_size**2
+        return x.view(-1, unit, *x.shape[1:])[index].flatten(0, 1)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]] | torch.Tensor):
+        """pixel_values [n_patches, C*T*P*P] -> merged embeddings [n_patches / merge^2, out_hidden]."""
+        if isinstance(grid_thw, torch.Tensor):
+            grid_thw = [tuple(g) for g in grid_thw.tolist()]
+        n = sum(t * h * w for t, h, w in grid_thw)
+        if pixel_values.shape != (n, self.cfg.patch_dim):
+            raise ValueError(f"pixel_values shape {tuple(pixel_values.shape)} != ({n}, {self.cfg.patch_dim})")
+        layout = VisionLayout.build(grid_thw, self.cfg, pixel_values.device)
+        w = self.patch_embed.weight
+        x = self.permute(self.patch_embed(pixel_values.to(w.dtype)), layout.window_index)
+        cos, sin = (self.permute(c, layout.window_index) for c in self.rotary(layout))
+        for i, blk in enumerate(self.blocks):
+            x = blk(x, cos, sin, layout.frames if i in self.full_blocks else layout.windows)
+        return self.merger(x)[layout.reverse_index]

@@ -1,0 +1,99 @@
+"""Prefix/response decomposition: one PrefixState shared by n responses == n full forwards.
+
+Holds Rollplex's promise that prefix sharing changes where work runs, never what is computed:
+same logits, and with a loss summed over the n responses, the same gradient for every parameter.
+"""
+
+import torch
+from helpers import Prompt, make_prompt, tiny_model
+
+N_SAMPLES = 3
+
+
+def _group(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [
+        make_prompt(g, images=[(1, 6, 10), (1, 4, 4)]),
+        make_prompt(g, text_len=(7, 2)),
+        make_prompt(g, videos=[(2, 4, 4)]),
+    ]
+    # n responses per prompt, different (right-padded) lengths
+    lens = [[5, 3, 7], [1, 6, 4], [7, 7, 2]]
+    R = 7
+    resp = torch.randint(3, 290, (len(prompts) * N_SAMPLES, R), generator=g)
+    resp_lens = torch.tensor([x for row in lens for x in row])
+    index = torch.arange(len(prompts)).repeat_interleave(N_SAMPLES)
+    return prompts, resp, resp_lens, index
+
+
+def _full(prompt: Prompt, response: list[int]) -> Prompt:
+    return Prompt(prompt.input_ids + response, prompt.pixel_values, prompt.image_grid_thw,
+                  prompt.pixel_values_videos, prompt.video_grid_thw, prompt.second_per_grid_ts)
+
+
+def _full_logits(model, prompts, resp, resp_lens, index):
+    """Per sample: full forward over prompt + response, rows that predict the response tokens."""
+    out = []
+    for i in range(resp.shape[0]):
+        p, n = prompts[index[i]], int(resp_lens[i])
+        logits = model([_full(p, resp[i, :n].tolist())])[0]
+        P = len(p.input_ids)
+        out.append(logits[P - 1 : P - 1 + n])
+    return out
+
+
+def _shared_logits(model, prompts, resp, index):
+    prefix = model.prefix(prompts)
+    return model.response_logits(prefix, resp, index)
+
+
+def test_shared_prefix_logits_equal_full_forwards():
+    model = tiny_model().eval()
+    prompts, resp, resp_lens, index = _group()
+    with torch.no_grad():
+        full = _full_logits(model, prompts, resp, resp_lens, index)
+        shared = _shared_logits(model, prompts, resp, index)
+    for i, ref in enumerate(full):
+        assert (shared[i, : ref.shape[0]] - ref).abs().max().item() <= 1e-5
+
+
+def _loss(logits_rows, resp, resp_lens):
+    total = 0.0
+    for i, rows in enumerate(logits_rows):
+        n = int(resp_lens[i])
+        lp = torch.log_softmax(rows[:n].float(), -1).gather(-1, resp[i, :n, None]).squeeze(-1)
+        total = total + (lp * torch.linspace(0.5, 1.5, n)).sum()  # arbitrary per-token weights
+    return total
+
+
+def test_shared_prefix_gradients_equal_full_forwards():
+    prompts, resp, resp_lens, index = _group(1)
+    grads = []
+    for shared in (False, True):
+        model = tiny_model(seed=3)
+        if shared:
+            rows = _shared_logits(model, prompts, resp, index)
+            rows = [rows[i] for i in range(rows.shape[0])]
+        else:
+            rows = _full_logits(model, prompts, resp, resp_lens, index)
+        _loss(rows, resp, resp_lens).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    ref, got = grads
+    assert ref.keys() == got.keys()
+    for name in ref:
+        denom = ref[name].norm().clamp_min(1e-12)
+        rel = ((got[name] - ref[name]).norm() / denom).item()
+        assert rel <= 1e-5, f"{name}: relative grad diff {rel:.2e}"
+    assert any(n.startswith("visual.") and ref[n].abs().sum() > 0 for n in ref)  # vision got gradient
+
+
+def test_prefix_index_validation():
+    model = tiny_model().eval()
+    prompts, resp, _, _ = _group()
+    prefix = model.prefix(prompts[:1])
+    try:
+        model.response_hidden(prefix, resp[:2], torch.tensor([0, 1]))
+    except ValueError as e:
+        assert "prefix_index" in str(e)
+    else:
+        raise AssertionError("expected ValueError")
