@@ -55,9 +55,14 @@ def _use_flash_varlen(q: torch.Tensor) -> bool:
     return _varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
-    """Bidirectional attention within segments. q, k, v: [T, H, D] packed -> [T, H, D]."""
-    if _use_flash_varlen(q):
+def segment_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments, backend: str = "auto"
+) -> torch.Tensor:
+    """Bidirectional attention within segments. q, k, v: [T, H, D] packed -> [T, H, D].
+
+    backend: "auto" (flash varlen on CUDA in half precision, else padded SDPA) or "sdpa".
+    """
+    if backend == "auto" and _use_flash_varlen(q):
         cu, m = seg.cu_tensor(), seg.max_len
         return _varlen_attn(q, k, v, cu, cu, m, m)
     index, key_mask, valid = seg.padded()

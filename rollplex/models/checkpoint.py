@@ -85,7 +85,8 @@ def rollplex_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
         if name == "visual.patch_embed.weight":
             name = "visual.patch_embed.proj.weight"
             x = x.reshape(x.shape[0], v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
-        name = name.replace("visual.merger.fc1.", "visual.merger.mlp.0.").replace("visual.merger.fc2.", "visual.merger.mlp.2.")
+        name = name.replace("visual.merger.fc1.", "visual.merger.mlp.0.")
+        name = name.replace("visual.merger.fc2.", "visual.merger.mlp.2.")
         out[name] = x.contiguous()
     if t.tie_word_embeddings:
         out.pop("lm_head.weight", None)

@@ -110,7 +110,8 @@ class Qwen25VL(nn.Module):
         pad = pad.to(dev)
         x = emb(pad)
         pixels, grids, kinds = [], [], []
-        for kind, pv_name, g_name in (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw")):
+        sources = (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw"))
+        for kind, pv_name, g_name in sources:
             for p in prompts:
                 pv = getattr(p, pv_name, None)
                 if pv is not None and len(_grids(getattr(p, g_name))):
@@ -125,7 +126,8 @@ class Qwen25VL(nn.Module):
             for tok, f in ((cfg.image_token_id, feats[:n_img]), (cfg.video_token_id, feats[n_img:])):
                 mask = pad == tok
                 if int(mask.sum()) != f.shape[0]:
-                    raise ValueError(f"{int(mask.sum())} placeholder tokens (id {tok}) but {f.shape[0]} visual embeddings")
+                    n_tok = int(mask.sum())
+                    raise ValueError(f"{n_tok} placeholder tokens (id {tok}) but {f.shape[0]} visual embeddings")
                 x = x.masked_scatter(mask[..., None], f)
         lens = torch.tensor([len(t) for t in ids], device=dev)
         return EmbeddedPrompts(x, positions.to(dev), lens, torch.tensor(deltas, dtype=torch.long, device=dev))

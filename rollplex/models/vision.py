@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from .attention import Segments, segment_attention
 from .config import VisionConfig
-from .layers import GatedMLP, RMSNorm, apply_rotary, rotary_inv_freq
+from .layers import GatedMLP, RMSNorm, apply_rotary, rms_norm, rotary_inv_freq
 
 
 @dataclass
@@ -72,6 +72,21 @@ class VisionLayout:
         )
 
 
+def _pre_attention(x, norm_w, qkv_w, qkv_b, cos, sin, num_heads: int):
+    """norm1 -> qkv -> rotary (fp32, as the reference): q, k, v [T, H, D]."""
+    T = x.shape[0]
+    q, k, v = F.linear(rms_norm(x, norm_w, 1e-6), qkv_w, qkv_b).view(T, 3, num_heads, -1).unbind(1)
+    dtype = q.dtype
+    return apply_rotary(q.float(), cos, sin).to(dtype), apply_rotary(k.float(), cos, sin).to(dtype), v
+
+
+def _post_attention(x, attn, proj_w, proj_b, norm_w, gate_up_w, gate_up_b, down_w, down_b):
+    """proj + residual, then norm2 -> SwiGLU -> residual."""
+    x = x + F.linear(attn.flatten(1), proj_w, proj_b)
+    gate, up = F.linear(rms_norm(x, norm_w, 1e-6), gate_up_w, gate_up_b).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, down_w, down_b)
+
+
 class VisionAttention(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
@@ -79,26 +94,17 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv(x).view(T, 3, self.num_heads, -1).unbind(1)  # each [T, H, D]
-        dtype = q.dtype
-        q = apply_rotary(q.float(), cos, sin).to(dtype)
-        k = apply_rotary(k.float(), cos, sin).to(dtype)
-        return self.proj(segment_attention(q, k, v, seg).reshape(T, -1))
-
 
 class VisionBlock(nn.Module):
+    """Parameters of one block; the math lives in `_pre_attention` / `_post_attention`, plain
+    functions of tensors, so one compiled graph serves every block (`VisionTower.compile`)."""
+
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.norm1 = RMSNorm(cfg.hidden_size, eps=1e-6)
         self.norm2 = RMSNorm(cfg.hidden_size, eps=1e-6)
         self.attn = VisionAttention(cfg)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=True)
-
-    def forward(self, x, cos, sin, seg: Segments):
-        x = x + self.attn(self.norm1(x), cos, sin, seg)
-        return x + self.mlp(self.norm2(x))
 
 
 class PatchMerger(nn.Module):
@@ -124,12 +130,33 @@ class VisionTower(nn.Module):
         self.merger = PatchMerger(cfg)
         self.register_buffer("inv_freq", rotary_inv_freq(cfg.head_dim // 2, cfg.rope_theta), persistent=False)
         self.full_blocks = frozenset(cfg.fullatt_block_indexes)
+        self.attn_backend = "auto"  # see attention.segment_attention; benchmarks flip it to compare
+        self._pre, self._post = _pre_attention, _post_attention
+
+    def compile(self, **kwargs) -> VisionTower:
+        """Fuse the norms, rotary and SwiGLU elementwise work with torch.compile (GPU); same math."""
+        self._pre = torch.compile(_pre_attention, dynamic=True, **kwargs)
+        self._post = torch.compile(_post_attention, dynamic=True, **kwargs)
+        return self
+
+    def block(self, blk: VisionBlock, x, cos, sin, seg: Segments) -> torch.Tensor:
+        a = blk.attn
+        q, k, v = self._pre(x, blk.norm1.weight, a.qkv.weight, a.qkv.bias, cos, sin, a.num_heads)
+        out = segment_attention(q, k, v, seg, self.attn_backend)
+        m = blk.mlp
+        return self._post(x, out, a.proj.weight, a.proj.bias, blk.norm2.weight, m.gate_up_proj.weight,
+                          m.gate_up_proj.bias, m.down_proj.weight, m.down_proj.bias)
 
     def rotary(self, layout: VisionLayout) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = layout.hw_pos[..., None].float() * self.inv_freq.float()  # [N, 2, D/4]
         freqs = freqs.flatten(1)  # [N, D/2]: h-freqs then w-freqs
         emb = torch.cat([freqs, freqs], -1)
         return emb.cos()[:, None, :], emb.sin()[:, None, :]  # broadcast over heads
+
+    def set_attention_backend(self, backend: str) -> None:
+        if backend not in ("auto", "sdpa"):
+            raise ValueError(f"unknown vision attention backend {backend!r}")
+        self.attn_backend = backend
 
     def permute(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         unit = self.cfg.spatial_merge_size**2
@@ -147,5 +174,5 @@ class VisionTower(nn.Module):
         x = self.permute(self.patch_embed(pixel_values.to(w.dtype)), layout.window_index)
         cos, sin = (self.permute(c, layout.window_index) for c in self.rotary(layout))
         for i, blk in enumerate(self.blocks):
-            x = blk(x, cos, sin, layout.frames if i in self.full_blocks else layout.windows)
+            x = self.block(blk, x, cos, sin, layout.frames if i in self.full_blocks else layout.windows)
         return self.merger(x)[layout.reverse_index]

@@ -1,0 +1,17 @@
+"""`python -m rollplex.bench <workload> [...]` — GPU benchmarks; each checks correctness, then times."""
+
+import sys
+
+WORKLOADS = {"model": "rollplex.bench.model"}
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] not in WORKLOADS:
+        raise SystemExit(f"usage: python -m rollplex.bench {{{','.join(WORKLOADS)}}} [options]")
+    import importlib
+
+    importlib.import_module(WORKLOADS[sys.argv[1]]).main(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    main()

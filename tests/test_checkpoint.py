@@ -1,0 +1,50 @@
+"""HF checkpoint directories both ways: ours -> transformers, transformers -> ours, sharded too."""
+
+import json
+
+import torch
+from helpers import hf_logits, hf_twin, make_prompt, tiny_model
+
+from rollplex.models import load_model, save_model
+
+
+def _prompt():
+    return make_prompt(torch.Generator().manual_seed(5), images=[(1, 6, 4)])
+
+
+def test_ours_to_transformers(tmp_path):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    for tie in (False, True):
+        ours = tiny_model(seed=7, tie=tie).eval()
+        out = save_model(ours, tmp_path / f"ck{tie}")
+        hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(out, attn_implementation="eager").eval()
+        p = _prompt()
+        with torch.no_grad():
+            assert (hf_logits(hf, p) - ours([p])[0]).abs().max().item() <= 1e-4
+
+
+def test_transformers_to_ours(tmp_path):
+    hf, ref = hf_twin(seed=2)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_model(tmp_path / "hf").eval()
+    p = _prompt()
+    with torch.no_grad():
+        assert (ours([p])[0] - hf_logits(hf, p)).abs().max().item() <= 1e-4
+    for (n1, a), (n2, b) in zip(ref.state_dict().items(), ours.state_dict().items()):
+        assert n1 == n2 and torch.equal(a, b)
+
+
+def test_sharded_round_trip_and_dtype(tmp_path):
+    ours = tiny_model(seed=1)
+    out = save_model(ours, tmp_path / "sharded", max_shard_bytes=50_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    back = load_model(out)
+    for (n1, a), (n2, b) in zip(ours.state_dict().items(), back.state_dict().items()):
+        assert n1 == n2 and torch.equal(a, b)
+    bf = load_model(out, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in bf.parameters())
+    # re-saving into the same directory replaces the shards
+    save_model(back, out)
+    assert not (out / "model.safetensors.index.json").exists() and (out / "model.safetensors").exists()
