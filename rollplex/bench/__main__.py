@@ -2,7 +2,7 @@
 
 import sys
 
-WORKLOADS = {"model": "rollplex.bench.model"}
+WORKLOADS = {"model": "rollplex.bench.model", "rollout": "rollplex.bench.rollout"}
 
 
 def main() -> None:

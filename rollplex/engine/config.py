@@ -1,0 +1,32 @@
+"""Engine configuration (one frozen dataclass, validated)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .scheduler import SchedulerConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 16384
+    max_model_len: int = 4096
+    kv_cache_tokens: int | None = None  # explicit KV budget in tokens; default: 65536 on CPU, profiled on GPU
+    gpu_memory_utilization: float = 0.5  # fraction of GPU memory the engine may fill (weights + KV + work)
+    cuda_graph: bool = True  # capture decode per batch-size bucket (GPU only)
+    cuda_graph_max_bs: int = 256
+    seed: int = 0  # draws the seeds of requests that bring none
+
+    def __post_init__(self):
+        if self.block_size not in (16, 32, 64):
+            raise ValueError("block_size must be 16, 32 or 64")
+        if not 0.05 <= self.gpu_memory_utilization <= 0.98:
+            raise ValueError("gpu_memory_utilization must be in [0.05, 0.98]")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 2 * self.block_size:
+            raise ValueError("kv_cache_tokens must cover at least two blocks")
+        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)

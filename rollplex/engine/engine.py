@@ -1,0 +1,277 @@
+"""The rollout engine: `Engine.generate(prompts, params)` over a continuous-batching loop.
+
+    step():  batch = scheduler.schedule()
+             prefill batch -> runner.prefill (vision + prompt once per request), fork KV to the n
+                              samples, each sample draws its first token from the shared logits
+             decode batch  -> hooks.on_decode_step(info); runner.decode (graphed on GPU); sample
+             then append tokens, check stop conditions, free finished sequences
+
+The engine decodes with the model object it is given — the trainer's — so there is no weight copy
+and no sync phase. The server and the RL step both drive it through `generate` (or add_request/step).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+from ..models import Qwen25VL
+from ..models.qwen2_5_vl import _grids
+from ..models.rope import mrope_positions
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .hooks import DecodeHook, DecodeStepInfo
+from .model_runner import ModelRunner
+from .sampler import SamplingTensors, sample
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Request, Sequence
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    matched_stop: int | str | None = None
+    text: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    samples: list[SampleOutput]
+    input_token_logprobs: list[float | None] | None = None
+    meta: dict = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, model: Qwen25VL, processor=None, config: EngineConfig | None = None,
+                 hooks: Seq[DecodeHook] = ()):
+        self.model, self.processor = model, processor
+        self.cfg = config or EngineConfig()
+        self.runner = ModelRunner(model, self.cfg)
+        self.blocks = BlockManager(self.runner.num_blocks, self.cfg.block_size)
+        self.scheduler = Scheduler(self.cfg.scheduler_config(), self.blocks)
+        self.hooks = list(hooks)
+        self.requests: dict[str, Request] = {}
+        self._rng = random.Random(self.cfg.seed)
+        self._ids = itertools.count()
+        self.decode_steps = 0
+        self._last_step_ms: float | None = None
+        self.eos_token_id = model.cfg.eos_token_id
+        self.stream = torch.cuda.current_stream(self.runner.device) if self.runner.device.type == "cuda" else None
+
+    @classmethod
+    def from_pretrained(cls, path, device="cpu", dtype=torch.float32, config: EngineConfig | None = None, **kw):
+        from ..models import load_model
+        from ..processor import VLProcessor
+
+        return cls(load_model(path, device, dtype).eval(), VLProcessor.from_pretrained(path), config, **kw)
+
+    # ---- requests -----------------------------------------------------------------------------
+    def encode(self, prompt) -> object:
+        """ModelInputs-like from: ModelInputs, list[int], str (templated text), or a dict with
+        `input_ids` | `text` | `messages` plus optional `images` / `videos`."""
+        if hasattr(prompt, "input_ids"):
+            return prompt
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return SimpleNamespace(input_ids=list(prompt))
+        if isinstance(prompt, dict) and "input_ids" in prompt and not prompt.get("images") and not prompt.get("videos"):
+            return SimpleNamespace(input_ids=[int(t) for t in prompt["input_ids"]])
+        if self.processor is None:
+            raise ValueError("this engine has no processor: pass token ids or ModelInputs")
+        if isinstance(prompt, str):
+            return self.processor.encode(text=prompt)
+        if isinstance(prompt, dict):
+            return self.processor.encode(text=prompt.get("text"), messages=prompt.get("messages"),
+                                         images=prompt.get("images"), videos=prompt.get("videos"))
+        raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        inputs = self.encode(prompt)
+        vocab = self.model.cfg.text.vocab_size
+        if not inputs.input_ids or any(not 0 <= t < vocab for t in inputs.input_ids):
+            raise ValueError(f"prompt token ids must be non-empty and within [0, {vocab})")
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"duplicate request id {rid!r}")
+        base = params.seed if params.seed is not None else None
+        seeds = [base + i if base is not None else self._rng.getrandbits(62) for i in range(params.n)]
+        _, delta = mrope_positions(  # ValueError on placeholders that do not match the images
+            list(inputs.input_ids), self.model.cfg, _grids(getattr(inputs, "image_grid_thw", None)),
+            _grids(getattr(inputs, "video_grid_thw", None)), getattr(inputs, "second_per_grid_ts", None))
+        req = Request(rid, inputs, params, seeds, arrival=time.monotonic(), rope_delta=delta)
+        self.scheduler.add(req)  # raises ValueError for requests that can never run
+        self.requests[rid] = req
+        return rid
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; returns its partial output (None if unknown or already returned)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if not req.finished:
+            self.scheduler.abort(req)
+        return self._output(req)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one prefill or decode batch; return the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if batch.is_prefill:
+            self._prefill(batch.prefill)
+            touched = [s for item in batch.prefill for s in (item.seq, *item.forks)]
+        elif batch.decode:
+            self._decode(batch.decode)
+            touched = batch.decode
+        else:
+            if self.scheduler.has_work:
+                raise RuntimeError("scheduler made no progress (KV cache too small for the waiting work)")
+            return []
+        done = {id(s.request): s.request for s in touched if s.request.finished}
+        return [self._output(r) for r in done.values()]
+
+    def _row(self, seq: Sequence) -> tuple:
+        p = seq.request.params
+        return (p.temperature, p.top_k, p.top_p, p.min_p, seq.seed, seq.num_output_tokens)
+
+    def _prefill(self, items) -> None:
+        inputs, slots, rows, owners = [], [], [], []
+        for item in items:
+            seq, req = item.seq, item.seq.request
+            inputs.append(SimpleNamespace(**{**vars(_fields(req.inputs)), "input_ids": seq.token_ids}))
+            slots.append([self.blocks.slot(seq, i) for i in range(len(seq))])
+            start = req.params.logprob_start_len
+            fresh = seq.num_output_tokens == 0 and req.input_logprobs is None
+            rows.append((start, len(seq) - 1) if fresh and 0 <= start < len(seq) - 1 else None)
+            owners.append([seq, *item.forks])
+        last, extra = self.runner.prefill(inputs, slots, rows)
+        self.runner.copy_blocks([c for item in items for c in item.copies])
+        for item, r, ex in zip(items, rows, extra):
+            if ex is not None:
+                self._input_logprobs(item.seq, r, ex)
+        index = torch.tensor([i for i, seqs in enumerate(owners) for _ in seqs], device=last.device)
+        flat = [s for seqs in owners for s in seqs]
+        self._sample_and_append(flat, last[index])
+
+    def _input_logprobs(self, seq: Sequence, rows: tuple[int, int], logits: torch.Tensor) -> None:
+        p = seq.request.params
+        t = p.temperature if p.temperature > 0 else 1.0
+        targets = torch.tensor(seq.token_ids[rows[0] + 1 : rows[1] + 1], device=logits.device)
+        lp = torch.log_softmax(logits / t, -1).gather(-1, targets[:, None]).squeeze(-1)
+        seq.request.input_logprobs = [None] + lp.tolist()  # the first token has no logprob
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        if self.hooks:
+            info = DecodeStepInfo(self.decode_steps, len(seqs), self._last_step_ms,
+                                  len(self.scheduler.waiting), self.stream)
+            for h in self.hooks:
+                h.on_decode_step(info)
+        t0 = time.perf_counter()
+        if self.stream is not None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        delta = [int(s.request.rope_delta) for s in seqs]
+        logits = self.runner.decode(
+            ids=[s.token_ids[-1] for s in seqs],
+            positions=[len(s) - 1 + d for s, d in zip(seqs, delta)],
+            tables=[s.block_table for s in seqs],
+            seq_lens=[len(s) for s in seqs],
+            slots=[self.blocks.slot(s, len(s) - 1) for s in seqs],
+        )
+        self._sample_and_append(seqs, logits)  # syncs: tokens go to the host
+        if self.stream is not None:
+            end.record()
+            end.synchronize()
+            self._last_step_ms = start.elapsed_time(end)
+        else:
+            self._last_step_ms = (time.perf_counter() - t0) * 1e3
+        self.decode_steps += 1
+
+    def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        st = SamplingTensors.build([self._row(s) for s in seqs], logits.shape[-1], logits.device)
+        tokens, logprobs = sample(logits, st)
+        for seq, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
+            seq.token_ids.append(tok)
+            seq.logprobs.append(lp)
+            self._check_finish(seq, tok)
+
+    def _check_finish(self, seq: Sequence, tok: int) -> None:
+        p = seq.request.params
+        reason, matched = None, None
+        if tok in p.stop_token_ids:
+            reason, matched = "stop", tok
+        elif tok == self.eos_token_id and not p.ignore_eos:
+            reason, matched = "stop", tok
+        elif p.stop and self.processor is not None:
+            tail = self.processor.decode(seq.output_ids[-(max(len(s) for s in p.stop) + 8) :],
+                                         skip_special_tokens=False)
+            matched = next((s for s in p.stop if s in tail), None)
+            reason = "stop" if matched else None
+        if reason is None and (seq.num_output_tokens >= p.max_new_tokens or len(seq) >= self.cfg.max_model_len):
+            reason = "length"
+        if reason:
+            seq.matched_stop = matched
+            self.scheduler.finish(seq, reason)
+
+    def _output(self, req: Request) -> RequestOutput:
+        samples = []
+        for s in req.seqs:
+            text = None
+            if self.processor is not None:
+                text = self.processor.decode(s.output_ids, skip_special_tokens=req.params.skip_special_tokens)
+                if isinstance(s.matched_stop, str) and s.matched_stop in text:
+                    text = text[: text.index(s.matched_stop)]
+            samples.append(SampleOutput(s.output_ids, s.logprobs, s.finish_reason, s.matched_stop, text))
+        self.requests.pop(req.request_id, None)
+        return RequestOutput(req.request_id, list(req.inputs.input_ids), samples, req.input_logprobs,
+                             {"num_preemptions": sum(s.num_preemptions for s in req.seqs)})
+
+    # ---- batch API ----------------------------------------------------------------------------
+    def generate(self, prompts: Seq, params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order."""
+        if isinstance(params, SamplingParams) or params is None:
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("one SamplingParams per prompt (or one for all)")
+        ids = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.add_request(p, sp))
+        except ValueError:
+            for rid in ids:
+                self.abort(rid)
+            raise
+        outputs: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="rollout", unit="req")
+        while len(outputs) < len(ids):
+            for out in self.step():
+                outputs[out.request_id] = out
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [outputs[i] for i in ids]
+
+
+def _fields(inputs) -> SimpleNamespace:
+    names = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+    return SimpleNamespace(**{n: getattr(inputs, n, None) for n in names})

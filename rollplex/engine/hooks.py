@@ -1,0 +1,36 @@
+"""The decode-loop hook: how a co-scheduler learns about each decode iteration.
+
+The engine calls `on_decode_step(info)` once per decode iteration, *before* launching the step, with
+what a co-scheduler needs to decide how much prefix work to admit next to it: the running batch
+size, the step index, the measured duration of the previous decode step and the stream decode runs
+on. With no hooks registered the engine skips building the info object entirely.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class DecodeStepInfo:
+    step: int  # decode iterations since the engine started
+    batch_size: int  # running sequences in this step
+    last_step_ms: float | None  # measured duration of the previous decode step (None for the first)
+    num_waiting: int  # requests / preempted sequences not yet running
+    stream: Any = None  # torch.cuda.Stream decode is launched on (None on CPU)
+
+
+@runtime_checkable
+class DecodeHook(Protocol):
+    def on_decode_step(self, info: DecodeStepInfo) -> None: ...
+
+
+class RecordingHook:
+    """Keeps every DecodeStepInfo it sees (tests, timelines)."""
+
+    def __init__(self):
+        self.infos: list[DecodeStepInfo] = []
+
+    def on_decode_step(self, info: DecodeStepInfo) -> None:
+        self.infos.append(info)

@@ -1,0 +1,186 @@
+"""Runs the shared model for the engine: paged KV cache, prefill, graphed decode, block copies.
+
+The runner holds a reference to the *live* model: no weight copy is made, so an in-place update by
+the trainer (optimizer.step, load_state_dict) is what the next prefill and the next graph replay
+read — CUDA graphs capture parameter addresses, not values.
+
+KV cache: two tensors [layers, blocks, block_size, Hkv, D]. Sized from a token budget on CPU, and on
+GPU from `gpu_memory_utilization` after a warm-up prefill at the largest batch (the peak memory of
+weights + activations is subtracted). Block 0 is scratch: padded rows of a graphed batch write
+there.
+
+Prefill runs eagerly over a right-padded batch (images and videos included: `embed_prompts` runs
+the vision tower once for the whole batch) and writes K/V through slot mappings. Decode feeds one
+token per sequence; on GPU it replays a CUDA graph captured for the smallest batch-size bucket
+that fits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models import Qwen25VL
+from ..models.attention import sdpa
+from .config import EngineConfig
+from .paged_attention import paged_decode_attention
+
+CPU_DEFAULT_KV_TOKENS = 65536
+
+
+def graph_buckets(max_bs: int) -> list[int]:
+    small = [b for b in (1, 2, 4, 8) if b < max_bs]
+    return small + list(range(16, max_bs, 16)) + [max_bs]
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen25VL, cfg: EngineConfig):
+        self.model, self.cfg = model, cfg
+        self.device = model.inv_freq.device
+        self.dtype = model.model.embed_tokens.weight.dtype
+        t = model.cfg.text
+        self.num_layers, self.num_kv_heads, self.head_dim = t.num_hidden_layers, t.num_key_value_heads, t.head_dim
+        self.block_size = cfg.block_size
+        self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
+        self.num_blocks = self._num_blocks()
+        shape = (self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.use_graphs = self.device.type == "cuda" and cfg.cuda_graph
+        if self.use_graphs:
+            self._capture()
+
+    # ---- sizing -------------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def _num_blocks(self) -> int:
+        if self.cfg.kv_cache_tokens is not None:
+            return self.cfg.kv_cache_tokens // self.block_size
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_KV_TOKENS // self.block_size
+        # warm-up at the largest prefill we will run, then give KV what is left of the budget
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = min(self.cfg.max_num_batched_tokens, self.cfg.max_model_len - 1)
+
+        class Dummy:
+            input_ids = [1] * n
+
+        with torch.no_grad():
+            self.model.model.embed_tokens(torch.zeros(1, dtype=torch.long, device=self.device))
+            h, *_ = self.model._run_prompts([Dummy], keep_kv=False)
+            self.model.logits(h[:, -1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = total * self.cfg.gpu_memory_utilization - peak
+        # leave room for the graphed decode's logits/workspace at the largest batch
+        budget -= 4 * self.cfg.cuda_graph_max_bs * self.model.cfg.text.vocab_size * 2
+        blocks = int(budget // self.kv_bytes_per_block())
+        if blocks < 2:
+            raise RuntimeError(f"no GPU memory left for the KV cache (peak {peak / 2**30:.1f} GiB of "
+                               f"{total / 2**30:.1f} GiB; raise gpu_memory_utilization)")
+        torch.cuda.empty_cache()
+        return blocks
+
+    # ---- prefill --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, inputs: list, slots: list[list[int]], logprob_rows: list[tuple[int, int] | None]):
+        """inputs: ModelInputs-like (all tokens to compute); slots: cache slot of every token.
+
+        Returns (logits of each item's last token [B, V] fp32, per item logits rows [a, b) or None).
+        """
+        m = self.model
+        e = m.embed_prompts(inputs)
+        B, P = e.embeds.shape[:2]
+        lens = [len(s) for s in slots]
+        valid = torch.arange(P, device=self.device)[None, :] < e.lens[:, None]
+        flat_slots = torch.tensor([s for row in slots for s in row], dtype=torch.long, device=self.device)
+        kv_shape = (-1, self.num_kv_heads, self.head_dim)
+
+        def attend(layer, q, k, v):
+            self.k_cache[layer].view(kv_shape).index_copy_(0, flat_slots, k.transpose(1, 2)[valid])
+            self.v_cache[layer].view(kv_shape).index_copy_(0, flat_slots, v.transpose(1, 2)[valid])
+            return sdpa(q, k, v, causal=True)
+
+        hidden = m.forward_embeds(e.embeds, e.positions, attend)
+        last = hidden[torch.arange(B, device=self.device), e.lens - 1]
+        extra = [None if r is None else m.logits(hidden[i, r[0] : r[1]]).float() for i, r in enumerate(logprob_rows)]
+        assert lens == e.lens.tolist()
+        return m.logits(last).float(), extra
+
+    @torch.no_grad()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        self.k_cache[:, dst] = self.k_cache[:, src]
+        self.v_cache[:, dst] = self.v_cache[:, src]
+
+    # ---- decode ---------------------------------------------------------------------------------
+    def _decode_forward(self, ids, positions, block_table, seq_lens, slots) -> torch.Tensor:
+        m = self.model
+        kv_shape = (-1, self.num_kv_heads, self.head_dim)
+
+        def attend(layer, q, k, v):
+            kc, vc = self.k_cache[layer], self.v_cache[layer]
+            kc.view(kv_shape).index_copy_(0, slots, k[:, :, 0])
+            vc.view(kv_shape).index_copy_(0, slots, v[:, :, 0])
+            return paged_decode_attention(q[:, :, 0], kc, vc, block_table, seq_lens)[:, :, None]
+
+        hidden = m.forward_embeds(m.model.embed_tokens(ids)[:, None], positions, attend)
+        return m.logits(hidden[:, 0]).float()
+
+    @torch.no_grad()
+    def decode(self, ids: list[int], positions: list[int], tables: list[list[int]], seq_lens: list[int],
+               slots: list[int]) -> torch.Tensor:
+        """One token per sequence -> logits [B, V] fp32."""
+        B = len(ids)
+        bucket = next((b for b in sorted(self.graphs) if b >= B), None)
+        if bucket is None:
+            width = max(len(t) for t in tables)
+            bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+            pos = torch.tensor(positions).view(1, B, 1).expand(3, B, 1)
+            args = (torch.tensor(ids), pos, bt, torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(slots))
+            return self._decode_forward(*(a.to(self.device) for a in args))
+        graph, out = self.graphs[bucket]
+        s = self.static
+        pad = bucket - B
+        s["ids"][:bucket].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
+        s["pos"][:, :bucket, 0].copy_(torch.tensor(positions + [0] * pad).expand(3, bucket), non_blocking=True)
+        bt = torch.zeros(bucket, self.max_blocks_per_seq, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        s["bt"][:bucket].copy_(bt, non_blocking=True)
+        s["lens"][:bucket].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
+        s["slots"][:bucket].copy_(torch.tensor(slots + [0] * pad), non_blocking=True)
+        graph.replay()
+        return out[:B]
+
+    def _capture(self) -> None:
+        max_bs = min(self.cfg.cuda_graph_max_bs, self.cfg.max_num_seqs)
+        dev = self.device
+        self.static = s = dict(
+            ids=torch.zeros(max_bs, dtype=torch.long, device=dev),
+            pos=torch.zeros(3, max_bs, 1, dtype=torch.long, device=dev),
+            bt=torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+            lens=torch.ones(max_bs, dtype=torch.int32, device=dev),
+            slots=torch.zeros(max_bs, dtype=torch.long, device=dev),
+        )
+        pool = None
+        for b in reversed(graph_buckets(max_bs)):
+            args = (s["ids"][:b], s["pos"][:, :b], s["bt"][:b], s["lens"][:b], s["slots"][:b])
+            with torch.no_grad():
+                side = torch.cuda.Stream(dev)
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):
+                    self._decode_forward(*args)  # warm-up (allocator, triton autotune/compile)
+                torch.cuda.current_stream(dev).wait_stream(side)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    out = self._decode_forward(*args)
+            pool = g.pool()
+            self.graphs[b] = (g, out)
+        torch.cuda.synchronize(dev)

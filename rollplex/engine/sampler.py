@@ -1,0 +1,92 @@
+"""Batched, seeded sampling with per-row parameters and the logprobs the RL step needs.
+
+Randomness is a counter-based hash of (seed, output step, token id) turned into Gumbel noise, and a
+token is drawn as argmax(logits / T + Gumbel) over the tokens that top-k / top-p / min-p keep —
+exactly a draw from softmax(logits / T) restricted to that set. Because the noise depends only on
+(seed, step, token), a sample's tokens do not depend on which other sequences share its batch, on
+preemption and recompute, or on whether it was forked from a shared prompt: the property the n-sample
+and preemption tests check. Logprobs: see `sampling_params` (temperature-scaled, before truncation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 tensors holding values in [0, 2^32)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """U(0,1) noise [B, V], a pure function of (seed, step, token id)."""
+    dev = seeds.device
+    s = _mix32((seeds & _M32) ^ _mix32((seeds >> 32) & _M32))
+    row = _mix32((s * 0x9E3779B1 + steps * 0x85EBCA77 + 0x165667B1) & _M32)  # [B]
+    tok = torch.arange(vocab, device=dev, dtype=torch.int64)
+    h = _mix32(((row[:, None] ^ (tok[None, :] * 0xC2B2AE3D)) + 0x27D4EB2F) & _M32)
+    h = _mix32((h * 0x9E3779B1 + row[:, None]) & _M32)
+    return (h.float() + 0.5) / 4294967296.0
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters, built once per batch."""
+
+    temperature: torch.Tensor  # [B] float, 0 = greedy
+    top_k: torch.Tensor  # [B] long, vocab size when disabled
+    top_p: torch.Tensor  # [B] float
+    min_p: torch.Tensor  # [B] float
+    seeds: torch.Tensor  # [B] long
+    steps: torch.Tensor  # [B] long, index of the output token being drawn
+    any_truncation: bool
+
+    @classmethod
+    def build(cls, rows: list[tuple], vocab: int, device) -> SamplingTensors:
+        """rows: (temperature, top_k, top_p, min_p, seed, step) per sequence."""
+        t, k, p, m, seed, step = zip(*rows)
+        k = [vocab if x < 0 else min(x, vocab) for x in k]
+        trunc = any(x < vocab for x in k) or any(x < 1.0 for x in p) or any(x > 0.0 for x in m)
+        f = dict(device=device, dtype=torch.float32)
+        i = dict(device=device, dtype=torch.int64)
+        return cls(torch.tensor(t, **f), torch.tensor(k, **i), torch.tensor(p, **f), torch.tensor(m, **f),
+                   torch.tensor(seed, **i), torch.tensor(step, **i), trunc)
+
+
+def keep_mask(logprobs: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Which tokens top-k / top-p / min-p allow, [B, V] bool (computed on temperature-scaled probs)."""
+    sorted_lp, order = logprobs.sort(dim=-1, descending=True)
+    probs = sorted_lp.exp()
+    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    keep = rank < st.top_k[:, None]
+    before = probs.cumsum(-1) - probs  # mass strictly before each token
+    keep &= before < st.top_p[:, None]
+    keep &= probs >= st.min_p[:, None] * probs[:, :1]
+    keep[:, 0] = True
+    return torch.zeros_like(keep).scatter_(-1, order, keep)
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] -> (tokens [B] long, logprobs [B] float32)."""
+    logits = logits.float()
+    greedy = st.temperature == 0
+    temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
+    logprobs = torch.log_softmax(logits / temp[:, None], dim=-1)
+    scores = logprobs
+    if st.any_truncation:
+        scores = scores.masked_fill(~keep_mask(logprobs, st), float("-inf"))
+    if bool(greedy.all()):
+        tokens = scores.argmax(-1)
+    else:
+        gumbel = -torch.log(-torch.log(uniform_noise(st.seeds, st.steps, logits.shape[-1])))
+        noisy = scores + torch.where(greedy[:, None], torch.zeros_like(gumbel), gumbel)
+        tokens = noisy.argmax(-1)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)

@@ -1,0 +1,80 @@
+"""Requests and sequences: plain Python objects the scheduler moves between queues (no torch).
+
+A `Request` is one prompt with its sampling parameters and `n` samples; each sample is a `Sequence`.
+The n sequences of a fresh request are prefilled once, as a group: the leader runs the prompt
+(vision tower + prefill) and the others fork its KV blocks. A preempted sequence loses its KV and
+returns to the waiting queue alone; its next prefill recomputes prompt + generated tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from .sampling_params import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: Request
+    sample_index: int
+    token_ids: list[int]
+    seed: int
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: SeqStatus = SeqStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.request.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    inputs: Any  # ModelInputs-like: input_ids + optional pixel tensors (opaque to the scheduler)
+    params: SamplingParams
+    seeds: list[int]
+    arrival: float = 0.0
+    rope_delta: int = 0  # M-RoPE: output token j sits at position len(prompt) + j + rope_delta
+    seqs: list[Sequence] = field(default_factory=list)
+    input_logprobs: list[float] | None = None
+    aborted: bool = False
+
+    def __post_init__(self):
+        prompt = list(self.inputs.input_ids)
+        self.num_prompt_tokens = len(prompt)
+        self.seqs = [Sequence(self, i, list(prompt), self.seeds[i]) for i in range(self.params.n)]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
