@@ -28,7 +28,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .hooks import DecodeHook, DecodeStepInfo
 from .model_runner import ModelRunner
-from .sampler import SamplingTensors, sample
+from .sampler import Sampler, SamplingTensors
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Request, Sequence
@@ -67,7 +67,9 @@ class Engine:
         self.decode_steps = 0
         self._last_step_ms: float | None = None
         self.eos_token_id = model.cfg.eos_token_id
-        self.stream = torch.cuda.current_stream(self.runner.device) if self.runner.device.type == "cuda" else None
+        on_gpu = self.runner.device.type == "cuda"
+        self.stream = torch.cuda.current_stream(self.runner.device) if on_gpu else None
+        self.sampler = Sampler(compile=on_gpu)
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32, config: EngineConfig | None = None, **kw):
@@ -203,7 +205,7 @@ class Engine:
 
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         st = SamplingTensors.build([self._row(s) for s in seqs], logits.shape[-1], logits.device)
-        tokens, logprobs = sample(logits, st)
+        tokens, logprobs = self.sampler(logits, st)
         for seq, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
             seq.token_ids.append(tok)
             seq.logprobs.append(lp)

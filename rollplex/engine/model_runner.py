@@ -150,10 +150,10 @@ class ModelRunner:
         pad = bucket - B
         s["ids"][:bucket].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
         s["pos"][:, :bucket, 0].copy_(torch.tensor(positions + [0] * pad).expand(3, bucket), non_blocking=True)
-        bt = torch.zeros(bucket, self.max_blocks_per_seq, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        s["bt"][:bucket].copy_(bt, non_blocking=True)
+        # only the columns this batch uses: entries past a sequence's last block are never read
+        width = max(len(t) for t in tables)
+        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad, dtype=torch.int32)
+        s["bt"][:bucket, :width].copy_(bt, non_blocking=True)
         s["lens"][:bucket].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
         s["slots"][:bucket].copy_(torch.tensor(slots + [0] * pad), non_blocking=True)
         graph.replay()

@@ -1,0 +1,236 @@
+"""Paged-KV decode attention: one new query token per sequence against a block-paged KV cache.
+
+Token i of sequence b lives at ``cache[block_table[b, i // block_size], i % block_size]``.
+
+Design of the Triton backend (flash-decoding):
+
+* Decode is bandwidth bound: each step streams the whole KV history once and does ~1 FLOP per byte, so
+  the kernel is organised around reading K/V exactly once and keeping every SM busy.
+* GQA: one program per (sequence, KV head, split) computes all G = H // Hkv query heads that share the
+  KV head, so a K/V tile is read from HBM once per KV head rather than once per query head. The G query
+  rows are padded to >= 16 so that QK^T and PV are tensor-core ``tl.dot`` products.
+* Split-K: with few sequences, B * Hkv programs cannot fill the GPU, so each sequence's tokens are cut
+  into ``num_splits`` contiguous ranges of tiles handled by separate programs. Each keeps an online
+  softmax in fp32 (running max m, running sum l, accumulator acc) and writes its normalised partial
+  output and log-sum-exp to a workspace; a second small kernel merges the splits:
+  ``out = sum_s exp(lse_s - LSE) * out_s`` with ``LSE = logsumexp_s lse_s``.
+* CUDA graphs: seq_lens and block_table are only read on the device; each program derives its tile range
+  from its sequence's length, so the grid depends only on static shapes (B, Hkv, max_blocks, block_size)
+  and the launch holds no host sync. Splits with no tokens write lse = -inf; rows with seq_len 0 give 0.
+* Tokens are gathered per token (block id looked up for each of the TILE_N tokens of a tile), so block
+  sizes 16/32/64 share one code path and table entries past a sequence's end are never dereferenced.
+
+The ``reference`` backend is plain torch (any device/dtype) and serves as the test oracle and CPU path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+from typing import Any
+
+import torch
+
+_TILE_N = 64  # tokens per inner-loop iteration; a multiple of every supported block size
+_MAX_SPLITS = 64
+_LAUNCH: dict[str, int] = {"num_warps": 4}  # launch options of the split kernel
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    backend: str = "auto",
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of q [B, H, D] over the first seq_lens[b] cached tokens of each sequence -> [B, H, D]."""
+    B, H, D = q.shape
+    num_blocks, block_size, Hkv, Dk = k_cache.shape
+    if v_cache.shape != k_cache.shape or Dk != D:
+        raise ValueError(f"cache shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit q {tuple(q.shape)}")
+    if H % Hkv != 0:
+        raise ValueError(f"num query heads {H} is not a multiple of num KV heads {Hkv}")
+    if block_table.shape[0] != B or seq_lens.shape != (B,):
+        raise ValueError("block_table must be [B, max_blocks] and seq_lens [B]")
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if backend == "auto":
+        backend = "triton" if q.is_cuda and _triton_available() else "reference"
+    if backend == "reference":
+        return _reference(q, k_cache, v_cache, block_table, seq_lens, scale)
+    if backend == "triton":
+        return _triton_forward(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits)
+    raise ValueError(f"unknown backend {backend!r}: expected 'auto', 'triton' or 'reference'")
+
+
+def _reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    B, H, D = q.shape
+    num_blocks, block_size, Hkv, _ = k_cache.shape
+    table = block_table.long()
+    table = torch.where((table >= 0) & (table < num_blocks), table, 0)
+    T = table.shape[1] * block_size
+    k = k_cache[table].reshape(B, T, Hkv, D).float()  # [B, T, Hkv, D]
+    v = v_cache[table].reshape(B, T, Hkv, D).float()
+    qg = q.float().reshape(B, Hkv, H // Hkv, D)
+    scores = torch.einsum("bkgd,btkd->bkgt", qg, k) * scale
+    valid = torch.arange(T, device=q.device)[None, :] < seq_lens.to(q.device).long()[:, None]  # [B, T]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    p = torch.where(valid.any(dim=1)[:, None, None, None], p, 0.0)  # seq_len 0: all -inf -> NaN -> 0
+    out = torch.einsum("bkgt,btkd->bkgd", p, v)
+    return out.reshape(B, H, D).to(q.dtype)
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, num_sms: int = 132) -> int:
+    """Splits per sequence from static shapes only: aim for ~4 programs per SM, at least one tile per split."""
+    max_tiles = max(1, -(-max_blocks * block_size // _TILE_N))
+    want = -(-4 * num_sms // max(1, batch * num_kv_heads))
+    return max(1, min(want, max_tiles, _MAX_SPLITS))
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _triton_forward(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, num_splits: int | None,
+) -> torch.Tensor:
+    if not _triton_available():
+        raise RuntimeError("backend='triton' needs the triton package")
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1)")
+    B, H, D = q.shape
+    _, block_size, Hkv, _ = k_cache.shape
+    if D not in (64, 128) or block_size not in (16, 32, 64):
+        raise ValueError(f"triton backend supports head_dim 64/128 and block_size 16/32/64, got {D}/{block_size}")
+    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"q / k_cache / v_cache dtypes differ: {q.dtype} / {k_cache.dtype} / {v_cache.dtype}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache / v_cache must be contiguous in the head dim")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    seq_lens = seq_lens.contiguous()
+    max_blocks = block_table.shape[1]
+    if num_splits is None:
+        sms = 132  # H100/H200; only used when q is not on CUDA (interpreter)
+        if q.is_cuda:
+            sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        num_splits = choose_num_splits(B, Hkv, max_blocks, block_size, sms)
+    num_splits = max(1, int(num_splits))
+    G = H // Hkv
+    part_out = torch.empty(B, H, num_splits, D, device=q.device, dtype=torch.float32)
+    part_lse = torch.empty(B, H, num_splits, device=q.device, dtype=torch.float32)
+    out = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
+    split_kernel, merge_kernel = _kernels()
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        split_kernel[(B, Hkv, num_splits)](
+            q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse,
+            scale * math.log2(math.e), q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_table.stride(0), max_blocks, num_splits,
+            G=G, G_PAD=max(16, _next_pow2(G)), D=D, BLOCK_SIZE=block_size, TILE_N=_TILE_N,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # only matters for fp32: exact, not tf32
+            **_LAUNCH,
+        )
+        merge_kernel[(B * H,)](part_out, part_lse, out, num_splits, D=D, S_PAD=_next_pow2(num_splits), num_warps=4)
+    return out
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:
+    """Build the Triton kernels on first use, so this module imports without triton (e.g. CPU CI)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split_kernel(
+        Q, K, V, BT, LENS, PO, PL, scale_log2, stride_qb, stride_qh,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb, max_blocks, num_splits,
+        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        seq_len = tl.minimum(tl.maximum(tl.load(LENS + b).to(tl.int32), 0), max_blocks * BLOCK_SIZE)
+        num_tiles = tl.cdiv(seq_len, TILE_N)
+        per_split = tl.cdiv(num_tiles, num_splits)
+        t_start = split * per_split
+        t_end = tl.minimum(t_start + per_split, num_tiles)
+
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D)
+        n = tl.arange(0, TILE_N)
+        g_ok = g < G
+        heads = kvh * G + g
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0)
+        m = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_sum = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        bt_row = BT + b.to(tl.int64) * stride_btb
+        for t in range(t_start, t_end):
+            pos = t * TILE_N + n
+            ok = pos < seq_len
+            blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+            slot = pos % BLOCK_SIZE
+            k = tl.load(K + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                        mask=ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G_PAD, TILE_N], log2 units
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            v = tl.load(V + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                        mask=ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+
+        has = l_sum > 0.0
+        lse = tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))
+        o = acc / tl.where(has, l_sum, 1.0)[:, None]
+        row = (b * tl.num_programs(1) * G + heads).to(tl.int64) * num_splits + split  # part layout [B, H, S, D]
+        tl.store(PL + row, lse, mask=g_ok)
+        tl.store(PO + row[:, None] * D + d[None, :], o, mask=g_ok[:, None])
+
+    @triton.jit
+    def merge_kernel(PO, PL, OUT, num_splits, D: tl.constexpr, S_PAD: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # b * H + h
+        s = tl.arange(0, S_PAD)
+        d = tl.arange(0, D)
+        s_ok = s < num_splits
+        lse = tl.load(PL + row * num_splits + s, mask=s_ok, other=float("-inf"))
+        m = tl.max(lse, axis=0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(lse - m)  # empty splits (lse = -inf) weigh 0
+        denom = tl.sum(w, axis=0)
+        o = tl.load(PO + (row * num_splits + s)[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
+        res = tl.sum(o * w[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)
+        tl.store(OUT + row * D + d, res.to(OUT.dtype.element_ty))
+
+    return split_kernel, merge_kernel
