@@ -3,7 +3,7 @@
 
 import torch
 
-from rollplex.engine.sampler import SamplingTensors, sample, uniform_noise
+from rollplex.engine.sampler import SamplingTensors, sample, token_keys, uniform_noise
 
 LOGITS = torch.tensor([[1.0, 2.0, 0.5, -1.0, 0.0]])
 N = 20000
@@ -42,6 +42,6 @@ def test_greedy_rows_and_batch_independence():
     for i in range(6):  # the same row alone draws the same token
         t1, l1 = sample(logits[i : i + 1], SamplingTensors.build([rows[i]], 50, "cpu"))
         assert t1.item() == toks[i].item() and abs(l1.item() - lps[i].item()) < 1e-6
-    u = uniform_noise(torch.tensor([5, 5, 6]), torch.tensor([0, 1, 0]), 1000)
+    u = uniform_noise(torch.tensor([5, 5, 6]), torch.tensor([0, 1, 0]), token_keys(1000, "cpu"))
     assert (u > 0).all() and (u < 1).all() and not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
     assert abs(u.mean().item() - 0.5) < 0.02

@@ -15,25 +15,30 @@ from dataclasses import dataclass
 import torch
 
 _M32 = 0xFFFFFFFF
+# multipliers below 2^31: inductor's Triton code types integer literals as int32
 
 
 def _mix32(h: torch.Tensor) -> torch.Tensor:
-    """murmur3's 32-bit finaliser on int64 tensors holding values in [0, 2^32)."""
+    """An xorshift-multiply 32-bit finaliser on int64 tensors holding values in [0, 2^32)."""
     h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & _M32
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & _M32
+    h = (h * 0x7FEB352D) & _M32
+    h = h ^ (h >> 15)
+    h = (h * 0x2C1B3C6D) & _M32
     return h ^ (h >> 16)
 
 
-def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """U(0,1) noise [B, V], a pure function of (seed, step, token id)."""
-    dev = seeds.device
+def token_keys(vocab: int, device) -> torch.Tensor:
+    """A fixed random 32-bit key per token id (the same on every machine)."""
+    g = torch.Generator().manual_seed(0x5EED)
+    return torch.randint(0, 2**32, (vocab,), generator=g, dtype=torch.int64).to(device)
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """U(0,1) noise [B, V], a pure function of (seed, step, token id); keys = token_keys(V)."""
     s = _mix32((seeds & _M32) ^ _mix32((seeds >> 32) & _M32))
-    row = _mix32((s * 0x9E3779B1 + steps * 0x85EBCA77 + 0x165667B1) & _M32)  # [B]
-    tok = torch.arange(vocab, device=dev, dtype=torch.int64)
-    h = _mix32(((row[:, None] ^ (tok[None, :] * 0xC2B2AE3D)) + 0x27D4EB2F) & _M32)
-    h = _mix32((h * 0x9E3779B1 + row[:, None]) & _M32)
+    row = _mix32((s * 0x297A2D39 + _mix32(steps & _M32) + 0x165667B1) & _M32)  # [B]
+    h = _mix32(row[:, None] ^ keys[None, :])
+    h = _mix32((h * 0x2545F491 + row[:, None]) & _M32)
     return (h.float() + 0.5) / 4294967296.0
 
 
@@ -75,7 +80,7 @@ def keep_mask(logprobs, top_k, top_p, min_p) -> torch.Tensor:
     return torch.zeros_like(keep).scatter_(-1, order, keep)
 
 
-def _sample(logits, temperature, top_k, top_p, min_p, seeds, steps, truncation: bool, all_greedy: bool):
+def _sample(logits, keys, temperature, top_k, top_p, min_p, seeds, steps, truncation: bool, all_greedy: bool):
     logits = logits.float()
     greedy = temperature == 0
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
@@ -86,7 +91,7 @@ def _sample(logits, temperature, top_k, top_p, min_p, seeds, steps, truncation: 
     if all_greedy:
         tokens = scores.argmax(-1)
     else:
-        gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, logits.shape[-1])))
+        gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, keys)))
         tokens = (scores + torch.where(greedy[:, None], torch.zeros_like(gumbel), gumbel)).argmax(-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
@@ -98,9 +103,13 @@ class Sampler:
 
     def __init__(self, compile: bool = False):
         self._fn = torch.compile(_sample, dynamic=True) if compile else _sample
+        self._keys: torch.Tensor | None = None
 
     def __call__(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._fn(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.steps,
+        V = logits.shape[-1]
+        if self._keys is None or self._keys.shape[0] != V or self._keys.device != logits.device:
+            self._keys = token_keys(V, logits.device)
+        return self._fn(logits, self._keys, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.steps,
                         st.any_truncation, st.all_greedy)
 
 

@@ -120,7 +120,7 @@ def init_weights(model: Qwen25VL, seed: int = 0, std: float = 0.02) -> Qwen25VL:
             elif p.ndim == 1:
                 p.fill_(1.0)
             else:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
+                p.copy_(torch.randn(p.shape, generator=g, device="cpu") * std)
     return model
 
 
