@@ -82,7 +82,6 @@ def main(argv=None) -> None:
         with torch.device(dev):
             model = init_weights(Qwen25VL(cfg), seed=0, std=0.02)
     model = model.to(torch.bfloat16).eval()
-    model.visual.compile()
     info = env_info()
     rows = []
     hook = RecordingHook()

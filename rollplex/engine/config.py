@@ -17,6 +17,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.5  # fraction of GPU memory the engine may fill (weights + KV + work)
     cuda_graph: bool = True  # capture decode per batch-size bucket (GPU only)
     cuda_graph_max_bs: int = 256
+    compile_model: bool = True  # GPU: model.compile() (fused norms/rotary/SwiGLU) before capturing graphs
     seed: int = 0  # draws the seeds of requests that bring none
 
     def __post_init__(self):

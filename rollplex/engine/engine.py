@@ -57,6 +57,8 @@ class Engine:
                  hooks: Seq[DecodeHook] = ()):
         self.model, self.processor = model, processor
         self.cfg = config or EngineConfig()
+        if self.cfg.compile_model and next(model.parameters()).is_cuda:
+            model.compile()
         self.runner = ModelRunner(model, self.cfg)
         self.blocks = BlockManager(self.runner.num_blocks, self.cfg.block_size)
         self.scheduler = Scheduler(self.cfg.scheduler_config(), self.blocks)

@@ -120,8 +120,11 @@ class ModelRunner:
         self.v_cache[:, dst] = self.v_cache[:, src]
 
     # ---- decode ---------------------------------------------------------------------------------
-    def _decode_forward(self, ids, positions, block_table, seq_lens, slots) -> torch.Tensor:
+    def _decode_forward(self, meta: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+        """meta [4, B] long rows: token id, position, KV length, cache slot; block_table [B, W]."""
         m = self.model
+        ids, pos, seq_lens, slots = meta.unbind(0)
+        positions = pos[None, :, None].expand(3, -1, 1)
         kv_shape = (-1, self.num_kv_heads, self.head_dim)
 
         def attend(layer, q, k, v):
@@ -138,40 +141,29 @@ class ModelRunner:
                slots: list[int]) -> torch.Tensor:
         """One token per sequence -> logits [B, V] fp32."""
         B = len(ids)
-        bucket = next((b for b in sorted(self.graphs) if b >= B), None)
-        if bucket is None:
-            width = max(len(t) for t in tables)
-            bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-            pos = torch.tensor(positions).view(1, B, 1).expand(3, B, 1)
-            args = (torch.tensor(ids), pos, bt, torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(slots))
-            return self._decode_forward(*(a.to(self.device) for a in args))
-        graph, out = self.graphs[bucket]
-        s = self.static
-        pad = bucket - B
-        s["ids"][:bucket].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
-        s["pos"][:, :bucket, 0].copy_(torch.tensor(positions + [0] * pad).expand(3, bucket), non_blocking=True)
-        # only the columns this batch uses: entries past a sequence's last block are never read
+        bucket = next((b for b in sorted(self.graphs) if b >= B), B)
+        pad = bucket - B  # padded rows: token 0 at position 0, attending to (and writing) scratch slot 0
+        meta = torch.tensor([ids + [0] * pad, positions + [0] * pad, seq_lens + [1] * pad, slots + [0] * pad])
         width = max(len(t) for t in tables)
         bt = torch.tensor([t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad, dtype=torch.int32)
-        s["bt"][:bucket, :width].copy_(bt, non_blocking=True)
-        s["lens"][:bucket].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
-        s["slots"][:bucket].copy_(torch.tensor(slots + [0] * pad), non_blocking=True)
+        if bucket not in self.graphs:
+            return self._decode_forward(meta.to(self.device), bt.to(self.device))
+        graph, out = self.graphs[bucket]
+        self.static_meta[:, :bucket].copy_(meta, non_blocking=True)
+        # only the columns this batch uses: entries past a sequence's last block are never read
+        self.static_bt[:bucket, :width].copy_(bt, non_blocking=True)
         graph.replay()
         return out[:B]
 
     def _capture(self) -> None:
         max_bs = min(self.cfg.cuda_graph_max_bs, self.cfg.max_num_seqs)
         dev = self.device
-        self.static = s = dict(
-            ids=torch.zeros(max_bs, dtype=torch.long, device=dev),
-            pos=torch.zeros(3, max_bs, 1, dtype=torch.long, device=dev),
-            bt=torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
-            lens=torch.ones(max_bs, dtype=torch.int32, device=dev),
-            slots=torch.zeros(max_bs, dtype=torch.long, device=dev),
-        )
+        self.static_meta = torch.zeros(4, max_bs, dtype=torch.long, device=dev)
+        self.static_meta[2] = 1
+        self.static_bt = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
         pool = None
         for b in reversed(graph_buckets(max_bs)):
-            args = (s["ids"][:b], s["pos"][:, :b], s["bt"][:b], s["lens"][:b], s["slots"][:b])
+            args = (self.static_meta[:, :b], self.static_bt[:b])
             with torch.no_grad():
                 side = torch.cuda.Stream(dev)
                 side.wait_stream(torch.cuda.current_stream(dev))

@@ -61,10 +61,9 @@ class SamplingTensors:
         t, k, p, m, seed, step = zip(*rows)
         k = [vocab if x < 0 else min(x, vocab) for x in k]
         trunc = any(x < vocab for x in k) or any(x < 1.0 for x in p) or any(x > 0.0 for x in m)
-        f = dict(device=device, dtype=torch.float32)
-        i = dict(device=device, dtype=torch.int64)
-        return cls(torch.tensor(t, **f), torch.tensor(k, **i), torch.tensor(p, **f), torch.tensor(m, **f),
-                   torch.tensor(seed, **i), torch.tensor(step, **i), trunc, all(x == 0 for x in t))
+        floats = torch.tensor([t, p, m], dtype=torch.float32).to(device, non_blocking=True)
+        ints = torch.tensor([k, seed, step], dtype=torch.int64).to(device, non_blocking=True)
+        return cls(floats[0], ints[0], floats[1], floats[2], ints[1], ints[2], trunc, all(x == 0 for x in t))
 
 
 def keep_mask(logprobs, top_k, top_p, min_p) -> torch.Tensor:

@@ -77,6 +77,12 @@ class Qwen25VL(nn.Module):
         )
         self.register_buffer("inv_freq", rotary_inv_freq(cfg.text.head_dim, cfg.text.rope_theta), persistent=False)
 
+    def compile(self) -> Qwen25VL:
+        """torch.compile the elementwise glue of the vision blocks and decoder layers (GPU)."""
+        self.visual.compile()
+        self.model.compile()
+        return self
+
     # ---- pieces ----------------------------------------------------------------------------
     @property
     def head_weight(self) -> torch.Tensor:
