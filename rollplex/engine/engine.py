@@ -188,7 +188,10 @@ class Engine:
         if self.stream is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        delta = [int(s.request.rope_delta) for s in seqs]
+        # sampling parameters go to the device before the step is launched: a pageable H2D copy queued
+        # behind the decode would block the host until the decode finished
+        st = SamplingTensors.build([self._row(s) for s in seqs], self.model.cfg.text.vocab_size, self.runner.device)
+        delta = [s.request.rope_delta for s in seqs]
         logits = self.runner.decode(
             ids=[s.token_ids[-1] for s in seqs],
             positions=[len(s) - 1 + d for s, d in zip(seqs, delta)],
@@ -196,7 +199,7 @@ class Engine:
             seq_lens=[len(s) for s in seqs],
             slots=[self.blocks.slot(s, len(s) - 1) for s in seqs],
         )
-        self._sample_and_append(seqs, logits)  # syncs: tokens go to the host
+        self._sample_and_append(seqs, logits, st)  # syncs: tokens go to the host
         if self.stream is not None:
             end.record()
             end.synchronize()
@@ -205,8 +208,9 @@ class Engine:
             self._last_step_ms = (time.perf_counter() - t0) * 1e3
         self.decode_steps += 1
 
-    def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        st = SamplingTensors.build([self._row(s) for s in seqs], logits.shape[-1], logits.device)
+    def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor, st: SamplingTensors | None = None) -> None:
+        if st is None:
+            st = SamplingTensors.build([self._row(s) for s in seqs], logits.shape[-1], logits.device)
         tokens, logprobs = self.sampler(logits, st)
         for seq, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
             seq.token_ids.append(tok)
