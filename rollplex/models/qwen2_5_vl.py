@@ -200,7 +200,10 @@ class Qwen25VL(nn.Module):
     def response_logits(self, prefix: PrefixState, response_ids: torch.Tensor, prefix_index=None) -> torch.Tensor:
         return self.logits(self.response_hidden(prefix, response_ids, prefix_index))
 
+    def hidden(self, prompts: Sequence) -> torch.Tensor:
+        """Final-normed hidden states of whole sequences [B, Lmax, C] (rows past an end are junk)."""
+        return self._run_prompts(prompts, keep_kv=False)[0]
+
     def forward(self, prompts: Sequence) -> torch.Tensor:
         """Full forward over whole sequences: logits [B, Lmax, V] (rows past a sequence's end are junk)."""
-        hidden, _, _, _ = self._run_prompts(prompts, keep_kv=False)
-        return self.logits(hidden)
+        return self.logits(self.hidden(prompts))

@@ -1,0 +1,165 @@
+"""The actor update: PPO/GRPO loss over micro-batches, AdamW, grad clipping, LR schedule.
+
+One rollout is split into `ppo_mini_batches` mini-batches of whole prompt groups (each one
+optimizer step) for `ppo_epochs` epochs. Inside a mini-batch, micro-batches are what one
+forward/backward holds: in `rollplex` mode a few prompts with all their samples, so each prompt's
+prefix graph (vision tower + prompt) is built and backpropagated once for its n responses; in
+`serial` mode a few full sequences. Losses are normalised by the mini-batch's token/sequence count,
+so both modes accumulate the same gradient.
+
+Old logprobs: with a single update per rollout the policy has not moved, so old = current
+(detached) and no extra pass runs; with several updates they are scored once, before the first.
+
+Parameters are updated in place, so the engine — which reads the same tensors — sees the new
+policy at the next rollout. bf16 parameters (GPU) get fp32 master weights in the optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..models import Qwen25VL
+from .algos import agg_denominator, agg_loss, kl_penalty, ppo_policy_loss
+from .batch import RolloutBatch
+from .config import RLConfig
+from .scoring import micro_batches, score, token_logprobs
+
+
+class MasterAdamW:
+    """AdamW on fp32 master copies of low-precision parameters; copies back in place after step."""
+
+    def __init__(self, params: list[torch.nn.Parameter], **kw):
+        self.params = params
+        self.master = [p.detach().float().clone().requires_grad_(True) for p in params]
+        self.opt = torch.optim.AdamW(self.master, **kw)
+        self.param_groups = self.opt.param_groups
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        for p, m in zip(self.params, self.master):
+            m.grad = None if p.grad is None else p.grad.float()
+        self.opt.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master):
+                p.copy_(m)
+
+    def state_dict(self) -> dict:
+        return {"opt": self.opt.state_dict(), "master": [m.detach().cpu() for m in self.master]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.opt.load_state_dict(sd["opt"])
+        with torch.no_grad():
+            for m, s, p in zip(self.master, sd["master"], self.params):
+                m.copy_(s)
+                p.copy_(s)
+
+
+def lr_lambda(cfg: RLConfig):
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "cosine":
+            t = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+            return 0.5 * (1 + math.cos(math.pi * t))
+        return 1.0
+
+    return f
+
+
+class Actor:
+    def __init__(self, model: Qwen25VL, cfg: RLConfig):
+        self.model, self.cfg = model, cfg
+        params = [p for p in model.parameters() if p.requires_grad]
+        kw = dict(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        self.optimizer = (torch.optim.AdamW(params, **kw) if params[0].dtype == torch.float32
+                          else MasterAdamW(params, **kw))
+        opt = self.optimizer.opt if isinstance(self.optimizer, MasterAdamW) else self.optimizer
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+
+    def _mini_batches(self, batch: RolloutBatch, epoch: int, step: int) -> list[list[int]]:
+        order = list(range(batch.num_prompts))
+        if self.cfg.ppo_mini_batches > 1 or self.cfg.ppo_epochs > 1:
+            g = torch.Generator().manual_seed(self.cfg.seed * 1000003 + step * 1009 + epoch)
+            order = torch.randperm(batch.num_prompts, generator=g).tolist()
+        k = self.cfg.ppo_mini_batches
+        return [order[i::k] for i in range(k) if order[i::k]]
+
+    def old_logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
+        """Scored once before the first update when there are several; None when old = current."""
+        cfg = self.cfg
+        if cfg.num_updates == 1:
+            return None
+        return score(self.model, batch, cfg.mode, cfg.temperature, cfg.micro_batch_prompts, cfg.micro_batch_samples)
+
+    def update(self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None,
+               old_all: torch.Tensor | None = None, step: int = 0) -> tuple[dict, torch.Tensor]:
+        """advantages [N]; ref/old logprobs [N, R] or None. Returns (verl-named metrics averaged over
+        updates, the trainer's logprobs of the first pass [N, R] before any update)."""
+        cfg, model = self.cfg, self.model
+        model.train()
+        first_logp = torch.zeros(batch.responses.shape)
+        seen = torch.zeros(batch.num_samples, dtype=torch.bool)
+        sums: dict[str, float] = {}
+        updates = 0
+        for epoch in range(cfg.ppo_epochs):
+            for prompt_ids in self._mini_batches(batch, epoch, step):
+                mini, mini_idx = batch.select_prompts(sorted(prompt_ids))
+                denom = agg_denominator(mini.mask, cfg.loss_agg_mode)
+                self.optimizer.zero_grad()
+                stats = {"actor/pg_loss": 0.0, "actor/kl_loss": 0.0, "actor/entropy": 0.0,
+                         "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0}
+                n_tok = float(mini.mask.sum())
+                for mb, idx in micro_batches(mini, cfg.mode, cfg.micro_batch_prompts, cfg.micro_batch_samples):
+                    gidx = mini_idx[idx]
+                    want_ent = cfg.entropy_coeff > 0
+                    logp, ent = token_logprobs(model, mb, cfg.mode, cfg.temperature, with_entropy=want_ent)
+                    dev = logp.device
+                    if epoch == 0:
+                        first_logp[gidx] = logp.detach().cpu() * mb.mask
+                        seen[gidx] = True
+                    mask = mb.mask.to(dev)
+                    old = logp.detach() if old_all is None else old_all[gidx].to(dev)
+                    adv = advantages[gidx].to(dev)
+                    pg, clipfrac, ppo_kl = ppo_policy_loss(logp, old, adv, mask, cfg.clip_ratio_low,
+                                                           cfg.clip_ratio_high, cfg.dual_clip, cfg.loss_agg_mode, denom)
+                    loss = pg
+                    w = float(mask.sum()) / max(n_tok, 1.0)  # token share of this micro-batch, for metrics
+                    if ref_logprobs is not None and cfg.use_kl_loss and cfg.kl_coef > 0:
+                        kl = agg_loss(kl_penalty(logp, ref_logprobs[gidx].to(dev), cfg.kl_loss_type), mask,
+                                      cfg.loss_agg_mode, denom)
+                        loss = loss + cfg.kl_coef * kl
+                        stats["actor/kl_loss"] += kl.item()
+                    if want_ent:
+                        e = agg_loss(ent, mask, cfg.loss_agg_mode, denom)
+                        loss = loss - cfg.entropy_coeff * e
+                        stats["actor/entropy"] += e.item()
+                    loss.backward()
+                    stats["actor/pg_loss"] += pg.item()
+                    stats["actor/pg_clipfrac"] += float(clipfrac) * w
+                    stats["actor/ppo_kl"] += float(ppo_kl) * w
+                params = [p for p in model.parameters() if p.grad is not None]
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                stats["actor/grad_norm"] = float(grad_norm)
+                stats["actor/lr"] = self.scheduler.get_last_lr()[0]
+                if torch.isfinite(grad_norm):
+                    self.optimizer.step()
+                self.scheduler.step()
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                updates += 1
+        self.optimizer.zero_grad()
+        model.eval()
+        assert bool(seen.all())
+        return {k: v / max(updates, 1) for k, v in sums.items()}, first_logp
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.scheduler.load_state_dict(sd["scheduler"])

@@ -1,0 +1,72 @@
+"""The rollout batch the RL step works on: B prompts, N = sum of samples, responses padded to R."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    prompts: list  # B ModelInputs-like prompts (input_ids + pixel tensors)
+    group: torch.Tensor  # [N] long: prompt index of each sample
+    responses: torch.Tensor  # [N, R] long, right-padded
+    mask: torch.Tensor  # [N, R] float: 1 for response tokens (EOS included), 0 for padding
+    rollout_logprobs: torch.Tensor | None = None  # [N, R] engine logprobs of the sampled tokens
+    rewards: torch.Tensor | None = None  # [N]
+    extras: dict = field(default_factory=dict)  # per-sample lists (texts, finish reasons, ...)
+
+    @property
+    def num_samples(self) -> int:
+        return self.responses.shape[0]
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts)
+
+    @classmethod
+    def from_samples(cls, prompts: list, group: list[int], responses: list[list[int]], pad_id: int,
+                     logprobs: list[list[float]] | None = None, rewards: list[float] | None = None,
+                     **extras) -> RolloutBatch:
+        if len(group) != len(responses) or (logprobs is not None and len(logprobs) != len(responses)):
+            raise ValueError("group, responses and logprobs must have one entry per sample")
+        if any(not 0 <= g < len(prompts) for g in group):
+            raise ValueError("group index out of range")
+        if any(len(r) == 0 for r in responses):
+            raise ValueError("empty response")
+        R = max(len(r) for r in responses)
+        resp = torch.full((len(responses), R), pad_id, dtype=torch.long)
+        mask = torch.zeros(len(responses), R)
+        lp = torch.zeros(len(responses), R) if logprobs is not None else None
+        for i, r in enumerate(responses):
+            resp[i, : len(r)] = torch.tensor(r)
+            mask[i, : len(r)] = 1
+            if lp is not None:
+                lp[i, : len(r)] = torch.tensor(logprobs[i])
+        rw = None if rewards is None else torch.tensor(rewards, dtype=torch.float32)
+        return cls(prompts, torch.tensor(group, dtype=torch.long), resp, mask, lp, rw, extras)
+
+    def select_prompts(self, prompt_ids: list[int]) -> tuple[RolloutBatch, torch.Tensor]:
+        """All samples of the given prompts (group re-indexed); also returns the sample indices."""
+        remap = {p: i for i, p in enumerate(prompt_ids)}
+        idx = torch.tensor([i for i, g in enumerate(self.group.tolist()) if g in remap], dtype=torch.long)
+        return self._take(idx, [self.prompts[p] for p in prompt_ids],
+                          torch.tensor([remap[g] for g in self.group[idx].tolist()], dtype=torch.long)), idx
+
+    def select_samples(self, idx: torch.Tensor) -> RolloutBatch:
+        return self._take(idx, self.prompts, self.group[idx])
+
+    def _take(self, idx: torch.Tensor, prompts: list, group: torch.Tensor) -> RolloutBatch:
+        pick = lambda t: None if t is None else t[idx]  # noqa: E731
+        extras = {k: [v[i] for i in idx.tolist()] for k, v in self.extras.items()}
+        return replace(self, prompts=prompts, group=group, responses=self.responses[idx], mask=self.mask[idx],
+                       rollout_logprobs=pick(self.rollout_logprobs), rewards=pick(self.rewards), extras=extras)
+
+
+def mask_after_eos(responses: torch.Tensor, eos_id: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mask that keeps tokens up to and including the first EOS of each row (and within `mask`)."""
+    is_eos = (responses == eos_id).long()
+    after = (is_eos.cumsum(-1) - is_eos) > 0  # strictly after the first EOS
+    keep = (~after).float()
+    return keep if mask is None else keep * mask

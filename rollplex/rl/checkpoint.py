@@ -1,0 +1,67 @@
+"""Checkpoint / resume of an RL run: an HF directory for the policy (readable by transformers and
+by `load_model`), the reference policy beside it, and `trainer_state.pt` with the optimizer,
+LR scheduler, step counter, data position and RNG states. Loading copies weights *in place* so the
+engine, which reads the same tensors, keeps decoding with the restored policy.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ..models import hf_to_rollplex, save_model
+from ..models.checkpoint import read_safetensors
+from .step import RLStep
+
+STATE = "trainer_state.pt"
+
+
+def save_checkpoint(step: RLStep, path: str | Path, data_state: dict | None = None,
+                    tokenizer_dir: str | Path | None = None) -> Path:
+    path = Path(path)
+    save_model(step.model, path, copy_tokenizer_from=tokenizer_dir)
+    if step.ref is not None:
+        save_model(step.ref, path / "ref")
+    state = {
+        "actor": step.actor.state_dict(),
+        "step_idx": step.step_idx,
+        "rl_config": asdict(step.cfg),
+        "data": data_state or {},
+        "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
+    }
+    torch.save(state, path / STATE)
+    (path / "rollplex_step.json").write_text(json.dumps({"global_step": step.step_idx}) + "\n")
+    return path
+
+
+def _load_into(model, path: Path) -> None:
+    state = hf_to_rollplex(read_safetensors(path), model.cfg)
+    with torch.no_grad():
+        own = model.state_dict()
+        missing = set(own) - set(state)
+        if missing:
+            raise ValueError(f"checkpoint {path} lacks {sorted(missing)[:3]}...")
+        for k, v in own.items():
+            v.copy_(state[k])
+
+
+def load_checkpoint(step: RLStep, path: str | Path) -> dict:
+    """Restore policy, reference, optimizer, scheduler, step counter and RNG; returns the data state."""
+    path = Path(path)
+    if not (path / STATE).exists():
+        raise ValueError(f"{path} is not a Rollplex checkpoint (no {STATE})")
+    state = torch.load(path / STATE, map_location="cpu", weights_only=False)
+    _load_into(step.model, path)
+    if step.ref is not None:
+        if not (path / "ref").exists():
+            raise ValueError(f"{path} has no reference policy but this run uses one")
+        _load_into(step.ref, path / "ref")
+    step.actor.load_state_dict(state["actor"])
+    step.step_idx = state["step_idx"]
+    random.setstate(state["rng"]["python"])
+    torch.set_rng_state(state["rng"]["torch"])
+    return state["data"]

@@ -1,0 +1,67 @@
+"""Configuration of the RL step (one dataclass, verl's names where they exist)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .algos import AGG_MODES, KL_KINDS
+
+MODES = ("rollplex", "serial")
+
+
+@dataclass
+class RLConfig:
+    mode: str = "rollplex"  # rollplex: shared-prefix scoring/training; serial: verl's per-sample order
+    # rollout
+    n: int = 8  # samples per prompt (GRPO group size)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    # algorithm
+    adv_estimator: str = "grpo"
+    norm_adv_by_std: bool = True
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    dual_clip: float | None = None  # verl's clip_ratio_c (e.g. 3.0); None disables
+    loss_agg_mode: str = "token-mean"
+    kl_coef: float = 0.0
+    use_kl_loss: bool = True  # True: KL term in the loss (GRPO); False: KL penalty in the reward
+    kl_loss_type: str = "low_var_kl"
+    entropy_coeff: float = 0.0
+    # optimisation
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # constant | cosine
+    total_steps: int = 1000  # for the cosine schedule
+    ppo_epochs: int = 1
+    ppo_mini_batches: int = 1  # mini-batches per rollout (each is one optimizer step)
+    micro_batch_prompts: int = 4  # prompts per forward/backward (all their samples together)
+    micro_batch_samples: int = 8  # serial mode: sequences per forward/backward
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.adv_estimator != "grpo":
+            raise ValueError("only adv_estimator='grpo' is implemented")
+        if self.loss_agg_mode not in AGG_MODES:
+            raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}")
+        if self.kl_loss_type not in KL_KINDS:
+            raise ValueError(f"kl_loss_type must be one of {KL_KINDS}")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError("lr_schedule must be 'constant' or 'cosine'")
+        for name in ("n", "max_new_tokens", "ppo_epochs", "ppo_mini_batches", "micro_batch_prompts",
+                     "micro_batch_samples", "total_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.temperature <= 0:
+            raise ValueError("RL rollouts need temperature > 0")
+        if self.lr <= 0 or self.grad_clip <= 0:
+            raise ValueError("lr and grad_clip must be > 0")
+
+    @property
+    def num_updates(self) -> int:
+        return self.ppo_epochs * self.ppo_mini_batches

@@ -1,0 +1,125 @@
+"""Reward functions with verl's signature `compute_score(data_source, solution_str, ground_truth,
+extra_info=None) -> float | dict` and a registry to pick them by name or `module:function` path.
+
+Built-ins: `exact` (normalised string match), `choice` (multiple-choice letter), `math_boxed`
+(`\\boxed{}` answer: geo3k-style 0.9 * accuracy + 0.1 * format), and `shape_color` (the embedded demo
+task). `default_compute_score` dispatches on `data_source` like verl's.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+from collections.abc import Callable
+
+RewardFn = Callable[..., "float | dict"]
+
+
+def _norm(s: str) -> str:
+    return re.sub(r"\s+", " ", str(s)).strip().strip(".").lower()
+
+
+def exact_match(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    return float(_norm(solution_str) == _norm(ground_truth))
+
+
+_CHOICE = re.compile(r"\b([A-Z])\b")
+
+
+def extract_choice(text: str) -> str | None:
+    """The first standalone capital letter, e.g. 'B' in 'The answer is B.' or 'B'."""
+    text = re.sub(r"<\|[^|]*\|>", " ", text)  # special tokens
+    m = _CHOICE.search(text)
+    return m.group(1) if m else None
+
+
+def choice(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    return float(extract_choice(solution_str) == str(ground_truth).strip().upper())
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (balanced braces), or None."""
+    i = text.rfind("\\boxed{")
+    if i < 0:
+        return None
+    depth, j = 0, i + len("\\boxed{") - 1
+    for k in range(j, len(text)):
+        if text[k] == "{":
+            depth += 1
+        elif text[k] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[j + 1 : k]
+    return None
+
+
+def _math_norm(s: str) -> str:
+    s = _norm(s).replace(" ", "").replace("\\left", "").replace("\\right", "").replace("$", "")
+    s = re.sub(r"\\(d|t)?frac\{([^}]*)\}\{([^}]*)\}", r"\2/\3", s)
+    s = re.sub(r"\^\{?\\circ\}?|°|\\degree", "", s)
+    return s.removeprefix("x=")
+
+
+def math_boxed(data_source, solution_str, ground_truth, extra_info=None) -> dict:
+    """geo3k-style: score = 0.9 * accuracy + 0.1 * format (format: a \\boxed{} answer present)."""
+    ans = last_boxed(solution_str)
+    fmt = float(ans is not None)
+    acc = float(ans is not None and _math_norm(ans) == _math_norm(ground_truth))
+    return {"score": 0.9 * acc + 0.1 * fmt, "acc": acc, "format": fmt}
+
+
+def shape_color(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """The demo task: the answer is the option letter of the shape's colour."""
+    return choice(data_source, solution_str, ground_truth, extra_info)
+
+
+REGISTRY: dict[str, RewardFn] = {
+    "exact": exact_match,
+    "choice": choice,
+    "math_boxed": math_boxed,
+    "geo3k": math_boxed,
+    "shape_color": shape_color,
+}
+_BY_SOURCE = {"hiyouga/geometry3k": math_boxed, "geo3k": math_boxed, "rollplex/shape_color": shape_color}
+
+
+def default_compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    fn = _BY_SOURCE.get(data_source)
+    if fn is None:
+        raise ValueError(f"no default reward for data_source {data_source!r}; pass a reward name or module:function")
+    return fn(data_source, solution_str, ground_truth, extra_info)
+
+
+def get_reward_fn(name: str | None) -> RewardFn:
+    """A registered name, a `module:function` / `path/to/file.py:function` path, or None (dispatch)."""
+    if name is None or name == "default":
+        return default_compute_score
+    if name in REGISTRY:
+        return REGISTRY[name]
+    if ":" in name:
+        mod_name, fn_name = name.rsplit(":", 1)
+        try:
+            if mod_name.endswith(".py"):
+                spec = importlib.util.spec_from_file_location("rollplex_custom_reward", mod_name)
+                mod = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(mod)
+            else:
+                mod = importlib.import_module(mod_name)
+            fn = getattr(mod, fn_name)
+        except (ImportError, AttributeError, FileNotFoundError) as e:
+            raise ValueError(f"cannot load reward function {name!r}: {e}") from e
+        if not callable(fn):
+            raise ValueError(f"{name!r} is not callable")
+        return fn
+    raise ValueError(f"unknown reward {name!r}; known: {sorted(REGISTRY)} or module:function")
+
+
+def score(fn: RewardFn, data_source, solution_str, ground_truth, extra_info=None) -> tuple[float, dict]:
+    """Call a reward function; returns (scalar score, extra metrics)."""
+    out = fn(data_source, solution_str, ground_truth, extra_info)
+    if isinstance(out, dict):
+        if "score" not in out:
+            raise ValueError("a reward function returning a dict must include 'score'")
+        return float(out["score"]), {k: float(v) for k, v in out.items() if k != "score"}
+    return float(out), {}

@@ -1,0 +1,74 @@
+"""Per-token logprobs of sampled responses under a model, in either mode.
+
+    rollplex: prefix(prompts) once per prompt -> response_hidden(prefix, responses, group)
+    serial:   every sample is a full sequence prompt + response (its images re-encoded per sample,
+              as verl repeats multimodal inputs n times) -> hidden rows of the response
+
+Both give, for each response token t, log softmax(logits / temperature)[t] — the distribution the
+engine sampled from — and, on request, the entropy of that distribution. The micro-batch planners
+decide what one forward holds: a few prompts with all their samples (rollplex) or a few sequences
+(serial).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from ..models import Qwen25VL
+from .algos import entropy_from_logits
+from .batch import RolloutBatch
+
+
+def _full_sequence(prompt, response: list[int]):
+    fields = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+    return SimpleNamespace(input_ids=list(prompt.input_ids) + response, **{f: getattr(prompt, f, None) for f in fields})
+
+
+def response_hidden(model: Qwen25VL, mb: RolloutBatch, mode: str) -> torch.Tensor:
+    """Hidden states predicting each response token, [n, R, C]."""
+    dev = model.inv_freq.device
+    if mode == "rollplex":
+        prefix = model.prefix(mb.prompts)
+        return model.response_hidden(prefix, mb.responses.to(dev), mb.group.to(dev))
+    lens = mb.mask.sum(-1).long().tolist()
+    groups = mb.group.tolist()
+    fulls = [_full_sequence(mb.prompts[g], mb.responses[i, : lens[i]].tolist()) for i, g in enumerate(groups)]
+    hidden = model.hidden(fulls)  # [n, Lmax, C]
+    R = mb.responses.shape[1]
+    P = torch.tensor([len(mb.prompts[g].input_ids) for g in mb.group.tolist()], device=dev)
+    rows = (P - 1)[:, None] + torch.arange(R, device=dev)[None, :]
+    rows = rows.clamp(max=hidden.shape[1] - 1)  # padding rows (masked) may point past the end
+    return hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))
+
+
+def token_logprobs(model: Qwen25VL, mb: RolloutBatch, mode: str, temperature: float = 1.0,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logprobs [n, R] fp32, entropy [n, R] or None) of mb's responses; differentiable."""
+    hidden = response_hidden(model, mb, mode)
+    logits = model.logits(hidden).float() / temperature
+    lp = torch.log_softmax(logits, -1).gather(-1, mb.responses.to(logits.device)[..., None]).squeeze(-1)
+    return lp, (entropy_from_logits(logits) if with_entropy else None)
+
+
+def micro_batches(batch: RolloutBatch, mode: str, prompts_per_mb: int, samples_per_mb: int):
+    """Yield (micro-batch, sample indices into `batch`)."""
+    if mode == "rollplex":
+        for s in range(0, batch.num_prompts, prompts_per_mb):
+            yield batch.select_prompts(list(range(s, min(s + prompts_per_mb, batch.num_prompts))))
+    else:
+        for s in range(0, batch.num_samples, samples_per_mb):
+            idx = torch.arange(s, min(s + samples_per_mb, batch.num_samples))
+            yield batch.select_samples(idx), idx
+
+
+@torch.no_grad()
+def score(model: Qwen25VL, batch: RolloutBatch, mode: str, temperature: float = 1.0, prompts_per_mb: int = 4,
+          samples_per_mb: int = 8) -> torch.Tensor:
+    """No-grad logprobs [N, R] (reference / old-policy scoring), zero on padding."""
+    out = torch.zeros(batch.responses.shape, dtype=torch.float32)
+    for mb, idx in micro_batches(batch, mode, prompts_per_mb, samples_per_mb):
+        lp, _ = token_logprobs(model, mb, mode, temperature)
+        out[idx] = lp.cpu() * mb.mask
+    return out

@@ -1,0 +1,1 @@
+"""Embedded tasks (synthetic datasets with their rewards)."""
