@@ -2,7 +2,7 @@
 
 import sys
 
-WORKLOADS = {"model": "rollplex.bench.model", "rollout": "rollplex.bench.rollout"}
+WORKLOADS = {"model": "rollplex.bench.model", "rollout": "rollplex.bench.rollout", "step": "rollplex.bench.step"}
 
 
 def main() -> None:
