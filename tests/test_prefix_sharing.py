@@ -5,7 +5,7 @@ same logits, and with a loss summed over the n responses, the same gradient for 
 """
 
 import torch
-from helpers import Prompt, make_prompt, tiny_model
+from helpers import IMG, VID, Prompt, make_prompt, tiny_model
 
 N_SAMPLES = 3
 
@@ -21,14 +21,17 @@ def _group(seed=0):
     lens = [[5, 3, 7], [1, 6, 4], [7, 7, 2]]
     R = 7
     resp = torch.randint(3, 290, (len(prompts) * N_SAMPLES, R), generator=g)
+    resp[1, 2], resp[4, 0] = IMG, VID  # a model can emit placeholder ids: they are plain text in a response
     resp_lens = torch.tensor([x for row in lens for x in row])
     index = torch.arange(len(prompts)).repeat_interleave(N_SAMPLES)
     return prompts, resp, resp_lens, index
 
 
 def _full(prompt: Prompt, response: list[int]) -> Prompt:
-    return Prompt(prompt.input_ids + response, prompt.pixel_values, prompt.image_grid_thw,
+    full = Prompt(prompt.input_ids + response, prompt.pixel_values, prompt.image_grid_thw,
                   prompt.pixel_values_videos, prompt.video_grid_thw, prompt.second_per_grid_ts)
+    full.text_after = len(prompt.input_ids)  # generated placeholder ids are text
+    return full
 
 
 def _full_logits(model, prompts, resp, resp_lens, index):

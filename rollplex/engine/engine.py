@@ -156,7 +156,8 @@ class Engine:
         inputs, slots, rows, owners = [], [], [], []
         for item in items:
             seq, req = item.seq, item.seq.request
-            inputs.append(SimpleNamespace(**{**vars(_fields(req.inputs)), "input_ids": seq.token_ids}))
+            inputs.append(SimpleNamespace(**vars(_fields(req.inputs)), input_ids=seq.token_ids,
+                                          text_after=req.num_prompt_tokens))
             slots.append([self.blocks.slot(seq, i) for i in range(len(seq))])
             start = req.params.logprob_start_len
             fresh = seq.num_output_tokens == 0 and req.input_logprobs is None

@@ -104,16 +104,22 @@ class Qwen25VL(nn.Module):
         B, P = len(ids), max(len(x) for x in ids)
         pad = torch.zeros(B, P, dtype=torch.long)
         positions = torch.zeros(3, B, P, dtype=torch.long)
+        visual_ok = torch.zeros(B, P, dtype=torch.bool)  # where placeholder ids are visual tokens
         deltas = []
         for b, (p, x) in enumerate(zip(prompts, ids)):
+            # `text_after`: tokens from there on were generated; they are text even if a model emitted
+            # a placeholder id (the response path embeds them as text too)
+            head = getattr(p, "text_after", None) or len(x)
             pad[b, : len(x)] = torch.tensor(x)
             pos, delta = mrope_positions(
-                x, cfg, _grids(getattr(p, "image_grid_thw", None)), _grids(getattr(p, "video_grid_thw", None)),
+                x[:head], cfg, _grids(getattr(p, "image_grid_thw", None)), _grids(getattr(p, "video_grid_thw", None)),
                 getattr(p, "second_per_grid_ts", None),
             )
-            positions[:, b, : len(x)] = pos
-            deltas.append(delta)
-        pad = pad.to(dev)
+            tail = torch.arange(len(x) - head).expand(3, -1) + (head + delta)
+            positions[:, b, : len(x)] = torch.cat([pos, tail], dim=1)
+            visual_ok[b, :head] = True
+            deltas.append(delta)  # the prompt's delta carries over to the generated tail
+        pad, visual_ok = pad.to(dev), visual_ok.to(dev)
         x = emb(pad)
         pixels, grids, kinds = [], [], []
         sources = (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw"))
@@ -130,7 +136,7 @@ class Qwen25VL(nn.Module):
             sizes = [t * h * w // m2 for t, h, w in grids]
             n_img = sum(s for s, k in zip(sizes, kinds) if k == "image")
             for tok, f in ((cfg.image_token_id, feats[:n_img]), (cfg.video_token_id, feats[n_img:])):
-                mask = pad == tok
+                mask = (pad == tok) & visual_ok
                 if int(mask.sum()) != f.shape[0]:
                     n_tok = int(mask.sum())
                     raise ValueError(f"{n_tok} placeholder tokens (id {tok}) but {f.shape[0]} visual embeddings")

@@ -23,7 +23,8 @@ from .batch import RolloutBatch
 
 def _full_sequence(prompt, response: list[int]):
     fields = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
-    return SimpleNamespace(input_ids=list(prompt.input_ids) + response, **{f: getattr(prompt, f, None) for f in fields})
+    return SimpleNamespace(input_ids=list(prompt.input_ids) + response, text_after=len(prompt.input_ids),
+                           **{f: getattr(prompt, f, None) for f in fields})
 
 
 def response_hidden(model: Qwen25VL, mb: RolloutBatch, mode: str) -> torch.Tensor:
