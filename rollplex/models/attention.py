@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -84,3 +85,96 @@ def sdpa(
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
+
+
+@dataclass
+class SharedPrefixLayout:
+    """Which prefix each response attends to: response i (Rin tokens, right-padded) sees the first
+    lens[i] keys of prefix row index[i], then its own tokens causally."""
+
+    index: torch.Tensor  # [N] long
+    lens: torch.Tensor  # [N] long: prefix length of each response's prompt
+    num_prefix_rows: int
+    prefix_max: int
+    response_len: int
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def mask(self) -> torch.Tensor:
+        """[N, 1, Rin, Pmax + Rin] bool (True = attend) for the padded SDPA path."""
+        if "mask" not in self._cache:
+            N, Rin, Pmax, dev = self.index.shape[0], self.response_len, self.prefix_max, self.index.device
+            prefix_ok = torch.arange(Pmax, device=dev)[None, :] < self.lens[:, None]
+            causal = torch.ones(Rin, Rin, dtype=torch.bool, device=dev).tril()
+            m = torch.cat([prefix_ok[:, None, :].expand(N, Rin, Pmax), causal.expand(N, Rin, Rin)], dim=-1)
+            self._cache["mask"] = m[:, None]
+        return self._cache["mask"]
+
+    def packed(self):
+        """(key gather index into cat(prefix rows, responses), cu_q, cu_k, max_k) for varlen flash."""
+        if "packed" not in self._cache:
+            dev, N, Rin, Pmax = self.index.device, self.index.shape[0], self.response_len, self.prefix_max
+            lens = self.lens.cpu()
+            starts = self.index.cpu() * Pmax
+            seg = lens + Rin
+            within = torch.arange(int(seg.sum())) - torch.repeat_interleave(torch.cumsum(seg, 0) - seg, seg)
+            owner = torch.repeat_interleave(torch.arange(N), seg)
+            in_prefix = within < lens[owner]
+            resp_base = self.num_prefix_rows * Pmax + owner * Rin
+            gather = torch.where(in_prefix, starts[owner] + within, resp_base + within - lens[owner])
+            cu_q = torch.arange(N + 1, dtype=torch.int32) * Rin
+            cu_k = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(seg, 0).to(torch.int32)])
+            self._cache["packed"] = (gather.to(dev), cu_q.to(dev), cu_k.to(dev), int(seg.max()))
+        return self._cache["packed"]
+
+
+def _varlen_causal(q, k, v, cu_q, cu_k, max_q, max_k):
+    """Causal varlen flash attention, bottom-right aligned (query j of a segment sees keys up to
+    j + len_k - len_q), with GQA; across torch versions' signatures of varlen_attn."""
+    import inspect
+
+    params = inspect.signature(_varlen_attn).parameters
+    kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            g = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    return _varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+
+
+@lru_cache(maxsize=8)
+def varlen_bottom_right_ok(device: str, dtype: torch.dtype) -> bool:
+    """Capability probe: does this torch's varlen flash attention do bottom-right causal masking?"""
+    if _varlen_attn is None or not device.startswith("cuda"):
+        return False
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(3, 2, 64, device=device, dtype=dtype, generator=g)
+        k = torch.randn(7, 2, 64, device=device, dtype=dtype, generator=g)
+        v = torch.randn(7, 2, 64, device=device, dtype=dtype, generator=g)
+        cu_q = torch.tensor([0, 3], dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0, 7], dtype=torch.int32, device=device)
+        out = _varlen_causal(q, k, v, cu_q, cu_k, 3, 7)
+        mask = torch.ones(3, 7, dtype=torch.bool, device=device).tril(diagonal=4)
+        ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
+        return bool(torch.allclose(out.float(), ref.transpose(0, 1).float(), atol=2e-2))
+    except (RuntimeError, TypeError):
+        return False
+
+
+def shared_prefix_attention(q, k, v, pk, pv, layout: SharedPrefixLayout, backend: str = "auto") -> torch.Tensor:
+    """Responses attending to shared prefixes. q [N, H, Rin, D]; k, v [N, Hkv, Rin, D];
+    pk, pv [B, Hkv, Pmax, D] (one row per prompt) -> [N, H, Rin, D]. Gradients of all responses of a
+    prompt accumulate into its one prefix row."""
+    N, H, Rin, D = q.shape
+    if backend == "auto" and _use_flash_varlen(q) and varlen_bottom_right_ok(str(q.device), q.dtype):
+        gather, cu_q, cu_k, max_k = layout.packed()
+        Hkv = k.shape[1]
+        keys = torch.cat([pk.transpose(1, 2).reshape(-1, Hkv, D), k.transpose(1, 2).reshape(-1, Hkv, D)])
+        vals = torch.cat([pv.transpose(1, 2).reshape(-1, Hkv, D), v.transpose(1, 2).reshape(-1, Hkv, D)])
+        out = _varlen_causal(q.transpose(1, 2).reshape(N * Rin, H, D), keys[gather], vals[gather],
+                             cu_q, cu_k, Rin, max_k)
+        return out.view(N, Rin, H, D).transpose(1, 2)
+    idx = layout.index
+    return sdpa(q, torch.cat([pk[idx], k], dim=2), torch.cat([pv[idx], v], dim=2), mask=layout.mask())

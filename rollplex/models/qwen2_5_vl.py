@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import sdpa
+from .attention import SharedPrefixLayout, sdpa, shared_prefix_attention
 from .config import ModelConfig
 from .layers import rotary_inv_freq
 from .rope import mrope_cos_sin, mrope_positions
@@ -189,16 +189,10 @@ class Qwen25VL(nn.Module):
         lens, delta = prefix.lens[idx], prefix.rope_delta[idx]
         pos = (lens + delta)[:, None] + torch.arange(Rin, device=dev)  # [N, Rin]
         positions = pos[None].expand(3, N, Rin)
-        Pmax = prefix.keys[0].shape[2]
-        prefix_ok = torch.arange(Pmax, device=dev)[None, :] < lens[:, None]  # [N, Pmax]
-        causal = torch.ones(Rin, Rin, dtype=torch.bool, device=dev).tril()
-        mask = torch.cat([prefix_ok[:, None, :].expand(N, Rin, Pmax), causal.expand(N, Rin, Rin)], dim=-1)
-        mask = mask[:, None]  # [N, 1, Rin, Pmax + Rin]
+        layout = SharedPrefixLayout(idx, lens, prefix.batch_size, prefix.keys[0].shape[2], Rin)
 
         def attend(layer, q, k, v):
-            kp = torch.cat([prefix.keys[layer][idx], k], dim=2)
-            vp = torch.cat([prefix.values[layer][idx], v], dim=2)
-            return sdpa(q, kp, vp, mask=mask)
+            return shared_prefix_attention(q, k, v, prefix.keys[layer], prefix.values[layer], layout)
 
         hidden = self.forward_embeds(self.model.embed_tokens(tokens), positions, attend)
         return torch.cat([first, hidden], dim=1)

@@ -38,3 +38,25 @@ def test_bf16_close_to_fp32():
         ref = model([p]).float()
         got = model.to(torch.bfloat16)([p]).float()
     assert (got - ref).abs().mean() / ref.abs().mean() < 2e-2
+
+
+def test_shared_prefix_varlen_path_matches_masked_sdpa(monkeypatch):
+    """The flash varlen shared-prefix attention (bottom-right causal) equals the masked-SDPA path."""
+    import rollplex.models.attention as att
+
+    model = tiny_model().cuda().to(torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(2)
+    prompts = [make_prompt(g, images=[(1, 6, 10)]), make_prompt(g, text_len=(9, 3))]
+    for p in prompts:
+        if p.pixel_values is not None:
+            p.pixel_values = p.pixel_values.cuda()
+    resp = torch.randint(3, 290, (5, 11), generator=g).cuda()
+    index = torch.tensor([0, 0, 1, 1, 1]).cuda()
+    assert att.varlen_bottom_right_ok("cuda:0", torch.bfloat16)
+    outs = []
+    for flash in (True, False):
+        if not flash:
+            monkeypatch.setattr(att, "_use_flash_varlen", lambda q: False)
+        prefix = model.prefix(prompts)
+        outs.append(model.response_hidden(prefix, resp, index).float())
+    assert (outs[0] - outs[1]).abs().mean() / outs[1].abs().mean() < 1e-2
