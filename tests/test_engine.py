@@ -11,18 +11,6 @@ from rollplex.demo import demo_image
 from rollplex.engine import Engine, EngineConfig, RecordingHook, SamplingParams
 from rollplex.generate import generate
 from rollplex.models import load_model
-from rollplex.processor import VLProcessor
-from rollplex.tiny import write_tiny
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny(tmp_path_factory.mktemp("tiny-engine"), seed=1)
-
-
-@pytest.fixture(scope="module")
-def proc(tiny_dir):
-    return VLProcessor.from_pretrained(tiny_dir)
 
 
 def _engine(tiny_dir, proc, **cfg):

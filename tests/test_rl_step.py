@@ -8,23 +8,10 @@ import torch
 
 from rollplex.engine import Engine, EngineConfig
 from rollplex.models import load_model
-from rollplex.processor import VLProcessor
 from rollplex.rl.checkpoint import load_checkpoint, save_checkpoint
 from rollplex.rl.config import RLConfig
 from rollplex.rl.step import RLStep
 from rollplex.tasks import shape_color
-from rollplex.tiny import write_tiny
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny(tmp_path_factory.mktemp("tiny-rl"), seed=2)
-
-
-@pytest.fixture(scope="module")
-def proc(tiny_dir):
-    return VLProcessor.from_pretrained(tiny_dir)
-
 
 ROWS = shape_color.make_rows(6, seed=3)
 
