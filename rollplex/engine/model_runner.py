@@ -94,7 +94,6 @@ class ModelRunner:
         m = self.model
         e = m.embed_prompts(inputs)
         B, P = e.embeds.shape[:2]
-        lens = [len(s) for s in slots]
         valid = torch.arange(P, device=self.device)[None, :] < e.lens[:, None]
         flat_slots = torch.tensor([s for row in slots for s in row], dtype=torch.long, device=self.device)
         kv_shape = (-1, self.num_kv_heads, self.head_dim)
@@ -107,7 +106,6 @@ class ModelRunner:
         hidden = m.forward_embeds(e.embeds, e.positions, attend)
         last = hidden[torch.arange(B, device=self.device), e.lens - 1]
         extra = [None if r is None else m.logits(hidden[i, r[0] : r[1]]).float() for i, r in enumerate(logprob_rows)]
-        assert lens == e.lens.tolist()
         return m.logits(last).float(), extra
 
     @torch.no_grad()
