@@ -66,7 +66,18 @@ def _encode_image(im, as_url: bool):
 def _decode_image(x):
     if isinstance(x, dict):
         if x.get("bytes") is not None:
-            return Image.open(io.BytesIO(x["bytes"])).convert("RGB")
+            data = x["bytes"]
+            if isinstance(data, str):  # base64 text (JSON has no bytes)
+                import base64
+
+                try:
+                    data = base64.b64decode(data, validate=True)
+                except ValueError as e:
+                    raise ValueError(f"image bytes are neither bytes nor base64: {e}") from e
+            try:
+                return Image.open(io.BytesIO(data)).convert("RGB")
+            except OSError as e:
+                raise ValueError(f"cannot decode image bytes: {e}") from e
         if x.get("path"):
             return x["path"]
         if x.get("image") is not None:

@@ -24,7 +24,6 @@ from .models import load_model
 from .processor import VLProcessor
 from .rl.batch import RolloutBatch
 from .rl.config import RLConfig
-from .rl.scoring import token_logprobs
 from .rl.step import RLStep
 from .tasks import shape_color
 from .tiny import ensure_tiny
@@ -37,7 +36,9 @@ def demo_image(color: str = "red", size: int = 56) -> Image.Image:
 
 
 def format_warmup(model, processor, rows: list[dict], steps: int, lr: float, seed: int = 0) -> float:
-    """Supervised steps on random option letters + <|im_end|>: the answer format, not the answer."""
+    """Supervised steps on the answer *format*: maximise p(any option letter) for the first token
+    and p(<|im_end|>) after a letter. No letter is preferred, so the model learns to answer with a
+    letter and stop, not which letter: it stays at chance and must learn to read the image."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     letters = [processor.tokenizer.encode(x, add_special_tokens=False)[0] for x in shape_color.LETTERS]
@@ -47,12 +48,15 @@ def format_warmup(model, processor, rows: list[dict], steps: int, lr: float, see
         prompts = [row_to_inputs(processor, r) for r in batch_rows]
         responses = [[rng.choice(letters), processor.eos_token_id] for _ in prompts]
         batch = RolloutBatch.from_samples(prompts, list(range(len(prompts))), responses, pad_id=0)
-        logp, _ = token_logprobs(model, batch, "rollplex")
-        loss = -(logp * batch.mask).sum() / batch.mask.sum()
+        hidden = model.response_hidden(model.prefix(batch.prompts), batch.responses, batch.group)  # [n, 2, C]
+        logp = torch.log_softmax(model.logits(hidden).float(), -1)
+        any_letter = torch.logsumexp(logp[:, 0, letters], -1)  # log p(first token is some letter)
+        stop = logp[:, 1, processor.eos_token_id]  # log p(<|im_end|> | a letter)
+        loss = -(any_letter + stop).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return float(loss)
+    return loss.item()
 
 
 def plot_rewards(history: list[dict], path: Path) -> Path | None:
@@ -86,6 +90,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--kl-coef", type=float, default=0.0, help="KL loss to the warmed-up reference policy")
     ap.add_argument("--warmup-steps", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/demo")
@@ -104,7 +109,7 @@ def main(argv=None) -> None:
     print(f"format warm-up: {args.warmup_steps} steps on random letters, loss {loss:.3f} "
           f"({time.perf_counter() - t0:.1f}s)")
     engine = Engine(model, proc, EngineConfig(max_num_seqs=256, max_model_len=512))
-    cfg = RLConfig(mode=args.mode, n=args.n, temperature=1.0, max_new_tokens=4, lr=args.lr, kl_coef=0.0,
+    cfg = RLConfig(mode=args.mode, n=args.n, temperature=1.0, max_new_tokens=4, lr=args.lr, kl_coef=args.kl_coef,
                    micro_batch_prompts=8, micro_batch_samples=32, seed=args.seed, grad_clip=1.0)
     rl = RLStep(model, engine, cfg, proc, reward_fn="shape_color")
     rng = random.Random(args.seed)

@@ -139,12 +139,14 @@ def test_decode_hook_and_input_logprobs(tiny_dir, proc):
     out = eng.generate([p, p], SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True, logprob_start_len=3))
     assert [i.step for i in hook.infos] == list(range(4)) and hook.infos[0].batch_size == 2
     assert hook.infos[0].last_step_ms is None and hook.infos[1].last_step_ms > 0
-    lp = out[0].input_token_logprobs
-    assert lp[0] is None and len(lp) == len(p.input_ids) - 3
+    lp = out[0].input_token_logprobs  # prompt tokens 3 .. L-1, each given the tokens before it
+    assert len(lp) == len(p.input_ids) - 3 and None not in lp
     with torch.no_grad():
         logits = model([p])[0]
-    ref = torch.log_softmax(logits[3:-1], -1).gather(-1, torch.tensor(p.input_ids[4:])[:, None]).squeeze(-1)
-    assert (torch.tensor(lp[1:]) - ref).abs().max().item() <= 1e-5
+    ref = torch.log_softmax(logits[2:-1], -1).gather(-1, torch.tensor(p.input_ids[3:])[:, None]).squeeze(-1)
+    assert (torch.tensor(lp) - ref).abs().max().item() <= 1e-5
+    out0 = eng.generate([p], SamplingParams(temperature=0, max_new_tokens=1, logprob_start_len=0))
+    assert out0[0].input_token_logprobs[0] is None and len(out0[0].input_token_logprobs) == len(p.input_ids)
 
 
 def test_bad_requests_raise_value_error_and_leave_engine_usable(tiny_dir, proc):

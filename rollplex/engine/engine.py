@@ -101,6 +101,8 @@ class Engine:
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         params = params or SamplingParams()
+        if params.n > self.cfg.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.cfg.max_num_seqs}")
         inputs = self.encode(prompt)
         vocab = self.model.cfg.text.vocab_size
         if not inputs.input_ids or any(not 0 <= t < vocab for t in inputs.input_ids):
@@ -161,7 +163,8 @@ class Engine:
             slots.append([self.blocks.slot(seq, i) for i in range(len(seq))])
             start = req.params.logprob_start_len
             fresh = seq.num_output_tokens == 0 and req.input_logprobs is None
-            rows.append((start, len(seq) - 1) if fresh and 0 <= start < len(seq) - 1 else None)
+            # logits row i predicts token i + 1; token `start` needs row start - 1 (token 0 has none)
+            rows.append((max(start - 1, 0), len(seq) - 1) if fresh and 0 <= start < len(seq) else None)
             owners.append([seq, *item.forks])
         last, extra = self.runner.prefill(inputs, slots, rows)
         self.runner.copy_blocks([c for item in items for c in item.copies])
@@ -176,8 +179,9 @@ class Engine:
         p = seq.request.params
         t = p.temperature if p.temperature > 0 else 1.0
         targets = torch.tensor(seq.token_ids[rows[0] + 1 : rows[1] + 1], device=logits.device)
-        lp = torch.log_softmax(logits / t, -1).gather(-1, targets[:, None]).squeeze(-1)
-        seq.request.input_logprobs = [None] + lp.tolist()  # the first token has no logprob
+        lp = torch.log_softmax(logits / t, -1).gather(-1, targets[:, None]).squeeze(-1).tolist()
+        # entries for prompt tokens start .. L-1; the first prompt token has no logprob
+        seq.request.input_logprobs = [None] + lp if p.logprob_start_len == 0 else lp
 
     def _decode(self, seqs: list[Sequence]) -> None:
         if self.hooks:

@@ -1,0 +1,152 @@
+"""FastAPI app: routes, bearer auth, request counting, and one error shape for every failure.
+
+    GET  /health   {"status": "ok", model, mode, device, global_step, weights_version, retained_rollouts,
+                    engine: {waiting, running}, ...}; ?checksum=true adds `weights_checksum` (a float
+                    over all policy parameters; changes when training changes the weights)
+    GET  /metrics  Prometheus text (metrics.py)
+    GET  /memory   bytes per region: weights, ref_weights, kv_cache, optimizer_state, grads,
+                   retained_rollouts (+ torch.cuda allocator stats on GPU)
+    GET  /get_model_info  SGLang's model info (model_path, is_generation)
+    POST /generate (routes_generate.py)   POST /rollout /train_step /save /load (routes_rl.py)
+
+Auth: with an API key, every route except /health and /metrics needs `Authorization: Bearer KEY`
+(checked before the body is read; 401 otherwise). Errors: `{"error": {"code", "message"}, "detail"}`;
+malformed JSON is 400, schema violations 422, bad values the runtime rejects 400, unknown rollouts
+404, a concurrent train step 409. Nothing a client sends reaches the engine unvalidated, and a
+failing request never touches retained rollouts or in-flight work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import routes_generate, routes_rl
+from .state import ServerState
+
+log = logging.getLogger("rollplex.server")
+OPEN_ROUTES = ("/health", "/metrics")
+ROUTES = ("/health", "/metrics", "/memory", "/generate", "/rollout", "/train_step", "/save", "/load",
+          "/get_model_info")
+
+
+def error(code: int, message: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}, "detail": message}, code, headers=headers)
+
+
+class AuthAndCount:
+    """Pure ASGI middleware (streaming- and disconnect-safe): bearer auth + per-route request counters."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+        key = state.cfg.api_key
+        self.key = key.encode() if key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        route = path if path in ROUTES else "other"
+        status = [500]
+
+        async def send_counted(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            if self.key is not None and path not in OPEN_ROUTES and scope["method"] != "OPTIONS":
+                auth = dict(scope["headers"]).get(b"authorization", b"")
+                scheme, _, token = auth.partition(b" ")
+                if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key):
+                    resp = error(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                                 {"WWW-Authenticate": "Bearer"})
+                    return await resp(scope, receive, send_counted)
+            await self.app(scope, receive, send_counted)
+        finally:
+            self.state.metrics.inc("rollplex_http_requests_total", route=route, method=scope["method"],
+                                   status=status[0])
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[int, str]:
+    errs = exc.errors()
+    for e in errs:
+        if e.get("type") == "json_invalid":
+            return 400, f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}"
+    parts = []
+    for e in errs:
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
+    return 422, "invalid request: " + "; ".join(dict.fromkeys(parts))
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        async def purge():
+            while True:
+                await asyncio.sleep(5.0)
+                state.store.purge()
+
+        task = asyncio.create_task(purge())
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    app = FastAPI(title="Rollplex", version="0.1.0", lifespan=lifespan)
+    app.state.rollplex = state
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request: Request, exc: RequestValidationError):
+        return error(*_validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException):
+        return error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def on_error(request: Request, exc: Exception):
+        log.exception("internal error on %s", request.url.path)
+        return error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    @app.get("/health")
+    async def health(checksum: bool = False):
+        info = {"status": "ok", **state.describe(),
+                "engine": {"waiting": len(state.engine.scheduler.waiting),
+                           "running": len(state.engine.scheduler.running)}}
+        if checksum:
+            info["weights_checksum"] = await state.worker.run(state.checksum)
+        return info
+
+    @app.get("/metrics")
+    async def metrics():
+        gauges = {"rollplex_retained_rollouts": len(state.store), "rollplex_global_step": state.rl.step_idx,
+                  "rollplex_weights_version": state.weights_version,
+                  "rollplex_engine_waiting": len(state.engine.scheduler.waiting),
+                  "rollplex_engine_running": len(state.engine.scheduler.running),
+                  **state.last_train}
+        text = state.metrics.render(gauges, {"rollplex_requests_aborted_total": state.worker.num_aborted})
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @app.get("/get_model_info")  # SGLang clients ask for it when they connect
+    async def model_info():
+        return {"model_path": str(state.model_path or state.cfg.model), "tokenizer_path": str(state.model_path),
+                "is_generation": True, "max_model_len": state.cfg.max_model_len}
+
+    @app.get("/memory")
+    async def memory():
+        return await state.worker.run(state.ledger)
+
+    app.include_router(routes_generate.router(state))
+    app.include_router(routes_rl.router(state))
+    app.add_middleware(AuthAndCount, state=state)
+    return app
+

@@ -1,0 +1,101 @@
+"""POST /generate: SGLang's request/response schema over the shared continuous batch (see sglang.py).
+
+Non-streaming: wait for every prompt, answer a dict (one prompt, n = 1) or a prompt-major list.
+Streaming (`stream: true`): Server-Sent Events, `data: {chunk}\\n\\n` per new token batch of a
+sample (cumulative text / output_ids, `index` = prompt-major sample position), a final chunk per
+sample with its finish_reason, then `data: [DONE]\\n\\n`. A client that disconnects (streaming or
+not) has its unfinished requests aborted in the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from . import sglang
+from .inflight import ClientGone, abort_unfinished, collect, next_event, submit
+from .schemas import GenerateRequest
+
+
+def _finalizer(state, spec):
+    """Token texts for return_text_in_logprobs, computed on the engine thread (the tokenizer's)."""
+    def fin(out):
+        start = spec.params.logprob_start_len
+        return {"out": [state.token_texts(s.token_ids) for s in out.samples],
+                "in": state.token_texts(out.prompt_token_ids[start:]) if start >= 0 else None}
+    return fin
+
+
+def router(state) -> APIRouter:
+    r = APIRouter()
+    defaults = {"max_new_tokens": state.cfg.max_new_tokens}
+
+    def sample_items(spec, ticket, out, extra, latency) -> list[dict]:
+        items = []
+        base = spec.rid or out.request_id
+        n = len(out.samples)
+        in_lp = sglang.input_logprobs(out, spec.params.logprob_start_len, extra and extra["in"]) \
+            if spec.return_logprob else None
+        for j, s in enumerate(out.samples):
+            reason = sglang.finish_reason(s.finish_reason, s.matched_stop, len(s.token_ids))
+            items.append(sglang.sample_dict(
+                base if n == 1 else f"{base}-{j}", len(out.prompt_token_ids), s.token_ids, s.logprobs, s.text,
+                reason, spec.return_logprob, extra and extra["out"][j], in_lp, latency))
+        return items
+
+    @r.post("/generate")
+    async def generate(req: GenerateRequest, request: Request):
+        t0 = time.perf_counter()
+        specs, batched = sglang.expand(req, defaults, state.cfg.max_num_seqs)
+        fins = [_finalizer(state, s) if (req.return_text_in_logprobs and s.return_logprob) else None for s in specs]
+        encoders = [(lambda p=s.prompt: state.engine.encode(p)) for s in specs]
+        tickets, _ = await submit(state, encoders, [s.params for s in specs], stream=req.stream, finalize=fins)
+        offsets = [0]
+        for s in specs:
+            offsets.append(offsets[-1] + s.params.n)
+        if req.stream:
+            return StreamingResponse(_stream(state, specs, tickets, offsets, request, sample_items, t0),
+                                     media_type="text/event-stream")
+        try:
+            results = await collect(state, tickets, request)
+        except ClientGone:
+            return Response(status_code=499)
+        latency = time.perf_counter() - t0
+        items = [it for i, spec in enumerate(specs) for it in sample_items(spec, tickets[i], *results[i], latency)]
+        return items[0] if not batched and len(items) == 1 else items
+
+    return r
+
+
+async def _stream(state, specs, tickets, offsets, request, sample_items, t0):
+    finished: dict[int, bool] = {}
+    try:
+        while len(finished) < len(tickets):
+            kind, t, *rest = await next_event(tickets, request)
+            spec = specs[t.index]
+            if kind == "error":
+                err = {"error": {"code": 500, "message": f"engine error: {rest[0]}"}}
+                yield f"data: {json.dumps(err)}\n\n"
+                return
+            if kind == "update":
+                j, ids, lps, text = rest
+                chunk = sglang.sample_dict(spec.rid or t.rid, t.prompt_tokens, ids, lps, text, None,
+                                           spec.return_logprob)
+                chunk["index"] = offsets[t.index] + j
+                yield f"data: {json.dumps(chunk)}\n\n"
+            elif kind == "done":
+                finished[t.index] = True
+                out, extra = rest
+                state.metrics.inc("rollplex_prompt_tokens_total", len(out.prompt_token_ids))
+                state.metrics.inc("rollplex_generation_tokens_total", sum(len(s.token_ids) for s in out.samples))
+                for j, item in enumerate(sample_items(spec, t, out, extra, time.perf_counter() - t0)):
+                    item["index"] = offsets[t.index] + j
+                    yield f"data: {json.dumps(item)}\n\n"
+        yield "data: [DONE]\n\n"
+    except ClientGone:
+        pass
+    finally:
+        abort_unfinished(state, tickets, finished)

@@ -1,0 +1,151 @@
+"""POST /rollout, /train_step, /save, /load: the RL loop over HTTP.
+
+/rollout   prompts (chat messages + images, verl rows, or ids) x n samples through the shared engine
+           -> {"rollout_id", "samples": [{"prompt_index", "sample_index", "token_ids", "text",
+           "logprobs", "finish_reason"}], ...}. With for_training (default) the RolloutBatch is retained
+           under rollout_id (TTL + cap, store.py). Temperature must be > 0 for training rollouts.
+/train_step rollout_id + `rewards` (one per sample, prompt-major as returned) or `reward` (a registered
+           name or module:function, scored against the rows' ground truths; default: the server's
+           --reward) + per-step overrides -> the step's verl-named metrics. One step at a time: a
+           second concurrent call gets 409 (it is not queued). Unknown / expired id -> 404. A request
+           rejected before training (bad rewards, bad overrides, failing reward function) leaves the
+           rollout retained; it is consumed only by a successful step.
+/save {"path", "data_state"?} -> HF checkpoint + trainer state; /load {"path"} -> restores it, returns
+           the saved data_state and drops retained rollouts (sampled from the previous weights).
+Training, save and load are `drain` jobs: they start once in-flight engine requests have finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import replace
+
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import Response
+
+from ..rl.batch import RolloutBatch
+from ..rl.rewards import get_reward_fn, score
+from .inflight import ClientGone, collect, submit
+from .schemas import LoadRequest, RolloutRequest, SaveRequest, TrainStepRequest
+from .sglang import bad_request, sampling_params
+from .store import RetainedRollout
+
+
+def compute_rewards(name: str, batch: RolloutBatch) -> tuple[list[float], dict]:
+    fn = get_reward_fn(name)  # ValueError for unknown names
+    ex = batch.extras
+    scores, extra = [], {}
+    for i, args in enumerate(zip(ex["data_sources"], ex["texts"], ex["ground_truths"], ex["extra_infos"])):
+        try:
+            s, e = score(fn, *args)
+        except Exception as err:  # the reward function's or the data's problem: report it
+            raise ValueError(f"reward {name!r} failed on sample {i}: {type(err).__name__}: {err}") from err
+        if not math.isfinite(s):
+            raise ValueError(f"reward {name!r} returned {s} for sample {i}")
+        scores.append(s)
+        for k, v in e.items():
+            extra.setdefault(k, []).append(v)
+    return scores, {f"critic/score/{k}": sum(v) / len(v) for k, v in extra.items()}
+
+
+def _finite(m: dict) -> dict:
+    return {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in m.items()}
+
+
+def router(state) -> APIRouter:
+    r = APIRouter()
+    cfg = state.cfg
+    train_lock = asyncio.Lock()
+
+    @r.post("/rollout")
+    async def rollout(req: RolloutRequest, request: Request):
+        t0 = time.perf_counter()
+        sp_n = (req.sampling_params or {}).get("n")
+        if req.n is not None and sp_n is not None and sp_n != req.n:
+            raise bad_request(f"n={req.n} and sampling_params.n={sp_n} disagree")
+        n = req.n or sp_n or cfg.n
+        defaults = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature}
+        sp = sampling_params(req.sampling_params, defaults, cfg.max_num_seqs, n=n)
+        if req.for_training and sp.temperature <= 0:
+            raise bad_request("training rollouts need temperature > 0 (the trainer scores that distribution)")
+        params = [sp if sp.seed is None else replace(sp, seed=sp.seed + i * n) for i in range(len(req.prompts))]
+        encoders = [(lambda p=p: state.encode_prompt(p)) for p in req.prompts]
+        tickets, inputs = await submit(state, encoders, params, what="prompts")
+        try:
+            results = await collect(state, tickets, request)
+        except ClientGone:
+            return Response(status_code=499)
+        gen_s = time.perf_counter() - t0
+        samples, group, responses, logprobs, texts, reasons = [], [], [], [], [], []
+        for i in range(len(req.prompts)):
+            out = results[i][0]
+            for j, s in enumerate(out.samples):
+                samples.append({"prompt_index": i, "sample_index": j, "token_ids": s.token_ids, "text": s.text or "",
+                                "logprobs": s.logprobs, "finish_reason": s.finish_reason})
+                group.append(i)
+                responses.append(s.token_ids)
+                logprobs.append(s.logprobs)
+                texts.append(s.text or "")
+                reasons.append(s.finish_reason)
+        state.metrics.inc("rollplex_rollouts_total")
+        rollout_id = None
+        if req.for_training and all(x != "abort" for x in reasons):
+            rows = [req.prompts[g] for g in group]
+            batch = RolloutBatch.from_samples(
+                inputs, group, responses, pad_id=state.model.cfg.pad_token_id or 0, logprobs=logprobs, texts=texts,
+                finish_reasons=reasons, data_sources=[p.data_source for p in rows],
+                ground_truths=[p.truth() for p in rows], extra_infos=[p.extra_info for p in rows])
+            entry = RetainedRollout(batch, temperature=sp.temperature, gen_s=gen_s)
+            state.store.put(entry)
+            rollout_id = entry.rollout_id
+        return {"rollout_id": rollout_id, "num_prompts": len(req.prompts), "n": n, "num_samples": len(samples),
+                "samples": samples, "timing_s": gen_s, "expires_in_s": cfg.rollout_ttl_s if rollout_id else None}
+
+    @r.post("/train_step")
+    async def train_step(req: TrainStepRequest):
+        if train_lock.locked():
+            raise HTTPException(409, "a training step is already running; retry when it has finished")
+        async with train_lock:
+            entry = state.store.get(req.rollout_id)
+            if entry is None:
+                raise HTTPException(404, f"unknown or expired rollout_id {req.rollout_id!r}")
+            N = entry.batch.num_samples
+            extra, reward_s = {}, 0.0
+            if req.rewards is not None:
+                if len(req.rewards) != N:
+                    raise bad_request(f"got {len(req.rewards)} rewards for {N} samples (one per sample, in the "
+                                      "order /rollout returned them); the rollout is still retained")
+                rewards = list(req.rewards)
+            else:
+                t0 = time.perf_counter()
+                try:
+                    rewards, extra = await asyncio.to_thread(compute_rewards, req.reward or cfg.reward, entry.batch)
+                except ValueError as e:
+                    raise bad_request(str(e)) from None
+                reward_s = time.perf_counter() - t0
+            try:
+                m = await state.worker.run(lambda: state.train(entry, rewards, req.overrides(), reward_s), drain=True)
+            except ValueError as e:
+                raise bad_request(f"train step rejected: {e}") from None
+            m.update(extra)
+            state.store.pop(req.rollout_id)
+            state.metrics.inc("rollplex_train_steps_total")
+            return _finite(m)
+
+    @r.post("/save")
+    async def save(req: SaveRequest):
+        try:
+            return await state.worker.run(lambda: state.save(req.path, req.data_state), drain=True)
+        except (ValueError, OSError) as e:
+            raise bad_request(f"cannot save to {req.path!r}: {e}") from None
+
+    @r.post("/load")
+    async def load(req: LoadRequest):
+        try:
+            return await state.worker.run(lambda: state.load(req.path), drain=True)
+        except (ValueError, OSError) as e:
+            raise bad_request(f"cannot load {req.path!r}: {e}") from None
+
+    return r

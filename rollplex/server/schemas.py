@@ -1,0 +1,234 @@
+"""Request bodies (pydantic, strict types): SGLang's /generate, and /rollout, /train_step, /save, /load.
+
+Strict mode: "1" is not an int and "yes" is not a bool. Unknown fields are rejected where a typo
+would silently change behaviour (sampling parameters, /generate, /train_step); dataset rows in
+/rollout accept verl's extra columns (ability, index, ...) and ignore them.
+
+SGLang compatibility: sampling parameters and request fields that SGLang has but Rollplex does not
+implement (penalties, min_new_tokens, grammars, LoRA, ...) are accepted at their neutral default and
+rejected with a clear message otherwise; `sampling_seed` is SGLang's name for `seed`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+# SGLang sampling parameters without a Rollplex implementation: accepted only at these values.
+NEUTRAL_SAMPLING = {
+    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0,
+    "spaces_between_special_tokens": True, "no_stop_trim": False, "regex": None, "json_schema": None,
+    "ebnf": None, "structural_tag": None, "custom_params": None, "logit_bias": None, "stop_regex": None,
+}
+IGNORED_SAMPLING = ("stream_interval",)
+# SGLang /generate fields without a Rollplex implementation: accepted only at these values.
+NEUTRAL_GENERATE = {
+    "lora_path": None, "lora_id": None, "custom_logit_processor": None, "return_hidden_states": False,
+    "video_data": None, "audio_data": None, "input_embeds": None, "session_params": None,
+    "token_ids_logprob": None, "bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None,
+}
+IGNORED_GENERATE = ("log_metrics", "modalities", "data_parallel_rank", "priority", "no_logs")
+
+
+def _pop_neutral(data: Any, neutral: dict, ignored: tuple, what: str) -> Any:
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    for k in ignored:
+        data.pop(k, None)
+    for k, default in neutral.items():
+        if k in data:
+            v = data.pop(k)
+            if v is not None and v != default and not (isinstance(v, (list, dict)) and not v and default is None):
+                raise ValueError(f"{what} {k!r} is not supported by rollplex (only its default {default!r})")
+    return data
+
+
+class SGLangSamplingParams(BaseModel):
+    """SGLang's sampling_params; None means: the server's default."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    max_new_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=100.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    n: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sglang_only(cls, data: Any) -> Any:
+        data = _pop_neutral(data, NEUTRAL_SAMPLING, IGNORED_SAMPLING, "sampling parameter")
+        if isinstance(data, dict) and "sampling_seed" in data:
+            if data.get("seed") is not None and data["sampling_seed"] is not None:
+                raise ValueError("pass one of seed / sampling_seed")
+            data["seed"] = data.pop("sampling_seed")
+        return data
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v):
+        if v == 0:
+            raise ValueError("top_k must be -1 (disabled) or >= 1")
+        return v
+
+    def given(self) -> dict:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+class GenerateRequest(BaseModel):
+    """SGLang's GenerateReqInput (the fields Rollplex implements)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    image_data: str | list[str | list[str] | None] | None = None
+    sampling_params: dict | list[dict] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sglang_only(cls, data: Any) -> Any:
+        return _pop_neutral(data, NEUTRAL_GENERATE, IGNORED_GENERATE, "field")
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("pass exactly one of `text` or `input_ids`")
+        return self
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: str
+    content: str | list[dict]
+
+
+ImageRef = str | dict
+
+
+def _image_ref(x: ImageRef) -> str:
+    """verl / OpenAI image forms -> a path, URL or base64 string for `processor.load_image`."""
+    if isinstance(x, str):
+        return x
+    if isinstance(x.get("url"), str):
+        return x["url"]
+    if isinstance(x.get("image_url"), dict) and isinstance(x["image_url"].get("url"), str):
+        return x["image_url"]["url"]
+    if isinstance(x.get("bytes"), str):
+        return x["bytes"]  # base64
+    if isinstance(x.get("path"), str):
+        return x["path"]
+    raise ValueError("an image is a path, base64 string, data URL, or {url|bytes(base64)|path: ...}")
+
+
+class RolloutPrompt(BaseModel):
+    """Chat `messages` (+ images/videos), a verl row (`prompt`, `data_source`, `reward_model`), or ids."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    messages: list[Message] | None = None
+    prompt: list[Message] | str | None = None
+    input_ids: list[int] | None = None
+    images: list[ImageRef] | None = None
+    videos: list[list[ImageRef]] | None = None
+    data_source: str | None = None
+    reward_model: dict | None = None
+    ground_truth: Any = None
+    extra_info: dict | None = None
+
+    @field_validator("images")
+    @classmethod
+    def _images(cls, v):
+        return None if v is None else [_image_ref(x) for x in v]
+
+    @field_validator("videos")
+    @classmethod
+    def _videos(cls, v):
+        return None if v is None else [[_image_ref(x) for x in frames] for frames in v]
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if sum(x is not None for x in (self.messages, self.prompt, self.input_ids)) != 1:
+            raise ValueError("a prompt needs exactly one of `messages`, `prompt` (verl row) or `input_ids`")
+        if self.input_ids is not None and (self.images or self.videos):
+            raise ValueError("`input_ids` prompts cannot carry images; use `messages` or `prompt`")
+        return self
+
+    def chat(self) -> list[dict] | None:
+        msgs = self.messages if self.messages is not None else self.prompt
+        if msgs is None:
+            return None
+        if isinstance(msgs, str):
+            return [{"role": "user", "content": msgs}]
+        return [m.model_dump() for m in msgs]
+
+    def truth(self):
+        rm = self.reward_model or {}
+        return rm.get("ground_truth", self.ground_truth)
+
+
+class RolloutRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    prompts: list[RolloutPrompt] = Field(min_length=1, max_length=4096)
+    n: int | None = Field(None, ge=1)
+    sampling_params: dict | None = None
+    for_training: bool = True
+
+
+class TrainStepRequest(BaseModel):
+    """rollout_id + rewards (one per sample) or a reward name, + per-step algorithm overrides."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    rollout_id: str = Field(min_length=1)
+    rewards: list[FiniteFloat] | None = None
+    reward: str | None = Field(None, min_length=1)
+    # algorithm overrides (this step only; verl's names)
+    lr: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    kl_coef: float | None = Field(None, ge=0.0, allow_inf_nan=False)
+    clip_ratio_low: float | None = Field(None, ge=0.0, allow_inf_nan=False)
+    clip_ratio_high: float | None = Field(None, ge=0.0, allow_inf_nan=False)
+    dual_clip: float | None = Field(None, gt=1.0, allow_inf_nan=False)
+    loss_agg_mode: str | None = None
+    entropy_coeff: float | None = Field(None, allow_inf_nan=False)
+    use_kl_loss: bool | None = None
+    kl_loss_type: str | None = None
+    norm_adv_by_std: bool | None = None
+    grad_clip: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    ppo_epochs: int | None = Field(None, ge=1, le=64)
+    ppo_mini_batches: int | None = Field(None, ge=1)
+    micro_batch_prompts: int | None = Field(None, ge=1)
+    micro_batch_samples: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _one_reward(self):
+        if self.rewards is not None and self.reward is not None:
+            raise ValueError("pass `rewards` or `reward`, not both")
+        return self
+
+    def overrides(self) -> dict:
+        skip = {"rollout_id", "rewards", "reward"}
+        return {k: v for k, v in self.model_dump().items() if k not in skip and v is not None}
+
+
+class SaveRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    path: str = Field(min_length=1)
+    data_state: dict | None = None  # the driver's position (step, epoch...), returned by /load
+
+
+class LoadRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    path: str = Field(min_length=1)

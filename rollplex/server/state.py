@@ -1,0 +1,245 @@
+"""The hosted runtime: policy, processor, engine, reference model + trainer (RLStep), rollout store, worker.
+
+    ServerState(cfg):  model  <- HF dir (load_model + VLProcessor) | preset name (random init, ids only)
+                                 | None (the embedded tiny model, written on first use)
+                       [format warm-up: rollplex.demo.format_warmup on the shape-colour task]
+                       engine <- Engine(model, processor)        decodes with the trainer's tensors
+                       rl     <- RLStep(model, engine, RLConfig)  ref = frozen copy when kl_coef > 0
+                       store  <- RolloutStore(ttl, cap);  worker <- EngineWorker(engine)
+
+Every method below except `describe` runs on the engine thread (through `worker.run`): the engine,
+the model, the optimizer and the tokenizer are touched by that one thread only.
+Train-step overrides apply to that step only: the step runs with a validated copy of the RLConfig
+(temperature = the rollout's, so the trainer scores the distribution that was sampled).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from ..engine import Engine, EngineConfig
+from ..rl.config import RLConfig
+from ..rl.step import RLStep
+from .metrics import Metrics
+from .store import RetainedRollout, RolloutStore, tensor_bytes
+from .worker import EngineWorker
+
+log = logging.getLogger("rollplex.server")
+
+
+@dataclass
+class ServerConfig:
+    model: str | None = None  # HF directory or preset name; None: the embedded tiny model
+    device: str | None = None  # default: cuda if available
+    dtype: str | None = None  # default: bfloat16 on cuda, float32 on cpu
+    mode: str = "rollplex"
+    api_key: str | None = None
+    # RL defaults (per-step overrides in /train_step)
+    n: int = 8
+    lr: float = 1e-6
+    kl_coef: float = 0.0
+    temperature: float = 1.0
+    max_new_tokens: int = 128
+    reward: str = "default"
+    micro_batch_prompts: int = 4
+    micro_batch_samples: int = 8
+    seed: int = 0
+    format_warmup_steps: int = 0
+    # engine
+    max_model_len: int = 4096
+    max_num_seqs: int = 256
+    kv_cache_tokens: int | None = None
+    gpu_memory_utilization: float = 0.5
+    # retained rollouts
+    rollout_ttl_s: float = 600.0
+    max_rollouts: int = 16
+
+    def __post_init__(self):
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cuda", "cpu") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be cuda or cpu, got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("--device cuda but CUDA is not available (use --device cpu)")
+        if self.dtype is None:
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"dtype must be bfloat16 or float32, got {self.dtype!r}")
+        if self.format_warmup_steps < 0:
+            raise ValueError("format_warmup_steps must be >= 0")
+
+    def rl_config(self) -> RLConfig:
+        return RLConfig(mode=self.mode, n=self.n, temperature=self.temperature, max_new_tokens=self.max_new_tokens,
+                        lr=self.lr, kl_coef=self.kl_coef, micro_batch_prompts=self.micro_batch_prompts,
+                        micro_batch_samples=self.micro_batch_samples, seed=self.seed)
+
+
+def _load_policy(cfg: ServerConfig):
+    """(model dir or None, model, processor or None)."""
+    from ..models import Qwen25VL, init_weights, load_model
+    from ..processor import VLProcessor
+
+    dtype = getattr(torch, cfg.dtype)
+    if cfg.model is None:
+        from ..tiny import ensure_tiny
+
+        path = ensure_tiny()
+    elif Path(cfg.model).is_dir():
+        path = Path(cfg.model)
+    else:  # a preset: the real shapes with random weights and no tokenizer (token-id prompts only)
+        from ..presets import preset
+
+        mcfg = preset(cfg.model)
+        log.warning("preset %s: random weights, no tokenizer; prompts must be input_ids", cfg.model)
+        with torch.device(cfg.device):
+            model = init_weights(Qwen25VL(mcfg), seed=cfg.seed, std=0.02)
+        return None, model.to(dtype).eval(), None
+    return path, load_model(path, cfg.device, dtype).eval(), VLProcessor.from_pretrained(path)
+
+
+class ServerState:
+    def __init__(self, cfg: ServerConfig):
+        self.cfg = cfg
+        rl_cfg = cfg.rl_config()  # validate before loading anything
+        torch.manual_seed(cfg.seed)
+        self.model_path, self.model, self.processor = _load_policy(cfg)
+        self.warmup_loss = None
+        if cfg.format_warmup_steps:
+            if self.processor is None:
+                raise ValueError("--format-warmup-steps needs a model with a tokenizer")
+            from ..demo import format_warmup
+            from ..tasks import shape_color
+
+            t0 = time.perf_counter()
+            rows = shape_color.make_rows(256, seed=cfg.seed)
+            self.warmup_loss = format_warmup(self.model, self.processor, rows, cfg.format_warmup_steps, lr=1e-3,
+                                             seed=cfg.seed)
+            self.model.eval()
+            log.info("format warm-up: %d steps, loss %.3f (%.1fs)", cfg.format_warmup_steps, self.warmup_loss,
+                     time.perf_counter() - t0)
+        self.engine = Engine(self.model, self.processor, EngineConfig(
+            max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, kv_cache_tokens=cfg.kv_cache_tokens,
+            gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed))
+        self.rl = RLStep(self.model, self.engine, rl_cfg, self.processor, reward_fn=cfg.reward)
+        self.store = RolloutStore(cfg.rollout_ttl_s, cfg.max_rollouts)
+        self.worker = EngineWorker(self.engine, decode=self._decode if self.processor is not None else None)
+        self.metrics = Metrics()
+        self.weights_version = 0
+        self.last_train: dict = {}
+        self.started = time.time()
+
+    def close(self) -> None:
+        self.worker.close()
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.processor.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        if self.processor is None:
+            return [None] * len(ids)
+        return [self.processor.decode([t], skip_special_tokens=False) for t in ids]
+
+    def describe(self) -> dict:
+        return {"model": str(self.model_path or self.cfg.model), "mode": self.cfg.mode, "device": self.cfg.device,
+                "dtype": self.cfg.dtype, "global_step": self.rl.step_idx, "weights_version": self.weights_version,
+                "retained_rollouts": len(self.store), "has_ref_model": self.rl.ref is not None,
+                "max_model_len": self.cfg.max_model_len, "max_num_seqs": self.cfg.max_num_seqs,
+                "uptime_s": round(time.time() - self.started, 3)}
+
+    # ---- engine-thread methods ----------------------------------------------------------------
+    def encode_prompt(self, p) -> object:
+        """ModelInputs for a RolloutPrompt (chat messages / verl row / ids)."""
+        from ..data import row_to_inputs
+        from ..processor import ModelInputs
+
+        if p.input_ids is not None:
+            return ModelInputs(input_ids=list(p.input_ids))
+        if self.processor is None:
+            raise ValueError("this server has no tokenizer (a preset model): send `input_ids` prompts")
+        return row_to_inputs(self.processor, {"prompt": p.chat(), "images": p.images, "videos": p.videos})
+
+    def train(self, entry: RetainedRollout, rewards: list[float], overrides: dict, reward_s: float) -> dict:
+        old = self.rl.cfg
+        cfg = RLConfig(**{**asdict(old), **{k: v for k, v in overrides.items() if k != "lr"},
+                          "temperature": entry.temperature})
+        if cfg.kl_coef > 0 and self.rl.ref is None:
+            raise ValueError("this server holds no reference model (started with --kl-coef 0): "
+                             "restart it with --kl-coef > 0 to use a KL term")
+        groups = self.rl.actor.optimizer.param_groups
+        lrs = [g["lr"] for g in groups]
+        if "lr" in overrides:
+            for g in groups:
+                g["lr"] = overrides["lr"]
+        self.rl.cfg = self.rl.actor.cfg = cfg
+        t0 = time.perf_counter()
+        try:
+            m = self.rl.train(replace(entry.batch, rewards=torch.tensor(rewards, dtype=torch.float32)))
+        except BaseException:
+            for g, lr in zip(groups, lrs):
+                g["lr"] = lr
+            raise
+        finally:
+            self.rl.cfg = self.rl.actor.cfg = old
+        train_s = time.perf_counter() - t0
+        self.weights_version += 1
+        if "lr" in overrides:
+            m["actor/lr"] = overrides["lr"]
+        b = entry.batch
+        tokens = sum(len(b.prompts[g].input_ids) for g in b.group.tolist()) + float(b.mask.sum())
+        step_s = entry.gen_s + reward_s + train_s
+        m.update({"timing_s/gen": entry.gen_s, "timing_s/reward": reward_s, "timing_s/train": train_s,
+                  "timing_s/step": step_s, "perf/throughput": tokens / max(step_s, 1e-9),
+                  "training/global_step": self.rl.step_idx})
+        self.last_train = {k: v for k, v in m.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        return m
+
+    def save(self, path: str, data_state: dict | None) -> dict:
+        from ..rl.checkpoint import save_checkpoint
+
+        out = save_checkpoint(self.rl, path, data_state, tokenizer_dir=self.model_path)
+        return {"path": str(Path(out).resolve()), "global_step": self.rl.step_idx}
+
+    def load(self, path: str) -> dict:
+        from ..rl.checkpoint import load_checkpoint
+
+        if not Path(path).is_dir():
+            raise ValueError(f"checkpoint {path} is not a directory")
+        data_state = load_checkpoint(self.rl, path)
+        self.weights_version += 1
+        dropped = self.store.clear()  # sampled from the previous weights: no longer on-policy
+        return {"path": str(Path(path).resolve()), "global_step": self.rl.step_idx, "data_state": data_state,
+                "dropped_rollouts": dropped}
+
+    def checksum(self) -> float:
+        with torch.no_grad():
+            return float(sum((p.double().sum() + p.double().square().sum()) for p in self.model.parameters()))
+
+    def ledger(self) -> dict:
+        """Bytes per memory region (distinct storages), + torch.cuda allocator stats on GPU."""
+        params = list(self.model.parameters())
+        opt = self.rl.actor.optimizer
+        opt_state = [opt.master, list(opt.opt.state.values())] if hasattr(opt, "master") else list(opt.state.values())
+        regions = {
+            "weights": tensor_bytes(params + list(self.model.buffers())),
+            "ref_weights": tensor_bytes(list(self.rl.ref.parameters())) if self.rl.ref is not None else 0,
+            "kv_cache": tensor_bytes([self.engine.runner.k_cache, self.engine.runner.v_cache]),
+            "optimizer_state": tensor_bytes(opt_state),
+            "grads": tensor_bytes([p.grad for p in params if p.grad is not None]),
+            "retained_rollouts": self.store.nbytes(),
+        }
+        out = {"regions": regions, "total_bytes": sum(regions.values()), "retained_rollouts": len(self.store),
+               "kv_cache_blocks": {"total": self.engine.blocks.num_blocks, "free": self.engine.blocks.num_free,
+                                   "block_size": self.engine.cfg.block_size},
+               "device": self.cfg.device, "cuda": None}
+        dev = self.engine.runner.device
+        if dev.type == "cuda":
+            out["cuda"] = {"allocated": torch.cuda.memory_allocated(dev), "reserved": torch.cuda.memory_reserved(dev),
+                           "max_allocated": torch.cuda.max_memory_allocated(dev),
+                           "total": torch.cuda.get_device_properties(dev).total_memory}
+        return out

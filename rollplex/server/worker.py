@@ -1,0 +1,209 @@
+"""The engine thread: the only thread that touches the engine, the model, the trainer and the tokenizer.
+
+The engine is not thread-safe, so every HTTP handler talks to it through this worker:
+
+    loop:  apply aborts -> run queued jobs (in order) -> engine.step() if it has work -> publish
+    jobs:  plain jobs run between two engine steps (adding requests, ledgers, checksums);
+           `drain` jobs (train step, save, load) wait until the in-flight requests have finished and
+           hold back everything queued after them, so weights never change under a running request
+           and a rollout queued behind a train step samples from the updated policy.
+
+Requests from all handlers share one continuous batch. Each engine request has a `Ticket`; the
+worker pushes events onto the ticket's asyncio queue with `call_soon_threadsafe`:
+
+    ("update", ticket, sample_index, token_ids, logprobs, text)   streaming tickets, after each step
+    ("done", ticket, RequestOutput, extra)                        extra = ticket.finalize(output)
+    ("error", ticket, exception)                                  the engine step failed
+
+An abort (client gone) removes the request from the engine at the next iteration; a ticket aborted
+before its request was added is simply never added. An exception in `engine.step()` fails the
+in-flight tickets (500) and aborts their requests; the thread keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("rollplex.server")
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One engine request as seen by an HTTP handler."""
+
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    index: int = 0  # position in the HTTP request (batch index)
+    stream: bool = False
+    finalize: Callable[[Any], Any] | None = None  # runs in the worker on the final output
+    rid: str | None = None
+    prompt_tokens: int = 0
+    done: bool = False
+    cancelled: bool = False
+    sent: list[int] = field(default_factory=list)  # streaming: tokens published per sample
+
+    def emit(self, *event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (event[0], self, *event[1:]))
+        except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
+            pass
+
+
+@dataclass
+class _Job:
+    fn: Callable[[], Any]
+    drain: bool
+    future: concurrent.futures.Future
+
+
+class EngineWorker:
+    def __init__(self, engine, decode: Callable[[list[int], bool], str] | None = None, name: str = "rollplex-engine"):
+        self.engine, self.decode = engine, decode
+        self._cv = threading.Condition()
+        self._jobs: deque[_Job] = deque()
+        self._aborts: deque[Ticket] = deque()
+        self._tickets: dict[str, Ticket] = {}
+        self._closed = False
+        self.busy_job = False  # a job is running right now (for /health)
+        self.num_aborted = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # ---- called from any thread -------------------------------------------------------------
+    def call(self, fn: Callable[[], Any], drain: bool = False) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the engine worker is shut down")
+            self._jobs.append(_Job(fn, drain, fut))
+            self._cv.notify()
+        return fut
+
+    async def run(self, fn: Callable[[], Any], drain: bool = False) -> Any:
+        return await asyncio.wrap_future(self.call(fn, drain))
+
+    def abort(self, ticket: Ticket) -> None:
+        with self._cv:
+            self._aborts.append(ticket)
+            self._cv.notify()
+
+    def close(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    # ---- called inside a job (worker thread) ----------------------------------------------------
+    def add(self, ticket: Ticket, prompt, params) -> str | None:
+        """Add one engine request for `ticket` (ValueError from the engine propagates)."""
+        if ticket.cancelled:
+            return None
+        rid = self.engine.add_request(prompt, params)
+        ticket.rid, ticket.sent = rid, [0] * params.n
+        self._tickets[rid] = ticket
+        return rid
+
+    def discard(self, tickets: list[Ticket]) -> None:
+        """Drop requests added by a job that then failed (no events are emitted for them)."""
+        for t in tickets:
+            if t.rid is not None and self._tickets.pop(t.rid, None) is not None:
+                self.engine.abort(t.rid)
+
+    # ---- the thread ---------------------------------------------------------------------------
+    def _next_job(self) -> _Job | None:
+        with self._cv:
+            if not self._jobs or (self._jobs[0].drain and self.engine.has_work):
+                return None
+            return self._jobs.popleft()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._closed or self._aborts or self.engine.has_work
+                           or (self._jobs and not (self._jobs[0].drain and self.engine.has_work))):
+                    self._cv.wait(timeout=1.0)
+                if self._closed:
+                    break
+                aborts = list(self._aborts)
+                self._aborts.clear()
+            for t in aborts:
+                self._abort(t)
+            while (job := self._next_job()) is not None:
+                self._run_job(job)
+            if self.engine.has_work:
+                self._step()
+        for t in list(self._tickets.values()):
+            t.emit("error", RuntimeError("server shutting down"))
+
+    def _run_job(self, job: _Job) -> None:
+        if not job.future.set_running_or_notify_cancel():
+            return
+        self.busy_job = True
+        try:
+            job.future.set_result(job.fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            job.future.set_exception(e)
+        finally:
+            self.busy_job = False
+
+    def _abort(self, t: Ticket) -> None:
+        t.cancelled = True
+        if t.rid is None or t.done or t.rid not in self._tickets:
+            return
+        out = self.engine.abort(t.rid)
+        self.num_aborted += 1
+        if out is not None:
+            self._finish(out)
+
+    def _step(self) -> None:
+        try:
+            outs = self.engine.step()
+        except Exception as e:  # keep serving: fail what was in flight
+            log.exception("engine step failed; aborting %d in-flight requests", len(self._tickets))
+            for rid, t in list(self._tickets.items()):
+                try:
+                    self.engine.abort(rid)
+                except Exception:  # noqa: BLE001
+                    pass
+                t.done = True
+                t.emit("error", e)
+            self._tickets.clear()
+            return
+        for out in outs:
+            self._finish(out)
+        self._publish_streams()
+
+    def _finish(self, out) -> None:
+        t = self._tickets.pop(out.request_id, None)
+        if t is None:
+            return
+        t.done = True
+        extra = None
+        if t.finalize is not None:
+            try:
+                extra = t.finalize(out)
+            except Exception as e:  # noqa: BLE001
+                t.emit("error", e)
+                return
+        t.emit("done", out, extra)
+
+    def _publish_streams(self) -> None:
+        for rid, t in self._tickets.items():
+            if not t.stream:
+                continue
+            req = self.engine.requests.get(rid)
+            if req is None:
+                continue
+            for j, seq in enumerate(req.seqs):
+                ids = seq.output_ids
+                if len(ids) > t.sent[j]:
+                    t.sent[j] = len(ids)
+                    text = self.decode(ids, req.params.skip_special_tokens) if self.decode is not None else None
+                    t.emit("update", j, list(ids), list(seq.logprobs), text)

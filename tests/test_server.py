@@ -1,0 +1,403 @@
+"""The hybrid server over real HTTP: a uvicorn server on loopback (a background thread; one test runs the
+`python -m rollplex.server` CLI as a subprocess), the tiny model on CPU.
+
+generate (text, image, logprobs, streaming, disconnect -> abort), rollout -> train_step -> weights
+change, reward names, one train step at a time (409), save/load round trip, auth, and a corpus of bad
+requests that must all be 4xx while the server stays healthy and a retained rollout still trains.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from server_helpers import IMG, png_b64, sse_events, wire_rows
+
+from rollplex.server import ServerConfig, serve_in_thread
+from rollplex.tiny import write_tiny
+
+ROOT = Path(__file__).resolve().parents[1]
+GREEDY = {"temperature": 0, "max_new_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny(tmp_path_factory.mktemp("tiny-server"), seed=0)
+
+
+def _config(tiny_dir, **kw) -> ServerConfig:
+    base = dict(model=str(tiny_dir), device="cpu", max_model_len=256, kv_cache_tokens=8192, max_num_seqs=64, n=2,
+                lr=1e-3, kl_coef=0.05, max_new_tokens=4, micro_batch_prompts=4, micro_batch_samples=8)
+    return ServerConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    srv = serve_in_thread(_config(tiny_dir))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def _checksum(client) -> float:
+    return client.get("/health", params={"checksum": True}).json()["weights_checksum"]
+
+
+def _rollout(client, n_prompts=2, n=2, **kw) -> dict:
+    r = client.post("/rollout", json={"prompts": wire_rows(n_prompts), "n": n, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+# ---- info ---------------------------------------------------------------------------------------
+def test_health_metrics_memory(client):
+    h = client.get("/health").json()
+    assert h["status"] == "ok" and h["device"] == "cpu" and h["mode"] == "rollplex" and h["has_ref_model"]
+    text = client.get("/metrics").text
+    assert "# TYPE rollplex_http_requests_total counter" in text and 'route="/health"' in text
+    assert client.get("/get_model_info").json()["is_generation"] is True
+    mem = client.get("/memory").json()
+    regions = mem["regions"]
+    assert regions["weights"] > 0 and regions["kv_cache"] > 0 and regions["ref_weights"] > 0  # kl_coef > 0
+    assert mem["total_bytes"] == sum(regions.values()) and mem["cuda"] is None
+
+
+# ---- /generate ----------------------------------------------------------------------------------
+def test_generate_text_single_and_batch(client):
+    body = {"text": "What color is the", "sampling_params": GREEDY, "return_logprob": True, "logprob_start_len": 0}
+    a = client.post("/generate", json=body).json()
+    b = client.post("/generate", json=body).json()
+    assert a["output_ids"] == b["output_ids"] and len(a["output_ids"]) == 4  # greedy is deterministic
+    meta = a["meta_info"]
+    assert meta["finish_reason"]["type"] in ("length", "stop") and meta["completion_tokens"] == 4
+    assert [t[1] for t in meta["output_token_logprobs"]] == a["output_ids"]
+    assert all(t[0] <= 0 for t in meta["output_token_logprobs"])
+    assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"] and meta["input_token_logprobs"][0][0] is None
+    batch = client.post("/generate", json={"text": ["red", "What color is the"],
+                                           "sampling_params": [GREEDY, {**GREEDY, "n": 2}]}).json()
+    assert isinstance(batch, list) and len(batch) == 3
+    assert batch[1]["output_ids"] == a["output_ids"] == batch[2]["output_ids"]  # batched == alone
+    ids = client.post("/generate", json={"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": GREEDY}).json()
+    assert len(ids) == 2 and ids[0]["meta_info"]["prompt_tokens"] == 3
+
+
+def test_generate_with_image(client):
+    b64 = png_b64()
+    body = {"text": f"{IMG}What color?", "image_data": b64, "sampling_params": GREEDY, "return_logprob": True,
+            "return_text_in_logprobs": True}
+    a = client.post("/generate", json=body)
+    assert a.status_code == 200, a.text
+    a = a.json()
+    assert a["meta_info"]["prompt_tokens"] > client.post("/generate", json={
+        "text": "What color?", "sampling_params": GREEDY}).json()["meta_info"]["prompt_tokens"]
+    assert all(isinstance(t[2], str) for t in a["meta_info"]["output_token_logprobs"])
+    url = client.post("/generate", json={**body, "image_data": "data:image/png;base64," + b64}).json()
+    assert url["output_ids"] == a["output_ids"]
+    other = client.post("/generate", json={**body, "image_data": png_b64((40, 70, 220))}).json()
+    assert other["meta_info"]["output_token_logprobs"] != a["meta_info"]["output_token_logprobs"]  # it sees the image
+
+
+def test_generate_stream(client):
+    body = {"text": "What color is the", "sampling_params": GREEDY}
+    ref = client.post("/generate", json=body).json()
+    with client.stream("POST", "/generate", json={**body, "stream": True, "return_logprob": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]" and len(events) >= 3
+    chunks = events[:-1]
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    last = chunks[-1]
+    assert last["output_ids"] == ref["output_ids"] and last["text"] == ref["text"]
+    assert last["meta_info"]["finish_reason"] is not None and len(last["meta_info"]["output_token_logprobs"]) == 4
+    lens = [len(c["output_ids"]) for c in chunks]
+    assert lens == sorted(lens)  # cumulative
+
+
+def test_stream_disconnect_aborts_the_request(client, server):
+    before = server.state.worker.num_aborted
+    body = {"text": "hello", "stream": True, "sampling_params": {"max_new_tokens": 240, "ignore_eos": True}}
+    with client.stream("POST", "/generate", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # hang up after the first chunk
+    deadline = time.monotonic() + 10
+    while server.state.worker.num_aborted == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.state.worker.num_aborted == before + 1
+    while server.state.engine.has_work and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not server.state.engine.requests  # nothing left behind
+
+
+def test_disconnect_aborts_non_streaming_request(server):
+    before = server.state.worker.num_aborted
+    body = {"text": "hello", "sampling_params": {"max_new_tokens": 240, "ignore_eos": True, "n": 4}}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up (and closes the connection) mid-generation
+        httpx.post(server.url + "/generate", json=body, timeout=httpx.Timeout(10, read=0.2))
+    deadline = time.monotonic() + 10
+    while server.state.worker.num_aborted == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.state.worker.num_aborted == before + 1
+
+
+def test_concurrent_generates(client):
+    def one(i):
+        return client.post("/generate", json={"text": f"color {i}", "sampling_params": {"max_new_tokens": 8}})
+
+    with ThreadPoolExecutor(6) as ex:
+        rs = list(ex.map(one, range(6)))
+    assert all(r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] >= 1 for r in rs)
+
+
+# ---- RL ------------------------------------------------------------------------------------------
+def test_rollout_train_step_changes_weights(client):
+    ro = _rollout(client, n_prompts=2, n=3)
+    assert ro["rollout_id"] and ro["num_samples"] == 6 == len(ro["samples"])
+    assert [s["prompt_index"] for s in ro["samples"]] == [0, 0, 0, 1, 1, 1]
+    s = ro["samples"][0]
+    assert len(s["token_ids"]) == len(s["logprobs"]) >= 1 and s["finish_reason"] in ("stop", "length")
+    h0, c0 = client.get("/health").json(), _checksum(client)
+    m = client.post("/train_step", json={"rollout_id": ro["rollout_id"], "rewards": [1, 0, 0, 0, 1, 0]})
+    assert m.status_code == 200, m.text
+    m = m.json()
+    for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean", "timing_s/step",
+              "timing_s/gen", "timing_s/ref", "perf/throughput", "training/rollout_probs_diff_mean"):
+        assert k in m, k
+    assert m["rollplex/prefix_dedup_ratio"] == 3 and m["training/global_step"] == h0["global_step"] + 1
+    assert _checksum(client) != c0
+    assert client.get("/health").json()["weights_version"] == h0["weights_version"] + 1
+    again = client.post("/train_step", json={"rollout_id": ro["rollout_id"], "rewards": [0] * 6})
+    assert again.status_code == 404  # consumed
+    assert "rollplex_actor_pg_loss" in client.get("/metrics").text
+
+
+def test_train_step_with_reward_name_and_chat_prompts(client):
+    ro = _rollout(client, n_prompts=2, n=2)
+    m = client.post("/train_step", json={"rollout_id": ro["rollout_id"], "reward": "shape_color", "lr": 1e-4})
+    assert m.status_code == 200, m.text
+    assert 0.0 <= m.json()["critic/score/mean"] <= 1.0 and m.json()["actor/lr"] == 1e-4
+    chat = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Color?"}]}],
+            "images": [png_b64()], "ground_truth": "A"}
+    ro = client.post("/rollout", json={"prompts": [chat], "n": 2}).json()
+    m = client.post("/train_step", json={"rollout_id": ro["rollout_id"], "reward": "choice"})
+    assert m.status_code == 200, m.text
+
+
+def test_second_concurrent_train_step_gets_409(client, server):
+    state = server.state
+    a, b = _rollout(client), _rollout(client)
+    started, orig = threading.Event(), state.train
+
+    def slow(*args, **kw):
+        started.set()
+        time.sleep(1.0)
+        return orig(*args, **kw)
+
+    state.train = slow
+    try:
+        with ThreadPoolExecutor(1) as ex:
+            first = ex.submit(client.post, "/train_step", json={"rollout_id": a["rollout_id"], "rewards": [1, 0, 1, 0]})
+            assert started.wait(10)
+            second = client.post("/train_step", json={"rollout_id": b["rollout_id"], "rewards": [1, 0, 1, 0]})
+            assert first.result().status_code == 200
+    finally:
+        del state.train
+    assert second.status_code == 409 and "already running" in second.json()["error"]["message"]
+    assert client.post("/train_step", json={"rollout_id": b["rollout_id"], "rewards": [1, 0, 1, 0]}).status_code == 200
+
+
+def test_save_load_round_trip(client, tmp_path):
+    step0 = client.get("/health").json()["global_step"]
+    c0 = _checksum(client)
+    saved = client.post("/save", json={"path": str(tmp_path / "ck"), "data_state": {"step": 7}})
+    assert saved.status_code == 200, saved.text
+    names = {p.name for p in (tmp_path / "ck").iterdir()}
+    assert {"config.json", "model.safetensors", "trainer_state.pt", "tokenizer.json", "preprocessor_config.json",
+            "ref"} <= names
+    ro = _rollout(client)
+    assert client.post("/train_step", json={"rollout_id": ro["rollout_id"], "rewards": [1, 0, 0, 1]}).status_code == 200
+    assert _checksum(client) != c0
+    pending = _rollout(client)["rollout_id"]
+    loaded = client.post("/load", json={"path": str(tmp_path / "ck")})
+    assert loaded.status_code == 200, loaded.text
+    body = loaded.json()
+    assert body["global_step"] == step0 and body["data_state"] == {"step": 7} and body["dropped_rollouts"] >= 1
+    assert _checksum(client) == c0
+    assert client.post("/train_step", json={"rollout_id": pending, "rewards": [0] * 4}).status_code == 404
+    # the saved policy is an ordinary HF checkpoint the server can start from
+    from rollplex.models import load_model
+
+    assert load_model(tmp_path / "ck").cfg.text.hidden_size == 128
+
+
+def test_auth(tiny_dir):
+    srv = serve_in_thread(_config(tiny_dir, api_key="s3cret", kl_coef=0.0))
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            body = {"text": "hi", "sampling_params": GREEDY}
+            assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
+            assert c.post("/generate", json=body).status_code == 401
+            assert c.post("/generate", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
+            assert c.post("/generate", content=b"{bad", headers={"Authorization": "Basic s3cret"}).status_code == 401
+            for path in ("/rollout", "/train_step", "/save", "/load"):
+                assert c.post(path, json={}).status_code == 401, path
+            assert c.get("/memory").status_code == 401
+            ok = {"Authorization": "Bearer s3cret"}
+            assert c.post("/generate", json=body, headers=ok).status_code == 200
+            assert c.get("/memory", headers=ok).status_code == 200
+    finally:
+        srv.stop()
+
+
+# ---- robustness ------------------------------------------------------------------------------------
+BAD_GENERATE = [
+    ({"text": 5}, 422),
+    ({"text": "hi", "return_logprob": "yes"}, 422),
+    ({"text": "hi", "bogus": 1}, 422),
+    ({}, 422),
+    ({"text": "hi", "input_ids": [1, 2]}, 422),
+    ({"text": "hi", "sampling_params": {"max_new_tokens": "4"}}, 400),
+    ({"text": "hi", "sampling_params": {"n": 0}}, 400),
+    ({"text": "hi", "sampling_params": {"n": 10**9}}, 400),
+    ({"text": "hi", "sampling_params": {"temperature": -1}}, 400),
+    ({"text": "hi", "sampling_params": {"top_p": 0}}, 400),
+    ({"text": "hi", "sampling_params": {"top_k": 0}}, 400),
+    ({"text": "hi", "sampling_params": {"max_new_tokens": 0}}, 400),
+    ({"text": "hi", "sampling_params": {"foo": 1}}, 400),
+    ({"text": "hi", "sampling_params": {"presence_penalty": 0.5}}, 400),
+    ({"text": "hi", "sampling_params": [GREEDY, GREEDY]}, 400),
+    ({"text": "hi " * 400}, 400),  # over max_model_len
+    ({"input_ids": list(range(300))}, 400),
+    ({"input_ids": [10**6]}, 400),
+    ({"input_ids": [-1]}, 400),
+    ({"input_ids": []}, 400),
+    ({"text": []}, 400),
+    ({"text": f"{IMG}hi", "image_data": "not an image!!"}, 400),
+    ({"text": f"{IMG}hi", "image_data": "aGVsbG8gd29ybGQ="}, 400),  # valid base64, not an image
+    ({"text": f"{IMG}hi", "image_data": "http://example.com/a.png"}, 400),
+    ({"text": "hi", "image_data": png_b64()}, 400),  # no placeholder for the image
+    ({"text": f"{IMG}hi", "image_data": ["x", "y"]}, 400),
+    ({"text": "hi", "top_logprobs_num": 3}, 400),
+]
+
+
+def test_bad_requests_are_4xx_and_harmless(client, server):
+    retained = _rollout(client)
+    rid = retained["rollout_id"]
+    long = {}
+    worker = threading.Thread(target=lambda: long.update(r=client.post("/generate", json={
+        "text": "in flight", "sampling_params": {"max_new_tokens": 150, "ignore_eos": True}})))
+    worker.start()  # work in flight while the bad requests arrive
+    failures = []
+
+    def expect(resp, status, what):
+        ok = resp.status_code == status and resp.json()["error"]["message"]
+        if not ok:
+            failures.append(f"{what}: {resp.status_code} {resp.text[:200]}")
+
+    for body, status in BAD_GENERATE:
+        expect(client.post("/generate", json=body), status, body)
+    expect(client.post("/generate", content=b'{"text": "hi",', headers={"content-type": "application/json"}), 400,
+           "malformed json")
+    expect(client.post("/generate", json=[1, 2]), 422, "array body")
+    rows = wire_rows(1)
+    bad_rollouts = [
+        ({"prompts": []}, 422),
+        ({"prompts": rows, "n": 0}, 422),
+        ({"prompts": rows, "n": "2"}, 422),
+        ({"prompts": [{**rows[0], "images": ["garbage"]}]}, 400),
+        ({"prompts": [{**rows[0], "images": []}]}, 400),  # <image> placeholder without an image
+        ({"prompts": [{**rows[0], "messages": rows[0]["prompt"]}]}, 422),  # two prompt forms
+        ({"prompts": rows, "sampling_params": {"temperature": 0}}, 400),  # training needs sampling
+        ({"prompts": rows, "sampling_params": {"whatever": 1}}, 400),
+        ({"prompts": rows, "n": 2, "sampling_params": {"n": 3}}, 400),
+        ({"prompts": [{"messages": [{"role": "user", "content": "x " * 400}]}]}, 400),
+    ]
+    for body, status in bad_rollouts:
+        expect(client.post("/rollout", json=body), status, body)
+    bad_train = [
+        ({"rollout_id": "ro-nope", "rewards": [1.0]}, 404),
+        ({"rollout_id": rid, "rewards": [1.0, 0.0]}, 400),  # 4 samples
+        ({"rollout_id": rid, "rewards": [1, 2, 3, "x"]}, 422),
+        ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "reward": "choice"}, 422),
+        ({"rollout_id": rid, "reward": "no_such_reward"}, 400),
+        ({"rollout_id": rid, "reward": "rollplex.nope:fn"}, 400),
+        ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "loss_agg_mode": "bogus"}, 400),
+        ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "lr": -1}, 422),
+        ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "unknown_knob": 1}, 422),
+        ({"rewards": [1, 0, 1, 0]}, 422),
+    ]
+    for body, status in bad_train:
+        expect(client.post("/train_step", json=body), status, body)
+    expect(client.post("/train_step", content=b'{"rollout_id": "' + rid.encode() + b'", "rewards": [NaN, 0, 0, 0]}',
+                       headers={"content-type": "application/json"}), 422, "NaN reward")
+    expect(client.post("/load", json={"path": "/definitely/not/here"}), 400, "load missing")
+    expect(client.post("/load", json={"path": str(ROOT / "rollplex")}), 400, "load non-checkpoint")
+    expect(client.post("/save", json={"path": "/proc/nope/ck"}), 400, "save unwritable")
+    expect(client.post("/save", json={}), 422, "save without path")
+    assert client.get("/generate").status_code == 405 and client.get("/nope").status_code == 404
+    assert not failures, "\n".join(failures)
+    worker.join(30)
+    assert long["r"].status_code == 200 and long["r"].json()["meta_info"]["completion_tokens"] == 150
+    assert client.get("/health").json()["status"] == "ok"
+    ok = client.post("/train_step", json={"rollout_id": rid, "rewards": [1, 0, 0, 1]})
+    assert ok.status_code == 200, ok.text  # the retained rollout survived all of the above
+
+
+def test_rollout_store_ttl_and_cap():
+    from rollplex.server.store import RetainedRollout, RolloutStore
+
+    now = [0.0]
+    store = RolloutStore(ttl_s=10, cap=2, clock=lambda: now[0])
+    a, b, c = (RetainedRollout(batch=None, temperature=1.0, gen_s=0.0) for _ in range(3))
+    store.put(a)
+    now[0] = 5
+    store.put(b)
+    assert store.put(c) == [a.rollout_id]  # over the cap: the oldest goes
+    assert store.get(a.rollout_id) is None and store.get(b.rollout_id) is b
+    now[0] = 15.1  # b and c were created at t=5: both expired
+    assert store.get(b.rollout_id) is None and len(store) == 0 and store.num_expired == 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cli_subprocess(tiny_dir):
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "rollplex.server", "--model", str(tiny_dir), "--port", str(port),
+                             "--device", "cpu", "--max-model-len", "256", "--kv-cache-tokens", "4096",
+                             "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        r = httpx.post(url + "/generate", json={"text": "hi", "sampling_params": GREEDY}, timeout=30)
+        assert r.status_code == 200 and len(r.json()["output_ids"]) >= 1
+    finally:
+        proc.terminate()
+        proc.wait(20)
