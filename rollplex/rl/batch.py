@@ -47,6 +47,19 @@ class RolloutBatch:
         rw = None if rewards is None else torch.tensor(rewards, dtype=torch.float32)
         return cls(prompts, torch.tensor(group, dtype=torch.long), resp, mask, lp, rw, extras)
 
+    @classmethod
+    def from_outputs(cls, prompts: list, outputs: list, pad_id: int, data_sources: list | None = None,
+                     ground_truths: list | None = None, extra_infos: list | None = None) -> RolloutBatch:
+        """From the engine's RequestOutputs (one per prompt); per-prompt lists are repeated per sample."""
+        group = [i for i, o in enumerate(outputs) for _ in o.samples]
+        per_sample = lambda xs: [xs[g] for g in group] if xs is not None else [None] * len(group)  # noqa: E731
+        samples = [s for o in outputs for s in o.samples]
+        return cls.from_samples(
+            prompts, group, [s.token_ids for s in samples], pad_id, logprobs=[s.logprobs for s in samples],
+            texts=[s.text or "" for s in samples], finish_reasons=[s.finish_reason for s in samples],
+            data_sources=per_sample(data_sources), ground_truths=per_sample(ground_truths),
+            extra_infos=per_sample(extra_infos))
+
     def select_prompts(self, prompt_ids: list[int]) -> tuple[RolloutBatch, torch.Tensor]:
         """All samples of the given prompts (group re-indexed); also returns the sample indices."""
         remap = {p: i for i, p in enumerate(prompt_ids)}

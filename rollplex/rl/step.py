@@ -69,20 +69,10 @@ class RLStep:
                                  seed=(cfg.seed * 1_000_003 + self.step_idx * 10_007 + i * 101) % 2**62)
                   for i in range(len(rows))]
         outs = self.engine.generate(prompts, params)
-        group, responses, logprobs, texts, reasons = [], [], [], [], []
-        for i, o in enumerate(outs):
-            for s in o.samples:
-                group.append(i)
-                responses.append(s.token_ids)
-                logprobs.append(s.logprobs)
-                texts.append(s.text if s.text is not None else "")
-                reasons.append(s.finish_reason)
-        return RolloutBatch.from_samples(
-            prompts, group, responses, pad_id=self.model.cfg.pad_token_id or 0, logprobs=logprobs,
-            texts=texts, finish_reasons=reasons,
-            data_sources=[rows[g].get("data_source") for g in group],
-            ground_truths=[ground_truth(rows[g]) for g in group],
-            extra_infos=[rows[g].get("extra_info") for g in group])
+        return RolloutBatch.from_outputs(
+            prompts, outs, pad_id=self.model.cfg.pad_token_id or 0,
+            data_sources=[r.get("data_source") for r in rows], ground_truths=[ground_truth(r) for r in rows],
+            extra_infos=[r.get("extra_info") for r in rows])
 
     def compute_rewards(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict]:
         scores, extra = [], {}

@@ -78,25 +78,17 @@ def router(state) -> APIRouter:
         except ClientGone:
             return Response(status_code=499)
         gen_s = time.perf_counter() - t0
-        samples, group, responses, logprobs, texts, reasons = [], [], [], [], [], []
-        for i in range(len(req.prompts)):
-            out = results[i][0]
-            for j, s in enumerate(out.samples):
-                samples.append({"prompt_index": i, "sample_index": j, "token_ids": s.token_ids, "text": s.text or "",
-                                "logprobs": s.logprobs, "finish_reason": s.finish_reason})
-                group.append(i)
-                responses.append(s.token_ids)
-                logprobs.append(s.logprobs)
-                texts.append(s.text or "")
-                reasons.append(s.finish_reason)
+        outs = [results[i][0] for i in range(len(req.prompts))]
+        samples = [{"prompt_index": i, "sample_index": j, "token_ids": s.token_ids, "text": s.text or "",
+                    "logprobs": s.logprobs, "finish_reason": s.finish_reason}
+                   for i, out in enumerate(outs) for j, s in enumerate(out.samples)]
         state.metrics.inc("rollplex_rollouts_total")
         rollout_id = None
-        if req.for_training and all(x != "abort" for x in reasons):
-            rows = [req.prompts[g] for g in group]
-            batch = RolloutBatch.from_samples(
-                inputs, group, responses, pad_id=state.model.cfg.pad_token_id or 0, logprobs=logprobs, texts=texts,
-                finish_reasons=reasons, data_sources=[p.data_source for p in rows],
-                ground_truths=[p.truth() for p in rows], extra_infos=[p.extra_info for p in rows])
+        if req.for_training and all(s["finish_reason"] != "abort" for s in samples):
+            batch = RolloutBatch.from_outputs(
+                inputs, outs, pad_id=state.model.cfg.pad_token_id or 0,
+                data_sources=[p.data_source for p in req.prompts], ground_truths=[p.truth() for p in req.prompts],
+                extra_infos=[p.extra_info for p in req.prompts])
             entry = RetainedRollout(batch, temperature=sp.temperature, gen_s=gen_s)
             state.store.put(entry)
             rollout_id = entry.rollout_id
