@@ -69,8 +69,7 @@ class ModelRunner:
 
         with torch.no_grad():
             self.model.model.embed_tokens(torch.zeros(1, dtype=torch.long, device=self.device))
-            h, *_ = self.model._run_prompts([Dummy], keep_kv=False)
-            self.model.logits(h[:, -1:])
+            self.model.logits(self.model.hidden([Dummy])[:, -1:])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         total = torch.cuda.get_device_properties(self.device).total_memory
