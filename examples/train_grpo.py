@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", choices=["cuda", "cpu"], default=None, help="in-process server's device")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--rollout-batch-size", type=int, default=32, help="prompts per step")
-    ap.add_argument("--n-samples", type=int, default=8, help="samples per prompt (GRPO group size)")
+    ap.add_argument("--n-samples", type=int, default=16, help="samples per prompt (GRPO group size)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: 4 for the demo, else 256")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--lr", type=float, default=None, help="default: 1e-3 for the demo, else the server's")

@@ -88,7 +88,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=80, help="max GRPO steps")
     ap.add_argument("--target", type=float, default=0.8, help="stop when the mean reward of 3 steps reaches it")
     ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--kl-coef", type=float, default=0.0, help="KL loss to the warmed-up reference policy")
     ap.add_argument("--warmup-steps", type=int, default=30)

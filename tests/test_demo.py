@@ -1,5 +1,5 @@
 """The README's main job: GRPO lifts the tiny model's mean reward on the shape-colour task from
-chance to >= 0.8 on the CPU (slow: about two minutes on two cores)."""
+chance to >= 0.8 on the CPU (slow: about a minute on two cores)."""
 
 import json
 
