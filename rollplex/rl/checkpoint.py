@@ -45,6 +45,9 @@ def _load_into(model, path: Path) -> None:
         missing = set(own) - set(state)
         if missing:
             raise ValueError(f"checkpoint {path} lacks {sorted(missing)[:3]}...")
+        wrong = [k for k, v in own.items() if state[k].shape != v.shape]
+        if wrong:  # checked before any copy: a failed load leaves the model untouched
+            raise ValueError(f"checkpoint {path} has other shapes for {wrong[:3]}")
         for k, v in own.items():
             v.copy_(state[k])
 
@@ -54,7 +57,8 @@ def load_checkpoint(step: RLStep, path: str | Path) -> dict:
     path = Path(path)
     if not (path / STATE).exists():
         raise ValueError(f"{path} is not a Rollplex checkpoint (no {STATE})")
-    state = torch.load(path / STATE, map_location="cpu", weights_only=False)
+    # weights_only: the state is tensors and plain containers; never unpickle arbitrary objects
+    state = torch.load(path / STATE, map_location="cpu", weights_only=True)
     _load_into(step.model, path)
     if step.ref is not None:
         if not (path / "ref").exists():
