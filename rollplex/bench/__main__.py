@@ -2,7 +2,12 @@
 
 import sys
 
-WORKLOADS = {"model": "rollplex.bench.model", "rollout": "rollplex.bench.rollout", "step": "rollplex.bench.step"}
+WORKLOADS = {
+    "model": "rollplex.bench.model",
+    "rollout": "rollplex.bench.rollout",
+    "step": "rollplex.bench.step",
+    "hook": "rollplex.bench.hook",
+}
 
 
 def main() -> None:
