@@ -19,6 +19,7 @@ import torch
 from ..models import Qwen25VL
 from .algos import entropy_from_logits
 from .batch import RolloutBatch
+from .logprob import token_logprob
 
 
 def _full_sequence(prompt, response: list[int]):
@@ -48,9 +49,12 @@ def token_logprobs(model: Qwen25VL, mb: RolloutBatch, mode: str, temperature: fl
                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs [n, R] fp32, entropy [n, R] or None) of mb's responses; differentiable."""
     hidden = response_hidden(model, mb, mode)
+    targets = mb.responses.to(hidden.device)
+    if not with_entropy:  # chunked: never materialises the [n, R, V] logits
+        return token_logprob(hidden, model.head_weight, targets, temperature), None
     logits = model.logits(hidden).float() / temperature
-    lp = torch.log_softmax(logits, -1).gather(-1, mb.responses.to(logits.device)[..., None]).squeeze(-1)
-    return lp, (entropy_from_logits(logits) if with_entropy else None)
+    lp = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
+    return lp, entropy_from_logits(logits)
 
 
 def micro_batches(batch: RolloutBatch, mode: str, prompts_per_mb: int, samples_per_mb: int):

@@ -1,0 +1,58 @@
+"""Logprobs of target tokens straight from hidden states, without materialising [T, V] logits.
+
+    logp[t] = (h_t . w_{y_t}) / T  -  logsumexp_v (h_t . w_v) / T
+
+computed over chunks of tokens; the backward recomputes each chunk's logits and applies
+d logp / d logits = (onehot(y) - softmax) / T, accumulating the head's gradient in fp32. Peak memory
+is one [chunk, V] block instead of the [N, R, V] logits, log-softmax and their gradients (several GB
+per micro-batch at Qwen's 152K vocabulary). Same values and gradients as log_softmax + gather (the
+tests hold it); the logits GEMM runs in the weights' dtype, as `model.logits` does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class _TokenLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int):
+        T = hidden.shape[0]
+        out = torch.empty(T, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(T, dtype=torch.float32, device=hidden.device)
+        for s in range(0, T, chunk):
+            logits = (hidden[s : s + chunk] @ weight.t()).float() / temperature
+            lse[s : s + chunk] = logits.logsumexp(-1)
+            out[s : s + chunk] = logits.gather(-1, targets[s : s + chunk, None]).squeeze(-1) - lse[s : s + chunk]
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        t, chunk = ctx.temperature, ctx.chunk
+        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for s in range(0, hidden.shape[0], chunk):
+            h, go = hidden[s : s + chunk], grad_out[s : s + chunk].float()
+            probs = ((h @ weight.t()).float() / t - lse[s : s + chunk, None]).exp()
+            g = -probs * go[:, None]
+            g.scatter_add_(-1, targets[s : s + chunk, None], go[:, None])
+            g = (g / t).to(weight.dtype)  # d loss / d logits of this chunk
+            if grad_h is not None:
+                grad_h[s : s + chunk] = g @ weight
+            if grad_w is not None:
+                grad_w += (g.t() @ h).float()
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
+
+
+def token_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                  chunk: int = 1024) -> torch.Tensor:
+    """hidden [..., C], weight [V, C] (the LM head), targets [...] -> fp32 logprobs [...]."""
+    shape = targets.shape
+    out = _TokenLogprob.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
+                              float(temperature), chunk)
+    return out.view(shape)
