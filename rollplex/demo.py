@@ -85,7 +85,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m rollplex.demo", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF checkpoint dir (default: the embedded tiny model)")
     ap.add_argument("--mode", default="rollplex", choices=["rollplex", "serial"])
-    ap.add_argument("--steps", type=int, default=80, help="max GRPO steps")
+    ap.add_argument("--steps", type=int, default=300, help="max GRPO steps (stops early at --target)")
     ap.add_argument("--target", type=float, default=0.8, help="stop when the mean reward of 3 steps reaches it")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=16)
