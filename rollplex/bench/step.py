@@ -120,6 +120,8 @@ def main(argv=None) -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--micro-prompts", type=int, default=1, help="rollplex: prompts (x n samples) per fwd/bwd")
+    ap.add_argument("--micro-samples", type=int, default=8, help="serial: sequences per fwd/bwd")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args(argv)
     cfg = preset(args.preset) if not args.preset.endswith(".json") else ModelConfig.from_hf(args.preset)
@@ -131,7 +133,8 @@ def main(argv=None) -> None:
                                            max_num_batched_tokens=40000, compile_model=not args.no_compile))
     info = env_info()
     print(json.dumps({"bench": "step_setup", "kv_blocks": eng.runner.num_blocks, **info}), flush=True)
-    rl_kw = dict(n=args.n, kl_coef=0.01, lr=1e-6, micro_batch_prompts=1, micro_batch_samples=8)
+    rl_kw = dict(n=args.n, kl_coef=0.01, lr=1e-6, micro_batch_prompts=args.micro_prompts,
+                 micro_batch_samples=args.micro_samples)
     summary = []
     for label in args.workloads.split(","):
         frames = 8 if label == "w3b-video" else 1
