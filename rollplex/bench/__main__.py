@@ -7,6 +7,7 @@ WORKLOADS = {
     "rollout": "rollplex.bench.rollout",
     "step": "rollplex.bench.step",
     "hook": "rollplex.bench.hook",
+    "profile": "rollplex.bench.profile",
 }
 
 

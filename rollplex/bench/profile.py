@@ -1,0 +1,225 @@
+"""`python -m rollplex.bench profile`: where the GPU time of a decode step and a training pass goes.
+
+Not a benchmark with goals: a breakdown that tells which kernels to fuse or tune next.
+
+1. Paged decode attention alone at the sweep's shapes (B = 64/256, context 608, W3B heads), per
+   `num_splits`: microseconds and achieved KV bandwidth.
+2. The graphed decode step (W3B, compiled layers) at B = 64 and 256, context 608: replay time and
+   the kernels inside it, by category (GEMM, paged attention, fused Triton glue, other) with counts.
+3. One training micro-batch (fwd + bwd of the token logprobs) per mode and size: wall time, the
+   sum of kernel times (wall >> kernels means the host is the bottleneck), categories, TFLOP/s.
+Prints JSON lines, then tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import torch
+
+from ..engine import Engine, EngineConfig
+from ..engine.paged_attention import paged_decode_attention
+from ..models import ModelConfig, Qwen25VL, init_weights
+from ..presets import preset
+from ..rl.batch import RolloutBatch
+from ..rl.scoring import token_logprobs
+from .timing import env_info, time_ms
+
+DT = {"cuda": torch.bfloat16, "cpu": torch.float32}
+CATEGORIES = (
+    ("gemm", ("gemm", "nvjet", "cutlass", "sm90", "xmma", "cublas", "gemv", "splitk")),
+    ("flash_attn", ("flash", "fmha", "attention")),
+    ("paged_attn", ("split_kernel", "merge_kernel")),
+    ("triton_fused", ("triton_",)),
+    ("copy_index", ("copy", "index", "scatter", "gather", "cat", "fill")),
+    ("reduce", ("reduce",)),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+)
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def kernel_profile(fn, iters: int = 3) -> dict:
+    """Kernels launched by `iters` calls of fn (after one warm-up): per-call ms and count by category
+    and the top kernels. Empty on CPU (smoke runs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        return {}
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    cats: dict[str, list[float]] = {}
+    names: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = e.time_range.elapsed_us()
+        c = cats.setdefault(category(e.name), [0.0, 0])
+        c[0] += us / iters / 1e3
+        c[1] += 1 / iters
+        n = names.setdefault(e.name[:80], [0.0, 0])
+        n[0] += us / iters / 1e3
+        n[1] += 1 / iters
+    total = sum(v[0] for v in cats.values())
+    top = sorted(names.items(), key=lambda kv: -kv[1][0])[:12]
+    return {"kernel_ms": round(total, 3), "kernels": round(sum(v[1] for v in cats.values())),
+            "by_category": {k: [round(v[0], 3), round(v[1])] for k, v in sorted(cats.items(), key=lambda kv: -kv[1][0])},
+            "top": [[k, round(v[0], 3), round(v[1])] for k, v in top]}
+
+
+def set_decode_state(runner, B: int, ctx: int, seed: int = 0) -> None:
+    """Fill the runner's static decode inputs for B sequences that each hold `ctx` cached tokens in
+    their own blocks (blocks 1.. are handed out in order; block 0 is scratch)."""
+    bs = runner.block_size
+    per = -(-ctx // bs)
+    if 1 + B * per > runner.num_blocks:
+        raise ValueError(f"{B} x {ctx} tokens do not fit {runner.num_blocks} KV blocks")
+    g = torch.Generator().manual_seed(seed)
+    table = 1 + torch.arange(B * per).view(B, per)
+    meta = torch.stack([torch.randint(0, 150000, (B,), generator=g), torch.full((B,), ctx - 1),
+                        torch.full((B,), ctx), table[:, (ctx - 1) // bs] * bs + (ctx - 1) % bs])
+    runner.static_meta[:, :B].copy_(meta)
+    runner.static_bt[:B].zero_()
+    runner.static_bt[:B, :per].copy_(table.to(torch.int32))
+
+
+def attention_sweep(cfg, batches, ctx: int, rows: list, dev: str) -> None:
+    t = cfg.text
+    bs = 16
+    for B in batches:
+        per = -(-ctx // bs)
+        kc = torch.randn(1 + B * per, bs, t.num_key_value_heads, t.head_dim, device=dev, dtype=DT[dev])
+        vc = torch.randn_like(kc)
+        q = torch.randn(B, t.num_attention_heads, t.head_dim, device=dev, dtype=DT[dev])
+        bt = torch.zeros(B, 2048 // bs, dtype=torch.int32, device=dev)
+        bt[:, :per] = (1 + torch.arange(B * per, device=dev).view(B, per)).int()
+        lens = torch.full((B,), ctx, device=dev)
+        kv_bytes = 2 * B * ctx * t.num_key_value_heads * t.head_dim * 2
+        ref = paged_decode_attention(q, kc, vc, bt, lens, backend="reference")
+        for s in (None, 1, 2, 4, 8, 16) if dev == "cuda" else (None,):
+            out = paged_decode_attention(q, kc, vc, bt, lens, num_splits=s)
+            err = (out.float() - ref.float()).abs().max().item()
+            us = time_ms(lambda: paged_decode_attention(q, kc, vc, bt, lens, num_splits=s), warmup=3, iters=20,
+                         device=dev) * 1e3
+            r = {"bench": "paged_attn", "batch": B, "context": ctx, "num_splits": s or "auto", "us": round(us, 1),
+                 "TBps": round(kv_bytes / us / 1e6, 2), "max_err": round(err, 4)}
+            print(json.dumps(r), flush=True)
+            rows.append(r)
+
+
+def decode_profile(model, batches, ctx: int, rows: list) -> None:
+    eng = Engine(model, None, EngineConfig(max_num_seqs=max(batches), max_model_len=2048, gpu_memory_utilization=0.6,
+                                           max_num_batched_tokens=8192))
+    run = eng.runner
+    for B in batches:
+        set_decode_state(run, B, ctx)
+        g, _ = run.graphs[B]
+        ms = time_ms(g.replay, warmup=3, iters=20)
+        prof = kernel_profile(g.replay)
+        r = {"bench": "decode_profile", "batch": B, "context": ctx, "replay_ms": round(ms, 3), **prof}
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+    del eng
+
+
+def train_profile(model, cfg, configs, rows: list, dev: str, resp_len: int) -> None:
+    from .step import make_prompts, update_flops
+
+    prompts, grid = make_prompts(cfg, 8, 1, device=dev, dtype=DT[dev])
+    g = torch.Generator().manual_seed(0)
+    for mode, n_prompts, n_samples in configs:
+        n = 8
+        resp = torch.randint(0, min(150000, cfg.text.vocab_size), (n_prompts * n, resp_len), generator=g)
+        batch = RolloutBatch(prompts[:n_prompts], torch.arange(n_prompts).repeat_interleave(n), resp,
+                             torch.ones(resp.shape))
+        if mode == "serial":
+            batch = batch.select_samples(torch.arange(n_samples))
+        model.train()
+
+        def fwd_bwd():
+            lp, _ = token_logprobs(model, batch, mode)
+            lp.sum().backward()
+            for p in model.parameters():
+                p.grad = None
+
+        def fwd():
+            with torch.no_grad():
+                token_logprobs(model, batch, mode)
+
+        try:
+            ms = time_ms(fwd_bwd, warmup=2, iters=3, device=dev)
+            ms_fwd = time_ms(fwd, warmup=1, iters=3, device=dev)
+            prof = kernel_profile(fwd_bwd, iters=1)
+        except torch.OutOfMemoryError as e:
+            print(json.dumps({"bench": "train_profile", "mode": mode, "oom": str(e)[:200]}), flush=True)
+            torch.cuda.empty_cache()
+            continue
+        fl = update_flops(cfg, batch, mode, grid)
+        r = {"bench": "train_profile", "mode": mode, "prompts": batch.num_prompts, "sequences": batch.num_samples,
+             "fwd_bwd_ms": round(ms, 1), "fwd_nograd_ms": round(ms_fwd, 1), "TFLOPs": round(fl / ms / 1e9, 1),
+             "mfu": round(fl / ms / 1e9 / 989, 3), "ms_per_sequence": round(ms / batch.num_samples, 1),
+             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev == "cuda" else 0, **prof}
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+        if dev == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.empty_cache()
+    model.eval()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m rollplex.bench profile")
+    ap.add_argument("--preset", default="qwen2.5-vl-3b")
+    ap.add_argument("--parts", default="attn,decode,train")
+    ap.add_argument("--batches", default="64,256")
+    ap.add_argument("--context", type=int, default=608)
+    ap.add_argument("--train", default="rollplex:1,rollplex:2,rollplex:4,serial:8")
+    ap.add_argument("--response-len", type=int, default=512)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the attn/train parts")
+    args = ap.parse_args(argv)
+    dev = args.device
+    cfg = ModelConfig.from_hf(args.preset) if args.preset.endswith(".json") else preset(args.preset)
+    print(json.dumps({"bench": "profile_setup", **env_info()}), flush=True)
+    rows: list[dict] = []
+    batches = [int(b) for b in args.batches.split(",")]
+    parts = args.parts.split(",")
+    if "attn" in parts:
+        attention_sweep(cfg, batches, args.context, rows, dev)
+    with torch.device(dev):
+        model = init_weights(Qwen25VL(cfg), seed=0, std=0.02)
+    model = model.to(DT[dev]).eval()
+    if "decode" in parts and dev == "cuda":
+        decode_profile(model, batches, args.context, rows)  # compiles the model (EngineConfig default)
+    elif dev == "cuda":
+        model.compile()
+    if "train" in parts:
+        configs = []
+        for item in args.train.split(","):
+            mode, k = item.split(":")
+            configs.append((mode, int(k) if mode == "rollplex" else 1, int(k)))
+        train_profile(model, cfg, configs, rows, dev, args.response_len)
+    print()
+    for r in rows:
+        if r["bench"] == "paged_attn":
+            continue
+        print(f"## {r['bench']} " + ", ".join(f"{k}={v}" for k, v in r.items()
+                                                  if k not in ("bench", "by_category", "top")))
+        for k, v in r.get("by_category", {}).items():
+            print(f"  {k:14s} {v[0]:9.3f} ms  {v[1]:6d} kernels")
+        for name, ms, cnt in r.get("top", [])[:8]:
+            print(f"    {ms:9.3f} ms {cnt:6d}x  {name}")
+    print("\n| B | splits | us | TB/s |\n|---|---|---|---|")
+    for r in rows:
+        if r["bench"] == "paged_attn":
+            print(f"| {r['batch']} | {r['num_splits']} | {r['us']} | {r['TBps']} |")
