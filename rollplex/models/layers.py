@@ -43,6 +43,21 @@ class GatedMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+# One compiled function serves many call shapes: prefix batches of 1 or more prompts, responses,
+# decode steps (L = 1), with and without grad, for the policy and its frozen reference copy. Each
+# combination is a dynamo cache entry; past the default limit (8) dynamo silently falls back to
+# eager for every new one, which un-fuses training exactly where it matters.
+RECOMPILE_LIMIT = 64
+
+
+def compile_fn(fn, **kwargs):
+    """torch.compile(fn, dynamic=True) with room for every shape/grad-mode variant we call it with."""
+    import torch._dynamo.config as dcfg
+
+    dcfg.recompile_limit = max(dcfg.recompile_limit, RECOMPILE_LIMIT)
+    return torch.compile(fn, dynamic=True, **kwargs)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)

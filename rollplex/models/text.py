@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import TextConfig
-from .layers import GatedMLP, RMSNorm, apply_rotary, rms_norm
+from .layers import GatedMLP, RMSNorm, apply_rotary, compile_fn, rms_norm
 
 # attend(layer_idx, q [B, H, L, D], k [B, Hkv, L, D], v [B, Hkv, L, D]) -> out [B, H, L, D]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -78,8 +78,8 @@ class TextDecoder(nn.Module):
     def compile(self, **kwargs) -> TextDecoder:
         """Fuse norms, rotary, residuals and SwiGLU with torch.compile (GPU): ~4x fewer kernels per
         layer, which is what a latency-bound graphed decode step pays for. Same math."""
-        self._pre = torch.compile(_pre_attention, dynamic=True, **kwargs)
-        self._post = torch.compile(_post_attention, dynamic=True, **kwargs)
+        self._pre = compile_fn(_pre_attention, **kwargs)
+        self._post = compile_fn(_post_attention, **kwargs)
         return self
 
     def layer(self, i: int, x: torch.Tensor, cos, sin, attend: AttendFn) -> torch.Tensor:

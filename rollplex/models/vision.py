@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from .attention import Segments, segment_attention
 from .config import VisionConfig
-from .layers import GatedMLP, RMSNorm, apply_rotary, rms_norm, rotary_inv_freq
+from .layers import GatedMLP, RMSNorm, apply_rotary, compile_fn, rms_norm, rotary_inv_freq
 
 
 @dataclass
@@ -135,8 +135,8 @@ class VisionTower(nn.Module):
 
     def compile(self, **kwargs) -> VisionTower:
         """Fuse the norms, rotary and SwiGLU elementwise work with torch.compile (GPU); same math."""
-        self._pre = torch.compile(_pre_attention, dynamic=True, **kwargs)
-        self._post = torch.compile(_post_attention, dynamic=True, **kwargs)
+        self._pre = compile_fn(_pre_attention, **kwargs)
+        self._post = compile_fn(_post_attention, **kwargs)
         return self
 
     def block(self, blk: VisionBlock, x, cos, sin, seg: Segments) -> torch.Tensor:

@@ -11,7 +11,34 @@ tests hold it); the logits GEMM runs in the weights' dtype, as `model.logits` do
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+
+def _chunk_fwd(logits, targets, temperature: float):
+    """logits [c, V] (weights' dtype) -> (logp of targets [c], logsumexp [c]) in fp32."""
+    z = logits.float() / temperature
+    lse = z.logsumexp(-1)
+    return z.gather(-1, targets[:, None]).squeeze(-1) - lse, lse
+
+
+def _chunk_bwd(logits, lse, go, targets, temperature: float):
+    """d loss / d logits of one chunk, in the logits' dtype: (onehot(y) - softmax) * go / T."""
+    probs = (logits.float() / temperature - lse[:, None]).exp()
+    g = -probs * go[:, None]
+    g.scatter_add_(-1, targets[:, None], go[:, None])
+    return (g / temperature).to(logits.dtype)
+
+
+@functools.cache
+def _chunk_fns(cuda: bool):
+    """On GPU the chunk math is one fused pass over the [c, V] logits instead of ~6 (torch.compile)."""
+    if not cuda:
+        return _chunk_fwd, _chunk_bwd
+    from ..models.layers import compile_fn
+
+    return compile_fn(_chunk_fwd), compile_fn(_chunk_bwd)
 
 
 class _TokenLogprob(torch.autograd.Function):
@@ -20,10 +47,10 @@ class _TokenLogprob(torch.autograd.Function):
         T = hidden.shape[0]
         out = torch.empty(T, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(T, dtype=torch.float32, device=hidden.device)
+        fwd = _chunk_fns(hidden.is_cuda)[0]
         for s in range(0, T, chunk):
-            logits = (hidden[s : s + chunk] @ weight.t()).float() / temperature
-            lse[s : s + chunk] = logits.logsumexp(-1)
-            out[s : s + chunk] = logits.gather(-1, targets[s : s + chunk, None]).squeeze(-1) - lse[s : s + chunk]
+            out[s : s + chunk], lse[s : s + chunk] = fwd(hidden[s : s + chunk] @ weight.t(), targets[s : s + chunk],
+                                                         temperature)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         return out
@@ -36,12 +63,10 @@ class _TokenLogprob(torch.autograd.Function):
         grad_w = None
         if ctx.needs_input_grad[1]:
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        bwd = _chunk_fns(hidden.is_cuda)[1]
         for s in range(0, hidden.shape[0], chunk):
-            h, go = hidden[s : s + chunk], grad_out[s : s + chunk].float()
-            probs = ((h @ weight.t()).float() / t - lse[s : s + chunk, None]).exp()
-            g = -probs * go[:, None]
-            g.scatter_add_(-1, targets[s : s + chunk, None], go[:, None])
-            g = (g / t).to(weight.dtype)  # d loss / d logits of this chunk
+            h = hidden[s : s + chunk]
+            g = bwd(h @ weight.t(), lse[s : s + chunk], grad_out[s : s + chunk].float(), targets[s : s + chunk], t)
             if grad_h is not None:
                 grad_h[s : s + chunk] = g @ weight
             if grad_w is not None:
