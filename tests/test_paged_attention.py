@@ -130,3 +130,43 @@ def test_triton_shapes_and_dtypes(H: int, Hkv: int, D: int, block_size: int, dty
     ref = paged_decode_attention(*case, backend="reference")
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=0)
+
+
+def _with_new_token(case, seed: int = 5):
+    q, k, v, table, lens = case
+    g = torch.Generator().manual_seed(seed)
+    B, Hkv, D = q.shape[0], k.shape[2], k.shape[3]
+    k_new = torch.randn(B, Hkv, D, generator=g).to(k.dtype).to(k.device)
+    v_new = torch.randn(B, Hkv, D, generator=g).to(k.dtype).to(k.device)
+    return k_new, v_new
+
+
+def test_reference_new_token_is_written_then_attended() -> None:
+    case = make_case([5, 16, 17, 40], 4, 2, 64, 16, seed=4, pad_value=0)
+    q, k, v, table, lens = case
+    k_new, v_new = _with_new_token(case)
+    k2, v2 = k.clone(), v.clone()
+    out = paged_decode_attention(q, k2, v2, table, lens, backend="reference", k_new=k_new, v_new=v_new)
+    for b, n in enumerate(lens.tolist()):  # the slot of position n-1, from the table
+        blk, off = int(table[b, (n - 1) // 16]), (n - 1) % 16
+        torch.testing.assert_close(k2[blk, off], k_new[b])
+        torch.testing.assert_close(v2[blk, off], v_new[b])
+    torch.testing.assert_close(out, naive(q, k2, v2, table, lens))
+    with pytest.raises(ValueError, match="together"):
+        paged_decode_attention(q, k, v, table, lens, k_new=k_new)
+
+
+@triton_only
+@pytest.mark.parametrize("num_splits,tile", [(None, None), (1, {"tile_n": 32}), (3, {"tile_n": 128, "num_warps": 8}),
+                                             (8, {"num_stages": 3})])
+def test_triton_fused_new_token_write(num_splits, tile) -> None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    case = make_case([70, 1, 16, 33, 64, 65], 4, 2, 64, 16, device=device, seed=6, pad_value=0)
+    q, k, v, table, lens = case
+    k_new, v_new = _with_new_token(case)
+    kr, vr, kt, vt = k.clone(), v.clone(), k.clone(), v.clone()
+    ref = paged_decode_attention(q, kr, vr, table, lens, backend="reference", k_new=k_new, v_new=v_new)
+    out = paged_decode_attention(q, kt, vt, table, lens, backend="triton", num_splits=num_splits, k_new=k_new,
+                                 v_new=v_new, tile=tile)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(kt, kr) and torch.equal(vt, vr)  # the same slots written, nothing else touched

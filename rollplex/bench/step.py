@@ -120,7 +120,7 @@ def main(argv=None) -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("--micro-prompts", type=int, default=1, help="rollplex: prompts (x n samples) per fwd/bwd")
+    ap.add_argument("--micro-prompts", type=int, default=2, help="rollplex: prompts (x n samples) per fwd/bwd")
     ap.add_argument("--micro-samples", type=int, default=8, help="serial: sequences per fwd/bwd")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args(argv)

@@ -118,17 +118,16 @@ class ModelRunner:
 
     # ---- decode ---------------------------------------------------------------------------------
     def _decode_forward(self, meta: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-        """meta [4, B] long rows: token id, position, KV length, cache slot; block_table [B, W]."""
+        """meta [4, B] long rows: token id, position, KV length, cache slot (the slot of position
+        KV length - 1 in block_table, where the kernel writes); block_table [B, W]."""
         m = self.model
-        ids, pos, seq_lens, slots = meta.unbind(0)
+        ids, pos, seq_lens, _slots = meta.unbind(0)
         positions = pos[None, :, None].expand(3, -1, 1)
-        kv_shape = (-1, self.num_kv_heads, self.head_dim)
 
         def attend(layer, q, k, v):
-            kc, vc = self.k_cache[layer], self.v_cache[layer]
-            kc.view(kv_shape).index_copy_(0, slots, k[:, :, 0])
-            vc.view(kv_shape).index_copy_(0, slots, v[:, :, 0])
-            return paged_decode_attention(q[:, :, 0], kc, vc, block_table, seq_lens)[:, :, None]
+            # the kernel stores the new token's k/v at position seq_len - 1 (slot from the table) itself
+            return paged_decode_attention(q[:, :, 0], self.k_cache[layer], self.v_cache[layer], block_table, seq_lens,
+                                          k_new=k[:, :, 0], v_new=v[:, :, 0])[:, :, None]
 
         hidden = m.forward_embeds(m.model.embed_tokens(ids)[:, None], positions, attend)
         return m.logits(hidden[:, 0]).float()

@@ -18,6 +18,11 @@ Design of the Triton backend (flash-decoding):
 * CUDA graphs: seq_lens and block_table are only read on the device; each program derives its tile range
   from its sequence's length, so the grid depends only on static shapes (B, Hkv, max_blocks, block_size)
   and the launch holds no host sync. Splits with no tokens write lse = -inf; rows with seq_len 0 give 0.
+* Fused cache write: given the new token's k/v (``k_new``/``v_new`` [B, Hkv, D]), the kernel takes
+  position seq_len - 1 from them instead of the cache, and the one program whose split covers that
+  position stores them into the cache (its slot comes from the block table). This saves the two
+  scatter kernels per layer a separate cache write costs in a graphed decode step, and is race-free:
+  a sequence appends only into a block it owns alone (the block manager forks shared partial blocks).
 * Tokens are gathered per token (block id looked up for each of the TILE_N tokens of a tile), so block
   sizes 16/32/64 share one code path and table entries past a sequence's end are never dereferenced.
 
@@ -37,6 +42,7 @@ import torch
 _TILE_N = 64  # tokens per inner-loop iteration; a multiple of every supported block size
 _MAX_SPLITS = 64
 _NUM_WARPS = 4  # H200: 4 beat 8 at every shape measured
+_NUM_STAGES = 2
 
 
 def paged_decode_attention(
@@ -49,8 +55,15 @@ def paged_decode_attention(
     backend: str = "auto",
     *,
     num_splits: int | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    tile: dict | None = None,
 ) -> torch.Tensor:
-    """Attention of q [B, H, D] over the first seq_lens[b] cached tokens of each sequence -> [B, H, D]."""
+    """Attention of q [B, H, D] over the first seq_lens[b] cached tokens of each sequence -> [B, H, D].
+
+    k_new / v_new [B, Hkv, D]: the new token of each sequence (position seq_len - 1); it is written
+    into the cache at that position (slot from block_table) and attended to. tile: Triton launch
+    knobs for tuning (tile_n, num_warps, num_stages)."""
     B, H, D = q.shape
     num_blocks, block_size, Hkv, Dk = k_cache.shape
     if v_cache.shape != k_cache.shape or Dk != D:
@@ -59,15 +72,31 @@ def paged_decode_attention(
         raise ValueError(f"num query heads {H} is not a multiple of num KV heads {Hkv}")
     if block_table.shape[0] != B or seq_lens.shape != (B,):
         raise ValueError("block_table must be [B, max_blocks] and seq_lens [B]")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new come together")
+    if k_new is not None and (k_new.shape != (B, Hkv, D) or v_new.shape != (B, Hkv, D)):
+        raise ValueError(f"k_new / v_new must be [B, Hkv, D] = {(B, Hkv, D)}")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if backend == "auto":
         fits = q.shape[-1] in (64, 128) and k_cache.shape[1] in (16, 32, 64)
         backend = "triton" if q.is_cuda and fits and _triton_available() else "reference"
     if backend == "reference":
+        if k_new is not None:
+            _write_new(k_cache, v_cache, block_table, seq_lens, k_new, v_new)
         return _reference(q, k_cache, v_cache, block_table, seq_lens, scale)
     if backend == "triton":
-        return _triton_forward(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits)
+        return _triton_forward(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits, k_new, v_new, tile)
     raise ValueError(f"unknown backend {backend!r}: expected 'auto', 'triton' or 'reference'")
+
+
+def _write_new(k_cache, v_cache, block_table, seq_lens, k_new, v_new) -> None:
+    """Store each sequence's new token at position seq_len - 1 (rows with seq_len 0 write nothing)."""
+    block_size = k_cache.shape[1]
+    last = seq_lens.long() - 1
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    blk = block_table.long()[rows, last[rows] // block_size]
+    k_cache[blk, last[rows] % block_size] = k_new[rows]
+    v_cache[blk, last[rows] % block_size] = v_new[rows]
 
 
 def _reference(
@@ -91,10 +120,11 @@ def _reference(
     return out.reshape(B, H, D).to(q.dtype)
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, num_sms: int = 132) -> int:
+def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, num_sms: int = 132,
+                      tile_n: int = _TILE_N) -> int:
     """Splits per sequence from static shapes only: about 4 programs per SM in all (rounded down, which
     avoids a mostly idle last wave), and at least 2 tiles per split at the table's full length."""
-    max_tiles = -(-max_blocks * block_size // _TILE_N)
+    max_tiles = -(-max_blocks * block_size // tile_n)
     want = 4 * num_sms // max(1, batch * num_kv_heads)
     return max(1, min(want, max_tiles // 2, _MAX_SPLITS))
 
@@ -115,7 +145,8 @@ def _triton_available() -> bool:
 
 def _triton_forward(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, num_splits: int | None,
+    seq_lens: torch.Tensor, scale: float, num_splits: int | None, k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None, tile: dict | None = None,
 ) -> torch.Tensor:
     if not _triton_available():
         raise RuntimeError("backend='triton' needs the triton package")
@@ -131,6 +162,18 @@ def _triton_forward(
         raise ValueError("k_cache / v_cache must be contiguous in the head dim")
     if q.stride(-1) != 1:
         q = q.contiguous()
+    has_new = k_new is not None
+    if has_new:
+        if k_new.dtype != k_cache.dtype or v_new.dtype != k_cache.dtype:
+            raise ValueError("k_new / v_new must have the cache's dtype")
+        k_new = k_new if k_new.stride(-1) == 1 else k_new.contiguous()
+        v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
+    else:
+        k_new = v_new = q  # unused (HAS_NEW=False); any tensor with two leading strides
+    tile = tile or {}
+    tile_n = int(tile.get("tile_n", _TILE_N))
+    if tile_n % block_size or tile_n < 16 or tile_n & (tile_n - 1):
+        raise ValueError(f"tile_n must be a power of two >= 16 and a multiple of block_size, got {tile_n}")
     block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     seq_lens = seq_lens.contiguous()
     max_blocks = block_table.shape[1]
@@ -138,7 +181,7 @@ def _triton_forward(
         sms = 132  # H100/H200; only used when q is not on CUDA (interpreter)
         if q.is_cuda:
             sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
-        num_splits = choose_num_splits(B, Hkv, max_blocks, block_size, sms)
+        num_splits = choose_num_splits(B, Hkv, max_blocks, block_size, sms, tile_n)
     num_splits = max(1, int(num_splits))
     G = H // Hkv
     out = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
@@ -148,14 +191,16 @@ def _triton_forward(
     split_kernel, merge_kernel = _kernels()
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         split_kernel[(B, Hkv, num_splits)](
-            q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse,
+            q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse, k_new, v_new,
             scale * math.log2(math.e), q.stride(0), q.stride(1),
+            k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_table.stride(0), max_blocks, num_splits,
-            G=G, G_PAD=max(16, _next_pow2(G)), D=D, BLOCK_SIZE=block_size, TILE_N=_TILE_N,
+            G=G, G_PAD=max(16, _next_pow2(G)), D=D, BLOCK_SIZE=block_size, TILE_N=tile_n,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # only matters for fp32: exact, not tf32
-            SINGLE=single, num_warps=_NUM_WARPS,
+            SINGLE=single, HAS_NEW=has_new, num_warps=int(tile.get("num_warps", _NUM_WARPS)),
+            num_stages=int(tile.get("num_stages", _NUM_STAGES)),
         )
         if not single:
             merge_kernel[(B * H,)](part_out, part_lse, out, num_splits, D=D, S_PAD=_next_pow2(num_splits), num_warps=4)
@@ -174,10 +219,11 @@ def _kernels() -> tuple[Any, Any]:
 
     @triton.jit
     def split_kernel(
-        Q, K, V, BT, LENS, PO, PL, scale_log2, stride_qb, stride_qh,
+        Q, K, V, BT, LENS, PO, PL, KN, VN, scale_log2, stride_qb, stride_qh,
+        stride_knb, stride_knh, stride_vnb, stride_vnh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb, max_blocks, num_splits,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-        PRECISION: tl.constexpr, SINGLE: tl.constexpr,
+        PRECISION: tl.constexpr, SINGLE: tl.constexpr, HAS_NEW: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -198,13 +244,23 @@ def _kernels() -> tuple[Any, Any]:
         l_sum = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
         bt_row = BT + b.to(tl.int64) * stride_btb
+        last = seq_len - 1  # the new token's position when HAS_NEW
+        if HAS_NEW:
+            kn = tl.load(KN + b * stride_knb + kvh * stride_knh + d)
+            vn = tl.load(VN + b * stride_vnb + kvh * stride_vnh + d)
         for t in range(t_start, t_end):
             pos = t * TILE_N + n
             ok = pos < seq_len
             blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
             slot = pos % BLOCK_SIZE
+            if HAS_NEW:
+                from_cache = ok & (pos != last)
+            else:
+                from_cache = ok
             k = tl.load(K + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                        mask=ok[:, None], other=0.0)
+                        mask=from_cache[:, None], other=0.0)
+            if HAS_NEW:
+                k = tl.where((pos == last)[:, None], kn[None, :], k)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G_PAD, TILE_N], log2 units
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -212,9 +268,20 @@ def _kernels() -> tuple[Any, Any]:
             p = tl.exp2(s - m_new[:, None])
             l_sum = l_sum * alpha + tl.sum(p, axis=1)
             v = tl.load(V + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                        mask=ok[:, None], other=0.0)
+                        mask=from_cache[:, None], other=0.0)
+            if HAS_NEW:
+                v = tl.where((pos == last)[:, None], vn[None, :], v)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
+
+        if HAS_NEW:  # the program whose tile range holds the new token stores it
+            t_last = last // TILE_N
+            owns = (last >= 0) & (t_last >= t_start) & (t_last < t_end)
+            nblk = tl.load(bt_row + tl.maximum(last, 0) // BLOCK_SIZE).to(tl.int64)
+            nslot = tl.maximum(last, 0) % BLOCK_SIZE
+            w_ok = (d * 0 + owns.to(tl.int32)) > 0  # [D] (a plain scalar mask trips the interpreter)
+            tl.store(K + nblk * stride_kb + nslot * stride_ks + kvh * stride_kh + d, kn, mask=w_ok)
+            tl.store(V + nblk * stride_vb + nslot * stride_vs + kvh * stride_vh + d, vn, mask=w_ok)
 
         has = l_sum > 0.0
         lse = tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))

@@ -22,25 +22,32 @@ from .layers import GatedMLP, RMSNorm, apply_rotary, compile_fn, rms_norm
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _pre_attention(x, norm_w, qkv_w, qkv_b, cos, sin, eps: float, num_heads: int, num_kv_heads: int):
-    """input norm -> fused qkv -> M-RoPE: q [B, H, L, D], k/v [B, Hkv, L, D]."""
+def _pre_attention(x, delta, norm_w, qkv_w, qkv_b, cos, sin, eps: float, num_heads: int, num_kv_heads: int):
+    """residual add (x + the previous layer's MLP output `delta`, if any) -> input norm -> fused qkv ->
+    M-RoPE on q and k together (one pass). Returns q [B, H, L, D], k/v [B, Hkv, L, D], the residual."""
+    if delta is not None:
+        x = x + delta
     B, L, _ = x.shape
     D = cos.shape[-1]
-    q, k, v = F.linear(rms_norm(x, norm_w, eps), qkv_w, qkv_b).split(
-        [num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
-    q = q.view(B, L, num_heads, D).transpose(1, 2)
-    k = k.view(B, L, num_kv_heads, D).transpose(1, 2)
-    v = v.view(B, L, num_kv_heads, D).transpose(1, 2)
-    cos, sin = cos[:, None], sin[:, None]  # [B, 1, L, D]
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+    qk, v = F.linear(rms_norm(x, norm_w, eps), qkv_w, qkv_b).split(
+        [(num_heads + num_kv_heads) * D, num_kv_heads * D], dim=-1)
+    qk = apply_rotary(qk.view(B, L, num_heads + num_kv_heads, D).transpose(1, 2), cos[:, None], sin[:, None])
+    q, k = qk.split([num_heads, num_kv_heads], dim=1)
+    return q, k, v.view(B, L, num_kv_heads, D).transpose(1, 2), x
 
 
 def _post_attention(x, attn, o_w, norm_w, gate_up_w, down_w, eps: float):
-    """o_proj + residual, then norm -> SwiGLU -> residual. attn [B, H, L, D]."""
+    """o_proj + residual, then norm -> SwiGLU. attn [B, H, L, D]. Returns (residual, MLP output): the
+    second residual add happens in the next layer's `_pre_attention` (or `_final_norm`), fused with
+    its norm."""
     B, H, L, D = attn.shape
     x = x + F.linear(attn.transpose(1, 2).reshape(B, L, H * D), o_w)
     gate, up = F.linear(rms_norm(x, norm_w, eps), gate_up_w).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, down_w)
+    return x, F.linear(F.silu(gate) * up, down_w)
+
+
+def _final_norm(x, delta, norm_w, eps: float):
+    return rms_norm(x + delta, norm_w, eps)
 
 
 class TextAttention(nn.Module):
@@ -73,26 +80,33 @@ class TextDecoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self._pre, self._post = _pre_attention, _post_attention
+        self._pre, self._post, self._final = _pre_attention, _post_attention, _final_norm
 
     def compile(self, **kwargs) -> TextDecoder:
         """Fuse norms, rotary, residuals and SwiGLU with torch.compile (GPU): ~4x fewer kernels per
         layer, which is what a latency-bound graphed decode step pays for. Same math."""
         self._pre = compile_fn(_pre_attention, **kwargs)
         self._post = compile_fn(_post_attention, **kwargs)
+        self._final = compile_fn(_final_norm, **kwargs)
         return self
 
-    def layer(self, i: int, x: torch.Tensor, cos, sin, attend: AttendFn) -> torch.Tensor:
+    def layer(self, i: int, x: torch.Tensor, delta: torch.Tensor | None, cos, sin,
+              attend: AttendFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i on the residual stream x + delta (delta: the previous layer's MLP output, or None)
+        -> (residual after attention, this layer's MLP output)."""
         lyr = self.layers[i]
         a, m, eps = lyr.self_attn, lyr.mlp, self.cfg.rms_norm_eps
-        q, k, v = self._pre(x, lyr.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, cos, sin, eps,
-                            a.num_heads, a.num_kv_heads)
+        q, k, v, x = self._pre(x, delta, lyr.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, cos, sin,
+                               eps, a.num_heads, a.num_kv_heads)
         out = attend(i, q, k, v)  # [B, H, L, D]
         return self._post(x, out, a.o_proj.weight, lyr.post_attention_layernorm.weight, m.gate_up_proj.weight,
                           m.down_proj.weight, eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
         """x [B, L, C] embeddings; cos/sin [B, L, D] -> final-normed hidden [B, L, C]."""
+        delta = None
         for i in range(len(self.layers)):
-            x = self.layer(i, x, cos, sin, attend)
-        return self.norm(x)
+            x, delta = self.layer(i, x, delta, cos, sin, attend)
+        if delta is None:
+            return self.norm(x)
+        return self._final(x, delta, self.norm.weight, self.cfg.rms_norm_eps)

@@ -43,10 +43,12 @@ class MasterAdamW:
     def step(self) -> None:
         for p, m in zip(self.params, self.master):
             m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None  # the fp32 copy replaces it: no bf16 + fp32 gradient pair held at the peak
         self.opt.step()
         with torch.no_grad():
             for p, m in zip(self.params, self.master):
                 p.copy_(m)
+                m.grad = None
 
     def state_dict(self) -> dict:
         return {"opt": self.opt.state_dict(), "master": [m.detach().cpu() for m in self.master]}
