@@ -89,7 +89,8 @@ def main(argv=None) -> None:
     eng = Engine(model, None, EngineConfig(max_num_seqs=256, max_model_len=2048, gpu_memory_utilization=0.85,
                                            max_num_batched_tokens=32768), hooks=[hook])
     print(json.dumps({"bench": "engine_init", "kv_blocks": eng.runner.num_blocks, "block_size": eng.cfg.block_size,
-                      "graphs": sorted(eng.runner.graphs)}), flush=True)
+                      "graphs": sorted(eng.runner.graphs),
+                      "attn_cfg": {b: eng.runner.attn_cfg.get(b) for b in (8, 64, 256)}}), flush=True)
 
     # --- 1. correctness ---------------------------------------------------------------------------
     prompts = w3b_prompts(cfg, args.prompts, device=dev)

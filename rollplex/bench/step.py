@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import time
 
@@ -80,29 +81,42 @@ def update_flops(cfg, batch: RolloutBatch, mode: str, grid) -> float:
     return 3 * (prefix + resp)
 
 
-def run_modes(model, batch: RolloutBatch, rl_kw: dict, grid, label: str, cfg) -> list[dict]:
+def run_modes(model, batch: RolloutBatch, rl_kw: dict, grid, label: str, cfg, warm: int = 0) -> list[dict]:
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ref = copy.deepcopy(model).requires_grad_(False)
     rows = []
+    from torch._dynamo.utils import counters
+
     for mode in ("serial", "rollplex"):
-        with torch.no_grad():
-            for k, v in model.state_dict().items():
-                v.copy_(init[k])
-        rl = RLStep(model, None, RLConfig(mode=mode, **rl_kw), reward_fn="exact", ref_model=ref)
-        _sync()
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        m = rl.train(copy.copy(batch))
-        _sync()
-        wall = time.perf_counter() - t0
+        cold = None
+        for it in range(1 + warm):  # with `warm`, the first run compiles (dynamo) and the second is timed
+            with torch.no_grad():
+                for k, v in model.state_dict().items():
+                    v.copy_(init[k])
+            rl = RLStep(model, None, RLConfig(mode=mode, **rl_kw), reward_fn="exact", ref_model=ref)
+            _sync()
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            graphs0 = counters["stats"]["unique_graphs"]
+            t0 = time.perf_counter()
+            m = rl.train(copy.copy(batch))
+            _sync()
+            wall = time.perf_counter() - t0
+            new_graphs = counters["stats"]["unique_graphs"] - graphs0
+            if it < warm:
+                cold = [round(wall, 2), new_graphs]
+                del rl
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
         fl = update_flops(cfg, batch, mode, grid)
         r = {"bench": "step", "workload": label, "mode": mode, "prompts": batch.num_prompts, "n": batch.num_samples,
              "ref_s": round(m.get("timing_s/ref", 0.0), 3), "update_actor_s": round(m["timing_s/update_actor"], 3),
              "ref_plus_update_s": round(wall, 3), "update_tflops": round(fl / m["timing_s/update_actor"] / 1e12, 1),
              "update_mfu": round(fl / m["timing_s/update_actor"] / 1e12 / PEAK_TFLOPS, 3),
              "pg_loss": m["actor/pg_loss"], "kl_loss": m["actor/kl_loss"], "grad_norm": m["actor/grad_norm"],
-             "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else 0}
+             "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else 0,
+             "cold_s_and_graphs": cold, "dynamo_graphs_compiled": new_graphs}
         print(json.dumps(r), flush=True)
         rows.append(r)
         del rl
@@ -123,6 +137,7 @@ def main(argv=None) -> None:
     ap.add_argument("--micro-prompts", type=int, default=2, help="rollplex: prompts (x n samples) per fwd/bwd")
     ap.add_argument("--micro-samples", type=int, default=8, help="serial: sequences per fwd/bwd")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--no-warm", action="store_true", help="time the first run (dynamo compiles included)")
     args = ap.parse_args(argv)
     cfg = preset(args.preset) if not args.preset.endswith(".json") else ModelConfig.from_hf(args.preset)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -159,7 +174,7 @@ def main(argv=None) -> None:
             [s.token_ids for o in outs for s in o.samples], pad_id=0,
             logprobs=[s.logprobs for o in outs for s in o.samples],
             rewards=[float(torch.rand(()) < 0.5) for o in outs for _ in o.samples])
-        rows = run_modes(model, batch, rl_kw, grid, label, cfg)
+        rows = run_modes(model, batch, rl_kw, grid, label, cfg, warm=0 if args.no_warm else 1)
         s, r = rows
         total_s, total_r = gen_s + s["ref_plus_update_s"], gen_s + r["ref_plus_update_s"]
         summary.append((label, gen_s, s, r, total_s, total_r))

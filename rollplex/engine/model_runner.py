@@ -22,7 +22,7 @@ import torch
 from ..models import Qwen25VL
 from ..models.attention import sdpa
 from .config import EngineConfig
-from .paged_attention import paged_decode_attention
+from .paged_attention import paged_decode_attention, tune_decode
 
 CPU_DEFAULT_KV_TOKENS = 65536
 
@@ -46,6 +46,7 @@ class ModelRunner:
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.attn_cfg: dict[int, tuple] = {}  # graphed batch size -> (num_splits, tile) of its attention
         self.use_graphs = self.device.type == "cuda" and cfg.cuda_graph
         if self.use_graphs:
             self._capture()
@@ -117,7 +118,7 @@ class ModelRunner:
         self.v_cache[:, dst] = self.v_cache[:, src]
 
     # ---- decode ---------------------------------------------------------------------------------
-    def _decode_forward(self, meta: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    def _decode_forward(self, meta: torch.Tensor, block_table: torch.Tensor, attn_cfg=(None, None)) -> torch.Tensor:
         """meta [4, B] long rows: token id, position, KV length, cache slot (the slot of position
         KV length - 1 in block_table, where the kernel writes); block_table [B, W]."""
         m = self.model
@@ -127,7 +128,8 @@ class ModelRunner:
         def attend(layer, q, k, v):
             # the kernel stores the new token's k/v at position seq_len - 1 (slot from the table) itself
             return paged_decode_attention(q[:, :, 0], self.k_cache[layer], self.v_cache[layer], block_table, seq_lens,
-                                          k_new=k[:, :, 0], v_new=v[:, :, 0])[:, :, None]
+                                          k_new=k[:, :, 0], v_new=v[:, :, 0], num_splits=attn_cfg[0],
+                                          tile=attn_cfg[1])[:, :, None]
 
         hidden = m.forward_embeds(m.model.embed_tokens(ids)[:, None], positions, attend)
         return m.logits(hidden[:, 0]).float()
@@ -151,6 +153,27 @@ class ModelRunner:
         graph.replay()
         return out[:B]
 
+    TUNE_CONTEXT = 768  # tokens per sequence the attention kernel is tuned at
+
+    def _tune_attention(self, b: int) -> tuple:
+        """Pick the paged-attention launch config for batch size b by timing candidates on the (still
+        empty) cache: b sequences of TUNE_CONTEXT tokens in their own blocks."""
+        t = self.model.cfg.text
+        ctx = min(self.TUNE_CONTEXT, self.cfg.max_model_len - 1)
+        per = -(-ctx // self.block_size)
+        if 1 + b * per > self.num_blocks:
+            return (None, None)
+        dev, dt = self.device, self.dtype
+        table = torch.zeros(b, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        table[:, :per] = 1 + torch.arange(b * per, device=dev, dtype=torch.int32).view(b, per)
+        q = torch.randn(b, t.num_attention_heads, self.head_dim, device=dev, dtype=dt)
+        kn = torch.randn(b, self.num_kv_heads, self.head_dim, device=dev, dtype=dt)
+        lens = torch.full((b,), ctx, device=dev)
+        best = tune_decode(q, self.k_cache[0], self.v_cache[0], table, lens, kn, kn.clone())
+        self.k_cache[0].zero_()
+        self.v_cache[0].zero_()
+        return best
+
     def _capture(self) -> None:
         max_bs = min(self.cfg.cuda_graph_max_bs, self.cfg.max_num_seqs)
         dev = self.device
@@ -159,7 +182,8 @@ class ModelRunner:
         self.static_bt = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
         pool = None
         for b in reversed(graph_buckets(max_bs)):
-            args = (self.static_meta[:, :b], self.static_bt[:b])
+            self.attn_cfg[b] = self._tune_attention(b)
+            args = (self.static_meta[:, :b], self.static_bt[:b], self.attn_cfg[b])
             with torch.no_grad():
                 side = torch.cuda.Stream(dev)
                 side.wait_stream(torch.cuda.current_stream(dev))

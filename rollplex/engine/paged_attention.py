@@ -18,11 +18,13 @@ Design of the Triton backend (flash-decoding):
 * CUDA graphs: seq_lens and block_table are only read on the device; each program derives its tile range
   from its sequence's length, so the grid depends only on static shapes (B, Hkv, max_blocks, block_size)
   and the launch holds no host sync. Splits with no tokens write lse = -inf; rows with seq_len 0 give 0.
-* Fused cache write: given the new token's k/v (``k_new``/``v_new`` [B, Hkv, D]), the kernel takes
-  position seq_len - 1 from them instead of the cache, and the one program whose split covers that
-  position stores them into the cache (its slot comes from the block table). This saves the two
-  scatter kernels per layer a separate cache write costs in a graphed decode step, and is race-free:
-  a sequence appends only into a block it owns alone (the block manager forks shared partial blocks).
+* Fused cache write: given the new token's k/v (``k_new``/``v_new`` [B, Hkv, D]), the one program
+  whose split covers position seq_len - 1 stores them into the cache (slot from the block table),
+  then a block barrier, then the usual loop reads them like any cached token. This saves the two
+  scatter kernels per layer a separate cache write costs in a graphed decode step (modifying the
+  loaded tiles instead cost ~60% of the kernel's speed: it breaks the load -> dot pipeline). Race-free:
+  no other program reads that slot, since a sequence appends only into a block it owns alone (the
+  block manager forks shared partial blocks).
 * Tokens are gathered per token (block id looked up for each of the TILE_N tokens of a tile), so block
   sizes 16/32/64 share one code path and table entries past a sequence's end are never dereferenced.
 
@@ -87,6 +89,51 @@ def paged_decode_attention(
     if backend == "triton":
         return _triton_forward(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits, k_new, v_new, tile)
     raise ValueError(f"unknown backend {backend!r}: expected 'auto', 'triton' or 'reference'")
+
+
+# (num_splits, tile) candidates the engine times per graphed batch size; None = choose_num_splits
+DECODE_CANDIDATES = (
+    (None, {}),
+    (1, {"tile_n": 32}),
+    (1, {"tile_n": 128, "num_warps": 8, "num_stages": 3}),
+    (1, {"num_stages": 3}),
+    (2, {}),
+    (4, {}),
+)
+
+
+def tune_decode(q, k_cache, v_cache, block_table, seq_lens, k_new, v_new, candidates=DECODE_CANDIDATES,
+                reps: int = 10) -> tuple[int | None, dict]:
+    """The fastest (num_splits, tile) for these shapes on this GPU, each timed as `reps` calls replayed
+    from one CUDA graph (what a call costs inside the graphed decode step). Writes k_new/v_new into the
+    cache, so run it before the cache holds sequences."""
+    best, best_ms = candidates[0], float("inf")
+    for num_splits, tile in candidates:
+        def call():
+            paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, num_splits=num_splits, k_new=k_new,
+                                   v_new=v_new, tile=tile)
+        side = torch.cuda.Stream(q.device)
+        side.wait_stream(torch.cuda.current_stream(q.device))
+        with torch.cuda.stream(side):
+            call()  # compile + warm
+        torch.cuda.current_stream(q.device).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                call()
+        times = []
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        ms = sorted(times)[len(times) // 2]
+        if ms < best_ms:
+            best, best_ms = (num_splits, tile), ms
+        del g
+    return best
 
 
 def _write_new(k_cache, v_cache, block_table, seq_lens, k_new, v_new) -> None:
@@ -244,23 +291,25 @@ def _kernels() -> tuple[Any, Any]:
         l_sum = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
         bt_row = BT + b.to(tl.int64) * stride_btb
-        last = seq_len - 1  # the new token's position when HAS_NEW
-        if HAS_NEW:
-            kn = tl.load(KN + b * stride_knb + kvh * stride_knh + d)
-            vn = tl.load(VN + b * stride_vnb + kvh * stride_vnh + d)
+        if HAS_NEW:  # the program whose tile range holds position seq_len - 1 stores the new token first
+            last = seq_len - 1
+            t_last = last // TILE_N
+            owns = (last >= 0) & (t_last >= t_start) & (t_last < t_end)
+            w_ok = (d * 0 + owns.to(tl.int32)) > 0  # [D] (a plain scalar mask trips the interpreter)
+            nblk = tl.load(bt_row + tl.maximum(last, 0) // BLOCK_SIZE).to(tl.int64)
+            nslot = tl.maximum(last, 0) % BLOCK_SIZE
+            kn = tl.load(KN + b * stride_knb + kvh * stride_knh + d, mask=w_ok, other=0.0)
+            vn = tl.load(VN + b * stride_vnb + kvh * stride_vnh + d, mask=w_ok, other=0.0)
+            tl.store(K + nblk * stride_kb + nslot * stride_ks + kvh * stride_kh + d, kn, mask=w_ok)
+            tl.store(V + nblk * stride_vb + nslot * stride_vs + kvh * stride_vh + d, vn, mask=w_ok)
+            tl.debug_barrier()  # the block's later loads of that slot see the store
         for t in range(t_start, t_end):
             pos = t * TILE_N + n
             ok = pos < seq_len
             blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
             slot = pos % BLOCK_SIZE
-            if HAS_NEW:
-                from_cache = ok & (pos != last)
-            else:
-                from_cache = ok
             k = tl.load(K + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                        mask=from_cache[:, None], other=0.0)
-            if HAS_NEW:
-                k = tl.where((pos == last)[:, None], kn[None, :], k)
+                        mask=ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G_PAD, TILE_N], log2 units
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -268,20 +317,9 @@ def _kernels() -> tuple[Any, Any]:
             p = tl.exp2(s - m_new[:, None])
             l_sum = l_sum * alpha + tl.sum(p, axis=1)
             v = tl.load(V + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                        mask=from_cache[:, None], other=0.0)
-            if HAS_NEW:
-                v = tl.where((pos == last)[:, None], vn[None, :], v)
+                        mask=ok[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
-
-        if HAS_NEW:  # the program whose tile range holds the new token stores it
-            t_last = last // TILE_N
-            owns = (last >= 0) & (t_last >= t_start) & (t_last < t_end)
-            nblk = tl.load(bt_row + tl.maximum(last, 0) // BLOCK_SIZE).to(tl.int64)
-            nslot = tl.maximum(last, 0) % BLOCK_SIZE
-            w_ok = (d * 0 + owns.to(tl.int32)) > 0  # [D] (a plain scalar mask trips the interpreter)
-            tl.store(K + nblk * stride_kb + nslot * stride_ks + kvh * stride_kh + d, kn, mask=w_ok)
-            tl.store(V + nblk * stride_vb + nslot * stride_vs + kvh * stride_vh + d, vn, mask=w_ok)
 
         has = l_sum > 0.0
         lse = tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))
