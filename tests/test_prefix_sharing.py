@@ -4,6 +4,7 @@ Holds Rollplex's promise that prefix sharing changes where work runs, never what
 same logits, and with a loss summed over the n responses, the same gradient for every parameter.
 """
 
+import pytest
 import torch
 from helpers import IMG, VID, Prompt, make_prompt, tiny_model
 
@@ -50,12 +51,24 @@ def _shared_logits(model, prompts, resp, index):
     return model.response_logits(prefix, resp, index)
 
 
-def test_shared_prefix_logits_equal_full_forwards():
+def _packed_logits(model, prompts, resp, resp_lens, index):
+    """Prompts and responses packed into one sequence (group_hidden); samples in shuffled order."""
+    hidden = model.group_hidden(prompts, resp, resp_lens.tolist(), index.tolist())
+    return model.logits(hidden)
+
+
+@pytest.mark.parametrize("path", ["prefix_state", "packed"])
+def test_shared_prefix_logits_equal_full_forwards(path):
     model = tiny_model().eval()
     prompts, resp, resp_lens, index = _group()
+    perm = torch.tensor([4, 0, 8, 2, 6, 1, 3, 7, 5])  # responses of a group need not be adjacent
+    resp, resp_lens, index = resp[perm], resp_lens[perm], index[perm]
     with torch.no_grad():
         full = _full_logits(model, prompts, resp, resp_lens, index)
-        shared = _shared_logits(model, prompts, resp, index)
+        if path == "packed":
+            shared = _packed_logits(model, prompts, resp, resp_lens, index)
+        else:
+            shared = _shared_logits(model, prompts, resp, index)
     for i, ref in enumerate(full):
         assert (shared[i, : ref.shape[0]] - ref).abs().max().item() <= 1e-5
 
@@ -69,13 +82,17 @@ def _loss(logits_rows, resp, resp_lens):
     return total
 
 
-def test_shared_prefix_gradients_equal_full_forwards():
+@pytest.mark.parametrize("path", ["prefix_state", "packed"])
+def test_shared_prefix_gradients_equal_full_forwards(path):
     prompts, resp, resp_lens, index = _group(1)
     grads = []
     for shared in (False, True):
         model = tiny_model(seed=3)
         if shared:
-            rows = _shared_logits(model, prompts, resp, index)
+            if path == "packed":
+                rows = _packed_logits(model, prompts, resp, resp_lens, index)
+            else:
+                rows = _shared_logits(model, prompts, resp, index)
             rows = [rows[i] for i in range(rows.shape[0])]
         else:
             rows = _full_logits(model, prompts, resp, resp_lens, index)
@@ -88,6 +105,15 @@ def test_shared_prefix_gradients_equal_full_forwards():
         rel = ((got[name] - ref[name]).norm() / denom).item()
         assert rel <= 1e-5, f"{name}: relative grad diff {rel:.2e}"
     assert any(n.startswith("visual.") and ref[n].abs().sum() > 0 for n in ref)  # vision got gradient
+
+
+def test_packed_validation():
+    model = tiny_model().eval()
+    prompts, resp, _, _ = _group()
+    with pytest.raises(ValueError, match="response_lens"):
+        model.group_hidden(prompts, resp[:2], [0, 3], [0, 1])
+    with pytest.raises(ValueError, match="group"):
+        model.group_hidden(prompts, resp[:2], [2, 3], [0, 5])
 
 
 def test_prefix_index_validation():

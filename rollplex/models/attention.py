@@ -130,9 +130,7 @@ class SharedPrefixLayout:
 def _varlen_causal(q, k, v, cu_q, cu_k, max_q, max_k):
     """Causal varlen flash attention, bottom-right aligned (query j of a segment sees keys up to
     j + len_k - len_q), with GQA; across torch versions' signatures of varlen_attn."""
-    import inspect
-
-    params = inspect.signature(_varlen_attn).parameters
+    params = _varlen_kwargs_names()
     kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in params:
@@ -178,3 +176,82 @@ def shared_prefix_attention(q, k, v, pk, pv, layout: SharedPrefixLayout, backend
         return out.view(N, Rin, H, D).transpose(1, 2)
     idx = layout.index
     return sdpa(q, torch.cat([pk[idx], k], dim=2), torch.cat([pv[idx], v], dim=2), mask=layout.mask())
+
+
+@lru_cache(maxsize=1)
+def _varlen_kwargs_names() -> frozenset:
+    import inspect
+
+    return frozenset(inspect.signature(_varlen_attn).parameters) if _varlen_attn is not None else frozenset()
+
+
+@dataclass
+class PackedLayout:
+    """B prompts and N responses packed into ONE token sequence: [prompt 0 | ... | prompt B-1 |
+    response 0 inputs | ... | response N-1 inputs]. Prompt b's tokens attend causally among
+    themselves; response i's tokens attend to all of its prompt's tokens, then causally to its own.
+    One varlen attention call per layer covers everything, and the prompt's keys computed in the same
+    pass are what every response of its group reads (their gradients meet there)."""
+
+    prompt_lens: list[int]  # [B]
+    response_lens: list[int]  # [N] input tokens of each response (targets - 1; may be 0)
+    group: list[int]  # [N] prompt of each response
+    device: torch.device
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        self.prompt_starts = [0]
+        for n in self.prompt_lens[:-1]:
+            self.prompt_starts.append(self.prompt_starts[-1] + n)
+        self.response_starts = [sum(self.prompt_lens)]
+        for n in self.response_lens[:-1]:
+            self.response_starts.append(self.response_starts[-1] + n)
+        self.total = sum(self.prompt_lens) + sum(self.response_lens)
+
+    def segments(self):
+        """(query rows start, length, key rows as (start, len) runs) of every non-empty segment."""
+        for s, n in zip(self.prompt_starts, self.prompt_lens):
+            yield s, n, [(s, n)]
+        for s, n, g in zip(self.response_starts, self.response_lens, self.group):
+            if n:
+                yield s, n, [(self.prompt_starts[g], self.prompt_lens[g]), (s, n)]
+
+    def varlen(self):
+        """(key gather index, cu_q, cu_k, max_q, max_k) on the device, for flash varlen (bottom-right causal)."""
+        if "varlen" not in self._cache:
+            gather, cu_q, cu_k = [], [0], [0]
+            for _, n, runs in self.segments():
+                for a, m in runs:
+                    gather.append(torch.arange(a, a + m))
+                cu_q.append(cu_q[-1] + n)
+                cu_k.append(cu_k[-1] + sum(m for _, m in runs))
+            lq = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
+            lk = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]
+            i32 = dict(dtype=torch.int32, device=self.device)
+            self._cache["varlen"] = (torch.cat(gather).to(self.device), torch.tensor(cu_q, **i32),
+                                     torch.tensor(cu_k, **i32), max(lq), max(lk))
+        return self._cache["varlen"]
+
+    def mask(self) -> torch.Tensor:
+        """[1, 1, T, T] bool (True = attend), for the dense SDPA path (CPU, small T)."""
+        if "mask" not in self._cache:
+            m = torch.zeros(self.total, self.total, dtype=torch.bool)
+            for s, n, runs in self.segments():
+                causal = torch.ones(n, n, dtype=torch.bool).tril()
+                if len(runs) == 2:
+                    a, p = runs[0]
+                    m[s : s + n, a : a + p] = True
+                m[s : s + n, s : s + n] = causal
+            self._cache["mask"] = m[None, None].to(self.device)
+        return self._cache["mask"]
+
+
+def packed_attention(q, k, v, layout: PackedLayout, backend: str = "auto") -> torch.Tensor:
+    """q [1, H, T, D]; k, v [1, Hkv, T, D] in packed order -> [1, H, T, D]."""
+    _, H, T, D = q.shape
+    if backend == "auto" and _use_flash_varlen(q) and varlen_bottom_right_ok(str(q.device), q.dtype):
+        gather, cu_q, cu_k, max_q, max_k = layout.varlen()
+        keys, vals = k[0].transpose(0, 1)[gather], v[0].transpose(0, 1)[gather]  # [Tk, Hkv, D]
+        out = _varlen_causal(q[0].transpose(0, 1), keys, vals, cu_q, cu_k, max_q, max_k)
+        return out.transpose(0, 1)[None]
+    return sdpa(q, k, v, mask=layout.mask())

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import SharedPrefixLayout, sdpa, shared_prefix_attention
+from .attention import PackedLayout, SharedPrefixLayout, packed_attention, sdpa, shared_prefix_attention
 from .config import ModelConfig
 from .layers import rotary_inv_freq
 from .rope import mrope_cos_sin, mrope_positions
@@ -196,6 +196,47 @@ class Qwen25VL(nn.Module):
 
         hidden = self.forward_embeds(self.model.embed_tokens(tokens), positions, attend)
         return torch.cat([first, hidden], dim=1)
+
+    def group_hidden(self, prompts: Sequence, response_ids: torch.Tensor, response_lens: Sequence[int],
+                     group: Sequence[int]) -> torch.Tensor:
+        """Hidden states predicting each response token, [N, R, C] (rows past a response's length are
+        zero), with every prompt and response packed into one sequence (`PackedLayout`): one pass
+        through the layers, no padding, one attention call per layer. The same values as
+        `response_hidden(prefix(prompts), ...)` and as full forwards; the training/scoring fast path.
+        """
+        N, R = response_ids.shape
+        dev = self.inv_freq.device
+        lens = [int(x) for x in response_lens]
+        group = [int(g) for g in group]
+        if len(lens) != N or len(group) != N or any(not 1 <= n <= R for n in lens):
+            raise ValueError("response_lens must give a length in [1, R] for every response")
+        if any(not 0 <= g < len(prompts) for g in group):
+            raise ValueError("group index out of range")
+        e = self.embed_prompts(prompts)
+        P = e.lens.tolist()
+        layout = PackedLayout(P, [n - 1 for n in lens], group, dev)
+        valid = torch.arange(e.embeds.shape[1], device=dev)[None, :] < e.lens[:, None]  # [B, Pmax]
+        ids = response_ids.to(dev)
+        resp_valid = torch.arange(R - 1, device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None] - 1
+        x = torch.cat([e.embeds[valid], self.model.embed_tokens(ids[:, :-1][resp_valid])])  # [T, C]
+        g = torch.tensor(group, device=dev)
+        start = (e.lens + e.rope_delta)[g]  # [N] position of each response's first token
+        resp_pos = (start[:, None] + torch.arange(R - 1, device=dev)[None, :])[resp_valid]
+        positions = torch.cat([e.positions[:, valid], resp_pos[None].expand(3, -1)], dim=1)  # [3, T]
+
+        def attend(layer, q, k, v):
+            return packed_attention(q, k, v, layout)
+
+        hidden = self.forward_embeds(x[None], positions[:, None], attend)[0]  # [T, C]
+        # row j of response i predicts its token j: j = 0 is its prompt's last token, j >= 1 its input j - 1
+        rows = torch.zeros(N, R, dtype=torch.long)
+        keep = torch.zeros(N, R, dtype=torch.bool)
+        for i, (n, gi) in enumerate(zip(lens, group)):
+            rows[i, 0] = layout.prompt_starts[gi] + P[gi] - 1
+            rows[i, 1:n] = torch.arange(layout.response_starts[i], layout.response_starts[i] + n - 1)
+            keep[i, :n] = True
+        rows, keep = rows.to(dev), keep.to(dev)
+        return hidden[rows] * keep[..., None]
 
     def response_logits(self, prefix: PrefixState, response_ids: torch.Tensor, prefix_index=None) -> torch.Tensor:
         return self.logits(self.response_hidden(prefix, response_ids, prefix_index))

@@ -1,6 +1,7 @@
 """Per-token logprobs of sampled responses under a model, in either mode.
 
-    rollplex: prefix(prompts) once per prompt -> response_hidden(prefix, responses, group)
+    rollplex: each prompt (vision tower + prompt tokens) once, its n responses attending to it, all
+              packed into one sequence per micro-batch (`Qwen25VL.group_hidden`)
     serial:   every sample is a full sequence prompt + response (its images re-encoded per sample,
               as verl repeats multimodal inputs n times) -> hidden rows of the response
 
@@ -31,14 +32,14 @@ def _full_sequence(prompt, response: list[int]):
 def response_hidden(model: Qwen25VL, mb: RolloutBatch, mode: str) -> torch.Tensor:
     """Hidden states predicting each response token, [n, R, C]."""
     dev = model.inv_freq.device
-    if mode == "rollplex":
-        prefix = model.prefix(mb.prompts)
-        return model.response_hidden(prefix, mb.responses.to(dev), mb.group.to(dev))
-    lens = mb.mask.sum(-1).long().tolist()
+    R = mb.responses.shape[1]
+    # length = last masked-in token + 1 (the mask keeps a prefix of each response: tokens up to EOS)
+    lens = ((mb.mask > 0) * torch.arange(1, R + 1)).amax(-1).clamp_min(1).tolist()
+    if mode == "rollplex":  # prompts and responses packed into one pass; each prompt computed once
+        return model.group_hidden(mb.prompts, mb.responses, lens, mb.group.tolist())
     groups = mb.group.tolist()
     fulls = [_full_sequence(mb.prompts[g], mb.responses[i, : lens[i]].tolist()) for i, g in enumerate(groups)]
     hidden = model.hidden(fulls)  # [n, Lmax, C]
-    R = mb.responses.shape[1]
     P = torch.tensor([len(mb.prompts[g].input_ids) for g in mb.group.tolist()], device=dev)
     rows = (P - 1)[:, None] + torch.arange(R, device=dev)[None, :]
     rows = rows.clamp(max=hidden.shape[1] - 1)  # padding rows (masked) may point past the end
