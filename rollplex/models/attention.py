@@ -252,6 +252,6 @@ def packed_attention(q, k, v, layout: PackedLayout, backend: str = "auto") -> to
     if backend == "auto" and _use_flash_varlen(q) and varlen_bottom_right_ok(str(q.device), q.dtype):
         gather, cu_q, cu_k, max_q, max_k = layout.varlen()
         keys, vals = k[0].transpose(0, 1)[gather], v[0].transpose(0, 1)[gather]  # [Tk, Hkv, D]
-        out = _varlen_causal(q[0].transpose(0, 1), keys, vals, cu_q, cu_k, max_q, max_k)
+        out = _varlen_causal(q[0].transpose(0, 1).contiguous(), keys, vals, cu_q, cu_k, max_q, max_k)
         return out.transpose(0, 1)[None]
     return sdpa(q, k, v, mask=layout.mask())

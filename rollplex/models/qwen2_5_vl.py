@@ -106,6 +106,7 @@ class Qwen25VL(nn.Module):
         positions = torch.zeros(3, B, P, dtype=torch.long)
         visual_ok = torch.zeros(B, P, dtype=torch.bool)  # where placeholder ids are visual tokens
         deltas = []
+        heads = []
         for b, (p, x) in enumerate(zip(prompts, ids)):
             # `text_after`: tokens from there on were generated; they are text even if a model emitted
             # a placeholder id (the response path embeds them as text too)
@@ -118,6 +119,7 @@ class Qwen25VL(nn.Module):
             tail = torch.arange(len(x) - head).expand(3, -1) + (head + delta)
             positions[:, b, : len(x)] = torch.cat([pos, tail], dim=1)
             visual_ok[b, :head] = True
+            heads.append(head)
             deltas.append(delta)  # the prompt's delta carries over to the generated tail
         pad, visual_ok = pad.to(dev), visual_ok.to(dev)
         x = emb(pad)
@@ -136,11 +138,10 @@ class Qwen25VL(nn.Module):
             sizes = [t * h * w // m2 for t, h, w in grids]
             n_img = sum(s for s, k in zip(sizes, kinds) if k == "image")
             for tok, f in ((cfg.image_token_id, feats[:n_img]), (cfg.video_token_id, feats[n_img:])):
-                mask = (pad == tok) & visual_ok
-                if int(mask.sum()) != f.shape[0]:
-                    n_tok = int(mask.sum())
+                n_tok = sum(x_ids[:h].count(tok) for x_ids, h in zip(ids, heads))  # on the host: no sync
+                if n_tok != f.shape[0]:
                     raise ValueError(f"{n_tok} placeholder tokens (id {tok}) but {f.shape[0]} visual embeddings")
-                x = x.masked_scatter(mask[..., None], f)
+                x = x.masked_scatter(((pad == tok) & visual_ok)[..., None], f)
         lens = torch.tensor([len(t) for t in ids], device=dev)
         return EmbeddedPrompts(x, positions.to(dev), lens, torch.tensor(deltas, dtype=torch.long, device=dev))
 
@@ -213,16 +214,19 @@ class Qwen25VL(nn.Module):
         if any(not 0 <= g < len(prompts) for g in group):
             raise ValueError("group index out of range")
         e = self.embed_prompts(prompts)
-        P = e.lens.tolist()
+        P = [len(p.input_ids) for p in prompts]
         layout = PackedLayout(P, [n - 1 for n in lens], group, dev)
-        valid = torch.arange(e.embeds.shape[1], device=dev)[None, :] < e.lens[:, None]  # [B, Pmax]
-        ids = response_ids.to(dev)
-        resp_valid = torch.arange(R - 1, device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None] - 1
-        x = torch.cat([e.embeds[valid], self.model.embed_tokens(ids[:, :-1][resp_valid])])  # [T, C]
-        g = torch.tensor(group, device=dev)
-        start = (e.lens + e.rope_delta)[g]  # [N] position of each response's first token
-        resp_pos = (start[:, None] + torch.arange(R - 1, device=dev)[None, :])[resp_valid]
-        positions = torch.cat([e.positions[:, valid], resp_pos[None].expand(3, -1)], dim=1)  # [3, T]
+        # flat indices of the real (unpadded) tokens, built on the host: boolean-mask indexing on the
+        # device would sync to learn the result's size
+        Pmax = e.embeds.shape[1]
+        p_idx = torch.cat([torch.arange(n) + b * Pmax for b, n in enumerate(P)]).to(dev)
+        r_idx = torch.cat([torch.arange(n - 1) + i * R for i, n in enumerate(lens)]).to(dev)
+        r_off = torch.cat([torch.arange(n - 1) for n in lens]).to(dev)  # token index within its response
+        r_grp = torch.tensor([g for g, n in zip(group, lens) for _ in range(n - 1)], dtype=torch.long).to(dev)
+        ids = response_ids.to(dev).reshape(-1)
+        x = torch.cat([e.embeds.flatten(0, 1)[p_idx], self.model.embed_tokens(ids[r_idx])])  # [T, C]
+        resp_pos = (e.lens + e.rope_delta)[r_grp] + r_off  # response token j sits at P + delta + j
+        positions = torch.cat([e.positions.flatten(1, 2)[:, p_idx], resp_pos[None].expand(3, -1)], dim=1)  # [3, T]
 
         def attend(layer, q, k, v):
             return packed_attention(q, k, v, layout)

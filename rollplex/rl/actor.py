@@ -106,6 +106,7 @@ class Actor:
         model.train()
         first_logp = torch.zeros(batch.responses.shape)
         seen = torch.zeros(batch.num_samples, dtype=torch.bool)
+        first_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         sums: dict[str, float] = {}
         updates = 0
         for epoch in range(cfg.ppo_epochs):
@@ -113,37 +114,41 @@ class Actor:
                 mini, mini_idx = batch.select_prompts(sorted(prompt_ids))
                 denom = agg_denominator(mini.mask, cfg.loss_agg_mode)
                 self.optimizer.zero_grad()
-                stats = {"actor/pg_loss": 0.0, "actor/kl_loss": 0.0, "actor/entropy": 0.0,
-                         "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0}
+                # metrics accumulate on the device: an .item() per micro-batch would make the host wait
+                # for the GPU each time and lose the run-ahead that hides Python/launch overhead
+                acc: dict[str, torch.Tensor | float] = {"actor/pg_loss": 0.0, "actor/kl_loss": 0.0,
+                                                        "actor/entropy": 0.0, "actor/pg_clipfrac": 0.0,
+                                                        "actor/ppo_kl": 0.0}
                 n_tok = float(mini.mask.sum())
                 for mb, idx in micro_batches(mini, cfg.mode, cfg.micro_batch_prompts, cfg.micro_batch_samples):
                     gidx = mini_idx[idx]
                     want_ent = cfg.entropy_coeff > 0
                     logp, ent = token_logprobs(model, mb, cfg.mode, cfg.temperature, with_entropy=want_ent)
                     dev = logp.device
-                    if epoch == 0:
-                        first_logp[gidx] = logp.detach().cpu() * mb.mask
-                        seen[gidx] = True
                     mask = mb.mask.to(dev)
+                    if epoch == 0:  # kept on the device until the update ends (no sync per micro-batch)
+                        first_parts.append((gidx, logp.detach() * mask))
+                        seen[gidx] = True
                     old = logp.detach() if old_all is None else old_all[gidx].to(dev)
                     adv = advantages[gidx].to(dev)
                     pg, clipfrac, ppo_kl = ppo_policy_loss(logp, old, adv, mask, cfg.clip_ratio_low,
                                                            cfg.clip_ratio_high, cfg.dual_clip, cfg.loss_agg_mode, denom)
                     loss = pg
-                    w = float(mask.sum()) / max(n_tok, 1.0)  # token share of this micro-batch, for metrics
+                    w = float(mb.mask.sum()) / max(n_tok, 1.0)  # token share of this micro-batch, for metrics
                     if ref_logprobs is not None and cfg.use_kl_loss and cfg.kl_coef > 0:
                         kl = agg_loss(kl_penalty(logp, ref_logprobs[gidx].to(dev), cfg.kl_loss_type), mask,
                                       cfg.loss_agg_mode, denom)
                         loss = loss + cfg.kl_coef * kl
-                        stats["actor/kl_loss"] += kl.item()
+                        acc["actor/kl_loss"] = acc["actor/kl_loss"] + kl.detach()
                     if want_ent:
                         e = agg_loss(ent, mask, cfg.loss_agg_mode, denom)
                         loss = loss - cfg.entropy_coeff * e
-                        stats["actor/entropy"] += e.item()
+                        acc["actor/entropy"] = acc["actor/entropy"] + e.detach()
                     loss.backward()
-                    stats["actor/pg_loss"] += pg.item()
-                    stats["actor/pg_clipfrac"] += float(clipfrac) * w
-                    stats["actor/ppo_kl"] += float(ppo_kl) * w
+                    acc["actor/pg_loss"] = acc["actor/pg_loss"] + pg.detach()
+                    acc["actor/pg_clipfrac"] = acc["actor/pg_clipfrac"] + clipfrac.detach() * w
+                    acc["actor/ppo_kl"] = acc["actor/ppo_kl"] + ppo_kl.detach() * w
+                stats = {k: float(v) for k, v in acc.items()}
                 params = [p for p in model.parameters() if p.grad is not None]
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
                 stats["actor/grad_norm"] = float(grad_norm)
@@ -156,6 +161,8 @@ class Actor:
                 updates += 1
         self.optimizer.zero_grad()
         model.eval()
+        for gidx, lp in first_parts:
+            first_logp[gidx] = lp.cpu()
         assert bool(seen.all())
         return {k: v / max(updates, 1) for k, v in sums.items()}, first_logp
 

@@ -73,8 +73,8 @@ def micro_batches(batch: RolloutBatch, mode: str, prompts_per_mb: int, samples_p
 def score(model: Qwen25VL, batch: RolloutBatch, mode: str, temperature: float = 1.0, prompts_per_mb: int = 4,
           samples_per_mb: int = 8) -> torch.Tensor:
     """No-grad logprobs [N, R] (reference / old-policy scoring), zero on padding."""
-    out = torch.zeros(batch.responses.shape, dtype=torch.float32)
+    out = torch.zeros(batch.responses.shape, dtype=torch.float32, device=model.inv_freq.device)
     for mb, idx in micro_batches(batch, mode, prompts_per_mb, samples_per_mb):
         lp, _ = token_logprobs(model, mb, mode, temperature)
-        out[idx] = lp.cpu() * mb.mask
-    return out
+        out[idx.to(out.device)] = lp * mb.mask.to(out.device)  # stays on the device: no sync per micro-batch
+    return out.cpu()
