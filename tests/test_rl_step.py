@@ -42,14 +42,19 @@ def test_serial_and_rollplex_compute_the_same_update(tiny_dir, proc, updates):
     batch = ref.rollout(ROWS)
     batch.rewards = torch.tensor([float(i % 3 == 0) for i in range(batch.num_samples)])  # varied advantages
     results = {}
-    for mode in ("rollplex", "serial"):
+    for key, mode, packed in (("rollplex", "rollplex", True), ("prefix_state", "rollplex", False),
+                              ("serial", "serial", True)):
         # a small lr: Adam's first steps are ~lr * sign(grad), which turns last-bit noise in near-zero
         # gradients into lr-sized weight differences at large lr
-        rl = _step(tiny_dir, proc, mode=mode, lr=1e-4, **updates)
+        rl = _step(tiny_dir, proc, mode=mode, lr=1e-4, packed=packed, **updates)
         grads = _capture_grads(rl)
         metrics = rl.train(copy.deepcopy(batch))
-        results[mode] = (metrics, grads, {n: p.detach().clone() for n, p in rl.model.named_parameters()})
-    (m1, g1, w1), (m2, g2, w2) = results["rollplex"], results["serial"]
+        results[key] = (metrics, grads, {n: p.detach().clone() for n, p in rl.model.named_parameters()})
+    for m1, g1, w1 in (results["rollplex"], results["prefix_state"]):
+        _assert_same_update(ref, m1, g1, w1, *results["serial"], updates)
+
+
+def _assert_same_update(ref, m1, g1, w1, m2, g2, w2, updates):
     for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "training/rollout_probs_diff_mean"):
         assert m1[k] == pytest.approx(m2[k], rel=1e-5, abs=1e-7), k
     assert len(g1) == len(g2) == updates.get("ppo_mini_batches", 1)

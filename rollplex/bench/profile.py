@@ -14,7 +14,9 @@ Prints JSON lines, then tables.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+
 import torch
 
 from ..engine import Engine, EngineConfig
@@ -74,7 +76,8 @@ def kernel_profile(fn, iters: int = 3) -> dict:
     total = sum(v[0] for v in cats.values())
     top = sorted(names.items(), key=lambda kv: -kv[1][0])[:12]
     return {"kernel_ms": round(total, 3), "kernels": round(sum(v[1] for v in cats.values())),
-            "by_category": {k: [round(v[0], 3), round(v[1])] for k, v in sorted(cats.items(), key=lambda kv: -kv[1][0])},
+            "by_category": {k: [round(v[0], 3), round(v[1])]
+                            for k, v in sorted(cats.items(), key=lambda kv: -kv[1][0])},
             "top": [[k, round(v[0], 3), round(v[1])] for k, v in top]}
 
 
@@ -131,8 +134,8 @@ def attention_sweep(cfg, batches, ctx: int, rows: list, dev: str) -> None:
         configs = [(s, tile) for s in (None, 1, 2, 4, 8) for tile in TILES] if dev == "cuda" else [(None, None)]
         best = None
         for s, tile in configs:
-            def call():
-                return paged_decode_attention(q, kc, vc, bt, lens, num_splits=s, k_new=kn, v_new=vn, tile=tile)
+            call = functools.partial(paged_decode_attention, q, kc, vc, bt, lens, num_splits=s, k_new=kn, v_new=vn,
+                                     tile=tile)
             try:
                 err = (call().float() - ref.float()).abs().max().item()
                 us = graph_time_us(call) if dev == "cuda" else time_ms(call, device=dev) * 1e3
@@ -180,13 +183,13 @@ def train_profile(model, cfg, configs, rows: list, dev: str, resp_len: int) -> N
             batch = batch.select_samples(torch.arange(n_samples))
         model.train()
 
-        def fwd_bwd():
+        def fwd_bwd(batch=batch, mode=mode):
             lp, _ = token_logprobs(model, batch, mode)
             lp.sum().backward()
             for p in model.parameters():
                 p.grad = None
 
-        def fwd():
+        def fwd(batch=batch, mode=mode):
             with torch.no_grad():
                 token_logprobs(model, batch, mode)
 

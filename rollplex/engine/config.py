@@ -19,6 +19,10 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256
     compile_model: bool = True  # GPU: model.compile() (fused norms/rotary/SwiGLU) before capturing graphs
     seed: int = 0  # draws the seeds of requests that bring none
+    # launch decode step N+1 before step N's tokens reach the host: the host's bookkeeping of N (append,
+    # stop checks, scheduling) overlaps the GPU running N+1. Same outputs; a sequence that stops on a
+    # token costs one discarded extra step.
+    overlap_schedule: bool = True
 
     def __post_init__(self):
         if self.block_size not in (16, 32, 64):

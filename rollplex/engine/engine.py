@@ -68,6 +68,7 @@ class Engine:
         self._ids = itertools.count()
         self.decode_steps = 0
         self._last_step_ms: float | None = None
+        self._inflight: _Inflight | None = None  # a launched decode step whose tokens are not applied yet
         self.eos_token_id = model.cfg.eos_token_id
         on_gpu = self.runner.device.type == "cuda"
         self.stream = torch.cuda.current_stream(self.runner.device) if on_gpu else None
@@ -131,24 +132,46 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._inflight is not None
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one prefill or decode batch; return the requests that finished in it."""
-        batch = self.scheduler.schedule()
+        """Run one prefill or decode batch; return the requests that finished.
+
+        With `overlap_schedule`, a decode step is launched before the previous one's tokens are
+        applied on the host (they feed the new step on the device), then the previous one is
+        resolved while the GPU runs: requests finish one call later, with the same outputs."""
+        if self._inflight is not None and self.scheduler.waiting:
+            return self._outputs(self._resolve())  # prefill (or a preempted re-entry) needs every token known
+        # a sequence whose in-flight token is its last (by length) does not decode again
+        hold = frozenset(s for s in self.scheduler.running if s.pending and self._length_done(s, len(s)))
+        batch = self.scheduler.schedule(hold)
         if batch.is_prefill:
             self._prefill(batch.prefill)
             touched = [s for item in batch.prefill for s in (item.seq, *item.forks)]
         elif batch.decode:
-            self._decode(batch.decode)
-            touched = batch.decode
+            launched = self._launch_decode(batch.decode)
+            touched = self._resolve()  # the previous step, while this one runs
+            self._inflight = launched
+            if not self.cfg.overlap_schedule:
+                touched += self._resolve()
+        elif self._inflight is not None:
+            touched = self._resolve()
         else:
             if self.scheduler.has_work:
                 raise RuntimeError("scheduler made no progress (KV cache too small for the waiting work)")
             return []
-        done = {id(s.request): s.request for s in touched if s.request.finished}
+        return self._outputs(touched)
+
+    def _outputs(self, touched: list[Sequence]) -> list[RequestOutput]:
+        done = {id(s.request): s.request for s in touched
+                if s.request.finished and s.request.request_id in self.requests}
         return [self._output(r) for r in done.values()]
+
+    def _length_done(self, seq: Sequence, length: int) -> bool:
+        """Whether a sequence of `length` tokens has reached max_new_tokens or max_model_len."""
+        out = length - seq.num_prompt_tokens
+        return out >= seq.request.params.max_new_tokens or length >= self.cfg.max_model_len
 
     def _row(self, seq: Sequence) -> tuple:
         p = seq.request.params
@@ -183,35 +206,70 @@ class Engine:
         # entries for prompt tokens start .. L-1; the first prompt token has no logprob
         seq.request.input_logprobs = [None] + lp if p.logprob_start_len == 0 else lp
 
-    def _decode(self, seqs: list[Sequence]) -> None:
+    def _launch_decode(self, seqs: list[Sequence]) -> _Inflight:
+        """Queue one decode step on the device (graph replay + sampling + copies of the sampled tokens
+        to pinned host memory); nothing here waits for the GPU."""
         if self.hooks:
             info = DecodeStepInfo(self.decode_steps, len(seqs), self._last_step_ms,
                                   len(self.scheduler.waiting), self.stream)
             for h in self.hooks:
                 h.on_decode_step(info)
         t0 = time.perf_counter()
+        start = end = None
         if self.stream is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         # sampling parameters go to the device before the step is launched: a pageable H2D copy queued
         # behind the decode would block the host until the decode finished
         st = SamplingTensors.build([self._row(s) for s in seqs], self.model.cfg.text.vocab_size, self.runner.device)
-        delta = [s.request.rope_delta for s in seqs]
+        prev = self._inflight
+        src = None
+        if prev is not None:  # input tokens of sequences in the step in flight come from its device output
+            row = {id(s): i for i, s in enumerate(prev.seqs)}
+            src = [row.get(id(s), -1) if s.pending else -1 for s in seqs]
         logits = self.runner.decode(
-            ids=[s.token_ids[-1] for s in seqs],
-            positions=[len(s) - 1 + d for s, d in zip(seqs, delta)],
+            ids=[s.token_ids[-1] if not s.pending else 0 for s in seqs],
+            positions=[len(s) - 1 + s.request.rope_delta for s in seqs],
             tables=[s.block_table for s in seqs],
             seq_lens=[len(s) for s in seqs],
             slots=[self.blocks.slot(s, len(s) - 1) for s in seqs],
+            prev_tokens=None if prev is None else prev.tokens,
+            src=src,
         )
-        self._sample_and_append(seqs, logits, st)  # syncs: tokens go to the host
-        if self.stream is not None:
+        tokens, logprobs = self.sampler(logits, st)
+        host = None
+        if tokens.is_cuda:
+            host = (torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True),
+                    torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True))
+            host[0].copy_(tokens, non_blocking=True)
+            host[1].copy_(logprobs, non_blocking=True)
+        if end is not None:
             end.record()
-            end.synchronize()
-            self._last_step_ms = start.elapsed_time(end)
-        else:
-            self._last_step_ms = (time.perf_counter() - t0) * 1e3
+        for s in seqs:
+            s.pending += 1
         self.decode_steps += 1
+        return _Inflight(seqs, tokens, logprobs, host, start, end, t0)
+
+    def _resolve(self) -> list[Sequence]:
+        """Apply the tokens of the step in flight (waits for that step only); returns its sequences."""
+        inf, self._inflight = self._inflight, None
+        if inf is None:
+            return []
+        if inf.end is not None:
+            inf.end.synchronize()
+            self._last_step_ms = inf.start.elapsed_time(inf.end)
+            tokens, logprobs = inf.host[0].tolist(), inf.host[1].tolist()
+        else:
+            tokens, logprobs = inf.tokens.tolist(), inf.logprobs.tolist()
+            self._last_step_ms = (time.perf_counter() - inf.t0) * 1e3
+        for seq, tok, lp in zip(inf.seqs, tokens, logprobs):
+            seq.pending -= 1
+            if seq.finished:  # stopped by an earlier token (or aborted): this one is discarded
+                continue
+            seq.token_ids.append(tok)
+            seq.logprobs.append(lp)
+            self._check_finish(seq, tok)
+        return inf.seqs
 
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor, st: SamplingTensors | None = None) -> None:
         if st is None:
@@ -234,7 +292,7 @@ class Engine:
                                          skip_special_tokens=False)
             matched = next((s for s in p.stop if s in tail), None)
             reason = "stop" if matched else None
-        if reason is None and (seq.num_output_tokens >= p.max_new_tokens or len(seq) >= self.cfg.max_model_len):
+        if reason is None and self._length_done(seq, len(seq.token_ids)):  # resolved tokens only
             reason = "length"
         if reason:
             seq.matched_stop = matched
@@ -283,6 +341,17 @@ class Engine:
         if bar is not None:
             bar.close()
         return [outputs[i] for i in ids]
+
+
+@dataclass
+class _Inflight:
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # [B] on the device
+    logprobs: torch.Tensor
+    host: tuple[torch.Tensor, torch.Tensor] | None  # pinned copies (GPU), filled when `end` completes
+    start: torch.cuda.Event | None
+    end: torch.cuda.Event | None
+    t0: float
 
 
 def _fields(inputs) -> SimpleNamespace:

@@ -2,8 +2,8 @@
 
 The engine calls `on_decode_step(info)` once per decode iteration, *before* launching the step, with
 what a co-scheduler needs to decide how much prefix work to admit next to it: the running batch
-size, the step index, the measured duration of the previous decode step and the stream decode runs
-on. With no hooks registered the engine skips building the info object entirely.
+size, the step index, the measured duration of the last completed decode step and the stream decode
+runs on. With no hooks registered the engine skips building the info object entirely.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from typing import Any, Protocol, runtime_checkable
 class DecodeStepInfo:
     step: int  # decode iterations since the engine started
     batch_size: int  # running sequences in this step
-    last_step_ms: float | None  # measured duration of the previous decode step (None for the first)
+    # measured duration of the most recent decode step that has completed (None at first); with
+    # overlap scheduling that is the step before the previous one, which is still running
+    last_step_ms: float | None
     num_waiting: int  # requests / preempted sequences not yet running
     stream: Any = None  # torch.cuda.Stream decode is launched on (None on CPU)
 

@@ -136,8 +136,9 @@ class ModelRunner:
 
     @torch.no_grad()
     def decode(self, ids: list[int], positions: list[int], tables: list[list[int]], seq_lens: list[int],
-               slots: list[int]) -> torch.Tensor:
-        """One token per sequence -> logits [B, V] fp32."""
+               slots: list[int], prev_tokens: torch.Tensor | None = None, src: list[int] | None = None) -> torch.Tensor:
+        """One token per sequence -> logits [B, V] fp32. With prev_tokens (a step still in flight, on
+        the device) and src, row i's input token is prev_tokens[src[i]] where src[i] >= 0."""
         B = len(ids)
         bucket = next((b for b in sorted(self.graphs) if b >= B), B)
         pad = bucket - B  # padded rows: token 0 at position 0, attending to (and writing) scratch slot 0
@@ -145,13 +146,23 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         bt = torch.tensor([t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad, dtype=torch.int32)
         if bucket not in self.graphs:
-            return self._decode_forward(meta.to(self.device), bt.to(self.device))
+            meta = meta.to(self.device)
+            self._patch_ids(meta[0, :B], prev_tokens, src)
+            return self._decode_forward(meta, bt.to(self.device))
         graph, out = self.graphs[bucket]
         self.static_meta[:, :bucket].copy_(meta, non_blocking=True)
+        self._patch_ids(self.static_meta[0, :B], prev_tokens, src)
         # only the columns this batch uses: entries past a sequence's last block are never read
         self.static_bt[:bucket, :width].copy_(bt, non_blocking=True)
         graph.replay()
         return out[:B]
+
+    def _patch_ids(self, ids: torch.Tensor, prev_tokens: torch.Tensor | None, src: list[int] | None) -> None:
+        """Input tokens sampled by the previous (not yet resolved) step, taken on the device."""
+        if prev_tokens is None or src is None:
+            return
+        s = torch.tensor(src, dtype=torch.long).to(self.device, non_blocking=True)
+        ids.copy_(torch.where(s >= 0, prev_tokens[s.clamp(min=0)], ids))
 
     TUNE_CONTEXT = 768  # tokens per sequence the attention kernel is tuned at
 

@@ -109,9 +109,8 @@ def tune_decode(q, k_cache, v_cache, block_table, seq_lens, k_new, v_new, candid
     cache, so run it before the cache holds sequences."""
     best, best_ms = candidates[0], float("inf")
     for num_splits, tile in candidates:
-        def call():
-            paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, num_splits=num_splits, k_new=k_new,
-                                   v_new=v_new, tile=tile)
+        call = functools.partial(paged_decode_attention, q, k_cache, v_cache, block_table, seq_lens,
+                                 num_splits=num_splits, k_new=k_new, v_new=v_new, tile=tile)
         side = torch.cuda.Stream(q.device)
         side.wait_stream(torch.cuda.current_stream(q.device))
         with torch.cuda.stream(side):

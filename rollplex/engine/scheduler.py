@@ -86,6 +86,8 @@ class Scheduler:
         seq.finish_reason = reason
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING and seq in self.waiting:  # a preempted sequence
+            self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
         self.blocks.free(seq)
 
@@ -98,11 +100,12 @@ class Scheduler:
         L = r.num_prompt_tokens
         return self.blocks.blocks_for(L) + (r.params.n - 1) * self.blocks.fork_cost(L)
 
-    def schedule(self) -> Batch:
+    def schedule(self, hold: frozenset = frozenset()) -> Batch:
+        """hold: running sequences to leave out of a decode batch (their last token is still in flight)."""
         batch = self._schedule_prefill()
         if batch.prefill:
             return batch
-        return self._schedule_decode()
+        return self._schedule_decode(hold)
 
     def _schedule_prefill(self) -> Batch:
         batch, tokens = Batch(), 0
@@ -142,9 +145,9 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _schedule_decode(self) -> Batch:
+    def _schedule_decode(self, hold: frozenset = frozenset()) -> Batch:
         batch = Batch()
-        queue = list(self.running)
+        queue = [s for s in self.running if s not in hold]
         while queue:
             seq = queue.pop(0)
             while self.blocks.needs_block(seq) and self.blocks.num_free == 0:

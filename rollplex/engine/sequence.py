@@ -37,6 +37,9 @@ class Sequence:
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     num_preemptions: int = 0
+    # tokens sampled by a decode step still in flight (overlap scheduling): counted in len() — the
+    # scheduler and block manager plan with them — but not yet in token_ids / logprobs
+    pending: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -44,14 +47,16 @@ class Sequence:
 
     @property
     def output_ids(self) -> list[int]:
+        """Resolved output tokens (pending ones excluded)."""
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Output tokens including pending ones: the index of the next token to draw."""
+        return len(self.token_ids) + self.pending - self.num_prompt_tokens
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.pending
 
     @property
     def finished(self) -> bool:

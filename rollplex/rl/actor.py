@@ -96,7 +96,8 @@ class Actor:
         cfg = self.cfg
         if cfg.num_updates == 1:
             return None
-        return score(self.model, batch, cfg.mode, cfg.temperature, cfg.micro_batch_prompts, cfg.micro_batch_samples)
+        return score(self.model, batch, cfg.mode, cfg.temperature, cfg.micro_batch_prompts, cfg.micro_batch_samples,
+                     cfg.packed)
 
     def update(self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None,
                old_all: torch.Tensor | None = None, step: int = 0) -> tuple[dict, torch.Tensor]:
@@ -123,7 +124,8 @@ class Actor:
                 for mb, idx in micro_batches(mini, cfg.mode, cfg.micro_batch_prompts, cfg.micro_batch_samples):
                     gidx = mini_idx[idx]
                     want_ent = cfg.entropy_coeff > 0
-                    logp, ent = token_logprobs(model, mb, cfg.mode, cfg.temperature, with_entropy=want_ent)
+                    logp, ent = token_logprobs(model, mb, cfg.mode, cfg.temperature, with_entropy=want_ent,
+                                               packed=cfg.packed)
                     dev = logp.device
                     mask = mb.mask.to(dev)
                     if epoch == 0:  # kept on the device until the update ends (no sync per micro-batch)

@@ -29,14 +29,16 @@ def _full_sequence(prompt, response: list[int]):
                            **{f: getattr(prompt, f, None) for f in fields})
 
 
-def response_hidden(model: Qwen25VL, mb: RolloutBatch, mode: str) -> torch.Tensor:
+def response_hidden(model: Qwen25VL, mb: RolloutBatch, mode: str, packed: bool = True) -> torch.Tensor:
     """Hidden states predicting each response token, [n, R, C]."""
     dev = model.inv_freq.device
     R = mb.responses.shape[1]
     # length = last masked-in token + 1 (the mask keeps a prefix of each response: tokens up to EOS)
     lens = ((mb.mask > 0) * torch.arange(1, R + 1)).amax(-1).clamp_min(1).tolist()
-    if mode == "rollplex":  # prompts and responses packed into one pass; each prompt computed once
+    if mode == "rollplex" and packed:  # prompts and responses packed into one pass; each prompt computed once
         return model.group_hidden(mb.prompts, mb.responses, lens, mb.group.tolist())
+    if mode == "rollplex":  # a prefix pass, then the padded responses over its PrefixState
+        return model.response_hidden(model.prefix(mb.prompts), mb.responses.to(dev), mb.group.to(dev))
     groups = mb.group.tolist()
     fulls = [_full_sequence(mb.prompts[g], mb.responses[i, : lens[i]].tolist()) for i, g in enumerate(groups)]
     hidden = model.hidden(fulls)  # [n, Lmax, C]
@@ -47,9 +49,9 @@ def response_hidden(model: Qwen25VL, mb: RolloutBatch, mode: str) -> torch.Tenso
 
 
 def token_logprobs(model: Qwen25VL, mb: RolloutBatch, mode: str, temperature: float = 1.0,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   with_entropy: bool = False, packed: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs [n, R] fp32, entropy [n, R] or None) of mb's responses; differentiable."""
-    hidden = response_hidden(model, mb, mode)
+    hidden = response_hidden(model, mb, mode, packed)
     targets = mb.responses.to(hidden.device)
     if not with_entropy:  # chunked: never materialises the [n, R, V] logits
         return token_logprob(hidden, model.head_weight, targets, temperature), None
@@ -71,10 +73,10 @@ def micro_batches(batch: RolloutBatch, mode: str, prompts_per_mb: int, samples_p
 
 @torch.no_grad()
 def score(model: Qwen25VL, batch: RolloutBatch, mode: str, temperature: float = 1.0, prompts_per_mb: int = 4,
-          samples_per_mb: int = 8) -> torch.Tensor:
+          samples_per_mb: int = 8, packed: bool = True) -> torch.Tensor:
     """No-grad logprobs [N, R] (reference / old-policy scoring), zero on padding."""
     out = torch.zeros(batch.responses.shape, dtype=torch.float32, device=model.inv_freq.device)
     for mb, idx in micro_batches(batch, mode, prompts_per_mb, samples_per_mb):
-        lp, _ = token_logprobs(model, mb, mode, temperature)
+        lp, _ = token_logprobs(model, mb, mode, temperature, packed=packed)
         out[idx.to(out.device)] = lp * mb.mask.to(out.device)  # stays on the device: no sync per micro-batch
     return out.cpu()

@@ -1,0 +1,62 @@
+"""Overlap scheduling (step N+1 launched before step N's tokens reach the host) changes when the
+host learns tokens, never which tokens: every output equals the engine without overlap."""
+
+import pytest
+from test_engine import _engine, _prompts
+
+from rollplex.engine import SamplingParams
+
+
+def _run(tiny_dir, proc, overlap: bool, params, **cfg):
+    eng = _engine(tiny_dir, proc, overlap_schedule=overlap, **cfg)
+    outs = eng.generate(_prompts(proc), params)
+    assert not eng.has_work and eng.blocks.num_free == eng.blocks.num_blocks - 1  # nothing leaked
+    return eng, [[(s.token_ids, s.logprobs, s.finish_reason, s.matched_stop, s.text) for s in o.samples] for o in outs]
+
+
+def _same(a, b):
+    for ra, rb in zip(a, b):
+        for (ta, la, fa, ma, xa), (tb, lb, fb, mb, xb) in zip(ra, rb):
+            assert ta == tb and fa == fb and ma == mb and xa == xb
+            assert max((abs(u - v) for u, v in zip(la, lb)), default=0.0) <= 1e-6
+
+
+def test_overlap_equals_serial_with_stops_and_lengths(tiny_dir, proc):
+    _, free = _run(tiny_dir, proc, False, SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
+    stop_tok = free[0][0][0][3]
+    params = [SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=[stop_tok]),
+              SamplingParams(temperature=1.0, max_new_tokens=7, n=3, seed=2, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=1, n=2, seed=4),
+              SamplingParams(temperature=1.0, max_new_tokens=9, stop_token_ids=[stop_tok], n=2, seed=9)]
+    _, ref = _run(tiny_dir, proc, False, params)
+    _, got = _run(tiny_dir, proc, True, params)
+    _same(ref, got)
+    assert ref[0][0][2] == "stop" and ref[2][0][0].__len__() == 1
+
+
+def test_overlap_equals_serial_under_preemption(tiny_dir, proc):
+    params = [SamplingParams(temperature=1.0, max_new_tokens=30, ignore_eos=True, n=3, seed=5)] * 4
+    ref_eng, ref = _run(tiny_dir, proc, False, params, kv_cache_tokens=16 * 14)
+    eng, got = _run(tiny_dir, proc, True, params, kv_cache_tokens=16 * 14)
+    assert eng.scheduler.num_preemptions > 0
+    _same(ref, got)
+
+
+@pytest.mark.parametrize("after_steps", [1, 3, 6])
+def test_abort_with_a_step_in_flight(tiny_dir, proc, after_steps):
+    p = _prompts(proc)[0]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True, n=2, seed=3)
+    full = _engine(tiny_dir, proc, overlap_schedule=False).generate([p], sp)[0]
+    eng = _engine(tiny_dir, proc, overlap_schedule=True)
+    rid = eng.add_request(p, sp)
+    for _ in range(after_steps):
+        eng.step()
+    part = eng.abort(rid)
+    for a, b in zip(part.samples, full.samples):
+        assert a.finish_reason == "abort" and a.token_ids == b.token_ids[: len(a.token_ids)]
+        assert len(a.logprobs) == len(a.token_ids)
+    while eng.has_work:  # the in-flight step resolves without reviving the aborted request
+        assert eng.step() == []
+    assert eng.blocks.num_free == eng.blocks.num_blocks - 1
+    again = eng.generate([p], sp)[0]
+    assert [s.token_ids for s in again.samples] == [s.token_ids for s in full.samples]
