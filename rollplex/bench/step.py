@@ -137,7 +137,7 @@ def main(argv=None) -> None:
     ap.add_argument("--micro-prompts", type=int, default=2, help="rollplex: prompts (x n samples) per fwd/bwd")
     ap.add_argument("--micro-samples", type=int, default=8, help="serial: sequences per fwd/bwd")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--no-packed", action="store_true", help="rollplex: prefix pass + padded response pass")
+    ap.add_argument("--packed", action="store_true", help="rollplex: prompts + responses packed in one pass")
     ap.add_argument("--no-warm", action="store_true", help="time the first run (dynamo compiles included)")
     args = ap.parse_args(argv)
     cfg = preset(args.preset) if not args.preset.endswith(".json") else ModelConfig.from_hf(args.preset)
@@ -150,7 +150,7 @@ def main(argv=None) -> None:
     info = env_info()
     print(json.dumps({"bench": "step_setup", "kv_blocks": eng.runner.num_blocks, **info}), flush=True)
     rl_kw = dict(n=args.n, kl_coef=0.01, lr=1e-6, micro_batch_prompts=args.micro_prompts,
-                 micro_batch_samples=args.micro_samples, packed=not args.no_packed)
+                 micro_batch_samples=args.micro_samples, packed=args.packed)
     summary = []
     for label in args.workloads.split(","):
         frames = 8 if label == "w3b-video" else 1

@@ -40,9 +40,11 @@ class RLConfig:
     ppo_mini_batches: int = 1  # mini-batches per rollout (each is one optimizer step)
     micro_batch_prompts: int = 4  # prompts per forward/backward (all their samples together)
     micro_batch_samples: int = 8  # serial mode: sequences per forward/backward
-    # rollplex mode: a micro-batch's prompts and responses packed into one sequence (one pass, no
-    # padding); False: prefix pass + padded response pass over a PrefixState. Same values.
-    packed: bool = True
+    # rollplex mode: True packs a micro-batch's prompts and responses into one sequence (one pass, no
+    # padding, one varlen attention call per layer); False runs a prefix pass, then the padded
+    # responses over its PrefixState. Same values (tests hold both to the serial mode). False is the
+    # default because it is the path whose H200 speed is measured (docs/BENCHMARKS.md).
+    packed: bool = False
     seed: int = 0
 
     def __post_init__(self):

@@ -1,7 +1,8 @@
 """Per-token logprobs of sampled responses under a model, in either mode.
 
-    rollplex: each prompt (vision tower + prompt tokens) once, its n responses attending to it, all
-              packed into one sequence per micro-batch (`Qwen25VL.group_hidden`)
+    rollplex: each prompt (vision tower + prompt tokens) once, its n responses attending to it:
+              a prefix pass then the padded responses over its PrefixState, or (packed=True) all
+              prompts and responses of the micro-batch packed into one sequence (`group_hidden`)
     serial:   every sample is a full sequence prompt + response (its images re-encoded per sample,
               as verl repeats multimodal inputs n times) -> hidden rows of the response
 
@@ -29,7 +30,7 @@ def _full_sequence(prompt, response: list[int]):
                            **{f: getattr(prompt, f, None) for f in fields})
 
 
-def response_hidden(model: Qwen25VL, mb: RolloutBatch, mode: str, packed: bool = True) -> torch.Tensor:
+def response_hidden(model: Qwen25VL, mb: RolloutBatch, mode: str, packed: bool = False) -> torch.Tensor:
     """Hidden states predicting each response token, [n, R, C]."""
     dev = model.inv_freq.device
     R = mb.responses.shape[1]
@@ -49,7 +50,7 @@ def response_hidden(model: Qwen25VL, mb: RolloutBatch, mode: str, packed: bool =
 
 
 def token_logprobs(model: Qwen25VL, mb: RolloutBatch, mode: str, temperature: float = 1.0,
-                   with_entropy: bool = False, packed: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   with_entropy: bool = False, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs [n, R] fp32, entropy [n, R] or None) of mb's responses; differentiable."""
     hidden = response_hidden(model, mb, mode, packed)
     targets = mb.responses.to(hidden.device)
@@ -73,7 +74,7 @@ def micro_batches(batch: RolloutBatch, mode: str, prompts_per_mb: int, samples_p
 
 @torch.no_grad()
 def score(model: Qwen25VL, batch: RolloutBatch, mode: str, temperature: float = 1.0, prompts_per_mb: int = 4,
-          samples_per_mb: int = 8, packed: bool = True) -> torch.Tensor:
+          samples_per_mb: int = 8, packed: bool = False) -> torch.Tensor:
     """No-grad logprobs [N, R] (reference / old-policy scoring), zero on padding."""
     out = torch.zeros(batch.responses.shape, dtype=torch.float32, device=model.inv_freq.device)
     for mb, idx in micro_batches(batch, mode, prompts_per_mb, samples_per_mb):
