@@ -60,3 +60,31 @@ def test_abort_with_a_step_in_flight(tiny_dir, proc, after_steps):
     assert eng.blocks.num_free == eng.blocks.num_blocks - 1
     again = eng.generate([p], sp)[0]
     assert [s.token_ids for s in again.samples] == [s.token_ids for s in full.samples]
+
+
+def test_incremental_host_block_table_equals_a_rebuilt_one(tiny_dir, proc):
+    """Rows reassigned, tables grown by one block, re-prefilled (new key) and shrinking batches."""
+    import random
+
+    import torch
+
+    runner = _engine(tiny_dir, proc, max_num_seqs=8).runner
+    rng = random.Random(0)
+    seqs = {i: [rng.randrange(1, 100) for _ in range(rng.randrange(1, 5))] for i in range(12)}
+    epoch = dict.fromkeys(seqs, 0)
+    for _ in range(200):
+        live = rng.sample(sorted(seqs), rng.randrange(1, 9))
+        for i in live:
+            r = rng.random()
+            if r < 0.3:
+                seqs[i].append(rng.randrange(1, 100))
+            elif r < 0.35:  # preempted and prefilled again: a new table under a new key
+                seqs[i] = [rng.randrange(1, 100) for _ in range(rng.randrange(1, 5))]
+                epoch[i] += 1
+        tables = [seqs[i] for i in live]
+        rows = min(len(live) + rng.randrange(0, 3), runner._bt_host.shape[0])
+        got = runner._host_block_table(tables, [(i, epoch[i]) for i in live], rows)
+        width = max(len(t) for t in tables)
+        want = torch.tensor([t + [0] * (width - len(t)) for t in tables] + [[0] * width] * (rows - len(live)),
+                            dtype=torch.int32)
+        assert torch.equal(got[:, :width], want)

@@ -8,6 +8,7 @@ WORKLOADS = {
     "step": "rollplex.bench.step",
     "hook": "rollplex.bench.hook",
     "profile": "rollplex.bench.profile",
+    "hostloop": "rollplex.bench.hostloop",
 }
 
 

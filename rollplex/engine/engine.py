@@ -117,6 +117,7 @@ class Engine:
             list(inputs.input_ids), self.model.cfg, _grids(getattr(inputs, "image_grid_thw", None)),
             _grids(getattr(inputs, "video_grid_thw", None)), getattr(inputs, "second_per_grid_ts", None))
         req = Request(rid, inputs, params, seeds, arrival=time.monotonic(), rope_delta=delta)
+        req.max_len = min(req.num_prompt_tokens + params.max_new_tokens, self.cfg.max_model_len)
         self.scheduler.add(req)  # raises ValueError for requests that can never run
         self.requests[rid] = req
         return rid
@@ -144,7 +145,7 @@ class Engine:
         if self._inflight is not None and self.scheduler.waiting:
             return self._outputs(self._resolve())  # prefill (or a preempted re-entry) needs every token known
         # a sequence whose in-flight token is its last (by length) does not decode again
-        hold = frozenset(s for s in self.scheduler.running if s.pending and self._length_done(s, len(s)))
+        hold = frozenset(s for s in self.scheduler.running if s.pending and len(s) >= s.request.max_len)
         batch = self.scheduler.schedule(hold)
         if batch.is_prefill:
             self._prefill(batch.prefill)
@@ -165,13 +166,12 @@ class Engine:
 
     def _outputs(self, touched: list[Sequence]) -> list[RequestOutput]:
         done = {id(s.request): s.request for s in touched
-                if s.request.finished and s.request.request_id in self.requests}
+                if s.finished and s.request.finished and s.request.request_id in self.requests}
         return [self._output(r) for r in done.values()]
 
     def _length_done(self, seq: Sequence, length: int) -> bool:
         """Whether a sequence of `length` tokens has reached max_new_tokens or max_model_len."""
-        out = length - seq.num_prompt_tokens
-        return out >= seq.request.params.max_new_tokens or length >= self.cfg.max_model_len
+        return length >= seq.request.max_len
 
     def _row(self, seq: Sequence) -> tuple:
         p = seq.request.params
@@ -227,14 +227,16 @@ class Engine:
         if prev is not None:  # input tokens of sequences in the step in flight come from its device output
             row = {id(s): i for i, s in enumerate(prev.seqs)}
             src = [row.get(id(s), -1) if s.pending else -1 for s in seqs]
+        lens = [len(s) for s in seqs]
         logits = self.runner.decode(
             ids=[s.token_ids[-1] if not s.pending else 0 for s in seqs],
-            positions=[len(s) - 1 + s.request.rope_delta for s in seqs],
+            positions=[n - 1 + s.request.rope_delta for s, n in zip(seqs, lens)],
             tables=[s.block_table for s in seqs],
-            seq_lens=[len(s) for s in seqs],
-            slots=[self.blocks.slot(s, len(s) - 1) for s in seqs],
+            seq_lens=lens,
+            slots=[self.blocks.slot(s, n - 1) for s, n in zip(seqs, lens)],
             prev_tokens=None if prev is None else prev.tokens,
             src=src,
+            table_keys=[(s.seq_id, s.num_preemptions) for s in seqs],  # a re-prefilled sequence has a new table
         )
         tokens, logprobs = self.sampler(logits, st)
         host = None

@@ -47,6 +47,10 @@ class ModelRunner:
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.attn_cfg: dict[int, tuple] = {}  # graphed batch size -> (num_splits, tile) of its attention
+        # host copy of the decode block table, updated incrementally (see _host_block_table)
+        rows = min(cfg.cuda_graph_max_bs, cfg.max_num_seqs)
+        self._bt_host = torch.zeros(rows, self.max_blocks_per_seq, dtype=torch.int32)
+        self._bt_held: list[tuple] = [(None, 0)] * rows  # (key of the sequence in the row, its table length)
         self.use_graphs = self.device.type == "cuda" and cfg.cuda_graph
         if self.use_graphs:
             self._capture()
@@ -136,15 +140,21 @@ class ModelRunner:
 
     @torch.no_grad()
     def decode(self, ids: list[int], positions: list[int], tables: list[list[int]], seq_lens: list[int],
-               slots: list[int], prev_tokens: torch.Tensor | None = None, src: list[int] | None = None) -> torch.Tensor:
+               slots: list[int], prev_tokens: torch.Tensor | None = None, src: list[int] | None = None,
+               table_keys: list | None = None) -> torch.Tensor:
         """One token per sequence -> logits [B, V] fp32. With prev_tokens (a step still in flight, on
-        the device) and src, row i's input token is prev_tokens[src[i]] where src[i] >= 0."""
+        the device) and src, row i's input token is prev_tokens[src[i]] where src[i] >= 0.
+        table_keys (a stable id per sequence) lets the block table be updated row by row instead
+        of rebuilt from lists every step."""
         B = len(ids)
         bucket = next((b for b in sorted(self.graphs) if b >= B), B)
         pad = bucket - B  # padded rows: token 0 at position 0, attending to (and writing) scratch slot 0
         meta = torch.tensor([ids + [0] * pad, positions + [0] * pad, seq_lens + [1] * pad, slots + [0] * pad])
         width = max(len(t) for t in tables)
-        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad, dtype=torch.int32)
+        if table_keys is not None and bucket <= self._bt_host.shape[0]:
+            bt = self._host_block_table(tables, table_keys, bucket)[:, :width]
+        else:
+            bt = torch.tensor([t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad, dtype=torch.int32)
         if bucket not in self.graphs:
             meta = meta.to(self.device)
             self._patch_ids(meta[0, :B], prev_tokens, src)
@@ -156,6 +166,28 @@ class ModelRunner:
         self.static_bt[:bucket, :width].copy_(bt, non_blocking=True)
         graph.replay()
         return out[:B]
+
+    def _host_block_table(self, tables: list[list[int]], keys: list, rows: int) -> torch.Tensor:
+        """The [rows, max_blocks] host block table, kept between steps: a row is rewritten only when
+        another sequence takes it, and a sequence that gained a block gets one entry written. Rows past
+        the batch are zeros (padded rows read scratch block 0)."""
+        host, held = self._bt_host, self._bt_held
+        for i, (t, key) in enumerate(zip(tables, keys)):
+            k, n = held[i]
+            if k == key and n == len(t):
+                continue
+            if k == key and n == len(t) - 1:
+                host[i, n] = t[n]
+            else:
+                host[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+                if n > len(t):  # the previous occupant's longer table
+                    host[i, len(t) : n] = 0
+            held[i] = (key, len(t))
+        for i in range(len(tables), rows):
+            if held[i][0] is not None:
+                host[i].zero_()
+                held[i] = (None, 0)
+        return host[:rows]
 
     def _patch_ids(self, ids: torch.Tensor, prev_tokens: torch.Tensor | None, src: list[int] | None) -> None:
         """Input tokens sampled by the previous (not yet resolved) step, taken on the device."""

@@ -147,9 +147,9 @@ class Scheduler:
 
     def _schedule_decode(self, hold: frozenset = frozenset()) -> Batch:
         batch = Batch()
-        queue = [s for s in self.running if s not in hold]
+        queue = deque(s for s in self.running if s not in hold)
         while queue:
-            seq = queue.pop(0)
+            seq = queue.popleft()
             while self.blocks.needs_block(seq) and self.blocks.num_free == 0:
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)

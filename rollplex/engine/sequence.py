@@ -74,6 +74,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     input_logprobs: list[float] | None = None
     aborted: bool = False
+    max_len: int = 1 << 62  # tokens (prompt + output) at which a sample stops by length; set by the engine
 
     def __post_init__(self):
         prompt = list(self.inputs.input_ids)
