@@ -1,0 +1,225 @@
+"""The Triton flash-decoding kernel behind `paged_decode_attention` (see paged_attention.py).
+
+Design of the Triton backend (flash-decoding):
+
+* Decode is bandwidth bound: each step streams the whole KV history once and does ~1 FLOP per byte, so
+  the kernel is organised around reading K/V exactly once and keeping every SM busy.
+* GQA: one program per (sequence, KV head, split) computes all G = H // Hkv query heads that share the
+  KV head, so a K/V tile is read from HBM once per KV head rather than once per query head. The G query
+  rows are padded to >= 16 so that QK^T and PV are tensor-core ``tl.dot`` products.
+* Split-K: with few sequences, B * Hkv programs cannot fill the GPU, so each sequence's tokens are cut
+  into ``num_splits`` contiguous ranges of tiles handled by separate programs. Each keeps an online
+  softmax in fp32 (running max m, running sum l, accumulator acc) and writes its normalised partial
+  output and log-sum-exp to a workspace; a second small kernel merges the splits:
+  ``out = sum_s exp(lse_s - LSE) * out_s`` with ``LSE = logsumexp_s lse_s``. With one split (large
+  batches already fill the GPU) the split kernel writes the output directly and the merge is skipped.
+* CUDA graphs: seq_lens and block_table are only read on the device; each program derives its tile range
+  from its sequence's length, so the grid depends only on static shapes (B, Hkv, max_blocks, block_size)
+  and the launch holds no host sync. Splits with no tokens write lse = -inf; rows with seq_len 0 give 0.
+* Fused cache write: given the new token's k/v (``k_new``/``v_new`` [B, Hkv, D]), the one program
+  whose split covers position seq_len - 1 stores them into the cache (slot from the block table),
+  then a block barrier, then the usual loop reads them like any cached token. This saves the two
+  scatter kernels per layer a separate cache write costs in a graphed decode step (modifying the
+  loaded tiles instead cost ~60% of the kernel's speed: it breaks the load -> dot pipeline). Race-free:
+  no other program reads that slot, since a sequence appends only into a block it owns alone (the
+  block manager forks shared partial blocks).
+* Tokens are gathered per token (block id looked up for each of the TILE_N tokens of a tile), so block
+  sizes 16/32/64 share one code path and table entries past a sequence's end are never dereferenced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+from typing import Any
+
+import torch
+
+_TILE_N = 64  # tokens per inner-loop iteration; a multiple of every supported block size
+_MAX_SPLITS = 64
+_NUM_WARPS = 4  # H200: 4 beat 8 at every shape measured
+_NUM_STAGES = 2
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, num_sms: int = 132,
+                      tile_n: int = _TILE_N) -> int:
+    """Splits per sequence from static shapes only: about 4 programs per SM in all (rounded down, which
+    avoids a mostly idle last wave), and at least 2 tiles per split at the table's full length."""
+    max_tiles = -(-max_blocks * block_size // tile_n)
+    want = 4 * num_sms // max(1, batch * num_kv_heads)
+    return max(1, min(want, max_tiles // 2, _MAX_SPLITS))
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def triton_forward(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, num_splits: int | None, k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None, tile: dict | None = None,
+) -> torch.Tensor:
+    if not triton_available():
+        raise RuntimeError("backend='triton' needs the triton package")
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1)")
+    B, H, D = q.shape
+    _, block_size, Hkv, _ = k_cache.shape
+    if D not in (64, 128) or block_size not in (16, 32, 64):
+        raise ValueError(f"triton backend supports head_dim 64/128 and block_size 16/32/64, got {D}/{block_size}")
+    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"q / k_cache / v_cache dtypes differ: {q.dtype} / {k_cache.dtype} / {v_cache.dtype}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache / v_cache must be contiguous in the head dim")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    has_new = k_new is not None
+    if has_new:
+        if k_new.dtype != k_cache.dtype or v_new.dtype != k_cache.dtype:
+            raise ValueError("k_new / v_new must have the cache's dtype")
+        k_new = k_new if k_new.stride(-1) == 1 else k_new.contiguous()
+        v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
+    else:
+        k_new = v_new = q  # unused (HAS_NEW=False); any tensor with two leading strides
+    tile = tile or {}
+    tile_n = int(tile.get("tile_n", _TILE_N))
+    if tile_n % block_size or tile_n < 16 or tile_n & (tile_n - 1):
+        raise ValueError(f"tile_n must be a power of two >= 16 and a multiple of block_size, got {tile_n}")
+    block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    seq_lens = seq_lens.contiguous()
+    max_blocks = block_table.shape[1]
+    if num_splits is None:
+        sms = 132  # H100/H200; only used when q is not on CUDA (interpreter)
+        if q.is_cuda:
+            sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        num_splits = choose_num_splits(B, Hkv, max_blocks, block_size, sms, tile_n)
+    num_splits = max(1, int(num_splits))
+    G = H // Hkv
+    out = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
+    single = num_splits == 1  # the split kernel then writes `out` itself and no merge is needed
+    part_out = out if single else torch.empty(B, H, num_splits, D, device=q.device, dtype=torch.float32)
+    part_lse = out if single else torch.empty(B, H, num_splits, device=q.device, dtype=torch.float32)
+    split_kernel, merge_kernel = _kernels()
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        split_kernel[(B, Hkv, num_splits)](
+            q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse, k_new, v_new,
+            scale * math.log2(math.e), q.stride(0), q.stride(1),
+            k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_table.stride(0), max_blocks, num_splits,
+            G=G, G_PAD=max(16, _next_pow2(G)), D=D, BLOCK_SIZE=block_size, TILE_N=tile_n,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # only matters for fp32: exact, not tf32
+            SINGLE=single, HAS_NEW=has_new, num_warps=int(tile.get("num_warps", _NUM_WARPS)),
+            num_stages=int(tile.get("num_stages", _NUM_STAGES)),
+        )
+        if not single:
+            merge_kernel[(B * H,)](part_out, part_lse, out, num_splits, D=D, S_PAD=_next_pow2(num_splits), num_warps=4)
+    return out
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:
+    """Build the Triton kernels on first use, so this module imports without triton (e.g. CPU CI)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split_kernel(
+        Q, K, V, BT, LENS, PO, PL, KN, VN, scale_log2, stride_qb, stride_qh,
+        stride_knb, stride_knh, stride_vnb, stride_vnh,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb, max_blocks, num_splits,
+        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+        PRECISION: tl.constexpr, SINGLE: tl.constexpr, HAS_NEW: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        seq_len = tl.minimum(tl.maximum(tl.load(LENS + b).to(tl.int32), 0), max_blocks * BLOCK_SIZE)
+        num_tiles = tl.cdiv(seq_len, TILE_N)
+        per_split = tl.cdiv(num_tiles, num_splits)
+        t_start = split * per_split
+        t_end = tl.minimum(t_start + per_split, num_tiles)
+
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D)
+        n = tl.arange(0, TILE_N)
+        g_ok = g < G
+        heads = kvh * G + g
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0)
+        m = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_sum = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        bt_row = BT + b.to(tl.int64) * stride_btb
+        if HAS_NEW:  # the program whose tile range holds position seq_len - 1 stores the new token first
+            last = seq_len - 1
+            t_last = last // TILE_N
+            owns = (last >= 0) & (t_last >= t_start) & (t_last < t_end)
+            w_ok = (d * 0 + owns.to(tl.int32)) > 0  # [D] (a plain scalar mask trips the interpreter)
+            nblk = tl.load(bt_row + tl.maximum(last, 0) // BLOCK_SIZE).to(tl.int64)
+            nslot = tl.maximum(last, 0) % BLOCK_SIZE
+            kn = tl.load(KN + b * stride_knb + kvh * stride_knh + d, mask=w_ok, other=0.0)
+            vn = tl.load(VN + b * stride_vnb + kvh * stride_vnh + d, mask=w_ok, other=0.0)
+            tl.store(K + nblk * stride_kb + nslot * stride_ks + kvh * stride_kh + d, kn, mask=w_ok)
+            tl.store(V + nblk * stride_vb + nslot * stride_vs + kvh * stride_vh + d, vn, mask=w_ok)
+            tl.debug_barrier()  # the block's later loads of that slot see the store
+        for t in range(t_start, t_end):
+            pos = t * TILE_N + n
+            ok = pos < seq_len
+            blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+            slot = pos % BLOCK_SIZE
+            k = tl.load(K + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                        mask=ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G_PAD, TILE_N], log2 units
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            v = tl.load(V + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                        mask=ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+
+        has = l_sum > 0.0
+        lse = tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))
+        o = acc / tl.where(has, l_sum, 1.0)[:, None]
+        row = (b * tl.num_programs(1) * G + heads).to(tl.int64) * num_splits + split  # part layout [B, H, S, D]
+        if SINGLE:  # PO is the output [B, H, D]
+            tl.store(PO + row[:, None] * D + d[None, :], o.to(PO.dtype.element_ty), mask=g_ok[:, None])
+        else:
+            tl.store(PL + row, lse, mask=g_ok)
+            tl.store(PO + row[:, None] * D + d[None, :], o, mask=g_ok[:, None])
+
+    @triton.jit
+    def merge_kernel(PO, PL, OUT, num_splits, D: tl.constexpr, S_PAD: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # b * H + h
+        s = tl.arange(0, S_PAD)
+        d = tl.arange(0, D)
+        s_ok = s < num_splits
+        lse = tl.load(PL + row * num_splits + s, mask=s_ok, other=float("-inf"))
+        m = tl.max(lse, axis=0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(lse - m)  # empty splits (lse = -inf) weigh 0
+        denom = tl.sum(w, axis=0)
+        o = tl.load(PO + (row * num_splits + s)[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
+        res = tl.sum(o * w[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)
+        tl.store(OUT + row * D + d, res.to(OUT.dtype.element_ty))
+
+    return split_kernel, merge_kernel
