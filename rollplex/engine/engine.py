@@ -3,8 +3,15 @@
     step():  batch = scheduler.schedule()
              prefill batch -> runner.prefill (vision + prompt once per request), fork KV to the n
                               samples, each sample draws its first token from the shared logits
-             decode batch  -> hooks.on_decode_step(info); runner.decode (graphed on GPU); sample
-             then append tokens, check stop conditions, free finished sequences
+             decode batch  -> hooks.on_decode_step(info); launch runner.decode (graphed on GPU) +
+                              sample; then resolve the step launched before: append its tokens,
+                              check stop conditions, free finished sequences
+
+Overlap scheduling: a decode step is launched before the previous step's tokens reach the host (its
+input ids are gathered from that step's device output), so the host's bookkeeping runs while the
+GPU decodes. Host-side lengths count the in-flight token (`Sequence.pending`); a sequence that a
+token stops is found one step late and its extra token is dropped. Outputs equal the plain loop
+(`overlap_schedule=False`), which the tests hold.
 
 The engine decodes with the model object it is given — the trainer's — so there is no weight copy
 and no sync phase. The server and the RL step both drive it through `generate` (or add_request/step).
@@ -145,7 +152,7 @@ class Engine:
         if self._inflight is not None and self.scheduler.waiting:
             return self._outputs(self._resolve())  # prefill (or a preempted re-entry) needs every token known
         # a sequence whose in-flight token is its last (by length) does not decode again
-        hold = frozenset(s for s in self.scheduler.running if s.pending and len(s) >= s.request.max_len)
+        hold = frozenset(s for s in self.scheduler.running if s.pending and self._length_done(s, len(s)))
         batch = self.scheduler.schedule(hold)
         if batch.is_prefill:
             self._prefill(batch.prefill)
