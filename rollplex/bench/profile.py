@@ -183,15 +183,18 @@ def train_profile(model, cfg, configs, rows: list, dev: str, resp_len: int) -> N
             batch = batch.select_samples(torch.arange(n_samples))
         model.train()
 
-        def fwd_bwd(batch=batch, mode=mode):
-            lp, _ = token_logprobs(model, batch, mode)
+        packed = mode == "packed"  # rollplex with the micro-batch packed into one sequence
+        mode = "rollplex" if packed else mode
+
+        def fwd_bwd(batch=batch, mode=mode, packed=packed):
+            lp, _ = token_logprobs(model, batch, mode, packed=packed)
             lp.sum().backward()
             for p in model.parameters():
                 p.grad = None
 
-        def fwd(batch=batch, mode=mode):
+        def fwd(batch=batch, mode=mode, packed=packed):
             with torch.no_grad():
-                token_logprobs(model, batch, mode)
+                token_logprobs(model, batch, mode, packed=packed)
 
         try:
             ms = time_ms(fwd_bwd, warmup=2, iters=3, device=dev)
@@ -202,7 +205,8 @@ def train_profile(model, cfg, configs, rows: list, dev: str, resp_len: int) -> N
             torch.cuda.empty_cache()
             continue
         fl = update_flops(cfg, batch, mode, grid)
-        r = {"bench": "train_profile", "mode": mode, "prompts": batch.num_prompts, "sequences": batch.num_samples,
+        r = {"bench": "train_profile", "mode": "packed" if packed else mode, "prompts": batch.num_prompts,
+             "sequences": batch.num_samples,
              "fwd_bwd_ms": round(ms, 1), "fwd_nograd_ms": round(ms_fwd, 1), "TFLOPs": round(fl / ms / 1e9, 1),
              "mfu": round(fl / ms / 1e9 / 989, 3), "ms_per_sequence": round(ms / batch.num_samples, 1),
              "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev == "cuda" else 0, **prof}
@@ -220,7 +224,8 @@ def main(argv=None) -> None:
     ap.add_argument("--parts", default="attn,decode,train")
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--context", type=int, default=608)
-    ap.add_argument("--train", default="rollplex:1,rollplex:2,rollplex:4,serial:8")
+    ap.add_argument("--train", default="rollplex:2,packed:2,serial:8",
+                    help="mode:size items; rollplex/packed: prompts (x 8 samples), serial: sequences")
     ap.add_argument("--response-len", type=int, default=512)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the attn/train parts")
     args = ap.parse_args(argv)
@@ -243,7 +248,7 @@ def main(argv=None) -> None:
         configs = []
         for item in args.train.split(","):
             mode, k = item.split(":")
-            configs.append((mode, int(k) if mode == "rollplex" else 1, int(k)))
+            configs.append((mode, int(k) if mode in ("rollplex", "packed") else 1, int(k)))
         train_profile(model, cfg, configs, rows, dev, args.response_len)
     print()
     for r in rows:
