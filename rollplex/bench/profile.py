@@ -74,11 +74,55 @@ def kernel_profile(fn, iters: int = 3) -> dict:
         n[0] += us / iters / 1e3
         n[1] += 1 / iters
     total = sum(v[0] for v in cats.values())
-    top = sorted(names.items(), key=lambda kv: -kv[1][0])[:12]
+    top = sorted(names.items(), key=lambda kv: -kv[1][0])[:25]
     return {"kernel_ms": round(total, 3), "kernels": round(sum(v[1] for v in cats.values())),
             "by_category": {k: [round(v[0], 3), round(v[1])]
                             for k, v in sorted(cats.items(), key=lambda kv: -kv[1][0])},
             "top": [[k, round(v[0], 3), round(v[1])] for k, v in top]}
+
+
+def host_trace(fn, path: str) -> None:
+    """One fn() call (1) under CUDA sync debugging: every host<->device sync it makes, with the Python
+    frames that made it, goes to `path`.syncs.txt; (2) under the profiler with CPU ops: a gzipped Chrome
+    trace `path`.json.gz, to see what the host was doing while the GPU sat idle."""
+    import gzip
+    import os
+    import shutil
+    import traceback
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    syncs: list[str] = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-2] if "rollplex" in f.filename]
+        syncs.append(f"{message}\n" + "".join(traceback.format_list(frames[-6:])))
+
+    torch.cuda.synchronize()
+    old = warnings.showwarning
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = old
+    torch.cuda.synchronize()
+    with open(path + ".syncs.txt", "w") as f:
+        f.write(f"{len(syncs)} syncs\n\n" + "\n".join(syncs))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path + ".json")
+    with open(path + ".json", "rb") as a, gzip.open(path + ".json.gz", "wb") as b:
+        shutil.copyfileobj(a, b)
+    os.remove(path + ".json")
+    print(json.dumps({"bench": "host_trace", "path": path, "syncs": len(syncs)}), flush=True)
 
 
 def set_decode_state(runner, B: int, ctx: int, seed: int = 0) -> None:
@@ -169,7 +213,7 @@ def decode_profile(model, batches, ctx: int, rows: list) -> None:
     del eng
 
 
-def train_profile(model, cfg, configs, rows: list, dev: str, resp_len: int) -> None:
+def train_profile(model, cfg, configs, rows: list, dev: str, resp_len: int, trace_dir: str | None = None) -> None:
     from .step import make_prompts, update_flops
 
     prompts, grid = make_prompts(cfg, 8, 1, device=dev, dtype=DT[dev])
@@ -198,6 +242,8 @@ def train_profile(model, cfg, configs, rows: list, dev: str, resp_len: int) -> N
 
         try:
             ms = time_ms(fwd_bwd, warmup=2, iters=3, device=dev)
+            if trace_dir and dev == "cuda":
+                host_trace(fwd_bwd, f"{trace_dir}/train_{'packed' if packed else mode}")
             ms_fwd = time_ms(fwd, warmup=1, iters=3, device=dev)
             prof = kernel_profile(fwd_bwd, iters=1)
         except torch.OutOfMemoryError as e:
@@ -228,6 +274,8 @@ def main(argv=None) -> None:
                     help="mode:size items; rollplex/packed: prompts (x 8 samples), serial: sequences")
     ap.add_argument("--response-len", type=int, default=512)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the attn/train parts")
+    ap.add_argument("--trace", default=None, help="directory: per training mode, a Chrome trace (CPU + CUDA) and "
+                    "the host syncs (with their Python frames) of one fwd+bwd")
     args = ap.parse_args(argv)
     dev = args.device
     cfg = ModelConfig.from_hf(args.preset) if args.preset.endswith(".json") else preset(args.preset)
@@ -249,7 +297,7 @@ def main(argv=None) -> None:
         for item in args.train.split(","):
             mode, k = item.split(":")
             configs.append((mode, int(k) if mode in ("rollplex", "packed") else 1, int(k)))
-        train_profile(model, cfg, configs, rows, dev, args.response_len)
+        train_profile(model, cfg, configs, rows, dev, args.response_len, args.trace)
     print()
     for r in rows:
         if r["bench"] == "paged_attn":

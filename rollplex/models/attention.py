@@ -16,6 +16,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from .host import as_device_tensor, to_device
+
 try:  # torch >= 2.9 (CUDA only at run time)
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
 except ImportError:  # pragma: no cover - older torch
@@ -36,7 +38,7 @@ class Segments:
 
     def cu_tensor(self) -> torch.Tensor:
         if "cu" not in self._cache:
-            self._cache["cu"] = torch.tensor(self.cu_seqlens, dtype=torch.int32, device=self.device)
+            self._cache["cu"] = as_device_tensor(self.cu_seqlens, self.device, torch.int32)
         return self._cache["cu"]
 
     def padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -47,8 +49,8 @@ class Segments:
             ar = torch.arange(self.max_len)
             valid = ar[None, :] < lens[:, None]
             index = torch.where(valid, cu[:-1, None] + ar[None, :], torch.zeros((), dtype=torch.long))
-            valid = valid.to(self.device)
-            self._cache["pad"] = (index.to(self.device), valid[:, None, None, :], valid)
+            valid = to_device(valid, self.device)
+            self._cache["pad"] = (to_device(index, self.device), valid[:, None, None, :], valid)
         return self._cache["pad"]
 
 
@@ -123,7 +125,7 @@ class SharedPrefixLayout:
             gather = torch.where(in_prefix, starts[owner] + within, resp_base + within - lens[owner])
             cu_q = torch.arange(N + 1, dtype=torch.int32) * Rin
             cu_k = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(seg, 0).to(torch.int32)])
-            self._cache["packed"] = (gather.to(dev), cu_q.to(dev), cu_k.to(dev), int(seg.max()))
+            self._cache["packed"] = (to_device(gather, dev), to_device(cu_q, dev), to_device(cu_k, dev), int(seg.max()))
         return self._cache["packed"]
 
 
@@ -135,10 +137,35 @@ def _varlen_causal(q, k, v, cu_q, cu_k, max_q, max_k):
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in params:
             kw["enable_gqa"] = True
-        else:
+        elif not varlen_native_gqa_ok(str(q.device), q.dtype):
             g = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     return _varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+
+
+@lru_cache(maxsize=8)
+def varlen_native_gqa_ok(device: str, dtype: torch.dtype) -> bool:
+    """Capability probe for torch versions whose varlen_attn has no `enable_gqa` flag: does the flash
+    kernel behind it take fewer key/value heads than query heads, forward and backward? Then the
+    keys/values are not repeated per query head (8x their memory at Qwen's 16/2 heads, saved for the
+    backward of every layer)."""
+    if _varlen_attn is None or not device.startswith("cuda"):
+        return False
+    try:
+        with torch.enable_grad():
+            g = torch.Generator(device=device).manual_seed(0)
+            q, k, v = (torch.randn(9, h, 64, device=device, dtype=dtype, generator=g).requires_grad_()
+                       for h in (4, 2, 2))
+            cu = torch.tensor([0, 4, 9], dtype=torch.int32, device=device)
+            go = torch.randn(9, 4, 64, device=device, dtype=dtype, generator=g)
+            kw = {"window_size": (-1, 0)} if "window_size" in _varlen_kwargs_names() else {"is_causal": True}
+            outs = []
+            for kk, vv in ((k, v), (k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1))):
+                out = _varlen_attn(q, kk, vv, cu, cu, 5, 5, **kw)
+                outs.append([out, *torch.autograd.grad(out, (q, k, v), go)])
+        return all(torch.allclose(a.float(), b.float(), atol=2e-2) for a, b in zip(*outs))
+    except (RuntimeError, TypeError, ValueError):
+        return False
 
 
 @lru_cache(maxsize=8)
@@ -227,9 +254,9 @@ class PackedLayout:
                 cu_k.append(cu_k[-1] + sum(m for _, m in runs))
             lq = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
             lk = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]
-            i32 = dict(dtype=torch.int32, device=self.device)
-            self._cache["varlen"] = (torch.cat(gather).to(self.device), torch.tensor(cu_q, **i32),
-                                     torch.tensor(cu_k, **i32), max(lq), max(lk))
+            dev, i32 = self.device, torch.int32
+            self._cache["varlen"] = (to_device(torch.cat(gather), dev), as_device_tensor(cu_q, dev, i32),
+                                     as_device_tensor(cu_k, dev, i32), max(lq), max(lk))
         return self._cache["varlen"]
 
     def mask(self) -> torch.Tensor:
@@ -242,7 +269,7 @@ class PackedLayout:
                     a, p = runs[0]
                     m[s : s + n, a : a + p] = True
                 m[s : s + n, s : s + n] = causal
-            self._cache["mask"] = m[None, None].to(self.device)
+            self._cache["mask"] = to_device(m[None, None], self.device)
         return self._cache["mask"]
 
 

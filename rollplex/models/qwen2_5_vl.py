@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from .attention import PackedLayout, SharedPrefixLayout, packed_attention, sdpa, shared_prefix_attention
 from .config import ModelConfig
+from .host import as_device_tensor, to_device
 from .layers import rotary_inv_freq
 from .rope import mrope_cos_sin, mrope_positions
 from .text import AttendFn, TextDecoder
@@ -104,7 +105,6 @@ class Qwen25VL(nn.Module):
         B, P = len(ids), max(len(x) for x in ids)
         pad = torch.zeros(B, P, dtype=torch.long)
         positions = torch.zeros(3, B, P, dtype=torch.long)
-        visual_ok = torch.zeros(B, P, dtype=torch.bool)  # where placeholder ids are visual tokens
         deltas = []
         heads = []
         for b, (p, x) in enumerate(zip(prompts, ids)):
@@ -118,10 +118,9 @@ class Qwen25VL(nn.Module):
             )
             tail = torch.arange(len(x) - head).expand(3, -1) + (head + delta)
             positions[:, b, : len(x)] = torch.cat([pos, tail], dim=1)
-            visual_ok[b, :head] = True
             heads.append(head)
             deltas.append(delta)  # the prompt's delta carries over to the generated tail
-        pad, visual_ok = pad.to(dev), visual_ok.to(dev)
+        pad = to_device(pad, dev)
         x = emb(pad)
         pixels, grids, kinds = [], [], []
         sources = (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw"))
@@ -133,17 +132,20 @@ class Qwen25VL(nn.Module):
                     grids.extend(_grids(getattr(p, g_name)))
                     kinds.extend([kind] * len(_grids(getattr(p, g_name))))
         if pixels:
-            feats = self.visual(torch.cat([t.to(dev) for t in pixels]), grids).to(x.dtype)
+            feats = self.visual(torch.cat([to_device(t, dev) for t in pixels]), grids).to(x.dtype)
             m2 = cfg.vision.spatial_merge_size**2
             sizes = [t * h * w // m2 for t, h, w in grids]
             n_img = sum(s for s, k in zip(sizes, kinds) if k == "image")
             for tok, f in ((cfg.image_token_id, feats[:n_img]), (cfg.video_token_id, feats[n_img:])):
-                n_tok = sum(x_ids[:h].count(tok) for x_ids, h in zip(ids, heads))  # on the host: no sync
-                if n_tok != f.shape[0]:
-                    raise ValueError(f"{n_tok} placeholder tokens (id {tok}) but {f.shape[0]} visual embeddings")
-                x = x.masked_scatter(((pad == tok) & visual_ok)[..., None], f)
-        lens = torch.tensor([len(t) for t in ids], device=dev)
-        return EmbeddedPrompts(x, positions.to(dev), lens, torch.tensor(deltas, dtype=torch.long, device=dev))
+                # flat positions of the placeholders, found on the host: masked_scatter would sync
+                # to count them (and its backward again)
+                where = [b * P + j for b, (x_ids, h) in enumerate(zip(ids, heads)) for j in range(h) if x_ids[j] == tok]
+                if len(where) != f.shape[0]:
+                    raise ValueError(f"{len(where)} placeholder tokens (id {tok}) but {f.shape[0]} visual embeddings")
+                if where:
+                    x = x.flatten(0, 1).index_put((as_device_tensor(where, dev, torch.long),), f).view(B, P, -1)
+        lens = as_device_tensor([len(t) for t in ids], dev)
+        return EmbeddedPrompts(x, to_device(positions, dev), lens, as_device_tensor(deltas, dev, torch.long))
 
     def forward_embeds(self, embeds: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
         """Incremental path: embeds [B, L, C], positions [3, B, L], attend owns K/V -> normed hidden."""
@@ -219,11 +221,11 @@ class Qwen25VL(nn.Module):
         # flat indices of the real (unpadded) tokens, built on the host: boolean-mask indexing on the
         # device would sync to learn the result's size
         Pmax = e.embeds.shape[1]
-        p_idx = torch.cat([torch.arange(n) + b * Pmax for b, n in enumerate(P)]).to(dev)
-        r_idx = torch.cat([torch.arange(n - 1) + i * R for i, n in enumerate(lens)]).to(dev)
-        r_off = torch.cat([torch.arange(n - 1) for n in lens]).to(dev)  # token index within its response
-        r_grp = torch.tensor([g for g, n in zip(group, lens) for _ in range(n - 1)], dtype=torch.long).to(dev)
-        ids = response_ids.to(dev).reshape(-1)
+        p_idx = to_device(torch.cat([torch.arange(n) + b * Pmax for b, n in enumerate(P)]), dev)
+        r_idx = to_device(torch.cat([torch.arange(n - 1) + i * R for i, n in enumerate(lens)]), dev)
+        r_off = to_device(torch.cat([torch.arange(n - 1) for n in lens]), dev)  # token index within its response
+        r_grp = as_device_tensor([g for g, n in zip(group, lens) for _ in range(n - 1)], dev, torch.long)
+        ids = to_device(response_ids, dev).reshape(-1)
         x = torch.cat([e.embeds.flatten(0, 1)[p_idx], self.model.embed_tokens(ids[r_idx])])  # [T, C]
         resp_pos = (e.lens + e.rope_delta)[r_grp] + r_off  # response token j sits at P + delta + j
         positions = torch.cat([e.positions.flatten(1, 2)[:, p_idx], resp_pos[None].expand(3, -1)], dim=1)  # [3, T]
@@ -239,7 +241,7 @@ class Qwen25VL(nn.Module):
             rows[i, 0] = layout.prompt_starts[gi] + P[gi] - 1
             rows[i, 1:n] = torch.arange(layout.response_starts[i], layout.response_starts[i] + n - 1)
             keep[i, :n] = True
-        rows, keep = rows.to(dev), keep.to(dev)
+        rows, keep = to_device(rows, dev), to_device(keep, dev)
         return hidden[rows] * keep[..., None]
 
     def response_logits(self, prefix: PrefixState, response_ids: torch.Tensor, prefix_index=None) -> torch.Tensor:

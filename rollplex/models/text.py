@@ -31,7 +31,9 @@ def _pre_attention(x, delta, norm_w, qkv_w, qkv_b, cos, sin, eps: float, num_hea
     D = cos.shape[-1]
     qk, v = F.linear(rms_norm(x, norm_w, eps), qkv_w, qkv_b).split(
         [(num_heads + num_kv_heads) * D, num_kv_heads * D], dim=-1)
-    qk = apply_rotary(qk.view(B, L, num_heads + num_kv_heads, D).transpose(1, 2), cos[:, None], sin[:, None])
+    # rotate in the GEMM's [B, L, heads, D] layout and return [B, heads, L, D] views: rotating the
+    # transposed view made the compiled backward read and write across strides (~10x slower)
+    qk = apply_rotary(qk.view(B, L, num_heads + num_kv_heads, D), cos[:, :, None], sin[:, :, None]).transpose(1, 2)
     q, k = qk.split([num_heads, num_kv_heads], dim=1)
     return q, k, v.view(B, L, num_kv_heads, D).transpose(1, 2), x
 

@@ -19,8 +19,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import Segments, segment_attention
+from .attention import Segments, _use_flash_varlen, _varlen_attn, segment_attention
 from .config import VisionConfig
+from .host import to_device
 from .layers import GatedMLP, RMSNorm, apply_rotary, compile_fn, rms_norm, rotary_inv_freq
 
 
@@ -64,9 +65,9 @@ class VisionLayout:
             offset += t * lh * lw
         window_index = torch.cat(window_index)
         return cls(
-            window_index=window_index.to(device),
-            reverse_index=torch.argsort(window_index).to(device),
-            hw_pos=torch.cat(hw_pos).to(device),
+            window_index=to_device(window_index, device),
+            reverse_index=to_device(torch.argsort(window_index), device),
+            hw_pos=to_device(torch.cat(hw_pos), device),
             windows=Segments(cu_win, torch.device(device)),
             frames=Segments(cu_frame, torch.device(device)),
         )
@@ -85,6 +86,16 @@ def _post_attention(x, attn, proj_w, proj_b, norm_w, gate_up_w, gate_up_b, down_
     x = x + F.linear(attn.flatten(1), proj_w, proj_b)
     gate, up = F.linear(rms_norm(x, norm_w, 1e-6), gate_up_w, gate_up_b).chunk(2, dim=-1)
     return x + F.linear(F.silu(gate) * up, down_w, down_b)
+
+
+def _block_varlen(x, norm1_w, qkv_w, qkv_b, cos, sin, num_heads: int, cu, max_len: int, proj_w, proj_b, norm2_w,
+                  gate_up_w, gate_up_b, down_w, down_b):
+    """A whole block with flash varlen attention in one function: compiled, one graph per block call
+    instead of three Python-level calls (the vision tower's small GEMMs leave the GPU waiting on the
+    host otherwise)."""
+    q, k, v = _pre_attention(x, norm1_w, qkv_w, qkv_b, cos, sin, num_heads)
+    out = _varlen_attn(q, k, v, cu, cu, max_len, max_len)
+    return _post_attention(x, out, proj_w, proj_b, norm2_w, gate_up_w, gate_up_b, down_w, down_b)
 
 
 class VisionAttention(nn.Module):
@@ -131,19 +142,23 @@ class VisionTower(nn.Module):
         self.register_buffer("inv_freq", rotary_inv_freq(cfg.head_dim // 2, cfg.rope_theta), persistent=False)
         self.full_blocks = frozenset(cfg.fullatt_block_indexes)
         self.attn_backend = "auto"  # see attention.segment_attention; benchmarks flip it to compare
-        self._pre, self._post = _pre_attention, _post_attention
+        self._pre, self._post, self._whole = _pre_attention, _post_attention, None
 
     def compile(self, **kwargs) -> VisionTower:
         """Fuse the norms, rotary and SwiGLU elementwise work with torch.compile (GPU); same math."""
         self._pre = compile_fn(_pre_attention, **kwargs)
         self._post = compile_fn(_post_attention, **kwargs)
+        self._whole = compile_fn(_block_varlen, **kwargs)
         return self
 
     def block(self, blk: VisionBlock, x, cos, sin, seg: Segments) -> torch.Tensor:
-        a = blk.attn
+        a, m = blk.attn, blk.mlp
+        if self._whole is not None and self.attn_backend == "auto" and _use_flash_varlen(x):
+            return self._whole(x, blk.norm1.weight, a.qkv.weight, a.qkv.bias, cos, sin, a.num_heads, seg.cu_tensor(),
+                               seg.max_len, a.proj.weight, a.proj.bias, blk.norm2.weight, m.gate_up_proj.weight,
+                               m.gate_up_proj.bias, m.down_proj.weight, m.down_proj.bias)
         q, k, v = self._pre(x, blk.norm1.weight, a.qkv.weight, a.qkv.bias, cos, sin, a.num_heads)
         out = segment_attention(q, k, v, seg, self.attn_backend)
-        m = blk.mlp
         return self._post(x, out, a.proj.weight, a.proj.bias, blk.norm2.weight, m.gate_up_proj.weight,
                           m.gate_up_proj.bias, m.down_proj.weight, m.down_proj.bias)
 

@@ -21,6 +21,7 @@ import math
 import torch
 
 from ..models import Qwen25VL
+from ..models.host import to_device
 from .algos import agg_denominator, agg_loss, kl_penalty, ppo_policy_loss
 from .batch import RolloutBatch
 from .config import RLConfig
@@ -127,18 +128,18 @@ class Actor:
                     logp, ent = token_logprobs(model, mb, cfg.mode, cfg.temperature, with_entropy=want_ent,
                                                packed=cfg.packed)
                     dev = logp.device
-                    mask = mb.mask.to(dev)
+                    mask = to_device(mb.mask, dev)
                     if epoch == 0:  # kept on the device until the update ends (no sync per micro-batch)
                         first_parts.append((gidx, logp.detach() * mask))
                         seen[gidx] = True
-                    old = logp.detach() if old_all is None else old_all[gidx].to(dev)
-                    adv = advantages[gidx].to(dev)
+                    old = logp.detach() if old_all is None else to_device(old_all[gidx], dev)
+                    adv = to_device(advantages[gidx], dev)
                     pg, clipfrac, ppo_kl = ppo_policy_loss(logp, old, adv, mask, cfg.clip_ratio_low,
                                                            cfg.clip_ratio_high, cfg.dual_clip, cfg.loss_agg_mode, denom)
                     loss = pg
                     w = float(mb.mask.sum()) / max(n_tok, 1.0)  # token share of this micro-batch, for metrics
                     if ref_logprobs is not None and cfg.use_kl_loss and cfg.kl_coef > 0:
-                        kl = agg_loss(kl_penalty(logp, ref_logprobs[gidx].to(dev), cfg.kl_loss_type), mask,
+                        kl = agg_loss(kl_penalty(logp, to_device(ref_logprobs[gidx], dev), cfg.kl_loss_type), mask,
                                       cfg.loss_agg_mode, denom)
                         loss = loss + cfg.kl_coef * kl
                         acc["actor/kl_loss"] = acc["actor/kl_loss"] + kl.detach()

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import torch
 
 from ..models import Qwen25VL
+from ..models.host import to_device
 from .algos import entropy_from_logits
 from .batch import RolloutBatch
 from .logprob import token_logprob
@@ -53,7 +54,7 @@ def token_logprobs(model: Qwen25VL, mb: RolloutBatch, mode: str, temperature: fl
                    with_entropy: bool = False, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs [n, R] fp32, entropy [n, R] or None) of mb's responses; differentiable."""
     hidden = response_hidden(model, mb, mode, packed)
-    targets = mb.responses.to(hidden.device)
+    targets = to_device(mb.responses, hidden.device)
     if not with_entropy:  # chunked: never materialises the [n, R, V] logits
         return token_logprob(hidden, model.head_weight, targets, temperature), None
     logits = model.logits(hidden).float() / temperature
@@ -79,5 +80,6 @@ def score(model: Qwen25VL, batch: RolloutBatch, mode: str, temperature: float = 
     out = torch.zeros(batch.responses.shape, dtype=torch.float32, device=model.inv_freq.device)
     for mb, idx in micro_batches(batch, mode, prompts_per_mb, samples_per_mb):
         lp, _ = token_logprobs(model, mb, mode, temperature, packed=packed)
-        out[idx.to(out.device)] = lp * mb.mask.to(out.device)  # stays on the device: no sync per micro-batch
+        # stays on the device: no sync per micro-batch
+        out[to_device(idx, out.device)] = lp * to_device(mb.mask, out.device)
     return out.cpu()
