@@ -274,6 +274,8 @@ def main(argv=None) -> None:
                     help="mode:size items; rollplex/packed: prompts (x 8 samples), serial: sequences")
     ap.add_argument("--response-len", type=int, default=512)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the attn/train parts")
+    ap.add_argument("--compile-dynamic", default="true", choices=["true", "auto"],
+                    help="torch.compile shapes: all symbolic (true) or only those that change (auto)")
     ap.add_argument("--trace", default=None, help="directory: per training mode, a Chrome trace (CPU + CUDA) and "
                     "the host syncs (with their Python frames) of one fwd+bwd")
     args = ap.parse_args(argv)
@@ -288,10 +290,10 @@ def main(argv=None) -> None:
     with torch.device(dev):
         model = init_weights(Qwen25VL(cfg), seed=0, std=0.02)
     model = model.to(DT[dev]).eval()
+    if dev == "cuda":
+        model.compile(dynamic=True if args.compile_dynamic == "true" else None)
     if "decode" in parts and dev == "cuda":
-        decode_profile(model, batches, args.context, rows)  # compiles the model (EngineConfig default)
-    elif dev == "cuda":
-        model.compile()
+        decode_profile(model, batches, args.context, rows)
     if "train" in parts:
         configs = []
         for item in args.train.split(","):

@@ -134,23 +134,28 @@ def main(argv=None) -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("--micro-prompts", type=int, default=2, help="rollplex: prompts (x n samples) per fwd/bwd")
+    ap.add_argument("--micro-prompts", type=int, default=4, help="rollplex: prompts (x n samples) per fwd/bwd")
     ap.add_argument("--micro-samples", type=int, default=8, help="serial: sequences per fwd/bwd")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--packed", action="store_true", help="rollplex: prompts + responses packed in one pass")
+    ap.add_argument("--no-packed", action="store_true",
+                    help="rollplex: a prefix pass, then padded responses (RLConfig.packed=False), not one packed pass")
     ap.add_argument("--no-warm", action="store_true", help="time the first run (dynamo compiles included)")
+    ap.add_argument("--compile-dynamic", default="true", choices=["true", "auto"],
+                    help="torch.compile shapes: all symbolic (true) or only those that change (auto)")
     args = ap.parse_args(argv)
     cfg = preset(args.preset) if not args.preset.endswith(".json") else ModelConfig.from_hf(args.preset)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     with torch.device(args.device):
         model = init_weights(Qwen25VL(cfg), seed=0, std=0.02)
     model = model.to(dtype).eval()
+    if args.device == "cuda" and not args.no_compile:
+        model.compile(dynamic=True if args.compile_dynamic == "true" else None)
     eng = Engine(model, None, EngineConfig(max_num_seqs=256, max_model_len=2048, gpu_memory_utilization=0.2,
                                            max_num_batched_tokens=40000, compile_model=not args.no_compile))
     info = env_info()
     print(json.dumps({"bench": "step_setup", "kv_blocks": eng.runner.num_blocks, **info}), flush=True)
     rl_kw = dict(n=args.n, kl_coef=0.01, lr=1e-6, micro_batch_prompts=args.micro_prompts,
-                 micro_batch_samples=args.micro_samples, packed=args.packed)
+                 micro_batch_samples=args.micro_samples, packed=not args.no_packed)
     summary = []
     for label in args.workloads.split(","):
         frames = 8 if label == "w3b-video" else 1

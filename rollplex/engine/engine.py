@@ -64,7 +64,7 @@ class Engine:
                  hooks: Seq[DecodeHook] = ()):
         self.model, self.processor = model, processor
         self.cfg = config or EngineConfig()
-        if self.cfg.compile_model and next(model.parameters()).is_cuda:
+        if self.cfg.compile_model and next(model.parameters()).is_cuda and not getattr(model, "is_compiled", False):
             model.compile()
         self.runner = ModelRunner(model, self.cfg)
         self.blocks = BlockManager(self.runner.num_blocks, self.cfg.block_size)

@@ -71,6 +71,7 @@ class Qwen25VL(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        self.is_compiled = False
         self.visual = VisionTower(cfg.vision)
         self.model = TextDecoder(cfg.text)
         self.lm_head = None if cfg.text.tie_word_embeddings else nn.Linear(
@@ -78,10 +79,12 @@ class Qwen25VL(nn.Module):
         )
         self.register_buffer("inv_freq", rotary_inv_freq(cfg.text.head_dim, cfg.text.rope_theta), persistent=False)
 
-    def compile(self) -> Qwen25VL:
-        """torch.compile the elementwise glue of the vision blocks and decoder layers (GPU)."""
-        self.visual.compile()
-        self.model.compile()
+    def compile(self, **kwargs) -> Qwen25VL:
+        """torch.compile the elementwise glue of the vision blocks and decoder layers (GPU); kwargs go
+        to torch.compile (`layers.compile_fn`). The engine compiles a model it gets uncompiled."""
+        self.visual.compile(**kwargs)
+        self.model.compile(**kwargs)
+        self.is_compiled = True
         return self
 
     # ---- pieces ----------------------------------------------------------------------------

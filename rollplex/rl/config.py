@@ -42,9 +42,10 @@ class RLConfig:
     micro_batch_samples: int = 8  # serial mode: sequences per forward/backward
     # rollplex mode: True packs a micro-batch's prompts and responses into one sequence (one pass, no
     # padding, one varlen attention call per layer); False runs a prefix pass, then the padded
-    # responses over its PrefixState. Same values (tests hold both to the serial mode). False is the
-    # default because it is the path whose H200 speed is measured (docs/BENCHMARKS.md).
-    packed: bool = False
+    # responses over its PrefixState. Same values (tests hold both to the serial mode). Packed is
+    # faster on the H200 (446 vs 505 ms per 2-prompt micro-batch) and needs about half the memory,
+    # which is what lets 4 prompts x 8 samples fit (docs/BENCHMARKS.md, step run 4).
+    packed: bool = True
     seed: int = 0
 
     def __post_init__(self):

@@ -40,7 +40,7 @@ def response_hidden(model: Qwen25VL, mb: RolloutBatch, mode: str, packed: bool =
     if mode == "rollplex" and packed:  # prompts and responses packed into one pass; each prompt computed once
         return model.group_hidden(mb.prompts, mb.responses, lens, mb.group.tolist())
     if mode == "rollplex":  # a prefix pass, then the padded responses over its PrefixState
-        return model.response_hidden(model.prefix(mb.prompts), mb.responses.to(dev), mb.group.to(dev))
+        return model.response_hidden(model.prefix(mb.prompts), to_device(mb.responses, dev), to_device(mb.group, dev))
     groups = mb.group.tolist()
     fulls = [_full_sequence(mb.prompts[g], mb.responses[i, : lens[i]].tolist()) for i, g in enumerate(groups)]
     hidden = model.hidden(fulls)  # [n, Lmax, C]
