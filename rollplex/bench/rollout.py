@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import time
@@ -22,6 +23,7 @@ import time
 import torch
 
 from ..engine import Engine, EngineConfig, RecordingHook, SamplingParams
+from ..engine.sampler import SamplingTensors
 from ..generate import generate
 from ..models import Qwen25VL, hf_to_rollplex, init_weights
 from ..presets import preset
@@ -177,9 +179,16 @@ def main(argv=None) -> None:
             set_decode_state(eng.runner, B, ctx)
             g, _ = eng.runner.graphs[B]
             replay_ms = time_ms(g.replay, warmup=3, iters=20)
+        # the sampler alone (compiled draw over the full vocabulary, temperature 1, as in the rollout):
+        # engine step = replay + sampler + what the host could not hide
+        V = cfg.text.vocab_size
+        logits = torch.randn(B, V, device=dev, dtype=torch.bfloat16)
+        st = SamplingTensors.build([(1.0, -1, 1.0, 0.0, i, 300) for i in range(B)], V, dev)
+        sampler_ms = time_ms(functools.partial(eng.sampler, logits, st), warmup=3, iters=20)
         floor_ms = (weight_bytes + B * ctx * kv_tok) / bw * 1e3
         r = {"bench": "decode_sweep", "batch": B, "context": ctx, "engine_step_ms": round(step_ms, 3),
-             "graph_replay_ms": replay_ms and round(replay_ms, 3), "hbm_floor_ms": round(floor_ms, 3),
+             "graph_replay_ms": replay_ms and round(replay_ms, 3), "sampler_ms": round(sampler_ms, 3),
+             "hbm_floor_ms": round(floor_ms, 3),
              "floor_frac_engine": round(floor_ms / step_ms, 3),
              "floor_frac_replay": replay_ms and round(floor_ms / replay_ms, 3), "copy_bw_TBps": round(bw / 1e12, 2),
              "tok_per_s": round(B / step_ms * 1e3, 1)}
