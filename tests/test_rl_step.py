@@ -42,19 +42,23 @@ def test_serial_and_rollplex_compute_the_same_update(tiny_dir, proc, updates):
     batch = ref.rollout(ROWS)
     batch.rewards = torch.tensor([float(i % 3 == 0) for i in range(batch.num_samples)])  # varied advantages
     results = {}
-    for key, mode, packed in (("rollplex", "rollplex", True), ("prefix_state", "rollplex", False),
-                              ("serial", "serial", True)):
+    # micro-batches by a token budget (verl's dynamic batch size) split the same batch differently
+    budget = dict(micro_batch_max_tokens=150)
+    for key, mode, packed, extra in (("rollplex", "rollplex", True, {}), ("prefix_state", "rollplex", False, {}),
+                                     ("rollplex_budget", "rollplex", True, budget),
+                                     ("serial_budget", "serial", True, budget), ("serial", "serial", True, {})):
         # a small lr: Adam's first steps are ~lr * sign(grad), which turns last-bit noise in near-zero
         # gradients into lr-sized weight differences at large lr
-        rl = _step(tiny_dir, proc, mode=mode, lr=1e-4, packed=packed, **updates)
+        rl = _step(tiny_dir, proc, mode=mode, lr=1e-4, packed=packed, **updates, **extra)
         grads = _capture_grads(rl)
         metrics = rl.train(copy.deepcopy(batch))
         results[key] = (metrics, grads, {n: p.detach().clone() for n, p in rl.model.named_parameters()})
-    for m1, g1, w1 in (results["rollplex"], results["prefix_state"]):
-        _assert_same_update(ref, m1, g1, w1, *results["serial"], updates)
+    for key in ("rollplex", "prefix_state", "rollplex_budget"):
+        _assert_same_update(ref, *results[key], *results["serial"], updates)
+    _assert_same_update(ref, *results["serial_budget"], *results["serial"], updates, dedup=1)
 
 
-def _assert_same_update(ref, m1, g1, w1, m2, g2, w2, updates):
+def _assert_same_update(ref, m1, g1, w1, m2, g2, w2, updates, dedup=4):
     for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "training/rollout_probs_diff_mean"):
         assert m1[k] == pytest.approx(m2[k], rel=1e-5, abs=1e-7), k
     assert len(g1) == len(g2) == updates.get("ppo_mini_batches", 1)
@@ -69,7 +73,31 @@ def _assert_same_update(ref, m1, g1, w1, m2, g2, w2, updates):
             assert (diff / w2[name].norm()).item() <= 1e-5, name
         else:  # zero-initialised biases: relative to the update they received
             assert (diff / (w2[name] - w0[name]).norm().clamp_min(1e-12)).item() <= 1e-3, name
-    assert m1["rollplex/prefix_dedup_ratio"] == 4 and m2["rollplex/prefix_dedup_ratio"] == 1
+    assert m1["rollplex/prefix_dedup_ratio"] == dedup and m2["rollplex/prefix_dedup_ratio"] == 1
+
+
+def test_micro_batch_plans():
+    from rollplex.rl.batch import RolloutBatch
+    from rollplex.rl.scoring import micro_batches, plan
+
+    assert plan([3, 3, 3], 2) == [[0, 1], [2]]
+    assert plan([5, 1, 1, 7, 2], 99, max_tokens=7) == [[0, 1, 2], [3], [4]]
+    assert plan([10, 10], 1, max_tokens=5) == [[0], [1]]  # an item over the budget still gets a pass
+    assert plan([], 4) == []
+    prompts = [type("P", (), {"input_ids": list(range(n))})() for n in (10, 20, 30)]
+    mask = torch.zeros(6, 8)
+    for i, n in enumerate((8, 2, 5, 5, 1, 8)):
+        mask[i, :n] = 1
+    batch = RolloutBatch(prompts, torch.tensor([0, 0, 1, 1, 2, 2]), torch.zeros(6, 8, dtype=torch.long), mask)
+    # rollplex, packed: prompt once + its responses' tokens -> costs 20, 30, 39
+    got = [idx.tolist() for _, idx in micro_batches(batch, "rollplex", 1, 1, max_tokens=50, packed=True)]
+    assert got == [[0, 1, 2, 3], [4, 5]]
+    # prefix-state path pads responses to R = 8: costs 26, 36, 46
+    got = [idx.tolist() for _, idx in micro_batches(batch, "rollplex", 1, 1, max_tokens=62, packed=False)]
+    assert got == [[0, 1, 2, 3], [4, 5]]
+    # serial: the prompt per sequence -> costs 18, 12, 25, 25, 31, 38
+    got = [idx.tolist() for _, idx in micro_batches(batch, "serial", 1, 1, max_tokens=40)]
+    assert got == [[0, 1], [2], [3], [4], [5]]
 
 
 def test_step_metrics_and_live_weights(tiny_dir, proc):

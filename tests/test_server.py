@@ -186,7 +186,8 @@ def test_rollout_train_step_changes_weights(client):
 
 def test_train_step_with_reward_name_and_chat_prompts(client):
     ro = _rollout(client, n_prompts=2, n=2)
-    m = client.post("/train_step", json={"rollout_id": ro["rollout_id"], "reward": "shape_color", "lr": 1e-4})
+    m = client.post("/train_step", json={"rollout_id": ro["rollout_id"], "reward": "shape_color", "lr": 1e-4,
+                                         "micro_batch_max_tokens": 64})  # a token budget: one prompt per pass
     assert m.status_code == 200, m.text
     assert 0.0 <= m.json()["critic/score/mean"] <= 1.0 and m.json()["actor/lr"] == 1e-4
     chat = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Color?"}]}],
@@ -337,6 +338,7 @@ def test_bad_requests_are_4xx_and_harmless(client, server):
         ({"rollout_id": rid, "reward": "rollplex.nope:fn"}, 400),
         ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "loss_agg_mode": "bogus"}, 400),
         ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "lr": -1}, 422),
+        ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "micro_batch_max_tokens": 0}, 422),
         ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "unknown_knob": 1}, 422),
         ({"rewards": [1, 0, 1, 0]}, 422),
     ]

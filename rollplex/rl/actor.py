@@ -98,7 +98,7 @@ class Actor:
         if cfg.num_updates == 1:
             return None
         return score(self.model, batch, cfg.mode, cfg.temperature, cfg.micro_batch_prompts, cfg.micro_batch_samples,
-                     cfg.packed)
+                     cfg.packed, cfg.micro_batch_max_tokens)
 
     def update(self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None,
                old_all: torch.Tensor | None = None, step: int = 0) -> tuple[dict, torch.Tensor]:
@@ -122,7 +122,8 @@ class Actor:
                                                         "actor/entropy": 0.0, "actor/pg_clipfrac": 0.0,
                                                         "actor/ppo_kl": 0.0}
                 n_tok = float(mini.mask.sum())
-                for mb, idx in micro_batches(mini, cfg.mode, cfg.micro_batch_prompts, cfg.micro_batch_samples):
+                for mb, idx in micro_batches(mini, cfg.mode, cfg.micro_batch_prompts, cfg.micro_batch_samples,
+                                             cfg.micro_batch_max_tokens, cfg.packed):
                     gidx = mini_idx[idx]
                     want_ent = cfg.entropy_coeff > 0
                     logp, ent = token_logprobs(model, mb, cfg.mode, cfg.temperature, with_entropy=want_ent,

@@ -60,6 +60,11 @@ class RolloutBatch:
             data_sources=per_sample(data_sources), ground_truths=per_sample(ground_truths),
             extra_infos=per_sample(extra_infos))
 
+    def response_lengths(self) -> list[int]:
+        """Tokens each response contributes (through its last masked-in token; at least 1)."""
+        R = self.responses.shape[1]
+        return ((self.mask > 0) * torch.arange(1, R + 1)).amax(-1).clamp_min(1).tolist()
+
     def select_prompts(self, prompt_ids: list[int]) -> tuple[RolloutBatch, torch.Tensor]:
         """All samples of the given prompts (group re-indexed); also returns the sample indices."""
         remap = {p: i for i, p in enumerate(prompt_ids)}

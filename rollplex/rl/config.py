@@ -40,6 +40,11 @@ class RLConfig:
     ppo_mini_batches: int = 1  # mini-batches per rollout (each is one optimizer step)
     micro_batch_prompts: int = 4  # prompts per forward/backward (all their samples together)
     micro_batch_samples: int = 8  # serial mode: sequences per forward/backward
+    # token budget per forward/backward (verl: use_dynamic_bsz + ppo_max_token_len_per_gpu): when set, a
+    # micro-batch takes prompts with all their samples (rollplex) or sequences (serial), in order, while
+    # their tokens fit, at least one; it replaces the two counts above. Tokens are what the pass
+    # computes: rollplex counts each prompt once, serial counts it per sequence.
+    micro_batch_max_tokens: int | None = None
     # rollplex mode: True packs a micro-batch's prompts and responses into one sequence (one pass, no
     # padding, one varlen attention call per layer); False runs a prefix pass, then the padded
     # responses over its PrefixState. Same values (tests hold both to the serial mode). Packed is
@@ -63,6 +68,8 @@ class RLConfig:
                      "micro_batch_samples", "total_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.micro_batch_max_tokens is not None and self.micro_batch_max_tokens < 1:
+            raise ValueError("micro_batch_max_tokens must be >= 1 (or None)")
         if self.temperature <= 0:
             raise ValueError("RL rollouts need temperature > 0")
         if self.lr <= 0 or self.grad_clip <= 0:

@@ -35,8 +35,7 @@ def response_hidden(model: Qwen25VL, mb: RolloutBatch, mode: str, packed: bool =
     """Hidden states predicting each response token, [n, R, C]."""
     dev = model.inv_freq.device
     R = mb.responses.shape[1]
-    # length = last masked-in token + 1 (the mask keeps a prefix of each response: tokens up to EOS)
-    lens = ((mb.mask > 0) * torch.arange(1, R + 1)).amax(-1).clamp_min(1).tolist()
+    lens = mb.response_lengths()  # the mask keeps a prefix of each response: tokens up to EOS
     if mode == "rollplex" and packed:  # prompts and responses packed into one pass; each prompt computed once
         return model.group_hidden(mb.prompts, mb.responses, lens, mb.group.tolist())
     if mode == "rollplex":  # a prefix pass, then the padded responses over its PrefixState
@@ -62,23 +61,44 @@ def token_logprobs(model: Qwen25VL, mb: RolloutBatch, mode: str, temperature: fl
     return lp, entropy_from_logits(logits)
 
 
-def micro_batches(batch: RolloutBatch, mode: str, prompts_per_mb: int, samples_per_mb: int):
-    """Yield (micro-batch, sample indices into `batch`)."""
+def plan(costs: list[int], per_mb: int, max_tokens: int | None = None) -> list[list[int]]:
+    """Split items 0..len(costs)-1, in order, into runs: `per_mb` items each, or (max_tokens set) as
+    many as fit max_tokens by their costs, at least one per run."""
+    runs: list[list[int]] = []
+    total = 0
+    for i, c in enumerate(costs):
+        if not runs or (len(runs[-1]) >= per_mb if max_tokens is None else total + c > max_tokens):
+            runs.append([])
+            total = 0
+        runs[-1].append(i)
+        total += c
+    return runs
+
+
+def micro_batches(batch: RolloutBatch, mode: str, prompts_per_mb: int, samples_per_mb: int,
+                  max_tokens: int | None = None, packed: bool = True):
+    """Yield (micro-batch, sample indices into `batch`): fixed counts, or a token budget per pass."""
+    lens = batch.response_lengths() if max_tokens is not None else [0] * batch.num_samples
+    P = [len(p.input_ids) for p in batch.prompts]
     if mode == "rollplex":
-        for s in range(0, batch.num_prompts, prompts_per_mb):
-            yield batch.select_prompts(list(range(s, min(s + prompts_per_mb, batch.num_prompts))))
+        costs = list(P)  # each prompt once, plus its responses (padded to R on the prefix-state path)
+        for i, g in enumerate(batch.group.tolist()):
+            costs[g] += lens[i] if packed else batch.responses.shape[1]
+        for ids in plan(costs, prompts_per_mb, max_tokens):
+            yield batch.select_prompts(ids)
     else:
-        for s in range(0, batch.num_samples, samples_per_mb):
-            idx = torch.arange(s, min(s + samples_per_mb, batch.num_samples))
+        costs = [P[g] + n for g, n in zip(batch.group.tolist(), lens)]
+        for ids in plan(costs, samples_per_mb, max_tokens):
+            idx = torch.tensor(ids, dtype=torch.long)
             yield batch.select_samples(idx), idx
 
 
 @torch.no_grad()
 def score(model: Qwen25VL, batch: RolloutBatch, mode: str, temperature: float = 1.0, prompts_per_mb: int = 4,
-          samples_per_mb: int = 8, packed: bool = False) -> torch.Tensor:
+          samples_per_mb: int = 8, packed: bool = False, max_tokens: int | None = None) -> torch.Tensor:
     """No-grad logprobs [N, R] (reference / old-policy scoring), zero on padding."""
     out = torch.zeros(batch.responses.shape, dtype=torch.float32, device=model.inv_freq.device)
-    for mb, idx in micro_batches(batch, mode, prompts_per_mb, samples_per_mb):
+    for mb, idx in micro_batches(batch, mode, prompts_per_mb, samples_per_mb, max_tokens, packed):
         lp, _ = token_logprobs(model, mb, mode, temperature, packed=packed)
         # stays on the device: no sync per micro-batch
         out[to_device(idx, out.device)] = lp * to_device(mb.mask, out.device)

@@ -93,7 +93,7 @@ class RLStep:
         if self.ref is not None and cfg.kl_coef > 0:
             with _timer(m, "ref", self.device):
                 ref_lp = score_logprobs(self.ref, batch, cfg.mode, cfg.temperature, cfg.micro_batch_prompts,
-                                        cfg.micro_batch_samples, cfg.packed)
+                                        cfg.micro_batch_samples, cfg.packed, cfg.micro_batch_max_tokens)
         rewards = batch.rewards.float()
         if ref_lp is not None and not cfg.use_kl_loss:  # KL as a reward penalty (policy = rollout logprobs)
             kl = (kl_penalty(batch.rollout_logprobs, ref_lp, cfg.kl_loss_type) * batch.mask).sum(-1)

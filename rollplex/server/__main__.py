@@ -33,6 +33,8 @@ def parser() -> argparse.ArgumentParser:
     rl.add_argument("--reward", default="default", help="reward for /train_step without rewards (name or module:fn)")
     rl.add_argument("--micro-batch-prompts", type=int, default=4)
     rl.add_argument("--micro-batch-samples", type=int, default=8)
+    rl.add_argument("--micro-batch-max-tokens", type=int, default=None,
+                    help="token budget per forward/backward instead of the two counts (verl's dynamic batch size)")
     rl.add_argument("--seed", type=int, default=0)
     rl.add_argument("--format-warmup-steps", type=int, default=0,
                     help="supervised answer-format steps on the shape-colour task at startup (tiny demo)")
@@ -54,7 +56,8 @@ def config_from_args(args):
         model=args.model, device=args.device, dtype=args.dtype, mode=args.mode, api_key=args.api_key, n=args.n,
         lr=args.lr, kl_coef=args.kl_coef, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
         reward=args.reward, micro_batch_prompts=args.micro_batch_prompts,
-        micro_batch_samples=args.micro_batch_samples, seed=args.seed, format_warmup_steps=args.format_warmup_steps,
+        micro_batch_samples=args.micro_batch_samples, micro_batch_max_tokens=args.micro_batch_max_tokens,
+        seed=args.seed, format_warmup_steps=args.format_warmup_steps,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, rollout_ttl_s=args.rollout_ttl,
         max_rollouts=args.max_rollouts)

@@ -211,6 +211,7 @@ class TrainStepRequest(BaseModel):
     ppo_mini_batches: int | None = Field(None, ge=1)
     micro_batch_prompts: int | None = Field(None, ge=1)
     micro_batch_samples: int | None = Field(None, ge=1)
+    micro_batch_max_tokens: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _one_reward(self):

@@ -49,6 +49,7 @@ class ServerConfig:
     reward: str = "default"
     micro_batch_prompts: int = 4
     micro_batch_samples: int = 8
+    micro_batch_max_tokens: int | None = None
     seed: int = 0
     format_warmup_steps: int = 0
     # engine
@@ -77,7 +78,8 @@ class ServerConfig:
     def rl_config(self) -> RLConfig:
         return RLConfig(mode=self.mode, n=self.n, temperature=self.temperature, max_new_tokens=self.max_new_tokens,
                         lr=self.lr, kl_coef=self.kl_coef, micro_batch_prompts=self.micro_batch_prompts,
-                        micro_batch_samples=self.micro_batch_samples, seed=self.seed)
+                        micro_batch_samples=self.micro_batch_samples,
+                        micro_batch_max_tokens=self.micro_batch_max_tokens, seed=self.seed)
 
 
 def _load_policy(cfg: ServerConfig):
