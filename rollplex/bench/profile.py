@@ -85,9 +85,7 @@ def host_trace(fn, path: str) -> None:
     """One fn() call (1) under CUDA sync debugging: every host<->device sync it makes, with the Python
     frames that made it, goes to `path`.syncs.txt; (2) under the profiler with CPU ops: a gzipped Chrome
     trace `path`.json.gz, to see what the host was doing while the GPU sat idle."""
-    import gzip
     import os
-    import shutil
     import traceback
     import warnings
 
@@ -118,11 +116,21 @@ def host_trace(fn, path: str) -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
+    _export_gz(prof, path)
+    print(json.dumps({"bench": "host_trace", "path": path, "syncs": len(syncs)}), flush=True)
+
+
+def _export_gz(prof, path: str) -> None:
+    """The profiler's Chrome trace as `path`.json.gz (a tenth of the size: it travels back from the GPU box)."""
+    import gzip
+    import os
+    import shutil
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     prof.export_chrome_trace(path + ".json")
     with open(path + ".json", "rb") as a, gzip.open(path + ".json.gz", "wb") as b:
         shutil.copyfileobj(a, b)
     os.remove(path + ".json")
-    print(json.dumps({"bench": "host_trace", "path": path, "syncs": len(syncs)}), flush=True)
 
 
 def set_decode_state(runner, B: int, ctx: int, seed: int = 0) -> None:
@@ -213,6 +221,77 @@ def decode_profile(model, batches, ctx: int, rows: list) -> None:
     del eng
 
 
+class _ProfileSteps:
+    """Decode hook: profiles (CPU + CUDA) `count` decode iterations after `skip`, timing each period."""
+
+    def __init__(self, skip: int, count: int):
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self.prof = profile(activities=acts)
+        self.skip, self.count, self.seen, self.t = skip, count, 0, []
+
+    def on_decode_step(self, info) -> None:
+        import time
+
+        if self.seen == self.skip:
+            self.prof.start()
+        if self.skip <= self.seen <= self.skip + self.count:
+            self.t.append(time.perf_counter())
+        if self.seen == self.skip + self.count:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.prof.stop()
+        self.seen += 1
+
+
+def engine_profile(model, batches, rows: list, dev: str, trace_dir: str | None = None, skip: int = 100,
+                   count: int = 20) -> None:
+    """The engine's decode loop as it runs (overlap scheduling, sampling, host bookkeeping): per step,
+    wall period vs GPU kernel time, the GPU time outside the graph replay (sampler, copies), and the
+    host ops that take the most time. The gap between period and kernel time is what the host adds."""
+    from ..engine import SamplingParams
+    from .rollout import Prompt
+
+    eng = Engine(model, None, EngineConfig(max_num_seqs=max(batches), max_model_len=2048,
+                                           gpu_memory_utilization=0.6, max_num_batched_tokens=8192))
+    c = model.cfg
+    hi = min(150000, c.text.vocab_size, c.image_token_id, c.video_token_id, c.vision_start_token_id)  # text ids only
+    g = torch.Generator().manual_seed(0)
+    for B in batches:
+        prompts = [Prompt(torch.randint(0, hi, (352,), generator=g).tolist()) for _ in range(B)]
+        hook = _ProfileSteps(skip, count)
+        eng.hooks = [hook]
+        eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=skip + count + 8, ignore_eos=True))
+        eng.hooks = []
+        periods = [(b - a) * 1e3 for a, b in zip(hook.t, hook.t[1:])]
+        events = hook.prof.events()
+        gpu: dict[str, list[float]] = {}
+        for e in events:
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                k = gpu.setdefault(e.name[:60], [0.0, 0])
+                k[0] += e.time_range.elapsed_us() / 1e3 / count
+                k[1] += 1 / count
+        kernel_ms = sum(v[0] for v in gpu.values())
+        cpu: dict[str, list[float]] = {}
+        for e in events:
+            if e.device_type == torch.autograd.DeviceType.CPU:
+                c = cpu.setdefault(e.name[:60], [0.0, 0])
+                c[0] += e.self_cpu_time_total / 1e3 / count
+                c[1] += 1 / count
+        def top(d, n):
+            return [[k, round(v[0], 3), round(v[1], 1)] for k, v in sorted(d.items(), key=lambda kv: -kv[1][0])[:n]]
+
+        r = {"bench": "engine_profile", "batch": B, "steps": count,
+             "period_ms": round(sorted(periods)[len(periods) // 2], 3), "gpu_kernel_ms": round(kernel_ms, 3),
+             "gpu_top": top(gpu, 12), "host_top": top(cpu, 15)}
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+        if trace_dir:
+            _export_gz(hook.prof, f"{trace_dir}/engine_b{B}")
+    del eng
+
+
 def train_profile(model, cfg, configs, rows: list, dev: str, resp_len: int, trace_dir: str | None = None) -> None:
     from .step import make_prompts, update_flops
 
@@ -267,7 +346,7 @@ def train_profile(model, cfg, configs, rows: list, dev: str, resp_len: int, trac
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m rollplex.bench profile")
     ap.add_argument("--preset", default="qwen2.5-vl-3b")
-    ap.add_argument("--parts", default="attn,decode,train")
+    ap.add_argument("--parts", default="attn,decode,train", help="any of attn, decode, engine, train")
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--context", type=int, default=608)
     ap.add_argument("--train", default="rollplex:2,packed:2,serial:8",
@@ -298,6 +377,8 @@ def main(argv=None) -> None:
         model.compile(dynamic=True if dynamics[0] == "true" else None)
     if "decode" in parts and dev == "cuda":
         decode_profile(model, batches, args.context, rows)
+    if "engine" in parts:
+        engine_profile(model, batches, rows, dev, args.trace)
     if "train" in parts:
         configs = []
         for item in args.train.split(","):
@@ -315,11 +396,14 @@ def main(argv=None) -> None:
         if r["bench"] == "paged_attn":
             continue
         print(f"## {r['bench']} " + ", ".join(f"{k}={v}" for k, v in r.items()
-                                                  if k not in ("bench", "by_category", "top")))
+                                                  if k not in ("bench", "by_category", "top", "gpu_top", "host_top")))
         for k, v in r.get("by_category", {}).items():
             print(f"  {k:14s} {v[0]:9.3f} ms  {v[1]:6d} kernels")
         for name, ms, cnt in r.get("top", [])[:8]:
             print(f"    {ms:9.3f} ms {cnt:6d}x  {name}")
+        for key in ("gpu_top", "host_top"):
+            for name, ms, cnt in r.get(key, []):
+                print(f"    {key[:4]} {ms:9.3f} ms/step {cnt:6.1f}x  {name}")
     print("\n| B | splits | tile | us | TB/s | |\n|---|---|---|---|---|---|")
     for r in rows:
         if r["bench"] == "paged_attn":
