@@ -21,6 +21,7 @@ import torch
 
 from ..models import Qwen25VL
 from ..models.attention import sdpa
+from ..models.host import as_device_tensor, to_device
 from .config import EngineConfig
 from .paged_attention import paged_decode_attention, tune_decode
 
@@ -116,8 +117,8 @@ class ModelRunner:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
-        src = torch.tensor([c[0] for c in copies], device=self.device)
-        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        src = as_device_tensor([c[0] for c in copies], self.device)
+        dst = as_device_tensor([c[1] for c in copies], self.device)
         self.k_cache[:, dst] = self.k_cache[:, src]
         self.v_cache[:, dst] = self.v_cache[:, src]
 
@@ -155,15 +156,18 @@ class ModelRunner:
             bt = self._host_block_table(tables, table_keys, bucket)[:, :width]
         else:
             bt = torch.tensor([t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad, dtype=torch.int32)
+        # host -> device through fresh pinned buffers: with overlap scheduling the previous step is still
+        # running, and a copy from pageable memory may wait for it (the host kept block table is
+        # rewritten for the next step while this copy may still be queued: it is copied out first)
         if bucket not in self.graphs:
-            meta = meta.to(self.device)
+            meta = to_device(meta, self.device)
             self._patch_ids(meta[0, :B], prev_tokens, src)
-            return self._decode_forward(meta, bt.to(self.device))
+            return self._decode_forward(meta, to_device(bt.clone(), self.device))
         graph, out = self.graphs[bucket]
-        self.static_meta[:, :bucket].copy_(meta, non_blocking=True)
+        self.static_meta[:, :bucket].copy_(to_device(meta, self.device))
         self._patch_ids(self.static_meta[0, :B], prev_tokens, src)
         # only the columns this batch uses: entries past a sequence's last block are never read
-        self.static_bt[:bucket, :width].copy_(bt, non_blocking=True)
+        self.static_bt[:bucket, :width].copy_(to_device(bt.clone(), self.device))
         graph.replay()
         return out[:B]
 
@@ -193,7 +197,7 @@ class ModelRunner:
         """Input tokens sampled by the previous (not yet resolved) step, taken on the device."""
         if prev_tokens is None or src is None:
             return
-        s = torch.tensor(src, dtype=torch.long).to(self.device, non_blocking=True)
+        s = as_device_tensor(src, self.device, torch.long)
         ids.copy_(torch.where(s >= 0, prev_tokens[s.clamp(min=0)], ids))
 
     TUNE_CONTEXT = 768  # tokens per sequence the attention kernel is tuned at

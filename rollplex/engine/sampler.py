@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.host import as_device_tensor
+
 _M32 = 0xFFFFFFFF
 # multipliers below 2^31: inductor's Triton code types integer literals as int32
 
@@ -61,8 +63,8 @@ class SamplingTensors:
         t, k, p, m, seed, step = zip(*rows)
         k = [vocab if x < 0 else min(x, vocab) for x in k]
         trunc = any(x < vocab for x in k) or any(x < 1.0 for x in p) or any(x > 0.0 for x in m)
-        floats = torch.tensor([t, p, m], dtype=torch.float32).to(device, non_blocking=True)
-        ints = torch.tensor([k, seed, step], dtype=torch.int64).to(device, non_blocking=True)
+        floats = as_device_tensor([t, p, m], device, torch.float32)  # pinned, no wait on a running step
+        ints = as_device_tensor([k, seed, step], device, torch.int64)
         return cls(floats[0], ints[0], floats[1], floats[2], ints[1], ints[2], trunc, all(x == 0 for x in t))
 
 
