@@ -137,13 +137,15 @@ class ModelRunner:
                                           tile=attn_cfg[1])[:, :, None]
 
         hidden = m.forward_embeds(m.model.embed_tokens(ids)[:, None], positions, attend)
-        return m.logits(hidden[:, 0]).float()
+        # in the weights' dtype: the sampler upcasts inside its fused kernels (same values), so the graph
+        # does not write a [B, V] fp32 copy (156 MB at B = 256)
+        return m.logits(hidden[:, 0])
 
     @torch.no_grad()
     def decode(self, ids: list[int], positions: list[int], tables: list[list[int]], seq_lens: list[int],
                slots: list[int], prev_tokens: torch.Tensor | None = None, src: list[int] | None = None,
                table_keys: list | None = None) -> torch.Tensor:
-        """One token per sequence -> logits [B, V] fp32. With prev_tokens (a step still in flight, on
+        """One token per sequence -> logits [B, V] (weights' dtype). With prev_tokens (a step still in flight, on
         the device) and src, row i's input token is prev_tokens[src[i]] where src[i] >= 0.
         table_keys (a stable id per sequence) lets the block table be updated row by row instead
         of rebuilt from lists every step."""
