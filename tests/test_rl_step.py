@@ -78,12 +78,12 @@ def _assert_same_update(ref, m1, g1, w1, m2, g2, w2, updates, dedup=4):
 
 def test_micro_batch_plans():
     from rollplex.rl.batch import RolloutBatch
-    from rollplex.rl.scoring import micro_batches, plan
+    from rollplex.rl.scoring import micro_batches, plan_micro_batches
 
-    assert plan([3, 3, 3], 2) == [[0, 1], [2]]
-    assert plan([5, 1, 1, 7, 2], 99, max_tokens=7) == [[0, 1, 2], [3], [4]]
-    assert plan([10, 10], 1, max_tokens=5) == [[0], [1]]  # an item over the budget still gets a pass
-    assert plan([], 4) == []
+    assert plan_micro_batches([3, 3, 3], 2) == [[0, 1], [2]]
+    assert plan_micro_batches([5, 1, 1, 7, 2], 99, max_tokens=7) == [[0, 1, 2], [3], [4]]
+    assert plan_micro_batches([10, 10], 1, max_tokens=5) == [[0], [1]]  # an item over the budget still gets a pass
+    assert plan_micro_batches([], 4) == []
     prompts = [type("P", (), {"input_ids": list(range(n))})() for n in (10, 20, 30)]
     mask = torch.zeros(6, 8)
     for i, n in enumerate((8, 2, 5, 5, 1, 8)):

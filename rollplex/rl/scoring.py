@@ -61,7 +61,7 @@ def token_logprobs(model: Qwen25VL, mb: RolloutBatch, mode: str, temperature: fl
     return lp, entropy_from_logits(logits)
 
 
-def plan(costs: list[int], per_mb: int, max_tokens: int | None = None) -> list[list[int]]:
+def plan_micro_batches(costs: list[int], per_mb: int, max_tokens: int | None = None) -> list[list[int]]:
     """Split items 0..len(costs)-1, in order, into runs: `per_mb` items each, or (max_tokens set) as
     many as fit max_tokens by their costs, at least one per run."""
     runs: list[list[int]] = []
@@ -84,11 +84,11 @@ def micro_batches(batch: RolloutBatch, mode: str, prompts_per_mb: int, samples_p
         costs = list(P)  # each prompt once, plus its responses (padded to R on the prefix-state path)
         for i, g in enumerate(batch.group.tolist()):
             costs[g] += lens[i] if packed else batch.responses.shape[1]
-        for ids in plan(costs, prompts_per_mb, max_tokens):
+        for ids in plan_micro_batches(costs, prompts_per_mb, max_tokens):
             yield batch.select_prompts(ids)
     else:
         costs = [P[g] + n for g, n in zip(batch.group.tolist(), lens)]
-        for ids in plan(costs, samples_per_mb, max_tokens):
+        for ids in plan_micro_batches(costs, samples_per_mb, max_tokens):
             idx = torch.tensor(ids, dtype=torch.long)
             yield batch.select_samples(idx), idx
 
