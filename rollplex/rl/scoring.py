@@ -1,15 +1,16 @@
 """Per-token logprobs of sampled responses under a model, in either mode.
 
     rollplex: each prompt (vision tower + prompt tokens) once, its n responses attending to it:
-              a prefix pass then the padded responses over its PrefixState, or (packed=True) all
-              prompts and responses of the micro-batch packed into one sequence (`group_hidden`)
+              all prompts and responses of the micro-batch packed into one sequence (packed=True,
+              `group_hidden`, the default), or a prefix pass then the padded responses over its
+              PrefixState
     serial:   every sample is a full sequence prompt + response (its images re-encoded per sample,
               as verl repeats multimodal inputs n times) -> hidden rows of the response
 
 Both give, for each response token t, log softmax(logits / temperature)[t] — the distribution the
 engine sampled from — and, on request, the entropy of that distribution. The micro-batch planners
 decide what one forward holds: a few prompts with all their samples (rollplex) or a few sequences
-(serial).
+(serial), by count or by a token budget.
 """
 
 from __future__ import annotations
