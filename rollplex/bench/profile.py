@@ -18,9 +18,11 @@ import functools
 import json
 
 import torch
+import torch.nn.functional as F
 
 from ..engine import Engine, EngineConfig
 from ..engine.paged_attention import paged_decode_attention
+from ..engine.tuning import graph_time_us
 from ..models import ModelConfig, Qwen25VL, init_weights
 from ..presets import preset
 from ..rl.batch import RolloutBatch
@@ -149,21 +151,6 @@ def set_decode_state(runner, B: int, ctx: int, seed: int = 0) -> None:
     runner.static_bt[:B, :per].copy_(table.to(torch.int32))
 
 
-def graph_time_us(fn, reps: int = 10) -> float:
-    """Median microseconds of one fn() call replayed from a CUDA graph of `reps` calls (no launch cost:
-    what the call costs inside the engine's graphed decode step)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    return time_ms(g.replay, warmup=2, iters=10) * 1e3 / reps
-
-
 TILES = [dict(tile_n=t, num_warps=w, num_stages=st) for t in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
 
 
@@ -204,6 +191,35 @@ def attention_sweep(cfg, batches, ctx: int, rows: list, dev: str) -> None:
                 best = r
         if best is not None:
             rows.append({**best, "best": True})
+
+
+def gemm_sweep(cfg, batches, rows: list, dev: str) -> None:
+    """The decode step's GEMMs (one layer's qkv, o, gate_up, down at M = B rows): cuBLAS vs the Triton
+    skinny-GEMM candidates (`engine/skinny_gemm.py`), graph-timed, with the weight stream rate."""
+    from ..engine.skinny_gemm import skinny_linear, tune_linear
+
+    if dev != "cuda":
+        return
+    t = cfg.text
+    C, D = t.hidden_size, t.head_dim
+    shapes = {"qkv": ((t.num_attention_heads + 2 * t.num_key_value_heads) * D, C, True),
+              "o": (C, t.num_attention_heads * D, False), "gate_up": (2 * t.intermediate_size, C, False),
+              "down": (C, t.intermediate_size, False)}
+    g = torch.Generator(device=dev).manual_seed(0)
+    for B in batches:
+        for name, (N, K, has_bias) in shapes.items():
+            x = torch.randn(B, K, device=dev, dtype=DT[dev], generator=g)
+            w = torch.randn(N, K, device=dev, dtype=DT[dev], generator=g) * 0.02
+            b = torch.randn(N, device=dev, dtype=DT[dev], generator=g) if has_bias else None
+            best, times = tune_linear(x, w, b)
+            err = (skinny_linear(x, w, b, best).float() - F.linear(x, w, b).float()).abs().max().item()
+            mb = w.numel() * w.element_size() / 1e6
+            r = {"bench": "gemm", "batch": B, "gemm": name, "N": N, "K": K, "weights_MB": round(mb, 1),
+                 "cublas_us": round(times[None], 2), "cublas_TBps": round(mb / times[None] / 1e6, 2),
+                 "best": best, "best_us": round(times[best], 2), "best_TBps": round(mb / times[best] / 1e6, 2),
+                 "speedup": round(times[None] / times[best], 3), "max_err_vs_cublas": round(err, 4)}
+            print(json.dumps(r), flush=True)
+            rows.append(r)
 
 
 def decode_profile(model, batches, ctx: int, rows: list) -> None:
@@ -346,7 +362,7 @@ def train_profile(model, cfg, configs, rows: list, dev: str, resp_len: int, trac
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m rollplex.bench profile")
     ap.add_argument("--preset", default="qwen2.5-vl-3b")
-    ap.add_argument("--parts", default="attn,decode,train", help="any of attn, decode, engine, train")
+    ap.add_argument("--parts", default="attn,decode,train", help="any of attn, gemm, decode, engine, train")
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--context", type=int, default=608)
     ap.add_argument("--train", default="rollplex:2,packed:2,serial:8",
@@ -367,6 +383,8 @@ def main(argv=None) -> None:
     parts = args.parts.split(",")
     if "attn" in parts:
         attention_sweep(cfg, batches, args.context, rows, dev)
+    if "gemm" in parts:
+        gemm_sweep(cfg, batches, rows, dev)
     with torch.device(dev):
         model = init_weights(Qwen25VL(cfg), seed=0, std=0.02)
     model = model.to(DT[dev]).eval()
@@ -393,7 +411,7 @@ def main(argv=None) -> None:
                 r["compile_dynamic"] = d
     print()
     for r in rows:
-        if r["bench"] == "paged_attn":
+        if r["bench"] in ("paged_attn", "gemm"):
             continue
         print(f"## {r['bench']} " + ", ".join(f"{k}={v}" for k, v in r.items()
                                                   if k not in ("bench", "by_category", "top", "gpu_top", "host_top")))
@@ -404,6 +422,13 @@ def main(argv=None) -> None:
         for key in ("gpu_top", "host_top"):
             for name, ms, cnt in r.get(key, []):
                 print(f"    {key[:4]} {ms:9.3f} ms/step {cnt:6.1f}x  {name}")
+    gemms = [r for r in rows if r["bench"] == "gemm"]
+    if gemms:
+        print("\n| B | GEMM | weights MB | cuBLAS us (TB/s) | best | best us (TB/s) | speedup |")
+        print("|---|---|---|---|---|---|---|")
+        for r in gemms:
+            print(f"| {r['batch']} | {r['gemm']} | {r['weights_MB']} | {r['cublas_us']} ({r['cublas_TBps']}) | "
+                  f"{r['best'] or 'cuBLAS'} | {r['best_us']} ({r['best_TBps']}) | {r['speedup']}x |")
     print("\n| B | splits | tile | us | TB/s | |\n|---|---|---|---|---|---|")
     for r in rows:
         if r["bench"] == "paged_attn":

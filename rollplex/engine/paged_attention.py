@@ -16,6 +16,7 @@ import math
 import torch
 
 from .paged_attention_triton import choose_num_splits, triton_available, triton_forward
+from .tuning import graph_time_us
 
 __all__ = ["DECODE_CANDIDATES", "choose_num_splits", "paged_decode_attention", "tune_decode"]
 
@@ -80,31 +81,14 @@ def tune_decode(q, k_cache, v_cache, block_table, seq_lens, k_new, v_new, candid
     """The fastest (num_splits, tile) for these shapes on this GPU, each timed as `reps` calls replayed
     from one CUDA graph (what a call costs inside the graphed decode step). Writes k_new/v_new into the
     cache, so run it before the cache holds sequences."""
-    best, best_ms = candidates[0], float("inf")
-    for num_splits, tile in candidates:
-        call = functools.partial(paged_decode_attention, q, k_cache, v_cache, block_table, seq_lens,
-                                 num_splits=num_splits, k_new=k_new, v_new=v_new, tile=tile)
-        side = torch.cuda.Stream(q.device)
-        side.wait_stream(torch.cuda.current_stream(q.device))
-        with torch.cuda.stream(side):
-            call()  # compile + warm
-        torch.cuda.current_stream(q.device).wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(reps):
-                call()
-        times = []
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            g.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        ms = sorted(times)[len(times) // 2]
-        if ms < best_ms:
-            best, best_ms = (num_splits, tile), ms
-        del g
+    best, best_us = candidates[0], float("inf")
+    with torch.cuda.device(q.device):
+        for num_splits, tile in candidates:
+            call = functools.partial(paged_decode_attention, q, k_cache, v_cache, block_table, seq_lens,
+                                     num_splits=num_splits, k_new=k_new, v_new=v_new, tile=tile)
+            us = graph_time_us(call, reps)
+            if us < best_us:
+                best, best_us = (num_splits, tile), us
     return best
 
 

@@ -1,0 +1,129 @@
+"""Decode-shaped GEMMs, y = x W^T (+ b) with few rows (M <= 256): a Triton candidate next to cuBLAS.
+
+Why: a graphed decode step at B = 64 spends 2.2 of its 3.4 ms in GEMMs, and cuBLAS streams the small
+projections slowly (H200 profile, docs/BENCHMARKS.md): qkv (10.5 MB of weights) at 1.5 TB/s and o
+(8.4 MB) at 1.4 TB/s, where the MLP's 90 MB reach 3.4 TB/s; the down projection runs split-K plus a
+separate reduce kernel. With M <= 256 the work is a weight stream. cuBLAS's tiles leave most SMs
+idle on the small matrices: qkv gets 80 tiles of 64 x 32 for 132 SMs.
+
+Design:
+* One program per (BLOCK_M rows, BLOCK_N output columns). BLOCK_N is small (16-64), so even the
+  2048-column projections give 32-128 programs per row block, each streaming its own slice of W
+  once along K while x (at most 256 rows) is re-read from L2. No split-K: no fp32 workspace, no
+  second kernel, nothing to zero between graph replays.
+* fp32 accumulation in `tl.dot` (tensor cores), bias added in fp32, one rounding to the output dtype:
+  the same numerics as cuBLAS up to summation order.
+* `tune_linear` times cuBLAS (`F.linear`) and each candidate config inside a CUDA graph and returns
+  the fastest, so a caller only ever swaps in the kernel where it measured faster; the
+  `bench profile --parts gemm` table shows the comparison for the decode shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .paged_attention_triton import triton_available
+from .tuning import graph_time_us
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+GEMM_CANDIDATES: tuple[tuple[int, int, int, int, int], ...] = tuple(
+    (bm, bn, bk, w, s)
+    for bm in (64,)
+    for bn in (16, 32, 64)
+    for bk in (128, 256)
+    for w in (4,)
+    for s in (3, 4, 5)
+) + ((128, 32, 128, 8, 3), (128, 64, 128, 8, 3))
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K], weight [N, K] (nn.Linear layout), bias [N] or None -> [M, N] in x's dtype.
+
+    config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); None = F.linear (cuBLAS)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not form x @ weight.T")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x and weight dtypes differ: {x.dtype} / {weight.dtype}")
+    if config is None:
+        return F.linear(x, weight, bias)
+    if len(config) != 5 or any(int(c) < 1 for c in config) or any(c & (c - 1) for c in config[:3]):
+        raise ValueError(f"config must be 5 positive ints with power-of-two blocks, got {config}")
+    if not triton_available():
+        raise RuntimeError("skinny_linear with a config needs the triton package")
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("skinny_linear with a config needs CUDA tensors (or TRITON_INTERPRET=1)")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    M, K = x.shape
+    N = weight.shape[0]
+    bm, bn, bk, warps, stages = config
+    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    kernel = _kernel()
+    grid = (-(-N // bn), -(-M // bm))
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        kernel[grid](
+            x, weight, y if bias is None else bias, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 inputs: exact, not tf32
+            num_warps=warps, num_stages=stages,
+        )
+    return y
+
+
+def tune_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                candidates=GEMM_CANDIDATES, reps: int = 20) -> tuple[tuple | None, dict]:
+    """(fastest config or None for cuBLAS, {config: microseconds}) for these shapes on this GPU, each
+    call timed as `reps` calls replayed from one CUDA graph (its cost inside a graphed decode step).
+    Candidates the compiler rejects (e.g. out of shared memory) are skipped."""
+    times: dict = {}
+    for cfg in (None, *candidates):
+        call = functools.partial(skinny_linear, x, weight, bias, cfg)
+        try:
+            times[cfg] = graph_time_us(call, reps, replays=7)
+        except Exception:  # noqa: BLE001 - a config this GPU / compiler cannot run
+            continue
+    best = min(times, key=times.get)
+    return best, times
+
+
+@functools.cache
+def _kernel() -> Any:
+    """Build the Triton kernel on first use, so this module imports without triton (CPU CI)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def linear_kernel(X, W, BIAS, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok = rm < M
+        n_ok = rn < N
+        x_ptrs = X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
+        w_ptrs = W + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]  # [BLOCK_N, BLOCK_K], contiguous in K
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + rk) < K
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = Y + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    return linear_kernel
