@@ -1,5 +1,5 @@
 """skinny_linear: the Triton decode GEMM against F.linear (with CUDA, or on CPU under
-TRITON_INTERPRET=1), edge tiles included; argument checks everywhere."""
+TRITON_INTERPRET=1), edge tiles and split-K included; argument checks everywhere."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ triton_only = pytest.mark.skipif(not _runnable(), reason="needs triton and CUDA 
 
 
 @triton_only
-@pytest.mark.parametrize("config", [(64, 16, 128, 4, 3), (64, 32, 64, 4, 2), (128, 64, 128, 8, 3)])
+@pytest.mark.parametrize("config", [(64, 16, 128, 4, 3), (64, 32, 64, 4, 2), (128, 64, 128, 8, 3),
+                                    (64, 32, 64, 4, 2, 3), (64, 16, 128, 4, 3, 4)])  # the last two split K
 @pytest.mark.parametrize("M,N,K,bias", [(5, 40, 96, True), (70, 100, 300, False), (64, 64, 256, True)])
 def test_matches_f_linear(config, M, N, K, bias):
     dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -7,10 +7,13 @@ separate reduce kernel. With M <= 256 the work is a weight stream. cuBLAS's tile
 idle on the small matrices: qkv gets 80 tiles of 64 x 32 for 132 SMs.
 
 Design:
-* One program per (BLOCK_M rows, BLOCK_N output columns). BLOCK_N is small (16-64), so even the
-  2048-column projections give 32-128 programs per row block, each streaming its own slice of W
-  once along K while x (at most 256 rows) is re-read from L2. No split-K: no fp32 workspace, no
-  second kernel, nothing to zero between graph replays.
+* One program per (BLOCK_M rows, BLOCK_N output columns[, K slice]). BLOCK_N is small (16-64), so
+  even the 2048-column projections give 32-128 programs per row block, each streaming its own slice
+  of W once along K while x (at most 256 rows) is re-read from L2.
+* Split-K (SPLIT_K > 1) for long K (the down projection, K = 11008), where re-reading all of x per
+  column tile would cost more L2 traffic than the weights: each program adds its partial product
+  into a zeroed fp32 buffer with atomics, then one small pass adds the bias and rounds (the same
+  two extra kernels cuBLAS's split-K reduce costs). Summation order then varies run to run.
 * fp32 accumulation in `tl.dot` (tensor cores), bias added in fp32, one rounding to the output dtype:
   the same numerics as cuBLAS up to summation order.
 * `tune_linear` times cuBLAS (`F.linear`) and each candidate config inside a CUDA graph and returns
@@ -31,22 +34,19 @@ import torch.nn.functional as F
 from .paged_attention_triton import triton_available
 from .tuning import graph_time_us
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
-GEMM_CANDIDATES: tuple[tuple[int, int, int, int, int], ...] = tuple(
-    (bm, bn, bk, w, s)
-    for bm in (64,)
-    for bn in (16, 32, 64)
-    for bk in (128, 256)
-    for w in (4,)
-    for s in (3, 4, 5)
-) + ((128, 32, 128, 8, 3), (128, 64, 128, 8, 3))
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)
+GEMM_CANDIDATES: tuple[tuple[int, ...], ...] = tuple(
+    (64, bn, bk, 4, st, 1) for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4, 5)
+) + ((128, 32, 128, 8, 3, 1), (128, 64, 128, 8, 3, 1)) + tuple(
+    (64, bn, 128, 4, 4, sk) for bn in (32, 64, 128) for sk in (2, 4, 8)
+)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                  config: tuple[int, ...] | None = None) -> torch.Tensor:
     """x [M, K], weight [N, K] (nn.Linear layout), bias [N] or None -> [M, N] in x's dtype.
 
-    config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); None = F.linear (cuBLAS)."""
+    config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K]); None = F.linear (cuBLAS)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not form x @ weight.T")
     if bias is not None and bias.shape != (weight.shape[0],):
@@ -55,8 +55,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"x and weight dtypes differ: {x.dtype} / {weight.dtype}")
     if config is None:
         return F.linear(x, weight, bias)
-    if len(config) != 5 or any(int(c) < 1 for c in config) or any(c & (c - 1) for c in config[:3]):
-        raise ValueError(f"config must be 5 positive ints with power-of-two blocks, got {config}")
+    if len(config) not in (5, 6) or any(int(c) < 1 for c in config) or any(c & (c - 1) for c in config[:3]):
+        raise ValueError(f"config must be 5 or 6 positive ints with power-of-two blocks, got {config}")
     if not triton_available():
         raise RuntimeError("skinny_linear with a config needs the triton package")
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
@@ -65,17 +65,23 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     M, K = x.shape
     N = weight.shape[0]
-    bm, bn, bk, warps, stages = config
-    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    bm, bn, bk, warps, stages = config[:5]
+    split = min(int(config[5]) if len(config) == 6 else 1, -(-K // bk))
+    # split-K: partial sums meet in a zeroed fp32 buffer; the bias and the rounding come after
+    y = torch.empty(M, N, device=x.device, dtype=x.dtype) if split == 1 else torch.zeros(
+        M, N, device=x.device, dtype=torch.float32)
     kernel = _kernel()
-    grid = (-(-N // bn), -(-M // bm))
+    grid = (-(-N // bn), -(-M // bm), split)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         kernel[grid](
             x, weight, y if bias is None else bias, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            -(-K // (bk * split)) * bk, HAS_BIAS=bias is not None and split == 1, ATOMIC=split > 1,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 inputs: exact, not tf32
             num_warps=warps, num_stages=stages,
         )
+    if split > 1:
+        y = (y if bias is None else y + bias.float()).to(x.dtype)
     return y
 
 
@@ -102,20 +108,23 @@ def _kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def linear_kernel(X, W, BIAS, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    def linear_kernel(X, W, BIAS, Y, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
+                      HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
+        k_start = tl.program_id(2) * k_per_split  # a multiple of BLOCK_K
+        k_end = tl.minimum(k_start + k_per_split, K)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         m_ok = rm < M
         n_ok = rn < N
-        x_ptrs = X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
-        w_ptrs = W + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]  # [BLOCK_N, BLOCK_K], contiguous in K
+        x_ptrs = X + rm[:, None].to(tl.int64) * stride_xm + (k_start + rk)[None, :]
+        w_ptrs = W + rn[:, None].to(tl.int64) * stride_wn + (k_start + rk)[None, :]  # [BLOCK_N, BLOCK_K]: K-contiguous
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = (k0 + rk) < K
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k_ok = (k0 + rk) < k_end
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
@@ -124,6 +133,9 @@ def _kernel() -> Any:
         if HAS_BIAS:
             acc += tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         y_ptrs = Y + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
-        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        if ATOMIC:
+            tl.atomic_add(y_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+        else:
+            tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
     return linear_kernel
