@@ -226,8 +226,8 @@ class Engine:
         if self.stream is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        # sampling parameters go to the device before the step is launched: a pageable H2D copy queued
-        # behind the decode would block the host until the decode finished
+        # sampling parameters go up through fresh pinned buffers (as do the step's inputs in the runner):
+        # a copy from pageable memory may make the host wait for the step still in flight
         st = SamplingTensors.build([self._row(s) for s in seqs], self.model.cfg.text.vocab_size, self.runner.device)
         prev = self._inflight
         src = None
