@@ -158,18 +158,17 @@ class ModelRunner:
             bt = self._host_block_table(tables, table_keys, bucket)[:, :width]
         else:
             bt = torch.tensor([t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad, dtype=torch.int32)
-        # host -> device through fresh pinned buffers: with overlap scheduling the previous step is still
-        # running, and a copy from pageable memory may wait for it (the host kept block table is
-        # rewritten for the next step while this copy may still be queued: it is copied out first)
+        # host -> device through fresh pinned buffers (`to_device`): with overlap scheduling the previous
+        # step is still running, and a copy from pageable memory may wait for it
         if bucket not in self.graphs:
             meta = to_device(meta, self.device)
             self._patch_ids(meta[0, :B], prev_tokens, src)
-            return self._decode_forward(meta, to_device(bt.clone(), self.device))
+            return self._decode_forward(meta, to_device(bt, self.device))
         graph, out = self.graphs[bucket]
         self.static_meta[:, :bucket].copy_(to_device(meta, self.device))
         self._patch_ids(self.static_meta[0, :B], prev_tokens, src)
         # only the columns this batch uses: entries past a sequence's last block are never read
-        self.static_bt[:bucket, :width].copy_(to_device(bt.clone(), self.device))
+        self.static_bt[:bucket, :width].copy_(to_device(bt, self.device))
         graph.replay()
         return out[:B]
 

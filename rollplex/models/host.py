@@ -14,11 +14,15 @@ import torch
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """t (any device) -> device, without a host<->device sync when t is in host memory."""
+    """t (any device) -> device, without a host<->device sync when t is in host memory. The copy is
+    staged in a fresh pinned buffer, so the caller may change t right away (a host block table
+    rewritten for the next step while this step's upload is still queued)."""
     device = torch.device(device)
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    staged.copy_(t)
+    return staged.to(device, non_blocking=True)
 
 
 def as_device_tensor(data, device, dtype=None) -> torch.Tensor:
