@@ -1,6 +1,6 @@
 """The compiled layer glue (torch.compile of the norm/rotary/SwiGLU functions, the GPU default) computes
 what eager computes: the packed training pass's hidden states and gradients, for both shape modes
-(`dynamic=True`, the default, and automatic dynamic, `bench ... --compile-dynamic auto`), across a
+(automatic dynamic, the default, and `dynamic=True`, `bench ... --compile-dynamic true`), across a
 change of shapes. On CPU inductor emits C++; dynamo and AOTAutograd, where such breakages live, are
 the same as on the GPU."""
 

@@ -143,7 +143,7 @@ def main(argv=None) -> None:
     ap.add_argument("--no-packed", action="store_true",
                     help="rollplex: a prefix pass, then padded responses (RLConfig.packed=False), not one packed pass")
     ap.add_argument("--no-warm", action="store_true", help="time the first run (dynamo compiles included)")
-    ap.add_argument("--compile-dynamic", default="true", choices=["true", "auto"],
+    ap.add_argument("--compile-dynamic", default="auto", choices=["true", "auto"],
                     help="torch.compile shapes: all symbolic (true) or only those that change (auto)")
     args = ap.parse_args(argv)
     cfg = preset(args.preset) if not args.preset.endswith(".json") else ModelConfig.from_hf(args.preset)

@@ -51,19 +51,18 @@ RECOMPILE_LIMIT = 64
 
 
 def compile_fn(fn, **kwargs):
-    """torch.compile(fn, dynamic=True by default) with room for every shape/grad-mode variant we call
-    it with.
+    """torch.compile(fn) with automatic-dynamic shapes (dynamo's default, `dynamic=None`) and room for
+    every shape/grad-mode variant we call it with.
 
-    dynamic=None ("automatic dynamic", dynamo's own default) is the candidate replacement: a size
-    becomes symbolic only once it has changed between calls (tokens, batch), while hidden size, head
-    dim and head counts stay constants. With dynamic=True all of them are runtime values, and the
-    generated kernels' index math divides by them per element (64-bit div/mod): the H200 profile has
-    the fused rotary backward at ~0.9 ms per layer for ~0.27 GB of traffic. Not yet measured, so
-    not yet the default: `--compile-dynamic auto` in `bench profile` / `bench step` compares it."""
+    A size becomes symbolic only once it has changed between calls (tokens, batch); hidden size, head
+    dim and head counts stay constants. With dynamic=True all of them are runtime values and the
+    generated kernels' index math divides by them per element (64-bit div/mod): on the H200 that made
+    the fused rotary backward ~0.9 ms per layer, and one packed micro-batch's forward + backward went
+    from 775 ms to 727 ms (46% -> 49% MFU) with automatic-dynamic (docs/BENCHMARKS.md, step run 5).
+    Pass dynamic=True to compare (`--compile-dynamic true` in `bench profile` / `bench step`)."""
     import torch._dynamo.config as dcfg
 
     dcfg.recompile_limit = max(dcfg.recompile_limit, RECOMPILE_LIMIT)
-    kwargs.setdefault("dynamic", True)
     return torch.compile(fn, **kwargs)
 
 
