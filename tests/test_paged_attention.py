@@ -170,3 +170,73 @@ def test_triton_fused_new_token_write(num_splits, tile) -> None:
                                  v_new=v_new, tile=tile)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     assert torch.equal(kt, kr) and torch.equal(vt, vr)  # the same slots written, nothing else touched
+
+
+def _rotary(B: int, D: int, seed: int = 7, device: str = "cpu", dtype=torch.float32):
+    """cos/sin [B, D] as the model builds them (each half repeated), for arbitrary positions."""
+    g = torch.Generator().manual_seed(seed)
+    ang = torch.rand(B, D // 2, generator=g) * 100.0
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().to(device, dtype), ang.sin().to(device, dtype)
+
+
+def test_reference_rotary_equals_rotating_first() -> None:
+    from rollplex.models.layers import apply_rotary
+
+    case = make_case([5, 16, 17, 40], 8, 2, 64, 16, seed=8, pad_value=0)
+    q, k, v, table, lens = case
+    k_new, v_new = _with_new_token(case)
+    cos, sin = _rotary(4, 64)
+    k1, v1, k2, v2 = k.clone(), v.clone(), k.clone(), v.clone()
+    fused = paged_decode_attention(q, k1, v1, table, lens, backend="reference", k_new=k_new, v_new=v_new,
+                                   cos=cos, sin=sin)
+    rq, rk = apply_rotary(q, cos[:, None], sin[:, None]), apply_rotary(k_new, cos[:, None], sin[:, None])
+    first = paged_decode_attention(rq, k2, v2, table, lens, backend="reference", k_new=rk, v_new=v_new)
+    assert torch.equal(fused, first) and torch.equal(k1, k2) and torch.equal(v1, v2)
+    with pytest.raises(ValueError, match="together"):
+        paged_decode_attention(q, k, v, table, lens, cos=cos)
+    with pytest.raises(ValueError, match=r"\[B, D\]"):
+        paged_decode_attention(q, k, v, table, lens, cos=cos[:, :32], sin=sin[:, :32])
+
+
+@triton_only
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_fused_rotary(num_splits) -> None:
+    """The engine's call: q / k_new / v_new are strided views into one fused qkv output, un-rotated."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    H, Hkv, D = 8, 2, 64
+    case = make_case([70, 1, 16, 33], H, Hkv, D, 16, device=device, seed=9, pad_value=0)
+    _, k, v, table, lens = case
+    g = torch.Generator().manual_seed(10)
+    qkv = torch.randn(4, H + 2 * Hkv, D, generator=g).to(device)
+    q, k_new, v_new = qkv[:, :H], qkv[:, H : H + Hkv], qkv[:, H + Hkv :]
+    cos, sin = _rotary(4, D, device=device)
+    kr, vr, kt, vt = k.clone(), v.clone(), k.clone(), v.clone()
+    ref = paged_decode_attention(q, kr, vr, table, lens, backend="reference", k_new=k_new, v_new=v_new,
+                                 cos=cos, sin=sin)
+    out = paged_decode_attention(q, kt, vt, table, lens, backend="triton", num_splits=num_splits, k_new=k_new,
+                                 v_new=v_new, cos=cos, sin=sin)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kt, kr, atol=1e-5, rtol=1e-5)
+    assert torch.equal(vt, vr)
+
+
+@triton_only
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+def test_triton_in_kernel_merge(num_splits) -> None:
+    """With a semaphore the last split merges inside the kernel: same output as the merge kernel, and
+    the semaphore is zero again afterwards, so back-to-back launches (layers) can share it."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    case = make_case([70, 1, 16, 0, 200], 8, 2, 64, 16, device=device, seed=11, pad_value=0)
+    q, k, v, table, lens = case
+    k_new, v_new = _with_new_token(case)
+    sem = torch.zeros(5 * 2 + 3, dtype=torch.int32, device=device)
+    ref = paged_decode_attention(q, k.clone(), v.clone(), table, lens, backend="reference", k_new=k_new, v_new=v_new)
+    for _ in range(2):
+        kt, vt = k.clone(), v.clone()
+        out = paged_decode_attention(q, kt, vt, table, lens, backend="triton", num_splits=num_splits, k_new=k_new,
+                                     v_new=v_new, semaphore=sem)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        assert not sem.any()
+    with pytest.raises(ValueError, match="semaphore"):
+        paged_decode_attention(q, k, v, table, lens, backend="triton", num_splits=2, semaphore=sem[:3])

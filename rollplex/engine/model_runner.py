@@ -48,6 +48,10 @@ class ModelRunner:
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.attn_cfg: dict[int, tuple] = {}  # graphed batch size -> (num_splits, tile) of its attention
+        # one count per (sequence, KV head) for the attention kernel's in-kernel split merge; every
+        # launch leaves it zeroed, so all layers and batch sizes share it (they run one after another)
+        self.attn_semaphore = torch.zeros(max(cfg.max_num_seqs, cfg.cuda_graph_max_bs) * self.num_kv_heads,
+                                          dtype=torch.int32, device=self.device)
         # host copy of the decode block table, updated incrementally (see _host_block_table)
         rows = min(cfg.cuda_graph_max_bs, cfg.max_num_seqs)
         self._bt_host = torch.zeros(rows, self.max_blocks_per_seq, dtype=torch.int32)
@@ -130,13 +134,15 @@ class ModelRunner:
         ids, pos, seq_lens, _slots = meta.unbind(0)
         positions = pos[None, :, None].expand(3, -1, 1)
 
-        def attend(layer, q, k, v):
-            # the kernel stores the new token's k/v at position seq_len - 1 (slot from the table) itself
+        def attend(layer, q, k, v, cos, sin):
+            # the kernel rotates q and the new k as it loads them, then stores the new token's k/v at
+            # position seq_len - 1 (slot from the table) itself
             return paged_decode_attention(q[:, :, 0], self.k_cache[layer], self.v_cache[layer], block_table, seq_lens,
                                           k_new=k[:, :, 0], v_new=v[:, :, 0], num_splits=attn_cfg[0],
-                                          tile=attn_cfg[1])[:, :, None]
+                                          tile=attn_cfg[1], cos=cos[:, 0], sin=sin[:, 0],
+                                          semaphore=self.attn_semaphore)[:, :, None]
 
-        hidden = m.forward_embeds(m.model.embed_tokens(ids)[:, None], positions, attend)
+        hidden = m.forward_embeds(m.model.embed_tokens(ids)[:, None], positions, attend, rotary_in_attend=True)
         # in the weights' dtype: the sampler upcasts inside its fused kernels (same values), so the graph
         # does not write a [B, V] fp32 copy (156 MB at B = 256)
         return m.logits(hidden[:, 0])
@@ -217,7 +223,10 @@ class ModelRunner:
         q = torch.randn(b, t.num_attention_heads, self.head_dim, device=dev, dtype=dt)
         kn = torch.randn(b, self.num_kv_heads, self.head_dim, device=dev, dtype=dt)
         lens = torch.full((b,), ctx, device=dev)
-        best = tune_decode(q, self.k_cache[0], self.v_cache[0], table, lens, kn, kn.clone())
+        cos = torch.ones(b, self.head_dim, device=dev, dtype=dt)
+        sin = torch.zeros(b, self.head_dim, device=dev, dtype=dt)
+        best = tune_decode(q, self.k_cache[0], self.v_cache[0], table, lens, kn, kn.clone(), cos=cos, sin=sin,
+                           semaphore=self.attn_semaphore)
         self.k_cache[0].zero_()
         self.v_cache[0].zero_()
         return best

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from ..models.layers import apply_rotary
 from .paged_attention_triton import choose_num_splits, triton_available, triton_forward
 from .tuning import graph_time_us
 
@@ -34,12 +35,19 @@ def paged_decode_attention(
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
     tile: dict | None = None,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    semaphore: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [B, H, D] over the first seq_lens[b] cached tokens of each sequence -> [B, H, D].
 
     k_new / v_new [B, Hkv, D]: the new token of each sequence (position seq_len - 1); it is written
     into the cache at that position (slot from block_table) and attended to. tile: Triton launch
-    knobs for tuning (tile_n, num_warps, num_stages)."""
+    knobs for tuning (tile_n, num_warps, num_stages). cos / sin [B, D]: q and k_new are un-rotated and
+    get the rotary embedding of their token first (`x * cos + rotate_half(x) * sin`), inside the
+    kernel on the Triton backend. semaphore: an int32 buffer of >= B * Hkv zeros that the caller keeps
+    (Triton, split launches: the last split of each sequence merges inside the kernel and leaves
+    the buffer zeroed; without it a second kernel merges)."""
     B, H, D = q.shape
     num_blocks, block_size, Hkv, Dk = k_cache.shape
     if v_cache.shape != k_cache.shape or Dk != D:
@@ -52,16 +60,24 @@ def paged_decode_attention(
         raise ValueError("k_new and v_new come together")
     if k_new is not None and (k_new.shape != (B, Hkv, D) or v_new.shape != (B, Hkv, D)):
         raise ValueError(f"k_new / v_new must be [B, Hkv, D] = {(B, Hkv, D)}")
+    if (cos is None) != (sin is None):
+        raise ValueError("cos and sin come together")
+    if cos is not None and (cos.shape != (B, D) or sin.shape != (B, D)):
+        raise ValueError(f"cos / sin must be [B, D] = {(B, D)}, got {tuple(cos.shape)} / {tuple(sin.shape)}")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if backend == "auto":
         fits = q.shape[-1] in (64, 128) and k_cache.shape[1] in (16, 32, 64)
         backend = "triton" if q.is_cuda and fits and triton_available() else "reference"
     if backend == "reference":
+        if cos is not None:
+            q = apply_rotary(q, cos[:, None], sin[:, None])
+            k_new = None if k_new is None else apply_rotary(k_new, cos[:, None], sin[:, None])
         if k_new is not None:
             _write_new(k_cache, v_cache, block_table, seq_lens, k_new, v_new)
         return _reference(q, k_cache, v_cache, block_table, seq_lens, scale)
     if backend == "triton":
-        return triton_forward(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits, k_new, v_new, tile)
+        return triton_forward(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits, k_new, v_new, tile,
+                              cos, sin, semaphore)
     raise ValueError(f"unknown backend {backend!r}: expected 'auto', 'triton' or 'reference'")
 
 
@@ -77,7 +93,7 @@ DECODE_CANDIDATES = (
 
 
 def tune_decode(q, k_cache, v_cache, block_table, seq_lens, k_new, v_new, candidates=DECODE_CANDIDATES,
-                reps: int = 10) -> tuple[int | None, dict]:
+                reps: int = 10, cos=None, sin=None, semaphore=None) -> tuple[int | None, dict]:
     """The fastest (num_splits, tile) for these shapes on this GPU, each timed as `reps` calls replayed
     from one CUDA graph (what a call costs inside the graphed decode step). Writes k_new/v_new into the
     cache, so run it before the cache holds sequences."""
@@ -85,7 +101,8 @@ def tune_decode(q, k_cache, v_cache, block_table, seq_lens, k_new, v_new, candid
     with torch.cuda.device(q.device):
         for num_splits, tile in candidates:
             call = functools.partial(paged_decode_attention, q, k_cache, v_cache, block_table, seq_lens,
-                                     num_splits=num_splits, k_new=k_new, v_new=v_new, tile=tile)
+                                     num_splits=num_splits, k_new=k_new, v_new=v_new, tile=tile, cos=cos, sin=sin,
+                                     semaphore=semaphore)
             us = graph_time_us(call, reps)
             if us < best_us:
                 best, best_us = (num_splits, tile), us

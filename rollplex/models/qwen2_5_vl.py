@@ -150,10 +150,12 @@ class Qwen25VL(nn.Module):
         lens = as_device_tensor([len(t) for t in ids], dev)
         return EmbeddedPrompts(x, to_device(positions, dev), lens, as_device_tensor(deltas, dev, torch.long))
 
-    def forward_embeds(self, embeds: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
-        """Incremental path: embeds [B, L, C], positions [3, B, L], attend owns K/V -> normed hidden."""
+    def forward_embeds(self, embeds: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
+                       rotary_in_attend: bool = False) -> torch.Tensor:
+        """Incremental path: embeds [B, L, C], positions [3, B, L], attend owns K/V -> normed hidden.
+        rotary_in_attend: attend gets un-rotated q/k plus cos/sin (see text.AttendFn)."""
         cos, sin = self.rope(positions, embeds.dtype)
-        return self.model(embeds, cos, sin, attend)
+        return self.model(embeds, cos, sin, attend, rotary_in_attend)
 
     # ---- prefix / response / full -----------------------------------------------------------
     def _run_prompts(self, prompts: Sequence, keep_kv: bool) -> tuple[torch.Tensor, EmbeddedPrompts, list, list]:

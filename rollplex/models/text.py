@@ -18,22 +18,28 @@ import torch.nn.functional as F
 from .config import TextConfig
 from .layers import GatedMLP, RMSNorm, apply_rotary, compile_fn, rms_norm
 
-# attend(layer_idx, q [B, H, L, D], k [B, Hkv, L, D], v [B, Hkv, L, D]) -> out [B, H, L, D]
-AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# attend(layer_idx, q [B, H, L, D], k [B, Hkv, L, D], v [B, Hkv, L, D]) -> out [B, H, L, D]. With
+# `rotary_in_attend` it is called as attend(layer_idx, q, k, v, cos, sin) with q/k not yet rotated:
+# the engine's decode kernel rotates them as it loads them (one kernel per layer less).
+AttendFn = Callable[..., torch.Tensor]
 
 
 def _pre_attention(x, delta, norm_w, qkv_w, qkv_b, cos, sin, eps: float, num_heads: int, num_kv_heads: int):
     """residual add (x + the previous layer's MLP output `delta`, if any) -> input norm -> fused qkv ->
-    M-RoPE on q and k together (one pass). Returns q [B, H, L, D], k/v [B, Hkv, L, D], the residual."""
+    M-RoPE on q and k together (one pass; skipped when cos is None). Returns q [B, H, L, D], k/v
+    [B, Hkv, L, D], the residual."""
     if delta is not None:
         x = x + delta
     B, L, _ = x.shape
-    D = cos.shape[-1]
+    D = qkv_w.shape[0] // (num_heads + 2 * num_kv_heads)
     qk, v = F.linear(rms_norm(x, norm_w, eps), qkv_w, qkv_b).split(
         [(num_heads + num_kv_heads) * D, num_kv_heads * D], dim=-1)
     # rotate in the GEMM's [B, L, heads, D] layout and return [B, heads, L, D] views: rotating the
     # transposed view made the compiled backward read and write across strides (~10x slower)
-    qk = apply_rotary(qk.view(B, L, num_heads + num_kv_heads, D), cos[:, :, None], sin[:, :, None]).transpose(1, 2)
+    qk = qk.view(B, L, num_heads + num_kv_heads, D)
+    if cos is not None:
+        qk = apply_rotary(qk, cos[:, :, None], sin[:, :, None])
+    qk = qk.transpose(1, 2)
     q, k = qk.split([num_heads, num_kv_heads], dim=1)
     return q, k, v.view(B, L, num_kv_heads, D).transpose(1, 2), x
 
@@ -93,22 +99,24 @@ class TextDecoder(nn.Module):
         return self
 
     def layer(self, i: int, x: torch.Tensor, delta: torch.Tensor | None, cos, sin,
-              attend: AttendFn) -> tuple[torch.Tensor, torch.Tensor]:
+              attend: AttendFn, rotary_in_attend: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i on the residual stream x + delta (delta: the previous layer's MLP output, or None)
         -> (residual after attention, this layer's MLP output)."""
         lyr = self.layers[i]
         a, m, eps = lyr.self_attn, lyr.mlp, self.cfg.rms_norm_eps
-        q, k, v, x = self._pre(x, delta, lyr.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, cos, sin,
+        rc, rs = (None, None) if rotary_in_attend else (cos, sin)
+        q, k, v, x = self._pre(x, delta, lyr.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, rc, rs,
                                eps, a.num_heads, a.num_kv_heads)
-        out = attend(i, q, k, v)  # [B, H, L, D]
+        out = attend(i, q, k, v, cos, sin) if rotary_in_attend else attend(i, q, k, v)  # [B, H, L, D]
         return self._post(x, out, a.o_proj.weight, lyr.post_attention_layernorm.weight, m.gate_up_proj.weight,
                           m.down_proj.weight, eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn,
+                rotary_in_attend: bool = False) -> torch.Tensor:
         """x [B, L, C] embeddings; cos/sin [B, L, D] -> final-normed hidden [B, L, C]."""
         delta = None
         for i in range(len(self.layers)):
-            x, delta = self.layer(i, x, delta, cos, sin, attend)
+            x, delta = self.layer(i, x, delta, cos, sin, attend, rotary_in_attend)
         if delta is None:
             return self.norm(x)
         return self._final(x, delta, self.norm.weight, self.cfg.rms_norm_eps)
