@@ -155,7 +155,8 @@ TILES = [dict(tile_n=t, num_warps=w, num_stages=st) for t in (32, 64, 128) for w
 
 
 def attention_sweep(cfg, batches, ctx: int, rows: list, dev: str) -> None:
-    """Paged decode attention with the fused new-token write, per (num_splits, tile) config."""
+    """Paged decode attention as the engine calls it (fused new-token write, rotary, in-kernel split
+    merge), per (num_splits, tile) config."""
     t = cfg.text
     bs = 16
     for B in batches:
@@ -169,12 +170,16 @@ def attention_sweep(cfg, batches, ctx: int, rows: list, dev: str) -> None:
         bt[:, :per] = (1 + torch.arange(B * per, device=dev).view(B, per)).int()
         lens = torch.full((B,), ctx, device=dev)
         kv_bytes = 2 * B * ctx * t.num_key_value_heads * t.head_dim * 2
-        ref = paged_decode_attention(q, kc.clone(), vc.clone(), bt, lens, backend="reference", k_new=kn, v_new=vn)
+        ang = torch.rand(B, t.head_dim // 2, device=dev) * 600
+        cos, sin = torch.cat([ang, ang], -1).cos().to(q.dtype), torch.cat([ang, ang], -1).sin().to(q.dtype)
+        sem = torch.zeros(B * t.num_key_value_heads, dtype=torch.int32, device=dev)
+        ref = paged_decode_attention(q, kc.clone(), vc.clone(), bt, lens, backend="reference", k_new=kn, v_new=vn,
+                                     cos=cos, sin=sin)
         configs = [(s, tile) for s in (None, 1, 2, 4, 8) for tile in TILES] if dev == "cuda" else [(None, None)]
         best = None
         for s, tile in configs:
             call = functools.partial(paged_decode_attention, q, kc, vc, bt, lens, num_splits=s, k_new=kn, v_new=vn,
-                                     tile=tile)
+                                     tile=tile, cos=cos, sin=sin, semaphore=sem)
             try:
                 err = (call().float() - ref.float()).abs().max().item()
                 us = graph_time_us(call) if dev == "cuda" else time_ms(call, device=dev) * 1e3

@@ -138,7 +138,8 @@ def main(argv=None) -> None:
                     help="rollplex: prompts (x n samples) per fwd/bwd (default: 4 for w3b, 2 for w3b-video)")
     ap.add_argument("--micro-tokens", type=int, default=None,
                     help="token budget per fwd/bwd instead of the counts (RLConfig.micro_batch_max_tokens)")
-    ap.add_argument("--micro-samples", type=int, default=8, help="serial: sequences per fwd/bwd")
+    ap.add_argument("--micro-samples", type=int, default=None,
+                    help="serial: sequences per fwd/bwd (default: 8 for w3b, 4 for w3b-video)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-packed", action="store_true",
                     help="rollplex: a prefix pass, then padded responses (RLConfig.packed=False), not one packed pass")
@@ -157,14 +158,14 @@ def main(argv=None) -> None:
                                            max_num_batched_tokens=40000, compile_model=not args.no_compile))
     info = env_info()
     print(json.dumps({"bench": "step_setup", "kv_blocks": eng.runner.num_blocks, **info}), flush=True)
-    rl_kw = dict(n=args.n, kl_coef=0.01, lr=1e-6, micro_batch_samples=args.micro_samples,
-                 micro_batch_max_tokens=args.micro_tokens, packed=not args.no_packed)
+    rl_kw = dict(n=args.n, kl_coef=0.01, lr=1e-6, micro_batch_max_tokens=args.micro_tokens, packed=not args.no_packed)
     summary = []
     for label in args.workloads.split(","):
         frames = 8 if label == "w3b-video" else 1
         # 4 image prompts x 8 samples fit next to the engine, reference and optimizer state (129 GiB
         # peak on the H200); a video prompt has 3x the prompt tokens
         rl_kw["micro_batch_prompts"] = args.micro_prompts or (2 if frames > 1 else 4)
+        rl_kw["micro_batch_samples"] = args.micro_samples or (4 if frames > 1 else 8)  # 8 video sequences: OOM
         n_prompts = args.video_prompts if frames > 1 else args.prompts
         prompts, grid = make_prompts(cfg, n_prompts, frames, device=args.device, dtype=dtype)
         # correctness first: the two modes agree on a small batch

@@ -81,14 +81,21 @@ def paged_decode_attention(
     raise ValueError(f"unknown backend {backend!r}: expected 'auto', 'triton' or 'reference'")
 
 
-# (num_splits, tile) candidates the engine times per graphed batch size; None = choose_num_splits
+# (num_splits, tile) candidates the engine times per graphed batch size; None = choose_num_splits.
+# More splits got cheaper once the last split merges inside the kernel (no merge launch), so the
+# list has more split counts and deeper pipelines for the short per-split token ranges they give.
 DECODE_CANDIDATES = (
     (None, {}),
     (1, {"tile_n": 32}),
     (1, {"tile_n": 128, "num_warps": 8, "num_stages": 3}),
     (1, {"num_stages": 3}),
     (2, {}),
+    (2, {"num_stages": 3}),
     (4, {}),
+    (4, {"num_stages": 3}),
+    (4, {"tile_n": 32}),
+    (8, {}),
+    (8, {"tile_n": 32}),
 )
 
 
