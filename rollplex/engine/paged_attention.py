@@ -82,20 +82,16 @@ def paged_decode_attention(
 
 
 # (num_splits, tile) candidates the engine times per graphed batch size; None = choose_num_splits.
-# More splits got cheaper once the last split merges inside the kernel (no merge launch), so the
-# list has more split counts and deeper pipelines for the short per-split token ranges they give.
+# Adding (2|4, 3 stages), (4|8, tile_n 32) and (8, {}) did not help on the H200 (B = 64: 3.21 vs 3.19 ms
+# per step; B = 256: the tuner, timing at 768 tokens, picked a config 3% slower at 608): every config
+# of this kernel lands at 14.7-15.8 µs at B = 64 (docs/BENCHMARKS.md, rollout run G).
 DECODE_CANDIDATES = (
     (None, {}),
     (1, {"tile_n": 32}),
     (1, {"tile_n": 128, "num_warps": 8, "num_stages": 3}),
     (1, {"num_stages": 3}),
     (2, {}),
-    (2, {"num_stages": 3}),
     (4, {}),
-    (4, {"num_stages": 3}),
-    (4, {"tile_n": 32}),
-    (8, {}),
-    (8, {"tile_n": 32}),
 )
 
 
