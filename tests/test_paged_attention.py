@@ -240,3 +240,24 @@ def test_triton_in_kernel_merge(num_splits) -> None:
         assert not sem.any()
     with pytest.raises(ValueError, match="semaphore"):
         paged_decode_attention(q, k, v, table, lens, backend="triton", num_splits=2, semaphore=sem[:3])
+
+
+@triton_only
+def test_tune_decode_skips_failing_candidates_and_picks_the_fastest(caplog) -> None:
+    from rollplex.engine.paged_attention import tune_decode
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    case = make_case([40, 17, 64, 5], 8, 2, 64, 16, device=device, seed=12, pad_value=0)
+    q, k, v, table, lens = case
+    k_new, v_new = _with_new_token(case)
+    cos, sin = _rotary(4, 64, device=device)
+    sem = torch.zeros(8, dtype=torch.int32, device=device)
+    fake_us = iter([5.0, 3.0, 4.0])  # one number per candidate that gets timed, in order
+    cands = ((1, {}), (2, {"tile_n": 48}), (2, {}), (4, {"tile_n": 32}))  # tile_n 48: ValueError
+    best = tune_decode(q, k, v, table, lens, k_new, v_new, candidates=cands, cos=cos, sin=sin, semaphore=sem,
+                       timer=lambda call, reps: next(fake_us), check_rows=2, backend="triton")
+    assert best == (2, {})
+    assert "tile_n" in caplog.text and "skipped" in caplog.text
+    with pytest.raises(RuntimeError, match="no paged-attention launch config"):
+        tune_decode(q, k, v, table, lens, k_new, v_new, candidates=((2, {"tile_n": 48}),), timer=lambda c, r: 1.0,
+                    backend="triton")

@@ -10,7 +10,9 @@ batch size at capture.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import math
 
 import torch
@@ -18,6 +20,8 @@ import torch
 from ..models.layers import apply_rotary
 from .paged_attention_triton import choose_num_splits, triton_available, triton_forward
 from .tuning import graph_time_us
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DECODE_CANDIDATES", "choose_num_splits", "paged_decode_attention", "tune_decode"]
 
@@ -96,19 +100,41 @@ DECODE_CANDIDATES = (
 
 
 def tune_decode(q, k_cache, v_cache, block_table, seq_lens, k_new, v_new, candidates=DECODE_CANDIDATES,
-                reps: int = 10, cos=None, sin=None, semaphore=None) -> tuple[int | None, dict]:
+                reps: int = 10, cos=None, sin=None, semaphore=None, timer=graph_time_us,
+                check_rows: int = 8, backend: str = "auto") -> tuple[int | None, dict]:
     """The fastest (num_splits, tile) for these shapes on this GPU, each timed as `reps` calls replayed
-    from one CUDA graph (what a call costs inside the graphed decode step). Writes k_new/v_new into the
-    cache, so run it before the cache holds sequences."""
-    best, best_us = candidates[0], float("inf")
-    with torch.cuda.device(q.device):
+    from one CUDA graph (`timer`: what a call costs inside the graphed decode step). Writes k_new/v_new
+    into the cache, so run it before the cache holds sequences.
+
+    A candidate is only timed once its output on the first `check_rows` sequences matches the reference
+    backend's; one that fails to compile or launch (e.g. more shared memory than a smaller GPU has) or
+    disagrees is skipped with a warning. RuntimeError if none is left."""
+    call_kw = dict(k_new=k_new, v_new=v_new, cos=cos, sin=sin)
+    r = slice(0, check_rows)
+    ref = paged_decode_attention(q[r], k_cache, v_cache, block_table[r], seq_lens[r], backend="reference",
+                                 k_new=k_new[r], v_new=v_new[r], cos=None if cos is None else cos[r],
+                                 sin=None if sin is None else sin[r]).float()
+    tol = 1e-4 if q.dtype == torch.float32 else 2e-2
+    best, best_us, rejected = None, float("inf"), []
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         for num_splits, tile in candidates:
             call = functools.partial(paged_decode_attention, q, k_cache, v_cache, block_table, seq_lens,
-                                     num_splits=num_splits, k_new=k_new, v_new=v_new, tile=tile, cos=cos, sin=sin,
-                                     semaphore=semaphore)
-            us = graph_time_us(call, reps)
+                                     num_splits=num_splits, tile=tile, semaphore=semaphore, backend=backend,
+                                     **call_kw)
+            try:
+                err = (call()[r].float() - ref).abs().max().item()
+                if not err <= tol:
+                    raise ValueError(f"output differs from the reference by {err:.3g}")
+                us = timer(call, reps)
+            except Exception as e:  # noqa: BLE001 - any failing candidate is skipped, not fatal
+                rejected.append(((num_splits, tile), f"{type(e).__name__}: {str(e)[:200]}"))
+                continue
             if us < best_us:
                 best, best_us = (num_splits, tile), us
+    for cand, why in rejected:
+        log.warning("paged attention candidate %s skipped: %s", cand, why)
+    if best is None:
+        raise RuntimeError(f"no paged-attention launch config works here: {rejected}")
     return best
 
 
