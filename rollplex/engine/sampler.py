@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.host import as_device_tensor
+from ..models.layers import compile_fn
 
 _M32 = 0xFFFFFFFF
 # multipliers below 2^31: inductor's Triton code types integer literals as int32
@@ -103,7 +104,9 @@ class Sampler:
     int64 hash alone would move ~8 GB per step at B=256 over a 152K vocabulary."""
 
     def __init__(self, compile: bool = False):
-        self._fn = torch.compile(_sample, dynamic=True) if compile else _sample
+        # automatic-dynamic (`compile_fn`): the vocabulary size stays a constant in the generated
+        # kernels' index math, only the batch size becomes symbolic once it changes
+        self._fn = compile_fn(_sample) if compile else _sample
         self._keys: torch.Tensor | None = None
 
     def __call__(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
