@@ -152,6 +152,8 @@ def set_decode_state(runner, B: int, ctx: int, seed: int = 0) -> None:
 
 
 TILES = [dict(tile_n=t, num_warps=w, num_stages=st) for t in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+# V loaded together with K (not yet among the engine's candidates: measure here first)
+TILES += [dict(tile_n=t, num_warps=w, num_stages=2, early_v=True) for t in (64, 128) for w in (4, 8)]
 
 
 def attention_sweep(cfg, batches, ctx: int, rows: list, dev: str) -> None:
