@@ -222,8 +222,8 @@ def test_triton_fused_rotary(num_splits) -> None:
 
 
 @triton_only
-@pytest.mark.parametrize("num_splits", [2, 3, 8])
-def test_triton_in_kernel_merge(num_splits) -> None:
+@pytest.mark.parametrize("num_splits,tile", [(2, None), (3, None), (8, None)])
+def test_triton_in_kernel_merge(num_splits, tile) -> None:
     """With a semaphore the last split merges inside the kernel: same output as the merge kernel, and
     the semaphore is zero again afterwards, so back-to-back launches (layers) can share it."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -235,7 +235,7 @@ def test_triton_in_kernel_merge(num_splits) -> None:
     for _ in range(2):
         kt, vt = k.clone(), v.clone()
         out = paged_decode_attention(q, kt, vt, table, lens, backend="triton", num_splits=num_splits, k_new=k_new,
-                                     v_new=v_new, semaphore=sem)
+                                     v_new=v_new, semaphore=sem, tile=tile)
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
         assert not sem.any()
     with pytest.raises(ValueError, match="semaphore"):
@@ -261,3 +261,35 @@ def test_tune_decode_skips_failing_candidates_and_picks_the_fastest(caplog) -> N
     with pytest.raises(RuntimeError, match="no paged-attention launch config"):
         tune_decode(q, k, v, table, lens, k_new, v_new, candidates=((2, {"tile_n": 48}),), timer=lambda c, r: 1.0,
                     backend="triton")
+
+
+def test_tune_decode_times_calls_that_cycle_through_caches() -> None:
+    """With lists of caches (several layers), each timed call reads the next cache: the tuner measures
+    KV that comes from memory, not from a cache that the previous call left in L2."""
+    from rollplex.engine.paged_attention import tune_decode
+
+    case = make_case([40, 17, 64, 5], 8, 2, 64, 16, seed=13, pad_value=0)
+    q, k, v, table, lens = case
+    k_new, v_new = _with_new_token(case)
+    ks, vs = [k.clone() for _ in range(3)], [v.clone() for _ in range(3)]
+    seen = []
+
+    def timer(call, reps):
+        for _ in range(reps):
+            out = call()
+            seen.append(out)
+        return 1.0
+
+    best = tune_decode(q, ks, vs, table, lens, k_new, v_new, candidates=((None, {}),), timer=timer, reps=3,
+                       backend="reference")
+    assert best == (None, {})
+    slot = lambda b: (table[b, (lens[b] - 1) // 16].item(), (lens[b] - 1).item() % 16)  # noqa: E731
+    for kc, vc in zip(ks, vs):  # every cache got the new token written by one of the calls
+        for b in range(4):
+            blk, s = slot(b)
+            assert torch.equal(kc[blk, s], k_new[b]) and torch.equal(vc[blk, s], v_new[b])
+    torch.testing.assert_close(seen[0], seen[1])
+    torch.testing.assert_close(seen[1], seen[2])
+    with pytest.raises(ValueError, match="equally long"):
+        tune_decode(q, ks, vs[:2], table, lens, k_new, v_new, candidates=((None, {}),), timer=timer,
+                    backend="reference")

@@ -208,6 +208,7 @@ class ModelRunner:
         ids.copy_(torch.where(s >= 0, prev_tokens[s.clamp(min=0)], ids))
 
     TUNE_CONTEXT = 768  # tokens per sequence the attention kernel is tuned at
+    TUNE_LAYERS = 8  # layers whose caches the tuning calls cycle through (more KV than L2 holds)
 
     def _tune_attention(self, b: int) -> tuple:
         """Pick the paged-attention launch config for batch size b by timing candidates on the (still
@@ -225,10 +226,12 @@ class ModelRunner:
         lens = torch.full((b,), ctx, device=dev)
         cos = torch.ones(b, self.head_dim, device=dev, dtype=dt)
         sin = torch.zeros(b, self.head_dim, device=dev, dtype=dt)
-        best = tune_decode(q, self.k_cache[0], self.v_cache[0], table, lens, kn, kn.clone(), cos=cos, sin=sin,
-                           semaphore=self.attn_semaphore)
-        self.k_cache[0].zero_()
-        self.v_cache[0].zero_()
+        # timed calls cycle through several layers' caches: in the step, each layer's KV comes from HBM
+        layers = min(self.num_layers, self.TUNE_LAYERS)
+        best = tune_decode(q, [self.k_cache[i] for i in range(layers)], [self.v_cache[i] for i in range(layers)],
+                           table, lens, kn, kn.clone(), cos=cos, sin=sin, semaphore=self.attn_semaphore)
+        self.k_cache[:layers, 1:1 + b * per].zero_()
+        self.v_cache[:layers, 1:1 + b * per].zero_()
         return best
 
     def _capture(self) -> None:
