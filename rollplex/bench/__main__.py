@@ -9,6 +9,7 @@ WORKLOADS = {
     "hook": "rollplex.bench.hook",
     "profile": "rollplex.bench.profile",
     "hostloop": "rollplex.bench.hostloop",
+    "layer": "rollplex.bench.layer",
 }
 
 
