@@ -57,3 +57,22 @@ def test_bad_arguments_are_value_errors():
     with pytest.raises(ValueError, match="config"):
         skinny_linear(x, w, None, (64, 24, 128, 4, 3))
     torch.testing.assert_close(skinny_linear(x, w), F.linear(x, w))  # config None: cuBLAS / torch
+
+
+def test_tune_linear_cycles_through_weights() -> None:
+    """Given several weights, the timed calls use them round robin (each read from memory, not L2)."""
+    from rollplex.engine.skinny_gemm import tune_linear
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 16, generator=g)
+    ws = [torch.randn(8, 16, generator=g) for _ in range(3)]
+    outs = []
+
+    def timer(call, reps):
+        outs.extend(call() for _ in range(reps))
+        return 1.0
+
+    best, times = tune_linear(x, ws, None, candidates=(), reps=4, timer=timer)
+    assert best is None and times == {None: 1.0}
+    for i, out in enumerate(outs):
+        torch.testing.assert_close(out, F.linear(x, ws[i % 3]))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 
 import torch
@@ -207,11 +208,18 @@ def attention_sweep(cfg, batches, ctx: int, rows: list, dev: str) -> None:
             rows.append({**best, "best": True})
 
 
-def gemm_sweep(cfg, batches, rows: list, dev: str) -> None:
-    """The decode step's GEMMs (one layer's qkv, o, gate_up, down at M = B rows): cuBLAS vs the Triton
-    skinny-GEMM candidates (`engine/skinny_gemm.py`), graph-timed, with the weight stream rate."""
-    from ..engine.skinny_gemm import skinny_linear, tune_linear
+GEMM_COPIES = 8  # weights per shape the timed calls cycle through (8 x 8.4 MB > L2, like the step's layers)
 
+
+def gemm_sweep(cfg, batches, rows: list, dev: str) -> None:
+    """The decode step's GEMMs (one layer's qkv, o, gate_up, down at M = B rows), graph-timed with the
+    calls cycling through GEMM_COPIES weights (read from HBM, as in the step; the smaller weights fit
+    L2 and a single copy timed over and over measures L2):
+    * cuBLAS `F.linear` (what the model runs) and the best Triton skinny-GEMM candidate
+      (`engine/skinny_gemm.py`)
+    * `mm(W, x^T)`: the transposed problem, which cuBLAS tiles differently (output [N, M])
+    * split-K as a batched GEMM with fp32 output, `bmm(x_s, W_s^T, out_dtype=fp32)` over S slices of
+      K, alone (its reduction could fuse into the next norm kernel) and with an eager sum + cast."""
     if dev != "cuda":
         return
     t = cfg.text
@@ -220,20 +228,57 @@ def gemm_sweep(cfg, batches, rows: list, dev: str) -> None:
               "o": (C, t.num_attention_heads * D, False), "gate_up": (2 * t.intermediate_size, C, False),
               "down": (C, t.intermediate_size, False)}
     g = torch.Generator(device=dev).manual_seed(0)
+
     for B in batches:
         for name, (N, K, has_bias) in shapes.items():
-            x = torch.randn(B, K, device=dev, dtype=DT[dev], generator=g)
-            w = torch.randn(N, K, device=dev, dtype=DT[dev], generator=g) * 0.02
-            b = torch.randn(N, device=dev, dtype=DT[dev], generator=g) if has_bias else None
-            best, times = tune_linear(x, w, b)
-            err = (skinny_linear(x, w, b, best).float() - F.linear(x, w, b).float()).abs().max().item()
-            mb = w.numel() * w.element_size() / 1e6
-            r = {"bench": "gemm", "batch": B, "gemm": name, "N": N, "K": K, "weights_MB": round(mb, 1),
-                 "cublas_us": round(times[None], 2), "cublas_TBps": round(mb / times[None], 2),
-                 "best": best, "best_us": round(times[best], 2), "best_TBps": round(mb / times[best], 2),
-                 "speedup": round(times[None] / times[best], 3), "max_err_vs_cublas": round(err, 4)}
+            r = _gemm_variants(B, N, K, has_bias, g, dev)
+            r = {"bench": "gemm", "batch": B, "gemm": name, **r}
             print(json.dumps(r), flush=True)
             rows.append(r)
+
+
+def _gemm_variants(B: int, N: int, K: int, has_bias: bool, g, dev: str) -> dict:
+    from ..engine.skinny_gemm import skinny_linear, tune_linear
+
+    x = torch.randn(B, K, device=dev, dtype=DT[dev], generator=g)
+    ws = [torch.randn(N, K, device=dev, dtype=DT[dev], generator=g) * 0.02 for _ in range(GEMM_COPIES)]
+    b = torch.randn(N, device=dev, dtype=DT[dev], generator=g) if has_bias else None
+
+    def cycled(fn):
+        count = itertools.count()
+        return lambda: fn(ws[next(count) % len(ws)])
+
+    best, times = tune_linear(x, ws, b)
+    ref = F.linear(x, ws[0], b).float()
+    err = (skinny_linear(x, ws[0], b, best).float() - ref).abs().max().item()
+    mb = ws[0].numel() * ws[0].element_size() / 1e6
+    r = {"N": N, "K": K, "weights_MB": round(mb, 1),
+         "cublas_us": round(times[None], 2), "cublas_TBps": round(mb / times[None], 2),
+         "best": best, "best_us": round(times[best], 2), "best_TBps": round(mb / times[best], 2),
+         "speedup": round(times[None] / times[best], 3), "max_err_vs_cublas": round(err, 4)}
+
+    def transposed(w):  # [N, B]
+        y = torch.mm(w, x.T)
+        return y if b is None else y + b[:, None]
+
+    r["transposed_us"] = round(graph_time_us(cycled(transposed), 20), 2)
+    r["transposed_err"] = round((transposed(ws[0]).T.float() - ref).abs().max().item(), 4)
+    for S in (2, 4, 8):
+        if K % S:
+            continue
+        xs = x.view(B, S, K // S).transpose(0, 1)  # [S, B, K/S]
+
+        def part(w, S=S, xs=xs):  # [S, B, N] fp32 partial sums
+            return torch.bmm(xs, w.view(N, S, K // S).permute(1, 2, 0), out_dtype=torch.float32)
+
+        def whole(w, part=part):
+            y = part(w).sum(0)
+            return (y if b is None else y + b.float()).to(x.dtype)
+
+        r[f"splitk{S}_gemm_us"] = round(graph_time_us(cycled(part), 20), 2)
+        r[f"splitk{S}_with_reduce_us"] = round(graph_time_us(cycled(whole), 20), 2)
+        r[f"splitk{S}_err"] = round((whole(ws[0]).float() - ref).abs().max().item(), 4)
+    return r
 
 
 def decode_profile(model, batches, ctx: int, rows: list) -> None:
@@ -441,11 +486,15 @@ def main(argv=None) -> None:
                 print(f"    {key[:4]} {ms:9.3f} ms/step {cnt:6.1f}x  {name}")
     gemms = [r for r in rows if r["bench"] == "gemm"]
     if gemms:
-        print("\n| B | GEMM | weights MB | cuBLAS us (TB/s) | best | best us (TB/s) | speedup |")
-        print("|---|---|---|---|---|---|---|")
+        print("\n| B | GEMM | weights MB | cuBLAS us (TB/s) | best Triton or cuBLAS | us (TB/s) | mm(W, x^T) us | "
+              "split-K 2 / 4 / 8: bmm us (+ reduce) |")
+        print("|---|---|---|---|---|---|---|---|")
         for r in gemms:
+            sk = " / ".join(
+                f"{r[f'splitk{S}_gemm_us']} (+{r[f'splitk{S}_with_reduce_us'] - r[f'splitk{S}_gemm_us']:.1f})"
+                for S in (2, 4, 8) if f"splitk{S}_gemm_us" in r)
             print(f"| {r['batch']} | {r['gemm']} | {r['weights_MB']} | {r['cublas_us']} ({r['cublas_TBps']}) | "
-                  f"{r['best'] or 'cuBLAS'} | {r['best_us']} ({r['best_TBps']}) | {r['speedup']}x |")
+                  f"{r['best'] or 'cuBLAS'} | {r['best_us']} ({r['best_TBps']}) | {r['transposed_us']} | {sk} |")
     attn = [r for r in rows if r["bench"] == "paged_attn"]
     if attn:
         print("\n| B | splits | tile | us | TB/s | |\n|---|---|---|---|---|---|")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 from typing import Any
 
@@ -85,16 +86,24 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y
 
 
-def tune_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                candidates=GEMM_CANDIDATES, reps: int = 20) -> tuple[tuple | None, dict]:
+def tune_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
+                candidates=GEMM_CANDIDATES, reps: int = 20, timer=None) -> tuple[tuple | None, dict]:
     """(fastest config or None for cuBLAS, {config: microseconds}) for these shapes on this GPU, each
     call timed as `reps` calls replayed from one CUDA graph (its cost inside a graphed decode step).
-    Candidates the compiler rejects (e.g. out of shared memory) are skipped."""
+    weight may be a list of same-shaped weights (several layers'): the timed calls then cycle through
+    them, so weights that fit L2 (the decode step's qkv, o and down at 8-45 MB) are read from HBM as in
+    the step. Candidates the compiler rejects (e.g. out of shared memory) are skipped. timer(call, reps)
+    -> microseconds replaces the graph timing (tests)."""
+    weights = list(weight) if isinstance(weight, (list, tuple)) else [weight]
     times: dict = {}
     for cfg in (None, *candidates):
-        call = functools.partial(skinny_linear, x, weight, bias, cfg)
+        count = itertools.count()
+
+        def call(cfg=cfg, count=count):
+            return skinny_linear(x, weights[next(count) % len(weights)], bias, cfg)
+
         try:
-            times[cfg] = graph_time_us(call, reps, replays=7)
+            times[cfg] = graph_time_us(call, reps, replays=7) if timer is None else timer(call, reps)
         except Exception:  # noqa: BLE001 - a config this GPU / compiler cannot run
             continue
     best = min(times, key=times.get)
