@@ -89,8 +89,9 @@ def paged_decode_attention(
 
 # (num_splits, tile) candidates the engine times per graphed batch size; None = choose_num_splits.
 # Adding (2|4, 3 stages), (4|8, tile_n 32) and (8, {}) did not help on the H200 (B = 64: 3.21 vs 3.19 ms
-# per step; B = 256: the tuner, timing at 768 tokens, picked a config 3% slower at 608): every config
-# of this kernel lands at 14.7-15.8 µs at B = 64 (docs/BENCHMARKS.md, rollout run G).
+# per step; B = 256: the tuner, timing at 768 tokens, picked a config 3% slower at 608). With KV read
+# from HBM, as in the step, all 80 swept configs take 18.3-21.5 µs at B = 64 (early_v included) and
+# >= 45 µs at B = 256 (docs/BENCHMARKS.md, fifth session).
 DECODE_CANDIDATES = (
     (None, {}),
     (1, {"tile_n": 32}),
