@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import json
 
 import torch
 import torch.nn.functional as F
 
 from ..engine import Engine, EngineConfig
-from ..engine.paged_attention import cycling, paged_decode_attention
-from ..engine.tuning import graph_time_us
+from ..engine.paged_attention import paged_decode_attention
+from ..engine.tuning import graph_time_us, round_robin
 from ..models import ModelConfig, Qwen25VL, init_weights
 from ..presets import preset
 from ..rl.batch import RolloutBatch
@@ -160,6 +159,11 @@ TILES += [dict(tile_n=t, num_warps=w, num_stages=2, early_v=True) for t in (64, 
 LAYERS = 8
 
 
+def _attend_kv(q, block_table, seq_lens, kv, **kw):
+    """paged_decode_attention with its caches given as one (k_cache, v_cache) pair (for round_robin)."""
+    return paged_decode_attention(q, kv[0], kv[1], block_table, seq_lens, **kw)
+
+
 def attention_sweep(cfg, batches, ctx: int, rows: list, dev: str) -> None:
     """Paged decode attention as the engine calls it (fused new-token write, rotary, in-kernel split
     merge), per (num_splits, tile) config."""
@@ -169,10 +173,10 @@ def attention_sweep(cfg, batches, ctx: int, rows: list, dev: str) -> None:
         per = -(-ctx // bs)
         # the timed calls cycle through LAYERS caches, as the step does through its layers: one layer's
         # KV at B = 64 (40 MB) fits L2, and timing one cache over and over measures L2, not HBM
-        kcs = [torch.randn(1 + B * per, bs, t.num_key_value_heads, t.head_dim, device=dev, dtype=DT[dev])
+        kvs = [(torch.randn(1 + B * per, bs, t.num_key_value_heads, t.head_dim, device=dev, dtype=DT[dev]),
+                torch.randn(1 + B * per, bs, t.num_key_value_heads, t.head_dim, device=dev, dtype=DT[dev]))
                for _ in range(LAYERS if dev == "cuda" else 1)]
-        vcs = [torch.randn_like(k) for k in kcs]
-        kc, vc = kcs[0], vcs[0]
+        kc, vc = kvs[0]
         q = torch.randn(B, t.num_attention_heads, t.head_dim, device=dev, dtype=DT[dev])
         kn = torch.randn(B, t.num_key_value_heads, t.head_dim, device=dev, dtype=DT[dev])
         vn = torch.randn_like(kn)
@@ -188,11 +192,12 @@ def attention_sweep(cfg, batches, ctx: int, rows: list, dev: str) -> None:
         configs = [(s, tile) for s in (None, 1, 2, 4, 8) for tile in TILES] if dev == "cuda" else [(None, None)]
         best = None
         for s, tile in configs:
-            call = functools.partial(paged_decode_attention, q, kc, vc, bt, lens, num_splits=s, k_new=kn, v_new=vn,
-                                     tile=tile, cos=cos, sin=sin, semaphore=sem)
+            attend = functools.partial(_attend_kv, q, bt, lens, num_splits=s, k_new=kn, v_new=vn, tile=tile, cos=cos,
+                                       sin=sin, semaphore=sem)
             try:
-                err = (call().float() - ref.float()).abs().max().item()
-                us = graph_time_us(cycling(call, kcs, vcs)) if dev == "cuda" else time_ms(call, device=dev) * 1e3
+                err = (attend(kvs[0]).float() - ref.float()).abs().max().item()
+                us = graph_time_us(round_robin(attend, kvs)) if dev == "cuda" else \
+                    time_ms(functools.partial(attend, kvs[0]), device=dev) * 1e3
             except Exception as e:  # a config the compiler rejects (e.g. out of shared memory)
                 print(json.dumps({"bench": "paged_attn", "batch": B, "num_splits": s, "tile": tile,
                                   "error": str(e)[:120]}), flush=True)
@@ -244,10 +249,6 @@ def _gemm_variants(B: int, N: int, K: int, has_bias: bool, g, dev: str) -> dict:
     ws = [torch.randn(N, K, device=dev, dtype=DT[dev], generator=g) * 0.02 for _ in range(GEMM_COPIES)]
     b = torch.randn(N, device=dev, dtype=DT[dev], generator=g) if has_bias else None
 
-    def cycled(fn):
-        count = itertools.count()
-        return lambda: fn(ws[next(count) % len(ws)])
-
     best, times = tune_linear(x, ws, b)
     ref = F.linear(x, ws[0], b).float()
     err = (skinny_linear(x, ws[0], b, best).float() - ref).abs().max().item()
@@ -261,7 +262,7 @@ def _gemm_variants(B: int, N: int, K: int, has_bias: bool, g, dev: str) -> dict:
         y = torch.mm(w, x.T)
         return y if b is None else y + b[:, None]
 
-    r["transposed_us"] = round(graph_time_us(cycled(transposed), 20), 2)
+    r["transposed_us"] = round(graph_time_us(round_robin(transposed, ws), 20), 2)
     r["transposed_err"] = round((transposed(ws[0]).T.float() - ref).abs().max().item(), 4)
     for S in (2, 4, 8):
         if K % S:
@@ -275,8 +276,8 @@ def _gemm_variants(B: int, N: int, K: int, has_bias: bool, g, dev: str) -> dict:
             y = part(w).sum(0)
             return (y if b is None else y + b.float()).to(x.dtype)
 
-        r[f"splitk{S}_gemm_us"] = round(graph_time_us(cycled(part), 20), 2)
-        r[f"splitk{S}_with_reduce_us"] = round(graph_time_us(cycled(whole), 20), 2)
+        r[f"splitk{S}_gemm_us"] = round(graph_time_us(round_robin(part, ws), 20), 2)
+        r[f"splitk{S}_with_reduce_us"] = round(graph_time_us(round_robin(whole, ws), 20), 2)
         r[f"splitk{S}_err"] = round((whole(ws[0]).float() - ref).abs().max().item(), 4)
     return r
 
@@ -287,12 +288,11 @@ def decode_profile(model, batches, ctx: int, rows: list) -> None:
     run = eng.runner
     for B in batches:
         set_decode_state(run, B, ctx)
-        g, _ = run.graphs[B]
+        g, logits = run.graphs[B]
         ms = time_ms(g.replay, warmup=3, iters=20)
         prof = kernel_profile(g.replay)
-        out = eng.runner.graphs[B][1][:B].float()
         r = {"bench": "decode_profile", "batch": B, "context": ctx, "replay_ms": round(ms, 3),
-             "logits_checksum": round(out.double().sum().item(), 3),
+             "logits_checksum": round(logits[:B].double().sum().item(), 3),
              "attn_cfg": str(run.attn_cfg.get(B)), **prof}
         print(json.dumps(r), flush=True)
         rows.append(r)

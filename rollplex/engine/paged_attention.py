@@ -11,8 +11,6 @@ batch size at capture.
 from __future__ import annotations
 
 import contextlib
-import functools
-import itertools
 import logging
 import math
 
@@ -20,7 +18,7 @@ import torch
 
 from ..models.layers import apply_rotary
 from .paged_attention_triton import choose_num_splits, triton_available, triton_forward
-from .tuning import graph_time_us
+from .tuning import graph_time_us, round_robin
 
 log = logging.getLogger(__name__)
 
@@ -102,19 +100,6 @@ DECODE_CANDIDATES = (
 )
 
 
-def cycling(call, k_caches: list, v_caches: list):
-    """call (a partial of paged_decode_attention with k/v caches as its 2nd/3rd arguments) -> a callable
-    that uses the next (k, v) cache pair on each call, round robin."""
-    count = itertools.count()
-
-    def next_call():
-        i = next(count) % len(k_caches)
-        args = (call.args[0], k_caches[i], v_caches[i], *call.args[3:])
-        return call.func(*args, **call.keywords)
-
-    return next_call
-
-
 def tune_decode(q, k_cache, v_cache, block_table, seq_lens, k_new, v_new, candidates=DECODE_CANDIDATES,
                 reps: int = 10, cos=None, sin=None, semaphore=None, timer=graph_time_us,
                 check_rows: int = 8, backend: str = "auto") -> tuple[int | None, dict]:
@@ -134,7 +119,8 @@ def tune_decode(q, k_cache, v_cache, block_table, seq_lens, k_new, v_new, candid
     vs = list(v_cache) if isinstance(v_cache, (list, tuple)) else [v_cache]
     if len(ks) != len(vs) or not ks:
         raise ValueError("k_cache and v_cache must be tensors or equally long non-empty lists")
-    k_cache, v_cache = ks[0], vs[0]
+    kvs = list(zip(ks, vs))
+    k_cache, v_cache = kvs[0]
     r = slice(0, check_rows)
     ref = paged_decode_attention(q[r], k_cache, v_cache, block_table[r], seq_lens[r], backend="reference",
                                  k_new=k_new[r], v_new=v_new[r], cos=None if cos is None else cos[r],
@@ -143,14 +129,15 @@ def tune_decode(q, k_cache, v_cache, block_table, seq_lens, k_new, v_new, candid
     best, best_us, rejected = None, float("inf"), []
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         for num_splits, tile in candidates:
-            call = functools.partial(paged_decode_attention, q, k_cache, v_cache, block_table, seq_lens,
-                                     num_splits=num_splits, tile=tile, semaphore=semaphore, backend=backend,
-                                     **call_kw)
+            def attend(kv, num_splits=num_splits, tile=tile):  # kv: one (k_cache, v_cache) pair
+                return paged_decode_attention(q, kv[0], kv[1], block_table, seq_lens, num_splits=num_splits,
+                                              tile=tile, semaphore=semaphore, backend=backend, **call_kw)
+
             try:
-                err = (call()[r].float() - ref).abs().max().item()
+                err = (attend(kvs[0])[r].float() - ref).abs().max().item()
                 if not err <= tol:
                     raise ValueError(f"output differs from the reference by {err:.3g}")
-                us = timer(cycling(call, ks, vs), reps)
+                us = timer(round_robin(attend, kvs), reps)
             except Exception as e:  # noqa: BLE001 - any failing candidate is skipped, not fatal
                 rejected.append(((num_splits, tile), f"{type(e).__name__}: {str(e)[:200]}"))
                 continue

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import os
 from typing import Any
 
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .paged_attention_triton import triton_available
-from .tuning import graph_time_us
+from .tuning import graph_time_us, round_robin
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)
 GEMM_CANDIDATES: tuple[tuple[int, ...], ...] = tuple(
@@ -97,11 +96,7 @@ def tune_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
     weights = list(weight) if isinstance(weight, (list, tuple)) else [weight]
     times: dict = {}
     for cfg in (None, *candidates):
-        count = itertools.count()
-
-        def call(cfg=cfg, count=count):
-            return skinny_linear(x, weights[next(count) % len(weights)], bias, cfg)
-
+        call = round_robin(lambda w, cfg=cfg: skinny_linear(x, w, bias, cfg), weights)
         try:
             times[cfg] = graph_time_us(call, reps, replays=7) if timer is None else timer(call, reps)
         except Exception:  # noqa: BLE001 - a config this GPU / compiler cannot run

@@ -6,7 +6,18 @@ tiles, GEMM tiles) are compared as `reps` calls replayed from one graph, median 
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Sequence
+
 import torch
+
+
+def round_robin(fn: Callable, options: Sequence) -> Callable[[], object]:
+    """A call that runs fn(options[i]) for the next i on each call. Timing calls that cycle through
+    several layers' weights or KV caches reads them from HBM as the decode step does; a single copy
+    timed over and over stays in L2 (50 MB on the H200) and times L2."""
+    count = itertools.count()
+    return lambda: fn(options[next(count) % len(options)])
 
 
 def graph_time_us(call, reps: int = 10, replays: int = 5) -> float:
