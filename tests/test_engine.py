@@ -118,6 +118,21 @@ def test_preemption_under_tiny_kv_gives_same_outputs(tiny_dir, proc):
     assert tight.blocks.num_free == tight.blocks.num_blocks - 1  # everything freed
 
 
+def test_decode_split_k_gives_same_outputs(tiny_dir, proc):
+    """Split-K o/down projections (fp32 partials summed by the next norm) change where the sums run,
+    not what the engine generates."""
+    prompts = _prompts(proc)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True, n=2, seed=3)
+    plain = _engine(tiny_dir, proc).generate(prompts, params)
+    split = _engine(tiny_dir, proc, decode_split_k=(2, 4)).generate(prompts, params)
+    for a, b in zip(plain, split):
+        assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
+        for x, y in zip(a.samples, b.samples):
+            assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) <= 1e-5
+    with pytest.raises(ValueError, match="decode_split_k"):
+        EngineConfig(decode_split_k=(0, 2))
+
+
 def test_weight_updates_are_visible_without_copy(tiny_dir, proc):
     eng = _engine(tiny_dir, proc)
     p = _prompts(proc)[1]

@@ -282,9 +282,9 @@ def _gemm_variants(B: int, N: int, K: int, has_bias: bool, g, dev: str) -> dict:
     return r
 
 
-def decode_profile(model, batches, ctx: int, rows: list) -> None:
+def decode_profile(model, batches, ctx: int, rows: list, split_k: tuple[int, int] | None = None) -> None:
     eng = Engine(model, None, EngineConfig(max_num_seqs=max(batches), max_model_len=2048, gpu_memory_utilization=0.6,
-                                           max_num_batched_tokens=8192))
+                                           max_num_batched_tokens=8192, decode_split_k=split_k))
     run = eng.runner
     for B in batches:
         set_decode_state(run, B, ctx)
@@ -293,7 +293,8 @@ def decode_profile(model, batches, ctx: int, rows: list) -> None:
         prof = kernel_profile(g.replay)
         r = {"bench": "decode_profile", "batch": B, "context": ctx, "replay_ms": round(ms, 3),
              "logits_checksum": round(logits[:B].double().sum().item(), 3),
-             "attn_cfg": str(run.attn_cfg.get(B)), **prof}
+             "attn_cfg": str(run.attn_cfg.get(B)), "split_k": str(run.split_k.get(B)),
+             "split_k_us": str(run.split_k_us.get(B)), **prof}
         print(json.dumps(r), flush=True)
         rows.append(r)
     del eng
@@ -434,6 +435,8 @@ def main(argv=None) -> None:
     ap.add_argument("--compile-dynamic", default="auto",
                     help="torch.compile shapes: all symbolic (true) or only those that change (auto); "
                     "'true,auto' profiles each in turn (decode uses the first)")
+    ap.add_argument("--decode-split-k", default="auto",
+                    help="decode part: 'S_o,S_down' K slices of the o/down GEMMs (1,1: plain GEMMs) or auto (tuned)")
     ap.add_argument("--trace", default=None, help="directory: per training mode, a Chrome trace (CPU + CUDA) and "
                     "the host syncs (with their Python frames) of one fwd+bwd")
     args = ap.parse_args(argv)
@@ -456,7 +459,8 @@ def main(argv=None) -> None:
     if dev == "cuda":
         model.compile(dynamic=True if dynamics[0] == "true" else None)
     if "decode" in parts and dev == "cuda":
-        decode_profile(model, batches, args.context, rows)
+        sk = None if args.decode_split_k == "auto" else tuple(int(v) for v in args.decode_split_k.split(","))
+        decode_profile(model, batches, args.context, rows, sk)
     if "engine" in parts:
         engine_profile(model, batches, rows, dev, args.trace)
     if "train" in parts:

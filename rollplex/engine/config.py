@@ -23,6 +23,10 @@ class EngineConfig:
     # stop checks, scheduling) overlaps the GPU running N+1. Same outputs; a sequence that stops on a
     # token costs one discarded extra step.
     overlap_schedule: bool = True
+    # graphed decode: (S_o, S_down) K slices of the o and down projections, run as one batched GEMM
+    # with fp32 partials that the next residual-add + norm sums (TextDecoder.layer). None: timed per
+    # batch-size bucket at capture (GPU) / off (eager); (1, 1): plain GEMMs everywhere.
+    decode_split_k: tuple[int, int] | None = None
 
     def __post_init__(self):
         if self.block_size not in (16, 32, 64):
@@ -31,6 +35,9 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in [0.05, 0.98]")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 2 * self.block_size:
             raise ValueError("kv_cache_tokens must cover at least two blocks")
+        if self.decode_split_k is not None and (
+                len(self.decode_split_k) != 2 or any(not isinstance(s, int) or s < 1 for s in self.decode_split_k)):
+            raise ValueError(f"decode_split_k must be two positive ints (S_o, S_down), got {self.decode_split_k}")
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
 
     def scheduler_config(self) -> SchedulerConfig:

@@ -151,11 +151,12 @@ class Qwen25VL(nn.Module):
         return EmbeddedPrompts(x, to_device(positions, dev), lens, as_device_tensor(deltas, dev, torch.long))
 
     def forward_embeds(self, embeds: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
-                       rotary_in_attend: bool = False) -> torch.Tensor:
+                       rotary_in_attend: bool = False, split_k: tuple[int, int] | None = None) -> torch.Tensor:
         """Incremental path: embeds [B, L, C], positions [3, B, L], attend owns K/V -> normed hidden.
-        rotary_in_attend: attend gets un-rotated q/k plus cos/sin (see text.AttendFn)."""
+        rotary_in_attend: attend gets un-rotated q/k plus cos/sin (see text.AttendFn); split_k: see
+        TextDecoder.layer."""
         cos, sin = self.rope(positions, embeds.dtype)
-        return self.model(embeds, cos, sin, attend, rotary_in_attend)
+        return self.model(embeds, cos, sin, attend, rotary_in_attend, split_k)
 
     # ---- prefix / response / full -----------------------------------------------------------
     def _run_prompts(self, prompts: Sequence, keep_kv: bool) -> tuple[torch.Tensor, EmbeddedPrompts, list, list]:

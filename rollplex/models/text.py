@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import TextConfig
-from .layers import GatedMLP, RMSNorm, apply_rotary, compile_fn, rms_norm
+from .layers import GatedMLP, RMSNorm, add_linear_out, apply_rotary, compile_fn, rms_norm, split_k_linear
 
 # attend(layer_idx, q [B, H, L, D], k [B, Hkv, L, D], v [B, Hkv, L, D]) -> out [B, H, L, D]. With
 # `rotary_in_attend` it is called as attend(layer_idx, q, k, v, cos, sin) with q/k not yet rotated:
@@ -25,11 +25,11 @@ AttendFn = Callable[..., torch.Tensor]
 
 
 def _pre_attention(x, delta, norm_w, qkv_w, qkv_b, cos, sin, eps: float, num_heads: int, num_kv_heads: int):
-    """residual add (x + the previous layer's MLP output `delta`, if any) -> input norm -> fused qkv ->
-    M-RoPE on q and k together (one pass; skipped when cos is None). Returns q [B, H, L, D], k/v
-    [B, Hkv, L, D], the residual."""
+    """residual add (x + the previous layer's MLP output `delta`, if any; fp32 split-K partials are
+    summed here) -> input norm -> fused qkv -> M-RoPE on q and k together (one pass; skipped when cos
+    is None). Returns q [B, H, L, D], k/v [B, Hkv, L, D], the residual."""
     if delta is not None:
-        x = x + delta
+        x = add_linear_out(x, delta)
     B, L, _ = x.shape
     D = qkv_w.shape[0] // (num_heads + 2 * num_kv_heads)
     qk, v = F.linear(rms_norm(x, norm_w, eps), qkv_w, qkv_b).split(
@@ -54,8 +54,17 @@ def _post_attention(x, attn, o_w, norm_w, gate_up_w, down_w, eps: float):
     return x, F.linear(F.silu(gate) * up, down_w)
 
 
+def _mlp_in(x, o_out, norm_w, gate_up_w, eps: float):
+    """The split-K decode path's middle: residual + o_proj output (or its fp32 split-K partials) ->
+    norm -> gate_up -> SwiGLU. Returns (residual, activation [B, L, I]); the o and down projections
+    run outside as `split_k_linear` (see TextDecoder.layer)."""
+    x = add_linear_out(x, o_out)
+    gate, up = F.linear(rms_norm(x, norm_w, eps), gate_up_w).chunk(2, dim=-1)
+    return x, F.silu(gate) * up
+
+
 def _final_norm(x, delta, norm_w, eps: float):
-    return rms_norm(x + delta, norm_w, eps)
+    return rms_norm(add_linear_out(x, delta), norm_w, eps)
 
 
 class TextAttention(nn.Module):
@@ -88,35 +97,51 @@ class TextDecoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self._pre, self._post, self._final = _pre_attention, _post_attention, _final_norm
+        self._pre, self._post, self._mid, self._final = _pre_attention, _post_attention, _mlp_in, _final_norm
 
     def compile(self, **kwargs) -> TextDecoder:
         """Fuse norms, rotary, residuals and SwiGLU with torch.compile (GPU): ~4x fewer kernels per
         layer, which is what a latency-bound graphed decode step pays for. Same math."""
         self._pre = compile_fn(_pre_attention, **kwargs)
         self._post = compile_fn(_post_attention, **kwargs)
+        self._mid = compile_fn(_mlp_in, **kwargs)
         self._final = compile_fn(_final_norm, **kwargs)
         return self
 
-    def layer(self, i: int, x: torch.Tensor, delta: torch.Tensor | None, cos, sin,
-              attend: AttendFn, rotary_in_attend: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer(self, i: int, x: torch.Tensor, delta: torch.Tensor | None, cos, sin, attend: AttendFn,
+              rotary_in_attend: bool = False, split_k: tuple[int, int] | None = None) -> tuple[torch.Tensor, ...]:
         """Layer i on the residual stream x + delta (delta: the previous layer's MLP output, or None)
-        -> (residual after attention, this layer's MLP output)."""
+        -> (residual after attention, this layer's MLP output).
+
+        split_k = (S_o, S_down) (inference, e.g. the engine's graphed decode): the o and down
+        projections run as `split_k_linear` with that many K slices (1: a plain GEMM), and the MLP
+        output is returned as fp32 partials [S_down, B, L, C] that the next layer's residual add sums.
+        Same math up to fp32 summation order; what it buys is SM occupancy on skinny GEMMs."""
         lyr = self.layers[i]
         a, m, eps = lyr.self_attn, lyr.mlp, self.cfg.rms_norm_eps
         rc, rs = (None, None) if rotary_in_attend else (cos, sin)
         q, k, v, x = self._pre(x, delta, lyr.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, rc, rs,
                                eps, a.num_heads, a.num_kv_heads)
         out = attend(i, q, k, v, cos, sin) if rotary_in_attend else attend(i, q, k, v)  # [B, H, L, D]
+        if split_k is not None:
+            B, H, L, D = out.shape
+            C = x.shape[-1]
+            flat = out.transpose(1, 2).reshape(B * L, H * D)
+            o = split_k_linear(flat, a.o_proj.weight, split_k[0])  # [B*L, C] or partials [S, B*L, C]
+            x, act = self._mid(x, o.view(*o.shape[:-2], B, L, C), lyr.post_attention_layernorm.weight,
+                               m.gate_up_proj.weight, eps)
+            act = act.reshape(B * L, -1)
+            d = split_k_linear(act, m.down_proj.weight, split_k[1])
+            return x, d.view(*d.shape[:-2], B, L, C)
         return self._post(x, out, a.o_proj.weight, lyr.post_attention_layernorm.weight, m.gate_up_proj.weight,
                           m.down_proj.weight, eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn,
-                rotary_in_attend: bool = False) -> torch.Tensor:
+                rotary_in_attend: bool = False, split_k: tuple[int, int] | None = None) -> torch.Tensor:
         """x [B, L, C] embeddings; cos/sin [B, L, D] -> final-normed hidden [B, L, C]."""
         delta = None
         for i in range(len(self.layers)):
-            x, delta = self.layer(i, x, delta, cos, sin, attend, rotary_in_attend)
+            x, delta = self.layer(i, x, delta, cos, sin, attend, rotary_in_attend, split_k)
         if delta is None:
             return self.norm(x)
         return self._final(x, delta, self.norm.weight, self.cfg.rms_norm_eps)
