@@ -213,6 +213,37 @@ def attention_sweep(cfg, batches, ctx: int, rows: list, dev: str) -> None:
             rows.append({**best, "best": True})
 
 
+def attention_parts(cfg, batches, ctx: int, rows: list, dev: str) -> None:
+    """What the attention kernel's fused pieces cost: the engine's default launch (auto splits, fused
+    rotary, new-token write and split merge) against the same launch with each piece switched off
+    (rotary, new-token write, both; merge as a second kernel), KV cycled over LAYERS caches."""
+    if dev != "cuda":
+        return
+    t = cfg.text
+    bs, Hkv, D = 16, t.num_key_value_heads, t.head_dim
+    for B in batches:
+        per = -(-ctx // bs)
+        kvs = [(torch.randn(1 + B * per, bs, Hkv, D, device=dev, dtype=DT[dev]),
+                torch.randn(1 + B * per, bs, Hkv, D, device=dev, dtype=DT[dev])) for _ in range(LAYERS)]
+        bt = (1 + torch.arange(B * per, device=dev, dtype=torch.int32)).view(B, per)
+        q = torch.randn(B, t.num_attention_heads, D, device=dev, dtype=DT[dev])
+        kn = torch.randn(B, Hkv, D, device=dev, dtype=DT[dev])
+        lens = torch.full((B,), ctx, device=dev)
+        cos, sin = torch.ones(B, D, device=dev, dtype=DT[dev]), torch.zeros(B, D, device=dev, dtype=DT[dev])
+        sem = torch.zeros(B * Hkv, dtype=torch.int32, device=dev)
+        full = dict(k_new=kn, v_new=kn, cos=cos, sin=sin, semaphore=sem)
+        no_rot, no_new = {"cos": None, "sin": None}, {"k_new": None, "v_new": None}
+        variants = {"default": {}, "no_rotary": no_rot, "no_new_token": no_new, "neither": {**no_rot, **no_new},
+                    "merge_kernel": {"semaphore": None}}
+        r = {"bench": "attn_parts", "batch": B, "context": ctx}
+        for name, off in variants.items():
+            attend = functools.partial(_attend_kv, q, bt, lens, **{**full, **off})
+            r[f"{name}_us"] = round(graph_time_us(round_robin(attend, kvs), 16), 2)
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+        del kvs
+
+
 GEMM_COPIES = 8  # weights per shape the timed calls cycle through (8 x 8.4 MB > L2, like the step's layers)
 
 
@@ -240,6 +271,34 @@ def gemm_sweep(cfg, batches, rows: list, dev: str) -> None:
             r = {"bench": "gemm", "batch": B, "gemm": name, **r}
             print(json.dumps(r), flush=True)
             rows.append(r)
+
+
+def swiglu_sweep(cfg, batches, rows: list, dev: str) -> None:
+    """gate_up + SwiGLU at M = B rows, as the decode step can run it: cuBLAS GEMM + inductor's fused
+    SwiGLU (compiled, what the model runs) vs each Triton `swiglu_linear` config (engine/swiglu_gemm.py),
+    graph-timed with calls cycling through GEMM_COPIES weights. Checks the best config's output
+    against the compiled path first."""
+    if dev != "cuda":
+        return
+    from ..engine.swiglu_gemm import swiglu_linear, tune_swiglu
+    from ..models.text import _gate_up_swiglu
+
+    t = cfg.text
+    compiled = torch.compile(_gate_up_swiglu)
+    g = torch.Generator(device=dev).manual_seed(0)
+    for B in batches:
+        x = torch.randn(B, t.hidden_size, device=dev, dtype=DT[dev], generator=g)
+        ws = [torch.randn(2 * t.intermediate_size, t.hidden_size, device=dev, dtype=DT[dev], generator=g) * 0.02
+              for _ in range(GEMM_COPIES)]
+        best, times = tune_swiglu(x, ws, baseline=compiled)
+        err = 0.0 if best is None else (swiglu_linear(x, ws[0], best).float() - compiled(x, ws[0]).float()).abs().max()
+        r = {"bench": "swiglu", "batch": B, "weights_MB": round(ws[0].numel() * 2 / 1e6, 1),
+             "cublas_compiled_us": round(times[None], 2), "best": str(best), "best_us": round(times[best], 2),
+             "speedup": round(times[None] / times[best], 3), "max_err_vs_compiled": float(err),
+             "all_us": {str(k): round(v, 2) for k, v in times.items()}}
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+        del ws
 
 
 def _gemm_variants(B: int, N: int, K: int, has_bias: bool, g, dev: str) -> dict:
@@ -282,6 +341,14 @@ def _gemm_variants(B: int, N: int, K: int, has_bias: bool, g, dev: str) -> dict:
     return r
 
 
+def gemms_str(g) -> str:
+    """A graphed bucket's SkinnyGemms in one line (the fused SwiGLU as its Triton config)."""
+    if g is None:
+        return "None"
+    sw = getattr(g.gate_up_swiglu, "keywords", {}).get("config") if g.gate_up_swiglu else None
+    return f"o_splits={g.o_splits} down_splits={g.down_splits} swiglu={sw}"
+
+
 def decode_profile(model, batches, ctx: int, rows: list, split_k: tuple[int, int] | None = None) -> None:
     eng = Engine(model, None, EngineConfig(max_num_seqs=max(batches), max_model_len=2048, gpu_memory_utilization=0.6,
                                            max_num_batched_tokens=8192, decode_split_k=split_k))
@@ -293,8 +360,8 @@ def decode_profile(model, batches, ctx: int, rows: list, split_k: tuple[int, int
         prof = kernel_profile(g.replay)
         r = {"bench": "decode_profile", "batch": B, "context": ctx, "replay_ms": round(ms, 3),
              "logits_checksum": round(logits[:B].double().sum().item(), 3),
-             "attn_cfg": str(run.attn_cfg.get(B)), "split_k": str(run.split_k.get(B)),
-             "split_k_us": str(run.split_k_us.get(B)), **prof}
+             "attn_cfg": str(run.attn_cfg.get(B)), "gemms": gemms_str(run.gemms.get(B)),
+             "gemms_us": str(run.gemms_us.get(B)), **prof}
         print(json.dumps(r), flush=True)
         rows.append(r)
     del eng
@@ -425,7 +492,8 @@ def train_profile(model, cfg, configs, rows: list, dev: str, resp_len: int, trac
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m rollplex.bench profile")
     ap.add_argument("--preset", default="qwen2.5-vl-3b")
-    ap.add_argument("--parts", default="attn,decode,train", help="any of attn, gemm, decode, engine, train")
+    ap.add_argument("--parts", default="attn,decode,train",
+                    help="any of attn, attn-parts, gemm, swiglu, decode, engine, train")
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--context", type=int, default=608)
     ap.add_argument("--train", default="rollplex:2,packed:2,serial:8",
@@ -448,8 +516,12 @@ def main(argv=None) -> None:
     parts = args.parts.split(",")
     if "attn" in parts:
         attention_sweep(cfg, batches, args.context, rows, dev)
+    if "attn-parts" in parts:
+        attention_parts(cfg, batches, args.context, rows, dev)
     if "gemm" in parts:
         gemm_sweep(cfg, batches, rows, dev)
+    if "swiglu" in parts:
+        swiglu_sweep(cfg, batches, rows, dev)
     with torch.device(dev):
         model = init_weights(Qwen25VL(cfg), seed=0, std=0.02)
     model = model.to(DT[dev]).eval()

@@ -27,7 +27,7 @@ from ..engine.sampler import SamplingTensors
 from ..generate import generate
 from ..models import Qwen25VL, hf_to_rollplex, init_weights
 from ..presets import preset
-from .profile import set_decode_state
+from .profile import gemms_str, set_decode_state
 from .timing import env_info, time_ms
 
 
@@ -106,7 +106,8 @@ def main(argv=None) -> None:
                                            max_num_batched_tokens=32768), hooks=[hook, wall_hook])
     print(json.dumps({"bench": "engine_init", "kv_blocks": eng.runner.num_blocks, "block_size": eng.cfg.block_size,
                       "graphs": sorted(eng.runner.graphs),
-                      "attn_cfg": {b: eng.runner.attn_cfg.get(b) for b in (8, 64, 256)}}), flush=True)
+                      "attn_cfg": {b: eng.runner.attn_cfg.get(b) for b in (8, 64, 256)},
+                      "gemms": {b: gemms_str(eng.runner.gemms.get(b)) for b in (8, 64, 256)}}), flush=True)
 
     # --- 1. correctness ---------------------------------------------------------------------------
     prompts = w3b_prompts(cfg, args.prompts, device=dev)

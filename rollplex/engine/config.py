@@ -27,6 +27,9 @@ class EngineConfig:
     # with fp32 partials that the next residual-add + norm sums (TextDecoder.layer). None: timed per
     # batch-size bucket at capture (GPU) / off (eager); (1, 1): plain GEMMs everywhere.
     decode_split_k: tuple[int, int] | None = None
+    # graphed decode: time the Triton gate_up GEMM with SwiGLU in its epilogue (swiglu_gemm.py) against
+    # cuBLAS + the compiled SwiGLU per bucket, and use it where faster. False: never.
+    decode_fused_swiglu: bool = True
 
     def __post_init__(self):
         if self.block_size not in (16, 32, 64):

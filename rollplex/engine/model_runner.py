@@ -12,19 +12,20 @@ there.
 Prefill runs eagerly over a right-padded batch (images and videos included: `embed_prompts` runs
 the vision tower once for the whole batch) and writes K/V through slot mappings. Decode feeds one
 token per sequence; on GPU it replays a CUDA graph captured for the smallest batch-size bucket
-that fits.
+that fits. Before a bucket is captured, its attention launch config and the kernels of its
+projections (split-K o/down, fused gate_up + SwiGLU: decode_gemms.py) are picked by timing.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..models import Qwen25VL
+from ..models import Qwen25VL, SkinnyGemms
 from ..models.attention import sdpa
 from ..models.host import as_device_tensor, to_device
 from .config import EngineConfig
+from .decode_gemms import tune_decode_gemms
 from .paged_attention import paged_decode_attention, tune_decode
-from .skinny_gemm import tune_split_k
 
 CPU_DEFAULT_KV_TOKENS = 65536
 
@@ -49,8 +50,8 @@ class ModelRunner:
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.attn_cfg: dict[int, tuple] = {}  # graphed batch size -> (num_splits, tile) of its attention
-        self.split_k: dict[int, tuple | None] = {}  # graphed batch size -> (S_o, S_down) of its o/down GEMMs
-        self.split_k_us: dict[int, tuple] = {}  # graphed batch size -> the tuner's ({S: µs} o, {S: µs} down)
+        self.gemms: dict[int, SkinnyGemms] = {}  # graphed batch size -> how its projections run
+        self.gemms_us: dict[int, dict] = {}  # graphed batch size -> the GEMM tuner's timings
         # one count per (sequence, KV head) for the attention kernel's in-kernel split merge; every
         # launch leaves it zeroed, so all layers and batch sizes share it (they run one after another)
         self.attn_semaphore = torch.zeros(max(cfg.max_num_seqs, cfg.cuda_graph_max_bs) * self.num_kv_heads,
@@ -131,10 +132,10 @@ class ModelRunner:
 
     # ---- decode ---------------------------------------------------------------------------------
     def _decode_forward(self, meta: torch.Tensor, block_table: torch.Tensor, attn_cfg=(None, None),
-                        split_k: tuple[int, int] | None = None) -> torch.Tensor:
+                        gemms: SkinnyGemms | None = None) -> torch.Tensor:
         """meta [4, B] long rows: token id, position, KV length, cache slot (the slot of position
-        KV length - 1 in block_table, where the kernel writes); block_table [B, W]. split_k: see
-        TextDecoder.layer."""
+        KV length - 1 in block_table, where the kernel writes); block_table [B, W]. gemms: how the
+        projections run (models.SkinnyGemms)."""
         m = self.model
         ids, pos, seq_lens, _slots = meta.unbind(0)
         positions = pos[None, :, None].expand(3, -1, 1)
@@ -148,7 +149,7 @@ class ModelRunner:
                                           semaphore=self.attn_semaphore)[:, :, None]
 
         hidden = m.forward_embeds(m.model.embed_tokens(ids)[:, None], positions, attend, rotary_in_attend=True,
-                                  split_k=split_k)
+                                  gemms=gemms)
         # in the weights' dtype: the sampler upcasts inside its fused kernels (same values), so the graph
         # does not write a [B, V] fp32 copy (156 MB at B = 256)
         return m.logits(hidden[:, 0])
@@ -175,7 +176,8 @@ class ModelRunner:
         if bucket not in self.graphs:
             meta = to_device(meta, self.device)
             self._patch_ids(meta[0, :B], prev_tokens, src)
-            return self._decode_forward(meta, to_device(bt, self.device), split_k=self.cfg.decode_split_k)
+            sk = self.cfg.decode_split_k
+            return self._decode_forward(meta, to_device(bt, self.device), gemms=sk and SkinnyGemms(*sk))
         graph, out = self.graphs[bucket]
         self.static_meta[:, :bucket].copy_(to_device(meta, self.device))
         self._patch_ids(self.static_meta[0, :B], prev_tokens, src)
@@ -240,29 +242,6 @@ class ModelRunner:
         self.v_cache[:layers, 1:1 + b * per].zero_()
         return best
 
-    def _tune_split_k(self, b: int) -> tuple[int, int]:
-        """(S_o, S_down) for batch size b: each GEMM timed with the compiled residual-add + norm that
-        reads its output, cycling through the first TUNE_LAYERS layers' live weights."""
-        if self.cfg.decode_split_k is not None:
-            return self.cfg.decode_split_k
-        text = self.model.model
-        layers = text.layers[: self.TUNE_LAYERS]
-        C, eps = self.model.cfg.text.hidden_size, self.model.cfg.text.rms_norm_eps
-        res = torch.randn(b, 1, C, device=self.device, dtype=self.dtype)
-
-        def consumer(y):  # y: [b, C] or partials [S, b, C]
-            return text._final(res, y.view(*y.shape[:-2], b, 1, C), text.norm.weight, eps)
-
-        picks, times = [], []
-        for K, ws in ((C, [lyr.self_attn.o_proj.weight for lyr in layers]),
-                      (self.model.cfg.text.intermediate_size, [lyr.mlp.down_proj.weight for lyr in layers])):
-            x = torch.randn(b, K, device=self.device, dtype=self.dtype) * 0.1
-            best, us = tune_split_k(x, ws, consumer)
-            picks.append(best)
-            times.append({k: round(v, 2) for k, v in us.items()})
-        self.split_k_us[b] = tuple(times)
-        return tuple(picks)
-
     def _capture(self) -> None:
         max_bs = min(self.cfg.cuda_graph_max_bs, self.cfg.max_num_seqs)
         dev = self.device
@@ -272,8 +251,9 @@ class ModelRunner:
         pool = None
         for b in reversed(graph_buckets(max_bs)):
             self.attn_cfg[b] = self._tune_attention(b)
-            self.split_k[b] = self._tune_split_k(b)
-            args = (self.static_meta[:, :b], self.static_bt[:b], self.attn_cfg[b], self.split_k[b])
+            self.gemms[b], self.gemms_us[b] = tune_decode_gemms(self.model, b, self.cfg.decode_split_k,
+                                                                self.cfg.decode_fused_swiglu, self.TUNE_LAYERS)
+            args = (self.static_meta[:, :b], self.static_bt[:b], self.attn_cfg[b], self.gemms[b])
             with torch.no_grad():
                 side = torch.cuda.Stream(dev)
                 side.wait_stream(torch.cuda.current_stream(dev))

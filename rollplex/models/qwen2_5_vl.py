@@ -34,7 +34,7 @@ from .config import ModelConfig
 from .host import as_device_tensor, to_device
 from .layers import rotary_inv_freq
 from .rope import mrope_cos_sin, mrope_positions
-from .text import AttendFn, TextDecoder
+from .text import AttendFn, SkinnyGemms, TextDecoder
 from .vision import VisionTower
 
 
@@ -151,12 +151,12 @@ class Qwen25VL(nn.Module):
         return EmbeddedPrompts(x, to_device(positions, dev), lens, as_device_tensor(deltas, dev, torch.long))
 
     def forward_embeds(self, embeds: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
-                       rotary_in_attend: bool = False, split_k: tuple[int, int] | None = None) -> torch.Tensor:
+                       rotary_in_attend: bool = False, gemms: SkinnyGemms | None = None) -> torch.Tensor:
         """Incremental path: embeds [B, L, C], positions [3, B, L], attend owns K/V -> normed hidden.
-        rotary_in_attend: attend gets un-rotated q/k plus cos/sin (see text.AttendFn); split_k: see
-        TextDecoder.layer."""
+        rotary_in_attend: attend gets un-rotated q/k plus cos/sin (see text.AttendFn); gemms: how the
+        projections run (text.SkinnyGemms)."""
         cos, sin = self.rope(positions, embeds.dtype)
-        return self.model(embeds, cos, sin, attend, rotary_in_attend, split_k)
+        return self.model(embeds, cos, sin, attend, rotary_in_attend, gemms)
 
     # ---- prefix / response / full -----------------------------------------------------------
     def _run_prompts(self, prompts: Sequence, keep_kv: bool) -> tuple[torch.Tensor, EmbeddedPrompts, list, list]:
