@@ -101,3 +101,14 @@ def hf_logits(hf, p: Prompt) -> torch.Tensor:
                   second_per_grid_ts=torch.tensor(p.second_per_grid_ts))
     with torch.no_grad():
         return hf(**kw).logits[0]
+
+
+def recording_timer(outs: list):
+    """A `timer(call, reps)` for the kernel tuners that runs the calls eagerly, keeps their outputs in
+    `outs` and reports 1 µs: tests check which weights/caches the timed calls used."""
+
+    def timer(call, reps):
+        outs.extend(call() for _ in range(reps))
+        return 1.0
+
+    return timer

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import recording_timer
 
 from rollplex.engine.skinny_gemm import GEMM_CANDIDATES, skinny_linear
 
@@ -67,11 +68,7 @@ def test_tune_linear_cycles_through_weights() -> None:
     x = torch.randn(4, 16, generator=g)
     ws = [torch.randn(8, 16, generator=g) for _ in range(3)]
     outs = []
-
-    def timer(call, reps):
-        outs.extend(call() for _ in range(reps))
-        return 1.0
-
+    timer = recording_timer(outs)
     best, times = tune_linear(x, ws, None, candidates=(), reps=4, timer=timer)
     assert best is None and times == {None: 1.0}
     for i, out in enumerate(outs):

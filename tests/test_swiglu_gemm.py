@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import recording_timer
 
 from rollplex.engine.swiglu_gemm import swiglu_linear, swiglu_reference, tune_swiglu
 
@@ -61,11 +62,7 @@ def test_tune_swiglu_cycles_through_weights():
     x = torch.randn(4, 8, generator=g)
     ws = [torch.randn(6, 8, generator=g) for _ in range(3)]
     outs = []
-
-    def timer(call, reps):
-        outs.extend(call() for _ in range(reps))
-        return 1.0
-
+    timer = recording_timer(outs)
     best, times = tune_swiglu(x, ws, candidates=(), reps=4, timer=timer)
     assert best is None and times == {None: 1.0}
     for i, out in enumerate(outs):

@@ -74,16 +74,22 @@ def triton_available() -> bool:
     return True
 
 
+def require_triton(x: torch.Tensor, what: str) -> None:
+    """RuntimeError unless a Triton kernel can run on x: the triton package, and CUDA tensors (or the
+    interpreter, TRITON_INTERPRET=1, for CPU tests)."""
+    if not triton_available():
+        raise RuntimeError(f"{what} needs the triton package")
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"{what} needs CUDA tensors (or TRITON_INTERPRET=1)")
+
+
 def triton_forward(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, num_splits: int | None, k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None, tile: dict | None = None, cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None, semaphore: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if not triton_available():
-        raise RuntimeError("backend='triton' needs the triton package")
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1)")
+    require_triton(q, "backend='triton'")
     B, H, D = q.shape
     _, block_size, Hkv, _ = k_cache.shape
     if D not in (64, 128) or block_size not in (16, 32, 64):

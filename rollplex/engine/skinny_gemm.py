@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from .paged_attention_triton import triton_available
+from .paged_attention_triton import require_triton
 from .tuning import graph_time_us, round_robin
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)
@@ -57,10 +56,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return F.linear(x, weight, bias)
     if len(config) not in (5, 6) or any(int(c) < 1 for c in config) or any(c & (c - 1) for c in config[:3]):
         raise ValueError(f"config must be 5 or 6 positive ints with power-of-two blocks, got {config}")
-    if not triton_available():
-        raise RuntimeError("skinny_linear with a config needs the triton package")
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("skinny_linear with a config needs CUDA tensors (or TRITON_INTERPRET=1)")
+    require_triton(x, "skinny_linear with a config")
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     M, K = x.shape

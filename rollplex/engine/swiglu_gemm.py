@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from .paged_attention_triton import triton_available
+from .paged_attention_triton import require_triton
 from .tuning import graph_time_us, round_robin
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). On the H200 (bench profile --parts swiglu) the
@@ -55,10 +54,7 @@ def swiglu_linear(x: torch.Tensor, gate_up_w: torch.Tensor, config: tuple[int, .
         return swiglu_reference(x, gate_up_w)
     if len(config) != 5 or any(int(c) < 1 for c in config) or any(c & (c - 1) for c in config[:3]):
         raise ValueError(f"config must be 5 positive ints with power-of-two blocks, got {config}")
-    if not triton_available():
-        raise RuntimeError("swiglu_linear with a config needs the triton package")
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("swiglu_linear with a config needs CUDA tensors (or TRITON_INTERPRET=1)")
+    require_triton(x, "swiglu_linear with a config")
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = gate_up_w if gate_up_w.stride(-1) == 1 else gate_up_w.contiguous()
     M, K = x.shape
