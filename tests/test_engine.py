@@ -133,6 +133,17 @@ def test_decode_split_k_gives_same_outputs(tiny_dir, proc):
         EngineConfig(decode_split_k=(0, 2))
 
 
+def test_block_size_defaults_per_device(tiny_dir, proc) -> None:
+    """None picks 64-token blocks on CUDA (the TMA attention reads one block per tile) and 16 on CPU; an
+    explicit size is kept, and other sizes are refused."""
+    assert EngineConfig().for_device("cuda").block_size == 64
+    assert EngineConfig().for_device("cpu").block_size == 16
+    assert EngineConfig(block_size=32).for_device("cuda").block_size == 32
+    assert _engine(tiny_dir, proc).cfg.block_size == 16
+    with pytest.raises(ValueError, match="block_size"):
+        EngineConfig(block_size=48)
+
+
 def test_weight_updates_are_visible_without_copy(tiny_dir, proc):
     eng = _engine(tiny_dir, proc)
     p = _prompts(proc)[1]

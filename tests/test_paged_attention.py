@@ -158,7 +158,9 @@ def test_reference_new_token_is_written_then_attended() -> None:
 
 @triton_only
 @pytest.mark.parametrize("num_splits,tile", [(None, None), (1, {"tile_n": 32}), (3, {"tile_n": 128, "num_warps": 8}),
-                                             (8, {"num_stages": 3}), (1, {"early_v": True}), (3, {"early_v": True})])
+                                             (8, {"num_stages": 3}), (1, {"early_v": True}), (3, {"early_v": True}),
+                                             (1, {"tma": True}), (3, {"tma": True, "num_stages": 3}),
+                                             (8, {"tma": True})])
 def test_triton_fused_new_token_write(num_splits, tile) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     case = make_case([70, 1, 16, 33, 64, 65], 4, 2, 64, 16, device=device, seed=6, pad_value=0)
@@ -200,8 +202,8 @@ def test_reference_rotary_equals_rotating_first() -> None:
 
 
 @triton_only
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_triton_fused_rotary(num_splits) -> None:
+@pytest.mark.parametrize("num_splits,tile", [(1, None), (3, None), (1, {"tma": True}), (3, {"tma": True})])
+def test_triton_fused_rotary(num_splits, tile) -> None:
     """The engine's call: q / k_new / v_new are strided views into one fused qkv output, un-rotated."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     H, Hkv, D = 8, 2, 64
@@ -215,14 +217,14 @@ def test_triton_fused_rotary(num_splits) -> None:
     ref = paged_decode_attention(q, kr, vr, table, lens, backend="reference", k_new=k_new, v_new=v_new,
                                  cos=cos, sin=sin)
     out = paged_decode_attention(q, kt, vt, table, lens, backend="triton", num_splits=num_splits, k_new=k_new,
-                                 v_new=v_new, cos=cos, sin=sin)
+                                 v_new=v_new, cos=cos, sin=sin, tile=tile)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(kt, kr, atol=1e-5, rtol=1e-5)
     assert torch.equal(vt, vr)
 
 
 @triton_only
-@pytest.mark.parametrize("num_splits,tile", [(2, None), (3, None), (8, None)])
+@pytest.mark.parametrize("num_splits,tile", [(2, None), (3, None), (8, None), (3, {"tma": True})])
 def test_triton_in_kernel_merge(num_splits, tile) -> None:
     """With a semaphore the last split merges inside the kernel: same output as the merge kernel, and
     the semaphore is zero again afterwards, so back-to-back launches (layers) can share it."""
@@ -293,3 +295,28 @@ def test_tune_decode_times_calls_that_cycle_through_caches() -> None:
     with pytest.raises(ValueError, match="equally long"):
         tune_decode(q, ks, vs[:2], table, lens, k_new, v_new, candidates=((None, {}),), timer=timer,
                     backend="reference")
+
+
+@triton_only
+@pytest.mark.parametrize("block_size,num_splits,new_token",
+                         [(16, 1, False), (32, 2, True), (64, 1, True), (64, 5, True), (32, 5, False),
+                          (64, 1, "half"), (64, 3, "quarter")])
+def test_triton_tma_variant(block_size, num_splits, new_token) -> None:
+    """TMA loads, one block per tile: lengths on and next to block boundaries, a length-1 row (only the new
+    token) and a length-0 row; the new token folded in from registers gives the reference's output and the
+    same cache contents."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    lens = [block_size, block_size + 1, 3 * block_size - 1, 1, 0, 2 * block_size + 7]
+    case = make_case(lens, 8, 2, 64, block_size, device=device, seed=13, pad_value=0)
+    q, k, v, table, lens_t = case
+    tile = {"tma": True, "num_stages": 3}
+    if new_token in ("half", "quarter"):  # tiles that are parts of a block
+        tile["tile_n"] = block_size // (2 if new_token == "half" else 4)
+    kw = dict(zip(("k_new", "v_new"), _with_new_token(case))) if new_token else {}
+    sem = torch.zeros(len(lens) * 2, dtype=torch.int32, device=device)
+    kr, vr, kt, vt = k.clone(), v.clone(), k.clone(), v.clone()
+    ref = paged_decode_attention(q, kr, vr, table, lens_t, backend="reference", **kw)
+    out = paged_decode_attention(q, kt, vt, table, lens_t, backend="triton", num_splits=num_splits,
+                                 tile=tile, semaphore=sem, **kw)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(kt, kr) and torch.equal(vt, vr) and not sem.any()

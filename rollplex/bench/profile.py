@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine import Engine, EngineConfig
-from ..engine.paged_attention import paged_decode_attention
+from ..engine.paged_attention import fits, paged_decode_attention
 from ..engine.tuning import graph_time_us, round_robin
 from ..models import ModelConfig, Qwen25VL, init_weights
 from ..presets import preset
@@ -154,6 +154,9 @@ def set_decode_state(runner, B: int, ctx: int, seed: int = 0) -> None:
 TILES = [dict(tile_n=t, num_warps=w, num_stages=st) for t in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
 # V loaded together with K (not yet among the engine's candidates: measure here first)
 TILES += [dict(tile_n=t, num_warps=w, num_stages=2, early_v=True) for t in (64, 128) for w in (4, 8)]
+# TMA: one block (or a part of one) per tile, the block ids loaded up front
+TILES += [dict(tma=True, tile_n=t, num_stages=st) for t in (32, 64) for st in (2, 3, 4)]
+BLOCK = 64  # the engine's KV block size on CUDA (EngineConfig.block_size=None)
 
 
 LAYERS = 8
@@ -168,7 +171,7 @@ def attention_sweep(cfg, batches, ctx: int, rows: list, dev: str) -> None:
     """Paged decode attention as the engine calls it (fused new-token write, rotary, in-kernel split
     merge), per (num_splits, tile) config."""
     t = cfg.text
-    bs = 16
+    bs = BLOCK if dev == "cuda" else 16
     for B in batches:
         per = -(-ctx // bs)
         # the timed calls cycle through LAYERS caches, as the step does through its layers: one layer's
@@ -189,7 +192,8 @@ def attention_sweep(cfg, batches, ctx: int, rows: list, dev: str) -> None:
         sem = torch.zeros(B * t.num_key_value_heads, dtype=torch.int32, device=dev)
         ref = paged_decode_attention(q, kc.clone(), vc.clone(), bt, lens, backend="reference", k_new=kn, v_new=vn,
                                      cos=cos, sin=sin)
-        configs = [(s, tile) for s in (None, 1, 2, 4, 8) for tile in TILES] if dev == "cuda" else [(None, None)]
+        configs = [(s, tile) for s in (None, 1, 2, 4, 8) for tile in TILES
+                   if fits(tile, bs, torch.device(dev))] if dev == "cuda" else [(None, None)]
         best = None
         for s, tile in configs:
             attend = functools.partial(_attend_kv, q, bt, lens, num_splits=s, k_new=kn, v_new=vn, tile=tile, cos=cos,
@@ -205,7 +209,7 @@ def attention_sweep(cfg, batches, ctx: int, rows: list, dev: str) -> None:
             r = {"bench": "paged_attn", "batch": B, "context": ctx, "num_splits": s or "auto", "tile": tile,
                  "us": round(us, 2), "TBps": round(kv_bytes / us / 1e6, 2), "max_err": round(err, 4)}
             print(json.dumps(r), flush=True)
-            if s is None and tile is None or s is None and tile == TILES[2]:
+            if s is None and tile is None or s is None and tile == dict(tile_n=64, num_warps=4, num_stages=2):
                 rows.append(r)  # the current default (tile_n 64, 4 warps, 2 stages, auto splits)
             if best is None or us < best["us"]:
                 best = r
@@ -220,7 +224,7 @@ def attention_parts(cfg, batches, ctx: int, rows: list, dev: str) -> None:
     if dev != "cuda":
         return
     t = cfg.text
-    bs, Hkv, D = 16, t.num_key_value_heads, t.head_dim
+    bs, Hkv, D = BLOCK, t.num_key_value_heads, t.head_dim
     for B in batches:
         per = -(-ctx // bs)
         kvs = [(torch.randn(1 + B * per, bs, Hkv, D, device=dev, dtype=DT[dev]),

@@ -63,7 +63,7 @@ class Engine:
     def __init__(self, model: Qwen25VL, processor=None, config: EngineConfig | None = None,
                  hooks: Seq[DecodeHook] = ()):
         self.model, self.processor = model, processor
-        self.cfg = config or EngineConfig()
+        self.cfg = (config or EngineConfig()).for_device(next(model.parameters()).device.type)
         if self.cfg.compile_model and next(model.parameters()).is_cuda and not getattr(model, "is_compiled", False):
             model.compile()
         self.runner = ModelRunner(model, self.cfg)

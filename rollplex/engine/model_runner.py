@@ -25,7 +25,7 @@ from ..models.attention import sdpa
 from ..models.host import as_device_tensor, to_device
 from .config import EngineConfig
 from .decode_gemms import tune_decode_gemms
-from .paged_attention import paged_decode_attention, tune_decode
+from .paged_attention import DECODE_CANDIDATES, paged_decode_attention, tune_decode
 
 CPU_DEFAULT_KV_TOKENS = 65536
 
@@ -217,6 +217,7 @@ class ModelRunner:
 
     TUNE_CONTEXT = 768  # tokens per sequence the attention kernel is tuned at
     TUNE_LAYERS = 8  # layers whose caches the tuning calls cycle through (more KV than L2 holds)
+    ATTN_CANDIDATES = DECODE_CANDIDATES  # (num_splits, tile) launch configs timed per graphed bucket
 
     def _tune_attention(self, b: int) -> tuple:
         """Pick the paged-attention launch config for batch size b by timing candidates on the (still
@@ -237,7 +238,8 @@ class ModelRunner:
         # timed calls cycle through several layers' caches: in the step, each layer's KV comes from HBM
         layers = min(self.num_layers, self.TUNE_LAYERS)
         best = tune_decode(q, [self.k_cache[i] for i in range(layers)], [self.v_cache[i] for i in range(layers)],
-                           table, lens, kn, kn.clone(), cos=cos, sin=sin, semaphore=self.attn_semaphore)
+                           table, lens, kn, kn.clone(), candidates=self.ATTN_CANDIDATES, cos=cos, sin=sin,
+                           semaphore=self.attn_semaphore)
         self.k_cache[:layers, 1:1 + b * per].zero_()
         self.v_cache[:layers, 1:1 + b * per].zero_()
         return best

@@ -90,6 +90,11 @@ def paged_decode_attention(
 # per step; B = 256: the tuner, timing at 768 tokens, picked a config 3% slower at 608). With KV read
 # from HBM, as in the step, all 80 swept configs take 18.3-21.5 µs at B = 64 (early_v included) and
 # >= 45 µs at B = 256 (docs/BENCHMARKS.md, fifth session).
+# The TMA variant (sm_90+; one block per tile) is the fastest measured with 64-token blocks:
+# B = 64: 14.6 vs 17.5 µs, B = 256: 42.5 vs 43.3 µs (H200, ctx 608, KV from HBM). The tuner picks it at
+# B = 64 (3 stages) and 256 (2 stages); 32-token tiles of 64-token blocks (3 / 4 stages) were never
+# picked (docs/BENCHMARKS.md, seventh session), so they are not timed.
+# Candidates that do not fit the cache (tile_n below block_size) or the GPU (TMA before sm_90) are left out.
 DECODE_CANDIDATES = (
     (None, {}),
     (1, {"tile_n": 32}),
@@ -97,7 +102,20 @@ DECODE_CANDIDATES = (
     (1, {"num_stages": 3}),
     (2, {}),
     (4, {}),
+    (None, {"tma": True, "num_stages": 3}),
+    (1, {"tma": True, "num_stages": 2}),
+    (1, {"tma": True, "num_stages": 3}),
+    (2, {"tma": True, "num_stages": 2}),
+    (2, {"tma": True, "num_stages": 3}),
 )
+
+
+def fits(tile: dict, block_size: int, device: torch.device) -> bool:
+    """Whether a launch config applies to this cache and GPU at all (not a failure to report)."""
+    if tile.get("tma"):
+        return block_size % int(tile.get("tile_n", block_size)) == 0 and (
+            device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9)
+    return int(tile.get("tile_n", 64)) % block_size == 0
 
 
 def tune_decode(q, k_cache, v_cache, block_table, seq_lens, k_new, v_new, candidates=DECODE_CANDIDATES,
@@ -129,6 +147,8 @@ def tune_decode(q, k_cache, v_cache, block_table, seq_lens, k_new, v_new, candid
     best, best_us, rejected = None, float("inf"), []
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         for num_splits, tile in candidates:
+            if not fits(tile, k_cache.shape[1], q.device):
+                continue
             def attend(kv, num_splits=num_splits, tile=tile):  # kv: one (k_cache, v_cache) pair
                 return paged_decode_attention(q, kv[0], kv[1], block_table, seq_lens, num_splits=num_splits,
                                               tile=tile, semaphore=semaphore, backend=backend, **call_kw)

@@ -33,6 +33,16 @@ Design of the Triton backend (flash-decoding):
   cache dtype, as the compiled glue does), which saves the separate rotary kernel per layer.
 * Tokens are gathered per token (block id looked up for each of the TILE_N tokens of a tile), so block
   sizes 16/32/64 share one code path and table entries past a sequence's end are never dereferenced.
+* TMA variant (``tile={"tma": True}``, CUDA sm_90+): a tile is one KV block (or, with a smaller
+  tile_n, a part of one), fetched by the tensor memory accelerator through a 4-D descriptor over the
+  cache ([1, tile_n, 1, D] boxes at [block, offset, kv_head, 0]). The row of block ids is loaded once
+  before the loop, so no load feeds the loop's addresses and the software pipeliner keeps
+  num_stages - 1 tiles in flight (with a load of the block id inside the loop it keeps one). The new
+  token is not read back from the cache (the store is made by ordinary threads, TMA reads through
+  another proxy): the loop covers the seq_len - 1 cached tokens and the owning program folds the new
+  token into its online softmax from registers, its probability rounded to the cache dtype as the
+  P @ V product rounds it. H200, ctx 608, KV from HBM: 14.6 vs 17.5 µs at B = 64 (64-token blocks),
+  41.4 vs 43.3 µs at B = 256 (32-token tiles).
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ _TILE_N = 64  # tokens per inner-loop iteration; a multiple of every supported b
 _MAX_SPLITS = 64
 _NUM_WARPS = 4  # H200: 4 beat 8 at every shape measured
 _NUM_STAGES = 2
+_MAX_TMA_TABLE = 4096  # block ids one program holds in registers (TMA variant)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, num_sms: int = 132,
@@ -118,9 +129,11 @@ def triton_forward(
     else:
         cos = sin = q  # unused (ROTARY=False)
     tile = tile or {}
-    tile_n = int(tile.get("tile_n", _TILE_N))
-    if tile_n % block_size or tile_n < 16 or tile_n & (tile_n - 1):
-        raise ValueError(f"tile_n must be a power of two >= 16 and a multiple of block_size, got {tile_n}")
+    tma = bool(tile.get("tma", False))
+    tile_n = int(tile.get("tile_n", block_size if tma else _TILE_N))
+    if tile_n < 16 or tile_n & (tile_n - 1) or (block_size % tile_n if tma else tile_n % block_size):
+        raise ValueError(f"tile_n must be a power of two >= 16 and a {'divisor' if tma else 'multiple'} of "
+                         f"block_size (TMA: a tile is a block or a part of one), got {tile_n}")
     block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     seq_lens = seq_lens.contiguous()
     max_blocks = block_table.shape[1]
@@ -139,10 +152,21 @@ def triton_forward(
     if fused_merge and (semaphore.dtype != torch.int32 or semaphore.numel() < B * Hkv or not semaphore.is_contiguous()):
         raise ValueError(f"semaphore must be a contiguous int32 tensor of >= B * Hkv = {B * Hkv} zeros")
     sem = semaphore if fused_merge else seq_lens  # unused unless FUSED_MERGE
+    k_desc, v_desc = k_cache, v_cache  # unused unless TMA
+    if tma:
+        if _next_pow2(max_blocks) > _MAX_TMA_TABLE:
+            raise ValueError(f"the TMA variant loads the block table row up front: at most {_MAX_TMA_TABLE} "
+                             f"blocks per sequence, got {max_blocks}")
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        box = [1, tile_n, 1, D]
+        k_desc = TensorDescriptor(k_cache, list(k_cache.shape), list(k_cache.stride()), box)
+        v_desc = TensorDescriptor(v_cache, list(v_cache.shape), list(v_cache.stride()), box)
     split_kernel, merge_kernel = _kernels()
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         split_kernel[(B, Hkv, num_splits)](
-            q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse, k_new, v_new, cos, sin, sem, out,
+            q, k_cache, v_cache, k_desc, v_desc, block_table, seq_lens, part_out, part_lse, k_new, v_new, cos, sin,
+            sem, out,
             scale * math.log2(math.e), q.stride(0), q.stride(1), cos.stride(0),
             k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -151,7 +175,8 @@ def triton_forward(
             G=G, G_PAD=max(16, _next_pow2(G)), D=D, BLOCK_SIZE=block_size, TILE_N=tile_n,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # only matters for fp32: exact, not tf32
             SINGLE=single, HAS_NEW=has_new, ROTARY=rotary, FUSED_MERGE=fused_merge,
-            S_PAD=_next_pow2(num_splits), EARLY_V=bool(tile.get("early_v", False)),
+            S_PAD=_next_pow2(num_splits), EARLY_V=bool(tile.get("early_v", False)), TMA=tma,
+            MAX_NB=_next_pow2(max_blocks) if tma else 1,
             num_warps=int(tile.get("num_warps", _NUM_WARPS)),
             num_stages=int(tile.get("num_stages", _NUM_STAGES)),
         )
@@ -172,12 +197,13 @@ def _kernels() -> tuple[Any, Any]:
 
     @triton.jit
     def split_kernel(
-        Q, K, V, BT, LENS, PO, PL, KN, VN, COS, SIN, SEM, OUT, scale_log2, stride_qb, stride_qh, stride_cb,
+        Q, K, V, KD, VD, BT, LENS, PO, PL, KN, VN, COS, SIN, SEM, OUT, scale_log2, stride_qb, stride_qh, stride_cb,
         stride_knb, stride_knh, stride_vnb, stride_vnh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb, max_blocks, num_splits,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
         PRECISION: tl.constexpr, SINGLE: tl.constexpr, HAS_NEW: tl.constexpr, ROTARY: tl.constexpr,
-        FUSED_MERGE: tl.constexpr, S_PAD: tl.constexpr, EARLY_V: tl.constexpr,
+        FUSED_MERGE: tl.constexpr, S_PAD: tl.constexpr, EARLY_V: tl.constexpr, TMA: tl.constexpr,
+        MAX_NB: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -220,29 +246,61 @@ def _kernels() -> tuple[Any, Any]:
             vn = tl.load(VN + b * stride_vnb + kvh * stride_vnh + d, mask=w_ok, other=0.0)
             tl.store(K + nblk * stride_kb + nslot * stride_ks + kvh * stride_kh + d, kn, mask=w_ok)
             tl.store(V + nblk * stride_vb + nslot * stride_vs + kvh * stride_vh + d, vn, mask=w_ok)
-            tl.debug_barrier()  # the block's later loads of that slot see the store
-        for t in range(t_start, t_end):
-            pos = t * TILE_N + n
-            ok = pos < seq_len
-            blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-            slot = pos % BLOCK_SIZE
-            k = tl.load(K + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                        mask=ok[:, None], other=0.0)
-            if EARLY_V:  # V's load in flight together with K's, not after the scores
-                v = tl.load(V + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+            if not TMA:
+                tl.debug_barrier()  # the block's later loads of that slot see the store
+        if TMA:  # a tile is a block or a part of one; the cached tokens only (the new one is folded in below)
+            PER_BLOCK: tl.constexpr = BLOCK_SIZE // TILE_N
+            n_cached = seq_len - 1 if HAS_NEW else seq_len
+            t_stop = tl.minimum(t_end, tl.cdiv(n_cached, TILE_N))  # every tile holds >= 1 cached token
+            idx = tl.arange(0, MAX_NB)
+            bts = tl.load(bt_row + idx, mask=(idx >= t_start // PER_BLOCK) & (idx * PER_BLOCK < t_stop), other=0)
+            for t in range(t_start, t_stop):
+                blk = tl.sum(tl.where(idx == t // PER_BLOCK, bts, 0))
+                off = (t % PER_BLOCK) * TILE_N
+                k = KD.load([blk, off, kvh, 0]).reshape(TILE_N, D)
+                v = VD.load([blk, off, kvh, 0]).reshape(TILE_N, D)
+                ok = t * TILE_N + n < n_cached
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+                s = tl.where(ok[None, :], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                alpha = tl.exp2(m - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_sum = l_sum * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                m = m_new
+            if HAS_NEW:  # the owner folds the new token in: one more column of the online softmax
+                s_new = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], axis=1) * scale_log2  # [G_PAD]
+                s_new = tl.where(owns, s_new, float("-inf"))
+                m_new = tl.maximum(m, s_new)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m - m_safe)
+                p_new = tl.exp2(s_new - m_safe)
+                l_sum = l_sum * alpha + p_new
+                p_v = p_new.to(vn.dtype).to(tl.float32)  # as P @ V rounds P to the cache dtype
+                acc = acc * alpha[:, None] + p_v[:, None] * vn.to(tl.float32)[None, :]
+                m = m_new
+        else:
+            for t in range(t_start, t_end):
+                pos = t * TILE_N + n
+                ok = pos < seq_len
+                blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+                slot = pos % BLOCK_SIZE
+                k = tl.load(K + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
                             mask=ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G_PAD, TILE_N], log2 units
-            s = tl.where(ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_sum = l_sum * alpha + tl.sum(p, axis=1)
-            if not EARLY_V:
-                v = tl.load(V + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                            mask=ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
-
+                if EARLY_V:  # V's load in flight together with K's, not after the scores
+                    v = tl.load(V + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                                mask=ok[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G_PAD, TILE_N], log2 units
+                s = tl.where(ok[None, :], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                alpha = tl.exp2(m - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_sum = l_sum * alpha + tl.sum(p, axis=1)
+                if not EARLY_V:
+                    v = tl.load(V + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                                mask=ok[:, None], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                m = m_new
         has = l_sum > 0.0
         lse = tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))
         o = acc / tl.where(has, l_sum, 1.0)[:, None]
