@@ -10,8 +10,9 @@ from .scheduler import SchedulerConfig
 @dataclass(frozen=True)
 class EngineConfig:
     # tokens per KV block. None: 64 on CUDA, where the TMA attention kernel reads one block per pipelined
-    # tile and 64-token blocks measured fastest (H200, B = 64: 14.6 vs 18 µs per layer at block 32 / 16
-    # with the gather kernel), 16 on CPU (finer preemption and sharing in small test budgets)
+    # tile and 64-token blocks measured fastest (H200, B = 64: 14.6 µs per layer, against 18.0 with
+    # 32-token blocks and 17.5 for the gather kernel on 16-token blocks); 16 on CPU (finer preemption
+    # and sharing in small test budgets)
     block_size: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
