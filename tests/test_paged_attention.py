@@ -320,3 +320,15 @@ def test_triton_tma_variant(block_size, num_splits, new_token) -> None:
                                  tile=tile, semaphore=sem, **kw)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     assert torch.equal(kt, kr) and torch.equal(vt, vr) and not sem.any()
+
+
+
+def test_launch_configs_that_do_not_apply_are_left_out() -> None:
+    """fits(): a TMA tile must be a block or a part of one (and TMA needs sm_90+ on CUDA); a gather tile
+    must cover whole blocks. attn_variant() names the kernel a config runs."""
+    from rollplex.engine.paged_attention import DECODE_CANDIDATES, attn_variant, fits
+
+    cpu = torch.device("cpu")
+    assert fits({"tma": True, "tile_n": 32}, 64, cpu) and not fits({"tma": True, "tile_n": 64}, 32, cpu)
+    assert fits({"tile_n": 64}, 16, cpu) and not fits({"tile_n": 32}, 64, cpu)
+    assert {attn_variant(t) for _, t in DECODE_CANDIDATES} == {"gather", "tma"} and attn_variant(None) == "gather"

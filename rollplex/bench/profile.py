@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from ..engine import Engine, EngineConfig
-from ..engine.paged_attention import fits, paged_decode_attention
+from ..engine.model_runner import ModelRunner
+from ..engine.paged_attention import DECODE_CANDIDATES, attn_variant, fits, paged_decode_attention
 from ..engine.tuning import graph_time_us, round_robin
 from ..models import ModelConfig, Qwen25VL, init_weights
 from ..presets import preset
@@ -509,6 +510,9 @@ def main(argv=None) -> None:
                     "'true,auto' profiles each in turn (decode uses the first)")
     ap.add_argument("--decode-split-k", default="auto",
                     help="decode part: 'S_o,S_down' K slices of the o/down GEMMs (1,1: plain GEMMs) or auto (tuned)")
+    ap.add_argument("--attn-kernels", default="all", choices=["all", "gather", "tma"],
+                    help="decode part: the paged-attention candidates the engine's tuner gets (the gather kernel's "
+                    "or the TMA kernel's), to compare the kernels inside the step")
     ap.add_argument("--trace", default=None, help="directory: per training mode, a Chrome trace (CPU + CUDA) and "
                     "the host syncs (with their Python frames) of one fwd+bwd")
     args = ap.parse_args(argv)
@@ -536,6 +540,8 @@ def main(argv=None) -> None:
         model.compile(dynamic=True if dynamics[0] == "true" else None)
     if "decode" in parts and dev == "cuda":
         sk = None if args.decode_split_k == "auto" else tuple(int(v) for v in args.decode_split_k.split(","))
+        if args.attn_kernels != "all":  # this process's engines only
+            ModelRunner.ATTN_CANDIDATES = tuple(c for c in DECODE_CANDIDATES if attn_variant(c[1]) == args.attn_kernels)
         decode_profile(model, batches, args.context, rows, sk)
     if "engine" in parts:
         engine_profile(model, batches, rows, dev, args.trace)

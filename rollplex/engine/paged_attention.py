@@ -92,8 +92,9 @@ def paged_decode_attention(
 # >= 45 µs at B = 256 (docs/BENCHMARKS.md, fifth session).
 # The TMA variant (sm_90+; one block per tile) is the fastest measured with 64-token blocks:
 # B = 64: 14.6 vs 17.5 µs, B = 256: 42.5 vs 43.3 µs (H200, ctx 608, KV from HBM). The tuner picks it at
-# B = 64 (3 stages) and 256 (2 stages); 32-token tiles of 64-token blocks (3 / 4 stages) were never
-# picked (docs/BENCHMARKS.md, seventh session), so they are not timed.
+# B = 64 (3 stages) and 256 (2 stages). 32-token tiles of 64-token blocks (3 stages: 89 registers, 38 KB
+# of shared memory, 4 programs per SM) measured ~1 µs faster at B = 256 and ctx 608 in three separate
+# eighth-session probes, and the tuner picked them there once, so they are timed again.
 # Candidates that do not fit the cache (tile_n below block_size) or the GPU (TMA before sm_90) are left out.
 DECODE_CANDIDATES = (
     (None, {}),
@@ -107,7 +108,13 @@ DECODE_CANDIDATES = (
     (1, {"tma": True, "num_stages": 3}),
     (2, {"tma": True, "num_stages": 2}),
     (2, {"tma": True, "num_stages": 3}),
+    (1, {"tma": True, "num_stages": 3, "tile_n": 32}),
 )
+
+
+def attn_variant(tile: dict | None) -> str:
+    """Which kernel a launch config runs: 'gather' (pointer loads) or 'tma'."""
+    return "tma" if (tile or {}).get("tma") else "gather"
 
 
 def fits(tile: dict, block_size: int, device: torch.device) -> bool:

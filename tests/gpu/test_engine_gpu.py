@@ -28,15 +28,15 @@ def _model():
 def test_graphed_engine_matches_reference_decoder(kernel, monkeypatch):
     """Each attention kernel in turn (the tuner only gets that variant's candidates)."""
     from rollplex.engine.model_runner import ModelRunner
-    from rollplex.engine.paged_attention import DECODE_CANDIDATES
+    from rollplex.engine.paged_attention import DECODE_CANDIDATES, attn_variant
 
-    cands = tuple(c for c in DECODE_CANDIDATES if bool(c[1].get("tma")) == (kernel == "tma"))
+    cands = tuple(c for c in DECODE_CANDIDATES if attn_variant(c[1]) == kernel)
     monkeypatch.setattr(ModelRunner, "ATTN_CANDIDATES", cands)
     model = _model()
     eng = Engine(model, None, EngineConfig(max_num_seqs=32, max_model_len=512, kv_cache_tokens=64 * 512,
                                            cuda_graph_max_bs=32))
     assert eng.runner.graphs and eng.cfg.block_size == 64
-    assert all(bool(c[1].get("tma")) == (kernel == "tma") for c in eng.runner.attn_cfg.values() if c[1] is not None)
+    assert all(attn_variant(c[1]) == kernel for c in eng.runner.attn_cfg.values() if c[1] is not None)
     g = torch.Generator().manual_seed(0)
     prompts = [make_prompt(g, images=[(1, 4 + 2 * i, 6)], text_len=(3 + i, 5)) for i in range(5)]
     for p in prompts:
