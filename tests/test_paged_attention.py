@@ -322,7 +322,6 @@ def test_triton_tma_variant(block_size, num_splits, new_token) -> None:
     assert torch.equal(kt, kr) and torch.equal(vt, vr) and not sem.any()
 
 
-
 def test_launch_configs_that_do_not_apply_are_left_out() -> None:
     """fits(): a TMA tile must be a block or a part of one (and TMA needs sm_90+ on CUDA); a gather tile
     must cover whole blocks. attn_variant() names the kernel a config runs."""
