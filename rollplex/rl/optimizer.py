@@ -1,0 +1,167 @@
+"""AdamW over fp32 master weights, stepped a chunk of parameters at a time, optionally paged from the CPU.
+
+Low-precision (bf16) parameters get fp32 master copies; fp32 parameters are their own masters. The
+gradient buffers are persistent (allocated once, in the `grads` region when a memory manager is
+given, and zeroed instead of freed) so the region can be released outside the update and backward
+accumulates into fixed addresses.
+
+`step()` walks the parameters in chunks of about `chunk_bytes`: only that chunk's fp32 gradients
+exist at once (not a full fp32 copy of every gradient), and with `offload=True` the masters and both
+AdamW moments live in pinned host memory and each chunk is paged onto the device for its step and
+back (what lets a model whose optimizer state exceeds the device train on it). The math is
+torch.optim.AdamW's, element for element: chunking only changes which parameters one call updates
+(AdamW skips parameters without a gradient), so every mode gives the same weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class MasterAdamW:
+    def __init__(self, params: list[torch.nn.Parameter], chunk_bytes: int = 1 << 30, offload: bool = False,
+                 memory=None, **kw):
+        if not params:
+            raise ValueError("no trainable parameters")
+        self.params, self.offload, self.memory = params, offload, memory
+        self.device = params[0].device
+        self._pin = offload and self.device.type == "cuda"
+        with torch.no_grad(), self._region("optimizer"):
+            if offload:
+                self.master = [self._host_copy(p.detach().float()) for p in params]
+            elif params[0].dtype == torch.float32:
+                self.master = params
+            else:
+                self.master = [p.detach().float().clone() for p in params]
+        if memory is not None:
+            memory.preserve("optimizer", self.state_tensors)
+        self.opt = torch.optim.AdamW(self.master, **kw)
+        self.param_groups = self.opt.param_groups
+        self.chunks: list[list[int]] = [[]]
+        size = 0
+        for i, p in enumerate(params):
+            if self.chunks[-1] and size + 4 * p.numel() > chunk_bytes:
+                self.chunks.append([])
+                size = 0
+            self.chunks[-1].append(i)
+            size += 4 * p.numel()
+        self._grads_ready = False
+
+    def _region(self, tag: str):
+        return self.memory.region(tag) if self.memory is not None else contextlib.nullcontext()
+
+    def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self._pin)
+        out.copy_(t)
+        return out
+
+    # ---- gradients ----------------------------------------------------------------------------
+    def _alloc_grads(self) -> None:
+        with self._region("grads"):
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        if self.memory is not None:
+            self.memory.on_resume("grads", self.zero_grad)
+        self._grads_ready = True
+
+    def zero_grad(self) -> None:
+        """Zero the persistent gradient buffers (allocated on first use)."""
+        if not self._grads_ready:
+            self._alloc_grads()
+            return
+        for p in self.params:
+            if p.grad is None:
+                raise RuntimeError("a persistent gradient buffer was dropped; call zero_grad, not p.grad = None")
+            p.grad.zero_()
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params]
+
+    # ---- state --------------------------------------------------------------------------------
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Masters (when separate from the parameters) and moments: what an offload of the region keeps."""
+        out = [] if self.master is self.params else list(self.master)
+        for m in self.master:
+            st = self.opt.state.get(m, {})
+            out.extend(st[k] for k in MOMENTS if k in st)
+        return out
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state_tensors())
+
+    # ---- step ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        with self._region("optimizer"):  # the moments are created at the first step: in the region
+            self._step()
+
+    def _step(self) -> None:
+        grads = [p.grad for p in self.params]
+        for m in self.master:
+            m.grad = None  # AdamW steps only the parameters that have one: the current chunk's
+        for chunk in self.chunks:
+            paged = self._page_in(chunk) if self.offload else None
+            for i in chunk:
+                g, m = grads[i], self.master[i]
+                m.grad = None if g is None else (g if g.dtype == m.dtype and g.device == m.device else g.float())
+            self.opt.step()
+            for i in chunk:
+                if self.master[i] is not self.params[i]:
+                    self.params[i].copy_(self.master[i])
+                self.master[i].grad = None
+            if paged is not None:
+                self._page_out(chunk, paged)
+        for p, g in zip(self.params, grads):
+            p.grad = g  # the persistent buffers (the masters of fp32 parameters are the parameters)
+
+    def _page_in(self, chunk: list[int]) -> dict:
+        """Point the chunk's masters and moments at device copies; returns the host tensors to restore."""
+        nb = self._pin
+        host = {}
+        for i in chunk:
+            m = self.master[i]
+            st = self.opt.state.get(m, {})
+            host[i] = (m.data, {k: st[k] for k in MOMENTS if k in st})
+            m.data = m.data.to(self.device, non_blocking=nb)
+            for k, t in host[i][1].items():
+                st[k] = t.to(self.device, non_blocking=nb)
+        return host
+
+    def _page_out(self, chunk: list[int], host: dict) -> None:
+        nb = self._pin
+        for i in chunk:
+            m = self.master[i]
+            hm, hmom = host[i]
+            hm.copy_(m.data, non_blocking=nb)
+            m.data = hm
+            st = self.opt.state[m]
+            for k in MOMENTS:
+                if k in hmom:
+                    hmom[k].copy_(st[k], non_blocking=nb)
+                else:  # first step: the moments were just created on the device
+                    hmom[k] = self._host_copy(st[k])
+                st[k] = hmom[k]
+        if nb:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def state_dict(self) -> dict:
+        return {"opt": self.opt.state_dict(), "master": [m.detach().cpu() for m in self.master]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.opt.load_state_dict(sd["opt"])
+        with torch.no_grad():
+            for i, (m, s, p) in enumerate(zip(self.master, sd["master"], self.params)):
+                m.copy_(s)
+                if m is not p:
+                    p.copy_(s)
+            if self.offload:  # load_state_dict moves the moments to the masters' device: keep them pinned
+                for m in self.master:
+                    st = self.opt.state.get(m, {})
+                    for k in MOMENTS:
+                        if k in st and (self._pin and not st[k].is_pinned()):
+                            st[k] = self._host_copy(st[k])
