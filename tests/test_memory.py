@@ -48,8 +48,8 @@ def test_auto_plan_offloads_cheapest_first():
 
 
 def _setup(plan=None, capacity=None):
-    mm = MemoryManager(plan or PhasePlan.releases_only().with_overrides("ref_weights:*=offloaded,optimizer:*=offloaded"),
-                       backend="accounting", capacity=capacity)
+    plan = plan or PhasePlan.releases_only().with_overrides("ref_weights:*=offloaded,optimizer:*=offloaded")
+    mm = MemoryManager(plan, backend="accounting", capacity=capacity)
     with mm.region("kv_cache"):
         kv = torch.ones(1000)
     with mm.region("ref_weights"):
@@ -128,3 +128,20 @@ def test_view_and_inplace_ops_do_not_count_as_allocations():
     assert mm.region_bytes("grads") == 16
     del w
     assert mm.region_bytes("grads") == 0 and v.shape == (2, 5)
+
+
+def test_memory_config_builds_plans():
+    from rollplex.memory import MemoryConfig, activation_bytes
+
+    sizes = {"weights": 8 * GiB, "kv_cache": 60 * GiB, "optimizer": 45 * GiB, "grads": 8 * GiB}
+    acts = {"update": activation_bytes(2048, 36, 8192, 2, checkpointing=False)}
+    assert activation_bytes(2048, 36, 8192, 2, checkpointing=True) < acts["update"] / 10
+    assert MemoryConfig(plan="resident").build_plan(sizes, acts, 140 * GiB).get("update", "kv_cache") == "resident"
+    auto = MemoryConfig().build_plan(sizes, acts, 140 * GiB)
+    assert auto.get("update", "kv_cache") == "released" and auto.name == "auto"
+    custom = MemoryConfig(overrides="optimizer:rollout=offloaded").build_plan(sizes, acts, 140 * GiB)
+    assert custom.get("rollout", "optimizer") == "offloaded" and custom.get("ref", "optimizer") == "resident"
+    with pytest.raises(ValueError):
+        MemoryConfig(overrides="optimizer:rollout=gone")
+    with pytest.raises(ValueError):
+        MemoryConfig(plan="fancy")

@@ -155,7 +155,7 @@ class MasterAdamW:
     def load_state_dict(self, sd: dict) -> None:
         self.opt.load_state_dict(sd["opt"])
         with torch.no_grad():
-            for i, (m, s, p) in enumerate(zip(self.master, sd["master"], self.params)):
+            for m, s, p in zip(self.master, sd["master"], self.params):
                 m.copy_(s)
                 if m is not p:
                     p.copy_(s)

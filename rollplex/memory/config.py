@@ -1,0 +1,54 @@
+"""Memory configuration, and the sizes the automatic plan is chosen from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .plan import PhasePlan
+
+PLANS = ("auto", "resident", "release")
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    # auto: the cheapest plan that fits the device (releases, then offloads by copy cost); resident: nothing
+    # moves (memory management off); release: drop the KV cache outside rollout and gradients outside update
+    plan: str = "auto"
+    overrides: str | None = None  # comma-separated tag:phase=residency applied on top, e.g. "ref_weights:*=offloaded"
+    backend: str = "auto"  # auto: torch-memory-saver on CUDA when installed, else accounting; tms; accounting
+    # keep the fp32 masters and AdamW moments in pinned host memory and page them through the device chunk by
+    # chunk during the optimizer step (for models whose optimizer state does not fit beside the rest)
+    optimizer_offload: bool = False
+    budget_fraction: float = 0.92  # share of the device's memory the automatic plan may fill
+
+    def __post_init__(self):
+        if self.plan not in PLANS:
+            raise ValueError(f"memory plan must be one of {PLANS}, got {self.plan!r}")
+        if self.backend not in ("auto", "tms", "accounting"):
+            raise ValueError("memory backend must be auto, tms or accounting")
+        if not 0.1 <= self.budget_fraction <= 1.0:
+            raise ValueError("budget_fraction must be in [0.1, 1]")
+        if self.overrides:
+            PhasePlan.releases_only().with_overrides(self.overrides)  # validates the spec
+
+    def build_plan(self, sizes: dict[str, int], activations: dict[str, int], capacity: int) -> PhasePlan:
+        if self.plan == "resident":
+            plan = PhasePlan.all_resident()
+        elif self.plan == "release":
+            plan = PhasePlan.releases_only()
+        else:
+            plan = PhasePlan.auto(sizes, activations, int(capacity * self.budget_fraction))
+        return plan.with_overrides(self.overrides)
+
+
+def activation_bytes(hidden: int, layers: int, tokens: int, dtype_bytes: int, checkpointing: bool) -> int:
+    """A coarse upper estimate of what one forward/backward of `tokens` tokens keeps for backward.
+
+    Per token and decoder layer about 34 hidden-sized values are saved without checkpointing (norms,
+    q/k/v, attention output, the MLP's gate/up/act); with per-layer checkpointing only the layer inputs
+    stay, plus one layer's worth recomputed during backward. Used only to pick a plan; the ledger
+    reports what was measured."""
+    per_layer = 34 * hidden * dtype_bytes
+    if checkpointing:
+        return tokens * (layers * hidden * dtype_bytes + per_layer)
+    return tokens * layers * per_layer
