@@ -21,7 +21,7 @@ import math
 import torch
 
 from ..models import Qwen25VL
-from ..models.host import to_device
+from ..models.transfer import to_device
 from .algos import agg_denominator, agg_loss, kl_penalty, ppo_policy_loss
 from .batch import RolloutBatch
 from .config import RLConfig

@@ -15,21 +15,13 @@ decide what one forward holds: a few prompts with all their samples (rollplex) o
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
 from ..models import Qwen25VL
-from ..models.host import to_device
+from ..models.transfer import to_device
 from .algos import entropy_from_logits
 from .batch import RolloutBatch
 from .logprob import token_logprob
-
-
-def _full_sequence(prompt, response: list[int]):
-    fields = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
-    return SimpleNamespace(input_ids=list(prompt.input_ids) + response, text_after=len(prompt.input_ids),
-                           **{f: getattr(prompt, f, None) for f in fields})
 
 
 def response_hidden(model: Qwen25VL, mb: RolloutBatch, mode: str, packed: bool = False) -> torch.Tensor:
@@ -42,7 +34,7 @@ def response_hidden(model: Qwen25VL, mb: RolloutBatch, mode: str, packed: bool =
     if mode == "rollplex":  # a prefix pass, then the padded responses over its PrefixState
         return model.response_hidden(model.prefix(mb.prompts), to_device(mb.responses, dev), to_device(mb.group, dev))
     groups = mb.group.tolist()
-    fulls = [_full_sequence(mb.prompts[g], mb.responses[i, : lens[i]].tolist()) for i, g in enumerate(groups)]
+    fulls = [mb.prompts[g].with_response(mb.responses[i, : lens[i]].tolist()) for i, g in enumerate(groups)]
     hidden = model.hidden(fulls)  # [n, Lmax, C]
     P = torch.tensor([len(mb.prompts[g].input_ids) for g in mb.group.tolist()], device=dev)
     rows = (P - 1)[:, None] + torch.arange(R, device=dev)[None, :]
