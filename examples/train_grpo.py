@@ -39,7 +39,7 @@ import httpx
 from tqdm import tqdm
 
 from rollplex.data import load_rows, save_rows
-from rollplex.demo import plot_rewards
+from rollplex.plots import plot_rewards
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -117,7 +117,7 @@ def row_to_wire(row: dict) -> dict:
 
 def load_dataset(args) -> list[dict]:
     if args.data is None:
-        from rollplex.tasks import shape_color
+        from rollplex.demo import shape_color
 
         path = Path(args.log_dir) / "shape_color_train.jsonl"
         if not path.exists():

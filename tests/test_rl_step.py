@@ -6,12 +6,12 @@ import copy
 import pytest
 import torch
 
+from rollplex.demo import shape_color
 from rollplex.engine import Engine, EngineConfig
 from rollplex.models import load_model
 from rollplex.rl.checkpoint import load_checkpoint, save_checkpoint
 from rollplex.rl.config import RLConfig
 from rollplex.rl.step import RLStep
-from rollplex.tasks import shape_color
 
 ROWS = shape_color.make_rows(6, seed=3)
 

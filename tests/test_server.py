@@ -21,8 +21,8 @@ import httpx
 import pytest
 from server_helpers import IMG, png_b64, sse_events, wire_rows
 
+from rollplex.demo.tiny import write_tiny
 from rollplex.server import ServerConfig, serve_in_thread
-from rollplex.tiny import write_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = {"temperature": 0, "max_new_tokens": 4}

@@ -5,6 +5,7 @@
 Modules, one job each:
 
     schemas.py   pydantic request models (SGLang's /generate, /rollout, /train_step, /save, /load)
+    errors.py    the 400 the routes raise for values the runtime rejects
     sglang.py    SGLang request <-> rollplex SamplingParams / response dicts
     worker.py    the engine thread: continuous batching over all HTTP requests + exclusive jobs
     store.py     retained rollouts (TTL + cap) waiting for their /train_step

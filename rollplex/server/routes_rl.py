@@ -27,9 +27,10 @@ from fastapi.responses import Response
 
 from ..rl.batch import RolloutBatch
 from ..rl.rewards import get_reward_fn, score
+from .errors import bad_request
 from .inflight import ClientGone, collect, submit
 from .schemas import LoadRequest, RolloutRequest, SaveRequest, TrainStepRequest
-from .sglang import bad_request, sampling_params
+from .sglang import sampling_params
 from .store import RetainedRollout
 
 

@@ -2,7 +2,7 @@
 
     ServerState(cfg):  model  <- HF dir (load_model + VLProcessor) | preset name (random init, ids only)
                                  | None (the embedded tiny model, written on first use)
-                       [format warm-up: rollplex.demo.format_warmup on the shape-colour task]
+                       [format warm-up: rollplex.rl.warmup on the shape-colour task's rows]
                        engine <- Engine(model, processor)        decodes with the trainer's tensors
                        rl     <- RLStep(model, engine, RLConfig)  ref = frozen copy when kl_coef > 0
                        store  <- RolloutStore(ttl, cap);  worker <- EngineWorker(engine)
@@ -89,7 +89,7 @@ def _load_policy(cfg: ServerConfig):
 
     dtype = getattr(torch, cfg.dtype)
     if cfg.model is None:
-        from ..tiny import ensure_tiny
+        from ..demo.tiny import ensure_tiny
 
         path = ensure_tiny()
     elif Path(cfg.model).is_dir():
@@ -115,13 +115,13 @@ class ServerState:
         if cfg.format_warmup_steps:
             if self.processor is None:
                 raise ValueError("--format-warmup-steps needs a model with a tokenizer")
-            from ..demo import format_warmup
-            from ..tasks import shape_color
+            from ..demo import shape_color
+            from ..rl.warmup import format_warmup
 
             t0 = time.perf_counter()
             rows = shape_color.make_rows(256, seed=cfg.seed)
-            self.warmup_loss = format_warmup(self.model, self.processor, rows, cfg.format_warmup_steps, lr=1e-3,
-                                             seed=cfg.seed)
+            self.warmup_loss = format_warmup(self.model, self.processor, rows, shape_color.LETTERS,
+                                             cfg.format_warmup_steps, lr=1e-3, seed=cfg.seed)
             self.model.eval()
             log.info("format warm-up: %d steps, loss %.3f (%.1fs)", cfg.format_warmup_steps, self.warmup_loss,
                      time.perf_counter() - t0)
