@@ -51,9 +51,9 @@ class RLConfig:
     micro_batch_max_tokens: int | None = None
     # rollplex mode: True packs a micro-batch's prompts and responses into one sequence (one pass, no
     # padding, one varlen attention call per layer); False runs a prefix pass, then the padded
-    # responses over its PrefixState. Same values (tests hold both to the serial mode). Packed is
-    # faster on the H200 (446 vs 505 ms per 2-prompt micro-batch) and needs about half the memory,
-    # which is what lets 4 prompts x 8 samples fit (docs/BENCHMARKS.md, step run 4).
+    # responses over its PrefixState. Same values (tests hold both to the serial mode). Packed is the
+    # default because it is faster and needs about half the memory of the padded responses, which is
+    # what lets 4 prompts x 8 samples fit a micro-batch on one GPU (docs/BENCHMARKS.md).
     packed: bool = True
     seed: int = 0
 
