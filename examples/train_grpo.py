@@ -39,7 +39,7 @@ import httpx
 from tqdm import tqdm
 
 from rollplex.data import load_rows, save_rows
-from rollplex.demo import plot_rewards
+from rollplex.plots import plot_rewards
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -117,7 +117,7 @@ def row_to_wire(row: dict) -> dict:
 
 def load_dataset(args) -> list[dict]:
     if args.data is None:
-        from rollplex.tasks import shape_color
+        from rollplex.demo import shape_color
 
         path = Path(args.log_dir) / "shape_color_train.jsonl"
         if not path.exists():
@@ -159,12 +159,15 @@ class Client:
 
 
 def start_server(args):
+    from rollplex.engine import EngineConfig
+    from rollplex.rl.config import RLConfig
     from rollplex.server import ServerConfig, serve_in_thread
 
-    cfg = ServerConfig(model=args.model, device=args.device, mode=args.mode, api_key=args.api_key,
-                       n=args.n_samples, lr=args.lr or 1e-6, kl_coef=args.kl_coef or 0.0,
-                       temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                       micro_batch_prompts=8, micro_batch_samples=32, format_warmup_steps=args.format_warmup_steps)
+    rl = RLConfig(mode=args.mode, n=args.n_samples, lr=args.lr or 1e-6, kl_coef=args.kl_coef or 0.0,
+                  temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                  micro_batch_prompts=8, micro_batch_samples=32)
+    cfg = ServerConfig(model=args.model, device=args.device, api_key=args.api_key,
+                       format_warmup_steps=args.format_warmup_steps, rl=rl, engine=EngineConfig(seed=args.seed))
     return serve_in_thread(cfg)
 
 

@@ -1,4 +1,4 @@
-"""Chat messages + images/videos -> Qwen2.5-VL model inputs, without torchvision.
+"""Chat messages + images/videos -> Qwen2.5-VL `ModelInputs`, without torchvision.
 
 ``VLProcessor`` reproduces what ``transformers.Qwen2_5_VLProcessor`` feeds the model:
 
@@ -28,7 +28,6 @@ import io
 import json
 import os
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,6 +35,8 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from .models.inputs import ModelInputs
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
@@ -45,16 +46,6 @@ _VISION_KEYS = (
     "do_resize", "do_rescale", "rescale_factor", "do_normalize", "do_convert_rgb", "resample", "image_mean",
     "image_std", "size", "min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size",
 )
-
-
-@dataclass
-class ModelInputs:
-    input_ids: list[int]
-    pixel_values: torch.Tensor | None = None  # float32 [num_patches, C * T * P * P]
-    image_grid_thw: torch.Tensor | None = None  # long [num_images, 3]
-    pixel_values_videos: torch.Tensor | None = None  # float32 [num_patches, C * T * P * P]
-    video_grid_thw: torch.Tensor | None = None  # long [num_videos, 3]
-    second_per_grid_ts: list[float] | None = None
 
 
 def _vision_processor(cfg: dict[str, Any]) -> Qwen2VLImageProcessorPil:

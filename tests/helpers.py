@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from rollplex.models import ModelConfig, Qwen25VL, hf_to_rollplex, init_weights
+from rollplex.models import ModelConfig, ModelInputs, Qwen25VL, hf_to_rollplex, init_weights
 
 IMG, VID, VS, VE = 300, 301, 302, 303
 
@@ -53,18 +51,8 @@ def tiny_model(seed: int = 0, tie: bool = False) -> Qwen25VL:
     return init_weights(Qwen25VL(ModelConfig.from_hf(tiny_hf_config(tie))), seed=seed, std=0.1)
 
 
-@dataclass
-class Prompt:
-    input_ids: list[int]
-    pixel_values: torch.Tensor | None = None
-    image_grid_thw: torch.Tensor | None = None
-    pixel_values_videos: torch.Tensor | None = None
-    video_grid_thw: torch.Tensor | None = None
-    second_per_grid_ts: list[float] | None = None
-
-
 def make_prompt(gen: torch.Generator, images=(), videos=(), text_len=(5, 4), patch_dim=3 * 2 * 14 * 14,
-                vocab=290, secs=1.0) -> Prompt:
+                vocab=290, secs=1.0) -> ModelInputs:
     """Random prompt: text, then for each image/video grid a vision block, then more text."""
     def rand_text(n):
         return torch.randint(3, vocab, (n,), generator=gen).tolist()
@@ -78,7 +66,7 @@ def make_prompt(gen: torch.Generator, images=(), videos=(), text_len=(5, 4), pat
         ids += [VS] + [VID] * (t * h * w // 4) + [VE] + rand_text(2)
         pvv.append(torch.randn(t * h * w, patch_dim, generator=gen))
     ids += rand_text(text_len[1])
-    return Prompt(
+    return ModelInputs(
         ids,
         torch.cat(pv) if pv else None,
         torch.tensor(list(images)) if images else None,
@@ -88,7 +76,7 @@ def make_prompt(gen: torch.Generator, images=(), videos=(), text_len=(5, 4), pat
     )
 
 
-def hf_logits(hf, p: Prompt) -> torch.Tensor:
+def hf_logits(hf, p: ModelInputs) -> torch.Tensor:
     ids = torch.tensor([p.input_ids])
     mm = torch.zeros_like(ids)
     mm[ids == IMG] = 1

@@ -8,7 +8,7 @@ import json
 
 from PIL import Image
 
-from rollplex.tasks import shape_color
+from rollplex.demo import shape_color
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 

@@ -7,7 +7,7 @@ import torch
 
 from rollplex.rl.algos import agg_loss, entropy_from_logits, grpo_advantages, kl_penalty, ppo_policy_loss
 from rollplex.rl.batch import mask_after_eos
-from rollplex.rl.rewards import choice, get_reward_fn, last_boxed, math_boxed, score
+from rollplex.rl.rewards import choice, get_reward_fn, last_boxed, math_boxed, score, score_samples
 
 
 def test_grpo_advantages():
@@ -86,3 +86,18 @@ def test_rewards():
         get_reward_fn("nope:missing")
     with pytest.raises(ValueError):
         get_reward_fn("not_registered")
+
+
+def test_score_samples():
+    texts = [r"\boxed{4}", r"\boxed{5}", "4"]
+    scores, extra = score_samples(math_boxed, ["geo3k"] * 3, texts, ["4"] * 3, [None] * 3)
+    assert scores == pytest.approx([1.0, 0.1, 0.0])
+    assert extra == {"critic/score/acc": pytest.approx(1 / 3), "critic/score/format": pytest.approx(2 / 3)}
+
+    def picky(ds, text, gt, info=None):
+        return {"x": 1.0, "y": float("nan")}[text]
+
+    with pytest.raises(ValueError, match="'picky' failed on sample 1: KeyError"):
+        score_samples(picky, [None] * 2, ["x", "z"], [None] * 2, [None] * 2)
+    with pytest.raises(ValueError, match="reward 'mine' returned nan for sample 0"):
+        score_samples(picky, [None], ["y"], [None], [None], name="mine")

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from rollplex.data import save_rows
-from rollplex.tasks import shape_color
-from rollplex.tiny import write_tiny
+from rollplex.demo import shape_color
+from rollplex.demo.tiny import write_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,7 +28,7 @@ def driver():
     return _driver()
 
 
-@pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")  # rollplex.demo.format_warmup
+@pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")  # rollplex.rl.warmup.format_warmup
 def test_driver_trains_saves_and_resumes(tmp_path, driver):
     tiny = write_tiny(tmp_path / "tiny", seed=1)
     data = save_rows(shape_color.make_rows(12, seed=1), tmp_path / "train.parquet")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from rollplex.demo import demo_image
+from rollplex.demo.shape_color import demo_image
 from rollplex.engine import Engine, EngineConfig, RecordingHook, SamplingParams
 from rollplex.generate import generate
 from rollplex.models import load_model

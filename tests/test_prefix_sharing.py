@@ -6,7 +6,7 @@ same logits, and with a loss summed over the n responses, the same gradient for 
 
 import pytest
 import torch
-from helpers import IMG, VID, Prompt, make_prompt, tiny_model
+from helpers import IMG, VID, make_prompt, tiny_model
 
 N_SAMPLES = 3
 
@@ -28,19 +28,12 @@ def _group(seed=0):
     return prompts, resp, resp_lens, index
 
 
-def _full(prompt: Prompt, response: list[int]) -> Prompt:
-    full = Prompt(prompt.input_ids + response, prompt.pixel_values, prompt.image_grid_thw,
-                  prompt.pixel_values_videos, prompt.video_grid_thw, prompt.second_per_grid_ts)
-    full.text_after = len(prompt.input_ids)  # generated placeholder ids are text
-    return full
-
-
 def _full_logits(model, prompts, resp, resp_lens, index):
     """Per sample: full forward over prompt + response, rows that predict the response tokens."""
     out = []
     for i in range(resp.shape[0]):
         p, n = prompts[index[i]], int(resp_lens[i])
-        logits = model([_full(p, resp[i, :n].tolist())])[0]
+        logits = model([p.with_response(resp[i, :n].tolist())])[0]  # generated placeholder ids are text
         P = len(p.input_ids)
         out.append(logits[P - 1 : P - 1 + n])
     return out

@@ -2,16 +2,17 @@
 metrics; checkpoint/resume gives the same next step as not stopping."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
+from rollplex.demo import shape_color
 from rollplex.engine import Engine, EngineConfig
-from rollplex.models import load_model
+from rollplex.models import ModelInputs, load_model
 from rollplex.rl.checkpoint import load_checkpoint, save_checkpoint
 from rollplex.rl.config import RLConfig
 from rollplex.rl.step import RLStep
-from rollplex.tasks import shape_color
 
 ROWS = shape_color.make_rows(6, seed=3)
 
@@ -35,7 +36,7 @@ def _capture_grads(rl: RLStep) -> list[dict]:
     return grads
 
 
-@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step()`")
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
 @pytest.mark.parametrize("updates", [dict(), dict(ppo_mini_batches=2, loss_agg_mode="seq-mean-token-mean")])
 def test_serial_and_rollplex_compute_the_same_update(tiny_dir, proc, updates):
     ref = _step(tiny_dir, proc, mode="rollplex", **updates)
@@ -78,26 +79,33 @@ def _assert_same_update(ref, m1, g1, w1, m2, g2, w2, updates, dedup=4):
 
 def test_micro_batch_plans():
     from rollplex.rl.batch import RolloutBatch
-    from rollplex.rl.scoring import micro_batches, plan_micro_batches
+    from rollplex.rl.microbatch import MicroBatching, micro_batches, plan_micro_batches
 
     assert plan_micro_batches([3, 3, 3], 2) == [[0, 1], [2]]
     assert plan_micro_batches([5, 1, 1, 7, 2], 99, max_tokens=7) == [[0, 1, 2], [3], [4]]
     assert plan_micro_batches([10, 10], 1, max_tokens=5) == [[0], [1]]  # an item over the budget still gets a pass
     assert plan_micro_batches([], 4) == []
-    prompts = [type("P", (), {"input_ids": list(range(n))})() for n in (10, 20, 30)]
+    prompts = [ModelInputs(list(range(n))) for n in (10, 20, 30)]
     mask = torch.zeros(6, 8)
     for i, n in enumerate((8, 2, 5, 5, 1, 8)):
         mask[i, :n] = 1
     batch = RolloutBatch(prompts, torch.tensor([0, 0, 1, 1, 2, 2]), torch.zeros(6, 8, dtype=torch.long), mask)
     # rollplex, packed: prompt once + its responses' tokens -> costs 20, 30, 39
-    got = [idx.tolist() for _, idx in micro_batches(batch, "rollplex", 1, 1, max_tokens=50, packed=True)]
+    got = [idx.tolist() for _, idx in micro_batches(batch, "rollplex", MicroBatching(1, 1, 50, packed=True))]
     assert got == [[0, 1, 2, 3], [4, 5]]
     # prefix-state path pads responses to R = 8: costs 26, 36, 46
-    got = [idx.tolist() for _, idx in micro_batches(batch, "rollplex", 1, 1, max_tokens=62, packed=False)]
+    got = [idx.tolist() for _, idx in micro_batches(batch, "rollplex", MicroBatching(1, 1, 62, packed=False))]
     assert got == [[0, 1, 2, 3], [4, 5]]
     # serial: the prompt per sequence -> costs 18, 12, 25, 25, 31, 38
-    got = [idx.tolist() for _, idx in micro_batches(batch, "serial", 1, 1, max_tokens=40)]
+    got = [idx.tolist() for _, idx in micro_batches(batch, "serial", MicroBatching(1, 1, 40, packed=True))]
     assert got == [[0, 1], [2], [3], [4], [5]]
+    # by count: two prompts (with all their samples) / three sequences per pass
+    got = [idx.tolist() for _, idx in micro_batches(batch, "rollplex", RLConfig(micro_batch_prompts=2).micro_batching)]
+    assert got == [[0, 1, 2, 3], [4, 5]]
+    got = [idx.tolist() for _, idx in micro_batches(batch, "serial", RLConfig(micro_batch_samples=3).micro_batching)]
+    assert got == [[0, 1, 2], [3, 4, 5]]
+    with pytest.raises(ValueError):
+        MicroBatching(0, 1, None, packed=True)
 
 
 def test_step_metrics_and_live_weights(tiny_dir, proc):
@@ -112,6 +120,29 @@ def test_step_metrics_and_live_weights(tiny_dir, proc):
     changed = any(not torch.equal(before[n], p) for n, p in rl.model.named_parameters())
     assert changed and rl.engine.model is rl.model  # the engine decodes with the updated tensors
     assert all(torch.equal(before[n], p) for n, p in rl.ref.named_parameters())  # reference frozen
+
+
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
+def test_train_takes_a_config_for_that_step_only(tiny_dir, proc):
+    rl = _step(tiny_dir, proc, ppo_mini_batches=2)
+    base = rl.cfg
+    lrs = []
+    opt_step = rl.actor.optimizer.step
+
+    def step():
+        lrs.append([g["lr"] for g in rl.actor.optimizer.param_groups])
+        opt_step()
+
+    rl.actor.optimizer.step = step
+    batch = rl.rollout(ROWS[:4])
+    batch.rewards = torch.tensor([float(i % 2) for i in range(batch.num_samples)])
+    m = rl.train(copy.deepcopy(batch), dataclasses.replace(base, lr=1e-3, kl_coef=0.0, micro_batch_prompts=1))
+    assert lrs == [[1e-3], [1e-3]] and m["actor/lr"] == 1e-3  # every optimizer step of that train call
+    assert "timing_s/ref" not in m and m["actor/kl_loss"] == 0.0  # kl_coef 0: no reference pass
+    assert rl.cfg is base and rl.actor.cfg is base and base.lr == 1e-2 and base.kl_coef == 0.05
+    lrs.clear()
+    m = rl.train(copy.deepcopy(batch))
+    assert lrs == [[1e-2], [1e-2]] and m["actor/lr"] == 1e-2 and "timing_s/ref" in m
 
 
 def test_resume_gives_the_same_next_step(tiny_dir, proc, tmp_path):

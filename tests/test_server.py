@@ -21,8 +21,10 @@ import httpx
 import pytest
 from server_helpers import IMG, png_b64, sse_events, wire_rows
 
+from rollplex.demo.tiny import write_tiny
+from rollplex.engine import EngineConfig
+from rollplex.rl.config import RLConfig
 from rollplex.server import ServerConfig, serve_in_thread
-from rollplex.tiny import write_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = {"temperature": 0, "max_new_tokens": 4}
@@ -33,10 +35,10 @@ def tiny_dir(tmp_path_factory):
     return write_tiny(tmp_path_factory.mktemp("tiny-server"), seed=0)
 
 
-def _config(tiny_dir, **kw) -> ServerConfig:
-    base = dict(model=str(tiny_dir), device="cpu", max_model_len=256, kv_cache_tokens=8192, max_num_seqs=64, n=2,
-                lr=1e-3, kl_coef=0.05, max_new_tokens=4, micro_batch_prompts=4, micro_batch_samples=8)
-    return ServerConfig(**{**base, **kw})
+def _config(tiny_dir, api_key=None, **rl) -> ServerConfig:
+    rl = dict(n=2, lr=1e-3, kl_coef=0.05, max_new_tokens=4, micro_batch_prompts=4, micro_batch_samples=8) | rl
+    return ServerConfig(model=str(tiny_dir), device="cpu", api_key=api_key, rl=RLConfig(**rl),
+                        engine=EngineConfig(max_model_len=256, kv_cache_tokens=8192, max_num_seqs=64))
 
 
 @pytest.fixture(scope="module")
@@ -184,12 +186,16 @@ def test_rollout_train_step_changes_weights(client):
     assert "rollplex_actor_pg_loss" in client.get("/metrics").text
 
 
-def test_train_step_with_reward_name_and_chat_prompts(client):
+def test_train_step_with_reward_name_and_chat_prompts(client, server):
     ro = _rollout(client, n_prompts=2, n=2)
     m = client.post("/train_step", json={"rollout_id": ro["rollout_id"], "reward": "shape_color", "lr": 1e-4,
                                          "micro_batch_max_tokens": 64})  # a token budget: one prompt per pass
     assert m.status_code == 200, m.text
     assert 0.0 <= m.json()["critic/score/mean"] <= 1.0 and m.json()["actor/lr"] == 1e-4
+    rl = server.state.rl  # the overrides were that step's only
+    assert rl.cfg is server.state.cfg.rl and rl.actor.cfg is rl.cfg
+    assert rl.cfg.lr == 1e-3 and rl.cfg.micro_batch_max_tokens is None
+    assert [g["lr"] for g in rl.actor.optimizer.param_groups] == [1e-3]
     chat = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Color?"}]}],
             "images": [png_b64()], "ground_truth": "A"}
     ro = client.post("/rollout", json={"prompts": [chat], "n": 2}).json()
@@ -403,3 +409,34 @@ def test_cli_subprocess(tiny_dir):
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+def test_cli_flags_fill_the_nested_configs(monkeypatch):
+    from rollplex.server.__main__ import config_from_args, parser
+
+    monkeypatch.delenv("ROLLPLEX_API_KEY", raising=False)
+    ap = parser()
+    assert config_from_args(ap.parse_args(["--device", "cpu"])) == ServerConfig(device="cpu")  # same defaults
+    cfg = config_from_args(ap.parse_args([
+        "--device", "cpu", "--mode", "serial", "--lr", "3e-4", "--no-packed", "--betas", "0.8", "0.95",
+        "--micro-batch-max-tokens", "512", "--max-model-len", "256", "--decode-split-k", "2", "4",
+        "--no-overlap-schedule", "--seed", "7", "--rollout-ttl", "30"]))
+    assert cfg.rl == RLConfig(mode="serial", lr=3e-4, packed=False, betas=(0.8, 0.95), micro_batch_max_tokens=512,
+                              max_new_tokens=128, seed=7)
+    assert cfg.engine == EngineConfig(max_model_len=256, decode_split_k=(2, 4), overlap_schedule=False, seed=7)
+    assert cfg.rollout_ttl_s == 30.0
+    help_text = ap.format_help()
+    assert "--max-new-tokens" in help_text and "(default: 128)" in help_text and "--kv-cache-tokens" in help_text
+    with pytest.raises(SystemExit):  # choices come from the config's own lists
+        ap.parse_args(["--loss-agg-mode", "bogus"])
+
+
+def test_train_step_overrides_are_rl_config_fields():
+    import dataclasses
+
+    from rollplex.server.schemas import TrainStepRequest
+
+    overrides = set(TrainStepRequest.model_fields) - {"rollout_id", "rewards", "reward"}
+    assert overrides <= {f.name for f in dataclasses.fields(RLConfig)}
+    req = TrainStepRequest(rollout_id="r", rewards=[1.0], lr=1e-4, micro_batch_prompts=2)
+    assert dataclasses.replace(RLConfig(), **req.overrides()) == RLConfig(lr=1e-4, micro_batch_prompts=2)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from rollplex.demo import demo_image
+from rollplex.demo.shape_color import demo_image
 from rollplex.generate import generate
 from rollplex.models import load_model
 from rollplex.processor import VLProcessor

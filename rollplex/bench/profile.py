@@ -24,7 +24,7 @@ from ..engine import Engine, EngineConfig
 from ..engine.model_runner import ModelRunner
 from ..engine.paged_attention import DECODE_CANDIDATES, attn_variant, fits, paged_decode_attention
 from ..engine.tuning import graph_time_us, round_robin
-from ..models import ModelConfig, Qwen25VL, init_weights
+from ..models import ModelConfig, ModelInputs, Qwen25VL, init_weights
 from ..presets import preset
 from ..rl.batch import RolloutBatch
 from ..rl.scoring import token_logprobs
@@ -402,7 +402,6 @@ def engine_profile(model, batches, rows: list, dev: str, trace_dir: str | None =
     wall period vs GPU kernel time, the GPU time outside the graph replay (sampler, copies), and the
     host ops that take the most time. The gap between period and kernel time is what the host adds."""
     from ..engine import SamplingParams
-    from .rollout import Prompt
 
     eng = Engine(model, None, EngineConfig(max_num_seqs=max(batches), max_model_len=2048,
                                            gpu_memory_utilization=0.6, max_num_batched_tokens=8192))
@@ -410,7 +409,7 @@ def engine_profile(model, batches, rows: list, dev: str, trace_dir: str | None =
     hi = min(150000, c.text.vocab_size, c.image_token_id, c.video_token_id, c.vision_start_token_id)  # text ids only
     g = torch.Generator().manual_seed(0)
     for B in batches:
-        prompts = [Prompt(torch.randint(0, hi, (352,), generator=g).tolist()) for _ in range(B)]
+        prompts = [ModelInputs(torch.randint(0, hi, (352,), generator=g).tolist()) for _ in range(B)]
         hook = _ProfileSteps(skip, count)
         eng.hooks = [hook]
         eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=skip + count + 8, ignore_eos=True))

@@ -25,7 +25,7 @@ import torch
 from ..engine import Engine, EngineConfig, RecordingHook, SamplingParams
 from ..engine.sampler import SamplingTensors
 from ..generate import generate
-from ..models import Qwen25VL, hf_to_rollplex, init_weights
+from ..models import ModelInputs, Qwen25VL, hf_to_rollplex, init_weights
 from ..presets import preset
 from .profile import gemms_str, set_decode_state
 from .timing import env_info, time_ms
@@ -44,11 +44,6 @@ class WallHook:
         return [(b - a) * 1e3 for a, b in zip(self.t[:-1], self.t[1:])]
 
 
-class Prompt:
-    def __init__(self, input_ids, pixel_values=None, image_grid_thw=None):
-        self.input_ids, self.pixel_values, self.image_grid_thw = input_ids, pixel_values, image_grid_thw
-
-
 def w3b_prompts(cfg, n_prompts: int, size: int = 448, text: int = 96, seed: int = 0, device="cuda"):
     g = torch.Generator().manual_seed(seed)
     side = size // cfg.vision.patch_size
@@ -59,7 +54,7 @@ def w3b_prompts(cfg, n_prompts: int, size: int = 448, text: int = 96, seed: int 
         ids += [cfg.vision_start_token_id] + [cfg.image_token_id] * n_img + [cfg.vision_end_token_id]
         ids += torch.randint(0, 150000, (text - text // 2 - 2,), generator=g).tolist()
         pix = torch.randn(side * side, cfg.vision.patch_dim, generator=g).to(device, torch.bfloat16)
-        out.append(Prompt(ids, pix, torch.tensor([[1, side, side]])))
+        out.append(ModelInputs(ids, pix, torch.tensor([[1, side, side]])))
     return out
 
 
@@ -119,7 +114,7 @@ def main(argv=None) -> None:
     diffs = []
     for p, o in zip(prompts[:2], sampled):
         s = o.samples[0]
-        full = Prompt(p.input_ids + s.token_ids, p.pixel_values, p.image_grid_thw)
+        full = ModelInputs(p.input_ids + s.token_ids, p.pixel_values, p.image_grid_thw)
         with torch.no_grad():
             logits = model([full])[0].float()
         P = len(p.input_ids)
@@ -166,7 +161,7 @@ def main(argv=None) -> None:
     weight_bytes = sum(p.numel() * p.element_size() for k, p in model.named_parameters() if not k.startswith("visual"))
     ctx = 352 + 256  # mid-rollout context
     kv_tok = 2 * cfg.text.num_hidden_layers * cfg.text.num_key_value_heads * cfg.text.head_dim * 2
-    text_prompts = [Prompt(torch.randint(0, 150000, (352,)).tolist()) for _ in range(256)]
+    text_prompts = [ModelInputs(torch.randint(0, 150000, (352,)).tolist()) for _ in range(256)]
     for B in [int(x) for x in args.sweep.split(",")]:
         hook.infos.clear()
         wall_hook.t.clear()

@@ -19,13 +19,12 @@ import time
 import torch
 
 from ..engine import Engine, EngineConfig, SamplingParams
-from ..models import ModelConfig, Qwen25VL, init_weights
+from ..models import ModelConfig, ModelInputs, Qwen25VL, init_weights
 from ..presets import preset
 from ..rl.batch import RolloutBatch
 from ..rl.config import RLConfig
 from ..rl.step import RLStep
 from .model import vit_flops
-from .rollout import Prompt
 from .timing import env_info
 
 PEAK_TFLOPS = 989.0
@@ -52,7 +51,7 @@ def make_prompts(cfg, n_prompts: int, frames: int, size: int = 448, text: int = 
         ids += torch.randint(0, vocab, (text - text // 2 - 2,), generator=g).tolist()
         pix = torch.randn(t * side * side, cfg.vision.patch_dim, generator=g).to(device, dtype)
         grid = torch.tensor([[t, side, side]])
-        p = Prompt(ids)
+        p = ModelInputs(ids)
         if video:
             p.pixel_values_videos, p.video_grid_thw, p.second_per_grid_ts = pix, grid, [1.0]
         else:

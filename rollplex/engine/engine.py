@@ -24,12 +24,10 @@ import random
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import torch
 
-from ..models import Qwen25VL
-from ..models.qwen2_5_vl import _grids
+from ..models import ModelInputs, Qwen25VL
 from ..models.rope import mrope_positions
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -89,15 +87,15 @@ class Engine:
         return cls(load_model(path, device, dtype).eval(), VLProcessor.from_pretrained(path), config, **kw)
 
     # ---- requests -----------------------------------------------------------------------------
-    def encode(self, prompt) -> object:
-        """ModelInputs-like from: ModelInputs, list[int], str (templated text), or a dict with
+    def encode(self, prompt) -> ModelInputs:
+        """ModelInputs from: ModelInputs, list[int], str (templated text), or a dict with
         `input_ids` | `text` | `messages` plus optional `images` / `videos`."""
-        if hasattr(prompt, "input_ids"):
+        if isinstance(prompt, ModelInputs):
             return prompt
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return SimpleNamespace(input_ids=list(prompt))
+            return ModelInputs(input_ids=list(prompt))
         if isinstance(prompt, dict) and "input_ids" in prompt and not prompt.get("images") and not prompt.get("videos"):
-            return SimpleNamespace(input_ids=[int(t) for t in prompt["input_ids"]])
+            return ModelInputs(input_ids=[int(t) for t in prompt["input_ids"]])
         if self.processor is None:
             raise ValueError("this engine has no processor: pass token ids or ModelInputs")
         if isinstance(prompt, str):
@@ -121,8 +119,7 @@ class Engine:
         base = params.seed if params.seed is not None else None
         seeds = [base + i if base is not None else self._rng.getrandbits(62) for i in range(params.n)]
         _, delta = mrope_positions(  # ValueError on placeholders that do not match the images
-            list(inputs.input_ids), self.model.cfg, _grids(getattr(inputs, "image_grid_thw", None)),
-            _grids(getattr(inputs, "video_grid_thw", None)), getattr(inputs, "second_per_grid_ts", None))
+            list(inputs.input_ids), self.model.cfg, inputs.image_grids, inputs.video_grids, inputs.second_per_grid_ts)
         req = Request(rid, inputs, params, seeds, arrival=time.monotonic(), rope_delta=delta)
         req.max_len = min(req.num_prompt_tokens + params.max_new_tokens, self.cfg.max_model_len)
         self.scheduler.add(req)  # raises ValueError for requests that can never run
@@ -188,8 +185,7 @@ class Engine:
         inputs, slots, rows, owners = [], [], [], []
         for item in items:
             seq, req = item.seq, item.seq.request
-            inputs.append(SimpleNamespace(**vars(_fields(req.inputs)), input_ids=seq.token_ids,
-                                          text_after=req.num_prompt_tokens))
+            inputs.append(req.inputs.with_response(seq.output_ids))  # a re-prefill recomputes its outputs too
             slots.append([self.blocks.slot(seq, i) for i in range(len(seq))])
             start = req.params.logprob_start_len
             fresh = seq.num_output_tokens == 0 and req.input_logprobs is None
@@ -361,8 +357,3 @@ class _Inflight:
     start: torch.cuda.Event | None
     end: torch.cuda.Event | None
     t0: float
-
-
-def _fields(inputs) -> SimpleNamespace:
-    names = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
-    return SimpleNamespace(**{n: getattr(inputs, n, None) for n in names})

@@ -22,7 +22,7 @@ import torch
 
 from ..models import Qwen25VL, SkinnyGemms
 from ..models.attention import sdpa
-from ..models.host import as_device_tensor, to_device
+from ..models.transfer import as_device_tensor, to_device
 from .config import EngineConfig
 from .decode_gemms import tune_decode_gemms
 from .paged_attention import DECODE_CANDIDATES, paged_decode_attention, tune_decode

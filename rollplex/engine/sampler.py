@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.host import as_device_tensor
 from ..models.layers import compile_fn
+from ..models.transfer import as_device_tensor
 
 _M32 = 0xFFFFFFFF
 # multipliers below 2^31: inductor's Triton code types integer literals as int32

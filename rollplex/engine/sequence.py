@@ -66,7 +66,7 @@ class Sequence:
 @dataclass(eq=False)
 class Request:
     request_id: str
-    inputs: Any  # ModelInputs-like: input_ids + optional pixel tensors (opaque to the scheduler)
+    inputs: Any  # models.ModelInputs (opaque to the scheduler, which reads input_ids only and imports no torch)
     params: SamplingParams
     seeds: list[int]
     arrival: float = 0.0

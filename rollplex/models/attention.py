@@ -16,7 +16,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from .host import as_device_tensor, to_device
+from .transfer import as_device_tensor, to_device
 
 try:  # torch >= 2.9 (CUDA only at run time)
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn

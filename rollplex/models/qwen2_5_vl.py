@@ -15,9 +15,8 @@ prefix graph. Shared-prefix == n full forwards (logits and gradients) is held by
 `forward_embeds(embeds, positions, attend)` is the incremental path for the engine: positions and
 the attention callable (which owns the KV cache) are explicit arguments.
 
-Prompts are duck-typed: anything with `input_ids` (list[int]) and optional `pixel_values`,
-`image_grid_thw`, `pixel_values_videos`, `video_grid_thw`, `second_per_grid_ts` (what
-`rollplex.processor.VLProcessor.encode` returns).
+Prompts are `ModelInputs` (inputs.py): token ids plus pixel tensors and grids, what
+`rollplex.processor.VLProcessor.encode` returns.
 """
 
 from __future__ import annotations
@@ -31,10 +30,11 @@ import torch.nn.functional as F
 
 from .attention import PackedLayout, SharedPrefixLayout, packed_attention, sdpa, shared_prefix_attention
 from .config import ModelConfig
-from .host import as_device_tensor, to_device
+from .inputs import ModelInputs
 from .layers import rotary_inv_freq
 from .rope import mrope_cos_sin, mrope_positions
 from .text import AttendFn, SkinnyGemms, TextDecoder
+from .transfer import as_device_tensor, to_device
 from .vision import VisionTower
 
 
@@ -57,14 +57,6 @@ class EmbeddedPrompts:
     positions: torch.Tensor  # [3, B, Pmax]
     lens: torch.Tensor  # [B]
     rope_delta: torch.Tensor  # [B]
-
-
-def _grids(g) -> list[tuple[int, int, int]]:
-    if g is None:
-        return []
-    if isinstance(g, torch.Tensor):
-        g = g.tolist()
-    return [tuple(int(x) for x in row) for row in g]
 
 
 class Qwen25VL(nn.Module):
@@ -98,7 +90,7 @@ class Qwen25VL(nn.Module):
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return mrope_cos_sin(positions, self.inv_freq, self.cfg.text.mrope_section, dtype)
 
-    def embed_prompts(self, prompts: Sequence) -> EmbeddedPrompts:
+    def embed_prompts(self, prompts: Sequence[ModelInputs]) -> EmbeddedPrompts:
         """Token embeddings with every image/video of the batch encoded in one vision-tower call."""
         cfg, dev = self.cfg, self.inv_freq.device
         emb = self.model.embed_tokens
@@ -111,14 +103,11 @@ class Qwen25VL(nn.Module):
         deltas = []
         heads = []
         for b, (p, x) in enumerate(zip(prompts, ids)):
-            # `text_after`: tokens from there on were generated; they are text even if a model emitted
-            # a placeholder id (the response path embeds them as text too)
-            head = getattr(p, "text_after", None) or len(x)
+            # tokens from `prompt_len` on were generated; they are text even if a model emitted a
+            # placeholder id (the response path embeds them as text too)
+            head = p.prompt_len
             pad[b, : len(x)] = torch.tensor(x)
-            pos, delta = mrope_positions(
-                x[:head], cfg, _grids(getattr(p, "image_grid_thw", None)), _grids(getattr(p, "video_grid_thw", None)),
-                getattr(p, "second_per_grid_ts", None),
-            )
+            pos, delta = mrope_positions(x[:head], cfg, p.image_grids, p.video_grids, p.second_per_grid_ts)
             tail = torch.arange(len(x) - head).expand(3, -1) + (head + delta)
             positions[:, b, : len(x)] = torch.cat([pos, tail], dim=1)
             heads.append(head)
@@ -126,14 +115,13 @@ class Qwen25VL(nn.Module):
         pad = to_device(pad, dev)
         x = emb(pad)
         pixels, grids, kinds = [], [], []
-        sources = (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw"))
-        for kind, pv_name, g_name in sources:
+        for kind in ("image", "video"):  # every image of the batch, then every video
             for p in prompts:
-                pv = getattr(p, pv_name, None)
-                if pv is not None and len(_grids(getattr(p, g_name))):
+                pv, g = (p.pixel_values, p.image_grids) if kind == "image" else (p.pixel_values_videos, p.video_grids)
+                if pv is not None and g:
                     pixels.append(pv)
-                    grids.extend(_grids(getattr(p, g_name)))
-                    kinds.extend([kind] * len(_grids(getattr(p, g_name))))
+                    grids.extend(g)
+                    kinds.extend([kind] * len(g))
         if pixels:
             feats = self.visual(torch.cat([to_device(t, dev) for t in pixels]), grids).to(x.dtype)
             m2 = cfg.vision.spatial_merge_size**2
@@ -159,7 +147,8 @@ class Qwen25VL(nn.Module):
         return self.model(embeds, cos, sin, attend, rotary_in_attend, gemms)
 
     # ---- prefix / response / full -----------------------------------------------------------
-    def _run_prompts(self, prompts: Sequence, keep_kv: bool) -> tuple[torch.Tensor, EmbeddedPrompts, list, list]:
+    def _run_prompts(self, prompts: Sequence[ModelInputs],
+                     keep_kv: bool) -> tuple[torch.Tensor, EmbeddedPrompts, list, list]:
         e = self.embed_prompts(prompts)
         keys, values = [], []
 
@@ -171,7 +160,7 @@ class Qwen25VL(nn.Module):
 
         return self.forward_embeds(e.embeds, e.positions, attend), e, keys, values
 
-    def prefix(self, prompts: Sequence) -> PrefixState:
+    def prefix(self, prompts: Sequence[ModelInputs]) -> PrefixState:
         hidden, e, keys, values = self._run_prompts(prompts, keep_kv=True)
         last = hidden[torch.arange(hidden.shape[0], device=hidden.device), e.lens - 1]
         return PrefixState(keys, values, e.lens, e.rope_delta, last)
@@ -206,8 +195,8 @@ class Qwen25VL(nn.Module):
         hidden = self.forward_embeds(self.model.embed_tokens(tokens), positions, attend)
         return torch.cat([first, hidden], dim=1)
 
-    def group_hidden(self, prompts: Sequence, response_ids: torch.Tensor, response_lens: Sequence[int],
-                     group: Sequence[int]) -> torch.Tensor:
+    def group_hidden(self, prompts: Sequence[ModelInputs], response_ids: torch.Tensor,
+                     response_lens: Sequence[int], group: Sequence[int]) -> torch.Tensor:
         """Hidden states predicting each response token, [N, R, C] (rows past a response's length are
         zero), with every prompt and response packed into one sequence (`PackedLayout`): one pass
         through the layers, no padding, one attention call per layer. The same values as
@@ -253,10 +242,10 @@ class Qwen25VL(nn.Module):
     def response_logits(self, prefix: PrefixState, response_ids: torch.Tensor, prefix_index=None) -> torch.Tensor:
         return self.logits(self.response_hidden(prefix, response_ids, prefix_index))
 
-    def hidden(self, prompts: Sequence) -> torch.Tensor:
+    def hidden(self, prompts: Sequence[ModelInputs]) -> torch.Tensor:
         """Final-normed hidden states of whole sequences [B, Lmax, C] (rows past an end are junk)."""
         return self._run_prompts(prompts, keep_kv=False)[0]
 
-    def forward(self, prompts: Sequence) -> torch.Tensor:
+    def forward(self, prompts: Sequence[ModelInputs]) -> torch.Tensor:
         """Full forward over whole sequences: logits [B, Lmax, V] (rows past a sequence's end are junk)."""
         return self.logits(self.hidden(prompts))

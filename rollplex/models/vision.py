@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from .attention import Segments, _use_flash_varlen, _varlen_attn, segment_attention
 from .config import VisionConfig
-from .host import to_device
 from .layers import GatedMLP, RMSNorm, apply_rotary, compile_fn, rms_norm, rotary_inv_freq
+from .transfer import to_device
 
 
 @dataclass

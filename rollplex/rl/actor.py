@@ -10,6 +10,11 @@ so both modes accumulate the same gradient.
 Old logprobs: with a single update per rollout the policy has not moved, so old = current
 (detached) and no extra pass runs; with several updates they are scored once, before the first.
 
+`update` and `old_logprobs` take the step's RLConfig (default: the one the actor was built with), so
+a caller can change the algorithm for one step without touching the actor. The optimizer and the
+LR schedule are built once from the actor's config; a step's `lr` replaces the schedule's base lr
+for that step's optimizer steps.
+
 Parameters are updated in place, so the engine — which reads the same tensors — sees the new
 policy at the next rollout. bf16 parameters (GPU) get fp32 master weights in the optimizer.
 """
@@ -21,11 +26,12 @@ import math
 import torch
 
 from ..models import Qwen25VL
-from ..models.host import to_device
+from ..models.transfer import to_device
 from .algos import agg_denominator, agg_loss, kl_penalty, ppo_policy_loss
 from .batch import RolloutBatch
 from .config import RLConfig
-from .scoring import micro_batches, score, token_logprobs
+from .microbatch import micro_batches
+from .scoring import score, token_logprobs
 
 
 class MasterAdamW:
@@ -84,27 +90,39 @@ class Actor:
         opt = self.optimizer.opt if isinstance(self.optimizer, MasterAdamW) else self.optimizer
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
 
-    def _mini_batches(self, batch: RolloutBatch, epoch: int, step: int) -> list[list[int]]:
+    def _mini_batches(self, cfg: RLConfig, batch: RolloutBatch, epoch: int, step: int) -> list[list[int]]:
         order = list(range(batch.num_prompts))
-        if self.cfg.ppo_mini_batches > 1 or self.cfg.ppo_epochs > 1:
-            g = torch.Generator().manual_seed(self.cfg.seed * 1000003 + step * 1009 + epoch)
+        if cfg.ppo_mini_batches > 1 or cfg.ppo_epochs > 1:
+            g = torch.Generator().manual_seed(cfg.seed * 1000003 + step * 1009 + epoch)
             order = torch.randperm(batch.num_prompts, generator=g).tolist()
-        k = self.cfg.ppo_mini_batches
+        k = cfg.ppo_mini_batches
         return [order[i::k] for i in range(k) if order[i::k]]
 
-    def old_logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
+    def _set_lr(self, cfg: RLConfig) -> float:
+        """The lr of the next optimizer step, put into the optimizer: the schedule's, with `cfg.lr` as
+        its base when this step's config overrides the actor's lr."""
+        lrs = self.scheduler.get_last_lr()
+        if cfg.lr != self.cfg.lr:
+            lrs = [cfg.lr * f(self.scheduler.last_epoch) for f in self.scheduler.lr_lambdas]
+        for g, lr in zip(self.optimizer.param_groups, lrs):
+            g["lr"] = lr
+        return lrs[0]
+
+    def old_logprobs(self, batch: RolloutBatch, cfg: RLConfig | None = None) -> torch.Tensor | None:
         """Scored once before the first update when there are several; None when old = current."""
-        cfg = self.cfg
+        cfg = cfg or self.cfg
         if cfg.num_updates == 1:
             return None
-        return score(self.model, batch, cfg.mode, cfg.temperature, cfg.micro_batch_prompts, cfg.micro_batch_samples,
-                     cfg.packed, cfg.micro_batch_max_tokens)
+        return score(self.model, batch, cfg.mode, cfg.micro_batching, cfg.temperature)
 
     def update(self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None,
-               old_all: torch.Tensor | None = None, step: int = 0) -> tuple[dict, torch.Tensor]:
-        """advantages [N]; ref/old logprobs [N, R] or None. Returns (verl-named metrics averaged over
-        updates, the trainer's logprobs of the first pass [N, R] before any update)."""
-        cfg, model = self.cfg, self.model
+               old_all: torch.Tensor | None = None, step: int = 0,
+               cfg: RLConfig | None = None) -> tuple[dict, torch.Tensor]:
+        """advantages [N]; ref/old logprobs [N, R] or None; cfg: this step's config (default: the
+        actor's). Returns (verl-named metrics averaged over updates, the trainer's logprobs of the
+        first pass [N, R] before any update)."""
+        cfg, model = cfg or self.cfg, self.model
+        plan = cfg.micro_batching
         model.train()
         first_logp = torch.zeros(batch.responses.shape)
         seen = torch.zeros(batch.num_samples, dtype=torch.bool)
@@ -112,7 +130,7 @@ class Actor:
         sums: dict[str, float] = {}
         updates = 0
         for epoch in range(cfg.ppo_epochs):
-            for prompt_ids in self._mini_batches(batch, epoch, step):
+            for prompt_ids in self._mini_batches(cfg, batch, epoch, step):
                 mini, mini_idx = batch.select_prompts(sorted(prompt_ids))
                 denom = agg_denominator(mini.mask, cfg.loss_agg_mode)
                 self.optimizer.zero_grad()
@@ -122,12 +140,11 @@ class Actor:
                                                         "actor/entropy": 0.0, "actor/pg_clipfrac": 0.0,
                                                         "actor/ppo_kl": 0.0}
                 n_tok = float(mini.mask.sum())
-                for mb, idx in micro_batches(mini, cfg.mode, cfg.micro_batch_prompts, cfg.micro_batch_samples,
-                                             cfg.micro_batch_max_tokens, cfg.packed):
+                for mb, idx in micro_batches(mini, cfg.mode, plan):
                     gidx = mini_idx[idx]
                     want_ent = cfg.entropy_coeff > 0
-                    logp, ent = token_logprobs(model, mb, cfg.mode, cfg.temperature, with_entropy=want_ent,
-                                               packed=cfg.packed)
+                    logp, ent = token_logprobs(model, mb, cfg.mode, plan.packed, cfg.temperature,
+                                               with_entropy=want_ent)
                     dev = logp.device
                     mask = to_device(mb.mask, dev)
                     if epoch == 0:  # kept on the device until the update ends (no sync per micro-batch)
@@ -156,7 +173,7 @@ class Actor:
                 params = [p for p in model.parameters() if p.grad is not None]
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
                 stats["actor/grad_norm"] = float(grad_norm)
-                stats["actor/lr"] = self.scheduler.get_last_lr()[0]
+                stats["actor/lr"] = self._set_lr(cfg)
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()
                 self.scheduler.step()

@@ -6,10 +6,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..models import ModelInputs
+
 
 @dataclass
 class RolloutBatch:
-    prompts: list  # B ModelInputs-like prompts (input_ids + pixel tensors)
+    prompts: list[ModelInputs]  # B prompts
     group: torch.Tensor  # [N] long: prompt index of each sample
     responses: torch.Tensor  # [N, R] long, right-padded
     mask: torch.Tensor  # [N, R] float: 1 for response tokens (EOS included), 0 for padding
@@ -26,7 +28,7 @@ class RolloutBatch:
         return len(self.prompts)
 
     @classmethod
-    def from_samples(cls, prompts: list, group: list[int], responses: list[list[int]], pad_id: int,
+    def from_samples(cls, prompts: list[ModelInputs], group: list[int], responses: list[list[int]], pad_id: int,
                      logprobs: list[list[float]] | None = None, rewards: list[float] | None = None,
                      **extras) -> RolloutBatch:
         if len(group) != len(responses) or (logprobs is not None and len(logprobs) != len(responses)):
@@ -48,7 +50,7 @@ class RolloutBatch:
         return cls(prompts, torch.tensor(group, dtype=torch.long), resp, mask, lp, rw, extras)
 
     @classmethod
-    def from_outputs(cls, prompts: list, outputs: list, pad_id: int, data_sources: list | None = None,
+    def from_outputs(cls, prompts: list[ModelInputs], outputs: list, pad_id: int, data_sources: list | None = None,
                      ground_truths: list | None = None, extra_infos: list | None = None) -> RolloutBatch:
         """From the engine's RequestOutputs (one per prompt); per-prompt lists are repeated per sample."""
         group = [i for i, o in enumerate(outputs) for _ in o.samples]

@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .algos import AGG_MODES, KL_KINDS
+from .microbatch import MicroBatching
 
 MODES = ("rollplex", "serial")
+ADV_ESTIMATORS = ("grpo",)
+LR_SCHEDULES = ("constant", "cosine")
 
 
 @dataclass
@@ -38,6 +41,7 @@ class RLConfig:
     total_steps: int = 1000  # for the cosine schedule
     ppo_epochs: int = 1
     ppo_mini_batches: int = 1  # mini-batches per rollout (each is one optimizer step)
+    # micro-batches (`micro_batching`, microbatch.py): what one forward/backward of scoring or the update holds
     micro_batch_prompts: int = 4  # prompts per forward/backward (all their samples together)
     micro_batch_samples: int = 8  # serial mode: sequences per forward/backward
     # token budget per forward/backward (verl: use_dynamic_bsz + ppo_max_token_len_per_gpu): when set, a
@@ -47,22 +51,22 @@ class RLConfig:
     micro_batch_max_tokens: int | None = None
     # rollplex mode: True packs a micro-batch's prompts and responses into one sequence (one pass, no
     # padding, one varlen attention call per layer); False runs a prefix pass, then the padded
-    # responses over its PrefixState. Same values (tests hold both to the serial mode). Packed is
-    # faster on the H200 (446 vs 505 ms per 2-prompt micro-batch) and needs about half the memory,
-    # which is what lets 4 prompts x 8 samples fit (docs/BENCHMARKS.md, step run 4).
+    # responses over its PrefixState. Same values (tests hold both to the serial mode). Packed is the
+    # default because it is faster and needs about half the memory of the padded responses, which is
+    # what lets 4 prompts x 8 samples fit a micro-batch on one GPU (docs/BENCHMARKS.md).
     packed: bool = True
     seed: int = 0
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.adv_estimator != "grpo":
+        if self.adv_estimator not in ADV_ESTIMATORS:
             raise ValueError("only adv_estimator='grpo' is implemented")
         if self.loss_agg_mode not in AGG_MODES:
             raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}")
         if self.kl_loss_type not in KL_KINDS:
             raise ValueError(f"kl_loss_type must be one of {KL_KINDS}")
-        if self.lr_schedule not in ("constant", "cosine"):
+        if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError("lr_schedule must be 'constant' or 'cosine'")
         for name in ("n", "max_new_tokens", "ppo_epochs", "ppo_mini_batches", "micro_batch_prompts",
                      "micro_batch_samples", "total_steps"):
@@ -78,3 +82,8 @@ class RLConfig:
     @property
     def num_updates(self) -> int:
         return self.ppo_epochs * self.ppo_mini_batches
+
+    @property
+    def micro_batching(self) -> MicroBatching:
+        return MicroBatching(self.micro_batch_prompts, self.micro_batch_samples, self.micro_batch_max_tokens,
+                             self.packed)

@@ -3,15 +3,17 @@ extra_info=None) -> float | dict` and a registry to pick them by name or `module
 
 Built-ins: `exact` (normalised string match), `choice` (multiple-choice letter), `math_boxed`
 (`\\boxed{}` answer: geo3k-style 0.9 * accuracy + 0.1 * format), and `shape_color` (the embedded demo
-task). `default_compute_score` dispatches on `data_source` like verl's.
+task). `default_compute_score` dispatches on `data_source` like verl's. `score_samples` is the one
+loop that scores a rollout's samples (the RL step and the server's /train_step both use it).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 RewardFn = Callable[..., "float | dict"]
 
@@ -123,3 +125,22 @@ def score(fn: RewardFn, data_source, solution_str, ground_truth, extra_info=None
             raise ValueError("a reward function returning a dict must include 'score'")
         return float(out["score"]), {k: float(v) for k, v in out.items() if k != "score"}
     return float(out), {}
+
+
+def score_samples(fn: RewardFn, data_sources: Sequence, texts: Sequence[str], ground_truths: Sequence,
+                  extra_infos: Sequence, name: str | None = None) -> tuple[list[float], dict]:
+    """Score every sample: (scores, metrics averaged over the samples as `critic/score/<key>`).
+    ValueError, naming the sample, when the function raises or returns a non-finite score."""
+    name = name or getattr(fn, "__name__", "reward")
+    scores, extra = [], {}
+    for i, args in enumerate(zip(data_sources, texts, ground_truths, extra_infos)):
+        try:
+            s, e = score(fn, *args)
+        except Exception as err:  # the reward function's or the data's problem: report it
+            raise ValueError(f"reward {name!r} failed on sample {i}: {type(err).__name__}: {err}") from err
+        if not math.isfinite(s):
+            raise ValueError(f"reward {name!r} returned {s} for sample {i}")
+        scores.append(s)
+        for k, v in e.items():
+            extra.setdefault(k, []).append(v)
+    return scores, {f"critic/score/{k}": sum(v) / len(v) for k, v in extra.items()}

@@ -7,7 +7,9 @@
 * `serial`: verl's order and shapes — each sample is a full sequence with its image re-encoded.
 
 The engine decodes with the actor's own parameter tensors, so there is no weight-sync phase; the
-reference model is a frozen copy of the initial policy.
+reference model is a frozen copy of the initial policy. `train(batch, cfg)` takes an optional
+config for that step alone (the server's per-request overrides), derived from `self.cfg` with
+`dataclasses.replace`; `self.cfg` never changes.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from .actor import Actor
 from .algos import grpo_advantages, kl_penalty
 from .batch import RolloutBatch
 from .config import RLConfig
-from .rewards import RewardFn, get_reward_fn, score
+from .rewards import RewardFn, get_reward_fn, score_samples
 from .scoring import score as score_logprobs
 
 
@@ -74,26 +76,26 @@ class RLStep:
             data_sources=[r.get("data_source") for r in rows], ground_truths=[ground_truth(r) for r in rows],
             extra_infos=[r.get("extra_info") for r in rows])
 
-    def compute_rewards(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict]:
-        scores, extra = [], {}
-        for ds, text, gt, info in zip(batch.extras["data_sources"], batch.extras["texts"],
-                                      batch.extras["ground_truths"], batch.extras["extra_infos"]):
-            s, e = score(self.reward_fn, ds, text, gt, info)
-            scores.append(s)
-            for k, v in e.items():
-                extra.setdefault(k, []).append(v)
-        return torch.tensor(scores), {f"critic/score/{k}": sum(v) / len(v) for k, v in extra.items()}
+    def compute_rewards(self, batch: RolloutBatch, reward: RewardFn | str | None = None) -> tuple[torch.Tensor, dict]:
+        """Rewards [N] of a rollout's samples and their extra metrics, by `reward` (a function, a
+        registered name or module:function) or this step's reward function. ValueError for an unknown
+        reward, a reward function that fails, or a non-finite score."""
+        fn = self.reward_fn if reward is None else reward if callable(reward) else get_reward_fn(reward)
+        ex = batch.extras
+        scores, extra = score_samples(fn, ex["data_sources"], ex["texts"], ex["ground_truths"], ex["extra_infos"],
+                                      name=reward if isinstance(reward, str) else None)
+        return torch.tensor(scores, dtype=torch.float32), extra
 
-    def train(self, batch: RolloutBatch) -> dict:
-        """Reference scoring, advantages and the actor update for a batch with rewards."""
-        cfg, m = self.cfg, {}
+    def train(self, batch: RolloutBatch, cfg: RLConfig | None = None) -> dict:
+        """Reference scoring, advantages and the actor update for a batch with rewards; `cfg`: this
+        step's config (default: `self.cfg`)."""
+        cfg, m = cfg or self.cfg, {}
         if batch.rewards is None:
             raise ValueError("the batch has no rewards")
         ref_lp = None
         if self.ref is not None and cfg.kl_coef > 0:
             with _timer(m, "ref", self.device):
-                ref_lp = score_logprobs(self.ref, batch, cfg.mode, cfg.temperature, cfg.micro_batch_prompts,
-                                        cfg.micro_batch_samples, cfg.packed, cfg.micro_batch_max_tokens)
+                ref_lp = score_logprobs(self.ref, batch, cfg.mode, cfg.micro_batching, cfg.temperature)
         rewards = batch.rewards.float()
         if ref_lp is not None and not cfg.use_kl_loss:  # KL as a reward penalty (policy = rollout logprobs)
             kl = (kl_penalty(batch.rollout_logprobs, ref_lp, cfg.kl_loss_type) * batch.mask).sum(-1)
@@ -101,9 +103,10 @@ class RLStep:
             m["critic/kl_penalty"] = float(kl.mean())
         adv = grpo_advantages(rewards, batch.group, cfg.norm_adv_by_std)
         with _timer(m, "old_log_prob", self.device):
-            old = self.actor.old_logprobs(batch)
+            old = self.actor.old_logprobs(batch, cfg)
         with _timer(m, "update_actor", self.device):
-            stats, first_lp = self.actor.update(batch, adv, ref_lp if cfg.use_kl_loss else None, old, self.step_idx)
+            stats, first_lp = self.actor.update(batch, adv, ref_lp if cfg.use_kl_loss else None, old, self.step_idx,
+                                                cfg)
         m.update(stats)
         train_lp = old if old is not None else first_lp
         if batch.rollout_logprobs is not None:

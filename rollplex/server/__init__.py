@@ -5,17 +5,19 @@
 Modules, one job each:
 
     schemas.py   pydantic request models (SGLang's /generate, /rollout, /train_step, /save, /load)
+    errors.py    the 400 the routes raise for values the runtime rejects
     sglang.py    SGLang request <-> rollplex SamplingParams / response dicts
     worker.py    the engine thread: continuous batching over all HTTP requests + exclusive jobs
     store.py     retained rollouts (TTL + cap) waiting for their /train_step
-    state.py     the hosted runtime (model, processor, engine, RLStep, store, worker) + /memory ledger
+    state.py     ServerConfig (nesting RLConfig + EngineConfig) and the hosted runtime (model, processor,
+                 engine, RLStep, store, worker) + /memory ledger
     metrics.py   Prometheus counters and gauges for /metrics
     inflight.py  the async side of engine requests: submit, collect, abort on disconnect
     routes_generate.py   POST /generate (SGLang)
     routes_rl.py         POST /rollout, /train_step, /save, /load
     app.py       the FastAPI app: info routes, auth, request counters, error mapping
     embedded.py  run a real uvicorn server in a background thread (driver, tests)
-    __main__.py  the CLI
+    __main__.py  the CLI: flags generated from ServerConfig and its nested configs
 """
 
 from importlib import import_module
@@ -24,7 +26,7 @@ _EXPORTS = {"ServerConfig": "state", "ServerState": "state", "create_app": "app"
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name):  # lazy: `python -m rollplex.server --help` should not import torch first
+def __getattr__(name):  # lazy: importing the package loads a submodule only when one of its names is used
     if name in _EXPORTS:
         return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
     raise AttributeError(name)

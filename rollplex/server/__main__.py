@@ -3,64 +3,132 @@
     python -m rollplex.server                                # the embedded tiny model, 127.0.0.1:30000
     python -m rollplex.server --model /ckpt/Qwen2.5-VL-3B-Instruct --api-key $KEY --n 8 --lr 1e-6
 
-Flags map onto ServerConfig (state.py). One process per GPU; requests share one continuous batch.
+Flags fill ServerConfig (state.py): its own fields, then one flag per field of the RLConfig and the
+EngineConfig it nests, named after the field (`--kl-coef`, `--max-model-len`, `--no-packed`), so a
+new config field is a new flag with nothing restated here. `--seed` seeds both. Defaults are
+ServerConfig's. One process per GPU; requests share one continuous batch.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
+import types
+import typing
+
+# What a flag means on the server, where the field name alone does not say it.
+HELP = {
+    "mode": "rollplex: shared-prefix scoring and training; serial: verl's per-sample order",
+    "n": "samples per prompt in /rollout (GRPO group size)",
+    "temperature": "default sampling temperature of /rollout",
+    "top_p": "default top_p of /rollout",
+    "max_new_tokens": "default for /generate and /rollout",
+    "kl_coef": "> 0 keeps a frozen reference model",
+    "dual_clip": "verl's clip_ratio_c; off when not given",
+    "micro_batch_max_tokens": "token budget per forward/backward instead of the two counts (verl's dynamic batch size)",
+    "seed": "seeds the model init, the warm-up, the trainer and the engine",
+    "block_size": "tokens per KV block; default: 64 on CUDA, 16 on CPU",
+    "kv_cache_tokens": "default: 65536 on CPU, profiled on GPU",
+    "decode_split_k": "S_o S_down K slices of the graphed decode's o/down projections; default: timed per bucket",
+}
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None: such a flag's help says what leaving it out means."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def _flag(tp) -> dict:
+    """argparse keywords for a config field of type `tp` (its resolved annotation)."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args and len(args) == 2:
+        tp = next(a for a in args if a is not type(None))  # X | None: None is "not given"
+    if tp is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if typing.get_origin(tp) is tuple:
+        elems = typing.get_args(tp)
+        if len(elems) == 2 and elems[1] is Ellipsis:
+            return {"type": elems[0], "nargs": "+"}
+        if len(set(elems)) == 1:
+            return {"type": elems[0], "nargs": len(elems)}
+    if tp in (int, float, str):
+        return {"type": tp}
+    raise TypeError(f"no command-line form for a field of type {tp}")
+
+
+def _nested() -> list[tuple[str, type, object]]:
+    """(field name, config class, default instance) of each config ServerConfig nests."""
+    from .state import ServerConfig
+
+    hints = typing.get_type_hints(ServerConfig)
+    return [(f.name, hints[f.name], f.default_factory()) for f in dataclasses.fields(ServerConfig)
+            if dataclasses.is_dataclass(hints[f.name])]
+
+
+def _config_flags(group, section: str, cls, default, choices: dict) -> None:
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init or f.name == "seed":  # seed: one shared flag
+            continue
+        value = getattr(default, f.name)
+        text = " ".join(x for x in (HELP.get(f.name), f"[{cls.__name__}.{f.name}]") if x)
+        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f"{section}.{f.name}", default=value,
+                           metavar=None if f.name in choices else f.name.upper(), help=text,
+                           choices=choices.get(f.name), **_flag(hints[f.name]))
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m rollplex.server", description=__doc__.splitlines()[0])
+    from ..rl.algos import AGG_MODES, KL_KINDS
+    from ..rl.config import ADV_ESTIMATORS, LR_SCHEDULES, MODES
+
+    ap = argparse.ArgumentParser(prog="python -m rollplex.server", description=__doc__.splitlines()[0],
+                                 formatter_class=_HelpFormatter)
     ap.add_argument("--model", default=None, help="HF checkpoint dir or preset name (default: embedded tiny model)")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    ap.add_argument("--port", type=int, default=30000, help="port to listen on")
     ap.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if available")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                     help="default: bfloat16 on cuda, float32 on cpu")
-    ap.add_argument("--mode", choices=["rollplex", "serial"], default="rollplex")
     ap.add_argument("--api-key", default=os.environ.get("ROLLPLEX_API_KEY"),
                     help="require 'Authorization: Bearer KEY' (default: $ROLLPLEX_API_KEY)")
-    rl = ap.add_argument_group("RL defaults (per-step overrides in /train_step)")
-    rl.add_argument("--n", type=int, default=8, help="samples per prompt in /rollout")
-    rl.add_argument("--lr", type=float, default=1e-6)
-    rl.add_argument("--kl-coef", type=float, default=0.0, help="> 0 keeps a frozen reference model")
-    rl.add_argument("--temperature", type=float, default=1.0)
-    rl.add_argument("--max-new-tokens", type=int, default=128, help="default for /generate and /rollout")
-    rl.add_argument("--reward", default="default", help="reward for /train_step without rewards (name or module:fn)")
-    rl.add_argument("--micro-batch-prompts", type=int, default=4)
-    rl.add_argument("--micro-batch-samples", type=int, default=8)
-    rl.add_argument("--micro-batch-max-tokens", type=int, default=None,
-                    help="token budget per forward/backward instead of the two counts (verl's dynamic batch size)")
-    rl.add_argument("--seed", type=int, default=0)
-    rl.add_argument("--format-warmup-steps", type=int, default=0,
+    ap.add_argument("--reward", default="default", help="reward for /train_step without rewards (name or module:fn)")
+    ap.add_argument("--format-warmup-steps", type=int, default=0,
                     help="supervised answer-format steps on the shape-colour task at startup (tiny demo)")
-    eng = ap.add_argument_group("engine and retention")
-    eng.add_argument("--max-model-len", type=int, default=4096)
-    eng.add_argument("--max-num-seqs", type=int, default=256)
-    eng.add_argument("--kv-cache-tokens", type=int, default=None, help="default: 65536 on CPU, profiled on GPU")
-    eng.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    eng.add_argument("--rollout-ttl", type=float, default=600.0, help="seconds a training rollout is retained")
-    eng.add_argument("--max-rollouts", type=int, default=16, help="retained rollouts (oldest evicted)")
-    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    ap.add_argument("--rollout-ttl", type=float, default=600.0, help="seconds a training rollout is retained")
+    ap.add_argument("--max-rollouts", type=int, default=16, help="retained rollouts (oldest evicted)")
+    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+    nested = _nested()
+    seeds = {default.seed for _, _, default in nested if hasattr(default, "seed")}
+    assert len(seeds) == 1, "ServerConfig's nested defaults must agree on the seed --seed sets"
+    ap.add_argument("--seed", type=int, default=seeds.pop(), help=HELP["seed"])
+    choices = {"rl": {"mode": MODES, "adv_estimator": ADV_ESTIMATORS, "loss_agg_mode": AGG_MODES,
+                      "kl_loss_type": KL_KINDS, "lr_schedule": LR_SCHEDULES}}
+    titles = {"rl": "RL defaults (RLConfig; /train_step may override them per step)", "engine": "engine (EngineConfig)"}
+    for section, cls, default in nested:
+        _config_flags(ap.add_argument_group(titles.get(section, section)), section, cls, default,
+                      choices.get(section, {}))
     return ap
 
 
 def config_from_args(args):
     from .state import ServerConfig
 
-    return ServerConfig(
-        model=args.model, device=args.device, dtype=args.dtype, mode=args.mode, api_key=args.api_key, n=args.n,
-        lr=args.lr, kl_coef=args.kl_coef, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-        reward=args.reward, micro_batch_prompts=args.micro_batch_prompts,
-        micro_batch_samples=args.micro_batch_samples, micro_batch_max_tokens=args.micro_batch_max_tokens,
-        seed=args.seed, format_warmup_steps=args.format_warmup_steps,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization, rollout_ttl_s=args.rollout_ttl,
-        max_rollouts=args.max_rollouts)
+    given = vars(args)
+    nested = {}
+    for section, cls, _ in _nested():
+        kw = {}
+        for f in dataclasses.fields(cls):
+            if f.init:
+                value = given["seed" if f.name == "seed" else f"{section}.{f.name}"]
+                kw[f.name] = tuple(value) if isinstance(value, list) else value
+        nested[section] = cls(**kw)
+    return ServerConfig(model=args.model, device=args.device, dtype=args.dtype, api_key=args.api_key,
+                        reward=args.reward, format_warmup_steps=args.format_warmup_steps,
+                        rollout_ttl_s=args.rollout_ttl, max_rollouts=args.max_rollouts, **nested)
 
 
 def main(argv=None) -> None:
@@ -78,7 +146,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"rollplex.server: {e}") from None
     logging.getLogger("rollplex.server").info("serving %s on http://%s:%d (%s, %s, mode=%s, auth=%s)",
                                               state.model_path or cfg.model, args.host, args.port, cfg.device,
-                                              cfg.dtype, cfg.mode, "on" if cfg.api_key else "off")
+                                              cfg.dtype, cfg.rl.mode, "on" if cfg.api_key else "off")
     try:
         uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
     finally:

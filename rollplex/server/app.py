@@ -139,7 +139,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/get_model_info")  # SGLang clients ask for it when they connect
     async def model_info():
         return {"model_path": str(state.model_path or state.cfg.model), "tokenizer_path": str(state.model_path),
-                "is_generation": True, "max_model_len": state.cfg.max_model_len}
+                "is_generation": True, "max_model_len": state.cfg.engine.max_model_len}
 
     @app.get("/memory")
     async def memory():

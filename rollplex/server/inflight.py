@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from fastapi import HTTPException, Request
 
-from .sglang import bad_request
+from .errors import bad_request
 from .worker import Ticket
 
 PLACEHOLDER_HINT = " (text prompts need one <|vision_start|><|image_pad|><|vision_end|> per image)"

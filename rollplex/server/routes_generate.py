@@ -31,7 +31,7 @@ def _finalizer(state, spec):
 
 def router(state) -> APIRouter:
     r = APIRouter()
-    defaults = {"max_new_tokens": state.cfg.max_new_tokens}
+    defaults = {"max_new_tokens": state.cfg.rl.max_new_tokens}
 
     def sample_items(spec, ticket, out, extra, latency) -> list[dict]:
         items = []
@@ -49,7 +49,7 @@ def router(state) -> APIRouter:
     @r.post("/generate")
     async def generate(req: GenerateRequest, request: Request):
         t0 = time.perf_counter()
-        specs, batched = sglang.expand(req, defaults, state.cfg.max_num_seqs)
+        specs, batched = sglang.expand(req, defaults, state.cfg.engine.max_num_seqs)
         fins = [_finalizer(state, s) if (req.return_text_in_logprobs and s.return_logprob) else None for s in specs]
         encoders = [(lambda p=s.prompt: state.engine.encode(p)) for s in specs]
         tickets, _ = await submit(state, encoders, [s.params for s in specs], stream=req.stream, finalize=fins)

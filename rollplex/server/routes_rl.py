@@ -26,28 +26,11 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import Response
 
 from ..rl.batch import RolloutBatch
-from ..rl.rewards import get_reward_fn, score
+from .errors import bad_request
 from .inflight import ClientGone, collect, submit
 from .schemas import LoadRequest, RolloutRequest, SaveRequest, TrainStepRequest
-from .sglang import bad_request, sampling_params
+from .sglang import sampling_params
 from .store import RetainedRollout
-
-
-def compute_rewards(name: str, batch: RolloutBatch) -> tuple[list[float], dict]:
-    fn = get_reward_fn(name)  # ValueError for unknown names
-    ex = batch.extras
-    scores, extra = [], {}
-    for i, args in enumerate(zip(ex["data_sources"], ex["texts"], ex["ground_truths"], ex["extra_infos"])):
-        try:
-            s, e = score(fn, *args)
-        except Exception as err:  # the reward function's or the data's problem: report it
-            raise ValueError(f"reward {name!r} failed on sample {i}: {type(err).__name__}: {err}") from err
-        if not math.isfinite(s):
-            raise ValueError(f"reward {name!r} returned {s} for sample {i}")
-        scores.append(s)
-        for k, v in e.items():
-            extra.setdefault(k, []).append(v)
-    return scores, {f"critic/score/{k}": sum(v) / len(v) for k, v in extra.items()}
 
 
 def _finite(m: dict) -> dict:
@@ -56,7 +39,7 @@ def _finite(m: dict) -> dict:
 
 def router(state) -> APIRouter:
     r = APIRouter()
-    cfg = state.cfg
+    cfg, rl = state.cfg, state.cfg.rl
     train_lock = asyncio.Lock()
 
     @r.post("/rollout")
@@ -65,9 +48,9 @@ def router(state) -> APIRouter:
         sp_n = (req.sampling_params or {}).get("n")
         if req.n is not None and sp_n is not None and sp_n != req.n:
             raise bad_request(f"n={req.n} and sampling_params.n={sp_n} disagree")
-        n = req.n or sp_n or cfg.n
-        defaults = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature}
-        sp = sampling_params(req.sampling_params, defaults, cfg.max_num_seqs, n=n)
+        n = req.n or sp_n or rl.n
+        defaults = {"max_new_tokens": rl.max_new_tokens, "temperature": rl.temperature, "top_p": rl.top_p}
+        sp = sampling_params(req.sampling_params, defaults, cfg.engine.max_num_seqs, n=n)
         if req.for_training and sp.temperature <= 0:
             raise bad_request("training rollouts need temperature > 0 (the trainer scores that distribution)")
         params = [sp if sp.seed is None else replace(sp, seed=sp.seed + i * n) for i in range(len(req.prompts))]
@@ -112,8 +95,9 @@ def router(state) -> APIRouter:
                 rewards = list(req.rewards)
             else:
                 t0 = time.perf_counter()
-                try:
-                    rewards, extra = await asyncio.to_thread(compute_rewards, req.reward or cfg.reward, entry.batch)
+                try:  # the RL step's reward loop, off the engine thread (it touches no model state)
+                    rewards, extra = await asyncio.to_thread(state.rl.compute_rewards, entry.batch,
+                                                             req.reward or cfg.reward)
                 except ValueError as e:
                     raise bad_request(str(e)) from None
                 reward_s = time.perf_counter() - t0

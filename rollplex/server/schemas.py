@@ -195,7 +195,7 @@ class TrainStepRequest(BaseModel):
     rollout_id: str = Field(min_length=1)
     rewards: list[FiniteFloat] | None = None
     reward: str | None = Field(None, min_length=1)
-    # algorithm overrides (this step only; verl's names)
+    # algorithm overrides for this step only: RLConfig field names (verl's where verl has one)
     lr: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     kl_coef: float | None = Field(None, ge=0.0, allow_inf_nan=False)
     clip_ratio_low: float | None = Field(None, ge=0.0, allow_inf_nan=False)
@@ -220,6 +220,7 @@ class TrainStepRequest(BaseModel):
         return self
 
     def overrides(self) -> dict:
+        """The given overrides, as RLConfig fields."""
         skip = {"rollout_id", "rewards", "reward"}
         return {k: v for k, v in self.model_dump().items() if k not in skip and v is not None}
 

@@ -21,15 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastapi import HTTPException
 from pydantic import BaseModel, ValidationError
 
 from ..engine import SamplingParams
+from .errors import bad_request
 from .schemas import GenerateRequest, SGLangSamplingParams
-
-
-def bad_request(message: str) -> HTTPException:
-    return HTTPException(status_code=400, detail=message)
 
 
 def describe(e: ValidationError, prefix: str = "") -> str:

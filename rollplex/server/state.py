@@ -2,15 +2,19 @@
 
     ServerState(cfg):  model  <- HF dir (load_model + VLProcessor) | preset name (random init, ids only)
                                  | None (the embedded tiny model, written on first use)
-                       [format warm-up: rollplex.demo.format_warmup on the shape-colour task]
-                       engine <- Engine(model, processor)        decodes with the trainer's tensors
-                       rl     <- RLStep(model, engine, RLConfig)  ref = frozen copy when kl_coef > 0
+                       [format warm-up: rollplex.rl.warmup on the shape-colour task's rows]
+                       engine <- Engine(model, processor, cfg.engine)   decodes with the trainer's tensors
+                       rl     <- RLStep(model, engine, cfg.rl)          ref = frozen copy when kl_coef > 0
                        store  <- RolloutStore(ttl, cap);  worker <- EngineWorker(engine)
+
+ServerConfig holds the server's own settings and the two configs it hosts, nested: `engine`
+(EngineConfig) and `rl` (RLConfig, whose n / temperature / top_p / max_new_tokens are also the
+defaults of /rollout, max_new_tokens that of /generate). `rl.seed` seeds the model init and warm-up.
 
 Every method below except `describe` runs on the engine thread (through `worker.run`): the engine,
 the model, the optimizer and the tokenizer are touched by that one thread only.
-Train-step overrides apply to that step only: the step runs with a validated copy of the RLConfig
-(temperature = the rollout's, so the trainer scores the distribution that was sampled).
+Train-step overrides apply to that step only: the step runs with `dataclasses.replace(rl.cfg, ...)`
+(validated; temperature = the rollout's, so the trainer scores the distribution that was sampled).
 """
 
 from __future__ import annotations
@@ -18,12 +22,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from ..engine import Engine, EngineConfig
+from ..models import ModelInputs
 from ..rl.config import RLConfig
 from ..rl.step import RLStep
 from .metrics import Metrics
@@ -33,33 +38,24 @@ from .worker import EngineWorker
 log = logging.getLogger("rollplex.server")
 
 
+def server_rl_config() -> RLConfig:
+    """The server's default RLConfig: RLConfig's defaults with room for longer answers (this
+    max_new_tokens is also the default of /generate)."""
+    return RLConfig(max_new_tokens=128)
+
+
 @dataclass
 class ServerConfig:
     model: str | None = None  # HF directory or preset name; None: the embedded tiny model
     device: str | None = None  # default: cuda if available
     dtype: str | None = None  # default: bfloat16 on cuda, float32 on cpu
-    mode: str = "rollplex"
     api_key: str | None = None
-    # RL defaults (per-step overrides in /train_step)
-    n: int = 8
-    lr: float = 1e-6
-    kl_coef: float = 0.0
-    temperature: float = 1.0
-    max_new_tokens: int = 128
-    reward: str = "default"
-    micro_batch_prompts: int = 4
-    micro_batch_samples: int = 8
-    micro_batch_max_tokens: int | None = None
-    seed: int = 0
-    format_warmup_steps: int = 0
-    # engine
-    max_model_len: int = 4096
-    max_num_seqs: int = 256
-    kv_cache_tokens: int | None = None
-    gpu_memory_utilization: float = 0.5
-    # retained rollouts
-    rollout_ttl_s: float = 600.0
-    max_rollouts: int = 16
+    reward: str = "default"  # /train_step's reward for requests without rewards (name or module:function)
+    format_warmup_steps: int = 0  # supervised answer-format steps on the shape-colour task at startup
+    rollout_ttl_s: float = 600.0  # seconds a training rollout is retained
+    max_rollouts: int = 16  # retained rollouts (oldest evicted)
+    rl: RLConfig = field(default_factory=server_rl_config)  # the defaults; /train_step overrides per step
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
         if self.device is None:
@@ -75,12 +71,6 @@ class ServerConfig:
         if self.format_warmup_steps < 0:
             raise ValueError("format_warmup_steps must be >= 0")
 
-    def rl_config(self) -> RLConfig:
-        return RLConfig(mode=self.mode, n=self.n, temperature=self.temperature, max_new_tokens=self.max_new_tokens,
-                        lr=self.lr, kl_coef=self.kl_coef, micro_batch_prompts=self.micro_batch_prompts,
-                        micro_batch_samples=self.micro_batch_samples,
-                        micro_batch_max_tokens=self.micro_batch_max_tokens, seed=self.seed)
-
 
 def _load_policy(cfg: ServerConfig):
     """(model dir or None, model, processor or None)."""
@@ -89,7 +79,7 @@ def _load_policy(cfg: ServerConfig):
 
     dtype = getattr(torch, cfg.dtype)
     if cfg.model is None:
-        from ..tiny import ensure_tiny
+        from ..demo.tiny import ensure_tiny
 
         path = ensure_tiny()
     elif Path(cfg.model).is_dir():
@@ -100,7 +90,7 @@ def _load_policy(cfg: ServerConfig):
         mcfg = preset(cfg.model)
         log.warning("preset %s: random weights, no tokenizer; prompts must be input_ids", cfg.model)
         with torch.device(cfg.device):
-            model = init_weights(Qwen25VL(mcfg), seed=cfg.seed, std=0.02)
+            model = init_weights(Qwen25VL(mcfg), seed=cfg.rl.seed, std=0.02)
         return None, model.to(dtype).eval(), None
     return path, load_model(path, cfg.device, dtype).eval(), VLProcessor.from_pretrained(path)
 
@@ -108,27 +98,24 @@ def _load_policy(cfg: ServerConfig):
 class ServerState:
     def __init__(self, cfg: ServerConfig):
         self.cfg = cfg
-        rl_cfg = cfg.rl_config()  # validate before loading anything
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(cfg.rl.seed)
         self.model_path, self.model, self.processor = _load_policy(cfg)
         self.warmup_loss = None
         if cfg.format_warmup_steps:
             if self.processor is None:
                 raise ValueError("--format-warmup-steps needs a model with a tokenizer")
-            from ..demo import format_warmup
-            from ..tasks import shape_color
+            from ..demo import shape_color
+            from ..rl.warmup import format_warmup
 
             t0 = time.perf_counter()
-            rows = shape_color.make_rows(256, seed=cfg.seed)
-            self.warmup_loss = format_warmup(self.model, self.processor, rows, cfg.format_warmup_steps, lr=1e-3,
-                                             seed=cfg.seed)
+            rows = shape_color.make_rows(256, seed=cfg.rl.seed)
+            self.warmup_loss = format_warmup(self.model, self.processor, rows, shape_color.LETTERS,
+                                             cfg.format_warmup_steps, lr=1e-3, seed=cfg.rl.seed)
             self.model.eval()
             log.info("format warm-up: %d steps, loss %.3f (%.1fs)", cfg.format_warmup_steps, self.warmup_loss,
                      time.perf_counter() - t0)
-        self.engine = Engine(self.model, self.processor, EngineConfig(
-            max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, kv_cache_tokens=cfg.kv_cache_tokens,
-            gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed))
-        self.rl = RLStep(self.model, self.engine, rl_cfg, self.processor, reward_fn=cfg.reward)
+        self.engine = Engine(self.model, self.processor, cfg.engine)
+        self.rl = RLStep(self.model, self.engine, cfg.rl, self.processor, reward_fn=cfg.reward)
         self.store = RolloutStore(cfg.rollout_ttl_s, cfg.max_rollouts)
         self.worker = EngineWorker(self.engine, decode=self._decode if self.processor is not None else None)
         self.metrics = Metrics()
@@ -148,17 +135,17 @@ class ServerState:
         return [self.processor.decode([t], skip_special_tokens=False) for t in ids]
 
     def describe(self) -> dict:
-        return {"model": str(self.model_path or self.cfg.model), "mode": self.cfg.mode, "device": self.cfg.device,
-                "dtype": self.cfg.dtype, "global_step": self.rl.step_idx, "weights_version": self.weights_version,
+        cfg = self.cfg
+        return {"model": str(self.model_path or cfg.model), "mode": cfg.rl.mode, "device": cfg.device,
+                "dtype": cfg.dtype, "global_step": self.rl.step_idx, "weights_version": self.weights_version,
                 "retained_rollouts": len(self.store), "has_ref_model": self.rl.ref is not None,
-                "max_model_len": self.cfg.max_model_len, "max_num_seqs": self.cfg.max_num_seqs,
+                "max_model_len": cfg.engine.max_model_len, "max_num_seqs": cfg.engine.max_num_seqs,
                 "uptime_s": round(time.time() - self.started, 3)}
 
     # ---- engine-thread methods ----------------------------------------------------------------
-    def encode_prompt(self, p) -> object:
+    def encode_prompt(self, p) -> ModelInputs:
         """ModelInputs for a RolloutPrompt (chat messages / verl row / ids)."""
         from ..data import row_to_inputs
-        from ..processor import ModelInputs
 
         if p.input_ids is not None:
             return ModelInputs(input_ids=list(p.input_ids))
@@ -166,32 +153,17 @@ class ServerState:
             raise ValueError("this server has no tokenizer (a preset model): send `input_ids` prompts")
         return row_to_inputs(self.processor, {"prompt": p.chat(), "images": p.images, "videos": p.videos})
 
-    def train(self, entry: RetainedRollout, rewards: list[float], overrides: dict, reward_s: float) -> dict:
-        old = self.rl.cfg
-        cfg = RLConfig(**{**asdict(old), **{k: v for k, v in overrides.items() if k != "lr"},
-                          "temperature": entry.temperature})
+    def train(self, entry: RetainedRollout, rewards, overrides: dict, reward_s: float) -> dict:
+        """One step on a retained rollout: rewards [N] (list or tensor); overrides: RLConfig fields
+        for this step only."""
+        cfg = replace(self.rl.cfg, **{**overrides, "temperature": entry.temperature})  # ValueError if invalid
         if cfg.kl_coef > 0 and self.rl.ref is None:
             raise ValueError("this server holds no reference model (started with --kl-coef 0): "
                              "restart it with --kl-coef > 0 to use a KL term")
-        groups = self.rl.actor.optimizer.param_groups
-        lrs = [g["lr"] for g in groups]
-        if "lr" in overrides:
-            for g in groups:
-                g["lr"] = overrides["lr"]
-        self.rl.cfg = self.rl.actor.cfg = cfg
         t0 = time.perf_counter()
-        try:
-            m = self.rl.train(replace(entry.batch, rewards=torch.tensor(rewards, dtype=torch.float32)))
-        except BaseException:
-            for g, lr in zip(groups, lrs):
-                g["lr"] = lr
-            raise
-        finally:
-            self.rl.cfg = self.rl.actor.cfg = old
+        m = self.rl.train(replace(entry.batch, rewards=torch.as_tensor(rewards, dtype=torch.float32)), cfg)
         train_s = time.perf_counter() - t0
         self.weights_version += 1
-        if "lr" in overrides:
-            m["actor/lr"] = overrides["lr"]
         b = entry.batch
         tokens = sum(len(b.prompts[g].input_ids) for g in b.group.tolist()) + float(b.mask.sum())
         step_s = entry.gen_s + reward_s + train_s

@@ -16,69 +16,16 @@ import time
 from pathlib import Path
 
 import torch
-from PIL import Image, ImageDraw
 
-from .data import row_to_inputs
-from .engine import Engine, EngineConfig
-from .models import load_model
-from .processor import VLProcessor
-from .rl.batch import RolloutBatch
-from .rl.config import RLConfig
-from .rl.step import RLStep
-from .tasks import shape_color
+from ..engine import Engine, EngineConfig
+from ..models import load_model
+from ..plots import plot_rewards
+from ..processor import VLProcessor
+from ..rl.config import RLConfig
+from ..rl.step import RLStep
+from ..rl.warmup import format_warmup
+from . import shape_color
 from .tiny import ensure_tiny
-
-
-def demo_image(color: str = "red", size: int = 56) -> Image.Image:
-    img = Image.new("RGB", (size, size), "white")
-    ImageDraw.Draw(img).ellipse([8, 8, size - 8, size - 8], fill=color)
-    return img
-
-
-def format_warmup(model, processor, rows: list[dict], steps: int, lr: float, seed: int = 0) -> float:
-    """Supervised steps on the answer *format*: maximise p(any option letter) for the first token
-    and p(<|im_end|>) after a letter. No letter is preferred, so the model learns to answer with a
-    letter and stop, not which letter: it stays at chance and must learn to read the image."""
-    rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    letters = [processor.tokenizer.encode(x, add_special_tokens=False)[0] for x in shape_color.LETTERS]
-    loss = torch.tensor(0.0)
-    for _ in range(steps):
-        batch_rows = rng.sample(rows, min(16, len(rows)))
-        prompts = [row_to_inputs(processor, r) for r in batch_rows]
-        responses = [[rng.choice(letters), processor.eos_token_id] for _ in prompts]
-        batch = RolloutBatch.from_samples(prompts, list(range(len(prompts))), responses, pad_id=0)
-        hidden = model.response_hidden(model.prefix(batch.prompts), batch.responses, batch.group)  # [n, 2, C]
-        logp = torch.log_softmax(model.logits(hidden).float(), -1)
-        any_letter = torch.logsumexp(logp[:, 0, letters], -1)  # log p(first token is some letter)
-        stop = logp[:, 1, processor.eos_token_id]  # log p(<|im_end|> | a letter)
-        loss = -(any_letter + stop).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return loss.item()
-
-
-def plot_rewards(history: list[dict], path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    steps = [h["training/global_step"] for h in history]
-    fig, ax = plt.subplots(1, 2, figsize=(9, 3.2))
-    ax[0].plot(steps, [h["critic/score/mean"] for h in history], marker="o", ms=3)
-    ax[0].axhline(0.25, ls="--", c="gray", lw=1, label="chance")
-    ax[0].set(xlabel="step", ylabel="mean reward", title="shape colour: reward", ylim=(0, 1.05))
-    ax[0].legend()
-    ax[1].plot(steps, [h["perf/throughput"] for h in history], marker="o", ms=3, c="tab:orange")
-    ax[1].set(xlabel="step", ylabel="tokens/s", title="throughput")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def main(argv=None) -> None:
@@ -105,7 +52,7 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    loss = format_warmup(model, proc, rows, args.warmup_steps, lr=1e-3, seed=args.seed)
+    loss = format_warmup(model, proc, rows, shape_color.LETTERS, args.warmup_steps, lr=1e-3, seed=args.seed)
     print(f"format warm-up: {args.warmup_steps} steps on random letters, loss {loss:.3f} "
           f"({time.perf_counter() - t0:.1f}s)")
     engine = Engine(model, proc, EngineConfig(max_num_seqs=256, max_model_len=512))

@@ -4,7 +4,8 @@ Each row is a 56x56 image of one shape (circle, square or triangle; random size 
 of four colours, and a multiple-choice question with the options in a fixed order; the ground truth
 is the option letter. Rows follow verl's format (`data_source = "rollplex/shape_color"`) and the
 reward is `rollplex.rl.rewards.shape_color` (1 for the right letter, else 0). A policy that answers
-with a letter but cannot see scores 0.25: that is chance.
+with a letter but cannot see scores 0.25: that is chance. `demo_image` draws one fixed circle, for
+examples and tests that need an image.
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ DATA_SOURCE = "rollplex/shape_color"
 QUESTION = ("<image>What color is the shape?\n"
             + "\n".join(f"{LETTERS[i]}. {c}" for i, c in enumerate(COLORS))
             + "\nAnswer with the letter only.")
+
+
+def demo_image(color: str = "red", size: int = 56) -> Image.Image:
+    """A centred circle of a PIL colour name on white."""
+    img = Image.new("RGB", (size, size), "white")
+    ImageDraw.Draw(img).ellipse([8, 8, size - 8, size - 8], fill=color)
+    return img
 
 
 def draw_shape(color: str, rng: random.Random, size: int = 56) -> Image.Image:

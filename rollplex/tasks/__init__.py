@@ -1,1 +1,0 @@
-"""Embedded tasks (synthetic datasets with their rewards)."""
