@@ -29,43 +29,11 @@ from ..models import Qwen25VL
 from ..models.transfer import to_device
 from .algos import agg_denominator, agg_loss, kl_penalty, ppo_policy_loss
 from .batch import RolloutBatch
+from .checkpointing import set_activation_checkpointing
 from .config import RLConfig
-from .microbatch import micro_batches
+from .microbatch import MicroBatching, micro_batches
+from .optimizer import MasterAdamW
 from .scoring import score, token_logprobs
-
-
-class MasterAdamW:
-    """AdamW on fp32 master copies of low-precision parameters; copies back in place after step."""
-
-    def __init__(self, params: list[torch.nn.Parameter], **kw):
-        self.params = params
-        self.master = [p.detach().float().clone().requires_grad_(True) for p in params]
-        self.opt = torch.optim.AdamW(self.master, **kw)
-        self.param_groups = self.opt.param_groups
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-
-    def step(self) -> None:
-        for p, m in zip(self.params, self.master):
-            m.grad = None if p.grad is None else p.grad.float()
-            p.grad = None  # the fp32 copy replaces it: no bf16 + fp32 gradient pair held at the peak
-        self.opt.step()
-        with torch.no_grad():
-            for p, m in zip(self.params, self.master):
-                p.copy_(m)
-                m.grad = None
-
-    def state_dict(self) -> dict:
-        return {"opt": self.opt.state_dict(), "master": [m.detach().cpu() for m in self.master]}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.opt.load_state_dict(sd["opt"])
-        with torch.no_grad():
-            for m, s, p in zip(self.master, sd["master"], self.params):
-                m.copy_(s)
-                p.copy_(s)
 
 
 def lr_lambda(cfg: RLConfig):
@@ -80,15 +48,30 @@ def lr_lambda(cfg: RLConfig):
     return f
 
 
+class TrainOOM(RuntimeError):
+    """The update ran out of device memory at the smallest micro-batch; the weights and the optimizer are
+    as they were before the step (`applied_updates` == 0) or that many optimizer steps were applied."""
+
+    def __init__(self, msg: str, applied_updates: int):
+        super().__init__(msg)
+        self.applied_updates = applied_updates
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
 class Actor:
-    def __init__(self, model: Qwen25VL, cfg: RLConfig):
+    def __init__(self, model: Qwen25VL, cfg: RLConfig, memory=None, optimizer_offload: bool = False):
         self.model, self.cfg = model, cfg
         params = [p for p in model.parameters() if p.requires_grad]
         kw = dict(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-        self.optimizer = (torch.optim.AdamW(params, **kw) if params[0].dtype == torch.float32
-                          else MasterAdamW(params, **kw))
-        opt = self.optimizer.opt if isinstance(self.optimizer, MasterAdamW) else self.optimizer
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+        # persistent gradient buffers in the `grads` region, masters and moments in `optimizer`
+        self.optimizer = MasterAdamW(params, memory=memory, offload=optimizer_offload, **kw)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer.opt, lr_lambda(cfg))
+        set_activation_checkpointing(model, cfg.gradient_checkpointing, cfg.vision_gradient_checkpointing)
+        # micro-batching that ran out of memory is halved for the rest of the run (OOM back-off)
+        self._backoff: MicroBatching | None = None
 
     def _mini_batches(self, cfg: RLConfig, batch: RolloutBatch, epoch: int, step: int) -> list[list[int]]:
         order = list(range(batch.num_prompts))
@@ -115,77 +98,123 @@ class Actor:
             return None
         return score(self.model, batch, cfg.mode, cfg.micro_batching, cfg.temperature)
 
+    def _plan(self, cfg: RLConfig) -> MicroBatching:
+        plan = cfg.micro_batching
+        b = self._backoff
+        if b is None:
+            return plan
+        return MicroBatching(min(plan.prompts, b.prompts), min(plan.samples, b.samples),
+                             b.max_tokens if plan.max_tokens is None else min(plan.max_tokens, b.max_tokens or 1 << 62),
+                             plan.packed)
+
     def update(self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None,
                old_all: torch.Tensor | None = None, step: int = 0,
                cfg: RLConfig | None = None) -> tuple[dict, torch.Tensor]:
         """advantages [N]; ref/old logprobs [N, R] or None; cfg: this step's config (default: the
         actor's). Returns (verl-named metrics averaged over updates, the trainer's logprobs of the
-        first pass [N, R] before any update)."""
+        first pass [N, R] before any update).
+
+        A micro-batch that runs out of device memory drops that mini-batch's gradients and retries it with
+        halved micro-batches (kept for later steps); at one prompt (one sequence) per pass it raises
+        TrainOOM, with the weights and optimizer untouched when no optimizer step had been applied."""
         cfg, model = cfg or self.cfg, self.model
-        plan = cfg.micro_batching
         model.train()
         first_logp = torch.zeros(batch.responses.shape)
         seen = torch.zeros(batch.num_samples, dtype=torch.bool)
         first_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         sums: dict[str, float] = {}
         updates = 0
-        for epoch in range(cfg.ppo_epochs):
-            for prompt_ids in self._mini_batches(cfg, batch, epoch, step):
-                mini, mini_idx = batch.select_prompts(sorted(prompt_ids))
-                denom = agg_denominator(mini.mask, cfg.loss_agg_mode)
-                self.optimizer.zero_grad()
-                # metrics accumulate on the device: an .item() per micro-batch would make the host wait
-                # for the GPU each time and lose the run-ahead that hides Python/launch overhead
-                acc: dict[str, torch.Tensor | float] = {"actor/pg_loss": 0.0, "actor/kl_loss": 0.0,
-                                                        "actor/entropy": 0.0, "actor/pg_clipfrac": 0.0,
-                                                        "actor/ppo_kl": 0.0}
-                n_tok = float(mini.mask.sum())
-                for mb, idx in micro_batches(mini, cfg.mode, plan):
-                    gidx = mini_idx[idx]
-                    want_ent = cfg.entropy_coeff > 0
-                    logp, ent = token_logprobs(model, mb, cfg.mode, plan.packed, cfg.temperature,
-                                               with_entropy=want_ent)
-                    dev = logp.device
-                    mask = to_device(mb.mask, dev)
-                    if epoch == 0:  # kept on the device until the update ends (no sync per micro-batch)
-                        first_parts.append((gidx, logp.detach() * mask))
-                        seen[gidx] = True
-                    old = logp.detach() if old_all is None else to_device(old_all[gidx], dev)
-                    adv = to_device(advantages[gidx], dev)
-                    pg, clipfrac, ppo_kl = ppo_policy_loss(logp, old, adv, mask, cfg.clip_ratio_low,
-                                                           cfg.clip_ratio_high, cfg.dual_clip, cfg.loss_agg_mode, denom)
-                    loss = pg
-                    w = float(mb.mask.sum()) / max(n_tok, 1.0)  # token share of this micro-batch, for metrics
-                    if ref_logprobs is not None and cfg.use_kl_loss and cfg.kl_coef > 0:
-                        kl = agg_loss(kl_penalty(logp, to_device(ref_logprobs[gidx], dev), cfg.kl_loss_type), mask,
-                                      cfg.loss_agg_mode, denom)
-                        loss = loss + cfg.kl_coef * kl
-                        acc["actor/kl_loss"] = acc["actor/kl_loss"] + kl.detach()
-                    if want_ent:
-                        e = agg_loss(ent, mask, cfg.loss_agg_mode, denom)
-                        loss = loss - cfg.entropy_coeff * e
-                        acc["actor/entropy"] = acc["actor/entropy"] + e.detach()
-                    loss.backward()
-                    acc["actor/pg_loss"] = acc["actor/pg_loss"] + pg.detach()
-                    acc["actor/pg_clipfrac"] = acc["actor/pg_clipfrac"] + clipfrac.detach() * w
-                    acc["actor/ppo_kl"] = acc["actor/ppo_kl"] + ppo_kl.detach() * w
-                stats = {k: float(v) for k, v in acc.items()}
-                params = [p for p in model.parameters() if p.grad is not None]
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-                stats["actor/grad_norm"] = float(grad_norm)
-                stats["actor/lr"] = self._set_lr(cfg)
-                if torch.isfinite(grad_norm):
-                    self.optimizer.step()
-                self.scheduler.step()
-                for k, v in stats.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                updates += 1
+        try:
+            for epoch in range(cfg.ppo_epochs):
+                for prompt_ids in self._mini_batches(cfg, batch, epoch, step):
+                    mini, mini_idx = batch.select_prompts(sorted(prompt_ids))
+                    while True:
+                        kept = len(first_parts)
+                        try:
+                            acc = self._accumulate(cfg, mini, mini_idx, advantages, ref_logprobs, old_all,
+                                                   first_parts if epoch == 0 else None)
+                            break
+                        except Exception as e:  # noqa: BLE001 - only OOM is retried
+                            if not _is_oom(e):
+                                raise
+                            self._recover()
+                            del first_parts[kept:]
+                            smaller = _halve(self._plan(cfg), cfg.mode)
+                            if smaller is None:
+                                raise TrainOOM(
+                                    "the actor update ran out of device memory at one "
+                                    f"{'prompt' if cfg.mode == 'rollplex' else 'sequence'} per micro-batch; lower "
+                                    "n or max_new_tokens, turn on gradient_checkpointing, or offload the optimizer "
+                                    "(optimizer_offload) or the reference model", updates) from e
+                            self._backoff = smaller
+                    stats = {k: float(v) for k, v in acc.items()}
+                    grad_norm = torch.nn.utils.clip_grad_norm_(self.optimizer.grads(), cfg.grad_clip)
+                    stats["actor/grad_norm"] = float(grad_norm)
+                    stats["actor/lr"] = self._set_lr(cfg)
+                    if torch.isfinite(grad_norm):
+                        self.optimizer.step()
+                    self.scheduler.step()
+                    for k, v in stats.items():
+                        sums[k] = sums.get(k, 0.0) + v
+                    updates += 1
+        except BaseException:
+            self._recover()
+            model.eval()
+            raise
         self.optimizer.zero_grad()
         model.eval()
         for gidx, lp in first_parts:
             first_logp[gidx] = lp.cpu()
+            seen[gidx] = True
         assert bool(seen.all())
         return {k: v / max(updates, 1) for k, v in sums.items()}, first_logp
+
+    def _recover(self) -> None:
+        """Drop a failed pass's gradients and cached blocks (its tensors are gone with the exception)."""
+        self.optimizer.zero_grad()
+        if self.model.inv_freq.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _accumulate(self, cfg: RLConfig, mini: RolloutBatch, mini_idx: torch.Tensor, advantages: torch.Tensor,
+                    ref_logprobs: torch.Tensor | None, old_all: torch.Tensor | None,
+                    first_parts: list | None) -> dict:
+        """Forward/backward of one mini-batch's micro-batches into zeroed gradients; returns its metrics
+        (device tensors: an .item() per micro-batch would make the host wait for the GPU each time and
+        lose the run-ahead that hides Python/launch overhead)."""
+        model, plan = self.model, self._plan(cfg)
+        denom = agg_denominator(mini.mask, cfg.loss_agg_mode)
+        self.optimizer.zero_grad()
+        acc: dict[str, torch.Tensor | float] = {"actor/pg_loss": 0.0, "actor/kl_loss": 0.0, "actor/entropy": 0.0,
+                                                "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0}
+        n_tok = float(mini.mask.sum())
+        want_ent = cfg.entropy_coeff > 0
+        for mb, idx in micro_batches(mini, cfg.mode, plan):
+            gidx = mini_idx[idx]
+            logp, ent = token_logprobs(model, mb, cfg.mode, plan.packed, cfg.temperature, with_entropy=want_ent)
+            dev = logp.device
+            mask = to_device(mb.mask, dev)
+            if first_parts is not None:  # kept on the device until the update ends (no sync per micro-batch)
+                first_parts.append((gidx, logp.detach() * mask))
+            old = logp.detach() if old_all is None else to_device(old_all[gidx], dev)
+            adv = to_device(advantages[gidx], dev)
+            pg, clipfrac, ppo_kl = ppo_policy_loss(logp, old, adv, mask, cfg.clip_ratio_low, cfg.clip_ratio_high,
+                                                   cfg.dual_clip, cfg.loss_agg_mode, denom)
+            loss = pg
+            w = float(mb.mask.sum()) / max(n_tok, 1.0)  # token share of this micro-batch, for metrics
+            if ref_logprobs is not None and cfg.use_kl_loss and cfg.kl_coef > 0:
+                kl = agg_loss(kl_penalty(logp, to_device(ref_logprobs[gidx], dev), cfg.kl_loss_type), mask,
+                              cfg.loss_agg_mode, denom)
+                loss = loss + cfg.kl_coef * kl
+                acc["actor/kl_loss"] = acc["actor/kl_loss"] + kl.detach()
+            if want_ent:
+                e = agg_loss(ent, mask, cfg.loss_agg_mode, denom)
+                loss = loss - cfg.entropy_coeff * e
+                acc["actor/entropy"] = acc["actor/entropy"] + e.detach()
+            loss.backward()
+            acc["actor/pg_loss"] = acc["actor/pg_loss"] + pg.detach()
+            acc["actor/pg_clipfrac"] = acc["actor/pg_clipfrac"] + clipfrac.detach() * w
+            acc["actor/ppo_kl"] = acc["actor/ppo_kl"] + ppo_kl.detach() * w
+        return acc
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
@@ -193,3 +222,14 @@ class Actor:
     def load_state_dict(self, sd: dict) -> None:
         self.optimizer.load_state_dict(sd["optimizer"])
         self.scheduler.load_state_dict(sd["scheduler"])
+
+
+def _halve(plan: MicroBatching, mode: str) -> MicroBatching | None:
+    """The next smaller micro-batching, or None at one prompt (rollplex) / one sequence (serial) per pass."""
+    if plan.max_tokens is not None:
+        if plan.max_tokens <= 1:
+            return None
+        return MicroBatching(plan.prompts, plan.samples, plan.max_tokens // 2, plan.packed)
+    if mode == "rollplex":
+        return None if plan.prompts <= 1 else MicroBatching(plan.prompts // 2, plan.samples, None, plan.packed)
+    return None if plan.samples <= 1 else MicroBatching(plan.prompts, plan.samples // 2, None, plan.packed)

@@ -55,6 +55,10 @@ class RLConfig:
     # default because it is faster and needs about half the memory of the padded responses, which is
     # what lets 4 prompts x 8 samples fit a micro-batch on one GPU (docs/BENCHMARKS.md).
     packed: bool = True
+    # per-layer activation checkpointing of the decoder / the vision tower in the actor's forward/backward
+    # (verl: enable_gradient_checkpointing): activations stop growing with depth for about one extra forward
+    gradient_checkpointing: bool = False
+    vision_gradient_checkpointing: bool = False
     seed: int = 0
 
     def __post_init__(self):

@@ -50,6 +50,12 @@ class MasterAdamW:
             self.chunks[-1].append(i)
             size += 4 * p.numel()
         self._grads_ready = False
+        # parameters that received a gradient since zero_grad: only they are clipped and stepped, as
+        # torch.optim skips parameters whose .grad is None (a batch without images leaves the vision
+        # tower untouched: no weight decay, no moment update)
+        self.touched: set[int] = set()
+        for i, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(lambda _p, i=i: self.touched.add(i))
 
     def _region(self, tag: str):
         return self.memory.region(tag) if self.memory is not None else contextlib.nullcontext()
@@ -71,6 +77,7 @@ class MasterAdamW:
 
     def zero_grad(self) -> None:
         """Zero the persistent gradient buffers (allocated on first use)."""
+        self.touched.clear()
         if not self._grads_ready:
             self._alloc_grads()
             return
@@ -80,7 +87,8 @@ class MasterAdamW:
             p.grad.zero_()
 
     def grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.params]
+        """The gradients of the parameters that received one since zero_grad."""
+        return [self.params[i].grad for i in sorted(self.touched)]
 
     # ---- state --------------------------------------------------------------------------------
     def state_tensors(self) -> list[torch.Tensor]:
@@ -102,12 +110,15 @@ class MasterAdamW:
 
     def _step(self) -> None:
         grads = [p.grad for p in self.params]
+        live = [g if i in self.touched else None for i, g in enumerate(grads)]
         for m in self.master:
             m.grad = None  # AdamW steps only the parameters that have one: the current chunk's
         for chunk in self.chunks:
+            if not any(live[i] is not None for i in chunk):
+                continue
             paged = self._page_in(chunk) if self.offload else None
             for i in chunk:
-                g, m = grads[i], self.master[i]
+                g, m = live[i], self.master[i]
                 m.grad = None if g is None else (g if g.dtype == m.dtype and g.device == m.device else g.float())
             self.opt.step()
             for i in chunk:
@@ -141,6 +152,8 @@ class MasterAdamW:
             m.data = hm
             st = self.opt.state[m]
             for k in MOMENTS:
+                if k not in st:  # never stepped (no gradient yet): no moments to keep
+                    continue
                 if k in hmom:
                     hmom[k].copy_(st[k], non_blocking=nb)
                 else:  # first step: the moments were just created on the device

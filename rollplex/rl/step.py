@@ -14,6 +14,7 @@ config for that step alone (the server's per-request overrides), derived from `s
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ from contextlib import contextmanager
 import torch
 
 from ..engine import Engine, SamplingParams
+from ..memory import MemoryConfig, MemoryManager, activation_bytes
 from ..models import Qwen25VL
 from .actor import Actor
 from .algos import grpo_advantages, kl_penalty
@@ -43,20 +45,71 @@ def _timer(metrics: dict, name: str, device: torch.device):
 
 class RLStep:
     def __init__(self, model: Qwen25VL, engine: Engine | None, cfg: RLConfig, processor=None,
-                 reward_fn: RewardFn | str | None = None, ref_model: Qwen25VL | None = None):
+                 reward_fn: RewardFn | str | None = None, ref_model: Qwen25VL | None = None,
+                 memory: MemoryManager | None = None, memory_cfg: MemoryConfig | None = None):
+        """memory: the phase-aware memory manager the engine's KV cache was allocated under (None: every
+        tensor stays resident); its plan is chosen here from the sizes of the regions and `memory_cfg`."""
         if engine is not None and engine.model is not model:
             raise ValueError("the engine must decode with the actor's own model (shared weights)")
+        if engine is not None and memory is not None and engine.memory is not memory:
+            raise ValueError("the engine and the RL step must share one memory manager")
         self.model, self.engine, self.cfg = model, engine, cfg
+        self.memory, self.memory_cfg = memory, memory_cfg or MemoryConfig()
         self.processor = processor or (engine.processor if engine is not None else None)
         self.reward_fn = reward_fn if callable(reward_fn) else get_reward_fn(reward_fn)
         self.ref = ref_model
         if self.ref is None and cfg.kl_coef > 0:
-            self.ref = copy.deepcopy(model)
+            with self._region("ref_weights"):
+                self.ref = copy.deepcopy(model)
         if self.ref is not None:
             self.ref.requires_grad_(False).eval()
-        self.actor = Actor(model, cfg)
+            if memory is not None:
+                ref = self.ref
+                memory.preserve("ref_weights", lambda: [*ref.parameters(), *ref.buffers()])
+        self.actor = Actor(model, cfg, memory, self.memory_cfg.optimizer_offload)
         self.step_idx = 0
         self.device = model.inv_freq.device
+        if memory is not None:
+            memory.set_plan(self.memory_cfg.build_plan(self.memory_sizes(), self.activation_estimate(),
+                                                       _capacity(self.device, memory)))
+
+    # ---- memory -------------------------------------------------------------------------------
+    def _region(self, tag: str):
+        return self.memory.region(tag) if self.memory is not None else contextlib.nullcontext()
+
+    def _phase(self, name: str):
+        return self.memory.phase(name) if self.memory is not None else contextlib.nullcontext()
+
+    def memory_sizes(self) -> dict[str, int]:
+        """Bytes per memory tag at steady state (the optimizer's moments exist only after its first step)."""
+        def nbytes(ts):
+            return sum(t.numel() * t.element_size() for t in ts)
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        n = sum(p.numel() for p in params)
+        fp32 = params[0].dtype == torch.float32
+        return {
+            "weights": nbytes(self.model.parameters()),
+            "ref_weights": nbytes(self.ref.parameters()) if self.ref is not None else 0,
+            "kv_cache": self.engine.runner.kv_cache_bytes() if self.engine is not None else 0,
+            "optimizer": 0 if self.memory_cfg.optimizer_offload else (8 if fp32 else 12) * n,
+            "grads": nbytes(params),
+        }
+
+    def activation_estimate(self) -> dict[str, int]:
+        """Transient bytes per phase for the plan: one micro-batch of the update (the largest by far)."""
+        cfg, t = self.cfg, self.model.cfg.text
+        mb = cfg.micro_batching
+        prompt_guess = 1024
+        if mb.max_tokens is not None:
+            tokens = mb.max_tokens
+        elif cfg.mode == "rollplex":
+            tokens = mb.prompts * (prompt_guess + cfg.n * cfg.max_new_tokens)
+        else:
+            tokens = mb.samples * (prompt_guess + cfg.max_new_tokens)
+        dtype_bytes = next(self.model.parameters()).element_size()
+        upd = activation_bytes(t.hidden_size, t.num_hidden_layers, tokens, dtype_bytes, cfg.gradient_checkpointing)
+        return {"rollout": 0, "ref": upd // 3, "update": upd}
 
     # ---- phases -------------------------------------------------------------------------------
     def rollout(self, rows: list[dict]) -> RolloutBatch:
@@ -70,7 +123,8 @@ class RLStep:
                                  max_new_tokens=cfg.max_new_tokens,
                                  seed=(cfg.seed * 1_000_003 + self.step_idx * 10_007 + i * 101) % 2**62)
                   for i in range(len(rows))]
-        outs = self.engine.generate(prompts, params)
+        with self._phase("rollout"):
+            outs = self.engine.generate(prompts, params)
         return RolloutBatch.from_outputs(
             prompts, outs, pad_id=self.model.cfg.pad_token_id or 0,
             data_sources=[r.get("data_source") for r in rows], ground_truths=[ground_truth(r) for r in rows],
@@ -94,7 +148,7 @@ class RLStep:
             raise ValueError("the batch has no rewards")
         ref_lp = None
         if self.ref is not None and cfg.kl_coef > 0:
-            with _timer(m, "ref", self.device):
+            with _timer(m, "ref", self.device), self._phase("ref"):
                 ref_lp = score_logprobs(self.ref, batch, cfg.mode, cfg.micro_batching, cfg.temperature)
         rewards = batch.rewards.float()
         if ref_lp is not None and not cfg.use_kl_loss:  # KL as a reward penalty (policy = rollout logprobs)
@@ -102,12 +156,14 @@ class RLStep:
             rewards = rewards - cfg.kl_coef * kl
             m["critic/kl_penalty"] = float(kl.mean())
         adv = grpo_advantages(rewards, batch.group, cfg.norm_adv_by_std)
-        with _timer(m, "old_log_prob", self.device):
+        with _timer(m, "old_log_prob", self.device), self._phase("ref"):
             old = self.actor.old_logprobs(batch, cfg)
-        with _timer(m, "update_actor", self.device):
+        with _timer(m, "update_actor", self.device), self._phase("update"):
             stats, first_lp = self.actor.update(batch, adv, ref_lp if cfg.use_kl_loss else None, old, self.step_idx,
                                                 cfg)
         m.update(stats)
+        if self.memory is not None:
+            m.update(self.memory.ledger.take_metrics())
         train_lp = old if old is not None else first_lp
         if batch.rollout_logprobs is not None:
             sel = batch.mask > 0
@@ -142,3 +198,10 @@ class RLStep:
         m["perf/throughput"] = tokens / m["timing_s/step"]
         m["training/global_step"] = self.step_idx
         return m
+
+
+def _capacity(device: torch.device, memory: MemoryManager) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    cap = getattr(memory.backend, "capacity", None)
+    return cap if cap is not None else 1 << 50

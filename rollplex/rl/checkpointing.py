@@ -1,0 +1,44 @@
+"""Activation (gradient) checkpointing for the actor, applied from outside the model.
+
+Each decoder layer (`TextDecoder.layer`) and vision block (`VisionTower.block`) becomes a
+non-reentrant `torch.utils.checkpoint` region: backward keeps only the layer inputs and recomputes
+the rest, trading about one extra forward for activations that no longer grow with the layer count.
+The wrappers sit on the instances, so the model's code and the engine's decode path are untouched;
+with autograd off (scoring, decode) the original method runs directly. Same values and gradients as
+without checkpointing (held by the tests).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..models import Qwen25VL
+
+
+def _wrap(obj, name: str) -> None:
+    if name in vars(obj):  # already wrapped
+        return
+    orig = getattr(obj, name)
+
+    def run(*args):
+        if not torch.is_grad_enabled():
+            return orig(*args)
+        return checkpoint(orig, *args, use_reentrant=False)
+
+    run.__wrapped__ = orig
+    setattr(obj, name, run)
+
+
+def _unwrap(obj, name: str) -> None:
+    vars(obj).pop(name, None)
+
+
+def set_activation_checkpointing(model: Qwen25VL, decoder: bool, vision: bool) -> None:
+    """Turn per-layer checkpointing of the decoder and/or the vision tower on or off."""
+    for on, obj, name in ((decoder, model.model, "layer"), (vision, model.visual, "block")):
+        (_wrap if on else _unwrap)(obj, name)
+
+
+def activation_checkpointing(model: Qwen25VL) -> tuple[bool, bool]:
+    return "layer" in vars(model.model), "block" in vars(model.visual)
