@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollplex.engine.paged_attention import choose_num_splits, paged_decode_attention
+from rollplex.kernels.paged_attention import choose_num_splits, paged_decode_attention
 
 
 def make_case(
@@ -246,7 +246,7 @@ def test_triton_in_kernel_merge(num_splits, tile) -> None:
 
 @triton_only
 def test_tune_decode_skips_failing_candidates_and_picks_the_fastest(caplog) -> None:
-    from rollplex.engine.paged_attention import tune_decode
+    from rollplex.kernels.paged_attention import tune_decode
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     case = make_case([40, 17, 64, 5], 8, 2, 64, 16, device=device, seed=12, pad_value=0)
@@ -268,7 +268,7 @@ def test_tune_decode_skips_failing_candidates_and_picks_the_fastest(caplog) -> N
 def test_tune_decode_times_calls_that_cycle_through_caches() -> None:
     """With lists of caches (several layers), each timed call reads the next cache: the tuner measures
     KV that comes from memory, not from a cache that the previous call left in L2."""
-    from rollplex.engine.paged_attention import tune_decode
+    from rollplex.kernels.paged_attention import tune_decode
 
     case = make_case([40, 17, 64, 5], 8, 2, 64, 16, seed=13, pad_value=0)
     q, k, v, table, lens = case
@@ -325,7 +325,7 @@ def test_triton_tma_variant(block_size, num_splits, new_token) -> None:
 def test_launch_configs_that_do_not_apply_are_left_out() -> None:
     """fits(): a TMA tile must be a block or a part of one (and TMA needs sm_90+ on CUDA); a gather tile
     must cover whole blocks. attn_variant() names the kernel a config runs."""
-    from rollplex.engine.paged_attention import DECODE_CANDIDATES, attn_variant, fits
+    from rollplex.kernels.paged_attention import DECODE_CANDIDATES, attn_variant, fits
 
     cpu = torch.device("cpu")
     assert fits({"tma": True, "tile_n": 32}, 64, cpu) and not fits({"tma": True, "tile_n": 64}, 32, cpu)

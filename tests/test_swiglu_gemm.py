@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from helpers import recording_timer
 
-from rollplex.engine.swiglu_gemm import swiglu_linear, swiglu_reference, tune_swiglu
+from rollplex.kernels.swiglu_gemm import swiglu_linear, swiglu_reference, tune_swiglu
 
 
 def _runnable() -> bool:

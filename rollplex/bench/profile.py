@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from ..engine import Engine, EngineConfig
 from ..engine.model_runner import ModelRunner
-from ..engine.paged_attention import DECODE_CANDIDATES, attn_variant, fits, paged_decode_attention
-from ..engine.tuning import graph_time_us, round_robin
+from ..kernels.paged_attention import DECODE_CANDIDATES, attn_variant, fits, paged_decode_attention
+from ..kernels.tuning import graph_time_us, round_robin
 from ..models import ModelConfig, Qwen25VL, init_weights
 from ..presets import preset
 from ..rl.batch import RolloutBatch
@@ -257,7 +257,7 @@ def gemm_sweep(cfg, batches, rows: list, dev: str) -> None:
     calls cycling through GEMM_COPIES weights (read from HBM, as in the step; the smaller weights fit
     L2 and a single copy timed over and over measures L2):
     * cuBLAS `F.linear` (what the model runs) and the best Triton skinny-GEMM candidate
-      (`engine/skinny_gemm.py`)
+      (`kernels/skinny_gemm.py`)
     * `mm(W, x^T)`: the transposed problem, which cuBLAS tiles differently (output [N, M])
     * split-K as a batched GEMM with fp32 output, `bmm(x_s, W_s^T, out_dtype=fp32)` over S slices of
       K, alone (its reduction could fuse into the next norm kernel) and with an eager sum + cast."""
@@ -280,12 +280,12 @@ def gemm_sweep(cfg, batches, rows: list, dev: str) -> None:
 
 def swiglu_sweep(cfg, batches, rows: list, dev: str) -> None:
     """gate_up + SwiGLU at M = B rows, as the decode step can run it: cuBLAS GEMM + inductor's fused
-    SwiGLU (compiled, what the model runs) vs each Triton `swiglu_linear` config (engine/swiglu_gemm.py),
+    SwiGLU (compiled, what the model runs) vs each Triton `swiglu_linear` config (kernels/swiglu_gemm.py),
     graph-timed with calls cycling through GEMM_COPIES weights. Checks the best config's output
     against the compiled path first."""
     if dev != "cuda":
         return
-    from ..engine.swiglu_gemm import swiglu_linear, tune_swiglu
+    from ..kernels.swiglu_gemm import swiglu_linear, tune_swiglu
     from ..models.text import _gate_up_swiglu
 
     t = cfg.text
@@ -307,7 +307,7 @@ def swiglu_sweep(cfg, batches, rows: list, dev: str) -> None:
 
 
 def _gemm_variants(B: int, N: int, K: int, has_bias: bool, g, dev: str) -> dict:
-    from ..engine.skinny_gemm import skinny_linear, tune_linear
+    from ..kernels.skinny_gemm import skinny_linear, tune_linear
 
     x = torch.randn(B, K, device=dev, dtype=DT[dev], generator=g)
     ws = [torch.randn(N, K, device=dev, dtype=DT[dev], generator=g) * 0.02 for _ in range(GEMM_COPIES)]

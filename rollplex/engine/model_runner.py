@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.decode_gemms import tune_decode_gemms
+from ..kernels.paged_attention import DECODE_CANDIDATES, paged_decode_attention, tune_decode
 from ..models import Qwen25VL, SkinnyGemms
 from ..models.attention import sdpa
 from ..models.host import as_device_tensor, to_device
 from .config import EngineConfig
-from .decode_gemms import tune_decode_gemms
-from .paged_attention import DECODE_CANDIDATES, paged_decode_attention, tune_decode
 
 CPU_DEFAULT_KV_TOKENS = 65536
 

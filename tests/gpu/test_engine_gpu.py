@@ -28,7 +28,7 @@ def _model():
 def test_graphed_engine_matches_reference_decoder(kernel, monkeypatch):
     """Each attention kernel in turn (the tuner only gets that variant's candidates)."""
     from rollplex.engine.model_runner import ModelRunner
-    from rollplex.engine.paged_attention import DECODE_CANDIDATES, attn_variant
+    from rollplex.kernels.paged_attention import DECODE_CANDIDATES, attn_variant
 
     cands = tuple(c for c in DECODE_CANDIDATES if attn_variant(c[1]) == kernel)
     monkeypatch.setattr(ModelRunner, "ATTN_CANDIDATES", cands)
