@@ -158,9 +158,8 @@ def test_reference_new_token_is_written_then_attended() -> None:
 
 @triton_only
 @pytest.mark.parametrize("num_splits,tile", [(None, None), (1, {"tile_n": 32}), (3, {"tile_n": 128, "num_warps": 8}),
-                                             (8, {"num_stages": 3}), (1, {"early_v": True}), (3, {"early_v": True}),
-                                             (1, {"tma": True}), (3, {"tma": True, "num_stages": 3}),
-                                             (8, {"tma": True})])
+                                             (8, {"num_stages": 3}), (1, {"tma": True}),
+                                             (3, {"tma": True, "num_stages": 3}), (8, {"tma": True})])
 def test_triton_fused_new_token_write(num_splits, tile) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     case = make_case([70, 1, 16, 33, 64, 65], 4, 2, 64, 16, device=device, seed=6, pad_value=0)

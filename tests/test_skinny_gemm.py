@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from helpers import recording_timer
 
-from rollplex.kernels.skinny_gemm import GEMM_CANDIDATES, skinny_linear
+from rollplex.bench.skinny_gemm import GEMM_CANDIDATES, skinny_linear
 
 
 def _runnable() -> bool:
@@ -62,7 +62,7 @@ def test_bad_arguments_are_value_errors():
 
 def test_tune_linear_cycles_through_weights() -> None:
     """Given several weights, the timed calls use them round robin (each read from memory, not L2)."""
-    from rollplex.kernels.skinny_gemm import tune_linear
+    from rollplex.bench.skinny_gemm import tune_linear
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 16, generator=g)
@@ -93,7 +93,7 @@ def test_split_k_linear_partials_sum_to_f_linear(S) -> None:
 def test_tune_split_k_times_gemm_with_its_consumer() -> None:
     """Each candidate is timed as GEMM + consumer over the weights round robin; the fastest S wins and
     S that does not divide K is skipped."""
-    from rollplex.kernels.skinny_gemm import tune_split_k
+    from rollplex.kernels.split_k import tune_split_k
 
     g = torch.Generator().manual_seed(4)
     x = torch.randn(4, 12, generator=g)

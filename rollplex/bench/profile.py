@@ -153,8 +153,6 @@ def set_decode_state(runner, B: int, ctx: int, seed: int = 0) -> None:
 
 
 TILES = [dict(tile_n=t, num_warps=w, num_stages=st) for t in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
-# V loaded together with K (not yet among the engine's candidates: measure here first)
-TILES += [dict(tile_n=t, num_warps=w, num_stages=2, early_v=True) for t in (64, 128) for w in (4, 8)]
 # TMA: one block (or a part of one) per tile, the block ids loaded up front
 TILES += [dict(tma=True, tile_n=t, num_stages=st) for t in (32, 64) for st in (2, 3, 4)]
 BLOCK = 64  # the engine's KV block size on CUDA (EngineConfig.block_size=None)
@@ -257,7 +255,7 @@ def gemm_sweep(cfg, batches, rows: list, dev: str) -> None:
     calls cycling through GEMM_COPIES weights (read from HBM, as in the step; the smaller weights fit
     L2 and a single copy timed over and over measures L2):
     * cuBLAS `F.linear` (what the model runs) and the best Triton skinny-GEMM candidate
-      (`kernels/skinny_gemm.py`)
+      (`bench/skinny_gemm.py`)
     * `mm(W, x^T)`: the transposed problem, which cuBLAS tiles differently (output [N, M])
     * split-K as a batched GEMM with fp32 output, `bmm(x_s, W_s^T, out_dtype=fp32)` over S slices of
       K, alone (its reduction could fuse into the next norm kernel) and with an eager sum + cast."""
@@ -307,7 +305,7 @@ def swiglu_sweep(cfg, batches, rows: list, dev: str) -> None:
 
 
 def _gemm_variants(B: int, N: int, K: int, has_bias: bool, g, dev: str) -> dict:
-    from ..kernels.skinny_gemm import skinny_linear, tune_linear
+    from .skinny_gemm import skinny_linear, tune_linear
 
     x = torch.randn(B, K, device=dev, dtype=DT[dev], generator=g)
     ws = [torch.randn(N, K, device=dev, dtype=DT[dev], generator=g) * 0.02 for _ in range(GEMM_COPIES)]

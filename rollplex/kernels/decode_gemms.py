@@ -20,7 +20,7 @@ import torch
 
 from ..models import Qwen25VL, SkinnyGemms
 from .paged_attention_triton import triton_available
-from .skinny_gemm import tune_split_k
+from .split_k import tune_split_k
 from .swiglu_gemm import swiglu_linear, tune_swiglu
 
 

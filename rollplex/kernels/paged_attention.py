@@ -46,7 +46,7 @@ def paged_decode_attention(
 
     k_new / v_new [B, Hkv, D]: the new token of each sequence (position seq_len - 1); it is written
     into the cache at that position (slot from block_table) and attended to. tile: Triton launch
-    knobs for tuning (tile_n, num_warps, num_stages, early_v: issue V's load with K's).
+    knobs for tuning (tile_n, num_warps, num_stages, tma).
     cos / sin [B, D]: q and k_new are un-rotated and get the rotary embedding of their token first
     (`x * cos + rotate_half(x) * sin`), inside the kernel on the Triton backend.
     semaphore: an int32 buffer of >= B * Hkv zeros that the caller keeps (Triton, split launches: the

@@ -175,7 +175,7 @@ def triton_forward(
             G=G, G_PAD=max(16, _next_pow2(G)), D=D, BLOCK_SIZE=block_size, TILE_N=tile_n,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # only matters for fp32: exact, not tf32
             SINGLE=single, HAS_NEW=has_new, ROTARY=rotary, FUSED_MERGE=fused_merge,
-            S_PAD=_next_pow2(num_splits), EARLY_V=bool(tile.get("early_v", False)), TMA=tma,
+            S_PAD=_next_pow2(num_splits), TMA=tma,
             MAX_NB=_next_pow2(max_blocks) if tma else 1,
             num_warps=int(tile.get("num_warps", _NUM_WARPS)),
             num_stages=int(tile.get("num_stages", _NUM_STAGES)),
@@ -202,7 +202,7 @@ def _kernels() -> tuple[Any, Any]:
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb, max_blocks, num_splits,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
         PRECISION: tl.constexpr, SINGLE: tl.constexpr, HAS_NEW: tl.constexpr, ROTARY: tl.constexpr,
-        FUSED_MERGE: tl.constexpr, S_PAD: tl.constexpr, EARLY_V: tl.constexpr, TMA: tl.constexpr,
+        FUSED_MERGE: tl.constexpr, S_PAD: tl.constexpr, TMA: tl.constexpr,
         MAX_NB: tl.constexpr,
     ):
         b = tl.program_id(0)
@@ -287,18 +287,14 @@ def _kernels() -> tuple[Any, Any]:
                 slot = pos % BLOCK_SIZE
                 k = tl.load(K + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
                             mask=ok[:, None], other=0.0)
-                if EARLY_V:  # V's load in flight together with K's, not after the scores
-                    v = tl.load(V + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                                mask=ok[:, None], other=0.0)
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G_PAD, TILE_N], log2 units
                 s = tl.where(ok[None, :], s, float("-inf"))
                 m_new = tl.maximum(m, tl.max(s, axis=1))
                 alpha = tl.exp2(m - m_new)
                 p = tl.exp2(s - m_new[:, None])
                 l_sum = l_sum * alpha + tl.sum(p, axis=1)
-                if not EARLY_V:
-                    v = tl.load(V + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                                mask=ok[:, None], other=0.0)
+                v = tl.load(V + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                            mask=ok[:, None], other=0.0)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
                 m = m_new
         has = l_sum > 0.0

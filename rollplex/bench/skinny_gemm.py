@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .paged_attention_triton import require_triton
-from .tuning import graph_time_us, round_robin
+from ..kernels.paged_attention_triton import require_triton
+from ..kernels.tuning import graph_time_us, round_robin
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)
 GEMM_CANDIDATES: tuple[tuple[int, ...], ...] = tuple(
@@ -99,30 +99,6 @@ def tune_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
             continue
     best = min(times, key=times.get)
     return best, times
-
-
-SPLIT_K_CANDIDATES = (1, 2, 4)
-
-
-def tune_split_k(x: torch.Tensor, weights: list[torch.Tensor], consumer, candidates=SPLIT_K_CANDIDATES,
-                 reps: int = 20, timer=None) -> tuple[int, dict]:
-    """(fastest number of K slices for `split_k_linear(x, w, S)` (1: one F.linear GEMM), {S: µs}).
-
-    Each candidate is timed together with what reads its output, `consumer(y)` (the decode step's
-    compiled residual-add + RMSNorm, which sums split-K partials as it loads them), so S > 1 pays its
-    extra fp32 read there and S = 1 pays cuBLAS's own split-K reduce if it runs one. Calls cycle
-    through `weights` (several layers'), read from HBM as in the step. timer(call, reps) -> µs
-    replaces the graph timing (tests)."""
-    from ..models.layers import split_k_linear
-
-    K = x.shape[1]
-    times: dict = {}
-    for S in candidates:
-        if K % S:
-            continue
-        call = round_robin(lambda w, S=S: consumer(split_k_linear(x, w, S)), weights)
-        times[S] = graph_time_us(call, reps, replays=7) if timer is None else timer(call, reps)
-    return min(times, key=times.get), times
 
 
 @functools.cache
