@@ -144,6 +144,24 @@ def test_block_size_defaults_per_device(tiny_dir, proc) -> None:
         EngineConfig(block_size=48)
 
 
+def test_tuner_candidates_come_from_the_config_and_are_validated() -> None:
+    """None leaves the kernel package's defaults to the tuners; given candidates are checked up front."""
+    from rollplex.kernels.paged_attention import DECODE_CANDIDATES, attn_variant
+
+    gather = tuple(c for c in DECODE_CANDIDATES if attn_variant(c[1]) == "gather")
+    cfg = EngineConfig(attn_candidates=gather, split_k_candidates=(1, 2), swiglu_candidates=((64, 64, 64, 4, 4),))
+    assert cfg.attn_candidates == gather and EngineConfig().attn_candidates is None
+    for bad in ((), ((1, {"early_v": True}),), ((0, {}),), ((None, {"tile_n": 48}),), ((1, {"tma": 1}),), [(1, {})]):
+        with pytest.raises(ValueError):
+            EngineConfig(attn_candidates=bad)
+    for bad in ((), (0, 2), (1.5,)):
+        with pytest.raises(ValueError, match="split-K"):
+            EngineConfig(split_k_candidates=bad)
+    for bad in ((), ((64, 24, 64, 4, 4),), ((64, 64, 64, 4),)):
+        with pytest.raises(ValueError):
+            EngineConfig(swiglu_candidates=bad)
+
+
 def test_weight_updates_are_visible_without_copy(tiny_dir, proc):
     eng = _engine(tiny_dir, proc)
     p = _prompts(proc)[1]

@@ -79,6 +79,12 @@ def test_rejects_bad_shapes() -> None:
         paged_decode_attention(q[:, :4], k, v, table, lens, backend="cuda")
 
 
+def test_unknown_launch_knobs_are_rejected() -> None:
+    q, k, v, table, lens = make_case([3, 4], 4, 2, 64, 16)
+    with pytest.raises(ValueError, match="unknown tile knobs"):
+        paged_decode_attention(q, k, v, table, lens, backend="triton", tile={"early_v": True})
+
+
 def test_choose_num_splits_uses_static_shapes() -> None:
     assert choose_num_splits(64, 2, 64, 16, num_sms=132) == 4  # 128 programs x 4 splits ~ 4 per SM
     assert choose_num_splits(8, 2, 500, 16, num_sms=132) == 33

@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from ..engine import Engine, EngineConfig
-from ..engine.model_runner import ModelRunner
 from ..kernels.paged_attention import DECODE_CANDIDATES, attn_variant, fits, paged_decode_attention
 from ..kernels.tuning import graph_time_us, round_robin
 from ..models import ModelConfig, Qwen25VL, init_weights
@@ -352,9 +351,11 @@ def gemms_str(g) -> str:
     return f"o_splits={g.o_splits} down_splits={g.down_splits} swiglu={sw}"
 
 
-def decode_profile(model, batches, ctx: int, rows: list, split_k: tuple[int, int] | None = None) -> None:
+def decode_profile(model, batches, ctx: int, rows: list, split_k: tuple[int, int] | None = None,
+                   attn_candidates: tuple | None = None) -> None:
     eng = Engine(model, None, EngineConfig(max_num_seqs=max(batches), max_model_len=2048, gpu_memory_utilization=0.6,
-                                           max_num_batched_tokens=8192, decode_split_k=split_k))
+                                           max_num_batched_tokens=8192, decode_split_k=split_k,
+                                           attn_candidates=attn_candidates))
     run = eng.runner
     for B in batches:
         set_decode_state(run, B, ctx)
@@ -538,9 +539,9 @@ def main(argv=None) -> None:
         model.compile(dynamic=True if dynamics[0] == "true" else None)
     if "decode" in parts and dev == "cuda":
         sk = None if args.decode_split_k == "auto" else tuple(int(v) for v in args.decode_split_k.split(","))
-        if args.attn_kernels != "all":  # this process's engines only
-            ModelRunner.ATTN_CANDIDATES = tuple(c for c in DECODE_CANDIDATES if attn_variant(c[1]) == args.attn_kernels)
-        decode_profile(model, batches, args.context, rows, sk)
+        cands = None if args.attn_kernels == "all" else tuple(
+            c for c in DECODE_CANDIDATES if attn_variant(c[1]) == args.attn_kernels)
+        decode_profile(model, batches, args.context, rows, sk, cands)
     if "engine" in parts:
         engine_profile(model, batches, rows, dev, args.trace)
     if "train" in parts:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..kernels import paged_attention, split_k, swiglu_gemm
 from .scheduler import SchedulerConfig
 
 
@@ -34,6 +35,12 @@ class EngineConfig:
     # graphed decode: time the Triton gate_up GEMM with SwiGLU in its epilogue (swiglu_gemm.py) against
     # cuBLAS + the compiled SwiGLU per bucket, and use it where faster. False: never.
     decode_fused_swiglu: bool = True
+    # the launch configs the tuners time per graphed bucket; None: the kernel package's defaults
+    # (kernels.paged_attention.DECODE_CANDIDATES, kernels.split_k.SPLIT_K_CANDIDATES,
+    # kernels.swiglu_gemm.SWIGLU_CANDIDATES). attn_candidates: (num_splits, tile) pairs.
+    attn_candidates: tuple[tuple[int | None, dict], ...] | None = None
+    split_k_candidates: tuple[int, ...] | None = None
+    swiglu_candidates: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self):
         if self.block_size not in (None, 16, 32, 64):
@@ -45,6 +52,12 @@ class EngineConfig:
         if self.decode_split_k is not None and (
                 len(self.decode_split_k) != 2 or any(not isinstance(s, int) or s < 1 for s in self.decode_split_k)):
             raise ValueError(f"decode_split_k must be two positive ints (S_o, S_down), got {self.decode_split_k}")
+        if self.attn_candidates is not None:
+            paged_attention.check_candidates(self.attn_candidates)
+        if self.split_k_candidates is not None:
+            split_k.check_candidates(self.split_k_candidates)
+        if self.swiglu_candidates is not None:
+            swiglu_gemm.check_candidates(self.swiglu_candidates)
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
 
     def for_device(self, device_type: str) -> EngineConfig:

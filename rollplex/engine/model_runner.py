@@ -217,7 +217,6 @@ class ModelRunner:
 
     TUNE_CONTEXT = 768  # tokens per sequence the attention kernel is tuned at
     TUNE_LAYERS = 8  # layers whose caches the tuning calls cycle through (more KV than L2 holds)
-    ATTN_CANDIDATES = DECODE_CANDIDATES  # (num_splits, tile) launch configs timed per graphed bucket
 
     def _tune_attention(self, b: int) -> tuple:
         """Pick the paged-attention launch config for batch size b by timing candidates on the (still
@@ -238,7 +237,8 @@ class ModelRunner:
         # timed calls cycle through several layers' caches: in the step, each layer's KV comes from HBM
         layers = min(self.num_layers, self.TUNE_LAYERS)
         best = tune_decode(q, [self.k_cache[i] for i in range(layers)], [self.v_cache[i] for i in range(layers)],
-                           table, lens, kn, kn.clone(), candidates=self.ATTN_CANDIDATES, cos=cos, sin=sin,
+                           table, lens, kn, kn.clone(), candidates=self.cfg.attn_candidates or DECODE_CANDIDATES,
+                           cos=cos, sin=sin,
                            semaphore=self.attn_semaphore)
         self.k_cache[:layers, 1:1 + b * per].zero_()
         self.v_cache[:layers, 1:1 + b * per].zero_()
@@ -253,8 +253,9 @@ class ModelRunner:
         pool = None
         for b in reversed(graph_buckets(max_bs)):
             self.attn_cfg[b] = self._tune_attention(b)
-            self.gemms[b], self.gemms_us[b] = tune_decode_gemms(self.model, b, self.cfg.decode_split_k,
-                                                                self.cfg.decode_fused_swiglu, self.TUNE_LAYERS)
+            self.gemms[b], self.gemms_us[b] = tune_decode_gemms(
+                self.model, b, self.cfg.decode_split_k, self.cfg.decode_fused_swiglu, self.TUNE_LAYERS,
+                split_k_candidates=self.cfg.split_k_candidates, swiglu_candidates=self.cfg.swiglu_candidates)
             args = (self.static_meta[:, :b], self.static_bt[:b], self.attn_cfg[b], self.gemms[b])
             with torch.no_grad():
                 side = torch.cuda.Stream(dev)

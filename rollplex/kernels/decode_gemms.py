@@ -20,14 +20,16 @@ import torch
 
 from ..models import Qwen25VL, SkinnyGemms
 from .paged_attention_triton import triton_available
-from .split_k import tune_split_k
-from .swiglu_gemm import swiglu_linear, tune_swiglu
+from .split_k import SPLIT_K_CANDIDATES, tune_split_k
+from .swiglu_gemm import SWIGLU_CANDIDATES, swiglu_linear, tune_swiglu
 
 
 def tune_decode_gemms(model: Qwen25VL, b: int, split_k: tuple[int, int] | None, fused_swiglu: bool,
-                      layers: int = 8) -> tuple[SkinnyGemms, dict]:
+                      layers: int = 8, split_k_candidates: tuple[int, ...] | None = None,
+                      swiglu_candidates: tuple[tuple[int, ...], ...] | None = None) -> tuple[SkinnyGemms, dict]:
     """(SkinnyGemms for batch size b, the tuner's timings {name: {candidate: µs}}). split_k: a fixed
-    (S_o, S_down) instead of timing; fused_swiglu: whether the Triton SwiGLU GEMM is a candidate."""
+    (S_o, S_down) instead of timing; fused_swiglu: whether the Triton SwiGLU GEMM is a candidate.
+    split_k_candidates / swiglu_candidates: what is timed (None: SPLIT_K_CANDIDATES / SWIGLU_CANDIDATES)."""
     text, tcfg = model.model, model.cfg.text
     dev, dt = text.embed_tokens.weight.device, text.embed_tokens.weight.dtype
     lyrs = text.layers[:layers]
@@ -43,14 +45,15 @@ def tune_decode_gemms(model: Qwen25VL, b: int, split_k: tuple[int, int] | None, 
         for name, K, ws in (("o", C, [lyr.self_attn.o_proj.weight for lyr in lyrs]),
                             ("down", tcfg.intermediate_size, [lyr.mlp.down_proj.weight for lyr in lyrs])):
             x = torch.randn(b, K, device=dev, dtype=dt) * 0.1
-            best, us = tune_split_k(x, ws, consumer)
+            best, us = tune_split_k(x, ws, consumer, split_k_candidates or SPLIT_K_CANDIDATES)
             picks.append(best)
             times[name] = {k: round(v, 2) for k, v in us.items()}
         split_k = tuple(picks)
     swiglu = None
     if fused_swiglu and dev.type == "cuda" and triton_available():
         h = torch.randn(b, C, device=dev, dtype=dt)
-        best, us = tune_swiglu(h, [lyr.mlp.gate_up_proj.weight for lyr in lyrs], baseline=text._swiglu)
+        best, us = tune_swiglu(h, [lyr.mlp.gate_up_proj.weight for lyr in lyrs],
+                               swiglu_candidates or SWIGLU_CANDIDATES, baseline=text._swiglu)
         times["swiglu"] = {str(k): round(v, 2) for k, v in us.items()}
         if best is not None:
             swiglu = functools.partial(swiglu_linear, config=best)

@@ -17,12 +17,13 @@ import math
 import torch
 
 from ..models.layers import apply_rotary
-from .paged_attention_triton import choose_num_splits, triton_available, triton_forward
+from .paged_attention_triton import TILE_KEYS, choose_num_splits, triton_available, triton_forward
 from .tuning import graph_time_us, round_robin
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DECODE_CANDIDATES", "choose_num_splits", "paged_decode_attention", "tune_decode"]
+__all__ = ["DECODE_CANDIDATES", "attn_variant", "check_candidates", "choose_num_splits", "fits",
+           "paged_decode_attention", "tune_decode"]
 
 
 def paged_decode_attention(
@@ -110,6 +111,29 @@ DECODE_CANDIDATES = (
     (2, {"tma": True, "num_stages": 3}),
     (1, {"tma": True, "num_stages": 3, "tile_n": 32}),
 )
+
+
+def check_candidates(candidates) -> None:
+    """ValueError unless candidates is a non-empty tuple of (num_splits, tile) launch configs:
+    num_splits None (chosen from the shapes) or a positive int; tile a dict of Triton launch knobs,
+    tile_n and num_warps powers of two, num_stages a positive int, tma a bool."""
+    if not isinstance(candidates, tuple) or not candidates:
+        raise ValueError(f"attention candidates must be a non-empty tuple of (num_splits, tile), got {candidates!r}")
+    for cand in candidates:
+        if not isinstance(cand, tuple) or len(cand) != 2 or not isinstance(cand[1], dict):
+            raise ValueError(f"an attention candidate is (num_splits, tile dict), got {cand!r}")
+        splits, tile = cand
+        if splits is not None and (not isinstance(splits, int) or isinstance(splits, bool) or splits < 1):
+            raise ValueError(f"num_splits must be None or a positive int, got {splits!r}")
+        if not tile.keys() <= TILE_KEYS:
+            raise ValueError(f"unknown tile knobs {sorted(tile.keys() - TILE_KEYS)}; known: {sorted(TILE_KEYS)}")
+        for key in ("tile_n", "num_warps", "num_stages"):
+            v = tile.get(key, 1)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1 or (key != "num_stages" and v & (v - 1)):
+                raise ValueError(f"tile {key} must be a positive int{'' if key == 'num_stages' else ' power of two'}, "
+                                 f"got {v!r}")
+        if not isinstance(tile.get("tma", False), bool):
+            raise ValueError(f"tile tma must be a bool, got {tile['tma']!r}")
 
 
 def attn_variant(tile: dict | None) -> str:

@@ -60,6 +60,7 @@ _MAX_SPLITS = 64
 _NUM_WARPS = 4  # H200: 4 beat 8 at every shape measured
 _NUM_STAGES = 2
 _MAX_TMA_TABLE = 4096  # block ids one program holds in registers (TMA variant)
+TILE_KEYS = frozenset({"tile_n", "num_warps", "num_stages", "tma"})  # the launch knobs a `tile` dict may set
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, num_sms: int = 132,
@@ -100,6 +101,8 @@ def triton_forward(
     v_new: torch.Tensor | None = None, tile: dict | None = None, cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None, semaphore: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    if tile and not tile.keys() <= TILE_KEYS:
+        raise ValueError(f"unknown tile knobs {sorted(tile.keys() - TILE_KEYS)}; known: {sorted(TILE_KEYS)}")
     require_triton(q, "backend='triton'")
     B, H, D = q.shape
     _, block_size, Hkv, _ = k_cache.shape

@@ -15,6 +15,13 @@ from .tuning import graph_time_us, round_robin
 SPLIT_K_CANDIDATES = (1, 2, 4)
 
 
+def check_candidates(candidates) -> None:
+    """ValueError unless candidates is a non-empty tuple of positive split counts."""
+    if not isinstance(candidates, tuple) or not candidates or any(
+            not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in candidates):
+        raise ValueError(f"split-K candidates must be a non-empty tuple of positive ints, got {candidates}")
+
+
 def tune_split_k(x: torch.Tensor, weights: list[torch.Tensor], consumer, candidates=SPLIT_K_CANDIDATES,
                  reps: int = 20, timer=None) -> tuple[int, dict]:
     """(fastest number of K slices for `split_k_linear(x, w, S)` (1: one F.linear GEMM), {S: µs}).

@@ -43,6 +43,22 @@ def swiglu_reference(x: torch.Tensor, gate_up_w: torch.Tensor) -> torch.Tensor:
     return F.silu(gate.float()).mul(up.float()).to(x.dtype)
 
 
+def check_config(config) -> None:
+    """ValueError unless config is a launch config of the kernel: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
+    num_stages), positive ints with power-of-two blocks."""
+    if (not isinstance(config, tuple) or len(config) != 5 or any(not isinstance(c, int) or c < 1 for c in config)
+            or any(c & (c - 1) for c in config[:3])):
+        raise ValueError(f"config must be 5 positive ints with power-of-two blocks, got {config}")
+
+
+def check_candidates(candidates) -> None:
+    """ValueError unless candidates is a non-empty tuple of launch configs (`check_config`)."""
+    if not isinstance(candidates, tuple) or not candidates:
+        raise ValueError(f"SwiGLU candidates must be a non-empty tuple of configs, got {candidates!r}")
+    for c in candidates:
+        check_config(c)
+
+
 def swiglu_linear(x: torch.Tensor, gate_up_w: torch.Tensor, config: tuple[int, ...] | None = None) -> torch.Tensor:
     """x [M, K], gate_up_w [2I, K] -> silu(x W_g^T) * (x W_u^T) [M, I] in x's dtype. config: (BLOCK_M,
     BLOCK_N, BLOCK_K, num_warps, num_stages); None = cuBLAS GEMM + a pointwise SwiGLU."""
@@ -52,8 +68,7 @@ def swiglu_linear(x: torch.Tensor, gate_up_w: torch.Tensor, config: tuple[int, .
         raise ValueError(f"x and gate_up_w dtypes differ: {x.dtype} / {gate_up_w.dtype}")
     if config is None:
         return swiglu_reference(x, gate_up_w)
-    if len(config) != 5 or any(int(c) < 1 for c in config) or any(c & (c - 1) for c in config[:3]):
-        raise ValueError(f"config must be 5 positive ints with power-of-two blocks, got {config}")
+    check_config(config)
     require_triton(x, "swiglu_linear with a config")
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = gate_up_w if gate_up_w.stride(-1) == 1 else gate_up_w.contiguous()
