@@ -282,8 +282,8 @@ def swiglu_sweep(cfg, batches, rows: list, dev: str) -> None:
     against the compiled path first."""
     if dev != "cuda":
         return
+    from ..engine.decode_forward import _gate_up_swiglu
     from ..kernels.swiglu_gemm import swiglu_linear, tune_swiglu
-    from ..models.text import _gate_up_swiglu
 
     t = cfg.text
     compiled = torch.compile(_gate_up_swiglu)
@@ -506,7 +506,8 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the attn/train parts")
     ap.add_argument("--compile-dynamic", default="auto",
                     help="torch.compile shapes: all symbolic (true) or only those that change (auto); "
-                    "'true,auto' profiles each in turn (decode uses the first)")
+                    "'true,auto' profiles each in turn (the model's forward; the engine compiles its decode "
+                    "layers with automatic-dynamic shapes)")
     ap.add_argument("--decode-split-k", default="auto",
                     help="decode part: 'S_o,S_down' K slices of the o/down GEMMs (1,1: plain GEMMs) or auto (tuned)")
     ap.add_argument("--attn-kernels", default="all", choices=["all", "gather", "tma"],

@@ -22,7 +22,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.5  # fraction of GPU memory the engine may fill (weights + KV + work)
     cuda_graph: bool = True  # capture decode per batch-size bucket (GPU only)
     cuda_graph_max_bs: int = 256
-    compile_model: bool = True  # GPU: model.compile() (fused norms/rotary/SwiGLU) before capturing graphs
+    # torch.compile the engine's own decode-layer functions (fused norms/residuals/SwiGLU) before
+    # capturing graphs. None: on CUDA. The model is left as given: its owner decides whether its
+    # forward (prefill, vision tower) is compiled (Qwen25VL.compile).
+    compile_decode: bool | None = None
     seed: int = 0  # draws the seeds of requests that bring none
     # launch decode step N+1 before step N's tokens reach the host: the host's bookkeeping of N (append,
     # stop checks, scheduling) overlaps the GPU running N+1. Same outputs; a sequence that stops on a

@@ -4,7 +4,9 @@ against.
     paged_attention.py         paged-KV decode attention: dispatch, torch reference, launch-config tuner
     paged_attention_triton.py  its Triton flash-decoding kernel (fused new-token write, rotary, split merge)
     swiglu_gemm.py             gate_up GEMM with SwiGLU in its epilogue (Triton) and its tuner
-    decode_gemms.py            which kernels run the decode step's projections, timed per batch size
+    split_k.py                 K-sliced projections with fp32 partials summed by their reader, and their tuner
+    decode_gemms.py            which kernels run the decode step's projections (`SkinnyGemms`), timed per
+                               batch size
     tuning.py                  timing candidates as the graphed decode step runs them
 
 Everything here imports without triton (kernels are built on first use) and knows nothing of the

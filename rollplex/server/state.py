@@ -125,6 +125,8 @@ class ServerState:
             self.model.eval()
             log.info("format warm-up: %d steps, loss %.3f (%.1fs)", cfg.format_warmup_steps, self.warmup_loss,
                      time.perf_counter() - t0)
+        if self.model.inv_freq.is_cuda:  # the server owns the model: its training and prefill run compiled
+            self.model.compile()
         self.engine = Engine(self.model, self.processor, EngineConfig(
             max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, kv_cache_tokens=cfg.kv_cache_tokens,
             gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed))
