@@ -1,10 +1,10 @@
 """Decode-shaped GEMMs, y = x W^T (+ b) with few rows (M <= 256): a Triton candidate next to cuBLAS.
 
-Why: a graphed decode step at B = 64 spends 2.2 of its 3.4 ms in GEMMs, and cuBLAS streams the small
-projections slowly (H200 profile, docs/BENCHMARKS.md): qkv (10.5 MB of weights) at 1.5 TB/s and o
-(8.4 MB) at 1.4 TB/s, where the MLP's 90 MB reach 3.4 TB/s; the down projection runs split-K plus a
-separate reduce kernel. With M <= 256 the work is a weight stream. cuBLAS's tiles leave most SMs
-idle on the small matrices: qkv gets 80 tiles of 64 x 32 for 132 SMs.
+Benchmark-only (`bench profile --parts gemm`): the engine does not run it. Why it is worth timing:
+most of a graphed decode step's time is GEMMs, and with M <= 256 each is a weight stream. cuBLAS's
+tiles leave most SMs idle on the small projections (qkv and o), so they stream well below the
+bandwidth the MLP's large weights reach, and the down projection runs split-K plus a separate reduce
+kernel (docs/BENCHMARKS.md).
 
 Design:
 * One program per (BLOCK_M rows, BLOCK_N output columns[, K slice]). BLOCK_N is small (16-64), so
@@ -17,7 +17,7 @@ Design:
 * fp32 accumulation in `tl.dot` (tensor cores), bias added in fp32, one rounding to the output dtype:
   the same numerics as cuBLAS up to summation order.
 * `tune_linear` times cuBLAS (`F.linear`) and each candidate config inside a CUDA graph and returns
-  the fastest, so a caller only ever swaps in the kernel where it measured faster; the
+  the fastest, so a caller only ever swaps in the kernel where it times faster; the
   `bench profile --parts gemm` table shows the comparison for the decode shapes.
 """
 

@@ -11,9 +11,8 @@ from .scheduler import SchedulerConfig
 @dataclass(frozen=True)
 class EngineConfig:
     # tokens per KV block. None: 64 on CUDA, where the TMA attention kernel reads one block per pipelined
-    # tile and 64-token blocks measured fastest (H200, B = 64: 14.6 µs per layer, against 18.0 with
-    # 32-token blocks and 17.5 for the gather kernel on 16-token blocks); 16 on CPU (finer preemption
-    # and sharing in small test budgets)
+    # tile, the fastest attention on the H200 (docs/BENCHMARKS.md); 16 on CPU (finer preemption and
+    # sharing in small test budgets)
     block_size: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
@@ -32,11 +31,11 @@ class EngineConfig:
     # token costs one discarded extra step.
     overlap_schedule: bool = True
     # graphed decode: (S_o, S_down) K slices of the o and down projections, run as one batched GEMM
-    # with fp32 partials that the next residual-add + norm sums (TextDecoder.layer). None: timed per
-    # batch-size bucket at capture (GPU) / off (eager); (1, 1): plain GEMMs everywhere.
+    # with fp32 partials that the next residual-add + norm sums (engine/decode_forward.py). None:
+    # timed per batch-size bucket at capture (GPU) / off (eager); (1, 1): plain GEMMs everywhere.
     decode_split_k: tuple[int, int] | None = None
-    # graphed decode: time the Triton gate_up GEMM with SwiGLU in its epilogue (swiglu_gemm.py) against
-    # cuBLAS + the compiled SwiGLU per bucket, and use it where faster. False: never.
+    # graphed decode: time the Triton gate_up GEMM with SwiGLU in its epilogue (kernels/swiglu_gemm.py)
+    # against cuBLAS + the compiled SwiGLU per bucket, and use it where faster. False: never.
     decode_fused_swiglu: bool = True
     # the launch configs the tuners time per graphed bucket; None: the kernel package's defaults
     # (kernels.paged_attention.DECODE_CANDIDATES, kernels.split_k.SPLIT_K_CANDIDATES,

@@ -86,17 +86,14 @@ def paged_decode_attention(
     raise ValueError(f"unknown backend {backend!r}: expected 'auto', 'triton' or 'reference'")
 
 
-# (num_splits, tile) candidates the engine times per graphed batch size; None = choose_num_splits.
-# Adding (2|4, 3 stages), (4|8, tile_n 32) and (8, {}) did not help on the H200 (B = 64: 3.21 vs 3.19 ms
-# per step; B = 256: the tuner, timing at 768 tokens, picked a config 3% slower at 608). With KV read
-# from HBM, as in the step, all 80 swept configs take 18.3-21.5 µs at B = 64 (early_v included) and
-# >= 45 µs at B = 256 (docs/BENCHMARKS.md, fifth session).
-# The TMA variant (sm_90+; one block per tile) is the fastest measured with 64-token blocks:
-# B = 64: 14.6 vs 17.5 µs, B = 256: 42.5 vs 43.3 µs (H200, ctx 608, KV from HBM). The tuner picks it at
-# B = 64 (3 stages) and 256 (2 stages). 32-token tiles of 64-token blocks (3 stages: 89 registers, 38 KB
-# of shared memory, 4 programs per SM) measured ~1 µs faster at B = 256 and ctx 608 in three separate
-# eighth-session probes, and the tuner picked them there once, so they are timed again.
-# Candidates that do not fit the cache (tile_n below block_size) or the GPU (TMA before sm_90) are left out.
+# (num_splits, tile) candidates the engine times per graphed batch size (EngineConfig.attn_candidates
+# replaces them); None = choose_num_splits. The gather kernel's configs cover its tile sizes, stage
+# counts and fixed split counts; with KV read from HBM, as in the step, further gather configs time
+# within noise of these, so they would only lengthen capture. The TMA variant (sm_90+; one block, or a
+# part of one, per tile) is the fastest attention with 64-token blocks on the H200; which stage count,
+# split count and tile size wins depends on the batch size, so those are timed (docs/BENCHMARKS.md).
+# Candidates that do not fit the cache (a gather tile_n below block_size) or the GPU (TMA before
+# sm_90) are left out at tuning time (`fits`).
 DECODE_CANDIDATES = (
     (None, {}),
     (1, {"tile_n": 32}),
@@ -157,8 +154,8 @@ def tune_decode(q, k_cache, v_cache, block_table, seq_lens, k_new, v_new, candid
     into the cache, so run it before the cache holds sequences.
 
     k_cache / v_cache may be lists (e.g. several layers' caches): the timed calls then cycle through
-    them, so each call reads KV that is not in L2, as in the decode step (one layer's 40 MB at B = 64
-    fits the H200's L2: timed on one cache, a config looked ~25% faster than it runs in the step).
+    them, so each call reads KV that is not in L2, as in the decode step (one layer's KV at B = 64 fits
+    the L2 of an H200: timed on one cache, a config looks faster than it runs in the step).
 
     A candidate is only timed once its output on the first `check_rows` sequences matches the reference
     backend's; one that fails to compile or launch (e.g. more shared memory than a smaller GPU has) or

@@ -16,16 +16,16 @@ Design of the Triton backend (flash-decoding):
   Given a zeroed int32 semaphore per (sequence, KV head), the merge runs inside the split kernel
   instead: each program counts itself in with an acq_rel atomic after storing its partials, and the
   last of a sequence's splits merges them and resets the count to 0 (so the buffer can serve the
-  next launch, e.g. the next layer). That saves the merge kernel's launch and its ramp, ~4 µs per
-  layer in a graphed decode step.
+  next launch, e.g. the next layer). That saves the merge kernel's launch and its ramp in every
+  layer of a graphed decode step.
 * CUDA graphs: seq_lens and block_table are only read on the device; each program derives its tile range
   from its sequence's length, so the grid depends only on static shapes (B, Hkv, max_blocks, block_size)
   and the launch holds no host sync. Splits with no tokens write lse = -inf; rows with seq_len 0 give 0.
 * Fused cache write: given the new token's k/v (``k_new``/``v_new`` [B, Hkv, D]), the one program
   whose split covers position seq_len - 1 stores them into the cache (slot from the block table),
   then a block barrier, then the usual loop reads them like any cached token. This saves the two
-  scatter kernels per layer a separate cache write costs in a graphed decode step (modifying the
-  loaded tiles instead cost ~60% of the kernel's speed: it breaks the load -> dot pipeline). Race-free:
+  scatter kernels per layer a separate cache write costs in a graphed decode step (patching the new
+  token into the loaded tiles instead breaks the load -> dot pipeline and slows the kernel). Race-free:
   no other program reads that slot, since a sequence appends only into a block it owns alone (the
   block manager forks shared partial blocks).
 * Fused rotary (decode): given the new token's cos/sin [B, D], q and k_new arrive un-rotated and the
@@ -41,8 +41,8 @@ Design of the Triton backend (flash-decoding):
   token is not read back from the cache (the store is made by ordinary threads, TMA reads through
   another proxy): the loop covers the seq_len - 1 cached tokens and the owning program folds the new
   token into its online softmax from registers, its probability rounded to the cache dtype as the
-  P @ V product rounds it. H200, ctx 608, KV from HBM, 64-token blocks against the gather kernel on
-  16-token blocks: 14.6 vs 17.5 µs at B = 64 and 42.5 vs 43.3 µs at B = 256.
+  P @ V product rounds it. With 64-token blocks it is the fastest variant on the H200
+  (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ import torch
 
 _TILE_N = 64  # tokens per inner-loop iteration; a multiple of every supported block size
 _MAX_SPLITS = 64
-_NUM_WARPS = 4  # H200: 4 beat 8 at every shape measured
+_NUM_WARPS = 4  # default launch; 8-warp configs are tuner candidates
 _NUM_STAGES = 2
 _MAX_TMA_TABLE = 4096  # block ids one program holds in registers (TMA variant)
 TILE_KEYS = frozenset({"tile_n", "num_warps", "num_stages", "tma"})  # the launch knobs a `tile` dict may set

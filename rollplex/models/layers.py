@@ -56,9 +56,8 @@ def compile_fn(fn, **kwargs):
 
     A size becomes symbolic only once it has changed between calls (tokens, batch); hidden size, head
     dim and head counts stay constants. With dynamic=True all of them are runtime values and the
-    generated kernels' index math divides by them per element (64-bit div/mod): on the H200 that made
-    the fused rotary backward ~0.9 ms per layer, and one packed micro-batch's forward + backward went
-    from 775 ms to 727 ms (46% -> 49% MFU) with automatic-dynamic (docs/BENCHMARKS.md, step run 5).
+    generated kernels' index math divides by them per element (64-bit div/mod), which makes the fused
+    rotary backward several times slower and the training pass slower with it (docs/BENCHMARKS.md).
     Pass dynamic=True to compare (`--compile-dynamic true` in `bench profile` / `bench step`)."""
     import torch._dynamo.config as dcfg
 
