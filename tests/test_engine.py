@@ -144,6 +144,24 @@ def test_block_size_defaults_per_device(tiny_dir, proc) -> None:
         EngineConfig(block_size=48)
 
 
+def test_tuner_candidates_come_from_the_config_and_are_validated() -> None:
+    """None leaves the kernel package's defaults to the tuners; given candidates are checked up front."""
+    from rollplex.kernels.paged_attention import DECODE_CANDIDATES, attn_variant
+
+    gather = tuple(c for c in DECODE_CANDIDATES if attn_variant(c[1]) == "gather")
+    cfg = EngineConfig(attn_candidates=gather, split_k_candidates=(1, 2), swiglu_candidates=((64, 64, 64, 4, 4),))
+    assert cfg.attn_candidates == gather and EngineConfig().attn_candidates is None
+    for bad in ((), ((1, {"early_v": True}),), ((0, {}),), ((None, {"tile_n": 48}),), ((1, {"tma": 1}),), [(1, {})]):
+        with pytest.raises(ValueError):
+            EngineConfig(attn_candidates=bad)
+    for bad in ((), (0, 2), (1.5,)):
+        with pytest.raises(ValueError, match="split-K"):
+            EngineConfig(split_k_candidates=bad)
+    for bad in ((), ((64, 24, 64, 4, 4),), ((64, 64, 64, 4),)):
+        with pytest.raises(ValueError):
+            EngineConfig(swiglu_candidates=bad)
+
+
 def test_weight_updates_are_visible_without_copy(tiny_dir, proc):
     eng = _engine(tiny_dir, proc)
     p = _prompts(proc)[1]
@@ -155,6 +173,37 @@ def test_weight_updates_are_visible_without_copy(tiny_dir, proc):
     after = eng.generate([p], sp)[0].samples[0].token_ids
     assert after != before
     assert after == generate(eng.model, p, max_new_tokens=8).token_ids
+
+
+def _module_state(model) -> dict:
+    """Every module's attributes, parameters, buffers and children, by identity."""
+    return {name: {k: id(v) for k, v in [*vars(m).items(), *m._parameters.items(), *m._buffers.items(),
+                                         *m._modules.items()]}
+            for name, m in model.named_modules()}
+
+
+def test_engine_leaves_the_trainer_model_uncompiled_and_unpatched(tiny_dir, proc, monkeypatch):
+    """The engine compiles only its own decode functions (forced on CPU here; torch.compile is recorded,
+    not run): after building an engine and generating, every module of the model holds the same
+    attributes, parameters and submodules (its forward and glue functions are not swapped), and the
+    model computes what it computed before."""
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(fn) or fn)
+    model = load_model(tiny_dir).eval()
+    p = _prompts(proc)[0]
+    state = _module_state(model)
+    with torch.no_grad():
+        before = model([p])
+    Engine(model, proc, EngineConfig())  # CPU default: nothing compiled
+    assert not compiled
+    eng = Engine(model, proc, EngineConfig(compile_decode=True))
+    out = eng.generate([p], SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
+    assert compiled and all(fn.__module__ != "torch.nn.modules.module" for fn in compiled)
+    assert out[0].samples[0].token_ids == generate(model, p, max_new_tokens=6).token_ids
+    assert _module_state(model) == state
+    assert "forward" not in vars(model) and "forward" not in vars(model.model)
+    with torch.no_grad():
+        assert torch.equal(model([p]), before)
 
 
 def test_decode_hook_and_input_logprobs(tiny_dir, proc):

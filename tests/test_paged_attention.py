@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollplex.engine.paged_attention import choose_num_splits, paged_decode_attention
+from rollplex.kernels.paged_attention import choose_num_splits, paged_decode_attention
 
 
 def make_case(
@@ -77,6 +77,12 @@ def test_rejects_bad_shapes() -> None:
         paged_decode_attention(q, k, v, table, lens)
     with pytest.raises(ValueError, match="backend"):
         paged_decode_attention(q[:, :4], k, v, table, lens, backend="cuda")
+
+
+def test_unknown_launch_knobs_are_rejected() -> None:
+    q, k, v, table, lens = make_case([3, 4], 4, 2, 64, 16)
+    with pytest.raises(ValueError, match="unknown tile knobs"):
+        paged_decode_attention(q, k, v, table, lens, backend="triton", tile={"early_v": True})
 
 
 def test_choose_num_splits_uses_static_shapes() -> None:
@@ -158,9 +164,8 @@ def test_reference_new_token_is_written_then_attended() -> None:
 
 @triton_only
 @pytest.mark.parametrize("num_splits,tile", [(None, None), (1, {"tile_n": 32}), (3, {"tile_n": 128, "num_warps": 8}),
-                                             (8, {"num_stages": 3}), (1, {"early_v": True}), (3, {"early_v": True}),
-                                             (1, {"tma": True}), (3, {"tma": True, "num_stages": 3}),
-                                             (8, {"tma": True})])
+                                             (8, {"num_stages": 3}), (1, {"tma": True}),
+                                             (3, {"tma": True, "num_stages": 3}), (8, {"tma": True})])
 def test_triton_fused_new_token_write(num_splits, tile) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     case = make_case([70, 1, 16, 33, 64, 65], 4, 2, 64, 16, device=device, seed=6, pad_value=0)
@@ -246,7 +251,7 @@ def test_triton_in_kernel_merge(num_splits, tile) -> None:
 
 @triton_only
 def test_tune_decode_skips_failing_candidates_and_picks_the_fastest(caplog) -> None:
-    from rollplex.engine.paged_attention import tune_decode
+    from rollplex.kernels.paged_attention import tune_decode
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     case = make_case([40, 17, 64, 5], 8, 2, 64, 16, device=device, seed=12, pad_value=0)
@@ -268,7 +273,7 @@ def test_tune_decode_skips_failing_candidates_and_picks_the_fastest(caplog) -> N
 def test_tune_decode_times_calls_that_cycle_through_caches() -> None:
     """With lists of caches (several layers), each timed call reads the next cache: the tuner measures
     KV that comes from memory, not from a cache that the previous call left in L2."""
-    from rollplex.engine.paged_attention import tune_decode
+    from rollplex.kernels.paged_attention import tune_decode
 
     case = make_case([40, 17, 64, 5], 8, 2, 64, 16, seed=13, pad_value=0)
     q, k, v, table, lens = case
@@ -325,7 +330,7 @@ def test_triton_tma_variant(block_size, num_splits, new_token) -> None:
 def test_launch_configs_that_do_not_apply_are_left_out() -> None:
     """fits(): a TMA tile must be a block or a part of one (and TMA needs sm_90+ on CUDA); a gather tile
     must cover whole blocks. attn_variant() names the kernel a config runs."""
-    from rollplex.engine.paged_attention import DECODE_CANDIDATES, attn_variant, fits
+    from rollplex.kernels.paged_attention import DECODE_CANDIDATES, attn_variant, fits
 
     cpu = torch.device("cpu")
     assert fits({"tma": True, "tile_n": 32}, 64, cpu) and not fits({"tma": True, "tile_n": 64}, 32, cpu)

@@ -1,5 +1,5 @@
-"""skinny_linear: the Triton decode GEMM against F.linear (with CUDA, or on CPU under
-TRITON_INTERPRET=1), edge tiles and split-K included; argument checks everywhere."""
+"""skinny_linear (a benchmark-only Triton decode GEMM, bench/skinny_gemm.py) against F.linear (with CUDA, or
+on CPU under TRITON_INTERPRET=1), edge tiles and split-K included; argument checks everywhere."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from helpers import recording_timer
 
-from rollplex.engine.skinny_gemm import GEMM_CANDIDATES, skinny_linear
+from rollplex.bench.skinny_gemm import GEMM_CANDIDATES, skinny_linear
 
 
 def _runnable() -> bool:
@@ -62,7 +62,7 @@ def test_bad_arguments_are_value_errors():
 
 def test_tune_linear_cycles_through_weights() -> None:
     """Given several weights, the timed calls use them round robin (each read from memory, not L2)."""
-    from rollplex.engine.skinny_gemm import tune_linear
+    from rollplex.bench.skinny_gemm import tune_linear
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 16, generator=g)
@@ -73,43 +73,3 @@ def test_tune_linear_cycles_through_weights() -> None:
     assert best is None and times == {None: 1.0}
     for i, out in enumerate(outs):
         torch.testing.assert_close(out, F.linear(x, ws[i % 3]))
-
-
-@pytest.mark.parametrize("S", [2, 4])
-def test_split_k_linear_partials_sum_to_f_linear(S) -> None:
-    from rollplex.models.layers import add_linear_out, split_k_linear
-
-    g = torch.Generator().manual_seed(S)
-    x, w, res = torch.randn(6, 32, generator=g), torch.randn(10, 32, generator=g), torch.randn(6, 10, generator=g)
-    parts = split_k_linear(x, w, S)
-    assert parts.shape == (S, 6, 10) and parts.dtype == torch.float32
-    torch.testing.assert_close(parts.sum(0), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(add_linear_out(res, parts), res + F.linear(x, w), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(add_linear_out(res, split_k_linear(x, w, 1)), res + F.linear(x, w))  # S=1: F.linear
-    with pytest.raises(ValueError, match="divisible"):
-        split_k_linear(x, w, 5)
-
-
-def test_tune_split_k_times_gemm_with_its_consumer() -> None:
-    """Each candidate is timed as GEMM + consumer over the weights round robin; the fastest S wins and
-    S that does not divide K is skipped."""
-    from rollplex.engine.skinny_gemm import tune_split_k
-
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(4, 12, generator=g)
-    ws = [torch.randn(8, 12, generator=g) for _ in range(3)]
-    seen, fake_us = [], iter([2.0, 3.0, 1.0])  # candidates 1, 2, 4 (5 does not divide K = 12)
-
-    def consumer(y):
-        seen.append(y.sum(0) if y.dim() == 3 else y)
-        return y
-
-    def timer(call, reps):
-        for _ in range(reps):
-            call()
-        return next(fake_us)
-
-    best, times = tune_split_k(x, ws, consumer, candidates=(1, 2, 4, 5), reps=3, timer=timer)
-    assert best == 4 and set(times) == {1, 2, 4}
-    for i, y in enumerate(seen):
-        torch.testing.assert_close(y, F.linear(x, ws[i % 3]), rtol=1e-5, atol=1e-5)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from helpers import recording_timer
 
-from rollplex.engine.swiglu_gemm import swiglu_linear, swiglu_reference, tune_swiglu
+from rollplex.kernels.swiglu_gemm import swiglu_linear, swiglu_reference, tune_swiglu
 
 
 def _runnable() -> bool:
@@ -67,30 +67,3 @@ def test_tune_swiglu_cycles_through_weights():
     assert best is None and times == {None: 1.0}
     for i, out in enumerate(outs):
         torch.testing.assert_close(out, _ref(x, ws[i % 3]))
-
-
-@pytest.mark.parametrize("fused", ["reference", "triton"])
-def test_decoder_with_skinny_gemms_matches_default_forward(tiny_dir, fused):
-    """The decode plan the engine uses (split-K o/down, partials summed by the next norm, SwiGLU in a
-    GEMM epilogue) computes the same hidden states as the default layer functions."""
-    import functools
-
-    from rollplex.models import SkinnyGemms, load_model
-    from rollplex.models.attention import sdpa
-
-    if fused == "triton" and not _runnable():
-        pytest.skip("needs triton and CUDA (or TRITON_INTERPRET=1)")
-    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernel runs on CUDA, or interpreted on CPU
-    model = load_model(tiny_dir).eval().to(dev)
-    swiglu = swiglu_reference if fused == "reference" else functools.partial(swiglu_linear, config=(16, 32, 32, 4, 2))
-    B, L, C = 3, 5, model.cfg.text.hidden_size
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(B, L, C, generator=g).to(dev)
-    pos = torch.arange(L, device=dev)[None, None].expand(3, B, L)
-    attend = lambda i, q, k, v: sdpa(q, k, v, causal=True)  # noqa: E731
-    with torch.no_grad():
-        want = model.forward_embeds(x, pos, attend)
-        got = model.forward_embeds(x, pos, attend, gemms=SkinnyGemms(2, 4, swiglu))
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="split counts"):
-        SkinnyGemms(0, 1)

@@ -48,7 +48,7 @@ def main(argv=None) -> None:
                                            kv_cache_tokens=(args.prompt_len + args.tokens + 16) * args.batch),
                  hooks=[clock])
     logits = torch.randn(args.batch, V, generator=torch.Generator().manual_seed(0))
-    eng.runner._decode_forward = lambda meta, bt, cfg=None: logits[: meta.shape[1]]  # no model: host work only
+    eng.runner._decode_forward = lambda meta, bt, *a, **kw: logits[: meta.shape[1]]  # no model: host work only
     tokens, logprobs = logits.argmax(-1), logits.log_softmax(-1).amax(-1)
     if not args.with_sampler:  # on the GPU sampling is device work; here it would be CPU compute
         eng.sampler = lambda lg, st: (tokens[: lg.shape[0]], logprobs[: lg.shape[0]])

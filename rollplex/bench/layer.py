@@ -23,8 +23,9 @@ import json
 
 import torch
 
+from ..engine.decode_forward import _pre_attention
 from ..models import ModelConfig
-from ..models.text import _post_attention, _pre_attention
+from ..models.text import _post_attention
 from ..presets import preset
 from .timing import env_info, time_ms
 
@@ -53,8 +54,8 @@ def run_layers(pre, post, x, layers, cfg: ModelConfig):
     t = cfg.text
     delta = None
     for lw in layers:
-        q, k, v, x = pre(x, delta, lw["norm1"], lw["qkv_w"], lw["qkv_b"], None, None, t.rms_norm_eps,
-                         t.num_attention_heads, t.num_key_value_heads)
+        q, k, v, x = pre(x, delta, lw["norm1"], lw["qkv_w"], lw["qkv_b"], t.rms_norm_eps, t.num_attention_heads,
+                         t.num_key_value_heads)
         # q stands in for the attention output, contiguous like the kernel's
         x, delta = post(x, q.contiguous(), lw["o_w"], lw["norm2"], lw["gate_up_w"], lw["down_w"], t.rms_norm_eps)
     return x + delta

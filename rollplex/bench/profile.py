@@ -21,9 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from ..engine import Engine, EngineConfig
-from ..engine.model_runner import ModelRunner
-from ..engine.paged_attention import DECODE_CANDIDATES, attn_variant, fits, paged_decode_attention
-from ..engine.tuning import graph_time_us, round_robin
+from ..kernels.paged_attention import DECODE_CANDIDATES, attn_variant, fits, paged_decode_attention
+from ..kernels.tuning import graph_time_us, round_robin
 from ..models import ModelConfig, ModelInputs, Qwen25VL, init_weights
 from ..presets import preset
 from ..rl.batch import RolloutBatch
@@ -153,8 +152,6 @@ def set_decode_state(runner, B: int, ctx: int, seed: int = 0) -> None:
 
 
 TILES = [dict(tile_n=t, num_warps=w, num_stages=st) for t in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
-# V loaded together with K (not yet among the engine's candidates: measure here first)
-TILES += [dict(tile_n=t, num_warps=w, num_stages=2, early_v=True) for t in (64, 128) for w in (4, 8)]
 # TMA: one block (or a part of one) per tile, the block ids loaded up front
 TILES += [dict(tma=True, tile_n=t, num_stages=st) for t in (32, 64) for st in (2, 3, 4)]
 BLOCK = 64  # the engine's KV block size on CUDA (EngineConfig.block_size=None)
@@ -257,7 +254,7 @@ def gemm_sweep(cfg, batches, rows: list, dev: str) -> None:
     calls cycling through GEMM_COPIES weights (read from HBM, as in the step; the smaller weights fit
     L2 and a single copy timed over and over measures L2):
     * cuBLAS `F.linear` (what the model runs) and the best Triton skinny-GEMM candidate
-      (`engine/skinny_gemm.py`)
+      (`bench/skinny_gemm.py`)
     * `mm(W, x^T)`: the transposed problem, which cuBLAS tiles differently (output [N, M])
     * split-K as a batched GEMM with fp32 output, `bmm(x_s, W_s^T, out_dtype=fp32)` over S slices of
       K, alone (its reduction could fuse into the next norm kernel) and with an eager sum + cast."""
@@ -280,13 +277,13 @@ def gemm_sweep(cfg, batches, rows: list, dev: str) -> None:
 
 def swiglu_sweep(cfg, batches, rows: list, dev: str) -> None:
     """gate_up + SwiGLU at M = B rows, as the decode step can run it: cuBLAS GEMM + inductor's fused
-    SwiGLU (compiled, what the model runs) vs each Triton `swiglu_linear` config (engine/swiglu_gemm.py),
+    SwiGLU (compiled, what the model runs) vs each Triton `swiglu_linear` config (kernels/swiglu_gemm.py),
     graph-timed with calls cycling through GEMM_COPIES weights. Checks the best config's output
     against the compiled path first."""
     if dev != "cuda":
         return
-    from ..engine.swiglu_gemm import swiglu_linear, tune_swiglu
-    from ..models.text import _gate_up_swiglu
+    from ..engine.decode_forward import _gate_up_swiglu
+    from ..kernels.swiglu_gemm import swiglu_linear, tune_swiglu
 
     t = cfg.text
     compiled = torch.compile(_gate_up_swiglu)
@@ -307,7 +304,7 @@ def swiglu_sweep(cfg, batches, rows: list, dev: str) -> None:
 
 
 def _gemm_variants(B: int, N: int, K: int, has_bias: bool, g, dev: str) -> dict:
-    from ..engine.skinny_gemm import skinny_linear, tune_linear
+    from .skinny_gemm import skinny_linear, tune_linear
 
     x = torch.randn(B, K, device=dev, dtype=DT[dev], generator=g)
     ws = [torch.randn(N, K, device=dev, dtype=DT[dev], generator=g) * 0.02 for _ in range(GEMM_COPIES)]
@@ -354,9 +351,11 @@ def gemms_str(g) -> str:
     return f"o_splits={g.o_splits} down_splits={g.down_splits} swiglu={sw}"
 
 
-def decode_profile(model, batches, ctx: int, rows: list, split_k: tuple[int, int] | None = None) -> None:
+def decode_profile(model, batches, ctx: int, rows: list, split_k: tuple[int, int] | None = None,
+                   attn_candidates: tuple | None = None) -> None:
     eng = Engine(model, None, EngineConfig(max_num_seqs=max(batches), max_model_len=2048, gpu_memory_utilization=0.6,
-                                           max_num_batched_tokens=8192, decode_split_k=split_k))
+                                           max_num_batched_tokens=8192, decode_split_k=split_k,
+                                           attn_candidates=attn_candidates))
     run = eng.runner
     for B in batches:
         set_decode_state(run, B, ctx)
@@ -506,7 +505,8 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the attn/train parts")
     ap.add_argument("--compile-dynamic", default="auto",
                     help="torch.compile shapes: all symbolic (true) or only those that change (auto); "
-                    "'true,auto' profiles each in turn (decode uses the first)")
+                    "'true,auto' profiles each in turn (the model's forward; the engine compiles its decode "
+                    "layers with automatic-dynamic shapes)")
     ap.add_argument("--decode-split-k", default="auto",
                     help="decode part: 'S_o,S_down' K slices of the o/down GEMMs (1,1: plain GEMMs) or auto (tuned)")
     ap.add_argument("--attn-kernels", default="all", choices=["all", "gather", "tma"],
@@ -539,9 +539,9 @@ def main(argv=None) -> None:
         model.compile(dynamic=True if dynamics[0] == "true" else None)
     if "decode" in parts and dev == "cuda":
         sk = None if args.decode_split_k == "auto" else tuple(int(v) for v in args.decode_split_k.split(","))
-        if args.attn_kernels != "all":  # this process's engines only
-            ModelRunner.ATTN_CANDIDATES = tuple(c for c in DECODE_CANDIDATES if attn_variant(c[1]) == args.attn_kernels)
-        decode_profile(model, batches, args.context, rows, sk)
+        cands = None if args.attn_kernels == "all" else tuple(
+            c for c in DECODE_CANDIDATES if attn_variant(c[1]) == args.attn_kernels)
+        decode_profile(model, batches, args.context, rows, sk, cands)
     if "engine" in parts:
         engine_profile(model, batches, rows, dev, args.trace)
     if "train" in parts:

@@ -154,7 +154,8 @@ def main(argv=None) -> None:
     if args.device == "cuda" and not args.no_compile:
         model.compile(dynamic=True if args.compile_dynamic == "true" else None)
     eng = Engine(model, None, EngineConfig(max_num_seqs=256, max_model_len=2048, gpu_memory_utilization=0.2,
-                                           max_num_batched_tokens=40000, compile_model=not args.no_compile))
+                                           max_num_batched_tokens=40000,
+                                           compile_decode=False if args.no_compile else None))
     info = env_info()
     print(json.dumps({"bench": "step_setup", "kv_blocks": eng.runner.num_blocks, **info}), flush=True)
     rl_kw = dict(n=args.n, kl_coef=0.01, lr=1e-6, micro_batch_max_tokens=args.micro_tokens, packed=not args.no_packed)

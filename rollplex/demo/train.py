@@ -55,6 +55,8 @@ def main(argv=None) -> None:
     loss = format_warmup(model, proc, rows, shape_color.LETTERS, args.warmup_steps, lr=1e-3, seed=args.seed)
     print(f"format warm-up: {args.warmup_steps} steps on random letters, loss {loss:.3f} "
           f"({time.perf_counter() - t0:.1f}s)")
+    if device == "cuda":  # the demo owns the model (the engine compiles only its decode)
+        model.compile()
     engine = Engine(model, proc, EngineConfig(max_num_seqs=256, max_model_len=512))
     cfg = RLConfig(mode=args.mode, n=args.n, temperature=1.0, max_new_tokens=4, lr=args.lr, kl_coef=args.kl_coef,
                    micro_batch_prompts=8, micro_batch_samples=32, seed=args.seed, grad_clip=1.0)

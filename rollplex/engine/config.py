@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..kernels import paged_attention, split_k, swiglu_gemm
 from .scheduler import SchedulerConfig
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     # tokens per KV block. None: 64 on CUDA, where the TMA attention kernel reads one block per pipelined
-    # tile and 64-token blocks measured fastest (H200, B = 64: 14.6 µs per layer, against 18.0 with
-    # 32-token blocks and 17.5 for the gather kernel on 16-token blocks); 16 on CPU (finer preemption
-    # and sharing in small test budgets)
+    # tile, the fastest attention on the H200 (docs/BENCHMARKS.md); 16 on CPU (finer preemption and
+    # sharing in small test budgets)
     block_size: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
@@ -21,19 +21,28 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.5  # fraction of GPU memory the engine may fill (weights + KV + work)
     cuda_graph: bool = True  # capture decode per batch-size bucket (GPU only)
     cuda_graph_max_bs: int = 256
-    compile_model: bool = True  # GPU: model.compile() (fused norms/rotary/SwiGLU) before capturing graphs
+    # torch.compile the engine's own decode-layer functions (fused norms/residuals/SwiGLU) before
+    # capturing graphs. None: on CUDA. The model is left as given: its owner decides whether its
+    # forward (prefill, vision tower) is compiled (Qwen25VL.compile).
+    compile_decode: bool | None = None
     seed: int = 0  # draws the seeds of requests that bring none
     # launch decode step N+1 before step N's tokens reach the host: the host's bookkeeping of N (append,
     # stop checks, scheduling) overlaps the GPU running N+1. Same outputs; a sequence that stops on a
     # token costs one discarded extra step.
     overlap_schedule: bool = True
     # graphed decode: (S_o, S_down) K slices of the o and down projections, run as one batched GEMM
-    # with fp32 partials that the next residual-add + norm sums (TextDecoder.layer). None: timed per
-    # batch-size bucket at capture (GPU) / off (eager); (1, 1): plain GEMMs everywhere.
+    # with fp32 partials that the next residual-add + norm sums (engine/decode_forward.py). None:
+    # timed per batch-size bucket at capture (GPU) / off (eager); (1, 1): plain GEMMs everywhere.
     decode_split_k: tuple[int, int] | None = None
-    # graphed decode: time the Triton gate_up GEMM with SwiGLU in its epilogue (swiglu_gemm.py) against
-    # cuBLAS + the compiled SwiGLU per bucket, and use it where faster. False: never.
+    # graphed decode: time the Triton gate_up GEMM with SwiGLU in its epilogue (kernels/swiglu_gemm.py)
+    # against cuBLAS + the compiled SwiGLU per bucket, and use it where faster. False: never.
     decode_fused_swiglu: bool = True
+    # the launch configs the tuners time per graphed bucket; None: the kernel package's defaults
+    # (kernels.paged_attention.DECODE_CANDIDATES, kernels.split_k.SPLIT_K_CANDIDATES,
+    # kernels.swiglu_gemm.SWIGLU_CANDIDATES). attn_candidates: (num_splits, tile) pairs.
+    attn_candidates: tuple[tuple[int | None, dict], ...] | None = None
+    split_k_candidates: tuple[int, ...] | None = None
+    swiglu_candidates: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self):
         if self.block_size not in (None, 16, 32, 64):
@@ -45,6 +54,12 @@ class EngineConfig:
         if self.decode_split_k is not None and (
                 len(self.decode_split_k) != 2 or any(not isinstance(s, int) or s < 1 for s in self.decode_split_k)):
             raise ValueError(f"decode_split_k must be two positive ints (S_o, S_down), got {self.decode_split_k}")
+        if self.attn_candidates is not None:
+            paged_attention.check_candidates(self.attn_candidates)
+        if self.split_k_candidates is not None:
+            split_k.check_candidates(self.split_k_candidates)
+        if self.swiglu_candidates is not None:
+            swiglu_gemm.check_candidates(self.swiglu_candidates)
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
 
     def for_device(self, device_type: str) -> EngineConfig:

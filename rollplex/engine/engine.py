@@ -14,7 +14,10 @@ token stops is found one step late and its extra token is dropped. Outputs equal
 (`overlap_schedule=False`), which the tests hold.
 
 The engine decodes with the model object it is given — the trainer's — so there is no weight copy
-and no sync phase. The server and the RL step both drive it through `generate` (or add_request/step).
+and no sync phase. It reads that model and never modifies it: prefill runs the model's own forward
+(compiled if its owner compiled it, `Qwen25VL.compile`), decode runs the engine's own layer function
+over the model's parameters (`DecodeForward`). The server and the RL step both drive it through
+`generate` (or add_request/step).
 """
 
 from __future__ import annotations
@@ -62,8 +65,6 @@ class Engine:
                  hooks: Seq[DecodeHook] = ()):
         self.model, self.processor = model, processor
         self.cfg = (config or EngineConfig()).for_device(next(model.parameters()).device.type)
-        if self.cfg.compile_model and next(model.parameters()).is_cuda and not getattr(model, "is_compiled", False):
-            model.compile()
         self.runner = ModelRunner(model, self.cfg)
         self.blocks = BlockManager(self.runner.num_blocks, self.cfg.block_size)
         self.scheduler = Scheduler(self.cfg.scheduler_config(), self.blocks)
@@ -81,10 +82,15 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32, config: EngineConfig | None = None, **kw):
+        """An engine over a model it loads, and so owns: on CUDA it compiles that model's forward too
+        (unless config.compile_decode is False)."""
         from ..models import load_model
         from ..processor import VLProcessor
 
-        return cls(load_model(path, device, dtype).eval(), VLProcessor.from_pretrained(path), config, **kw)
+        model = load_model(path, device, dtype).eval()
+        if model.inv_freq.is_cuda and (config is None or config.compile_decode is not False):
+            model.compile()
+        return cls(model, VLProcessor.from_pretrained(path), config, **kw)
 
     # ---- requests -----------------------------------------------------------------------------
     def encode(self, prompt) -> ModelInputs:

@@ -9,23 +9,25 @@ GPU from `gpu_memory_utilization` after a warm-up prefill at the largest batch (
 weights + activations is subtracted). Block 0 is scratch: padded rows of a graphed batch write
 there.
 
-Prefill runs eagerly over a right-padded batch (images and videos included: `embed_prompts` runs
-the vision tower once for the whole batch) and writes K/V through slot mappings. Decode feeds one
-token per sequence; on GPU it replays a CUDA graph captured for the smallest batch-size bucket
+Prefill runs the model's forward over a right-padded batch (images and videos included:
+`embed_prompts` runs the vision tower once for the whole batch) and writes K/V through slot mappings.
+Decode feeds one token per sequence through the engine's own layer function (`DecodeForward`, over
+the model's parameters); on GPU it replays a CUDA graph captured for the smallest batch-size bucket
 that fits. Before a bucket is captured, its attention launch config and the kernels of its
-projections (split-K o/down, fused gate_up + SwiGLU: decode_gemms.py) are picked by timing.
+projections (split-K o/down, fused gate_up + SwiGLU: kernels/decode_gemms.py) are picked by timing.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..models import Qwen25VL, SkinnyGemms
+from ..kernels.decode_gemms import SkinnyGemms, tune_decode_gemms
+from ..kernels.paged_attention import DECODE_CANDIDATES, paged_decode_attention, tune_decode
+from ..models import Qwen25VL
 from ..models.attention import sdpa
 from ..models.transfer import as_device_tensor, to_device
 from .config import EngineConfig
-from .decode_gemms import tune_decode_gemms
-from .paged_attention import DECODE_CANDIDATES, paged_decode_attention, tune_decode
+from .decode_forward import DecodeForward
 
 CPU_DEFAULT_KV_TOKENS = 65536
 
@@ -60,6 +62,10 @@ class ModelRunner:
         rows = min(cfg.cuda_graph_max_bs, cfg.max_num_seqs)
         self._bt_host = torch.zeros(rows, self.max_blocks_per_seq, dtype=torch.int32)
         self._bt_held: list[tuple] = [(None, 0)] * rows  # (key of the sequence in the row, its table length)
+        # the decode step's own layer functions over the model's parameters (compiled on GPU): the
+        # model itself is never patched or compiled here
+        compile_decode = self.device.type == "cuda" if cfg.compile_decode is None else cfg.compile_decode
+        self.decoder = DecodeForward(model, compile=compile_decode)
         self.use_graphs = self.device.type == "cuda" and cfg.cuda_graph
         if self.use_graphs:
             self._capture()
@@ -135,7 +141,7 @@ class ModelRunner:
                         gemms: SkinnyGemms | None = None) -> torch.Tensor:
         """meta [4, B] long rows: token id, position, KV length, cache slot (the slot of position
         KV length - 1 in block_table, where the kernel writes); block_table [B, W]. gemms: how the
-        projections run (models.SkinnyGemms)."""
+        projections run (kernels.decode_gemms.SkinnyGemms)."""
         m = self.model
         ids, pos, seq_lens, _slots = meta.unbind(0)
         positions = pos[None, :, None].expand(3, -1, 1)
@@ -148,8 +154,7 @@ class ModelRunner:
                                           tile=attn_cfg[1], cos=cos[:, 0], sin=sin[:, 0],
                                           semaphore=self.attn_semaphore)[:, :, None]
 
-        hidden = m.forward_embeds(m.model.embed_tokens(ids)[:, None], positions, attend, rotary_in_attend=True,
-                                  gemms=gemms)
+        hidden = self.decoder(m.model.embed_tokens(ids)[:, None], positions, attend, gemms)
         # in the weights' dtype: the sampler upcasts inside its fused kernels (same values), so the graph
         # does not write a [B, V] fp32 copy (156 MB at B = 256)
         return m.logits(hidden[:, 0])
@@ -217,7 +222,6 @@ class ModelRunner:
 
     TUNE_CONTEXT = 768  # tokens per sequence the attention kernel is tuned at
     TUNE_LAYERS = 8  # layers whose caches the tuning calls cycle through (more KV than L2 holds)
-    ATTN_CANDIDATES = DECODE_CANDIDATES  # (num_splits, tile) launch configs timed per graphed bucket
 
     def _tune_attention(self, b: int) -> tuple:
         """Pick the paged-attention launch config for batch size b by timing candidates on the (still
@@ -238,7 +242,8 @@ class ModelRunner:
         # timed calls cycle through several layers' caches: in the step, each layer's KV comes from HBM
         layers = min(self.num_layers, self.TUNE_LAYERS)
         best = tune_decode(q, [self.k_cache[i] for i in range(layers)], [self.v_cache[i] for i in range(layers)],
-                           table, lens, kn, kn.clone(), candidates=self.ATTN_CANDIDATES, cos=cos, sin=sin,
+                           table, lens, kn, kn.clone(), candidates=self.cfg.attn_candidates or DECODE_CANDIDATES,
+                           cos=cos, sin=sin,
                            semaphore=self.attn_semaphore)
         self.k_cache[:layers, 1:1 + b * per].zero_()
         self.v_cache[:layers, 1:1 + b * per].zero_()
@@ -253,8 +258,10 @@ class ModelRunner:
         pool = None
         for b in reversed(graph_buckets(max_bs)):
             self.attn_cfg[b] = self._tune_attention(b)
-            self.gemms[b], self.gemms_us[b] = tune_decode_gemms(self.model, b, self.cfg.decode_split_k,
-                                                                self.cfg.decode_fused_swiglu, self.TUNE_LAYERS)
+            self.gemms[b], self.gemms_us[b] = tune_decode_gemms(
+                self.model, b, self.cfg.decode_split_k, self.cfg.decode_fused_swiglu, self.decoder.final_norm,
+                self.decoder.swiglu, self.TUNE_LAYERS, split_k_candidates=self.cfg.split_k_candidates,
+                swiglu_candidates=self.cfg.swiglu_candidates)
             args = (self.static_meta[:, :b], self.static_bt[:b], self.attn_cfg[b], self.gemms[b])
             with torch.no_grad():
                 side = torch.cuda.Stream(dev)

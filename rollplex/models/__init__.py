@@ -4,10 +4,8 @@ from .checkpoint import hf_to_rollplex, init_weights, load_model, rollplex_to_hf
 from .config import ModelConfig, TextConfig, VisionConfig
 from .inputs import ModelInputs
 from .qwen2_5_vl import EmbeddedPrompts, PrefixState, Qwen25VL
-from .text import SkinnyGemms
 
 __all__ = [
-    "EmbeddedPrompts", "ModelConfig", "ModelInputs", "PrefixState", "Qwen25VL", "SkinnyGemms", "TextConfig",
-    "VisionConfig",
+    "EmbeddedPrompts", "ModelConfig", "ModelInputs", "PrefixState", "Qwen25VL", "TextConfig", "VisionConfig",
     "hf_to_rollplex", "init_weights", "load_model", "rollplex_to_hf", "save_model",
 ]

@@ -19,39 +19,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
-def split_k_linear(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T cut along K into `splits` slices -> fp32 partial products [S, M, N],
-    one strided-batched GEMM. The caller sums the partials where it reads them (`add_linear_out`), so
-    the split-K reduction costs no kernel of its own: for the decode step's skinny projections
-    (M <= 256 rows, K = 2048 / 11008) this keeps more SMs streaming weights than one GEMM does, and
-    drops cuBLAS's separate split-K reduce. Same math as F.linear: fp32 accumulation, one rounding.
-    splits = 1: plain F.linear, [M, N] in x's dtype."""
-    if splits == 1:
-        return F.linear(x, weight)
-    M, K = x.shape
-    N = weight.shape[0]
-    if K % splits:
-        raise ValueError(f"K = {K} is not divisible by {splits} splits")
-    xs = x.view(M, splits, K // splits).transpose(0, 1)  # [S, M, K/S]
-    ws = weight.view(N, splits, K // splits).permute(1, 2, 0)  # [S, K/S, N], a view of the live weight
-    if x.is_cuda and x.dtype != torch.float32:
-        return torch.bmm(xs, ws, out_dtype=torch.float32)
-    return torch.bmm(xs.float(), ws.float())  # CPU has no bmm.dtype; fp32 models need no cast
-
-
-def add_linear_out(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x + a projection's output y: y [..., N] in x's dtype, or fp32 split-K partials [S, ..., N]
-    (`split_k_linear`), summed and rounded to x's dtype once, as one GEMM's epilogue would."""
-    if y.dim() == x.dim() + 1:
-        # slice by slice, not y.sum(0): adds are pointwise, so the compiled caller fuses them into
-        # its own reduction (the norm) instead of launching a separate reduction kernel over S
-        acc = y[0]
-        for s in range(1, y.shape[0]):
-            acc = acc + y[s]
-        y = acc.to(x.dtype)
-    return x + y
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -89,9 +56,8 @@ def compile_fn(fn, **kwargs):
 
     A size becomes symbolic only once it has changed between calls (tokens, batch); hidden size, head
     dim and head counts stay constants. With dynamic=True all of them are runtime values and the
-    generated kernels' index math divides by them per element (64-bit div/mod): on the H200 that made
-    the fused rotary backward ~0.9 ms per layer, and one packed micro-batch's forward + backward went
-    from 775 ms to 727 ms (46% -> 49% MFU) with automatic-dynamic (docs/BENCHMARKS.md, step run 5).
+    generated kernels' index math divides by them per element (64-bit div/mod), which makes the fused
+    rotary backward several times slower and the training pass slower with it (docs/BENCHMARKS.md).
     Pass dynamic=True to compare (`--compile-dynamic true` in `bench profile` / `bench step`)."""
     import torch._dynamo.config as dcfg
 

@@ -33,7 +33,7 @@ from .config import ModelConfig
 from .inputs import ModelInputs
 from .layers import rotary_inv_freq
 from .rope import mrope_cos_sin, mrope_positions
-from .text import AttendFn, SkinnyGemms, TextDecoder
+from .text import AttendFn, TextDecoder
 from .transfer import as_device_tensor, to_device
 from .vision import VisionTower
 
@@ -63,7 +63,6 @@ class Qwen25VL(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.is_compiled = False
         self.visual = VisionTower(cfg.vision)
         self.model = TextDecoder(cfg.text)
         self.lm_head = None if cfg.text.tie_word_embeddings else nn.Linear(
@@ -73,10 +72,10 @@ class Qwen25VL(nn.Module):
 
     def compile(self, **kwargs) -> Qwen25VL:
         """torch.compile the elementwise glue of the vision blocks and decoder layers (GPU); kwargs go
-        to torch.compile (`layers.compile_fn`). The engine compiles a model it gets uncompiled."""
+        to torch.compile (`layers.compile_fn`). Whoever owns the model (trainer, server) calls it; the
+        engine leaves the model as it is given and compiles only its own decode functions."""
         self.visual.compile(**kwargs)
         self.model.compile(**kwargs)
-        self.is_compiled = True
         return self
 
     # ---- pieces ----------------------------------------------------------------------------
@@ -138,13 +137,10 @@ class Qwen25VL(nn.Module):
         lens = as_device_tensor([len(t) for t in ids], dev)
         return EmbeddedPrompts(x, to_device(positions, dev), lens, as_device_tensor(deltas, dev, torch.long))
 
-    def forward_embeds(self, embeds: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
-                       rotary_in_attend: bool = False, gemms: SkinnyGemms | None = None) -> torch.Tensor:
-        """Incremental path: embeds [B, L, C], positions [3, B, L], attend owns K/V -> normed hidden.
-        rotary_in_attend: attend gets un-rotated q/k plus cos/sin (see text.AttendFn); gemms: how the
-        projections run (text.SkinnyGemms)."""
+    def forward_embeds(self, embeds: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+        """Incremental path: embeds [B, L, C], positions [3, B, L], attend owns K/V -> normed hidden."""
         cos, sin = self.rope(positions, embeds.dtype)
-        return self.model(embeds, cos, sin, attend, rotary_in_attend, gemms)
+        return self.model(embeds, cos, sin, attend)
 
     # ---- prefix / response / full -----------------------------------------------------------
     def _run_prompts(self, prompts: Sequence[ModelInputs],

@@ -10,27 +10,24 @@ the trainer without any global "current batch" state.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import TextConfig
-from .layers import GatedMLP, RMSNorm, add_linear_out, apply_rotary, compile_fn, rms_norm, split_k_linear
+from .layers import GatedMLP, RMSNorm, apply_rotary, compile_fn, rms_norm
 
-# attend(layer_idx, q [B, H, L, D], k [B, Hkv, L, D], v [B, Hkv, L, D]) -> out [B, H, L, D]. With
-# `rotary_in_attend` it is called as attend(layer_idx, q, k, v, cos, sin) with q/k not yet rotated:
-# the engine's decode kernel rotates them as it loads them (one kernel per layer less).
-AttendFn = Callable[..., torch.Tensor]
+# attend(layer_idx, q [B, H, L, D], k [B, Hkv, L, D], v [B, Hkv, L, D]) -> out [B, H, L, D]; q and k
+# are rotated
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _pre_attention(x, delta, norm_w, qkv_w, qkv_b, cos, sin, eps: float, num_heads: int, num_kv_heads: int):
-    """residual add (x + the previous layer's MLP output `delta`, if any; fp32 split-K partials are
-    summed here) -> input norm -> fused qkv -> M-RoPE on q and k together (one pass; skipped when cos
-    is None). Returns q [B, H, L, D], k/v [B, Hkv, L, D], the residual."""
+    """residual add (x + the previous layer's MLP output `delta`, if any) -> input norm -> fused qkv ->
+    M-RoPE on q and k together (one pass). Returns q [B, H, L, D], k/v [B, Hkv, L, D], the residual."""
     if delta is not None:
-        x = add_linear_out(x, delta)
+        x = x + delta
     B, L, _ = x.shape
     D = qkv_w.shape[0] // (num_heads + 2 * num_kv_heads)
     qk, v = F.linear(rms_norm(x, norm_w, eps), qkv_w, qkv_b).split(
@@ -38,9 +35,7 @@ def _pre_attention(x, delta, norm_w, qkv_w, qkv_b, cos, sin, eps: float, num_hea
     # rotate in the GEMM's [B, L, heads, D] layout and return [B, heads, L, D] views: rotating the
     # transposed view made the compiled backward read and write across strides (~10x slower)
     qk = qk.view(B, L, num_heads + num_kv_heads, D)
-    if cos is not None:
-        qk = apply_rotary(qk, cos[:, :, None], sin[:, :, None])
-    qk = qk.transpose(1, 2)
+    qk = apply_rotary(qk, cos[:, :, None], sin[:, :, None]).transpose(1, 2)
     q, k = qk.split([num_heads, num_kv_heads], dim=1)
     return q, k, v.view(B, L, num_kv_heads, D).transpose(1, 2), x
 
@@ -55,47 +50,8 @@ def _post_attention(x, attn, o_w, norm_w, gate_up_w, down_w, eps: float):
     return x, F.linear(F.silu(gate) * up, down_w)
 
 
-def _gate_up_swiglu(h, gate_up_w):
-    gate, up = F.linear(h, gate_up_w).chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def _residual_norm(x, y, norm_w, eps: float):
-    """x + a projection's output y (or its fp32 split-K partials) -> (residual, its RMSNorm)."""
-    x = add_linear_out(x, y)
-    return x, rms_norm(x, norm_w, eps)
-
-
-def _mlp_in(x, o_out, norm_w, gate_up_w, eps: float):
-    """The `SkinnyGemms` path's middle: residual + o_proj output (or its fp32 split-K partials) ->
-    norm -> gate_up -> SwiGLU. Returns (residual, activation [B, L, I]); the o and down projections
-    run outside as `split_k_linear` (see TextDecoder.layer)."""
-    x, h = _residual_norm(x, o_out, norm_w, eps)
-    return x, _gate_up_swiglu(h, gate_up_w)
-
-
 def _final_norm(x, delta, norm_w, eps: float):
-    return rms_norm(add_linear_out(x, delta), norm_w, eps)
-
-
-@dataclass(frozen=True)
-class SkinnyGemms:
-    """How an inference forward with few tokens (the engine's graphed decode) runs its projections;
-    the math is the same, up to fp32 summation order.
-
-    o_splits / down_splits: the o and down projections run as `split_k_linear` with that many K slices
-    (1: a plain GEMM); the down projection's partials [S, B, L, C] are what the layer returns as its
-    MLP output, and the next layer's residual add sums them. gate_up_swiglu: a kernel computing
-    silu(h W_g^T) * (h W_u^T) from h [M, K] and the fused [2I, K] weight (e.g. the engine's Triton
-    `swiglu_linear`); None: a GEMM, then SwiGLU in the compiled glue."""
-
-    o_splits: int = 1
-    down_splits: int = 1
-    gate_up_swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-
-    def __post_init__(self):
-        if self.o_splits < 1 or self.down_splits < 1:
-            raise ValueError(f"split counts must be >= 1, got {self.o_splits} / {self.down_splits}")
+    return rms_norm(x + delta, norm_w, eps)
 
 
 class TextAttention(nn.Module):
@@ -129,52 +85,32 @@ class TextDecoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self._pre, self._post, self._final = _pre_attention, _post_attention, _final_norm
-        self._mid, self._resnorm, self._swiglu = _mlp_in, _residual_norm, _gate_up_swiglu
 
     def compile(self, **kwargs) -> TextDecoder:
         """Fuse norms, rotary, residuals and SwiGLU with torch.compile (GPU): ~4x fewer kernels per
-        layer, which is what a latency-bound graphed decode step pays for. Same math."""
+        layer. Same math."""
         self._pre = compile_fn(_pre_attention, **kwargs)
         self._post = compile_fn(_post_attention, **kwargs)
-        self._mid = compile_fn(_mlp_in, **kwargs)
-        self._resnorm = compile_fn(_residual_norm, **kwargs)
-        self._swiglu = compile_fn(_gate_up_swiglu, **kwargs)
         self._final = compile_fn(_final_norm, **kwargs)
         return self
 
-    def layer(self, i: int, x: torch.Tensor, delta: torch.Tensor | None, cos, sin, attend: AttendFn,
-              rotary_in_attend: bool = False, gemms: SkinnyGemms | None = None) -> tuple[torch.Tensor, ...]:
+    def layer(self, i: int, x: torch.Tensor, delta: torch.Tensor | None, cos, sin,
+              attend: AttendFn) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i on the residual stream x + delta (delta: the previous layer's MLP output, or None)
-        -> (residual after attention, this layer's MLP output). gemms: see SkinnyGemms (inference)."""
+        -> (residual after attention, this layer's MLP output)."""
         lyr = self.layers[i]
         a, m, eps = lyr.self_attn, lyr.mlp, self.cfg.rms_norm_eps
-        rc, rs = (None, None) if rotary_in_attend else (cos, sin)
-        q, k, v, x = self._pre(x, delta, lyr.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, rc, rs,
+        q, k, v, x = self._pre(x, delta, lyr.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, cos, sin,
                                eps, a.num_heads, a.num_kv_heads)
-        out = attend(i, q, k, v, cos, sin) if rotary_in_attend else attend(i, q, k, v)  # [B, H, L, D]
-        if gemms is not None:
-            B, H, L, D = out.shape
-            C = x.shape[-1]
-            flat = out.transpose(1, 2).reshape(B * L, H * D)
-            o = split_k_linear(flat, a.o_proj.weight, gemms.o_splits)  # [B*L, C] or partials [S, B*L, C]
-            o = o.view(*o.shape[:-2], B, L, C)
-            if gemms.gate_up_swiglu is None:
-                x, act = self._mid(x, o, lyr.post_attention_layernorm.weight, m.gate_up_proj.weight, eps)
-                act = act.reshape(B * L, -1)
-            else:
-                x, h = self._resnorm(x, o, lyr.post_attention_layernorm.weight, eps)
-                act = gemms.gate_up_swiglu(h.reshape(B * L, C), m.gate_up_proj.weight)
-            d = split_k_linear(act, m.down_proj.weight, gemms.down_splits)
-            return x, d.view(*d.shape[:-2], B, L, C)
+        out = attend(i, q, k, v)  # [B, H, L, D]
         return self._post(x, out, a.o_proj.weight, lyr.post_attention_layernorm.weight, m.gate_up_proj.weight,
                           m.down_proj.weight, eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn,
-                rotary_in_attend: bool = False, gemms: SkinnyGemms | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
         """x [B, L, C] embeddings; cos/sin [B, L, D] -> final-normed hidden [B, L, C]."""
         delta = None
         for i in range(len(self.layers)):
-            x, delta = self.layer(i, x, delta, cos, sin, attend, rotary_in_attend, gemms)
+            x, delta = self.layer(i, x, delta, cos, sin, attend)
         if delta is None:
             return self.norm(x)
         return self._final(x, delta, self.norm.weight, self.cfg.rms_norm_eps)

@@ -114,6 +114,8 @@ class ServerState:
             self.model.eval()
             log.info("format warm-up: %d steps, loss %.3f (%.1fs)", cfg.format_warmup_steps, self.warmup_loss,
                      time.perf_counter() - t0)
+        if self.model.inv_freq.is_cuda:  # the server owns the model: its training and prefill run compiled
+            self.model.compile()
         self.engine = Engine(self.model, self.processor, cfg.engine)
         self.rl = RLStep(self.model, self.engine, cfg.rl, self.processor, reward_fn=cfg.reward)
         self.store = RolloutStore(cfg.rollout_ttl_s, cfg.max_rollouts)

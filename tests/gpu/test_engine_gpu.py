@@ -25,16 +25,14 @@ def _model():
 
 
 @pytest.mark.parametrize("kernel", ["gather", "tma"])
-def test_graphed_engine_matches_reference_decoder(kernel, monkeypatch):
+def test_graphed_engine_matches_reference_decoder(kernel):
     """Each attention kernel in turn (the tuner only gets that variant's candidates)."""
-    from rollplex.engine.model_runner import ModelRunner
-    from rollplex.engine.paged_attention import DECODE_CANDIDATES, attn_variant
+    from rollplex.kernels.paged_attention import DECODE_CANDIDATES, attn_variant
 
     cands = tuple(c for c in DECODE_CANDIDATES if attn_variant(c[1]) == kernel)
-    monkeypatch.setattr(ModelRunner, "ATTN_CANDIDATES", cands)
     model = _model()
     eng = Engine(model, None, EngineConfig(max_num_seqs=32, max_model_len=512, kv_cache_tokens=64 * 512,
-                                           cuda_graph_max_bs=32))
+                                           cuda_graph_max_bs=32, attn_candidates=cands))
     assert eng.runner.graphs and eng.cfg.block_size == 64
     assert all(attn_variant(c[1]) == kernel for c in eng.runner.attn_cfg.values() if c[1] is not None)
     g = torch.Generator().manual_seed(0)

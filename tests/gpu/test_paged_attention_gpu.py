@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_paged_attention import make_case
 
-from rollplex.engine.paged_attention import paged_decode_attention
+from rollplex.kernels.paged_attention import paged_decode_attention
 
 pytestmark = pytest.mark.gpu
 

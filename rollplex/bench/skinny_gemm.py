@@ -1,10 +1,10 @@
 """Decode-shaped GEMMs, y = x W^T (+ b) with few rows (M <= 256): a Triton candidate next to cuBLAS.
 
-Why: a graphed decode step at B = 64 spends 2.2 of its 3.4 ms in GEMMs, and cuBLAS streams the small
-projections slowly (H200 profile, docs/BENCHMARKS.md): qkv (10.5 MB of weights) at 1.5 TB/s and o
-(8.4 MB) at 1.4 TB/s, where the MLP's 90 MB reach 3.4 TB/s; the down projection runs split-K plus a
-separate reduce kernel. With M <= 256 the work is a weight stream. cuBLAS's tiles leave most SMs
-idle on the small matrices: qkv gets 80 tiles of 64 x 32 for 132 SMs.
+Benchmark-only (`bench profile --parts gemm`): the engine does not run it. Why it is worth timing:
+most of a graphed decode step's time is GEMMs, and with M <= 256 each is a weight stream. cuBLAS's
+tiles leave most SMs idle on the small projections (qkv and o), so they stream well below the
+bandwidth the MLP's large weights reach, and the down projection runs split-K plus a separate reduce
+kernel (docs/BENCHMARKS.md).
 
 Design:
 * One program per (BLOCK_M rows, BLOCK_N output columns[, K slice]). BLOCK_N is small (16-64), so
@@ -17,7 +17,7 @@ Design:
 * fp32 accumulation in `tl.dot` (tensor cores), bias added in fp32, one rounding to the output dtype:
   the same numerics as cuBLAS up to summation order.
 * `tune_linear` times cuBLAS (`F.linear`) and each candidate config inside a CUDA graph and returns
-  the fastest, so a caller only ever swaps in the kernel where it measured faster; the
+  the fastest, so a caller only ever swaps in the kernel where it times faster; the
   `bench profile --parts gemm` table shows the comparison for the decode shapes.
 """
 
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .paged_attention_triton import require_triton
-from .tuning import graph_time_us, round_robin
+from ..kernels.paged_attention_triton import require_triton
+from ..kernels.tuning import graph_time_us, round_robin
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)
 GEMM_CANDIDATES: tuple[tuple[int, ...], ...] = tuple(
@@ -99,30 +99,6 @@ def tune_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
             continue
     best = min(times, key=times.get)
     return best, times
-
-
-SPLIT_K_CANDIDATES = (1, 2, 4)
-
-
-def tune_split_k(x: torch.Tensor, weights: list[torch.Tensor], consumer, candidates=SPLIT_K_CANDIDATES,
-                 reps: int = 20, timer=None) -> tuple[int, dict]:
-    """(fastest number of K slices for `split_k_linear(x, w, S)` (1: one F.linear GEMM), {S: µs}).
-
-    Each candidate is timed together with what reads its output, `consumer(y)` (the decode step's
-    compiled residual-add + RMSNorm, which sums split-K partials as it loads them), so S > 1 pays its
-    extra fp32 read there and S = 1 pays cuBLAS's own split-K reduce if it runs one. Calls cycle
-    through `weights` (several layers'), read from HBM as in the step. timer(call, reps) -> µs
-    replaces the graph timing (tests)."""
-    from ..models.layers import split_k_linear
-
-    K = x.shape[1]
-    times: dict = {}
-    for S in candidates:
-        if K % S:
-            continue
-        call = round_robin(lambda w, S=S: consumer(split_k_linear(x, w, S)), weights)
-        times[S] = graph_time_us(call, reps, replays=7) if timer is None else timer(call, reps)
-    return min(times, key=times.get), times
 
 
 @functools.cache

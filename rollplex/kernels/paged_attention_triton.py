@@ -16,16 +16,16 @@ Design of the Triton backend (flash-decoding):
   Given a zeroed int32 semaphore per (sequence, KV head), the merge runs inside the split kernel
   instead: each program counts itself in with an acq_rel atomic after storing its partials, and the
   last of a sequence's splits merges them and resets the count to 0 (so the buffer can serve the
-  next launch, e.g. the next layer). That saves the merge kernel's launch and its ramp, ~4 µs per
-  layer in a graphed decode step.
+  next launch, e.g. the next layer). That saves the merge kernel's launch and its ramp in every
+  layer of a graphed decode step.
 * CUDA graphs: seq_lens and block_table are only read on the device; each program derives its tile range
   from its sequence's length, so the grid depends only on static shapes (B, Hkv, max_blocks, block_size)
   and the launch holds no host sync. Splits with no tokens write lse = -inf; rows with seq_len 0 give 0.
 * Fused cache write: given the new token's k/v (``k_new``/``v_new`` [B, Hkv, D]), the one program
   whose split covers position seq_len - 1 stores them into the cache (slot from the block table),
   then a block barrier, then the usual loop reads them like any cached token. This saves the two
-  scatter kernels per layer a separate cache write costs in a graphed decode step (modifying the
-  loaded tiles instead cost ~60% of the kernel's speed: it breaks the load -> dot pipeline). Race-free:
+  scatter kernels per layer a separate cache write costs in a graphed decode step (patching the new
+  token into the loaded tiles instead breaks the load -> dot pipeline and slows the kernel). Race-free:
   no other program reads that slot, since a sequence appends only into a block it owns alone (the
   block manager forks shared partial blocks).
 * Fused rotary (decode): given the new token's cos/sin [B, D], q and k_new arrive un-rotated and the
@@ -41,8 +41,8 @@ Design of the Triton backend (flash-decoding):
   token is not read back from the cache (the store is made by ordinary threads, TMA reads through
   another proxy): the loop covers the seq_len - 1 cached tokens and the owning program folds the new
   token into its online softmax from registers, its probability rounded to the cache dtype as the
-  P @ V product rounds it. H200, ctx 608, KV from HBM, 64-token blocks against the gather kernel on
-  16-token blocks: 14.6 vs 17.5 µs at B = 64 and 42.5 vs 43.3 µs at B = 256.
+  P @ V product rounds it. With 64-token blocks it is the fastest variant on the H200
+  (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -57,9 +57,10 @@ import torch
 
 _TILE_N = 64  # tokens per inner-loop iteration; a multiple of every supported block size
 _MAX_SPLITS = 64
-_NUM_WARPS = 4  # H200: 4 beat 8 at every shape measured
+_NUM_WARPS = 4  # default launch; 8-warp configs are tuner candidates
 _NUM_STAGES = 2
 _MAX_TMA_TABLE = 4096  # block ids one program holds in registers (TMA variant)
+TILE_KEYS = frozenset({"tile_n", "num_warps", "num_stages", "tma"})  # the launch knobs a `tile` dict may set
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, num_sms: int = 132,
@@ -100,6 +101,8 @@ def triton_forward(
     v_new: torch.Tensor | None = None, tile: dict | None = None, cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None, semaphore: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    if tile and not tile.keys() <= TILE_KEYS:
+        raise ValueError(f"unknown tile knobs {sorted(tile.keys() - TILE_KEYS)}; known: {sorted(TILE_KEYS)}")
     require_triton(q, "backend='triton'")
     B, H, D = q.shape
     _, block_size, Hkv, _ = k_cache.shape
@@ -175,7 +178,7 @@ def triton_forward(
             G=G, G_PAD=max(16, _next_pow2(G)), D=D, BLOCK_SIZE=block_size, TILE_N=tile_n,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # only matters for fp32: exact, not tf32
             SINGLE=single, HAS_NEW=has_new, ROTARY=rotary, FUSED_MERGE=fused_merge,
-            S_PAD=_next_pow2(num_splits), EARLY_V=bool(tile.get("early_v", False)), TMA=tma,
+            S_PAD=_next_pow2(num_splits), TMA=tma,
             MAX_NB=_next_pow2(max_blocks) if tma else 1,
             num_warps=int(tile.get("num_warps", _NUM_WARPS)),
             num_stages=int(tile.get("num_stages", _NUM_STAGES)),
@@ -202,7 +205,7 @@ def _kernels() -> tuple[Any, Any]:
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb, max_blocks, num_splits,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
         PRECISION: tl.constexpr, SINGLE: tl.constexpr, HAS_NEW: tl.constexpr, ROTARY: tl.constexpr,
-        FUSED_MERGE: tl.constexpr, S_PAD: tl.constexpr, EARLY_V: tl.constexpr, TMA: tl.constexpr,
+        FUSED_MERGE: tl.constexpr, S_PAD: tl.constexpr, TMA: tl.constexpr,
         MAX_NB: tl.constexpr,
     ):
         b = tl.program_id(0)
@@ -287,18 +290,14 @@ def _kernels() -> tuple[Any, Any]:
                 slot = pos % BLOCK_SIZE
                 k = tl.load(K + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
                             mask=ok[:, None], other=0.0)
-                if EARLY_V:  # V's load in flight together with K's, not after the scores
-                    v = tl.load(V + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                                mask=ok[:, None], other=0.0)
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G_PAD, TILE_N], log2 units
                 s = tl.where(ok[None, :], s, float("-inf"))
                 m_new = tl.maximum(m, tl.max(s, axis=1))
                 alpha = tl.exp2(m - m_new)
                 p = tl.exp2(s - m_new[:, None])
                 l_sum = l_sum * alpha + tl.sum(p, axis=1)
-                if not EARLY_V:
-                    v = tl.load(V + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                                mask=ok[:, None], other=0.0)
+                v = tl.load(V + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                            mask=ok[:, None], other=0.0)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
                 m = m_new
         has = l_sum > 0.0

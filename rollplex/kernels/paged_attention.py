@@ -17,12 +17,13 @@ import math
 import torch
 
 from ..models.layers import apply_rotary
-from .paged_attention_triton import choose_num_splits, triton_available, triton_forward
+from .paged_attention_triton import TILE_KEYS, choose_num_splits, triton_available, triton_forward
 from .tuning import graph_time_us, round_robin
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DECODE_CANDIDATES", "choose_num_splits", "paged_decode_attention", "tune_decode"]
+__all__ = ["DECODE_CANDIDATES", "attn_variant", "check_candidates", "choose_num_splits", "fits",
+           "paged_decode_attention", "tune_decode"]
 
 
 def paged_decode_attention(
@@ -46,7 +47,7 @@ def paged_decode_attention(
 
     k_new / v_new [B, Hkv, D]: the new token of each sequence (position seq_len - 1); it is written
     into the cache at that position (slot from block_table) and attended to. tile: Triton launch
-    knobs for tuning (tile_n, num_warps, num_stages, early_v: issue V's load with K's).
+    knobs for tuning (tile_n, num_warps, num_stages, tma).
     cos / sin [B, D]: q and k_new are un-rotated and get the rotary embedding of their token first
     (`x * cos + rotate_half(x) * sin`), inside the kernel on the Triton backend.
     semaphore: an int32 buffer of >= B * Hkv zeros that the caller keeps (Triton, split launches: the
@@ -85,17 +86,14 @@ def paged_decode_attention(
     raise ValueError(f"unknown backend {backend!r}: expected 'auto', 'triton' or 'reference'")
 
 
-# (num_splits, tile) candidates the engine times per graphed batch size; None = choose_num_splits.
-# Adding (2|4, 3 stages), (4|8, tile_n 32) and (8, {}) did not help on the H200 (B = 64: 3.21 vs 3.19 ms
-# per step; B = 256: the tuner, timing at 768 tokens, picked a config 3% slower at 608). With KV read
-# from HBM, as in the step, all 80 swept configs take 18.3-21.5 µs at B = 64 (early_v included) and
-# >= 45 µs at B = 256 (docs/BENCHMARKS.md, fifth session).
-# The TMA variant (sm_90+; one block per tile) is the fastest measured with 64-token blocks:
-# B = 64: 14.6 vs 17.5 µs, B = 256: 42.5 vs 43.3 µs (H200, ctx 608, KV from HBM). The tuner picks it at
-# B = 64 (3 stages) and 256 (2 stages). 32-token tiles of 64-token blocks (3 stages: 89 registers, 38 KB
-# of shared memory, 4 programs per SM) measured ~1 µs faster at B = 256 and ctx 608 in three separate
-# eighth-session probes, and the tuner picked them there once, so they are timed again.
-# Candidates that do not fit the cache (tile_n below block_size) or the GPU (TMA before sm_90) are left out.
+# (num_splits, tile) candidates the engine times per graphed batch size (EngineConfig.attn_candidates
+# replaces them); None = choose_num_splits. The gather kernel's configs cover its tile sizes, stage
+# counts and fixed split counts; with KV read from HBM, as in the step, further gather configs time
+# within noise of these, so they would only lengthen capture. The TMA variant (sm_90+; one block, or a
+# part of one, per tile) is the fastest attention with 64-token blocks on the H200; which stage count,
+# split count and tile size wins depends on the batch size, so those are timed (docs/BENCHMARKS.md).
+# Candidates that do not fit the cache (a gather tile_n below block_size) or the GPU (TMA before
+# sm_90) are left out at tuning time (`fits`).
 DECODE_CANDIDATES = (
     (None, {}),
     (1, {"tile_n": 32}),
@@ -110,6 +108,29 @@ DECODE_CANDIDATES = (
     (2, {"tma": True, "num_stages": 3}),
     (1, {"tma": True, "num_stages": 3, "tile_n": 32}),
 )
+
+
+def check_candidates(candidates) -> None:
+    """ValueError unless candidates is a non-empty tuple of (num_splits, tile) launch configs:
+    num_splits None (chosen from the shapes) or a positive int; tile a dict of Triton launch knobs,
+    tile_n and num_warps powers of two, num_stages a positive int, tma a bool."""
+    if not isinstance(candidates, tuple) or not candidates:
+        raise ValueError(f"attention candidates must be a non-empty tuple of (num_splits, tile), got {candidates!r}")
+    for cand in candidates:
+        if not isinstance(cand, tuple) or len(cand) != 2 or not isinstance(cand[1], dict):
+            raise ValueError(f"an attention candidate is (num_splits, tile dict), got {cand!r}")
+        splits, tile = cand
+        if splits is not None and (not isinstance(splits, int) or isinstance(splits, bool) or splits < 1):
+            raise ValueError(f"num_splits must be None or a positive int, got {splits!r}")
+        if not tile.keys() <= TILE_KEYS:
+            raise ValueError(f"unknown tile knobs {sorted(tile.keys() - TILE_KEYS)}; known: {sorted(TILE_KEYS)}")
+        for key in ("tile_n", "num_warps", "num_stages"):
+            v = tile.get(key, 1)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1 or (key != "num_stages" and v & (v - 1)):
+                raise ValueError(f"tile {key} must be a positive int{'' if key == 'num_stages' else ' power of two'}, "
+                                 f"got {v!r}")
+        if not isinstance(tile.get("tma", False), bool):
+            raise ValueError(f"tile tma must be a bool, got {tile['tma']!r}")
 
 
 def attn_variant(tile: dict | None) -> str:
@@ -133,8 +154,8 @@ def tune_decode(q, k_cache, v_cache, block_table, seq_lens, k_new, v_new, candid
     into the cache, so run it before the cache holds sequences.
 
     k_cache / v_cache may be lists (e.g. several layers' caches): the timed calls then cycle through
-    them, so each call reads KV that is not in L2, as in the decode step (one layer's 40 MB at B = 64
-    fits the H200's L2: timed on one cache, a config looked ~25% faster than it runs in the step).
+    them, so each call reads KV that is not in L2, as in the decode step (one layer's KV at B = 64 fits
+    the L2 of an H200: timed on one cache, a config looks faster than it runs in the step).
 
     A candidate is only timed once its output on the first `check_rows` sequences matches the reference
     backend's; one that fails to compile or launch (e.g. more shared memory than a smaller GPU has) or

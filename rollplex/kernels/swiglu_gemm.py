@@ -1,9 +1,8 @@
 """SwiGLU fused into the gate_up GEMM: act = silu(x W_g^T) * (x W_u^T) in one Triton kernel.
 
 Why: in the graphed decode step the gate_up GEMM (cuBLAS) writes [B, 2I] and a separate pointwise
-kernel reads it back to write silu(gate) * up [B, I]. At B = 256 that kernel costs 6.2 µs per layer
-(0.22 ms per step on the H200, docs/BENCHMARKS.md); a GEMM that applies SwiGLU in its epilogue
-writes only the [B, I] activation and launches one kernel less.
+kernel reads it back to write silu(gate) * up [B, I], once per layer; a GEMM that applies SwiGLU in
+its epilogue writes only the [B, I] activation and launches one kernel less.
 
 Design:
 * gate_up_w is the model's fused [2I, K] weight (gate rows, then up rows); no re-layout. A program
@@ -15,7 +14,7 @@ Design:
 * Grid (M blocks, N blocks) with the M blocks of one column tile adjacent, so at B = 256 the
   programs that share a weight tile run together and the second read comes from L2.
 * `tune_swiglu` times cuBLAS + the pointwise kernel against each config inside a CUDA graph, cycling
-  through several layers' weights, and the caller only swaps the kernel in where it measured faster.
+  through several layers' weights, and the caller only swaps the kernel in where it times faster.
 """
 
 from __future__ import annotations
@@ -30,9 +29,9 @@ import torch.nn.functional as F
 from .paged_attention_triton import require_triton
 from .tuning import graph_time_us, round_robin
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). On the H200 (bench profile --parts swiglu) the
-# Triton kernel wins at B <= 64, where the GEMM streams weights (B = 64: 26.4 vs 29.2 µs for cuBLAS +
-# inductor's SwiGLU), and loses from B = 128 on, where cuBLAS's Hopper GEMM is compute-efficient.
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). The Triton kernel pays off at small batches,
+# where the GEMM streams weights, and not at large ones, where cuBLAS's Hopper GEMM is compute-efficient
+# (`bench profile --parts swiglu`, docs/BENCHMARKS.md): the tuner decides per batch size.
 SWIGLU_CANDIDATES: tuple[tuple[int, ...], ...] = (
     (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 64, 8, 4), (128, 128, 64, 8, 3),
 )
@@ -41,6 +40,22 @@ SWIGLU_CANDIDATES: tuple[tuple[int, ...], ...] = (
 def swiglu_reference(x: torch.Tensor, gate_up_w: torch.Tensor) -> torch.Tensor:
     gate, up = F.linear(x, gate_up_w).chunk(2, dim=-1)
     return F.silu(gate.float()).mul(up.float()).to(x.dtype)
+
+
+def check_config(config) -> None:
+    """ValueError unless config is a launch config of the kernel: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
+    num_stages), positive ints with power-of-two blocks."""
+    if (not isinstance(config, tuple) or len(config) != 5 or any(not isinstance(c, int) or c < 1 for c in config)
+            or any(c & (c - 1) for c in config[:3])):
+        raise ValueError(f"config must be 5 positive ints with power-of-two blocks, got {config}")
+
+
+def check_candidates(candidates) -> None:
+    """ValueError unless candidates is a non-empty tuple of launch configs (`check_config`)."""
+    if not isinstance(candidates, tuple) or not candidates:
+        raise ValueError(f"SwiGLU candidates must be a non-empty tuple of configs, got {candidates!r}")
+    for c in candidates:
+        check_config(c)
 
 
 def swiglu_linear(x: torch.Tensor, gate_up_w: torch.Tensor, config: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -52,8 +67,7 @@ def swiglu_linear(x: torch.Tensor, gate_up_w: torch.Tensor, config: tuple[int, .
         raise ValueError(f"x and gate_up_w dtypes differ: {x.dtype} / {gate_up_w.dtype}")
     if config is None:
         return swiglu_reference(x, gate_up_w)
-    if len(config) != 5 or any(int(c) < 1 for c in config) or any(c & (c - 1) for c in config[:3]):
-        raise ValueError(f"config must be 5 positive ints with power-of-two blocks, got {config}")
+    check_config(config)
     require_triton(x, "swiglu_linear with a config")
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = gate_up_w if gate_up_w.stride(-1) == 1 else gate_up_w.contiguous()
