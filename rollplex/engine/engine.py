@@ -62,10 +62,12 @@ class RequestOutput:
 
 class Engine:
     def __init__(self, model: Qwen25VL, processor=None, config: EngineConfig | None = None,
-                 hooks: Seq[DecodeHook] = ()):
-        self.model, self.processor = model, processor
+                 hooks: Seq[DecodeHook] = (), memory=None):
+        """memory: a MemoryManager to allocate the KV cache in (its `kv_cache` region); the engine only runs
+        while that region is resident."""
+        self.model, self.processor, self.memory = model, processor, memory
         self.cfg = (config or EngineConfig()).for_device(next(model.parameters()).device.type)
-        self.runner = ModelRunner(model, self.cfg)
+        self.runner = ModelRunner(model, self.cfg, memory)
         self.blocks = BlockManager(self.runner.num_blocks, self.cfg.block_size)
         self.scheduler = Scheduler(self.cfg.scheduler_config(), self.blocks)
         self.hooks = list(hooks)
@@ -152,6 +154,9 @@ class Engine:
         With `overlap_schedule`, a decode step is launched before the previous one's tokens are
         applied on the host (they feed the new step on the device), then the previous one is
         resolved while the GPU runs: requests finish one call later, with the same outputs."""
+        if self.memory is not None and self.memory.state["kv_cache"] != "resident":
+            raise RuntimeError("the engine's KV cache is released (the memory manager is outside the rollout "
+                               "phase): enter the rollout phase before generating")
         if self._inflight is not None and self.scheduler.waiting:
             return self._outputs(self._resolve())  # prefill (or a preempted re-entry) needs every token known
         # a sequence whose in-flight token is its last (by length) does not decode again

@@ -19,6 +19,8 @@ projections (split-K o/down, fused gate_up + SwiGLU: kernels/decode_gemms.py) ar
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..kernels.decode_gemms import SkinnyGemms, tune_decode_gemms
@@ -38,7 +40,9 @@ def graph_buckets(max_bs: int) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen25VL, cfg: EngineConfig):
+    def __init__(self, model: Qwen25VL, cfg: EngineConfig, memory=None):
+        """memory: a MemoryManager whose `kv_cache` region holds the KV cache (released outside rollout;
+        the graphs keep its addresses, so a resume needs no re-capture)."""
         self.model, self.cfg = model, cfg
         self.device = model.inv_freq.device
         self.dtype = model.model.embed_tokens.weight.dtype
@@ -48,8 +52,13 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
         self.num_blocks = self._num_blocks()
         shape = (self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        with memory.region("kv_cache") if memory is not None else contextlib.nullcontext():
+            self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if memory is not None:
+            # attention reads whole blocks and masks by length: unwritten slots must hold finite values (a
+            # masked 0 * NaN is still NaN), so memory that comes back from a release starts zeroed again
+            memory.on_resume("kv_cache", self.zero_kv_cache)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.attn_cfg: dict[int, tuple] = {}  # graphed batch size -> (num_splits, tile) of its attention
         self.gemms: dict[int, SkinnyGemms] = {}  # graphed batch size -> how its projections run
@@ -71,6 +80,13 @@ class ModelRunner:
             self._capture()
 
     # ---- sizing -------------------------------------------------------------------------------
+    def zero_kv_cache(self) -> None:
+        self.k_cache.zero_()
+        self.v_cache.zero_()
+
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.kv_bytes_per_block()
+
     def kv_bytes_per_block(self) -> int:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 

@@ -1,0 +1,131 @@
+"""The RL step under the phase-aware memory manager (accounting backend, CPU, fp32): released regions
+read as garbage, so these tests fail if anything reads a region outside the phases the plan gives it.
+Same updated weights as without memory management; the engine's tokens survive a KV release/resume;
+OOM in the update backs off or leaves the weights and optimizer as they were."""
+
+import copy
+
+import pytest
+import torch
+
+from rollplex.demo import shape_color
+from rollplex.engine import Engine, EngineConfig, SamplingParams
+from rollplex.memory import MemoryConfig, MemoryManager, PhasePlan
+from rollplex.models import load_model
+from rollplex.rl import actor as actor_mod
+from rollplex.rl.actor import TrainOOM
+from rollplex.rl.checkpointing import activation_checkpointing
+from rollplex.rl.config import RLConfig
+from rollplex.rl.step import RLStep
+
+ROWS = shape_color.make_rows(4, seed=5)
+EVERYTHING_MOVES = "ref_weights:*=offloaded,optimizer:*=offloaded"
+
+
+def _step(tiny_dir, proc, memory_cfg: MemoryConfig | None, **cfg):
+    model = load_model(tiny_dir)
+    mm = MemoryManager(PhasePlan.releases_only(), backend="accounting") if memory_cfg is not None else None
+    engine = Engine(model, proc, EngineConfig(max_num_seqs=64, max_model_len=256), memory=mm)
+    base = dict(n=4, max_new_tokens=6, lr=1e-3, kl_coef=0.05, micro_batch_prompts=2)
+    return RLStep(model, engine, RLConfig(**{**base, **cfg}), proc, reward_fn="shape_color", memory=mm,
+                  memory_cfg=memory_cfg)
+
+
+def _weights(rl):
+    return {n: p.detach().clone() for n, p in rl.model.named_parameters()}
+
+
+def _opt_state(rl):
+    return [t.clone() for t in rl.actor.optimizer.state_tensors()]
+
+
+def test_managed_step_equals_unmanaged(tiny_dir, proc):
+    plain = _step(tiny_dir, proc, None)
+    managed = _step(tiny_dir, proc, MemoryConfig(plan="release", overrides=EVERYTHING_MOVES))
+    assert managed.memory.plan.get("rollout", "optimizer") == "offloaded"
+    for _ in range(2):  # the second step resumes offloaded moments and a re-zeroed gradient region
+        m_plain = plain.step(ROWS)
+        m_managed = managed.step(ROWS)
+        assert m_plain["critic/score/mean"] == m_managed["critic/score/mean"]
+        for (n, a), b in zip(_weights(plain).items(), _weights(managed).values()):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)
+    assert m_managed["memory/offload_copy_gib"] > 0 and "memory/update/resident_gib" in m_managed
+    assert managed.memory.current == "update" and managed.memory.state["kv_cache"] == "released"
+    report = managed.memory.report()
+    assert report["phases"]["rollout"]["resident_bytes"]["kv_cache"] > 0
+    assert "kv_cache" not in report["phases"]["update"]["resident_bytes"]
+
+
+def test_engine_tokens_survive_release_and_resume(tiny_dir, proc):
+    rl = _step(tiny_dir, proc, MemoryConfig(plan="release"))
+    sp = SamplingParams(n=3, temperature=0.0, max_new_tokens=8)
+    prompts = [shape_color.make_rows(1, seed=s)[0] for s in (1, 2)]
+    from rollplex.data import row_to_inputs
+
+    inputs = [row_to_inputs(proc, r) for r in prompts]
+    rl.memory.enter("rollout")
+    before = [[s.token_ids for s in o.samples] for o in rl.engine.generate(inputs, sp)]
+    rl.memory.enter("update")
+    assert torch.isnan(rl.engine.runner.k_cache).all()  # released: poisoned
+    with pytest.raises(RuntimeError, match="KV cache is released"):
+        rl.engine.generate(inputs, sp)
+    rl.memory.enter("rollout")
+    after = [[s.token_ids for s in o.samples] for o in rl.engine.generate(inputs, sp)]
+    assert before == after
+
+
+def test_auto_plan_and_checkpointing(tiny_dir, proc):
+    rl = _step(tiny_dir, proc, MemoryConfig(), gradient_checkpointing=True, vision_gradient_checkpointing=True)
+    assert rl.memory.plan.name == "auto" and rl.memory.plan.get("update", "kv_cache") == "released"
+    assert activation_checkpointing(rl.model) == (True, True)
+    plain = _step(tiny_dir, proc, None)
+    rl.step(ROWS)
+    plain.step(ROWS)
+    for (n, a), b in zip(_weights(plain).items(), _weights(rl).values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def _oom_when(pred):
+    real = actor_mod.token_logprobs
+
+    def fake(model, mb, *a, **k):
+        if pred(mb):
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(model, mb, *a, **k)
+
+    return fake
+
+
+def test_oom_backs_off_to_smaller_micro_batches(tiny_dir, proc, monkeypatch):
+    # no KL (reference scoring keeps the configured micro-batches) and a small lr: Adam's first step is
+    # ~lr * sign(grad), which turns last-bit noise in near-zero gradients into lr-sized differences
+    kw = dict(kl_coef=0.0, lr=1e-5)
+    ref = _step(tiny_dir, proc, None, micro_batch_prompts=1, **kw)
+    rl = _step(tiny_dir, proc, MemoryConfig(plan="release"), micro_batch_prompts=4, **kw)
+    batch = ref.rollout(ROWS)
+    batch.rewards = torch.tensor([float(i % 3 == 0) for i in range(batch.num_samples)])
+    ref.train(copy.deepcopy(batch))
+    monkeypatch.setattr(actor_mod, "token_logprobs", _oom_when(lambda mb: mb.num_prompts > 1))
+    rl.train(copy.deepcopy(batch))
+    assert rl.actor._plan(rl.cfg).prompts == 1
+    for (n, a), b in zip(_weights(ref).items(), _weights(rl).values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_oom_at_the_smallest_micro_batch_leaves_state_unchanged(tiny_dir, proc, monkeypatch):
+    rl = _step(tiny_dir, proc, MemoryConfig(plan="release"))
+    rl.step(ROWS)  # the optimizer has state
+    batch = rl.rollout(ROWS)
+    batch.rewards = torch.ones(batch.num_samples)
+    w0, s0 = _weights(rl), _opt_state(rl)
+    sched0 = rl.actor.scheduler.last_epoch
+    monkeypatch.setattr(actor_mod, "token_logprobs", _oom_when(lambda mb: True))
+    with pytest.raises(TrainOOM) as e:
+        rl.train(copy.deepcopy(batch))
+    assert e.value.applied_updates == 0 and "gradient_checkpointing" in str(e.value)
+    assert all(torch.equal(a, b) for a, b in zip(w0.values(), _weights(rl).values()))
+    assert all(torch.equal(a, b) for a, b in zip(s0, _opt_state(rl)))
+    assert rl.actor.scheduler.last_epoch == sched0
+    monkeypatch.undo()
+    rl.train(copy.deepcopy(batch))  # and the next step works
+    assert not all(torch.equal(a, b) for a, b in zip(w0.values(), _weights(rl).values()))
