@@ -1,0 +1,1 @@
+"""Parallelism-aware weight sharing between the training layout and the rollout layout."""
