@@ -71,8 +71,13 @@ def plan(specs: Sequence[ParamSpec], train: TrainLayout, rollout: RolloutLayout,
     for s in specs:
         counts[s.signature()] = counts.get(s.signature(), 0) + 1
         first.setdefault(s.signature(), s)
-    train_regions = {sig: [train.region(sp, r) for r in range(world)] for sig, sp in first.items()}
-    roll_regions = {sig: [rollout.region(sp, t) for t in range(rollout.tp)] for sig, sp in first.items()}
+    train_regions, roll_regions = {}, {}
+    for sig, sp in first.items():
+        try:
+            train_regions[sig] = [train.region(sp, r) for r in range(world)]
+            roll_regions[sig] = [rollout.region(sp, t) for t in range(rollout.tp)]
+        except ValueError as e:
+            raise ValueError(f"{sp.name}: {e}") from e
     big = sum(counts[sig] * roll_regions[sig][0].numel for sig in first) * rollout.tp + 1
 
     def gain(r: int, t: int) -> int:

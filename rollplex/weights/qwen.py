@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from ..models.config import ModelConfig
 from .layout import ParamSpec, Part
 
-_Rule = Callable[[ModelConfig], tuple[int | None, tuple[Part, ...]]]
+if TYPE_CHECKING:  # the package stays importable without torch; only param_shapes needs it
+    from ..models.config import ModelConfig
+
+_Rule = Callable[["ModelConfig"], tuple["int | None", tuple[Part, ...]]]
 
 
 def _text_qkv(c: ModelConfig):
