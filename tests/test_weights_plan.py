@@ -70,7 +70,7 @@ def test_every_rollout_element_is_covered_exactly_once(tiny_specs):
         p = plan(tiny_specs, train, RolloutLayout(tp, vision_tp), gpus_per_node=4)
         for s in tiny_specs:
             for r in range(p.world):
-                check_exact_cover(p.param(s.name, r), lambda q, s=s: p.train.region(s, q))
+                check_exact_cover(p.param(s.name, r), lambda q, s=s, p=p: p.train.region(s, q))
 
 
 def test_real_7b_shapes_are_covered_exactly_once():
@@ -82,7 +82,7 @@ def test_real_7b_shapes_are_covered_exactly_once():
             if s.signature() not in done:
                 done.add(s.signature())
                 for r in range(p.world):
-                    check_exact_cover(p.param(s.name, r), lambda q, s=s: p.train.region(s, q))
+                    check_exact_cover(p.param(s.name, r), lambda q, s=s, p=p: p.train.region(s, q))
 
 
 def test_same_tp_layout_shares_everything_and_copies_nothing(tiny_specs):
@@ -181,3 +181,18 @@ def test_real_shape_bounds(tiny_specs):
     assert parse_train("tp4xfsdp8") == TrainLayout(tp=4, fsdp=8)
     with pytest.raises(ValueError):
         parse_train("tp4xtp2")
+
+
+def test_cli_prints_the_tables(capsys):
+    from rollplex.weights.__main__ import main
+
+    main(["--models", "qwen2.5-vl-7b", "--train", "fsdp8,tp2", "--rollout-tp", "1,2,8", "--footprint",
+          "qwen2.5-vl-7b:8"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| FSDP 8 |")]
+    assert len(rows) == 3 + 2  # three sharing rows (TP 8: n/a, 28 heads), two footprint rows
+    assert "n/a: model.layers.0.self_attn.qkv_proj.weight: 28 units" in rows[2]
+    assert "| TP 2 | 2 | 2 | t | 8.35 | 0.00 (100%) | 0.00 (0.00) | 0 |" in out
+    main(["--explain", "qwen2.5-vl-7b,fsdp8,4"])
+    out = capsys.readouterr().out
+    assert "mapping gtt (optimal: True)" in out and "| model.layers.0.mlp.down_proj.weight (3584, 18944) | 28 |" in out

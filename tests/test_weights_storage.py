@@ -7,7 +7,7 @@ import torch
 from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
 from weights_helpers import tiny_cfg
 
-from rollplex.weights import ParamSpec, RolloutLayout, TrainLayout, model_specs, plan, preset_specs
+from rollplex.weights import ModelPlan, ParamSpec, RolloutLayout, TrainLayout, model_specs, plan, preset_specs
 from rollplex.weights.storage import allocate, cut, matrix, rebuild_local
 
 
@@ -33,56 +33,59 @@ def fsdp_shard(local: torch.Tensor, n: int, s: int) -> torch.Tensor:
     return out
 
 
-def run_layout(specs, full, train: TrainLayout, roll: RolloutLayout):
-    p = plan(specs, train, roll, gpus_per_node=4)
+def check_param(p: ModelPlan, spec: ParamSpec, full: torch.Tensor) -> tuple[int, int]:
+    """All ranks' tensors of one parameter: cut, rebuild, alias, update in place, rebuild again.
+    Returns (ranks sharing, ranks copying)."""
+    train, roll = p.train, p.rollout
+    tens = [allocate(p.param(spec.name, r), full.dtype) for r in range(p.world)]
+
+    def train_of(k):
+        return tens[k].train
+
+    for r, x in enumerate(tens):
+        x.train.copy_(cut(full, p.param(spec.name, r).train))
+        if train.block == 1:  # the planner's training region is FSDP2's shard of the TP shard
+            _, s, u = train.coords(r)
+            ttp = train.tp if spec.tower == "text" or train.vision_tp else 1
+            assert torch.equal(x.train, fsdp_shard(megatron_shard(full, spec, ttp, u % ttp), train.fsdp, s))
+    rtp = roll.tp if spec.tower == "text" or roll.vision_tp else 1
+    new = full * -3 + 7
+    truth = {(t, k): megatron_shard(f, spec, rtp, t).contiguous() for t in range(rtp) for k, f in (("old", full),
+                                                                                                  ("new", new))}
+    for r, x in enumerate(tens):
+        q, t = p.param(spec.name, r), p.tp_rank(r) % rtp
+        rebuild_local(q, x.rollout, train_of)
+        assert torch.equal(x.rollout, truth[t, "old"]), (spec.name, r)
+        if q.share is not None:  # the shared window's bytes live inside the training shard's storage
+            win = x.rollout.view(-1)[q.share.first : q.share.first + q.share.numel]
+            lo, hi = x.train.data_ptr(), x.train.data_ptr() + x.train.numel() * x.train.element_size()
+            assert lo <= win.data_ptr() and win.data_ptr() + win.numel() * win.element_size() <= hi
+            if q.share.is_view:
+                assert lo <= x.rollout.data_ptr()
+                assert x.rollout.untyped_storage().data_ptr() == x.train.untyped_storage().data_ptr()
+    # an optimizer step: in place on every training shard's parameter rows (padding untouched)
+    for r, x in enumerate(tens):
+        x.train[: p.param(spec.name, r).train.rows].mul_(-3).add_(7)
     n_shared = n_copied = 0
-    for spec in specs:
-        tens = [allocate(p.param(spec.name, r), full[spec.name].dtype) for r in range(p.world)]
-        for r, x in enumerate(tens):
-            x.train.copy_(cut(full[spec.name], p.param(spec.name, r).train))
-            if train.block == 1:  # the planner's training region is FSDP2's shard of the TP shard
-                _, s, u = train.coords(r)
-                ttp = train.tp if spec.tower == "text" or train.vision_tp else 1
-                local = megatron_shard(full[spec.name], spec, ttp, u % ttp)
-                assert torch.equal(x.train, fsdp_shard(local, train.fsdp, s))
-        rtp = roll.tp if spec.tower == "text" or roll.vision_tp else 1
-        cache = {}
-
-        def truth(t, f):
-            key = (t % rtp, f is full[spec.name])
-            if key not in cache:
-                cache[key] = megatron_shard(f, spec, rtp, t % rtp).contiguous()
-            return cache[key]
-
-        for r, x in enumerate(tens):
-            q = p.param(spec.name, r)
-            rebuild_local(q, x.rollout, lambda k: tens[k].train)
-            assert torch.equal(x.rollout, truth(p.tp_rank(r), full[spec.name])), (spec.name, r)
-            if q.share is not None:  # the shared window's bytes live inside the training shard's storage
-                win = x.rollout.view(-1)[q.share.first : q.share.first + q.share.numel]
-                lo, hi = x.train.data_ptr(), x.train.data_ptr() + x.train.numel() * x.train.element_size()
-                assert lo <= win.data_ptr() and win.data_ptr() + win.numel() * win.element_size() <= hi
-                if q.share.is_view:
-                    assert lo <= x.rollout.data_ptr() and x.rollout.untyped_storage().data_ptr() == \
-                        x.train.untyped_storage().data_ptr()
-        # an optimizer step: in place on every training shard's parameter rows (padding untouched)
-        new = full[spec.name] * -3 + 7
-        for r, x in enumerate(tens):
-            x.train[: p.param(spec.name, r).train.rows].mul_(-3).add_(7)
-        for r, x in enumerate(tens):
-            q, want = p.param(spec.name, r), truth(p.tp_rank(r), new).reshape(-1)
-            got = x.rollout.view(-1)
-            if q.share is not None:  # visible with no rebuild
-                w = slice(q.share.first, q.share.first + q.share.numel)
-                assert torch.equal(got[w], want[w])
-                n_shared += 1
-            if q.copies:  # rebuilt pieces are stale until the rebuild
-                assert not torch.equal(got, want)
-                n_copied += 1
-        for r, x in enumerate(tens):
-            rebuild_local(p.param(spec.name, r), x.rollout, lambda k: tens[k].train)
-            assert torch.equal(x.rollout, truth(p.tp_rank(r), new))
+    for r, x in enumerate(tens):
+        q, want, got = p.param(spec.name, r), truth[p.tp_rank(r) % rtp, "new"].view(-1), x.rollout.view(-1)
+        if q.share is not None:  # visible with no rebuild
+            w = slice(q.share.first, q.share.first + q.share.numel)
+            assert torch.equal(got[w], want[w])
+            n_shared += 1
+        if q.copies:  # rebuilt pieces are stale until the rebuild
+            assert not torch.equal(got, want)
+            n_copied += 1
+    for r, x in enumerate(tens):
+        rebuild_local(p.param(spec.name, r), x.rollout, train_of)
+        assert torch.equal(x.rollout, truth[p.tp_rank(r) % rtp, "new"])
     return n_shared, n_copied
+
+
+def run_layout(specs, full, train: TrainLayout, roll: RolloutLayout) -> tuple[int, int]:
+    p = plan(specs, train, roll, gpus_per_node=4)
+    counts = [check_param(p, spec, full[spec.name]) for spec in specs]
+    return sum(c[0] for c in counts), sum(c[1] for c in counts)
 
 
 @pytest.mark.parametrize("train,tp,vision_tp", [

@@ -12,7 +12,7 @@ import argparse
 from .layout import RolloutLayout
 from .planner import plan
 from .qwen import preset_specs
-from .report import Links, Summary
+from .report import Links
 from .tables import DEFAULT_TRAIN, footprint_table, make_cells, parse_train, sharing_table
 
 

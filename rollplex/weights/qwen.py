@@ -41,7 +41,8 @@ def _vis_qkv(c: ModelConfig):
 
 
 RULES: tuple[tuple[str, str, _Rule], ...] = (
-    (r"model\.embed_tokens\.weight|lm_head\.weight", "text", lambda c: (0, (Part(c.text.vocab_size, c.text.vocab_size),))),
+    (r"model\.embed_tokens\.weight|lm_head\.weight", "text",
+     lambda c: (0, (Part(c.text.vocab_size, c.text.vocab_size),))),
     (r"model\.(layers\.\d+\.(input|post_attention)_layernorm|norm)\.weight", "text", lambda c: (None, ())),
     (r"model\.layers\.\d+\.self_attn\.qkv_proj\.(weight|bias)", "text", _text_qkv),
     (r"model\.layers\.\d+\.self_attn\.o_proj\.weight", "text",

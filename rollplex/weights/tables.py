@@ -36,8 +36,9 @@ class Cell:
 
 
 def make_cells(model: str, specs: Sequence[ParamSpec], trains: Sequence[TrainLayout], rollout_tps: Sequence[int],
-               vision_tp: bool = False, links: Links = Links(), gpus_per_node: int = 8,
+               vision_tp: bool = False, links: Links | None = None, gpus_per_node: int = 8,
                share: bool = True) -> list[Cell]:
+    links = links or Links()
     out = []
     for tr in trains:
         for tp in rollout_tps:
