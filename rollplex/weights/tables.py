@@ -11,7 +11,7 @@ from .layout import ParamSpec, RolloutLayout, TrainLayout
 from .planner import plan
 from .report import Links, Summary
 
-DEFAULT_TRAIN = ("fsdp8", "fsdp16", "fsdp32", "tp2", "tp4", "tp8", "tp2xfsdp16", "tp4xfsdp8", "tp8xfsdp4")
+DEFAULT_TRAIN = ("fsdp8", "fsdp16", "fsdp32", "fsdp4xrep8", "tp2", "tp4", "tp8", "tp2xfsdp16", "tp4xfsdp8", "tp8xfsdp4")
 
 
 def parse_train(text: str, vision_tp: bool = False) -> TrainLayout:
