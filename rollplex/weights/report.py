@@ -10,9 +10,10 @@ bandwidth, plus the busier direction of its intra-node traffic over NVLink and o
 traffic over its NIC, each at the stated bandwidth (`Links`), with no latency and perfect overlap of
 a rank's concurrent transfers; the step's estimate is the slowest rank's.
 
-The per-GPU footprint adds the training state of each rank's shard: bf16 weights, fp32 master
-weights, AdamW's two fp32 moments and fp32 gradients (18 bytes per parameter). Activations, KV
-cache, FSDP's gathered layers and allocator slack come on top and are not counted.
+The per-GPU footprint adds the training state of each rank's shard as Rollplex's MasterAdamW keeps
+it: bf16 weights and gradient buffers, fp32 master weights and AdamW's two fp32 moments (16 bytes per
+parameter). Activations, KV cache, FSDP's gathered layers and allocator slack come on top and are
+not counted.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from .planner import ModelPlan
 
 GIB = 2**30
-TRAIN_STATE_BYTES = {"bf16 weights": 2, "fp32 master": 4, "AdamW m+v": 8, "fp32 grads": 4}
+TRAIN_STATE_BYTES = {"bf16 weights": 2, "bf16 grads": 2, "fp32 master": 4, "AdamW m+v": 8}
 
 
 @dataclass(frozen=True)

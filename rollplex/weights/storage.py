@@ -84,7 +84,10 @@ def rebuild_local(p: ParamPlan, rollout: torch.Tensor, train_of: Callable[[int],
 def rebuild(plan: ModelPlan, rank: int, train: dict[str, torch.Tensor], rollout: dict[str, torch.Tensor],
             group: dist.ProcessGroup | None = None) -> None:
     """Collective over the plan's ranks (`rank` is this process's rank in `group`): fill this rank's
-    rollout tensors' rebuilt blocks from the training tensors of all ranks."""
+    rollout tensors' rebuilt blocks from the training tensors of all ranks. A rank with nothing to
+    send or receive posts no P2P op; NCCL requires batched P2P not to be the group's first
+    collective unless every rank takes part, so initialise the group with a collective first (FSDP's
+    do)."""
     sends: dict[int, list[torch.Tensor]] = {}
     recvs: dict[int, list[torch.Tensor]] = {}
     for spec in plan.specs:
