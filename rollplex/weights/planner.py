@@ -1,0 +1,102 @@
+"""The whole-model plan: a rank mapping, then share-or-rebuild for every parameter on every rank.
+
+Decoder layers repeat, so parameters with equal `ParamSpec.signature()` have equal plans; each
+signature is planned once per rank and weighted by its count (the 32B model's 1,000-odd parameters
+are ~30 signatures).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .layout import ParamSpec, RolloutLayout, TrainLayout
+from .mapping import Mapping, MappingChoice, choose_mapping
+from .regions import Region, intersect_numel
+from .share import ParamPlan, find_share, plan_param
+
+
+@dataclass
+class ModelPlan:
+    specs: tuple[ParamSpec, ...]
+    train: TrainLayout
+    rollout: RolloutLayout
+    choice: MappingChoice
+    nodes: tuple[int, ...]  # node of each training rank (the chosen placement)
+    share: bool
+    signatures: dict[str, tuple] = field(repr=False)
+    counts: dict[tuple, int] = field(repr=False)
+    plans: dict[tuple, tuple[ParamPlan, ...]] = field(repr=False)  # signature -> plan of each rank
+
+    @property
+    def world(self) -> int:
+        return self.train.world
+
+    @property
+    def mapping(self) -> Mapping:
+        return self.choice.mapping
+
+    def param(self, name: str, rank: int) -> ParamPlan:
+        return self.plans[self.signatures[name]][rank]
+
+    def tp_rank(self, rank: int) -> int:
+        return self.mapping.slot_of[rank] % self.rollout.tp
+
+    def rollout_groups(self) -> list[list[int]]:
+        """Training ranks of each rollout group, in TP-rank order: the engine's process groups."""
+        tp = self.rollout.tp
+        out = [[0] * tp for _ in range(self.world // tp)]
+        for r, slot in enumerate(self.mapping.slot_of):
+            out[slot // tp][slot % tp] = r
+        return out
+
+
+def _sources(rank: int, nodes: Sequence[int], regions: Sequence[Region]) -> list[tuple[int, Region]]:
+    order = sorted(range(len(nodes)), key=lambda q: (q != rank, nodes[q] != nodes[rank], abs(q - rank), q))
+    return [(q, regions[q]) for q in order]
+
+
+def plan(specs: Sequence[ParamSpec], train: TrainLayout, rollout: RolloutLayout, gpus_per_node: int = 8,
+         share: bool = True, mapping: Mapping | None = None) -> ModelPlan:
+    """share=False: training shards are not kept in the rollout dtype (e.g. FSDP2 fp32 shards with a
+    bf16 MixedPrecisionPolicy), so nothing is shared. mapping: force one instead of searching."""
+    world = train.world
+    if world % rollout.tp:
+        raise ValueError(f"rollout TP {rollout.tp} does not divide the training world size {world}")
+    if gpus_per_node < 1:
+        raise ValueError("gpus_per_node must be >= 1")
+    signatures = {s.name: s.signature() for s in specs}
+    counts: dict[tuple, int] = {}
+    first: dict[tuple, ParamSpec] = {}
+    for s in specs:
+        counts[s.signature()] = counts.get(s.signature(), 0) + 1
+        first.setdefault(s.signature(), s)
+    train_regions, roll_regions = {}, {}
+    for sig, sp in first.items():
+        try:
+            train_regions[sig] = [train.region(sp, r) for r in range(world)]
+            roll_regions[sig] = [rollout.region(sp, t) for t in range(rollout.tp)]
+        except ValueError as e:
+            raise ValueError(f"{sp.name}: {e}") from e
+    big = sum(counts[sig] * roll_regions[sig][0].numel for sig in first) * rollout.tp + 1
+
+    def gain(r: int, t: int) -> int:
+        total = 0
+        for sig, n in counts.items():
+            s, tr = roll_regions[sig][t], train_regions[sig][r]
+            sh = find_share(s, tr) if share else None
+            shared = 0 if sh is None else sh.numel
+            total += n * (shared * big + intersect_numel(s, tr) - shared)
+        return total
+
+    choice = choose_mapping(world, train.tp, rollout.tp, gain, gpus_per_node, mapping)
+    m = choice.mapping
+    nodes = m.node_of or tuple(slot // gpus_per_node for slot in m.slot_of)
+    plans = {}
+    for sig in first:
+        per_rank = []
+        for r in range(world):
+            s = roll_regions[sig][m.slot_of[r] % rollout.tp]
+            per_rank.append(plan_param(s, train_regions[sig][r], _sources(r, nodes, train_regions[sig]), share))
+        plans[sig] = tuple(per_rank)
+    return ModelPlan(tuple(specs), train, rollout, choice, nodes, share, signatures, counts, plans)
