@@ -6,6 +6,7 @@ WORKLOADS = {
     "model": "rollplex.bench.model",
     "rollout": "rollplex.bench.rollout",
     "step": "rollplex.bench.step",
+    "weights": "rollplex.bench.weights",
     "hook": "rollplex.bench.hook",
     "profile": "rollplex.bench.profile",
     "hostloop": "rollplex.bench.hostloop",
