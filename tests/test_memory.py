@@ -136,12 +136,13 @@ def test_memory_config_builds_plans():
     sizes = {"weights": 8 * GiB, "kv_cache": 60 * GiB, "optimizer": 45 * GiB, "grads": 8 * GiB}
     acts = {"update": activation_bytes(2048, 36, 8192, 2, checkpointing=False)}
     assert activation_bytes(2048, 36, 8192, 2, checkpointing=True) < acts["update"] / 10
-    assert MemoryConfig(plan="resident").build_plan(sizes, acts, 140 * GiB).get("update", "kv_cache") == "resident"
+    resident = MemoryConfig(memory_plan="resident").build_plan(sizes, acts, 140 * GiB)
+    assert resident.get("update", "kv_cache") == "resident"
     auto = MemoryConfig().build_plan(sizes, acts, 140 * GiB)
     assert auto.get("update", "kv_cache") == "released" and auto.name == "auto"
-    custom = MemoryConfig(overrides="optimizer:rollout=offloaded").build_plan(sizes, acts, 140 * GiB)
+    custom = MemoryConfig(memory_overrides="optimizer:rollout=offloaded").build_plan(sizes, acts, 140 * GiB)
     assert custom.get("rollout", "optimizer") == "offloaded" and custom.get("ref", "optimizer") == "resident"
     with pytest.raises(ValueError):
-        MemoryConfig(overrides="optimizer:rollout=gone")
+        MemoryConfig(memory_overrides="optimizer:rollout=gone")
     with pytest.raises(ValueError):
-        MemoryConfig(plan="fancy")
+        MemoryConfig(memory_plan="fancy")

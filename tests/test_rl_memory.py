@@ -41,7 +41,7 @@ def _opt_state(rl):
 
 def test_managed_step_equals_unmanaged(tiny_dir, proc):
     plain = _step(tiny_dir, proc, None)
-    managed = _step(tiny_dir, proc, MemoryConfig(plan="release", overrides=EVERYTHING_MOVES))
+    managed = _step(tiny_dir, proc, MemoryConfig(memory_plan="release", memory_overrides=EVERYTHING_MOVES))
     assert managed.memory.plan.get("rollout", "optimizer") == "offloaded"
     for _ in range(2):  # the second step resumes offloaded moments and a re-zeroed gradient region
         m_plain = plain.step(ROWS)
@@ -57,7 +57,7 @@ def test_managed_step_equals_unmanaged(tiny_dir, proc):
 
 
 def test_engine_tokens_survive_release_and_resume(tiny_dir, proc):
-    rl = _step(tiny_dir, proc, MemoryConfig(plan="release"))
+    rl = _step(tiny_dir, proc, MemoryConfig(memory_plan="release"))
     sp = SamplingParams(n=3, temperature=0.0, max_new_tokens=8)
     prompts = [shape_color.make_rows(1, seed=s)[0] for s in (1, 2)]
     from rollplex.data import row_to_inputs
@@ -101,7 +101,7 @@ def test_oom_backs_off_to_smaller_micro_batches(tiny_dir, proc, monkeypatch):
     # ~lr * sign(grad), which turns last-bit noise in near-zero gradients into lr-sized differences
     kw = dict(kl_coef=0.0, lr=1e-5)
     ref = _step(tiny_dir, proc, None, micro_batch_prompts=1, **kw)
-    rl = _step(tiny_dir, proc, MemoryConfig(plan="release"), micro_batch_prompts=4, **kw)
+    rl = _step(tiny_dir, proc, MemoryConfig(memory_plan="release"), micro_batch_prompts=4, **kw)
     batch = ref.rollout(ROWS)
     batch.rewards = torch.tensor([float(i % 3 == 0) for i in range(batch.num_samples)])
     ref.train(copy.deepcopy(batch))
@@ -113,7 +113,7 @@ def test_oom_backs_off_to_smaller_micro_batches(tiny_dir, proc, monkeypatch):
 
 
 def test_oom_at_the_smallest_micro_batch_leaves_state_unchanged(tiny_dir, proc, monkeypatch):
-    rl = _step(tiny_dir, proc, MemoryConfig(plan="release"))
+    rl = _step(tiny_dir, proc, MemoryConfig(memory_plan="release"))
     rl.step(ROWS)  # the optimizer has state
     batch = rl.rollout(ROWS)
     batch.rewards = torch.ones(batch.num_samples)

@@ -75,6 +75,8 @@ def test_health_metrics_memory(client):
     regions = mem["regions"]
     assert regions["weights"] > 0 and regions["kv_cache"] > 0 and regions["ref_weights"] > 0  # kl_coef > 0
     assert mem["total_bytes"] == sum(regions.values()) and mem["cuda"] is None
+    manager = mem["manager"]  # the phase-aware memory manager (accounting backend on CPU)
+    assert manager["backend"] == "accounting" and manager["plan"]["phases"]["update"]["kv_cache"] == "released"
 
 
 # ---- /generate ----------------------------------------------------------------------------------
@@ -440,3 +442,33 @@ def test_train_step_overrides_are_rl_config_fields():
     assert overrides <= {f.name for f in dataclasses.fields(RLConfig)}
     req = TrainStepRequest(rollout_id="r", rewards=[1.0], lr=1e-4, micro_batch_prompts=2)
     assert dataclasses.replace(RLConfig(), **req.overrides()) == RLConfig(lr=1e-4, micro_batch_prompts=2)
+
+
+def test_train_step_oom_is_507_and_changes_nothing(client, server, monkeypatch):
+    import torch
+
+    from rollplex.rl import actor as actor_mod
+
+    ro = _rollout(client)
+    before = _checksum(client)
+    opt = server.state.rl.actor.optimizer
+    opt_before = [t.clone() for t in opt.state_tensors()]
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(actor_mod, "token_logprobs", oom)
+    r = client.post("/train_step", json={"rollout_id": ro["rollout_id"], "reward": "shape_color"})
+    assert r.status_code == 507 and "unchanged" in r.json()["error"]["message"], r.text
+    monkeypatch.undo()
+    assert _checksum(client) == before
+    assert all(torch.equal(a, b) for a, b in zip(opt_before, opt.state_tensors()))
+    assert client.post("/generate", json={"text": "Color?", "sampling_params": GREEDY}).status_code == 200
+    manager = client.get("/memory").json()["manager"]
+    assert manager["phase"] == "rollout" and manager["state"]["kv_cache"] == "resident"
+    r = client.post("/train_step", json={"rollout_id": ro["rollout_id"], "reward": "shape_color"})  # still retained
+    assert r.status_code == 200, r.text
+    assert _checksum(client) != before and "memory/update/resident_gib" in r.json()
+    manager = client.get("/memory").json()["manager"]
+    assert manager["phase"] == "update" and manager["state"]["kv_cache"] == "released"
+    assert manager["phases"]["rollout"]["resident_bytes"]["kv_cache"] > 0

@@ -13,32 +13,38 @@ PLANS = ("auto", "resident", "release")
 class MemoryConfig:
     # auto: the cheapest plan that fits the device (releases, then offloads by copy cost); resident: nothing
     # moves (memory management off); release: drop the KV cache outside rollout and gradients outside update
-    plan: str = "auto"
-    overrides: str | None = None  # comma-separated tag:phase=residency applied on top, e.g. "ref_weights:*=offloaded"
-    backend: str = "auto"  # auto: torch-memory-saver on CUDA when installed, else accounting; tms; accounting
+    memory_plan: str = "auto"
+    # comma-separated tag:phase=residency applied on top, e.g. "ref_weights:*=offloaded"
+    memory_overrides: str | None = None
+    memory_backend: str = "auto"  # auto: torch-memory-saver on CUDA when installed, else accounting; tms; accounting
     # keep the fp32 masters and AdamW moments in pinned host memory and page them through the device chunk by
     # chunk during the optimizer step (for models whose optimizer state does not fit beside the rest)
     optimizer_offload: bool = False
-    budget_fraction: float = 0.92  # share of the device's memory the automatic plan may fill
+    memory_budget: float = 0.92  # share of the device's memory the automatic plan may fill
 
     def __post_init__(self):
-        if self.plan not in PLANS:
-            raise ValueError(f"memory plan must be one of {PLANS}, got {self.plan!r}")
-        if self.backend not in ("auto", "tms", "accounting"):
-            raise ValueError("memory backend must be auto, tms or accounting")
-        if not 0.1 <= self.budget_fraction <= 1.0:
-            raise ValueError("budget_fraction must be in [0.1, 1]")
-        if self.overrides:
-            PhasePlan.releases_only().with_overrides(self.overrides)  # validates the spec
+        if self.memory_plan not in PLANS:
+            raise ValueError(f"memory_plan must be one of {PLANS}, got {self.memory_plan!r}")
+        if self.memory_backend not in ("auto", "tms", "accounting"):
+            raise ValueError("memory_backend must be auto, tms or accounting")
+        if not 0.1 <= self.memory_budget <= 1.0:
+            raise ValueError("memory_budget must be in [0.1, 1]")
+        if self.memory_overrides:
+            PhasePlan.releases_only().with_overrides(self.memory_overrides)  # validates the spec
 
     def build_plan(self, sizes: dict[str, int], activations: dict[str, int], capacity: int) -> PhasePlan:
-        if self.plan == "resident":
+        if self.memory_plan == "resident":
             plan = PhasePlan.all_resident()
-        elif self.plan == "release":
+        elif self.memory_plan == "release":
             plan = PhasePlan.releases_only()
         else:
-            plan = PhasePlan.auto(sizes, activations, int(capacity * self.budget_fraction))
-        return plan.with_overrides(self.overrides)
+            plan = PhasePlan.auto(sizes, activations, int(capacity * self.memory_budget))
+        return plan.with_overrides(self.memory_overrides)
+
+    @property
+    def managed(self) -> bool:
+        """False for the `resident` plan: nothing moves, so no manager (and no region allocator) is used."""
+        return self.memory_plan != "resident" or bool(self.memory_overrides)
 
 
 def activation_bytes(hidden: int, layers: int, tokens: int, dtype_bytes: int, checkpointing: bool) -> int:

@@ -5,14 +5,16 @@
                     over all policy parameters; changes when training changes the weights)
     GET  /metrics  Prometheus text (metrics.py)
     GET  /memory   bytes per region: weights, ref_weights, kv_cache, optimizer_state, grads,
-                   retained_rollouts (+ torch.cuda allocator stats on GPU)
+                   retained_rollouts (+ torch.cuda allocator stats on GPU); `manager`: the memory manager's
+                   backend, current phase, plan, region states and the per-phase ledger
     GET  /get_model_info  SGLang's model info (model_path, is_generation)
     POST /generate (routes_generate.py)   POST /rollout /train_step /save /load (routes_rl.py)
 
 Auth: with an API key, every route except /health and /metrics needs `Authorization: Bearer KEY`
 (checked before the body is read; 401 otherwise). Errors: `{"error": {"code", "message"}, "detail"}`;
 malformed JSON is 400, schema violations 422, bad values the runtime rejects 400, unknown rollouts
-404, a concurrent train step 409. Nothing a client sends reaches the engine unvalidated, and a
+404, a concurrent train step 409, a train step that does not fit in device memory 507 (weights and
+optimizer unchanged). Nothing a client sends reaches the engine unvalidated, and a
 failing request never touches retained rollouts or in-flight work.
 """
 

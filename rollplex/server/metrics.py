@@ -17,6 +17,7 @@ COUNTERS = {
     "rollplex_requests_aborted_total": "Engine requests aborted (client disconnects).",
     "rollplex_rollouts_total": "Rollouts completed (for_training or not).",
     "rollplex_train_steps_total": "Successful train steps.",
+    "rollplex_train_oom_total": "Train steps that ran out of device memory (answered 507).",
 }
 
 

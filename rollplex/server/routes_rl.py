@@ -25,6 +25,7 @@ from dataclasses import replace
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import Response
 
+from ..rl.actor import TrainOOM
 from ..rl.batch import RolloutBatch
 from .errors import bad_request
 from .inflight import ClientGone, collect, submit
@@ -105,6 +106,11 @@ def router(state) -> APIRouter:
                 m = await state.worker.run(lambda: state.train(entry, rewards, req.overrides(), reward_s), drain=True)
             except ValueError as e:
                 raise bad_request(f"train step rejected: {e}") from None
+            except TrainOOM as e:  # 507 Insufficient Storage: the step did not fit; the rollout stays retained
+                state.metrics.inc("rollplex_train_oom_total")
+                applied = ("weights and optimizer are unchanged" if e.applied_updates == 0 else
+                           f"{e.applied_updates} optimizer step(s) of this train step were applied")
+                raise HTTPException(507, f"{e} ({applied}; the rollout is still retained)") from None
             m.update(extra)
             state.store.pop(req.rollout_id)
             state.metrics.inc("rollplex_train_steps_total")

@@ -28,7 +28,9 @@ from pathlib import Path
 import torch
 
 from ..engine import Engine, EngineConfig
+from ..memory import MemoryConfig, MemoryManager, PhasePlan
 from ..models import ModelInputs
+from ..rl.actor import TrainOOM
 from ..rl.config import RLConfig
 from ..rl.step import RLStep
 from .metrics import Metrics
@@ -56,6 +58,7 @@ class ServerConfig:
     max_rollouts: int = 16  # retained rollouts (oldest evicted)
     rl: RLConfig = field(default_factory=server_rl_config)  # the defaults; /train_step overrides per step
     engine: EngineConfig = field(default_factory=EngineConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)  # which regions are resident in which phase
 
     def __post_init__(self):
         if self.device is None:
@@ -116,10 +119,18 @@ class ServerState:
                      time.perf_counter() - t0)
         if self.model.inv_freq.is_cuda:  # the server owns the model: its training and prefill run compiled
             self.model.compile()
-        self.engine = Engine(self.model, self.processor, cfg.engine)
-        self.rl = RLStep(self.model, self.engine, cfg.rl, self.processor, reward_fn=cfg.reward)
+        # the phase-aware memory manager: the KV cache is released outside rollout, the rest follows the plan
+        self.memory = (MemoryManager(PhasePlan.releases_only(), cfg.device, backend=cfg.memory.memory_backend)
+                       if cfg.memory.managed else None)
+        self.engine = Engine(self.model, self.processor, cfg.engine, memory=self.memory)
+        self.rl = RLStep(self.model, self.engine, cfg.rl, self.processor, reward_fn=cfg.reward, memory=self.memory,
+                         memory_cfg=cfg.memory)
+        if self.memory is not None:
+            log.info("memory (%s backend):\n%s", self.memory.backend.name,
+                     self.memory.plan.table(self.rl.memory_sizes(), self.rl.activation_estimate()))
         self.store = RolloutStore(cfg.rollout_ttl_s, cfg.max_rollouts)
-        self.worker = EngineWorker(self.engine, decode=self._decode if self.processor is not None else None)
+        self.worker = EngineWorker(self.engine, decode=self._decode if self.processor is not None else None,
+                                   before_step=self.enter_rollout)
         self.metrics = Metrics()
         self.weights_version = 0
         self.last_train: dict = {}
@@ -145,6 +156,11 @@ class ServerState:
                 "uptime_s": round(time.time() - self.started, 3)}
 
     # ---- engine-thread methods ----------------------------------------------------------------
+    def enter_rollout(self) -> None:
+        """Before an engine step: the KV cache (and whatever else the rollout phase holds) is resident."""
+        if self.memory is not None and self.memory.current != "rollout":
+            self.memory.enter("rollout")
+
     def encode_prompt(self, p) -> ModelInputs:
         """ModelInputs for a RolloutPrompt (chat messages / verl row / ids)."""
         from ..data import row_to_inputs
@@ -163,7 +179,16 @@ class ServerState:
             raise ValueError("this server holds no reference model (started with --kl-coef 0): "
                              "restart it with --kl-coef > 0 to use a KL term")
         t0 = time.perf_counter()
-        m = self.rl.train(replace(entry.batch, rewards=torch.as_tensor(rewards, dtype=torch.float32)), cfg)
+        try:
+            m = self.rl.train(replace(entry.batch, rewards=torch.as_tensor(rewards, dtype=torch.float32)), cfg)
+        except TrainOOM:
+            raise
+        except torch.OutOfMemoryError as e:  # outside the update (reference scoring): nothing was changed
+            if self.model.inv_freq.is_cuda:
+                torch.cuda.empty_cache()
+            raise TrainOOM(f"the train step ran out of device memory while scoring: {e}; lower the micro-batch "
+                           "size or offload the reference model (--memory-overrides ref_weights:*=offloaded)",
+                           0) from e
         train_s = time.perf_counter() - t0
         self.weights_version += 1
         b = entry.batch
@@ -200,19 +225,20 @@ class ServerState:
         """Bytes per memory region (distinct storages), + torch.cuda allocator stats on GPU."""
         params = list(self.model.parameters())
         opt = self.rl.actor.optimizer
-        opt_state = [opt.master, list(opt.opt.state.values())] if hasattr(opt, "master") else list(opt.state.values())
+        opt_state = opt.state_tensors()
         regions = {
             "weights": tensor_bytes(params + list(self.model.buffers())),
             "ref_weights": tensor_bytes(list(self.rl.ref.parameters())) if self.rl.ref is not None else 0,
             "kv_cache": tensor_bytes([self.engine.runner.k_cache, self.engine.runner.v_cache]),
             "optimizer_state": tensor_bytes(opt_state),
-            "grads": tensor_bytes([p.grad for p in params if p.grad is not None]),
+            "grads": tensor_bytes([p.grad for p in params if p.grad is not None]),  # persistent buffers
             "retained_rollouts": self.store.nbytes(),
         }
         out = {"regions": regions, "total_bytes": sum(regions.values()), "retained_rollouts": len(self.store),
                "kv_cache_blocks": {"total": self.engine.blocks.num_blocks, "free": self.engine.blocks.num_free,
                                    "block_size": self.engine.cfg.block_size},
                "device": self.cfg.device, "cuda": None}
+        out["manager"] = self.memory.report() if self.memory is not None else None
         dev = self.engine.runner.device
         if dev.type == "cuda":
             out["cuda"] = {"allocated": torch.cuda.memory_allocated(dev), "reserved": torch.cuda.memory_reserved(dev),

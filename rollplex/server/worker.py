@@ -64,8 +64,11 @@ class _Job:
 
 
 class EngineWorker:
-    def __init__(self, engine, decode: Callable[[list[int], bool], str] | None = None, name: str = "rollplex-engine"):
-        self.engine, self.decode = engine, decode
+    def __init__(self, engine, decode: Callable[[list[int], bool], str] | None = None, name: str = "rollplex-engine",
+                 before_step: Callable[[], None] | None = None):
+        """before_step: runs on this thread before each engine step (the server puts the memory manager in
+        its rollout phase there)."""
+        self.engine, self.decode, self.before_step = engine, decode, before_step
         self._cv = threading.Condition()
         self._jobs: deque[_Job] = deque()
         self._aborts: deque[Ticket] = deque()
@@ -164,6 +167,8 @@ class EngineWorker:
 
     def _step(self) -> None:
         try:
+            if self.before_step is not None:
+                self.before_step()
             outs = self.engine.step()
         except Exception as e:  # keep serving: fail what was in flight
             log.exception("engine step failed; aborting %d in-flight requests", len(self._tickets))
