@@ -5,6 +5,7 @@ import sys
 WORKLOADS = {
     "model": "rollplex.bench.model",
     "rollout": "rollplex.bench.rollout",
+    "serve": "rollplex.bench.serve",
     "step": "rollplex.bench.step",
     "weights": "rollplex.bench.weights",
     "hook": "rollplex.bench.hook",

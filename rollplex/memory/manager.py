@@ -111,6 +111,7 @@ class MemoryManager:
         """Move every region to its residency in `phase`: out-going first, then in-coming."""
         if phase not in PHASES:
             raise ValueError(f"unknown phase {phase!r}; phases are {PHASES}")
+        self._close_peak()
         want = {t: self.plan.get(phase, t) for t in TAGS}
         for tag in TAGS:
             if want[tag] != "resident" and self.state[tag] == "resident":
@@ -128,16 +129,23 @@ class MemoryManager:
 
     @contextlib.contextmanager
     def phase(self, phase: str):
-        """enter(phase), and record the phase's peak device memory when it ends."""
+        """enter(phase) for the body (the phase lasts until the next enter: its peak is recorded then)."""
         self.enter(phase)
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-        try:
-            yield
-        finally:
-            if cuda:
-                self.ledger.record_peak(phase, torch.cuda.max_memory_allocated(self.device))
+        yield
+
+    def _close_peak(self) -> None:
+        """Record the current phase's peak device memory and start a new measurement."""
+        if self.device.type != "cuda":
+            return
+        if self.current is not None:
+            self.ledger.record_peak(self.current, torch.cuda.max_memory_allocated(self.device))
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def take_metrics(self) -> dict[str, float]:
+        """`memory/*` metrics since the last call (the current phase's peak so far included)."""
+        if self.device.type == "cuda" and self.current is not None:
+            self.ledger.record_peak(self.current, torch.cuda.max_memory_allocated(self.device))
+        return self.ledger.take_metrics()
 
     def set_plan(self, plan: PhasePlan) -> None:
         self.plan = plan

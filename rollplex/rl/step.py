@@ -163,7 +163,7 @@ class RLStep:
                                                 cfg)
         m.update(stats)
         if self.memory is not None:
-            m.update(self.memory.ledger.take_metrics())
+            m.update(self.memory.take_metrics())
         train_lp = old if old is not None else first_lp
         if batch.rollout_logprobs is not None:
             sel = batch.mask > 0

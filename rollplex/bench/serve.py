@@ -1,0 +1,128 @@
+"""`python -m rollplex.bench serve`: the served RL loop as a user runs it.
+
+Starts `python -m rollplex.server` as a subprocess with the given server flags (defaults otherwise),
+times it to ready, then runs `--rounds` rounds of `/rollout` (token-id prompts, ignore_eos, so every
+sample decodes `--max-new-tokens`) followed by `/train_step` with random rewards, and reads `/memory`
+after each phase. Any non-200 answer is reported and ends the run. Prints one JSON line per round and a
+table; the server is stopped at the end.
+
+    python -m rollplex.bench serve --model qwen2.5-vl-3b --server-args "--kl-coef 0.001"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import subprocess
+import sys
+import time
+
+GiB = 2**30
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, timeout: float) -> float:
+    import httpx
+
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with code {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return time.perf_counter() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"the server was not ready after {timeout:.0f} s")
+
+
+def _phases(mem: dict) -> dict:
+    manager = mem.get("manager") or {}
+    return {p: {"peak_gib": round(r["peak_bytes"] / GiB, 2),
+                "resident_gib": round(sum(r["resident_bytes"].values()) / GiB, 2)}
+            for p, r in (manager.get("phases") or {}).items()}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m rollplex.bench serve")
+    ap.add_argument("--model", default=None, help="HF dir or preset (default: the embedded tiny model)")
+    ap.add_argument("--server-args", default="", help="extra flags for python -m rollplex.server")
+    ap.add_argument("--port", type=int, default=30123)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=352)
+    ap.add_argument("--max-new-tokens", type=int, default=512)
+    ap.add_argument("--token-range", default="1000,100000", help="prompt token ids are drawn from [lo, hi)")
+    ap.add_argument("--ready-timeout", type=float, default=900.0)
+    ap.add_argument("--log", default=None, help="file for the server's output (default: inherit)")
+    args = ap.parse_args(argv)
+    import httpx
+
+    url = f"http://127.0.0.1:{args.port}"
+    cmd = [sys.executable, "-m", "rollplex.server", *(["--model", args.model] if args.model else []),
+           "--port", str(args.port), *shlex.split(args.server_args)]
+    out = open(args.log, "w") if args.log else None  # noqa: SIM115 - lives as long as the server
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=dict(os.environ))
+    rows = []
+    try:
+        ready_s = _wait_ready(proc, url, args.ready_timeout)
+        print(json.dumps({"ready_s": round(ready_s, 1), "cmd": " ".join(cmd)}), flush=True)
+        rng = random.Random(0)
+        lo, hi = (int(x) for x in args.token_range.split(","))
+        client = httpx.Client(base_url=url, timeout=3600)
+        for r in range(args.rounds):
+            prompts = [{"input_ids": [rng.randrange(lo, hi) for _ in range(args.prompt_len)]}
+                       for _ in range(args.prompts)]
+            t0 = time.perf_counter()
+            ro = client.post("/rollout", json={"prompts": prompts, "n": args.n, "sampling_params": {
+                "max_new_tokens": args.max_new_tokens, "ignore_eos": True, "temperature": 1.0}})
+            gen_s = time.perf_counter() - t0
+            row = {"round": r, "rollout_status": ro.status_code, "gen_s": round(gen_s, 2)}
+            if ro.status_code != 200:
+                row["error"] = ro.text[:500]
+                rows.append(row)
+                break
+            body = ro.json()
+            n_tok = args.prompts * args.n * args.max_new_tokens
+            row["rollout_tok_s"] = round(n_tok / gen_s)
+            mem_gen = _phases(client.get("/memory").json())
+            num = body["num_samples"]
+            t0 = time.perf_counter()
+            tr = client.post("/train_step", json={"rollout_id": body["rollout_id"],
+                                                  "rewards": [rng.random() for _ in range(num)]})
+            row.update(train_status=tr.status_code, train_s=round(time.perf_counter() - t0, 2))
+            if tr.status_code != 200:
+                row["error"] = tr.text[:500]
+                rows.append(row)
+                break
+            m = tr.json()
+            mem = client.get("/memory").json()
+            row.update({k: round(v, 3) for k, v in m.items() if k.startswith(("timing_s/", "memory/"))
+                        and isinstance(v, float)})
+            row["phases"] = _phases(mem) or mem_gen
+            row["cuda_max_allocated_gib"] = round((mem.get("cuda") or {}).get("max_allocated", 0) / GiB, 2)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    print(f"\n{'round':>5} {'rollout':>8} {'tok/s':>8} {'train':>6} {'train s':>8} {'upd peak GiB':>13} "
+          f"{'transit s':>10}")
+    for row in rows:
+        upd = row.get("phases", {}).get("update", {}).get("peak_gib", float("nan"))
+        print(f"{row['round']:>5} {row['rollout_status']:>8} {row.get('rollout_tok_s', 0):>8} "
+              f"{row.get('train_status', '-'):>6} {row.get('train_s', 0):>8} {upd:>13} "
+              f"{row.get('memory/transition_s', float('nan')):>10}")
+    if any(r.get("error") for r in rows):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
