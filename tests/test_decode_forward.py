@@ -82,14 +82,39 @@ def test_decode_forward_reads_live_parameters(tiny_dir):
     torch.testing.assert_close(after, want, rtol=1e-6, atol=1e-6)
 
 
-def test_kernels_import_neither_the_engine_nor_triton():
+def test_kernels_import_without_the_engine_or_triton():
     """kernels/ sits under engine/ (the engine imports it, never the reverse) and builds its Triton
-    kernels on first use, so it imports on machines without triton."""
+    kernels on first use, so every module of it imports where triton cannot be imported."""
     import subprocess
     import sys
 
-    code = ("import sys, pkgutil, importlib, rollplex.kernels as k\n"
+    code = ("import sys, pkgutil, importlib\n"
+            "sys.modules['triton'] = None  # any `import triton` now fails\n"
+            "import rollplex.kernels as k\n"
             "for m in pkgutil.iter_modules(k.__path__): importlib.import_module(f'rollplex.kernels.{m.name}')\n"
-            "bad = [m for m in sys.modules if m.startswith(('rollplex.engine', 'triton'))]\n"
+            "bad = [m for m in sys.modules if m.startswith('rollplex.engine')]\n"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_gemm_tuner_times_the_given_candidates_with_the_steps_reader(tiny_dir, monkeypatch):
+    """tune_decode_gemms times each split count of the o and down projections together with the step's
+    own residual-add + norm (which sums the partials), over the candidates it is given."""
+    import rollplex.kernels.split_k as split_k
+    from rollplex.kernels.decode_gemms import tune_decode_gemms
+
+    fake_us = iter([3.0, 1.0, 2.0, 5.0, 4.0, 6.0])  # o: S = 1, 2, 4; down: S = 1, 2, 4
+    monkeypatch.setattr(split_k, "graph_time_us", lambda call, reps, replays=7: (call(), next(fake_us))[1])
+    model = load_model(tiny_dir).eval()
+    decode, read = DecodeForward(model), []
+
+    def reader(x, y, norm_w, eps):
+        read.append(tuple(y.shape))
+        return decode.final_norm(x, y, norm_w, eps)
+
+    with torch.no_grad():
+        gemms, times = tune_decode_gemms(model, 4, None, True, reader, decode.swiglu, split_k_candidates=(1, 2, 4))
+    assert (gemms.o_splits, gemms.down_splits, gemms.gate_up_swiglu) == (2, 2, None)  # no CUDA: no fused SwiGLU
+    assert times == {"o": {1: 3.0, 2: 1.0, 4: 2.0}, "down": {1: 5.0, 2: 4.0, 4: 6.0}}
+    C = model.cfg.text.hidden_size
+    assert read == [(4, 1, C), (2, 4, 1, C), (4, 4, 1, C)] * 2  # plain output, then fp32 partials per S
