@@ -124,7 +124,7 @@ def host_trace(fn, path: str) -> None:
 
 
 def _export_gz(prof, path: str) -> None:
-    """The profiler's Chrome trace as `path`.json.gz (a tenth of the size: it travels back from the GPU box)."""
+    """The profiler's Chrome trace as `path`.json.gz (about a tenth of the size of the plain JSON)."""
     import gzip
     import os
     import shutil

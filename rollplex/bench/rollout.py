@@ -7,7 +7,7 @@
 3. Batch sweep B = 8, 64, 256: median decode step (engine step incl. sampling and host work, and
    the bare graph replay) against the HBM floor = (weight bytes + KV bytes read per step) / copy
    bandwidth measured in the same run.
-4. transformers' `generate` on the same 256 sequences (fewer new tokens: it is ~50x slower), tok/s.
+4. transformers' `generate` on the same 256 sequences (fewer new tokens: it is far slower), tok/s.
 Prints JSON lines, then a table.
 """
 

@@ -132,10 +132,10 @@ def main(argv=None) -> None:
     summary = []
     for label in args.workloads.split(","):
         frames = 8 if label == "w3b-video" else 1
-        # 4 image prompts x 8 samples fit next to the engine, reference and optimizer state (129 GiB
-        # peak on the H200); a video prompt has 3x the prompt tokens
+        # micro-batches that fit one 141 GB GPU next to the engine's KV cache, the reference model and the
+        # optimizer state (8 serial video sequences per pass do not: a video prompt has 3x the tokens)
         rl_kw["micro_batch_prompts"] = args.micro_prompts or (2 if frames > 1 else 4)
-        rl_kw["micro_batch_samples"] = args.micro_samples or (4 if frames > 1 else 8)  # 8 video sequences: OOM
+        rl_kw["micro_batch_samples"] = args.micro_samples or (4 if frames > 1 else 8)
         n_prompts = args.video_prompts if frames > 1 else args.prompts
         prompts, grid = make_prompts(cfg, n_prompts, frames, size=args.image_size, text=args.text_tokens,
                                      device=args.device, dtype=dtype)
