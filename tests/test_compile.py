@@ -8,7 +8,8 @@ import pytest
 import torch
 from helpers import make_prompt, tiny_model
 
-pytestmark = pytest.mark.filterwarnings("ignore")
+# inductor builds C++ kernels for every graph and shape here: minutes on two cores with a cold compile cache
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,9 +1,10 @@
 """`python -m rollplex.bench layer`: the decode step's decoder layers under different GEMM choices.
 
-A study for the engine's bandwidth goal (issue 3): at B = 64 the graphed decode step spends ~2 of
-its 3.2 ms in the four GEMMs of each layer, which cuBLAS streams at 1.4-3.4 TB/s. Here the layers'
-compiled glue + GEMMs (`_pre_attention`, `_post_attention`; attention replaced by passing q through,
-since it is not what varies) run 36 times with distinct weights inside one CUDA graph, per variant:
+Asks whether inductor's own GEMM choices beat the model's: in the graphed decode step at small batch
+most of the time goes to the four GEMMs of each layer, which stream their weights below the HBM
+bandwidth. Here the layers' compiled glue + GEMMs (`_pre_attention`, `_post_attention`; attention
+replaced by passing q through, since it is not what varies) run once per decoder layer with distinct
+weights inside one CUDA graph, per variant:
 
 * `default`   - torch.compile as the model does it (GEMMs are cuBLAS calls)
 * `autotune`  - inductor max-autotune: cuBLAS vs Triton GEMM templates timed per shape, epilogue /

@@ -14,23 +14,10 @@ import json
 
 import torch
 
-from ..models import ModelConfig, Qwen25VL, hf_to_rollplex
+from ..models import Qwen25VL, hf_to_rollplex
 from ..presets import preset
+from .common import vit_flops
 from .timing import env_info, time_ms
-
-
-def vit_flops(cfg: ModelConfig, grid: list[tuple[int, int, int]]) -> float:
-    v = cfg.vision
-    n = sum(t * h * w for t, h, w in grid)
-    layer = 4 * v.hidden_size**2 + 3 * v.hidden_size * v.intermediate_size
-    per_tok = 2 * (v.patch_dim * v.hidden_size + v.depth * layer)
-    win = (v.window_size // v.patch_size) ** 2
-    frame = max(h * w for _, h, w in grid)
-    full = len(v.fullatt_block_indexes)
-    attn = 4 * n * v.hidden_size * (full * frame + (v.depth - full) * win)
-    merged = n // v.spatial_merge_size**2
-    md = v.hidden_size * v.spatial_merge_size**2
-    return per_tok * n + attn + 2 * merged * (md * md + md * v.out_hidden_size)
 
 
 def main(argv=None) -> None:

@@ -27,6 +27,7 @@ from ..models import ModelConfig, ModelInputs, Qwen25VL, init_weights
 from ..presets import preset
 from ..rl.batch import RolloutBatch
 from ..rl.scoring import token_logprobs
+from .common import gemms_str, make_prompts, set_decode_state, update_flops
 from .timing import env_info, time_ms
 
 DT = {"cuda": torch.bfloat16, "cpu": torch.float32}
@@ -123,7 +124,7 @@ def host_trace(fn, path: str) -> None:
 
 
 def _export_gz(prof, path: str) -> None:
-    """The profiler's Chrome trace as `path`.json.gz (a tenth of the size: it travels back from the GPU box)."""
+    """The profiler's Chrome trace as `path`.json.gz (about a tenth of the size of the plain JSON)."""
     import gzip
     import os
     import shutil
@@ -133,22 +134,6 @@ def _export_gz(prof, path: str) -> None:
     with open(path + ".json", "rb") as a, gzip.open(path + ".json.gz", "wb") as b:
         shutil.copyfileobj(a, b)
     os.remove(path + ".json")
-
-
-def set_decode_state(runner, B: int, ctx: int, seed: int = 0) -> None:
-    """Fill the runner's static decode inputs for B sequences that each hold `ctx` cached tokens in
-    their own blocks (blocks 1.. are handed out in order; block 0 is scratch)."""
-    bs = runner.block_size
-    per = -(-ctx // bs)
-    if 1 + B * per > runner.num_blocks:
-        raise ValueError(f"{B} x {ctx} tokens do not fit {runner.num_blocks} KV blocks")
-    g = torch.Generator().manual_seed(seed)
-    table = 1 + torch.arange(B * per).view(B, per)
-    meta = torch.stack([torch.randint(0, 150000, (B,), generator=g), torch.full((B,), ctx - 1),
-                        torch.full((B,), ctx), table[:, (ctx - 1) // bs] * bs + (ctx - 1) % bs])
-    runner.static_meta[:, :B].copy_(meta)
-    runner.static_bt[:B].zero_()
-    runner.static_bt[:B, :per].copy_(table.to(torch.int32))
 
 
 TILES = [dict(tile_n=t, num_warps=w, num_stages=st) for t in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
@@ -343,14 +328,6 @@ def _gemm_variants(B: int, N: int, K: int, has_bias: bool, g, dev: str) -> dict:
     return r
 
 
-def gemms_str(g) -> str:
-    """A graphed bucket's SkinnyGemms in one line (the fused SwiGLU as its Triton config)."""
-    if g is None:
-        return "None"
-    sw = getattr(g.gate_up_swiglu, "keywords", {}).get("config") if g.gate_up_swiglu else None
-    return f"o_splits={g.o_splits} down_splits={g.down_splits} swiglu={sw}"
-
-
 def decode_profile(model, batches, ctx: int, rows: list, split_k: tuple[int, int] | None = None,
                    attn_candidates: tuple | None = None) -> None:
     eng = Engine(model, None, EngineConfig(max_num_seqs=max(batches), max_model_len=2048, gpu_memory_utilization=0.6,
@@ -442,8 +419,6 @@ def engine_profile(model, batches, rows: list, dev: str, trace_dir: str | None =
 
 
 def train_profile(model, cfg, configs, rows: list, dev: str, resp_len: int, trace_dir: str | None = None) -> None:
-    from .step import make_prompts, update_flops
-
     prompts, grid = make_prompts(cfg, 8, 1, device=dev, dtype=DT[dev])
     g = torch.Generator().manual_seed(0)
     for mode, n_prompts, n_samples in configs:

@@ -7,7 +7,7 @@
 3. Batch sweep B = 8, 64, 256: median decode step (engine step incl. sampling and host work, and
    the bare graph replay) against the HBM floor = (weight bytes + KV bytes read per step) / copy
    bandwidth measured in the same run.
-4. transformers' `generate` on the same 256 sequences (fewer new tokens: it is ~50x slower), tok/s.
+4. transformers' `generate` on the same 256 sequences (fewer new tokens: it is far slower), tok/s.
 Prints JSON lines, then a table.
 """
 
@@ -27,7 +27,7 @@ from ..engine.sampler import SamplingTensors
 from ..generate import generate
 from ..models import ModelInputs, Qwen25VL, hf_to_rollplex, init_weights
 from ..presets import preset
-from .profile import gemms_str, set_decode_state
+from .common import gemms_str, set_decode_state, w3b_prompts
 from .timing import env_info, time_ms
 
 
@@ -42,20 +42,6 @@ class WallHook:
 
     def periods(self) -> list[float]:
         return [(b - a) * 1e3 for a, b in zip(self.t[:-1], self.t[1:])]
-
-
-def w3b_prompts(cfg, n_prompts: int, size: int = 448, text: int = 96, seed: int = 0, device="cuda"):
-    g = torch.Generator().manual_seed(seed)
-    side = size // cfg.vision.patch_size
-    n_img = side * side // cfg.vision.spatial_merge_size**2
-    out = []
-    for _ in range(n_prompts):
-        ids = torch.randint(0, 150000, (text // 2,), generator=g).tolist()
-        ids += [cfg.vision_start_token_id] + [cfg.image_token_id] * n_img + [cfg.vision_end_token_id]
-        ids += torch.randint(0, 150000, (text - text // 2 - 2,), generator=g).tolist()
-        pix = torch.randn(side * side, cfg.vision.patch_dim, generator=g).to(device, torch.bfloat16)
-        out.append(ModelInputs(ids, pix, torch.tensor([[1, side, side]])))
-    return out
 
 
 def copy_bandwidth(device="cuda") -> float:

@@ -1,11 +1,16 @@
-"""`python -m rollplex.bench step`: one GRPO step, `serial` vs `rollplex`, side by side.
+"""`python -m rollplex.bench step`: one GRPO step, `serial` vs `rollplex`, side by side, warm.
 
-Workloads (DESIGN.md §4): W3B (32 prompts x n=8, one 448x448 image + 96 text tokens, 512 new
-tokens) and W3B-video (8 frames of 448x448 -> 1024 visual tokens). One engine rollout is shared by
-both modes (rollout is identical in both); then reference scoring and the actor update run in each
-mode on the same batch from the same initial weights. Correctness first: on a small batch the two
-modes' losses agree. Reports per-phase times, the step ratio and the actor update's MFU (executed
-FLOPs / time / 989 TFLOP/s bf16 dense peak).
+Workloads: W3B (32 prompts x n=8, one 448x448 image + 96 text tokens, 512 new tokens) and W3B-video
+(8 frames of 448x448 -> 1024 visual tokens). A step is one engine rollout, shared by both modes (the
+rollout is identical in both), then reference scoring and the actor update in each mode on that batch
+from the same initial weights. Correctness first: on a small batch the two modes' losses agree.
+
+Every phase is timed warm: a warm-up step of the same shapes (its own rollout, with another seed, and
+both modes' scoring + update) runs first and pays the one-off costs (dynamo compiles and recompiles at
+the full batch shape, the allocator growing, first-call autotuning); then a second, different step is
+timed. The warm-up step is reported separately as the cold start (`cold_*` fields, `cold` table rows),
+so the step ratio is the one a training loop sees from its second step on. Reports per-phase times,
+the step ratio and the actor update's MFU (executed FLOPs / time / 989 TFLOP/s bf16 dense peak).
 """
 
 from __future__ import annotations
@@ -19,106 +24,68 @@ import time
 import torch
 
 from ..engine import Engine, EngineConfig, SamplingParams
-from ..models import ModelConfig, ModelInputs, Qwen25VL, init_weights
+from ..models import ModelConfig, Qwen25VL, init_weights
 from ..presets import preset
 from ..rl.batch import RolloutBatch
 from ..rl.config import RLConfig
 from ..rl.step import RLStep
-from .model import vit_flops
+from .common import PEAK_TFLOPS, make_prompts, sync, update_flops
 from .timing import env_info
 
-PEAK_TFLOPS = 989.0
+
+def rollout(eng: Engine, prompts: list, n: int, new_tokens: int, seed: int) -> tuple[RolloutBatch, float, int]:
+    """One timed engine rollout of `prompts` x n samples (fixed length: ignore_eos) with random 0/1 rewards:
+    (batch, seconds, graphs dynamo compiled during it)."""
+    from torch._dynamo.utils import counters
+
+    graphs0 = counters["stats"]["unique_graphs"]
+    sync()
+    t0 = time.perf_counter()
+    outs = eng.generate(prompts, SamplingParams(n=n, max_new_tokens=new_tokens, ignore_eos=True, seed=seed))
+    sync()
+    gen_s = time.perf_counter() - t0
+    batch = RolloutBatch.from_samples(
+        prompts, [i for i, o in enumerate(outs) for _ in o.samples],
+        [s.token_ids for o in outs for s in o.samples], pad_id=0,
+        logprobs=[s.logprobs for o in outs for s in o.samples],
+        rewards=[float(torch.rand(()) < 0.5) for o in outs for _ in o.samples])
+    return batch, gen_s, counters["stats"]["unique_graphs"] - graphs0
 
 
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def make_prompts(cfg, n_prompts: int, frames: int, size: int = 448, text: int = 96, seed: int = 0, device="cuda",
-                 dtype=torch.bfloat16):
-    g = torch.Generator().manual_seed(seed)
-    side = size // cfg.vision.patch_size
-    t = max(1, frames // cfg.vision.temporal_patch_size)
-    n_vis = t * side * side // cfg.vision.spatial_merge_size**2
-    video = frames > 1
-    tok = cfg.video_token_id if video else cfg.image_token_id
-    out = []
-    for _ in range(n_prompts):
-        vocab = min(150000, cfg.image_token_id - 1)
-        ids = torch.randint(0, vocab, (text // 2,), generator=g).tolist()
-        ids += [cfg.vision_start_token_id] + [tok] * n_vis + [cfg.vision_end_token_id]
-        ids += torch.randint(0, vocab, (text - text // 2 - 2,), generator=g).tolist()
-        pix = torch.randn(t * side * side, cfg.vision.patch_dim, generator=g).to(device, dtype)
-        grid = torch.tensor([[t, side, side]])
-        p = ModelInputs(ids)
-        if video:
-            p.pixel_values_videos, p.video_grid_thw, p.second_per_grid_ts = pix, grid, [1.0]
-        else:
-            p.pixel_values, p.image_grid_thw = pix, grid
-        out.append(p)
-    return out, [(t, side, side)]
-
-
-def update_flops(cfg, batch: RolloutBatch, mode: str, grid) -> float:
-    """Executed FLOPs of one forward+backward over the batch in `mode` (x3 of the forward)."""
-    t = cfg.text
-    qkv = t.hidden_size * (t.num_attention_heads + 2 * t.num_key_value_heads) * t.head_dim
-    layer = qkv + t.hidden_size**2 + 3 * t.hidden_size * t.intermediate_size
-    linear = 2 * (t.num_hidden_layers * layer + t.hidden_size * t.vocab_size)
-    attn_per_pair = 4 * t.num_hidden_layers * t.hidden_size  # QK^T + PV, per (query, key) pair
-    P = len(batch.prompts[0].input_ids)
-    R = batch.responses.shape[1]
-    N, B = batch.num_samples, batch.num_prompts
-    vis = vit_flops(cfg, grid)
-    if mode == "rollplex":
-        prefix = B * (P * linear + attn_per_pair * P * P / 2 + vis)
-        resp = N * ((R - 1) * linear + attn_per_pair * (R - 1) * (P + R / 2))
-    else:
-        L = P + R - 1
-        prefix, resp = 0.0, N * (L * linear + attn_per_pair * L * L / 2 + vis)
-    return 3 * (prefix + resp)
-
-
-def run_modes(model, batch: RolloutBatch, rl_kw: dict, grid, label: str, cfg, warm: int = 0) -> list[dict]:
+def run_modes(model, batch: RolloutBatch, rl_kw: dict, grid, label: str, cfg, step: str = "timed") -> list[dict]:
+    """Reference scoring + actor update of `batch` in each mode, each from the model's current weights
+    (restored between the modes); one JSON row per mode."""
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ref = copy.deepcopy(model).requires_grad_(False)
     rows = []
     from torch._dynamo.utils import counters
 
     for mode in ("serial", "rollplex"):
-        cold = None
-        for it in range(1 + warm):  # with `warm`, the first run compiles (dynamo) and the second is timed
-            with torch.no_grad():
-                for k, v in model.state_dict().items():
-                    v.copy_(init[k])
-            rl = RLStep(model, None, RLConfig(mode=mode, **rl_kw), reward_fn="exact", ref_model=ref)
-            _sync()
-            if torch.cuda.is_available():
-                torch.cuda.reset_peak_memory_stats()
-            graphs0 = counters["stats"]["unique_graphs"]
-            t0 = time.perf_counter()
-            m = rl.train(copy.copy(batch))
-            _sync()
-            wall = time.perf_counter() - t0
-            new_graphs = counters["stats"]["unique_graphs"] - graphs0
-            if it < warm:
-                cold = [round(wall, 2), new_graphs]
-                del rl
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+        with torch.no_grad():
+            for k, v in model.state_dict().items():
+                v.copy_(init[k])
+        rl = RLStep(model, None, RLConfig(mode=mode, **rl_kw), reward_fn="exact", ref_model=ref)
+        sync()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        graphs0 = counters["stats"]["unique_graphs"]
+        t0 = time.perf_counter()
+        m = rl.train(copy.copy(batch))
+        sync()
+        wall = time.perf_counter() - t0
         fl = update_flops(cfg, batch, mode, grid)
-        r = {"bench": "step", "workload": label, "mode": mode, "prompts": batch.num_prompts, "n": batch.num_samples,
-             "ref_s": round(m.get("timing_s/ref", 0.0), 3), "update_actor_s": round(m["timing_s/update_actor"], 3),
-             "ref_plus_update_s": round(wall, 3), "update_tflops": round(fl / m["timing_s/update_actor"] / 1e12, 1),
+        r = {"bench": "step", "workload": label, "step": step, "mode": mode, "prompts": batch.num_prompts,
+             "n": batch.num_samples, "ref_s": round(m.get("timing_s/ref", 0.0), 3),
+             "update_actor_s": round(m["timing_s/update_actor"], 3), "ref_plus_update_s": round(wall, 3),
+             "update_tflops": round(fl / m["timing_s/update_actor"] / 1e12, 1),
              "update_mfu": round(fl / m["timing_s/update_actor"] / 1e12 / PEAK_TFLOPS, 3),
              "pg_loss": m["actor/pg_loss"], "kl_loss": m["actor/kl_loss"], "grad_norm": m["actor/grad_norm"],
              "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else 0,
-             "cold_s_and_graphs": cold, "dynamo_graphs_compiled": new_graphs}
+             "dynamo_graphs_compiled": counters["stats"]["unique_graphs"] - graphs0}
         print(json.dumps(r), flush=True)
         rows.append(r)
         del rl
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return rows
@@ -126,12 +93,14 @@ def run_modes(model, batch: RolloutBatch, rl_kw: dict, grid, label: str, cfg, wa
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m rollplex.bench step")
-    ap.add_argument("--preset", default="qwen2.5-vl-3b")
+    ap.add_argument("--preset", default="qwen2.5-vl-3b", help="a preset name or an HF config.json")
     ap.add_argument("--workloads", default="w3b,w3b-video")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--video-prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=512)
+    ap.add_argument("--image-size", type=int, default=448, help="image / video frame side in pixels")
+    ap.add_argument("--text-tokens", type=int, default=96, help="text tokens per prompt around the image")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--micro-prompts", type=int, default=None,
                     help="rollplex: prompts (x n samples) per fwd/bwd (default: 4 for w3b, 2 for w3b-video)")
@@ -142,7 +111,8 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-packed", action="store_true",
                     help="rollplex: a prefix pass, then padded responses (RLConfig.packed=False), not one packed pass")
-    ap.add_argument("--no-warm", action="store_true", help="time the first run (dynamo compiles included)")
+    ap.add_argument("--no-warm", action="store_true",
+                    help="no warm-up step: time the first step (compiles and first-call costs included)")
     ap.add_argument("--compile-dynamic", default="auto", choices=["true", "auto"],
                     help="torch.compile shapes: all symbolic (true) or only those that change (auto)")
     args = ap.parse_args(argv)
@@ -162,44 +132,51 @@ def main(argv=None) -> None:
     summary = []
     for label in args.workloads.split(","):
         frames = 8 if label == "w3b-video" else 1
-        # 4 image prompts x 8 samples fit next to the engine, reference and optimizer state (129 GiB
-        # peak on the H200); a video prompt has 3x the prompt tokens
+        # micro-batches that fit one 141 GB GPU next to the engine's KV cache, the reference model and the
+        # optimizer state (8 serial video sequences per pass do not: a video prompt has 3x the tokens)
         rl_kw["micro_batch_prompts"] = args.micro_prompts or (2 if frames > 1 else 4)
-        rl_kw["micro_batch_samples"] = args.micro_samples or (4 if frames > 1 else 8)  # 8 video sequences: OOM
+        rl_kw["micro_batch_samples"] = args.micro_samples or (4 if frames > 1 else 8)
         n_prompts = args.video_prompts if frames > 1 else args.prompts
-        prompts, grid = make_prompts(cfg, n_prompts, frames, device=args.device, dtype=dtype)
+        prompts, grid = make_prompts(cfg, n_prompts, frames, size=args.image_size, text=args.text_tokens,
+                                     device=args.device, dtype=dtype)
         # correctness first: the two modes agree on a small batch
         small = eng.generate(prompts[:2], SamplingParams(n=2, max_new_tokens=16, ignore_eos=True, seed=1))
         sb = RolloutBatch.from_samples(prompts[:2], [0, 0, 1, 1], [s.token_ids for o in small for s in o.samples],
                                        pad_id=0, logprobs=[s.logprobs for o in small for s in o.samples],
                                        rewards=[1.0, 0.0, 0.0, 1.0])
-        chk = run_modes(model, sb, {**rl_kw, "n": 2}, grid, label + "-check", cfg)
+        chk = run_modes(model, sb, {**rl_kw, "n": 2}, grid, label + "-check", cfg, step="check")
         print(json.dumps({"bench": "step_check", "workload": label, "pg_loss_serial": chk[0]["pg_loss"],
                           "pg_loss_rollplex": chk[1]["pg_loss"], "grad_norm_serial": chk[0]["grad_norm"],
                           "grad_norm_rollplex": chk[1]["grad_norm"]}), flush=True)
-        _sync()
-        t0 = time.perf_counter()
-        outs = eng.generate(prompts, SamplingParams(n=args.n, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0))
-        _sync()
-        gen_s = time.perf_counter() - t0
-        batch = RolloutBatch.from_samples(
-            prompts, [i for i, o in enumerate(outs) for _ in o.samples],
-            [s.token_ids for o in outs for s in o.samples], pad_id=0,
-            logprobs=[s.logprobs for o in outs for s in o.samples],
-            rewards=[float(torch.rand(()) < 0.5) for o in outs for _ in o.samples])
-        rows = run_modes(model, batch, rl_kw, grid, label, cfg, warm=0 if args.no_warm else 1)
-        s, r = rows
+        cold = None
+        if not args.no_warm:  # the warm-up step: same shapes, another rollout seed
+            cold_batch, cold_gen_s, cold_graphs = rollout(eng, prompts, args.n, args.new_tokens, seed=1)
+            cold = (cold_batch, cold_gen_s, cold_graphs,
+                    run_modes(model, cold_batch, rl_kw, grid, label, cfg, step="cold"))
+        batch, gen_s, graphs = rollout(eng, prompts, args.n, args.new_tokens, seed=0)
+        s, r = run_modes(model, batch, rl_kw, grid, label, cfg, step="timed" if cold else "first")
         total_s, total_r = gen_s + s["ref_plus_update_s"], gen_s + r["ref_plus_update_s"]
-        summary.append((label, gen_s, s, r, total_s, total_r))
-        print(json.dumps({"bench": "step_summary", "workload": label, "gen_s": round(gen_s, 2),
-                          "step_serial_s": round(total_s, 2), "step_rollplex_s": round(total_r, 2),
-                          "speedup": round(total_s / total_r, 3),
-                          "ref_speedup": round(s["ref_s"] / max(r["ref_s"], 1e-9), 3),
-                          "update_speedup": round(s["update_actor_s"] / r["update_actor_s"], 3)}), flush=True)
-    print("\n| workload | mode | gen s | ref s | update s | step s | update TFLOP/s (MFU) | speedup |")
-    print("|---|---|---|---|---|---|---|---|")
-    for label, gen_s, s, r, ts, tr in summary:
+        out = {"bench": "step_summary", "workload": label, "gen_s": round(gen_s, 3),
+               "step_serial_s": round(total_s, 3), "step_rollplex_s": round(total_r, 3),
+               "speedup": round(total_s / total_r, 3), "ref_speedup": round(s["ref_s"] / max(r["ref_s"], 1e-9), 3),
+               "update_speedup": round(s["update_actor_s"] / r["update_actor_s"], 3),
+               "rollout_dynamo_graphs": graphs, "warm": cold is not None}
+        table = [(label, "timed" if cold else "first", gen_s, s, r)]
+        if cold:
+            cold_batch, cold_gen_s, cold_graphs, (cs, cr) = cold
+            cold_s, cold_r = cold_gen_s + cs["ref_plus_update_s"], cold_gen_s + cr["ref_plus_update_s"]
+            out.update({"cold_rollout_s": round(cold_gen_s, 3), "cold_rollout_dynamo_graphs": cold_graphs,
+                        "cold_step_serial_s": round(cold_s, 3),
+                        "cold_step_rollplex_s": round(cold_r, 3), "cold_speedup": round(cold_s / cold_r, 3),
+                        "timed_rollout_differs": not torch.equal(batch.responses, cold_batch.responses)})
+            table.append((label, "cold (warm-up)", cold_gen_s, cs, cr))
+        print(json.dumps(out), flush=True)
+        summary += table
+    print("\n| workload | step | mode | gen s | ref s | update s | step s | update TFLOP/s (MFU) | speedup |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, step, gen_s, s, r in summary:
+        ts, tr = gen_s + s["ref_plus_update_s"], gen_s + r["ref_plus_update_s"]
         for row, tot in ((s, ts), (r, tr)):
-            print(f"| {label} | {row['mode']} | {gen_s:.2f} | {row['ref_s']:.2f} | {row['update_actor_s']:.2f} | "
-                  f"{tot:.2f} | {row['update_tflops']} ({row['update_mfu']:.0%}) | "
+            print(f"| {label} | {step} | {row['mode']} | {gen_s:.2f} | {row['ref_s']:.2f} | "
+                  f"{row['update_actor_s']:.2f} | {tot:.2f} | {row['update_tflops']} ({row['update_mfu']:.0%}) | "
                   f"{'1.00' if row['mode'] == 'serial' else f'{ts / tr:.2f}'}x |")
