@@ -62,7 +62,7 @@ def _is_oom(e: BaseException) -> bool:
 
 
 class Actor:
-    def __init__(self, model: Qwen25VL, cfg: RLConfig, memory=None, optimizer_offload: bool = False):
+    def __init__(self, model: Qwen25VL, cfg: RLConfig, memory=None, optimizer_offload: str = "none"):
         self.model, self.cfg = model, cfg
         params = [p for p in model.parameters() if p.requires_grad]
         kw = dict(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)

@@ -6,9 +6,10 @@ given, and zeroed instead of freed) so the region can be released outside the up
 accumulates into fixed addresses.
 
 `step()` walks the parameters in chunks of about `chunk_bytes`: only that chunk's fp32 gradients
-exist at once (not a full fp32 copy of every gradient), and with `offload=True` the masters and both
-AdamW moments live in pinned host memory and each chunk is paged onto the device for its step and
-back (what lets a model whose optimizer state exceeds the device train on it). The math is
+exist at once (not a full fp32 copy of every gradient). `offload` moves state to pinned host memory,
+each chunk paged onto the device for its step and back (what lets a model whose optimizer state
+exceeds the device train on it): "moments" pages the two AdamW moments (8 bytes per parameter) and
+keeps the fp32 masters on the device; "all" pages the masters too (12 bytes per parameter). The math is
 torch.optim.AdamW's, element for element: chunking only changes which parameters one call updates
 (AdamW skips parameters without a gradient), so every mode gives the same weights.
 """
@@ -20,18 +21,23 @@ import contextlib
 import torch
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+OFFLOAD_MODES = ("none", "moments", "all")
 
 
 class MasterAdamW:
-    def __init__(self, params: list[torch.nn.Parameter], chunk_bytes: int = 1 << 30, offload: bool = False,
+    def __init__(self, params: list[torch.nn.Parameter], chunk_bytes: int = 1 << 30, offload: str = "none",
                  memory=None, **kw):
         if not params:
             raise ValueError("no trainable parameters")
-        self.params, self.offload, self.memory = params, offload, memory
+        if offload not in OFFLOAD_MODES:
+            raise ValueError(f"optimizer offload must be one of {OFFLOAD_MODES}, got {offload!r}")
+        self.params, self.memory = params, memory
+        self.offload = offload != "none"
+        self._page_masters = offload == "all"
         self.device = params[0].device
-        self._pin = offload and self.device.type == "cuda"
+        self._pin = self.offload and self.device.type == "cuda"
         with torch.no_grad(), self._region("optimizer"):
-            if offload:
+            if self._page_masters:
                 self.master = [self._host_copy(p.detach().float()) for p in params]
             elif params[0].dtype == torch.float32:
                 self.master = params
@@ -138,7 +144,8 @@ class MasterAdamW:
             m = self.master[i]
             st = self.opt.state.get(m, {})
             host[i] = (m.data, {k: st[k] for k in MOMENTS if k in st})
-            m.data = m.data.to(self.device, non_blocking=nb)
+            if self._page_masters:
+                m.data = m.data.to(self.device, non_blocking=nb)
             for k, t in host[i][1].items():
                 st[k] = t.to(self.device, non_blocking=nb)
         return host
@@ -148,8 +155,9 @@ class MasterAdamW:
         for i in chunk:
             m = self.master[i]
             hm, hmom = host[i]
-            hm.copy_(m.data, non_blocking=nb)
-            m.data = hm
+            if self._page_masters:
+                hm.copy_(m.data, non_blocking=nb)
+                m.data = hm
             st = self.opt.state[m]
             for k in MOMENTS:
                 if k not in st:  # never stepped (no gradient yet): no moments to keep

@@ -31,6 +31,10 @@ HELP = {
     "seed": "seeds the model init, the warm-up, the trainer and the engine",
     "block_size": "tokens per KV block; default: 64 on CUDA, 16 on CPU",
     "kv_cache_tokens": "default: 65536 on CPU, profiled on GPU",
+    "memory_plan": "auto: the cheapest residency plan that fits; release: KV cache and gradients released when idle; "
+                   "resident: nothing moves",
+    "memory_overrides": "tag:phase=residency,... on top of the plan, e.g. ref_weights:*=offloaded",
+    "optimizer_offload": "AdamW state in pinned host memory, paged through the GPU in the optimizer step",
     "decode_split_k": "S_o S_down K slices of the graphed decode's o/down projections; default: timed per bucket",
 }
 
@@ -82,6 +86,7 @@ def _config_flags(group, section: str, cls, default, choices: dict) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
+    from ..memory.config import PLANS
     from ..rl.algos import AGG_MODES, KL_KINDS
     from ..rl.config import ADV_ESTIMATORS, LR_SCHEDULES, MODES
 
@@ -106,8 +111,11 @@ def parser() -> argparse.ArgumentParser:
     assert len(seeds) == 1, "ServerConfig's nested defaults must agree on the seed --seed sets"
     ap.add_argument("--seed", type=int, default=seeds.pop(), help=HELP["seed"])
     choices = {"rl": {"mode": MODES, "adv_estimator": ADV_ESTIMATORS, "loss_agg_mode": AGG_MODES,
-                      "kl_loss_type": KL_KINDS, "lr_schedule": LR_SCHEDULES}}
-    titles = {"rl": "RL defaults (RLConfig; /train_step may override them per step)", "engine": "engine (EngineConfig)"}
+                      "kl_loss_type": KL_KINDS, "lr_schedule": LR_SCHEDULES},
+               "memory": {"memory_plan": PLANS, "memory_backend": ("auto", "tms", "accounting"),
+                          "optimizer_offload": ("none", "moments", "all")}}
+    titles = {"rl": "RL defaults (RLConfig; /train_step may override them per step)", "engine": "engine (EngineConfig)",
+              "memory": "phase-aware memory (MemoryConfig)"}
     for section, cls, default in nested:
         _config_flags(ap.add_argument_group(titles.get(section, section)), section, cls, default,
                       choices.get(section, {}))
