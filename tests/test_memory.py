@@ -43,8 +43,10 @@ def test_auto_plan_offloads_cheapest_first():
     assert mid.get("update", "ref_weights") == "offloaded" and mid.get("rollout", "optimizer") == "resident"
     tight = PhasePlan.auto(sizes, acts, budget=85 * GiB)
     assert tight.get("rollout", "optimizer") == "offloaded" and tight.fits(sizes, acts, 85 * GiB)
-    with pytest.raises(ValueError, match="does not fit"):
-        PhasePlan.auto(sizes, acts, budget=70 * GiB)
+    over = PhasePlan.auto(sizes, acts, budget=70 * GiB)  # regions fit, activations do not: best effort
+    assert over.name.startswith("auto (activations") and over.get("rollout", "optimizer") == "offloaded"
+    with pytest.raises(ValueError, match="do not fit"):
+        PhasePlan.auto(sizes, acts, budget=50 * GiB)
 
 
 def _setup(plan=None, capacity=None):

@@ -5,6 +5,7 @@ import sys
 WORKLOADS = {
     "model": "rollplex.bench.model",
     "rollout": "rollplex.bench.rollout",
+    "memory": "rollplex.bench.memory",
     "serve": "rollplex.bench.serve",
     "step": "rollplex.bench.step",
     "weights": "rollplex.bench.weights",

@@ -53,11 +53,11 @@ class MemoryConfig:
 def activation_bytes(hidden: int, layers: int, tokens: int, dtype_bytes: int, checkpointing: bool) -> int:
     """A coarse upper estimate of what one forward/backward of `tokens` tokens keeps for backward.
 
-    Per token and decoder layer about 34 hidden-sized values are saved without checkpointing (norms,
-    q/k/v, attention output, the MLP's gate/up/act); with per-layer checkpointing only the layer inputs
-    stay, plus one layer's worth recomputed during backward. Used only to pick a plan; the ledger
-    reports what was measured."""
-    per_layer = 34 * hidden * dtype_bytes
+    Per token and decoder layer about 14 hidden-sized values are saved without checkpointing with the
+    compiled layer glue (the residual, normed input, q/k/v and attention output, the MLP's gate/up
+    product, its activation); with per-layer checkpointing only the layer inputs stay, plus one layer's
+    worth recomputed during backward. Used only to pick a plan; the ledger reports what was measured."""
+    per_layer = 14 * hidden * dtype_bytes
     if checkpointing:
         return tokens * (layers * hidden * dtype_bytes + per_layer)
     return tokens * layers * per_layer

@@ -133,12 +133,14 @@ class PhasePlan:
             if plan.fits(sizes, activations, budget):
                 break
             plan = plan.with_residency(tag, "offloaded")
-        plan = PhasePlan(plan.residency, name="auto")
-        if not plan.fits(sizes, activations, budget):
-            raise ValueError(f"the RL step does not fit {_fmt_gib(budget)} GiB even with every idle region "
-                             f"offloaded; lower the micro-batch size, the KV cache budget, or the model size.\n"
-                             + plan.table(sizes, activations))
-        return plan
+        if plan.fits(sizes, activations, budget):
+            return PhasePlan(plan.residency, name="auto")
+        if not plan.fits(sizes, {}, budget):
+            raise ValueError(f"the RL step's regions do not fit {_fmt_gib(budget)} GiB even with every idle region "
+                             "offloaded; lower the KV cache budget, offload the optimizer (optimizer_offload), or "
+                             "use a smaller model.\n" + plan.table(sizes, activations))
+        # the regions fit but the activation estimate does not: the actor backs off its micro-batches
+        return PhasePlan(plan.residency, name="auto (activations over budget)")
 
     # ---- accounting ---------------------------------------------------------------------------
     def resident_bytes(self, phase: str, sizes: dict[str, int]) -> int:

@@ -101,7 +101,7 @@ class RLStep:
         """Transient bytes per phase for the plan: one micro-batch of the update (the largest by far)."""
         cfg, t = self.cfg, self.model.cfg.text
         mb = cfg.micro_batching
-        prompt_guess = 1024
+        prompt_guess = 512
         if mb.max_tokens is not None:
             tokens = mb.max_tokens
         elif cfg.mode == "rollplex":
