@@ -60,3 +60,15 @@ def test_regions_hold_grads_and_state():
     mm.enter("update")
     assert all(torch.equal(a, b) for a, b in zip(before, opt.master))
     assert all((p.grad == 0).all() for p in params)  # re-zeroed on resume
+
+
+def test_touched_params_are_what_received_a_gradient():
+    params = _params(torch.float32)
+    opt = MasterAdamW(params, **KW)
+    opt.zero_grad()
+    (params[0].sum() + params[2].sum()).backward()
+    assert opt.touched_params() == [params[0], params[2]]
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    assert not torch.equal(params[0], before[0]) and torch.equal(params[1], before[1])  # untouched: no decay
+    assert float(torch.nn.utils.clip_grad_norm_(opt.touched_params(), 1.0)) > 0

@@ -22,12 +22,17 @@ ROWS = shape_color.make_rows(4, seed=5)
 EVERYTHING_MOVES = "ref_weights:*=offloaded,optimizer:*=offloaded"
 
 
+def _parity_reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """Varies within a group on the untrained tiny model (the task's own reward is 0 for every sample)."""
+    return float(sum(map(ord, solution_str)) % 2)
+
+
 def _step(tiny_dir, proc, memory_cfg: MemoryConfig | None, **cfg):
     model = load_model(tiny_dir)
     mm = MemoryManager(PhasePlan.releases_only(), backend="accounting") if memory_cfg is not None else None
     engine = Engine(model, proc, EngineConfig(max_num_seqs=64, max_model_len=256), memory=mm)
     base = dict(n=4, max_new_tokens=6, lr=1e-3, kl_coef=0.05, micro_batch_prompts=2)
-    return RLStep(model, engine, RLConfig(**{**base, **cfg}), proc, reward_fn="shape_color", memory=mm,
+    return RLStep(model, engine, RLConfig(**{**base, **cfg}), proc, reward_fn=_parity_reward, memory=mm,
                   memory_cfg=memory_cfg)
 
 
@@ -47,6 +52,7 @@ def test_managed_step_equals_unmanaged(tiny_dir, proc):
         m_plain = plain.step(ROWS)
         m_managed = managed.step(ROWS)
         assert m_plain["critic/score/mean"] == m_managed["critic/score/mean"]
+        assert m_managed["actor/grad_norm"] == m_plain["actor/grad_norm"] > 0  # clipped at grad_clip
         for (n, a), b in zip(_weights(plain).items(), _weights(managed).values()):
             torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)
     assert m_managed["memory/offload_copy_gib"] > 0 and "memory/update/resident_gib" in m_managed

@@ -40,7 +40,17 @@ WORKLOADS = {  # preset, prompts, n, new tokens, micro-batch prompts
     "w3b": ("qwen2.5-vl-3b", 32, 8, 512, 4),
     "w3b-long": ("qwen2.5-vl-3b", 32, 16, 1536, 4),
     "w7b": ("qwen2.5-vl-7b", 32, 8, 512, 2),
+    "tiny": ("tiny", 4, 4, 16, 2),  # the embedded tiny model: a CPU smoke run of this script
 }
+
+
+def _model_config(name: str):
+    if name != "tiny":
+        return preset(name)
+    from ..demo.tiny import ensure_tiny
+    from ..models import ModelConfig
+
+    return ModelConfig.from_hf(str(ensure_tiny() / "config.json"))
 
 
 def _rollout(rl: RLStep, prompts, n: int, new_tokens: int, seed: int) -> tuple[RolloutBatch, float]:
@@ -71,17 +81,20 @@ def _check_release_resume(rl: RLStep, prompts) -> bool:
 
 def run(label: str, args) -> list[dict]:
     name, n_prompts, n, new_tokens, micro = WORKLOADS[label]
-    cfg = preset(name)
+    cfg = _model_config(name)
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = init_weights(Qwen25VL(cfg), seed=0, std=0.02).to(torch.bfloat16).eval()
-    if not args.no_compile:
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    with dev:
+        model = init_weights(Qwen25VL(cfg), seed=0, std=0.02).to(torch.bfloat16 if cuda else torch.float32).eval()
+    if cuda and not args.no_compile:
         model.compile()
     mem_cfg = MemoryConfig(memory_plan=args.memory_plan, memory_overrides=args.memory_overrides,
                            optimizer_offload=args.optimizer_offload)
-    mm = MemoryManager(PhasePlan.releases_only(), "cuda", backend="tms")
+    mm = MemoryManager(PhasePlan.releases_only(), dev, backend="tms" if cuda else "accounting")
     eng = Engine(model, None, EngineConfig(max_num_seqs=256, max_model_len=2048,
                                            gpu_memory_utilization=args.gpu_memory_utilization,
+                                           kv_cache_tokens=None if cuda else 16384,
                                            max_num_batched_tokens=40000), memory=mm)
     rl_cfg = RLConfig(n=n, max_new_tokens=new_tokens, kl_coef=0.001, lr=1e-6, micro_batch_prompts=micro,
                       gradient_checkpointing=args.gradient_checkpointing)
@@ -97,7 +110,8 @@ def run(label: str, args) -> list[dict]:
              "kv_blocks": eng.runner.num_blocks}
     print(json.dumps(setup), flush=True)
     print(mm.plan.table(sizes, acts), flush=True)
-    prompts, _ = make_prompts(cfg, n_prompts, 1)
+    prompts, _ = make_prompts(cfg, n_prompts, 1, size=448 if cuda else 56, text=96 if cuda else 8, device=dev,
+                              dtype=next(model.parameters()).dtype)
     ok = _check_release_resume(rl, prompts)
     print(json.dumps({"bench": "memory_check", "workload": label, "tokens_identical_after_release_resume": ok}),
           flush=True)
@@ -127,7 +141,8 @@ def run(label: str, args) -> list[dict]:
         rows.append(row)
     del rl, eng, model
     gc.collect()
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -141,6 +156,7 @@ def main(argv=None) -> None:
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="the engine's share (the server default)")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--device", default="cuda")
     args = ap.parse_args(argv)
     print(json.dumps({"bench": "memory_env", **env_info()}), flush=True)
     rows = []

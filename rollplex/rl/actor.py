@@ -148,7 +148,7 @@ class Actor:
                                     "(optimizer_offload) or the reference model", updates) from e
                             self._backoff = smaller
                     stats = {k: float(v) for k, v in acc.items()}
-                    grad_norm = torch.nn.utils.clip_grad_norm_(self.optimizer.grads(), cfg.grad_clip)
+                    grad_norm = torch.nn.utils.clip_grad_norm_(self.optimizer.touched_params(), cfg.grad_clip)
                     stats["actor/grad_norm"] = float(grad_norm)
                     stats["actor/lr"] = self._set_lr(cfg)
                     if torch.isfinite(grad_norm):

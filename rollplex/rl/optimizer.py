@@ -92,9 +92,9 @@ class MasterAdamW:
                 raise RuntimeError("a persistent gradient buffer was dropped; call zero_grad, not p.grad = None")
             p.grad.zero_()
 
-    def grads(self) -> list[torch.Tensor]:
-        """The gradients of the parameters that received one since zero_grad."""
-        return [self.params[i].grad for i in sorted(self.touched)]
+    def touched_params(self) -> list[torch.nn.Parameter]:
+        """The parameters that received a gradient since zero_grad (what clipping and the step see)."""
+        return [self.params[i] for i in sorted(self.touched)]
 
     # ---- state --------------------------------------------------------------------------------
     def state_tensors(self) -> list[torch.Tensor]:
