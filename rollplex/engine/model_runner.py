@@ -25,7 +25,7 @@ import torch
 
 from ..kernels.decode_gemms import SkinnyGemms, tune_decode_gemms
 from ..kernels.paged_attention import DECODE_CANDIDATES, paged_decode_attention, tune_decode
-from ..models import Qwen25VL
+from ..models import ModelInputs, Qwen25VL
 from ..models.attention import sdpa
 from ..models.transfer import as_device_tensor, to_device
 from .config import EngineConfig
@@ -100,12 +100,9 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         n = min(self.cfg.max_num_batched_tokens, self.cfg.max_model_len - 1)
 
-        class Dummy:
-            input_ids = [1] * n
-
         with torch.no_grad():
             self.model.model.embed_tokens(torch.zeros(1, dtype=torch.long, device=self.device))
-            self.model.logits(self.model.hidden([Dummy])[:, -1:])
+            self.model.logits(self.model.hidden([ModelInputs(input_ids=[1] * n)])[:, -1:])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         total = torch.cuda.get_device_properties(self.device).total_memory
