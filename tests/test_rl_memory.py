@@ -129,6 +129,7 @@ def test_oom_at_the_smallest_micro_batch_leaves_state_unchanged(tiny_dir, proc, 
     with pytest.raises(TrainOOM) as e:
         rl.train(copy.deepcopy(batch))
     assert e.value.applied_updates == 0 and "gradient_checkpointing" in str(e.value)
+    assert activation_checkpointing(rl.model) == (True, True)  # the last rung before giving up
     assert all(torch.equal(a, b) for a, b in zip(w0.values(), _weights(rl).values()))
     assert all(torch.equal(a, b) for a, b in zip(s0, _opt_state(rl)))
     assert rl.actor.scheduler.last_epoch == sched0

@@ -53,12 +53,15 @@ def _model_config(name: str):
     return ModelConfig.from_hf(str(ensure_tiny() / "config.json"))
 
 
-def _rollout(rl: RLStep, prompts, n: int, new_tokens: int, seed: int) -> tuple[RolloutBatch, float]:
+def _rollout(rl: RLStep, prompts, n: int, new_tokens: int, seed: int) -> tuple[RolloutBatch, float, float]:
+    """(batch, decode seconds, seconds to enter the rollout phase)."""
     sync()
     t0 = time.perf_counter()
-    with rl.memory.phase("rollout"):
-        outs = rl.engine.generate(prompts, SamplingParams(n=n, max_new_tokens=new_tokens, ignore_eos=True,
-                                                          seed=seed))
+    rl.memory.enter("rollout")
+    sync()
+    enter_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    outs = rl.engine.generate(prompts, SamplingParams(n=n, max_new_tokens=new_tokens, ignore_eos=True, seed=seed))
     sync()
     gen_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(seed)
@@ -66,7 +69,7 @@ def _rollout(rl: RLStep, prompts, n: int, new_tokens: int, seed: int) -> tuple[R
         prompts, [i for i, o in enumerate(outs) for _ in o.samples], [s.token_ids for o in outs for s in o.samples],
         pad_id=0, logprobs=[s.logprobs for o in outs for s in o.samples],
         rewards=torch.rand(sum(len(o.samples) for o in outs), generator=g).round().tolist())
-    return batch, gen_s
+    return batch, gen_s, enter_s
 
 
 def _check_release_resume(rl: RLStep, prompts) -> bool:
@@ -119,13 +122,13 @@ def run(label: str, args) -> list[dict]:
         raise SystemExit("engine tokens changed across a KV release/resume")
     rows = []
     for step in range(args.steps + 1):
-        batch, gen_s = _rollout(rl, prompts, n, new_tokens, seed=step)
+        batch, gen_s, enter_s = _rollout(rl, prompts, n, new_tokens, seed=step)
         sync()
         t0 = time.perf_counter()
         m = rl.train(batch)
         sync()
         train_s = time.perf_counter() - t0
-        step_s = gen_s + train_s
+        step_s = enter_s + gen_s + train_s  # train_s includes the ref / update transitions
         row = {"bench": "memory", "workload": label, "step": "warm-up" if step == 0 else f"timed{step}",
                "gen_s": round(gen_s, 2), "rollout_tok_s": round(batch.num_samples * new_tokens / gen_s),
                "ref_s": round(m.get("timing_s/ref", 0.0), 2), "update_s": round(m["timing_s/update_actor"], 2),
@@ -136,7 +139,9 @@ def run(label: str, args) -> list[dict]:
                **{f"{p}_peak_gib": round(m.get(f"memory/{p}/peak_gib", 0.0), 1) for p in ("rollout", "ref", "update")},
                **{f"{p}_resident_gib": round(m.get(f"memory/{p}/resident_gib", 0.0), 1)
                   for p in ("rollout", "ref", "update")},
-               "pg_loss": m["actor/pg_loss"], "grad_norm": m["actor/grad_norm"]}
+               "pg_loss": m["actor/pg_loss"], "grad_norm": m["actor/grad_norm"],
+               "transitions": {k.removeprefix("memory/"): round(v, 4) for k, v in m.items()
+                               if k.startswith(("memory/pause_s", "memory/resume_s"))}}
         print(json.dumps(row), flush=True)
         rows.append(row)
     del rl, eng, model

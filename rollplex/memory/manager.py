@@ -133,18 +133,25 @@ class MemoryManager:
         self.enter(phase)
         yield
 
+    def _device_peak(self) -> int:
+        """Peak bytes in use on the device since the last reset. The allocator still counts the tensors of a
+        paused region as allocated (their addresses stay reserved) though their memory went back to the
+        device, so the bytes of the regions paused throughout the phase are taken off."""
+        paused = sum(self.backend.region_bytes(t) for t, s in self.state.items() if s != "resident")
+        return max(0, torch.cuda.max_memory_allocated(self.device) - paused)
+
     def _close_peak(self) -> None:
         """Record the current phase's peak device memory and start a new measurement."""
         if self.device.type != "cuda":
             return
         if self.current is not None:
-            self.ledger.record_peak(self.current, torch.cuda.max_memory_allocated(self.device))
+            self.ledger.record_peak(self.current, self._device_peak())
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def take_metrics(self) -> dict[str, float]:
         """`memory/*` metrics since the last call (the current phase's peak so far included)."""
         if self.device.type == "cuda" and self.current is not None:
-            self.ledger.record_peak(self.current, torch.cuda.max_memory_allocated(self.device))
+            self.ledger.record_peak(self.current, self._device_peak())
         return self.ledger.take_metrics()
 
     def set_plan(self, plan: PhasePlan) -> None:

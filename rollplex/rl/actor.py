@@ -21,6 +21,7 @@ policy at the next rollout. bf16 parameters (GPU) get fp32 master weights in the
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -29,11 +30,13 @@ from ..models import Qwen25VL
 from ..models.transfer import to_device
 from .algos import agg_denominator, agg_loss, kl_penalty, ppo_policy_loss
 from .batch import RolloutBatch
-from .checkpointing import set_activation_checkpointing
+from .checkpointing import activation_checkpointing, set_activation_checkpointing
 from .config import RLConfig
 from .microbatch import MicroBatching, micro_batches
 from .optimizer import MasterAdamW
 from .scoring import score, token_logprobs
+
+log = logging.getLogger("rollplex.rl")
 
 
 def lr_lambda(cfg: RLConfig):
@@ -115,8 +118,9 @@ class Actor:
         first pass [N, R] before any update).
 
         A micro-batch that runs out of device memory drops that mini-batch's gradients and retries it with
-        halved micro-batches (kept for later steps); at one prompt (one sequence) per pass it raises
-        TrainOOM, with the weights and optimizer untouched when no optimizer step had been applied."""
+        halved micro-batches (kept for later steps); at one prompt (one sequence) per pass it turns on
+        activation checkpointing, and after that raises TrainOOM, with the weights and optimizer untouched
+        when no optimizer step had been applied."""
         cfg, model = cfg or self.cfg, self.model
         model.train()
         first_logp = torch.zeros(batch.responses.shape)
@@ -140,6 +144,12 @@ class Actor:
                             self._recover()
                             del first_parts[kept:]
                             smaller = _halve(self._plan(cfg), cfg.mode)
+                            if smaller is None and activation_checkpointing(model) != (True, True):
+                                # last rung: recompute activations in backward instead of keeping them
+                                log.warning("actor update out of memory at the smallest micro-batch: turning on "
+                                            "activation checkpointing for the rest of the run")
+                                set_activation_checkpointing(model, True, True)
+                                continue
                             if smaller is None:
                                 raise TrainOOM(
                                     "the actor update ran out of device memory at one "
