@@ -72,3 +72,26 @@ def test_touched_params_are_what_received_a_gradient():
     opt.step()
     assert not torch.equal(params[0], before[0]) and torch.equal(params[1], before[1])  # untouched: no decay
     assert float(torch.nn.utils.clip_grad_norm_(opt.touched_params(), 1.0)) > 0
+
+
+def test_dropped_optimizer_is_freed_and_grads_can_be_freed():
+    import gc
+    import weakref
+
+    params = _params(torch.float32)
+    opt = MasterAdamW(params, **KW)
+    opt.zero_grad()
+    sum(p.sum() for p in params).backward()
+    opt.step()
+    ref = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert ref() is None  # the gradient hooks do not keep it (and its state) alive
+    opt = MasterAdamW(params, **KW)
+    opt.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in params)
+    opt.zero_grad()  # buffers come back zeroed
+    assert all(p.grad is not None and not p.grad.any() for p in params)
+    opt.close()
+    sum(p.sum() for p in params).backward()
+    assert opt.touched_params() == []

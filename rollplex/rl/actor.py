@@ -66,7 +66,7 @@ def _is_oom(e: BaseException) -> bool:
 
 class Actor:
     def __init__(self, model: Qwen25VL, cfg: RLConfig, memory=None, optimizer_offload: str = "none"):
-        self.model, self.cfg = model, cfg
+        self.model, self.cfg, self.memory = model, cfg, memory
         params = [p for p in model.parameters() if p.requires_grad]
         kw = dict(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         # persistent gradient buffers in the `grads` region, masters and moments in `optimizer`
@@ -171,7 +171,8 @@ class Actor:
             self._recover()
             model.eval()
             raise
-        self.optimizer.zero_grad()
+        # between updates the gradient buffers are the memory manager's to release; without one they are freed
+        self.optimizer.zero_grad(set_to_none=self.memory is None)
         model.eval()
         for gidx, lp in first_parts:
             first_logp[gidx] = lp.cpu()
@@ -181,7 +182,7 @@ class Actor:
 
     def _recover(self) -> None:
         """Drop a failed pass's gradients and cached blocks (its tensors are gone with the exception)."""
-        self.optimizer.zero_grad()
+        self.optimizer.zero_grad(set_to_none=self.memory is None)
         if self.model.inv_freq.device.type == "cuda":
             torch.cuda.empty_cache()
 

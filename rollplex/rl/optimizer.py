@@ -60,8 +60,9 @@ class MasterAdamW:
         # torch.optim skips parameters whose .grad is None (a batch without images leaves the vision
         # tower untouched: no weight decay, no moment update)
         self.touched: set[int] = set()
-        for i, p in enumerate(params):
-            p.register_post_accumulate_grad_hook(lambda _p, i=i: self.touched.add(i))
+        touched = self.touched  # the hooks hold the set, not the optimizer: a dropped optimizer is freed
+        self._hooks = [p.register_post_accumulate_grad_hook(lambda _p, i=i: touched.add(i))
+                       for i, p in enumerate(params)]
 
     def _region(self, tag: str):
         return self.memory.region(tag) if self.memory is not None else contextlib.nullcontext()
@@ -76,21 +77,29 @@ class MasterAdamW:
         with self._region("grads"):
             for p in self.params:
                 if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+                    p.grad = torch.zeros_like(p)  # zeroed again by the caller
         if self.memory is not None:
             self.memory.on_resume("grads", self.zero_grad)
         self._grads_ready = True
 
-    def zero_grad(self) -> None:
-        """Zero the persistent gradient buffers (allocated on first use)."""
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero the persistent gradient buffers (allocated when missing); set_to_none frees them instead (when no
+        memory manager releases them between updates)."""
         self.touched.clear()
-        if not self._grads_ready:
-            self._alloc_grads()
+        if set_to_none:
+            for p in self.params:
+                p.grad = None
             return
+        if not self._grads_ready or any(p.grad is None for p in self.params):
+            self._alloc_grads()
         for p in self.params:
-            if p.grad is None:
-                raise RuntimeError("a persistent gradient buffer was dropped; call zero_grad, not p.grad = None")
             p.grad.zero_()
+
+    def close(self) -> None:
+        """Detach from the parameters (gradient hooks) so another optimizer can take them over."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     def touched_params(self) -> list[torch.nn.Parameter]:
         """The parameters that received a gradient since zero_grad (what clipping and the step see)."""
