@@ -136,3 +136,30 @@ def test_oom_at_the_smallest_micro_batch_leaves_state_unchanged(tiny_dir, proc, 
     monkeypatch.undo()
     rl.train(copy.deepcopy(batch))  # and the next step works
     assert not all(torch.equal(a, b) for a, b in zip(w0.values(), _weights(rl).values()))
+
+
+def test_checkpoint_while_regions_are_offloaded(tiny_dir, proc, tmp_path):
+    """Save and load from the rollout phase, where the reference model and AdamW state are offloaded:
+    the checkpoint holds their real contents and the resumed run takes the same next step."""
+    from rollplex.rl.checkpoint import load_checkpoint, save_checkpoint
+
+    mem = MemoryConfig(memory_plan="release", memory_overrides=EVERYTHING_MOVES)
+    a = _step(tiny_dir, proc, mem)
+    a.step(ROWS)
+    a.memory.enter("rollout")
+    assert a.memory.state["optimizer"] == "offloaded"
+    save_checkpoint(a, tmp_path / "ck")
+    assert a.memory.state["optimizer"] == "offloaded" and a.memory.state["ref_weights"] == "offloaded"
+    m_a = a.step(ROWS)
+    b = _step(tiny_dir, proc, mem)
+    b.memory.enter("rollout")
+    load_checkpoint(b, tmp_path / "ck")
+    m_b = b.step(ROWS)
+    assert m_a["actor/grad_norm"] == pytest.approx(m_b["actor/grad_norm"], rel=1e-6)
+    for (n, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-7, msg=n)
+    assert torch.isnan(next(a.ref.parameters())).all()  # offloaded in the update phase
+    with a.memory.resident(["ref_weights"]), b.memory.resident(["ref_weights"]):
+        for x, y in zip(a.ref.parameters(), b.ref.parameters()):
+            assert torch.equal(x, y) and not torch.isnan(x).any()
+    assert a.memory.state["ref_weights"] == "offloaded"

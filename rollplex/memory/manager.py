@@ -154,6 +154,22 @@ class MemoryManager:
             self.ledger.record_peak(self.current, self._device_peak())
         return self.ledger.take_metrics()
 
+    @contextlib.contextmanager
+    def resident(self, tags, modified: bool = False):
+        """`tags` resident for the body (resumed where paused), then back to what the current phase gives them.
+        modified: the body changed their contents (a frozen tag's CPU copy is taken again at its next pause)."""
+        back = [t for t in tags if self.state[t] != "resident"]
+        for t in back:
+            self.resume(t)
+        try:
+            yield
+        finally:
+            if modified:
+                for t in tags:
+                    self._copies.pop(t, None)
+            for t in back:
+                self.pause(t, offload=self.current is not None and self.plan.get(self.current, t) == "offloaded")
+
     def set_plan(self, plan: PhasePlan) -> None:
         self.plan = plan
         if self.current is not None:

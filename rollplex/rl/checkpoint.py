@@ -6,6 +6,7 @@ engine, which reads the same tensors, keeps decoding with the restored policy.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from dataclasses import asdict
@@ -20,9 +21,21 @@ from .step import RLStep
 STATE = "trainer_state.pt"
 
 
+# what a checkpoint reads or writes besides the policy: resident for the duration whatever the phase
+_HELD = ("ref_weights", "optimizer")
+
+
+def _held(step: RLStep, modified: bool):
+    return step.memory.resident(_HELD, modified) if step.memory is not None else contextlib.nullcontext()
+
+
 def save_checkpoint(step: RLStep, path: str | Path, data_state: dict | None = None,
                     tokenizer_dir: str | Path | None = None) -> Path:
-    path = Path(path)
+    with _held(step, modified=False):
+        return _save(step, Path(path), data_state, tokenizer_dir)
+
+
+def _save(step: RLStep, path: Path, data_state: dict | None, tokenizer_dir) -> Path:
     save_model(step.model, path, copy_tokenizer_from=tokenizer_dir)
     if step.ref is not None:
         save_model(step.ref, path / "ref")
@@ -59,6 +72,11 @@ def load_checkpoint(step: RLStep, path: str | Path) -> dict:
         raise ValueError(f"{path} is not a Rollplex checkpoint (no {STATE})")
     # weights_only: the state is tensors and plain containers; never unpickle arbitrary objects
     state = torch.load(path / STATE, map_location="cpu", weights_only=True)
+    with _held(step, modified=True):
+        return _load(step, path, state)
+
+
+def _load(step: RLStep, path: Path, state: dict) -> dict:
     _load_into(step.model, path)
     if step.ref is not None:
         if not (path / "ref").exists():

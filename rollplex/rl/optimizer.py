@@ -183,7 +183,8 @@ class MasterAdamW:
         return {"opt": self.opt.state_dict(), "master": [m.detach().cpu() for m in self.master]}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.opt.load_state_dict(sd["opt"])
+        with self._region("optimizer"):  # the loaded moments are new tensors: in the region
+            self.opt.load_state_dict(sd["opt"])
         with torch.no_grad():
             for m, s, p in zip(self.master, sd["master"], self.params):
                 m.copy_(s)
