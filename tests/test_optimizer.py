@@ -26,7 +26,8 @@ def _run(opt_fn, dtype, steps=3):
 KW = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-@pytest.mark.parametrize("chunk_bytes,offload", [(1 << 30, "none"), (64, "none"), (64, "moments"), (64, "all")])
+@pytest.mark.parametrize("chunk_bytes,offload", [(1 << 30, "none"), (64, "none"), (64, "moments"), (64, "all"),
+                                                (64, "cpu")])
 def test_matches_torch_adamw_fp32(chunk_bytes, offload):
     ref, _ = _run(lambda ps: torch.optim.AdamW(ps, **KW), torch.float32)
     got, opt = _run(lambda ps: MasterAdamW(ps, chunk_bytes=chunk_bytes, offload=offload, **KW), torch.float32)
@@ -36,13 +37,14 @@ def test_matches_torch_adamw_fp32(chunk_bytes, offload):
         assert b.grad is not None  # persistent buffers survive the step
 
 
-def test_bf16_master_chunked_and_paged_agree():
+@pytest.mark.parametrize("offload", ["all", "cpu"])
+def test_bf16_master_chunked_and_paged_agree(offload):
     whole, o1 = _run(lambda ps: MasterAdamW(ps, **KW), torch.bfloat16)
-    paged, o2 = _run(lambda ps: MasterAdamW(ps, chunk_bytes=64, offload="all", **KW), torch.bfloat16)
+    paged, o2 = _run(lambda ps: MasterAdamW(ps, chunk_bytes=64, offload=offload, **KW), torch.bfloat16)
     for a, b, ma, mb in zip(whole, paged, o1.master, o2.master):
         assert torch.equal(a, b) and torch.equal(ma, mb) and ma.dtype == torch.float32
     sd = o2.state_dict()
-    fresh = MasterAdamW(_params(torch.bfloat16, seed=1), chunk_bytes=64, offload="all", **KW)
+    fresh = MasterAdamW(_params(torch.bfloat16, seed=1), chunk_bytes=64, offload=offload, **KW)
     fresh.load_state_dict(sd)
     assert all(torch.equal(a, b) for a, b in zip(fresh.master, o2.master))
     assert all(torch.equal(a, b) for a, b in zip(fresh.params, paged))

@@ -157,7 +157,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=1, help="timed steps after the warm-up step")
     ap.add_argument("--memory-plan", default="auto", choices=["auto", "release", "resident"])
     ap.add_argument("--memory-overrides", default=None)
-    ap.add_argument("--optimizer-offload", default="none", choices=["none", "moments", "all"])
+    ap.add_argument("--optimizer-offload", default="none", choices=["none", "moments", "all", "cpu"])
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="the engine's share (the server default)")
     ap.add_argument("--no-compile", action="store_true")

@@ -19,7 +19,8 @@ class MemoryConfig:
     memory_backend: str = "auto"  # auto: torch-memory-saver on CUDA when installed, else accounting; tms; accounting
     # optimizer state in pinned host memory, paged through the device chunk by chunk during the optimizer
     # step, for models whose optimizer state does not fit beside the rest: none; moments (the two AdamW
-    # moments, 8 bytes per parameter); all (the fp32 masters too, 12 bytes per parameter)
+    # moments, 8 bytes per parameter); all (the fp32 masters too, 12 bytes per parameter); cpu (all of it on the
+    # host, and the AdamW step runs there)
     optimizer_offload: str = "none"
     memory_budget: float = 0.92  # share of the device's memory the automatic plan may fill
 
@@ -28,8 +29,8 @@ class MemoryConfig:
             raise ValueError(f"memory_plan must be one of {PLANS}, got {self.memory_plan!r}")
         if self.memory_backend not in ("auto", "tms", "accounting"):
             raise ValueError("memory_backend must be auto, tms or accounting")
-        if self.optimizer_offload not in ("none", "moments", "all"):
-            raise ValueError(f"optimizer_offload must be none, moments or all, got {self.optimizer_offload!r}")
+        if self.optimizer_offload not in ("none", "moments", "all", "cpu"):
+            raise ValueError(f"optimizer_offload must be none, moments, all or cpu, got {self.optimizer_offload!r}")
         if not 0.1 <= self.memory_budget <= 1.0:
             raise ValueError("memory_budget must be in [0.1, 1]")
         if self.memory_overrides:

@@ -9,7 +9,9 @@ accumulates into fixed addresses.
 exist at once (not a full fp32 copy of every gradient). `offload` moves state to pinned host memory,
 each chunk paged onto the device for its step and back (what lets a model whose optimizer state
 exceeds the device train on it): "moments" pages the two AdamW moments (8 bytes per parameter) and
-keeps the fp32 masters on the device; "all" pages the masters too (12 bytes per parameter). The math is
+keeps the fp32 masters on the device; "all" pages the masters too (12 bytes per parameter); "cpu"
+keeps all of it on the host and runs the AdamW step there instead (gradients go down, updated
+weights come up: 6 bytes per parameter over the bus rather than 24, for the CPU's arithmetic). The math is
 torch.optim.AdamW's, element for element: chunking only changes which parameters one call updates
 (AdamW skips parameters without a gradient), so every mode gives the same weights.
 """
@@ -21,7 +23,7 @@ import contextlib
 import torch
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-OFFLOAD_MODES = ("none", "moments", "all")
+OFFLOAD_MODES = ("none", "moments", "all", "cpu")
 
 
 class MasterAdamW:
@@ -32,12 +34,13 @@ class MasterAdamW:
         if offload not in OFFLOAD_MODES:
             raise ValueError(f"optimizer offload must be one of {OFFLOAD_MODES}, got {offload!r}")
         self.params, self.memory = params, memory
-        self.offload = offload != "none"
+        self.offload = offload in ("moments", "all")  # paged through the device in the step
         self._page_masters = offload == "all"
+        self._cpu_step = offload == "cpu"
         self.device = params[0].device
-        self._pin = self.offload and self.device.type == "cuda"
+        self._pin = offload != "none" and self.device.type == "cuda"
         with torch.no_grad(), self._region("optimizer"):
-            if self._page_masters:
+            if self._page_masters or self._cpu_step:
                 self.master = [self._host_copy(p.detach().float()) for p in params]
             elif params[0].dtype == torch.float32:
                 self.master = params
@@ -134,16 +137,20 @@ class MasterAdamW:
             paged = self._page_in(chunk) if self.offload else None
             for i in chunk:
                 g, m = live[i], self.master[i]
-                m.grad = None if g is None else (g if g.dtype == m.dtype and g.device == m.device else g.float())
+                # a device -> host copy is blocking: the CPU step reads it next
+                m.grad = None if g is None else (g if g.dtype == m.dtype and g.device == m.device
+                                                 else g.to(device=m.device, dtype=m.dtype))
             self.opt.step()
             for i in chunk:
                 if self.master[i] is not self.params[i]:
-                    self.params[i].copy_(self.master[i])
+                    self.params[i].copy_(self.master[i], non_blocking=self._pin)
                 self.master[i].grad = None
             if paged is not None:
                 self._page_out(chunk, paged)
         for p, g in zip(self.params, grads):
             p.grad = g  # the persistent buffers (the masters of fp32 parameters are the parameters)
+        if self._cpu_step and self._pin:  # the next step writes the host masters the uploads read
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _page_in(self, chunk: list[int]) -> dict:
         """Point the chunk's masters and moments at device copies; returns the host tensors to restore."""

@@ -93,7 +93,7 @@ class RLStep:
             "ref_weights": nbytes(self.ref.parameters()) if self.ref is not None else 0,
             "kv_cache": self.engine.runner.kv_cache_bytes() if self.engine is not None else 0,
             "optimizer": {"none": (8 if fp32 else 12) * n, "moments": 0 if fp32 else 4 * n,
-                          "all": 0}[self.memory_cfg.optimizer_offload],
+                          "all": 0, "cpu": 0}[self.memory_cfg.optimizer_offload],
             "grads": nbytes(params),
         }
 

@@ -34,7 +34,8 @@ HELP = {
     "memory_plan": "auto: the cheapest residency plan that fits; release: KV cache and gradients released when idle; "
                    "resident: nothing moves",
     "memory_overrides": "tag:phase=residency,... on top of the plan, e.g. ref_weights:*=offloaded",
-    "optimizer_offload": "AdamW state in pinned host memory, paged through the GPU in the optimizer step",
+    "optimizer_offload": "AdamW state in pinned host memory: paged through the GPU in the optimizer step "
+                         "(moments, all) or stepped on the CPU (cpu)",
     "decode_split_k": "S_o S_down K slices of the graphed decode's o/down projections; default: timed per bucket",
 }
 
@@ -113,7 +114,7 @@ def parser() -> argparse.ArgumentParser:
     choices = {"rl": {"mode": MODES, "adv_estimator": ADV_ESTIMATORS, "loss_agg_mode": AGG_MODES,
                       "kl_loss_type": KL_KINDS, "lr_schedule": LR_SCHEDULES},
                "memory": {"memory_plan": PLANS, "memory_backend": ("auto", "tms", "accounting"),
-                          "optimizer_offload": ("none", "moments", "all")}}
+                          "optimizer_offload": ("none", "moments", "all", "cpu")}}
     titles = {"rl": "RL defaults (RLConfig; /train_step may override them per step)", "engine": "engine (EngineConfig)",
               "memory": "phase-aware memory (MemoryConfig)"}
     for section, cls, default in nested:
