@@ -8,8 +8,9 @@
 Per step:  POST /rollout   (a batch of verl rows x n samples; the server retains the rollout)
            POST /train_step (rewards scored server-side by `--reward`, default: dispatch on data_source)
 and every K steps POST /save (the driver's data position rides along as `data_state`; --resume
-loads it back). Without --server the driver starts `rollplex.server` in a background thread on a
-free loopback port and talks HTTP to it all the same.
+loads it back; the server writes checkpoints only under its --checkpoint-root). Without --server
+the driver starts `rollplex.server` in a background thread on a free loopback port and talks HTTP
+to it all the same.
 
 Data: verl rows (parquet or jsonl; `prompt`, `images`, `data_source`, `reward_model.ground_truth`);
 without --data the shape-colour demo set is written to LOG_DIR/shape_color_train.jsonl. Batches
@@ -63,9 +64,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--target-reward", type=float, default=None, help="stop when the mean reward of the last 3"
                     " steps reaches it (default: 0.8 for the demo, else off)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--save-dir", default=None, help="checkpoints: SAVE_DIR/global_step_K")
+    ap.add_argument("--save-dir", default=None, help="checkpoints: SAVE_DIR/global_step_K; in-process: the server's"
+                    " checkpoint root, with --server: a folder under that server's --checkpoint-root")
     ap.add_argument("--save-every", type=int, default=0, help="save every K steps (0: only at the end)")
-    ap.add_argument("--resume", default=None, help="checkpoint dir to resume from (POST /load)")
+    ap.add_argument("--resume", default=None, help="checkpoint dir to resume from (POST /load); in-process: under"
+                    " --save-dir when given, with --server: under that server's --checkpoint-root")
     ap.add_argument("--log-dir", default="runs/train_grpo")
     ap.add_argument("--timeout", type=float, default=600.0, help="HTTP timeout per request (s)")
     args = ap.parse_args(argv)
@@ -166,8 +169,11 @@ def start_server(args):
     rl = RLConfig(mode=args.mode, n=args.n_samples, lr=args.lr or 1e-6, kl_coef=args.kl_coef or 0.0,
                   temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
                   micro_batch_prompts=8, micro_batch_samples=32)
+    # the server only saves and loads under its checkpoint root: the save dir, else the resumed run's folder
+    root = args.save_dir or (str(Path(args.resume).resolve().parent) if args.resume else None)
     cfg = ServerConfig(model=args.model, device=args.device, api_key=args.api_key,
-                       format_warmup_steps=args.format_warmup_steps, rl=rl, engine=EngineConfig(seed=args.seed))
+                       format_warmup_steps=args.format_warmup_steps, rl=rl, engine=EngineConfig(seed=args.seed),
+                       checkpoint_root=root)
     return serve_in_thread(cfg)
 
 
@@ -201,7 +207,8 @@ def _train(args, client: Client, rows: list[dict], log_dir: Path) -> dict:
           f"{len(rows)} rows from {args.data}", flush=True)
     start = 0
     if args.resume:
-        loaded = client.call("POST", "/load", {"path": args.resume})
+        resume = args.resume if args.server else str(Path(args.resume).resolve())  # in-process: from this cwd
+        loaded = client.call("POST", "/load", {"path": resume})
         start = int((loaded.get("data_state") or {}).get("step", loaded["global_step"]))
         print(f"resumed from {args.resume} at step {start}", flush=True)
     overrides = {k: v for k, v in (("lr", args.lr), ("kl_coef", args.kl_coef)) if v is not None}
@@ -251,9 +258,13 @@ def _train(args, client: Client, rows: list[dict], log_dir: Path) -> dict:
 
 
 def _save(client: Client, args, step: int) -> str:
-    path = str(Path(args.save_dir).resolve() / f"global_step_{step}")
-    client.call("POST", "/save", {"path": path, "data_state": {"step": step, "seed": args.seed, "data": args.data}})
-    return path
+    """POST /save; returns the checkpoint's path on the server. In-process the save dir is the server's
+    checkpoint root; a remote server takes SAVE_DIR relative to its own --checkpoint-root."""
+    name = f"global_step_{step}"
+    path = str(Path(args.save_dir) / name) if args.server else name
+    saved = client.call("POST", "/save", {"path": path, "data_state": {"step": step, "seed": args.seed,
+                                                                        "data": args.data}})
+    return saved["path"]
 
 
 if __name__ == "__main__":

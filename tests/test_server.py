@@ -2,8 +2,9 @@
 `python -m rollplex.server` CLI as a subprocess), the tiny model on CPU.
 
 generate (text, image, logprobs, streaming, disconnect -> abort), rollout -> train_step -> weights
-change, reward names, one train step at a time (409), save/load round trip, auth, and a corpus of bad
-requests that must all be 4xx while the server stays healthy and a retained rollout still trains.
+change, reward names, one train step at a time (409), stale rollouts (409, then off-policy), save/load
+round trip under the checkpoint root (and nothing outside it), auth, and a corpus of bad requests that
+must all be 400 while the server stays healthy and a retained rollout still trains.
 """
 
 from __future__ import annotations
@@ -35,15 +36,21 @@ def tiny_dir(tmp_path_factory):
     return write_tiny(tmp_path_factory.mktemp("tiny-server"), seed=0)
 
 
-def _config(tiny_dir, api_key=None, **rl) -> ServerConfig:
+def _config(tiny_dir, api_key=None, checkpoint_root=None, **rl) -> ServerConfig:
     rl = dict(n=2, lr=1e-3, kl_coef=0.05, max_new_tokens=4, micro_batch_prompts=4, micro_batch_samples=8) | rl
     return ServerConfig(model=str(tiny_dir), device="cpu", api_key=api_key, rl=RLConfig(**rl),
-                        engine=EngineConfig(max_model_len=256, kv_cache_tokens=8192, max_num_seqs=64))
+                        engine=EngineConfig(max_model_len=256, kv_cache_tokens=8192, max_num_seqs=64),
+                        checkpoint_root=None if checkpoint_root is None else str(checkpoint_root))
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir):
-    srv = serve_in_thread(_config(tiny_dir))
+def ckpt_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ckpt-root")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, ckpt_root):
+    srv = serve_in_thread(_config(tiny_dir, checkpoint_root=ckpt_root))
     yield srv
     srv.stop()
 
@@ -157,6 +164,27 @@ def test_disconnect_aborts_non_streaming_request(server):
     assert server.state.worker.num_aborted == before + 1
 
 
+def test_max_new_tokens_must_fit_max_model_len(client):
+    ids = [5] * 250  # max_model_len 256: room for 6 new tokens
+    fits = client.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 6,
+                                                                                "ignore_eos": True}})
+    assert fits.status_code == 200 and fits.json()["meta_info"]["completion_tokens"] == 6, fits.text
+    over = client.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 7}})
+    assert over.status_code == 400 and "at most 6 new tokens" in over.json()["error"]["message"], over.text
+    ro = client.post("/rollout", json={"prompts": [{"input_ids": ids}], "n": 2,
+                                       "sampling_params": {"max_new_tokens": 7}})
+    assert ro.status_code == 400 and "max_model_len=256" in ro.json()["error"]["message"], ro.text
+
+
+def test_finish_reason_has_one_shape(client):
+    gen = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
+    ro = client.post("/rollout", json={"prompts": [{"input_ids": [5, 6, 7]}], "n": 2, "for_training": False,
+                                       "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
+    assert gen.status_code == ro.status_code == 200, (gen.text, ro.text)
+    assert gen.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+    assert [s["finish_reason"] for s in ro.json()["samples"]] == [{"type": "length", "length": 3}] * 2
+
+
 def test_concurrent_generates(client):
     def one(i):
         return client.post("/generate", json={"text": f"color {i}", "sampling_params": {"max_new_tokens": 8}})
@@ -172,7 +200,8 @@ def test_rollout_train_step_changes_weights(client):
     assert ro["rollout_id"] and ro["num_samples"] == 6 == len(ro["samples"])
     assert [s["prompt_index"] for s in ro["samples"]] == [0, 0, 0, 1, 1, 1]
     s = ro["samples"][0]
-    assert len(s["token_ids"]) == len(s["logprobs"]) >= 1 and s["finish_reason"] in ("stop", "length")
+    assert len(s["token_ids"]) == len(s["logprobs"]) >= 1 and s["finish_reason"]["type"] in ("stop", "length")
+    assert ro["weights_version"] == client.get("/health").json()["weights_version"]
     h0, c0 = client.get("/health").json(), _checksum(client)
     m = client.post("/train_step", json={"rollout_id": ro["rollout_id"], "rewards": [1, 0, 0, 0, 1, 0]})
     assert m.status_code == 200, m.text
@@ -225,22 +254,52 @@ def test_second_concurrent_train_step_gets_409(client, server):
     finally:
         del state.train
     assert second.status_code == 409 and "already running" in second.json()["error"]["message"]
-    assert client.post("/train_step", json={"rollout_id": b["rollout_id"], "rewards": [1, 0, 1, 0]}).status_code == 200
+    b_id = b["rollout_id"]  # sampled before the first step changed the weights: stale now
+    assert client.post("/train_step", json={"rollout_id": b_id, "rewards": [1, 0, 1, 0]}).status_code == 409
+    ok = client.post("/train_step", json={"rollout_id": b_id, "rewards": [1, 0, 1, 0], "off_policy": True})
+    assert ok.status_code == 200, ok.text
 
 
-def test_save_load_round_trip(client, tmp_path):
+def test_stale_rollout_is_409_then_trains_off_policy(client):
+    a, b = _rollout(client), _rollout(client)
+    assert a["weights_version"] == b["weights_version"]
+    on = client.post("/train_step", json={"rollout_id": a["rollout_id"], "rewards": [1, 0, 0, 1]})
+    assert on.status_code == 200, on.text
+    on = on.json()
+    assert on["training/off_policy"] == 0.0 and abs(on["actor/ppo_kl"]) < 1e-6  # old = current policy
+    version = client.get("/health").json()["weights_version"]
+    assert version == b["weights_version"] + 1
+    stale = client.post("/train_step", json={"rollout_id": b["rollout_id"], "rewards": [1, 0, 0, 1]})
+    assert stale.status_code == 409, stale.text
+    msg = stale.json()["error"]["message"]
+    assert f"weights_version {b['weights_version']}" in msg and f"version {version}" in msg and "off_policy" in msg
+    assert client.get("/health").json()["retained_rollouts"] >= 1
+    off = client.post("/train_step", json={"rollout_id": b["rollout_id"], "rewards": [1, 0, 0, 1],
+                                           "off_policy": True})
+    assert off.status_code == 200, off.text  # the 409 left it retained
+    off = off.json()
+    # the ratio is taken against the sampling logprobs, which the first step has moved away from
+    assert off["training/off_policy"] == 1.0 and off["training/weights_version_lag"] == 1.0
+    assert abs(off["actor/ppo_kl"]) > 1e-5 and off["actor/pg_clipfrac"] >= 0.0
+    assert off["training/rollout_probs_diff_mean"] > 1e-5
+    assert client.post("/train_step", json={"rollout_id": b["rollout_id"], "rewards": [0] * 4}).status_code == 404
+
+
+def test_save_load_round_trip(client, ckpt_root):
     step0 = client.get("/health").json()["global_step"]
     c0 = _checksum(client)
-    saved = client.post("/save", json={"path": str(tmp_path / "ck"), "data_state": {"step": 7}})
+    saved = client.post("/save", json={"path": "run/ck", "data_state": {"step": 7}})  # relative: under the root
     assert saved.status_code == 200, saved.text
-    names = {p.name for p in (tmp_path / "ck").iterdir()}
+    ck = ckpt_root / "run" / "ck"
+    assert saved.json()["path"] == str(ck.resolve()) and saved.json()["ref_path"] == str(ck.resolve() / "ref")
+    names = {p.name for p in ck.iterdir()}
     assert {"config.json", "model.safetensors", "trainer_state.pt", "tokenizer.json", "preprocessor_config.json",
             "ref"} <= names
     ro = _rollout(client)
     assert client.post("/train_step", json={"rollout_id": ro["rollout_id"], "rewards": [1, 0, 0, 1]}).status_code == 200
     assert _checksum(client) != c0
     pending = _rollout(client)["rollout_id"]
-    loaded = client.post("/load", json={"path": str(tmp_path / "ck")})
+    loaded = client.post("/load", json={"path": str(ck)})  # absolute inside the root
     assert loaded.status_code == 200, loaded.text
     body = loaded.json()
     assert body["global_step"] == step0 and body["data_state"] == {"step": 7} and body["dropped_rollouts"] >= 1
@@ -249,11 +308,36 @@ def test_save_load_round_trip(client, tmp_path):
     # the saved policy is an ordinary HF checkpoint the server can start from
     from rollplex.models import load_model
 
-    assert load_model(tmp_path / "ck").cfg.text.hidden_size == 128
+    assert load_model(ck).cfg.text.hidden_size == 128
 
 
-def test_auth(tiny_dir):
-    srv = serve_in_thread(_config(tiny_dir, api_key="s3cret", kl_coef=0.0))
+def test_checkpoint_paths_stay_under_the_root(client, ckpt_root, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (ckpt_root / "escape").symlink_to(outside, target_is_directory=True)
+    for path in ("../../etc/x", "../sibling", str(outside / "ck"), "/tmp/ck", "escape/ck"):
+        for route in ("/save", "/load"):
+            r = client.post(route, json={"path": path})
+            assert r.status_code == 400, (route, path, r.text)
+            assert "outside the checkpoint root" in r.json()["error"]["message"], r.text
+    assert not any(outside.iterdir()) and not (ckpt_root.parent / "sibling").exists()
+    assert client.get("/health").json()["status"] == "ok"
+
+
+def test_confine_resolves_under_the_root(tmp_path):
+    from rollplex.server.state import confine
+
+    root = tmp_path / "root"
+    assert confine(root, "a/b") == (root / "a" / "b").resolve()
+    assert confine(root, "a/../c") == (root / "c").resolve()
+    assert confine(root, str(root / "d")) == (root / "d").resolve()
+    for bad in ("..", "../x", "a/../../x", str(tmp_path / "x"), "/"):
+        with pytest.raises(ValueError, match="outside the checkpoint root"):
+            confine(root, bad)
+
+
+def test_auth(tiny_dir, tmp_path):
+    srv = serve_in_thread(_config(tiny_dir, api_key="s3cret", kl_coef=0.0, checkpoint_root=tmp_path))
     try:
         with httpx.Client(base_url=srv.url, timeout=30) as c:
             body = {"text": "hi", "sampling_params": GREEDY}
@@ -267,17 +351,20 @@ def test_auth(tiny_dir):
             ok = {"Authorization": "Bearer s3cret"}
             assert c.post("/generate", json=body, headers=ok).status_code == 200
             assert c.get("/memory", headers=ok).status_code == 200
+            saved = c.post("/save", json={"path": "ck"}, headers=ok)  # no reference model: no ref/
+            assert saved.status_code == 200 and saved.json()["ref_path"] is None, saved.text
+            assert (tmp_path / "ck" / "trainer_state.pt").exists() and not (tmp_path / "ck" / "ref").exists()
     finally:
         srv.stop()
 
 
 # ---- robustness ------------------------------------------------------------------------------------
 BAD_GENERATE = [
-    ({"text": 5}, 422),
-    ({"text": "hi", "return_logprob": "yes"}, 422),
-    ({"text": "hi", "bogus": 1}, 422),
-    ({}, 422),
-    ({"text": "hi", "input_ids": [1, 2]}, 422),
+    ({"text": 5}, 400),
+    ({"text": "hi", "return_logprob": "yes"}, 400),
+    ({"text": "hi", "bogus": 1}, 400),
+    ({}, 400),
+    ({"text": "hi", "input_ids": [1, 2]}, 400),
     ({"text": "hi", "sampling_params": {"max_new_tokens": "4"}}, 400),
     ({"text": "hi", "sampling_params": {"n": 0}}, 400),
     ({"text": "hi", "sampling_params": {"n": 10**9}}, 400),
@@ -289,6 +376,7 @@ BAD_GENERATE = [
     ({"text": "hi", "sampling_params": {"presence_penalty": 0.5}}, 400),
     ({"text": "hi", "sampling_params": [GREEDY, GREEDY]}, 400),
     ({"text": "hi " * 400}, 400),  # over max_model_len
+    ({"input_ids": [5] * 250, "sampling_params": {"max_new_tokens": 7}}, 400),  # 250 + 7 > max_model_len
     ({"input_ids": list(range(300))}, 400),
     ({"input_ids": [10**6]}, 400),
     ({"input_ids": [-1]}, 400),
@@ -321,15 +409,15 @@ def test_bad_requests_are_4xx_and_harmless(client, server):
         expect(client.post("/generate", json=body), status, body)
     expect(client.post("/generate", content=b'{"text": "hi",', headers={"content-type": "application/json"}), 400,
            "malformed json")
-    expect(client.post("/generate", json=[1, 2]), 422, "array body")
+    expect(client.post("/generate", json=[1, 2]), 400, "array body")
     rows = wire_rows(1)
     bad_rollouts = [
-        ({"prompts": []}, 422),
-        ({"prompts": rows, "n": 0}, 422),
-        ({"prompts": rows, "n": "2"}, 422),
+        ({"prompts": []}, 400),
+        ({"prompts": rows, "n": 0}, 400),
+        ({"prompts": rows, "n": "2"}, 400),
         ({"prompts": [{**rows[0], "images": ["garbage"]}]}, 400),
         ({"prompts": [{**rows[0], "images": []}]}, 400),  # <image> placeholder without an image
-        ({"prompts": [{**rows[0], "messages": rows[0]["prompt"]}]}, 422),  # two prompt forms
+        ({"prompts": [{**rows[0], "messages": rows[0]["prompt"]}]}, 400),  # two prompt forms
         ({"prompts": rows, "sampling_params": {"temperature": 0}}, 400),  # training needs sampling
         ({"prompts": rows, "sampling_params": {"whatever": 1}}, 400),
         ({"prompts": rows, "n": 2, "sampling_params": {"n": 3}}, 400),
@@ -340,24 +428,26 @@ def test_bad_requests_are_4xx_and_harmless(client, server):
     bad_train = [
         ({"rollout_id": "ro-nope", "rewards": [1.0]}, 404),
         ({"rollout_id": rid, "rewards": [1.0, 0.0]}, 400),  # 4 samples
-        ({"rollout_id": rid, "rewards": [1, 2, 3, "x"]}, 422),
-        ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "reward": "choice"}, 422),
+        ({"rollout_id": rid, "rewards": [1, 2, 3, "x"]}, 400),
+        ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "reward": "choice"}, 400),
         ({"rollout_id": rid, "reward": "no_such_reward"}, 400),
         ({"rollout_id": rid, "reward": "rollplex.nope:fn"}, 400),
         ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "loss_agg_mode": "bogus"}, 400),
-        ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "lr": -1}, 422),
-        ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "micro_batch_max_tokens": 0}, 422),
-        ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "unknown_knob": 1}, 422),
-        ({"rewards": [1, 0, 1, 0]}, 422),
+        ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "lr": -1}, 400),
+        ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "micro_batch_max_tokens": 0}, 400),
+        ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "unknown_knob": 1}, 400),
+        ({"rewards": [1, 0, 1, 0]}, 400),
     ]
     for body, status in bad_train:
         expect(client.post("/train_step", json=body), status, body)
     expect(client.post("/train_step", content=b'{"rollout_id": "' + rid.encode() + b'", "rewards": [NaN, 0, 0, 0]}',
-                       headers={"content-type": "application/json"}), 422, "NaN reward")
+                       headers={"content-type": "application/json"}), 400, "NaN reward")
     expect(client.post("/load", json={"path": "/definitely/not/here"}), 400, "load missing")
-    expect(client.post("/load", json={"path": str(ROOT / "rollplex")}), 400, "load non-checkpoint")
+    expect(client.post("/load", json={"path": str(ROOT / "rollplex")}), 400, "load outside the root")
+    Path(server.state.cfg.checkpoint_root, "not-a-ckpt").mkdir(parents=True, exist_ok=True)
+    expect(client.post("/load", json={"path": "not-a-ckpt"}), 400, "load non-checkpoint")
     expect(client.post("/save", json={"path": "/proc/nope/ck"}), 400, "save unwritable")
-    expect(client.post("/save", json={}), 422, "save without path")
+    expect(client.post("/save", json={}), 400, "save without path")
     assert client.get("/generate").status_code == 405 and client.get("/nope").status_code == 404
     assert not failures, "\n".join(failures)
     worker.join(30)
@@ -426,7 +516,9 @@ def test_cli_flags_fill_the_nested_configs(monkeypatch):
     assert cfg.rl == RLConfig(mode="serial", lr=3e-4, packed=False, betas=(0.8, 0.95), micro_batch_max_tokens=512,
                               max_new_tokens=128, seed=7)
     assert cfg.engine == EngineConfig(max_model_len=256, decode_split_k=(2, 4), overlap_schedule=False, seed=7)
-    assert cfg.rollout_ttl_s == 30.0
+    assert cfg.rollout_ttl_s == 30.0 and cfg.checkpoint_root == str(Path("checkpoints").resolve())
+    assert config_from_args(ap.parse_args(["--device", "cpu", "--checkpoint-root", "/srv/ck"])).checkpoint_root \
+        == str(Path("/srv/ck").resolve())
     help_text = ap.format_help()
     assert "--max-new-tokens" in help_text and "(default: 128)" in help_text and "--kv-cache-tokens" in help_text
     with pytest.raises(SystemExit):  # choices come from the config's own lists
@@ -438,7 +530,7 @@ def test_train_step_overrides_are_rl_config_fields():
 
     from rollplex.server.schemas import TrainStepRequest
 
-    overrides = set(TrainStepRequest.model_fields) - {"rollout_id", "rewards", "reward"}
+    overrides = set(TrainStepRequest.model_fields) - {"rollout_id", "rewards", "reward", "off_policy"}
     assert overrides <= {f.name for f in dataclasses.fields(RLConfig)}
     req = TrainStepRequest(rollout_id="r", rewards=[1.0], lr=1e-4, micro_batch_prompts=2)
     assert dataclasses.replace(RLConfig(), **req.overrides()) == RLConfig(lr=1e-4, micro_batch_prompts=2)

@@ -141,9 +141,11 @@ class RLStep:
                                       name=reward if isinstance(reward, str) else None)
         return torch.tensor(scores, dtype=torch.float32), extra
 
-    def train(self, batch: RolloutBatch, cfg: RLConfig | None = None) -> dict:
+    def train(self, batch: RolloutBatch, cfg: RLConfig | None = None,
+              old_logprobs: torch.Tensor | None = None) -> dict:
         """Reference scoring, advantages and the actor update for a batch with rewards; `cfg`: this
-        step's config (default: `self.cfg`)."""
+        step's config (default: `self.cfg`); `old_logprobs` [N, R]: the PPO ratio's denominator for
+        an off-policy batch (its sampling logprobs; default: the current policy's)."""
         cfg, m = cfg or self.cfg, {}
         if batch.rewards is None:
             raise ValueError("the batch has no rewards")
@@ -157,15 +159,17 @@ class RLStep:
             rewards = rewards - cfg.kl_coef * kl
             m["critic/kl_penalty"] = float(kl.mean())
         adv = grpo_advantages(rewards, batch.group, cfg.norm_adv_by_std)
-        with _timer(m, "old_log_prob", self.device), self._phase("ref"):
-            old = self.actor.old_logprobs(batch, cfg)
+        old = old_logprobs
+        if old is None:
+            with _timer(m, "old_log_prob", self.device), self._phase("ref"):
+                old = self.actor.old_logprobs(batch, cfg)
         with _timer(m, "update_actor", self.device), self._phase("update"):
             stats, first_lp = self.actor.update(batch, adv, ref_lp if cfg.use_kl_loss else None, old, self.step_idx,
                                                 cfg)
         m.update(stats)
         if self.memory is not None:
             m.update(self.memory.take_metrics())
-        train_lp = old if old is not None else first_lp
+        train_lp = old if old is not None and old_logprobs is None else first_lp
         if batch.rollout_logprobs is not None:
             sel = batch.mask > 0
             diff = (batch.rollout_logprobs.exp() - train_lp.exp()).abs()[sel]

@@ -106,6 +106,8 @@ def parser() -> argparse.ArgumentParser:
                     help="supervised answer-format steps on the shape-colour task at startup (tiny demo)")
     ap.add_argument("--rollout-ttl", type=float, default=600.0, help="seconds a training rollout is retained")
     ap.add_argument("--max-rollouts", type=int, default=16, help="retained rollouts (oldest evicted)")
+    ap.add_argument("--checkpoint-root", default=None,
+                    help="/save and /load only read and write under this folder (default: ./checkpoints)")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     nested = _nested()
     seeds = {default.seed for _, _, default in nested if hasattr(default, "seed")}
@@ -137,7 +139,8 @@ def config_from_args(args):
         nested[section] = cls(**kw)
     return ServerConfig(model=args.model, device=args.device, dtype=args.dtype, api_key=args.api_key,
                         reward=args.reward, format_warmup_steps=args.format_warmup_steps,
-                        rollout_ttl_s=args.rollout_ttl, max_rollouts=args.max_rollouts, **nested)
+                        rollout_ttl_s=args.rollout_ttl, max_rollouts=args.max_rollouts,
+                        checkpoint_root=args.checkpoint_root, **nested)
 
 
 def main(argv=None) -> None:

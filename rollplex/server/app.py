@@ -12,9 +12,10 @@
 
 Auth: with an API key, every route except /health and /metrics needs `Authorization: Bearer KEY`
 (checked before the body is read; 401 otherwise). Errors: `{"error": {"code", "message"}, "detail"}`;
-malformed JSON is 400, schema violations 422, bad values the runtime rejects 400, unknown rollouts
-404, a concurrent train step 409, a train step that does not fit in device memory 507 (weights and
-optimizer unchanged). Nothing a client sends reaches the engine unvalidated, and a
+every bad request is 400, as with SGLang — malformed JSON, schema violations (wrong types, missing
+or unknown fields) and values the runtime rejects alike; unknown rollouts 404; a concurrent train
+step or a rollout sampled from older weights 409; a train step that does not fit in device memory 507
+(weights and optimizer unchanged). Nothing a client sends reaches the engine unvalidated, and a
 failing request never touches retained rollouts or in-flight work.
 """
 
@@ -77,16 +78,16 @@ class AuthAndCount:
                                    status=status[0])
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[int, str]:
+def _validation_message(exc: RequestValidationError) -> str:
     errs = exc.errors()
     for e in errs:
         if e.get("type") == "json_invalid":
-            return 400, f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}"
+            return f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}"
     parts = []
     for e in errs:
         loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
         parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
-    return 422, "invalid request: " + "; ".join(dict.fromkeys(parts))
+    return "invalid request: " + "; ".join(dict.fromkeys(parts))
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -108,7 +109,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError):
-        return error(*_validation_message(exc))
+        return error(400, _validation_message(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException):

@@ -4,9 +4,11 @@
     results = await collect(state, tickets, request)                # {index: (RequestOutput, extra)}
 
 `submit` runs one worker job that encodes every prompt and adds its engine request; if one prompt
-is bad (undecodable image, too long, placeholder mismatch) the ones already added are dropped and
-the whole request fails with 400 — nothing half-done stays in the engine. `collect` polls for a
-client disconnect while waiting and aborts the request's unfinished tickets when the client is gone.
+is bad (undecodable image, too long, placeholder mismatch, prompt + max_new_tokens over
+max_model_len) the ones already added are dropped and the whole request fails with 400 — nothing
+half-done stays in the engine. `collect` polls for a client disconnect while waiting and aborts the
+request's unfinished tickets when the client is gone. Each ticket records the weights version its
+request samples from.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ async def submit(state, encoders: list[Callable[[], object]], params: list, stre
     loop, queue = asyncio.get_running_loop(), asyncio.Queue()
     tickets = [Ticket(queue, loop, index=i, stream=stream, finalize=(finalize or [None] * len(params))[i])
                for i in range(len(params))]
-    worker = state.worker
+    worker, max_len = state.worker, state.cfg.engine.max_model_len
 
     def job():
         added, inputs = [], []
@@ -43,11 +45,14 @@ async def submit(state, encoders: list[Callable[[], object]], params: list, stre
                 except Exception as e:  # processor / image errors: the client's input
                     hint = PLACEHOLDER_HINT if "placeholder" in str(e) else ""
                     raise ValueError(f"{what}[{i}]: {e}{hint}") from e
+                check_length(len(x.input_ids), sp.max_new_tokens, max_len, f"{what}[{i}]")
                 try:
                     worker.add(t, x, sp)
                 except ValueError as e:
                     raise ValueError(f"{what}[{i}]: {e}") from e
                 t.prompt_tokens = len(x.input_ids)
+                # read on the engine thread: weights change only in drain jobs, which wait for this request
+                t.weights_version = state.weights_version
                 added.append(t)
                 inputs.append(x)
         except BaseException:
@@ -60,6 +65,15 @@ async def submit(state, encoders: list[Callable[[], object]], params: list, stre
     except ValueError as e:
         raise bad_request(str(e)) from None
     return tickets, inputs
+
+
+def check_length(prompt_tokens: int, max_new_tokens: int, max_model_len: int, where: str) -> None:
+    """ValueError when the prompt plus max_new_tokens does not fit max_model_len (SGLang rejects such
+    requests rather than cutting the answer short without saying so)."""
+    if prompt_tokens < max_model_len and prompt_tokens + max_new_tokens > max_model_len:
+        raise ValueError(f"{where}: {prompt_tokens} prompt tokens + max_new_tokens={max_new_tokens} exceed "
+                         f"max_model_len={max_model_len}; ask for at most {max_model_len - prompt_tokens} new "
+                         "tokens or start the server with a larger --max-model-len")
 
 
 def abort_unfinished(state, tickets: list[Ticket], finished) -> None:

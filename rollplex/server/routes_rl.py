@@ -1,17 +1,22 @@
 """POST /rollout, /train_step, /save, /load: the RL loop over HTTP.
 
 /rollout   prompts (chat messages + images, verl rows, or ids) x n samples through the shared engine
-           -> {"rollout_id", "samples": [{"prompt_index", "sample_index", "token_ids", "text",
-           "logprobs", "finish_reason"}], ...}. With for_training (default) the RolloutBatch is retained
-           under rollout_id (TTL + cap, store.py). Temperature must be > 0 for training rollouts.
+           -> {"rollout_id", "weights_version", "samples": [{"prompt_index", "sample_index", "token_ids",
+           "text", "logprobs", "finish_reason"}], ...}; finish_reason has /generate's (SGLang's) dict
+           form. With for_training (default) the RolloutBatch is retained under rollout_id (TTL + cap,
+           store.py) with the weights version it was sampled from. Temperature must be > 0 for
+           training rollouts.
 /train_step rollout_id + `rewards` (one per sample, prompt-major as returned) or `reward` (a registered
            name or module:function, scored against the rows' ground truths; default: the server's
            --reward) + per-step overrides -> the step's verl-named metrics. One step at a time: a
            second concurrent call gets 409 (it is not queued). Unknown / expired id -> 404. A request
            rejected before training (bad rewards, bad overrides, failing reward function) leaves the
-           rollout retained; it is consumed only by a successful step.
+           rollout retained; it is consumed only by a successful step. On-policy by default: a
+           rollout sampled before the weights changed (a train step or a load since) gets 409 and
+           stays retained; `off_policy: true` trains it with its sampling logprobs as old logprobs.
 /save {"path", "data_state"?} -> HF checkpoint + trainer state; /load {"path"} -> restores it, returns
            the saved data_state and drops retained rollouts (sampled from the previous weights).
+           Paths lie under --checkpoint-root (relative ones are taken from it); others are 400.
 Training, save and load are `drain` jobs: they start once in-flight engine requests have finished.
 """
 
@@ -30,8 +35,8 @@ from ..rl.batch import RolloutBatch
 from .errors import bad_request
 from .inflight import ClientGone, collect, submit
 from .schemas import LoadRequest, RolloutRequest, SaveRequest, TrainStepRequest
-from .sglang import sampling_params
-from .store import RetainedRollout
+from .sglang import finish_reason, sampling_params
+from .store import RetainedRollout, StaleRollout
 
 
 def _finite(m: dict) -> dict:
@@ -64,20 +69,22 @@ def router(state) -> APIRouter:
         gen_s = time.perf_counter() - t0
         outs = [results[i][0] for i in range(len(req.prompts))]
         samples = [{"prompt_index": i, "sample_index": j, "token_ids": s.token_ids, "text": s.text or "",
-                    "logprobs": s.logprobs, "finish_reason": s.finish_reason}
+                    "logprobs": s.logprobs,
+                    "finish_reason": finish_reason(s.finish_reason, s.matched_stop, len(s.token_ids))}
                    for i, out in enumerate(outs) for j, s in enumerate(out.samples)]
         state.metrics.inc("rollplex_rollouts_total")
-        rollout_id = None
-        if req.for_training and all(s["finish_reason"] != "abort" for s in samples):
+        rollout_id, version = None, tickets[0].weights_version
+        if req.for_training and all(s.finish_reason != "abort" for out in outs for s in out.samples):
             batch = RolloutBatch.from_outputs(
                 inputs, outs, pad_id=state.model.cfg.pad_token_id or 0,
                 data_sources=[p.data_source for p in req.prompts], ground_truths=[p.truth() for p in req.prompts],
                 extra_infos=[p.extra_info for p in req.prompts])
-            entry = RetainedRollout(batch, temperature=sp.temperature, gen_s=gen_s)
+            entry = RetainedRollout(batch, temperature=sp.temperature, gen_s=gen_s, weights_version=version)
             state.store.put(entry)
             rollout_id = entry.rollout_id
-        return {"rollout_id": rollout_id, "num_prompts": len(req.prompts), "n": n, "num_samples": len(samples),
-                "samples": samples, "timing_s": gen_s, "expires_in_s": cfg.rollout_ttl_s if rollout_id else None}
+        return {"rollout_id": rollout_id, "weights_version": version, "num_prompts": len(req.prompts), "n": n,
+                "num_samples": len(samples), "samples": samples, "timing_s": gen_s,
+                "expires_in_s": cfg.rollout_ttl_s if rollout_id else None}
 
     @r.post("/train_step")
     async def train_step(req: TrainStepRequest):
@@ -87,6 +94,8 @@ def router(state) -> APIRouter:
             entry = state.store.get(req.rollout_id)
             if entry is None:
                 raise HTTPException(404, f"unknown or expired rollout_id {req.rollout_id!r}")
+            if entry.weights_version != state.weights_version and not req.off_policy:  # before scoring rewards
+                raise HTTPException(409, str(StaleRollout(entry.weights_version, state.weights_version)))
             N = entry.batch.num_samples
             extra, reward_s = {}, 0.0
             if req.rewards is not None:
@@ -103,7 +112,10 @@ def router(state) -> APIRouter:
                     raise bad_request(str(e)) from None
                 reward_s = time.perf_counter() - t0
             try:
-                m = await state.worker.run(lambda: state.train(entry, rewards, req.overrides(), reward_s), drain=True)
+                m = await state.worker.run(lambda: state.train(entry, rewards, req.overrides(), reward_s,
+                                                               off_policy=req.off_policy), drain=True)
+            except StaleRollout as e:  # the weights changed while the rewards were scored
+                raise HTTPException(409, str(e)) from None
             except ValueError as e:
                 raise bad_request(f"train step rejected: {e}") from None
             except TrainOOM as e:  # 507 Insufficient Storage: the step did not fit; the rollout stays retained

@@ -195,6 +195,9 @@ class TrainStepRequest(BaseModel):
     rollout_id: str = Field(min_length=1)
     rewards: list[FiniteFloat] | None = None
     reward: str | None = Field(None, min_length=1)
+    # train a rollout sampled from older weights (otherwise 409): its sampling logprobs become the
+    # PPO ratio's old logprobs, so the clipped ratio corrects for the policy having moved
+    off_policy: bool = False
     # algorithm overrides for this step only: RLConfig field names (verl's where verl has one)
     lr: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     kl_coef: float | None = Field(None, ge=0.0, allow_inf_nan=False)
@@ -221,13 +224,13 @@ class TrainStepRequest(BaseModel):
 
     def overrides(self) -> dict:
         """The given overrides, as RLConfig fields."""
-        skip = {"rollout_id", "rewards", "reward"}
+        skip = {"rollout_id", "rewards", "reward", "off_policy"}
         return {k: v for k, v in self.model_dump().items() if k not in skip and v is not None}
 
 
 class SaveRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    path: str = Field(min_length=1)
+    path: str = Field(min_length=1)  # under the server's --checkpoint-root; relative paths start there
     data_state: dict | None = None  # the driver's position (step, epoch...), returned by /load
 
 

@@ -15,6 +15,8 @@ Every method below except `describe` runs on the engine thread (through `worker.
 the model, the optimizer and the tokenizer are touched by that one thread only.
 Train-step overrides apply to that step only: the step runs with `dataclasses.replace(rl.cfg, ...)`
 (validated; temperature = the rollout's, so the trainer scores the distribution that was sampled).
+`weights_version` counts weight changes (train steps, loads); a rollout sampled at another version
+trains only off-policy. Checkpoints are read and written only under `cfg.checkpoint_root` (`confine`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from ..rl.actor import TrainOOM
 from ..rl.config import RLConfig
 from ..rl.step import RLStep
 from .metrics import Metrics
-from .store import RetainedRollout, RolloutStore, tensor_bytes
+from .store import RetainedRollout, RolloutStore, StaleRollout, tensor_bytes
 from .worker import EngineWorker
 
 log = logging.getLogger("rollplex.server")
@@ -59,8 +61,17 @@ class ServerConfig:
     rl: RLConfig = field(default_factory=server_rl_config)  # the defaults; /train_step overrides per step
     engine: EngineConfig = field(default_factory=EngineConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)  # which regions are resident in which phase
+    # /save and /load read and write only under this folder (created on the first save);
+    # None: `checkpoints` under the working directory
+    checkpoint_root: str | None = None
 
     def __post_init__(self):
+        if self.checkpoint_root is None:
+            self.checkpoint_root = "checkpoints"
+        if not self.checkpoint_root:
+            raise ValueError("checkpoint_root must be a folder path")
+        # resolved once, so a later chdir does not move it
+        self.checkpoint_root = str(Path(self.checkpoint_root).expanduser().resolve())
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in ("cuda", "cpu") and not self.device.startswith("cuda:"):
@@ -73,6 +84,17 @@ class ServerConfig:
             raise ValueError(f"dtype must be bfloat16 or float32, got {self.dtype!r}")
         if self.format_warmup_steps < 0:
             raise ValueError("format_warmup_steps must be >= 0")
+
+
+def confine(root: str | Path, path: str) -> Path:
+    """`path` resolved under `root` (relative paths are taken from the root); ValueError when the
+    resolved path (after `..` and symlinks) is not inside the root."""
+    root = Path(root).resolve()
+    full = (root / path).resolve()  # an absolute `path` replaces the root
+    if not full.is_relative_to(root):
+        raise ValueError(f"{path!r} resolves to {full}, outside the checkpoint root {root} "
+                         "(give a path relative to the root, or start the server with another --checkpoint-root)")
+    return full
 
 
 def _load_policy(cfg: ServerConfig):
@@ -171,16 +193,26 @@ class ServerState:
             raise ValueError("this server has no tokenizer (a preset model): send `input_ids` prompts")
         return row_to_inputs(self.processor, {"prompt": p.chat(), "images": p.images, "videos": p.videos})
 
-    def train(self, entry: RetainedRollout, rewards, overrides: dict, reward_s: float) -> dict:
+    def train(self, entry: RetainedRollout, rewards, overrides: dict, reward_s: float,
+              off_policy: bool = False) -> dict:
         """One step on a retained rollout: rewards [N] (list or tensor); overrides: RLConfig fields
-        for this step only."""
+        for this step only. A rollout sampled from other weights raises StaleRollout unless
+        `off_policy`: then the engine's logprobs of the sampled tokens are the PPO ratio's old
+        logprobs, so the clipped ratio corrects for the policy having moved since sampling."""
+        stale = entry.weights_version != self.weights_version
+        if stale and not off_policy:
+            raise StaleRollout(entry.weights_version, self.weights_version)
         cfg = replace(self.rl.cfg, **{**overrides, "temperature": entry.temperature})  # ValueError if invalid
         if cfg.kl_coef > 0 and self.rl.ref is None:
             raise ValueError("this server holds no reference model (started with --kl-coef 0): "
                              "restart it with --kl-coef > 0 to use a KL term")
+        old = entry.batch.rollout_logprobs if stale else None
+        if stale and old is None:
+            raise ValueError("this rollout has no engine logprobs to train it off-policy")
         t0 = time.perf_counter()
         try:
-            m = self.rl.train(replace(entry.batch, rewards=torch.as_tensor(rewards, dtype=torch.float32)), cfg)
+            m = self.rl.train(replace(entry.batch, rewards=torch.as_tensor(rewards, dtype=torch.float32)), cfg,
+                              old_logprobs=old)
         except TrainOOM:
             raise
         except torch.OutOfMemoryError as e:  # outside the update (reference scoring): nothing was changed
@@ -196,25 +228,33 @@ class ServerState:
         step_s = entry.gen_s + reward_s + train_s
         m.update({"timing_s/gen": entry.gen_s, "timing_s/reward": reward_s, "timing_s/train": train_s,
                   "timing_s/step": step_s, "perf/throughput": tokens / max(step_s, 1e-9),
-                  "training/global_step": self.rl.step_idx})
+                  "training/global_step": self.rl.step_idx, "training/off_policy": float(stale),
+                  "training/weights_version_lag": float(self.weights_version - 1 - entry.weights_version)})
         self.last_train = {k: v for k, v in m.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         return m
+
+    def checkpoint_path(self, path: str) -> Path:
+        """`path` (relative: under the checkpoint root) resolved, symlinks included; ValueError when it
+        lies outside the root."""
+        return confine(self.cfg.checkpoint_root, path)
 
     def save(self, path: str, data_state: dict | None) -> dict:
         from ..rl.checkpoint import save_checkpoint
 
-        out = save_checkpoint(self.rl, path, data_state, tokenizer_dir=self.model_path)
-        return {"path": str(Path(out).resolve()), "global_step": self.rl.step_idx}
+        out = save_checkpoint(self.rl, self.checkpoint_path(path), data_state, tokenizer_dir=self.model_path)
+        ref = out / "ref" if self.rl.ref is not None else None
+        return {"path": str(out), "global_step": self.rl.step_idx, "ref_path": str(ref) if ref else None}
 
     def load(self, path: str) -> dict:
         from ..rl.checkpoint import load_checkpoint
 
-        if not Path(path).is_dir():
-            raise ValueError(f"checkpoint {path} is not a directory")
-        data_state = load_checkpoint(self.rl, path)
+        full = self.checkpoint_path(path)
+        if not full.is_dir():
+            raise ValueError(f"checkpoint {full} is not a directory")
+        data_state = load_checkpoint(self.rl, full)
         self.weights_version += 1
         dropped = self.store.clear()  # sampled from the previous weights: no longer on-policy
-        return {"path": str(Path(path).resolve()), "global_step": self.rl.step_idx, "data_state": data_state,
+        return {"path": str(full), "global_step": self.rl.step_idx, "data_state": data_state,
                 "dropped_rollouts": dropped}
 
     def checksum(self) -> float:

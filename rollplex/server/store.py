@@ -2,9 +2,10 @@
 
 An entry holds the RolloutBatch (encoded prompts with their pixel tensors, responses, rollout
 logprobs, per-sample data sources / ground truths / texts), the sampling temperature the trainer
-must score at, and the rollout's timing. Entries expire `ttl_s` after creation and at most `cap`
-are kept (the oldest is evicted first). `/train_step` removes its entry only when the step
-succeeded, so a rejected request (e.g. the wrong number of rewards) leaves it trainable.
+must score at, the weights version it was sampled from, and the rollout's timing. Entries expire
+`ttl_s` after creation and at most `cap` are kept (the oldest is evicted first). `/train_step`
+removes its entry only when the step succeeded, so a rejected request (e.g. the wrong number of
+rewards, or a stale rollout without off_policy) leaves it trainable.
 Thread-safe (a lock): handlers use it on the event loop, ledgers read it from the engine thread.
 """
 
@@ -20,11 +21,23 @@ from dataclasses import dataclass, field
 import torch
 
 
+class StaleRollout(Exception):
+    """A rollout sampled from weights that have changed since (a train step or a load)."""
+
+    def __init__(self, sampled: int, current: int):
+        self.sampled, self.current = sampled, current
+        super().__init__(f"the rollout was sampled at weights_version {sampled} but the weights are now at "
+                         f"version {current}: training it as on-policy would compute the PPO ratio against the "
+                         "new weights. Sample a new rollout, or pass \"off_policy\": true to train it with its "
+                         "sampling logprobs as the old logprobs (the rollout is still retained)")
+
+
 @dataclass
 class RetainedRollout:
     batch: object  # RolloutBatch
     temperature: float
     gen_s: float
+    weights_version: int = 0  # the server's weights version the samples were drawn from
     created: float = 0.0
     expires: float = 0.0
     rollout_id: str = field(default_factory=lambda: f"ro-{uuid.uuid4().hex[:16]}")

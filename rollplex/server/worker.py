@@ -45,6 +45,7 @@ class Ticket:
     finalize: Callable[[Any], Any] | None = None  # runs in the worker on the final output
     rid: str | None = None
     prompt_tokens: int = 0
+    weights_version: int = -1  # the weights the request samples from (set when it is added)
     done: bool = False
     cancelled: bool = False
     sent: list[int] = field(default_factory=list)  # streaming: tokens published per sample
