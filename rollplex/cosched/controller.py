@@ -180,7 +180,8 @@ class AdmissionController:
             return
         cfg, b = self.config, self._state(rec.bucket)
         if not rec.loaded:
-            b.baseline_ms = ms if b.baseline_ms is None else (1 - cfg.baseline_ema) * b.baseline_ms + cfg.baseline_ema * ms
+            ema = cfg.baseline_ema
+            b.baseline_ms = ms if b.baseline_ms is None else (1 - ema) * b.baseline_ms + ema * ms
             b.clean += 1
             if b.budget_ms is None and b.clean >= cfg.baseline_samples:
                 larger = [self._buckets[k].budget_ms for k in sorted(self._buckets) if k > rec.bucket
