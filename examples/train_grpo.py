@@ -60,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kl-coef", type=float, default=None, help="in-process: the server's KL coefficient")
     ap.add_argument("--reward", default="default", help="reward name or module:function (scored by the server)")
     ap.add_argument("--format-warmup-steps", type=int, default=None, help="in-process server; default: 30 for the"
-                    " tiny model, else 0")
+                    " demo task, else 0")
     ap.add_argument("--target-reward", type=float, default=None, help="stop when the mean reward of the last 3"
                     " steps reaches it (default: 0.8 for the demo, else off)")
     ap.add_argument("--seed", type=int, default=0)
@@ -72,13 +72,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--log-dir", default="runs/train_grpo")
     ap.add_argument("--timeout", type=float, default=600.0, help="HTTP timeout per request (s)")
     args = ap.parse_args(argv)
-    demo = args.server is None and args.model is None and args.data is None
+    # the demo task's defaults follow the task, not where the server runs: `--server URL` against a server
+    # started as the README says trains as the in-process demo does (the server's own lr is meant for real
+    # models and leaves the tiny one flat)
+    demo = args.model is None and args.data is None
     if args.max_new_tokens is None:
         args.max_new_tokens = 4 if demo else 256
     if args.lr is None and demo:
         args.lr = 1e-3
     if args.format_warmup_steps is None:
-        args.format_warmup_steps = 30 if args.model is None else 0
+        args.format_warmup_steps = 30 if demo else 0  # the demo task's answer format: never on user data
     if args.target_reward is None and demo:
         args.target_reward = 0.8
     for name in ("steps", "rollout_batch_size", "n_samples", "max_new_tokens"):

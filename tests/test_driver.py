@@ -60,3 +60,21 @@ def test_driver_data_helpers(tmp_path, driver):
     assert wire["images"][0].startswith("data:image/png;base64,") and json.dumps(wire)
     a = driver.batch_indices(10, 3, 4, seed=0)  # positions 12..15: epoch 1
     assert a == driver.batch_indices(10, 3, 4, seed=0) and len(set(driver.batch_indices(10, 0, 10, 0))) == 10
+
+
+@pytest.mark.slow
+def test_readme_recipe_learns(tmp_path, driver):
+    """README's "Serve and train over HTTP": `python -m rollplex.server --format-warmup-steps 30`, then
+    `python examples/train_grpo.py --server URL` reaches the demo's target reward (0.8) as the in-process
+    demo does."""
+    from rollplex.server import ServerConfig, serve_in_thread
+
+    srv = serve_in_thread(ServerConfig(device="cpu", format_warmup_steps=30))  # the README's flags
+    try:
+        out = driver.main(["--server", srv.url, "--steps", "150", "--log-dir", str(tmp_path / "log")])
+    finally:
+        srv.stop()
+    lines = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["actor/lr"] == 1e-3  # the demo's lr, not the server's default
+    assert out["steps"] < 150, "the recipe did not reach the target reward"
+    assert sum(m["critic/score/mean"] for m in lines[-3:]) / 3 >= 0.8
