@@ -20,6 +20,8 @@ projections (split-K o/down, fused gate_up + SwiGLU: kernels/decode_gemms.py) ar
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 
 import torch
 
@@ -32,6 +34,7 @@ from .config import EngineConfig
 from .decode_forward import DecodeForward
 
 CPU_DEFAULT_KV_TOKENS = 65536
+log = logging.getLogger("rollplex.engine")
 
 
 def graph_buckets(max_bs: int) -> list[int]:
@@ -269,13 +272,18 @@ class ModelRunner:
         self.static_meta[2] = 1
         self.static_bt = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
         pool = None
-        for b in reversed(graph_buckets(max_bs)):
+        buckets = graph_buckets(max_bs)
+        tune_s = capture_s = 0.0
+        for b in reversed(buckets):
+            t0 = time.perf_counter()
             self.attn_cfg[b] = self._tune_attention(b)
             self.gemms[b], self.gemms_us[b] = tune_decode_gemms(
                 self.model, b, self.cfg.decode_split_k, self.cfg.decode_fused_swiglu, self.decoder.final_norm,
                 self.decoder.swiglu, self.TUNE_LAYERS, split_k_candidates=self.cfg.split_k_candidates,
                 swiglu_candidates=self.cfg.swiglu_candidates)
             args = (self.static_meta[:, :b], self.static_bt[:b], self.attn_cfg[b], self.gemms[b])
+            t1 = time.perf_counter()
+            tune_s += t1 - t0
             with torch.no_grad():
                 side = torch.cuda.Stream(dev)
                 side.wait_stream(torch.cuda.current_stream(dev))
@@ -287,4 +295,7 @@ class ModelRunner:
                     out = self._decode_forward(*args)
             pool = g.pool()
             self.graphs[b] = (g, out)
+            capture_s += time.perf_counter() - t1
         torch.cuda.synchronize(dev)
+        log.info("decode graphs: %d batch-size buckets, kernel tuning %.1fs, compile + capture %.1fs",
+                 len(buckets), tune_s, capture_s)

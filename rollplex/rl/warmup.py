@@ -12,20 +12,22 @@ import random
 from collections.abc import Sequence
 
 import torch
+from tqdm import tqdm
 
 from ..data import row_to_inputs
 from .batch import RolloutBatch
 
 
 def format_warmup(model, processor, rows: list[dict], options: Sequence[str], steps: int, lr: float,
-                  seed: int = 0) -> float:
+                  seed: int = 0, progress: bool = True) -> float:
     """`steps` AdamW steps on batches of 16 rows with responses [random option, EOS]; `options` are
     the answer strings (their first token counts). Returns the last step's loss."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     letters = [processor.tokenizer.encode(x, add_special_tokens=False)[0] for x in options]
     loss = torch.tensor(0.0)
-    for _ in range(steps):
+    bar = tqdm(range(steps), desc="format warm-up", unit="step", disable=not progress)
+    for _ in bar:
         batch_rows = rng.sample(rows, min(16, len(rows)))
         prompts = [row_to_inputs(processor, r) for r in batch_rows]
         responses = [[rng.choice(letters), processor.eos_token_id] for _ in prompts]
@@ -38,4 +40,6 @@ def format_warmup(model, processor, rows: list[dict], options: Sequence[str], st
         opt.zero_grad()
         loss.backward()
         opt.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    opt.zero_grad(set_to_none=True)  # no gradient buffers left behind for the trainer that comes next
     return loss.item()

@@ -124,7 +124,9 @@ class ServerState:
     def __init__(self, cfg: ServerConfig):
         self.cfg = cfg
         torch.manual_seed(cfg.rl.seed)
+        t0 = time.perf_counter()
         self.model_path, self.model, self.processor = _load_policy(cfg)
+        log.info("startup: model loaded in %.1fs (%s)", time.perf_counter() - t0, self.model_path or cfg.model)
         self.warmup_loss = None
         if cfg.format_warmup_steps:
             if self.processor is None:
@@ -144,7 +146,10 @@ class ServerState:
         # the phase-aware memory manager: the KV cache is released outside rollout, the rest follows the plan
         self.memory = (MemoryManager(PhasePlan.releases_only(), cfg.device, backend=cfg.memory.memory_backend)
                        if cfg.memory.managed else None)
+        t0 = time.perf_counter()
         self.engine = Engine(self.model, self.processor, cfg.engine, memory=self.memory)
+        log.info("startup: engine ready in %.1fs (KV cache %d blocks of %d tokens; decode tuning and graph capture "
+                 "included)", time.perf_counter() - t0, self.engine.blocks.num_blocks, self.engine.cfg.block_size)
         self.rl = RLStep(self.model, self.engine, cfg.rl, self.processor, reward_fn=cfg.reward, memory=self.memory,
                          memory_cfg=cfg.memory)
         if self.memory is not None:
