@@ -48,3 +48,26 @@ def test_sharded_round_trip_and_dtype(tmp_path):
     # re-saving into the same directory replaces the shards
     save_model(back, out)
     assert not (out / "model.safetensors.index.json").exists() and (out / "model.safetensors").exists()
+
+
+def test_hub_ids_resolve_from_the_local_cache(tmp_path):
+    import shutil
+
+    import pytest
+
+    from rollplex.demo.tiny import write_tiny
+    from rollplex.models import load_model
+    from rollplex.models.hub import looks_like_hub_id, resolve_model_dir
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--acme--tiny-vl"
+    snap = repo / "snapshots" / ("0" * 40)
+    shutil.copytree(write_tiny(tmp_path / "src"), snap)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    assert looks_like_hub_id("acme/tiny-vl") and not looks_like_hub_id("./acme/tiny") and not looks_like_hub_id("x")
+    path = resolve_model_dir("acme/tiny-vl", cache_dir=cache)
+    assert path == snap and load_model(path).cfg.text.hidden_size == 128
+    assert resolve_model_dir(str(snap)) == snap
+    with pytest.raises(ValueError, match="huggingface-cli download acme/absent"):
+        resolve_model_dir("acme/absent", cache_dir=cache)

@@ -100,6 +100,7 @@ def confine(root: str | Path, path: str) -> Path:
 def _load_policy(cfg: ServerConfig):
     """(model dir or None, model, processor or None)."""
     from ..models import Qwen25VL, init_weights, load_model
+    from ..models.hub import looks_like_hub_id, resolve_model_dir
     from ..processor import VLProcessor
 
     dtype = getattr(torch, cfg.dtype)
@@ -107,8 +108,8 @@ def _load_policy(cfg: ServerConfig):
         from ..demo.tiny import ensure_tiny
 
         path = ensure_tiny()
-    elif Path(cfg.model).is_dir():
-        path = Path(cfg.model)
+    elif Path(cfg.model).is_dir() or looks_like_hub_id(cfg.model):  # a directory or a cached HF model id
+        path = resolve_model_dir(cfg.model)
     else:  # a preset: the real shapes with random weights and no tokenizer (token-id prompts only)
         from ..presets import preset
 
