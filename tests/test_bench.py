@@ -33,36 +33,41 @@ STEP_ARGS = ["--device", "cpu", "--no-compile", "--prompts", "2", "--video-promp
              "--new-tokens", "6", "--image-size", "56", "--text-tokens", "8"]
 
 
-def test_step_bench_times_a_warm_step_after_a_cold_one(tiny_dir, capsys):
+def test_step_bench_compares_serial_sharing_and_cosched(tiny_dir, capsys, tmp_path):
     from rollplex.bench import step
 
-    step.main(["--preset", f"{tiny_dir}/config.json", "--workloads", "w3b", *STEP_ARGS])
+    trace = tmp_path / "trace.json"
+    step.main(["--preset", f"{tiny_dir}/config.json", "--workloads", "w3b-tail", "--trace", str(trace), *STEP_ARGS,
+               "--new-tokens", "24"])
     rows = _rows(capsys)
-    steps = [(r["step"], r["mode"]) for r in rows if r["bench"] == "step" and r["workload"] == "w3b"]
-    # the warm-up step (both modes) runs before the timed one
-    assert steps == [("cold", "serial"), ("cold", "rollplex"), ("timed", "serial"), ("timed", "rollplex")]
-    phase = {(r["step"], r["mode"]): r for r in rows if r["bench"] == "step" and r["workload"] == "w3b"}
-    (summary,) = [r for r in rows if r["bench"] == "step_summary"]
-    assert summary["warm"] and summary["timed_rollout_differs"]  # a new rollout, not the warm-up's again
-    assert summary["gen_s"] > 0 and summary["cold_rollout_s"] > 0
-    for prefix, step_name, gen in (("", "timed", summary["gen_s"]), ("cold_", "cold", summary["cold_rollout_s"])):
-        for mode in ("serial", "rollplex"):
-            r = phase[(step_name, mode)]
-            assert 0 < r["ref_s"] + r["update_actor_s"] <= r["ref_plus_update_s"] + 2e-3
-            # a step is its rollout plus the mode's scoring + update (each rounded to 1 ms)
-            assert summary[f"{prefix}step_{mode}_s"] == pytest.approx(gen + r["ref_plus_update_s"], abs=2e-3)
-        ratio = summary[f"{prefix}step_serial_s"] / summary[f"{prefix}step_rollplex_s"]
-        assert summary[f"{prefix}speedup"] == pytest.approx(ratio, rel=0.03)
-    # same update in both modes on the timed batch (fp32: prefix sharing changes where work runs, not what)
-    assert phase[("timed", "serial")]["grad_norm"] == pytest.approx(phase[("timed", "rollplex")]["grad_norm"],
-                                                                    rel=1e-4, abs=1e-6)
+    steps = [(r["vision"], r["step"], r["mode"]) for r in rows if r["bench"] == "step" and r["workload"] == "w3b-tail"]
+    # per vision setting, the warm-up step (every mode) runs before the timed one
+    want = [(v, s, m) for v in ("trained", "frozen") for s in ("cold", "timed") for m in ("serial", "rollplex", "cosched")]
+    assert steps == want
+    by = {(r["vision"], r["step"], r["mode"]): r for r in rows if r["bench"] == "step" and r["workload"] == "w3b-tail"}
+    summaries = [r for r in rows if r["bench"] == "step_summary"]
+    assert [(s["vision"], s["step"]) for s in summaries] == [(v, s) for v in ("trained", "frozen") for s in ("cold", "timed")]
+    for s in summaries:
+        assert s["movable_s"] > 0 and s["gen_s"] > 0 and s["cosched_gen_s"] > 0
+        for mode in ("serial", "rollplex", "cosched"):
+            r = by[(s["vision"], s["step"], mode)]
+            gen = s["cosched_gen_s"] if mode == "cosched" else s["gen_s"]
+            assert s[mode] == pytest.approx(gen + r["ref_plus_update_s"], abs=2e-3)
+        # same update in every mode (fp32: sharing and co-scheduling change where work runs, not what)
+        g = [by[(s["vision"], s["step"], m)]["grad_norm"] for m in ("serial", "rollplex", "cosched")]
+        assert g[1] == pytest.approx(g[0], rel=1e-4, abs=1e-6) and g[2] == pytest.approx(g[0], rel=1e-4, abs=1e-6)
+    check = [r for r in rows if r["bench"] == "step_check"][0]
+    assert check["cosched_grad_norm"] == pytest.approx(check["serial_grad_norm"], rel=1e-4, abs=1e-6)
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("args", {}).get("name") == "decode" for e in events if e["ph"] == "M")
 
 
 def test_step_bench_without_warm_up_times_the_first_step(tiny_dir, capsys):
     from rollplex.bench import step
 
-    step.main(["--preset", f"{tiny_dir}/config.json", "--workloads", "w3b-video", "--no-warm", *STEP_ARGS])
+    step.main(["--preset", f"{tiny_dir}/config.json", "--workloads", "w3b-video", "--no-warm", "--vision", "trained",
+               "--modes", "serial,rollplex", *STEP_ARGS])
     rows = _rows(capsys)
     assert [r["step"] for r in rows if r["bench"] == "step" and r["workload"] == "w3b-video"] == ["first", "first"]
     (summary,) = [r for r in rows if r["bench"] == "step_summary"]
-    assert not summary["warm"] and "cold_rollout_s" not in summary and summary["step_serial_s"] > summary["gen_s"]
+    assert summary["step"] == "first" and summary["serial"] > summary["gen_s"] and "cosched" not in summary

@@ -20,9 +20,11 @@ import copy
 import gc
 import json
 import time
+from dataclasses import replace
 
 import torch
 
+from ..cosched import CoschedConfig, PrefixRows, Timeline
 from ..engine import Engine, EngineConfig, SamplingParams
 from ..models import ModelConfig, Qwen25VL, init_weights
 from ..presets import preset
@@ -33,72 +35,153 @@ from .common import PEAK_TFLOPS, make_prompts, sync, update_flops
 from .timing import env_info
 
 
-def rollout(eng: Engine, prompts: list, n: int, new_tokens: int, seed: int) -> tuple[RolloutBatch, float, int]:
-    """One timed engine rollout of `prompts` x n samples (fixed length: ignore_eos) with random 0/1 rewards:
-    (batch, seconds, graphs dynamo compiled during it)."""
+def rollout(eng: Engine, prompts: list, params: list[SamplingParams], seed: int,
+            keep_vision: bool = False) -> tuple[RolloutBatch, float, int]:
+    """One timed engine rollout (fixed lengths: ignore_eos) with random 0/1 rewards: (batch, seconds,
+    graphs dynamo compiled during it). keep_vision: the prompts carry the prefill's vision encodings."""
     from torch._dynamo.utils import counters
 
     graphs0 = counters["stats"]["unique_graphs"]
     sync()
     t0 = time.perf_counter()
-    outs = eng.generate(prompts, SamplingParams(n=n, max_new_tokens=new_tokens, ignore_eos=True, seed=seed))
+    outs = eng.generate(prompts, params, keep_vision=keep_vision)
     sync()
     gen_s = time.perf_counter() - t0
-    batch = RolloutBatch.from_samples(
-        prompts, [i for i, o in enumerate(outs) for _ in o.samples],
-        [s.token_ids for o in outs for s in o.samples], pad_id=0,
-        logprobs=[s.logprobs for o in outs for s in o.samples],
-        rewards=[float(torch.rand(()) < 0.5) for o in outs for _ in o.samples])
+    g = torch.Generator().manual_seed(seed)
+    batch = RolloutBatch.from_outputs(prompts, outs, pad_id=0)
+    batch.rewards = torch.rand(batch.num_samples, generator=g).round()
+    if keep_vision:
+        batch.prompts = [replace(p, vision_embeds=o.vision_embeds) for p, o in zip(prompts, outs)]
     return batch, gen_s, counters["stats"]["unique_graphs"] - graphs0
 
 
-def run_modes(model, batch: RolloutBatch, rl_kw: dict, grid, label: str, cfg, step: str = "timed") -> list[dict]:
-    """Reference scoring + actor update of `batch` in each mode, each from the model's current weights
+def strip_vision(batch: RolloutBatch) -> RolloutBatch:
+    """The batch as serial mode sees it: each sample re-encodes its images (verl's order)."""
+    return replace(batch, prompts=[replace(p, vision_embeds=None) for p in batch.prompts])
+
+
+def run_modes(model, batch: RolloutBatch, rl_kw: dict, grid, label: str, cfg, step: str = "timed",
+              modes=("serial", "rollplex"), frozen: bool = False, init=None, ref=None) -> list[dict]:
+    """Reference scoring + actor update of `batch` in each mode, each from the same initial weights
     (restored between the modes); one JSON row per mode."""
-    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    ref = copy.deepcopy(model).requires_grad_(False)
+    init = init or {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ref = ref or copy.deepcopy(model).requires_grad_(False)
     rows = []
+    for mode in modes:
+        restore(model, init, frozen)
+        rl = RLStep(model, None, RLConfig(mode=mode, freeze_vision_tower=frozen, **rl_kw), reward_fn="exact",
+                    ref_model=ref)
+        rows.append(_train_row(rl, copy.copy(batch), cfg, grid, label, step, mode, frozen))
+        del rl
+        _free()
+    return rows
+
+
+def restore(model, init: dict, frozen: bool) -> None:
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            v.copy_(init[k])
+    model.requires_grad_(True)
+    model.visual.requires_grad_(not frozen)
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _train_row(rl: RLStep, batch: RolloutBatch, cfg, grid, label: str, step: str, mode: str, frozen: bool,
+               gen_s: float | None = None, extra: dict | None = None) -> dict:
     from torch._dynamo.utils import counters
 
-    for mode in ("serial", "rollplex"):
-        with torch.no_grad():
-            for k, v in model.state_dict().items():
-                v.copy_(init[k])
-        rl = RLStep(model, None, RLConfig(mode=mode, **rl_kw), reward_fn="exact", ref_model=ref)
+    sync()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    graphs0 = counters["stats"]["unique_graphs"]
+    t0 = time.perf_counter()
+    m = rl.train(batch)
+    sync()
+    wall = time.perf_counter() - t0
+    fl = update_flops(cfg, batch, "rollplex" if mode == "cosched" else mode, grid)
+    r = {"bench": "step", "workload": label, "step": step, "mode": mode, "vision": "frozen" if frozen else "trained",
+         "prompts": batch.num_prompts, "n": batch.num_samples, "ref_s": round(m.get("timing_s/ref", 0.0), 3),
+         "update_actor_s": round(m["timing_s/update_actor"], 3), "ref_plus_update_s": round(wall, 3),
+         "update_tflops": round(fl / m["timing_s/update_actor"] / 1e12, 1),
+         "update_mfu": round(fl / m["timing_s/update_actor"] / 1e12 / PEAK_TFLOPS, 3),
+         "pg_loss": m["actor/pg_loss"], "kl_loss": m["actor/kl_loss"], "grad_norm": m["actor/grad_norm"],
+         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else 0,
+         "dynamo_graphs_compiled": counters["stats"]["unique_graphs"] - graphs0,
+         "prefix_normal_phase_s": round(m.get("rollplex/prefix_ref_normal_phase_s", 0.0), 3)}
+    if gen_s is not None:
+        r["gen_s"] = round(gen_s, 3)
+    r.update(extra or {})
+    print(json.dumps(r), flush=True)
+    return r
+
+
+def cosched_step(model, eng: Engine, prompts, params, rl_kw: dict, co_cfg: CoschedConfig, cfg, grid, label: str,
+                 step: str, frozen: bool, init: dict, ref, seed: int, timeline: Timeline | None = None) -> dict:
+    """A whole step with the co-scheduler: the rollout (the reference's prefix admitted beside decode),
+    then scoring and the update consuming the prefix states it handed over."""
+    restore(model, init, frozen)
+    rl = RLStep(model, eng, RLConfig(mode="rollplex", cosched=True, freeze_vision_tower=frozen, **rl_kw),
+                reward_fn="exact", ref_model=ref, cosched=co_cfg)
+    rl.cosched.tflops = _TFLOPS.get(label, rl.cosched.tflops)
+    rl.timeline = timeline
+    sync()
+    t0 = time.perf_counter()
+    batch = rl.generate(prompts, params)
+    sync()
+    gen_s = time.perf_counter() - t0
+    if timeline is not None:
+        timeline.host_span("phase", "gen", t0, t0 + gen_s)
+    co = rl.rollout_metrics
+    g = torch.Generator().manual_seed(seed)
+    batch.rewards = torch.rand(batch.num_samples, generator=g).round()
+    extra = {k.split("/", 1)[1]: round(v, 4) for k, v in co.items()}
+    row = _train_row(rl, batch, cfg, grid, label, step, "cosched", frozen, gen_s, extra)
+    _TFLOPS[label] = rl.cosched.tflops  # calibrated: the next step of this workload starts from it
+    del rl, batch
+    _free()
+    return row
+
+
+_TFLOPS: dict[str, float] = {}
+
+
+def prefix_standalone_s(ref, prompts, job_prompts: int) -> float:
+    """Seconds of the movable work alone: the reference's prefix of every prompt, nothing beside it."""
+    for _ in range(2):  # the first pass warms the compiled shapes
+        rows = PrefixRows.plan(ref, prompts, job_prompts, "ref")
         sync()
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        graphs0 = counters["stats"]["unique_graphs"]
         t0 = time.perf_counter()
-        m = rl.train(copy.copy(batch))
+        rows.complete()
         sync()
-        wall = time.perf_counter() - t0
-        fl = update_flops(cfg, batch, mode, grid)
-        r = {"bench": "step", "workload": label, "step": step, "mode": mode, "prompts": batch.num_prompts,
-             "n": batch.num_samples, "ref_s": round(m.get("timing_s/ref", 0.0), 3),
-             "update_actor_s": round(m["timing_s/update_actor"], 3), "ref_plus_update_s": round(wall, 3),
-             "update_tflops": round(fl / m["timing_s/update_actor"] / 1e12, 1),
-             "update_mfu": round(fl / m["timing_s/update_actor"] / 1e12 / PEAK_TFLOPS, 3),
-             "pg_loss": m["actor/pg_loss"], "kl_loss": m["actor/kl_loss"], "grad_norm": m["actor/grad_norm"],
-             "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else 0,
-             "dynamo_graphs_compiled": counters["stats"]["unique_graphs"] - graphs0}
-        print(json.dumps(r), flush=True)
-        rows.append(r)
-        del rl
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    return rows
+        dt = time.perf_counter() - t0
+        del rows
+    return dt
+
+
+def tail_lengths(n_prompts: int, new_tokens: int, seed: int) -> list[int]:
+    """Per-prompt response lengths from a long tail (log-normal, median new_tokens / 4, at most
+    new_tokens): most groups finish early, a few run long, as in reasoning RL."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.exp(torch.randn(n_prompts, generator=g) * 0.9) * (new_tokens / 4)
+    return [int(v) for v in x.clamp(16, new_tokens).round().tolist()]
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m rollplex.bench step")
     ap.add_argument("--preset", default="qwen2.5-vl-3b", help="a preset name or an HF config.json")
-    ap.add_argument("--workloads", default="w3b,w3b-video")
+    ap.add_argument("--workloads", default="w3b,w3b-video,w3b-tail")
+    ap.add_argument("--modes", default="serial,rollplex,cosched",
+                    help="serial: per-sample; rollplex: prefix sharing; cosched: sharing + the co-scheduler")
+    ap.add_argument("--vision", default="trained,frozen", help="trained and/or frozen (freeze_vision_tower)")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--video-prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=512, help="response length (w3b-tail: the longest)")
     ap.add_argument("--image-size", type=int, default=448, help="image / video frame side in pixels")
     ap.add_argument("--text-tokens", type=int, default=96, help="text tokens per prompt around the image")
     ap.add_argument("--no-compile", action="store_true")
@@ -108,6 +191,8 @@ def main(argv=None) -> None:
                     help="token budget per fwd/bwd instead of the counts (RLConfig.micro_batch_max_tokens)")
     ap.add_argument("--micro-samples", type=int, default=None,
                     help="serial: sequences per fwd/bwd (default: 8 for w3b, 4 for w3b-video)")
+    ap.add_argument("--slowdown-bound", type=float, default=CoschedConfig.slowdown_bound)
+    ap.add_argument("--job-prompts", type=int, default=CoschedConfig.job_prompts)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-packed", action="store_true",
                     help="rollplex: a prefix pass, then padded responses (RLConfig.packed=False), not one packed pass")
@@ -115,6 +200,8 @@ def main(argv=None) -> None:
                     help="no warm-up step: time the first step (compiles and first-call costs included)")
     ap.add_argument("--compile-dynamic", default="auto", choices=["true", "auto"],
                     help="torch.compile shapes: all symbolic (true) or only those that change (auto)")
+    ap.add_argument("--trace", default=None, help="write the first workload's timed co-scheduled step as a "
+                    "Chrome/Perfetto trace (JSON) to this path")
     args = ap.parse_args(argv)
     cfg = preset(args.preset) if not args.preset.endswith(".json") else ModelConfig.from_hf(args.preset)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -126,10 +213,13 @@ def main(argv=None) -> None:
     eng = Engine(model, None, EngineConfig(max_num_seqs=256, max_model_len=2048, gpu_memory_utilization=0.2,
                                            max_num_batched_tokens=40000,
                                            compile_decode=False if args.no_compile else None))
-    info = env_info()
-    print(json.dumps({"bench": "step_setup", "kv_blocks": eng.runner.num_blocks, **info}), flush=True)
+    print(json.dumps({"bench": "step_setup", "kv_blocks": eng.runner.num_blocks, **env_info()}), flush=True)
+    modes = args.modes.split(",")
+    co_cfg = CoschedConfig(slowdown_bound=args.slowdown_bound, job_prompts=args.job_prompts)
     rl_kw = dict(n=args.n, kl_coef=0.01, lr=1e-6, micro_batch_max_tokens=args.micro_tokens, packed=not args.no_packed)
-    summary = []
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ref = copy.deepcopy(model).requires_grad_(False)
+    summary, traced = [], False
     for label in args.workloads.split(","):
         frames = 8 if label == "w3b-video" else 1
         # micro-batches that fit one 141 GB GPU next to the engine's KV cache, the reference model and the
@@ -139,44 +229,87 @@ def main(argv=None) -> None:
         n_prompts = args.video_prompts if frames > 1 else args.prompts
         prompts, grid = make_prompts(cfg, n_prompts, frames, size=args.image_size, text=args.text_tokens,
                                      device=args.device, dtype=dtype)
-        # correctness first: the two modes agree on a small batch
-        small = eng.generate(prompts[:2], SamplingParams(n=2, max_new_tokens=16, ignore_eos=True, seed=1))
-        sb = RolloutBatch.from_samples(prompts[:2], [0, 0, 1, 1], [s.token_ids for o in small for s in o.samples],
-                                       pad_id=0, logprobs=[s.logprobs for o in small for s in o.samples],
-                                       rewards=[1.0, 0.0, 0.0, 1.0])
-        chk = run_modes(model, sb, {**rl_kw, "n": 2}, grid, label + "-check", cfg, step="check")
-        print(json.dumps({"bench": "step_check", "workload": label, "pg_loss_serial": chk[0]["pg_loss"],
-                          "pg_loss_rollplex": chk[1]["pg_loss"], "grad_norm_serial": chk[0]["grad_norm"],
-                          "grad_norm_rollplex": chk[1]["grad_norm"]}), flush=True)
-        cold = None
-        if not args.no_warm:  # the warm-up step: same shapes, another rollout seed
-            cold_batch, cold_gen_s, cold_graphs = rollout(eng, prompts, args.n, args.new_tokens, seed=1)
-            cold = (cold_batch, cold_gen_s, cold_graphs,
-                    run_modes(model, cold_batch, rl_kw, grid, label, cfg, step="cold"))
-        batch, gen_s, graphs = rollout(eng, prompts, args.n, args.new_tokens, seed=0)
-        s, r = run_modes(model, batch, rl_kw, grid, label, cfg, step="timed" if cold else "first")
-        total_s, total_r = gen_s + s["ref_plus_update_s"], gen_s + r["ref_plus_update_s"]
-        out = {"bench": "step_summary", "workload": label, "gen_s": round(gen_s, 3),
-               "step_serial_s": round(total_s, 3), "step_rollplex_s": round(total_r, 3),
-               "speedup": round(total_s / total_r, 3), "ref_speedup": round(s["ref_s"] / max(r["ref_s"], 1e-9), 3),
-               "update_speedup": round(s["update_actor_s"] / r["update_actor_s"], 3),
-               "rollout_dynamo_graphs": graphs, "warm": cold is not None}
-        table = [(label, "timed" if cold else "first", gen_s, s, r)]
-        if cold:
-            cold_batch, cold_gen_s, cold_graphs, (cs, cr) = cold
-            cold_s, cold_r = cold_gen_s + cs["ref_plus_update_s"], cold_gen_s + cr["ref_plus_update_s"]
-            out.update({"cold_rollout_s": round(cold_gen_s, 3), "cold_rollout_dynamo_graphs": cold_graphs,
-                        "cold_step_serial_s": round(cold_s, 3),
-                        "cold_step_rollplex_s": round(cold_r, 3), "cold_speedup": round(cold_s / cold_r, 3),
-                        "timed_rollout_differs": not torch.equal(batch.responses, cold_batch.responses)})
-            table.append((label, "cold (warm-up)", cold_gen_s, cs, cr))
-        print(json.dumps(out), flush=True)
-        summary += table
-    print("\n| workload | step | mode | gen s | ref s | update s | step s | update TFLOP/s (MFU) | speedup |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for label, step, gen_s, s, r in summary:
-        ts, tr = gen_s + s["ref_plus_update_s"], gen_s + r["ref_plus_update_s"]
-        for row, tot in ((s, ts), (r, tr)):
-            print(f"| {label} | {step} | {row['mode']} | {gen_s:.2f} | {row['ref_s']:.2f} | "
-                  f"{row['update_actor_s']:.2f} | {tot:.2f} | {row['update_tflops']} ({row['update_mfu']:.0%}) | "
-                  f"{'1.00' if row['mode'] == 'serial' else f'{ts / tr:.2f}'}x |")
+        lens = (tail_lengths(n_prompts, args.new_tokens, seed=7) if label == "w3b-tail"
+                else [args.new_tokens] * n_prompts)
+
+        def params(seed):
+            return [SamplingParams(n=args.n, max_new_tokens=n, ignore_eos=True, seed=seed * 100_003 + i)
+                    for i, n in enumerate(lens)]
+
+        _check(model, eng, prompts, rl_kw, co_cfg, cfg, grid, label, init, ref, modes)
+        for frozen in [v == "frozen" for v in args.vision.split(",")]:
+            vis = "frozen" if frozen else "trained"
+            restore(model, init, frozen)
+            movable = prefix_standalone_s(ref, _with_engine_vision(eng, prompts) if frozen else prompts,
+                                          args.job_prompts)
+            steps = ([("cold", 1)] if not args.no_warm else []) + [("timed" if not args.no_warm else "first", 0)]
+            for step, seed in steps:
+                row = {"workload": label, "vision": vis, "step": step, "movable_s": movable}
+                if "serial" in modes or "rollplex" in modes:
+                    restore(model, init, frozen)  # the rollout's vision encodings come from these weights
+                    batch, gen_s, _ = rollout(eng, prompts, params(seed), seed, keep_vision=frozen)
+                    row["gen_s"] = gen_s
+                    for mode in [m for m in ("serial", "rollplex") if m in modes]:
+                        b = strip_vision(batch) if mode == "serial" else batch
+                        r = run_modes(model, b, rl_kw, grid, label, cfg, step, modes=(mode,), frozen=frozen,
+                                      init=init, ref=ref)[0]
+                        row[mode] = gen_s + r["ref_plus_update_s"]
+                        row[mode + "_ref_s"], row[mode + "_update_s"] = r["ref_s"], r["update_actor_s"]
+                    del batch
+                    _free()
+                if "cosched" in modes:
+                    tl = None
+                    if args.trace and step != "cold" and not traced:
+                        tl, traced = Timeline(torch.device(args.device)), True
+                    r = cosched_step(model, eng, prompts, params(seed), rl_kw, co_cfg, cfg, grid, label, step,
+                                     frozen, init, ref, seed, tl)
+                    row["cosched"] = r["gen_s"] + r["ref_plus_update_s"]
+                    row["cosched_gen_s"] = r["gen_s"]
+                    row["cosched_ref_s"], row["cosched_update_s"] = r["ref_s"], r["update_actor_s"]
+                    row["hidden_est_s"] = r.get("prefix_hidden_s", 0.0)
+                    row["slowdown_ctrl"] = r.get("decode_slowdown", 0.0)
+                    if tl is not None:
+                        tl.write_trace(args.trace)
+                        print(json.dumps({"bench": "step_trace", "path": args.trace}), flush=True)
+                print(json.dumps({"bench": "step_summary", **{k: round(v, 4) if isinstance(v, float) else v
+                                                               for k, v in row.items()}}), flush=True)
+                summary.append(row)
+    _table(summary)
+
+
+def _with_engine_vision(eng: Engine, prompts: list) -> list:
+    """The prompts carrying the engine prefill's vision encodings (what a frozen tower reuses)."""
+    outs = eng.generate(prompts, SamplingParams(n=1, max_new_tokens=1), keep_vision=True)
+    return [replace(p, vision_embeds=o.vision_embeds) for p, o in zip(prompts, outs)]
+
+
+def _check(model, eng, prompts, rl_kw, co_cfg, cfg, grid, label, init, ref, modes) -> None:
+    """Correctness first, on two prompts: serial, rollplex and the co-scheduled step agree."""
+    small = [SamplingParams(n=2, max_new_tokens=16, ignore_eos=True, seed=1 + i) for i in range(2)]
+    restore(model, init, False)
+    sb, _, _ = rollout(eng, prompts[:2], small, seed=1)
+    kw = {**rl_kw, "n": 2}
+    rows = run_modes(model, strip_vision(sb), kw, grid, label + "-check", cfg, "check",
+                     modes=[m for m in ("serial", "rollplex") if m in modes], init=init, ref=ref)
+    out = {"bench": "step_check", "workload": label}
+    out.update({f"{r['mode']}_{k}": r[k] for r in rows for k in ("pg_loss", "kl_loss", "grad_norm")})
+    if "cosched" in modes:
+        r = cosched_step(model, eng, prompts[:2], small, kw, co_cfg, cfg, grid, label + "-check", "check", False,
+                         init, ref, seed=1)
+        out.update({f"cosched_{k}": r[k] for k in ("pg_loss", "kl_loss", "grad_norm")})
+    print(json.dumps(out), flush=True)
+
+
+def _table(summary: list[dict]) -> None:
+    print("\n| workload | vision | step | movable s | serial s | rollplex s | cosched s (gen s) | limit s | "
+          "hidden of limit | decode slowdown | vs serial |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in summary:
+        base, share, co = r.get("serial"), r.get("rollplex"), r.get("cosched")
+        limit = share - r["movable_s"] if share is not None else None
+        frac = (share - co) / r["movable_s"] if share is not None and co is not None else None
+        slow = r["cosched_gen_s"] / r["gen_s"] - 1 if co is not None and "gen_s" in r else None
+        fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)  # noqa: E731
+        print(f"| {r['workload']} | {r['vision']} | {r['step']} | {r['movable_s']:.3f} | {fmt(base)} | {fmt(share)} | "
+              f"{fmt(co)} ({fmt(r.get('cosched_gen_s'))}) | {fmt(limit)} | {fmt(frac, '{:.0%}')} | "
+              f"{fmt(slow, '{:+.1%}')} | {fmt(base / co if base and co else None)}x |")

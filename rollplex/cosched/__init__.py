@@ -1,6 +1,11 @@
-"""Co-scheduling of prefix work beside decode: the work queue and the admission controller."""
+"""Co-scheduling of prefix work beside decode: the work queue, the admission controller, prefix jobs
+that run a unit at a time, the decode hook that launches them, and the phase timeline."""
 
 from .controller import AdmissionController, CoschedConfig
+from .prefix import PrefixJob, PrefixRows
+from .scheduler import CoScheduler
+from .timeline import Timeline
 from .work import Chunk, WorkItem, WorkQueue
 
-__all__ = ["AdmissionController", "Chunk", "CoschedConfig", "WorkItem", "WorkQueue"]
+__all__ = ["AdmissionController", "Chunk", "CoScheduler", "CoschedConfig", "PrefixJob", "PrefixRows", "Timeline",
+           "WorkItem", "WorkQueue"]

@@ -56,6 +56,7 @@ class CoschedConfig:
     serial_after: int = 3
     oom_cooldown_steps: int = 16
     reprobe_every: int = 64  # 0: never re-measure the baseline
+    job_prompts: int = 4  # prompts per prefix job (one batched forward): bigger runs faster, holds more
 
     def __post_init__(self):
         if not 0 < self.slowdown_bound < 1:
@@ -74,6 +75,8 @@ class CoschedConfig:
             raise ValueError("initial_budget must be >= 0, increase and max_chunk_ms > 0")
         if min(self.baseline_samples, self.max_in_flight, self.serial_after) < 1:
             raise ValueError("baseline_samples, max_in_flight and serial_after must be >= 1")
+        if self.job_prompts < 1:
+            raise ValueError("job_prompts must be >= 1")
         if self.oom_cooldown_steps < 0 or self.reprobe_every < 0:
             raise ValueError("oom_cooldown_steps and reprobe_every must be >= 0")
 
@@ -217,6 +220,11 @@ class AdmissionController:
     def complete(self, chunk: Chunk) -> None:
         del self._in_flight[id(chunk)]
         self._stats["hidden_ms"] += chunk.cost_ms
+
+    def cancel(self, chunk: Chunk) -> None:
+        """An admitted chunk that was not launched: back to the queue, no penalty."""
+        del self._in_flight[id(chunk)]
+        self.queue.put_back(chunk)
 
     def oom(self, chunk: Chunk) -> None:
         """The chunk failed for memory (memory is shared by all buckets, so all back off): requeue it,

@@ -90,6 +90,19 @@ class WorkQueue:
         ranges.append((chunk.start, chunk.stop))
         ranges.sort()
 
+    def mark_done(self, key: str, start: int, stop: int) -> None:
+        """Units [start, stop) of an item finished after all (a chunk that failed part-way)."""
+        out = []
+        for a, b in self.pending[key]:
+            if b <= start or a >= stop:
+                out.append((a, b))
+                continue
+            if a < start:
+                out.append((a, start))
+            if b > stop:
+                out.append((stop, b))
+        self.pending[key] = out
+
     def remaining(self, key: str) -> list[tuple[int, int]]:
         """Unit ranges of an item that were never done beside decode: its normal phase runs these."""
         return list(self.pending[key])

@@ -58,6 +58,7 @@ class RequestOutput:
     samples: list[SampleOutput]
     input_token_logprobs: list[float | None] | None = None
     meta: dict = field(default_factory=dict)
+    vision_embeds: torch.Tensor | None = None  # the prefill's visual features (add_request(keep_vision=True))
 
 
 class Engine:
@@ -76,6 +77,8 @@ class Engine:
         self._ids = itertools.count()
         self.decode_steps = 0
         self._last_step_ms: float | None = None
+        self._last_period_ms: float | None = None
+        self._last_end: tuple[int, object] | None = None  # (step, end event) of the last resolved step
         self._inflight: _Inflight | None = None  # a launched decode step whose tokens are not applied yet
         self.eos_token_id = model.cfg.eos_token_id
         on_gpu = self.runner.device.type == "cuda"
@@ -113,7 +116,10 @@ class Engine:
                                          images=prompt.get("images"), videos=prompt.get("videos"))
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    keep_vision: bool = False) -> str:
+        """Queue a prompt; keep_vision: return the prefill's visual features in the output (they can
+        stand in for the vision tower of a frozen-vision trainer, `ModelInputs.vision_embeds`)."""
         params = params or SamplingParams()
         if params.n > self.cfg.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.cfg.max_num_seqs}")
@@ -130,6 +136,7 @@ class Engine:
             list(inputs.input_ids), self.model.cfg, inputs.image_grids, inputs.video_grids, inputs.second_per_grid_ts)
         req = Request(rid, inputs, params, seeds, arrival=time.monotonic(), rope_delta=delta)
         req.max_len = min(req.num_prompt_tokens + params.max_new_tokens, self.cfg.max_model_len)
+        req.keep_vision = keep_vision
         self.scheduler.add(req)  # raises ValueError for requests that can never run
         self.requests[rid] = req
         return rid
@@ -203,8 +210,14 @@ class Engine:
             # logits row i predicts token i + 1; token `start` needs row start - 1 (token 0 has none)
             rows.append((max(start - 1, 0), len(seq) - 1) if fresh and 0 <= start < len(seq) else None)
             owners.append([seq, *item.forks])
-        last, extra = self.runner.prefill(inputs, slots, rows)
+        last, extra, visual = self.runner.prefill(inputs, slots, rows)
         self.runner.copy_blocks([c for item in items for c in item.copies])
+        for item, vis in zip(items, visual):
+            if item.seq.request.keep_vision and vis is not None:
+                item.seq.request.vision_embeds = vis
+        for h in self.hooks:
+            if hasattr(h, "on_prefill"):
+                h.on_prefill([item.seq.request for item in items])
         for item, r, ex in zip(items, rows, extra):
             if ex is not None:
                 self._input_logprobs(item.seq, r, ex)
@@ -223,9 +236,10 @@ class Engine:
     def _launch_decode(self, seqs: list[Sequence]) -> _Inflight:
         """Queue one decode step on the device (graph replay + sampling + copies of the sampled tokens
         to pinned host memory); nothing here waits for the GPU."""
+        info = None
         if self.hooks:
             info = DecodeStepInfo(self.decode_steps, len(seqs), self._last_step_ms,
-                                  len(self.scheduler.waiting), self.stream)
+                                  len(self.scheduler.waiting), self.stream, self._last_period_ms)
             for h in self.hooks:
                 h.on_decode_step(info)
         t0 = time.perf_counter()
@@ -263,8 +277,11 @@ class Engine:
             end.record()
         for s in seqs:
             s.pending += 1
+        for h in self.hooks:  # the step is queued: work launched now runs beside it on the device
+            if hasattr(h, "after_decode_launch"):
+                h.after_decode_launch(info)
         self.decode_steps += 1
-        return _Inflight(seqs, tokens, logprobs, host, start, end, t0)
+        return _Inflight(seqs, tokens, logprobs, host, start, end, t0, self.decode_steps - 1)
 
     def _resolve(self) -> list[Sequence]:
         """Apply the tokens of the step in flight (waits for that step only); returns its sequences."""
@@ -274,10 +291,16 @@ class Engine:
         if inf.end is not None:
             inf.end.synchronize()
             self._last_step_ms = inf.start.elapsed_time(inf.end)
+            prev, self._last_end = self._last_end, (inf.step, inf.end)
+            # end-to-end time from the previous step: also counts gaps where the device waited for the host
+            self._last_period_ms = prev[1].elapsed_time(inf.end) if prev and prev[0] == inf.step - 1 else None
             tokens, logprobs = inf.host[0].tolist(), inf.host[1].tolist()
         else:
             tokens, logprobs = inf.tokens.tolist(), inf.logprobs.tolist()
-            self._last_step_ms = (time.perf_counter() - inf.t0) * 1e3
+            end = time.perf_counter()
+            self._last_step_ms = (end - inf.t0) * 1e3
+            prev, self._last_end = self._last_end, (inf.step, end)
+            self._last_period_ms = (end - prev[1]) * 1e3 if prev and prev[0] == inf.step - 1 else None
         for seq, tok, lp in zip(inf.seqs, tokens, logprobs):
             seq.pending -= 1
             if seq.finished:  # stopped by an earlier token (or aborted): this one is discarded
@@ -325,12 +348,12 @@ class Engine:
             samples.append(SampleOutput(s.output_ids, s.logprobs, s.finish_reason, s.matched_stop, text))
         self.requests.pop(req.request_id, None)
         return RequestOutput(req.request_id, list(req.inputs.input_ids), samples, req.input_logprobs,
-                             {"num_preemptions": sum(s.num_preemptions for s in req.seqs)})
+                             {"num_preemptions": sum(s.num_preemptions for s in req.seqs)}, req.vision_embeds)
 
     # ---- batch API ----------------------------------------------------------------------------
     def generate(self, prompts: Seq, params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in prompt order."""
+                 use_tqdm: bool = False, keep_vision: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order (keep_vision: see add_request)."""
         if isinstance(params, SamplingParams) or params is None:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -338,7 +361,7 @@ class Engine:
         ids = []
         try:
             for p, sp in zip(prompts, params):
-                ids.append(self.add_request(p, sp))
+                ids.append(self.add_request(p, sp, keep_vision=keep_vision))
         except ValueError:
             for rid in ids:
                 self.abort(rid)
@@ -368,3 +391,4 @@ class _Inflight:
     start: torch.cuda.Event | None
     end: torch.cuda.Event | None
     t0: float
+    step: int

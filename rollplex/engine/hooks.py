@@ -4,6 +4,11 @@ The engine calls `on_decode_step(info)` once per decode iteration, *before* laun
 what a co-scheduler needs to decide how much prefix work to admit next to it: the running batch
 size, the step index, the measured duration of the last completed decode step and the stream decode
 runs on. With no hooks registered the engine skips building the info object entirely.
+
+Two optional methods: `after_decode_launch(info)`, called once that step is queued on the device (work
+launched then runs beside it, and its host-side launch cost overlaps the device's decode), and
+`on_prefill(requests)`, called after a prefill batch is queued (the engine's Request objects, whose
+`vision_embeds` are set when they asked to keep them).
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ class DecodeStepInfo:
     last_step_ms: float | None
     num_waiting: int  # requests / preempted sequences not yet running
     stream: Any = None  # torch.cuda.Stream decode is launched on (None on CPU)
+    # end-to-end time between the ends of the last two completed decode steps when they were consecutive
+    # (None otherwise): unlike last_step_ms it includes gaps where the device waited for the host
+    last_period_ms: float | None = None
 
 
 @runtime_checkable

@@ -124,7 +124,8 @@ class ModelRunner:
     def prefill(self, inputs: list, slots: list[list[int]], logprob_rows: list[tuple[int, int] | None]):
         """inputs: ModelInputs-like (all tokens to compute); slots: cache slot of every token.
 
-        Returns (logits of each item's last token [B, V] fp32, per item logits rows [a, b) or None).
+        Returns (logits of each item's last token [B, V] fp32, per item logits rows [a, b) or None,
+        per item its merged visual features or None).
         """
         m = self.model
         e = m.embed_prompts(inputs)
@@ -141,7 +142,7 @@ class ModelRunner:
         hidden = m.forward_embeds(e.embeds, e.positions, attend)
         last = hidden[torch.arange(B, device=self.device), e.lens - 1]
         extra = [None if r is None else m.logits(hidden[i, r[0] : r[1]]).float() for i, r in enumerate(logprob_rows)]
-        return m.logits(last).float(), extra
+        return m.logits(last).float(), extra, e.visual
 
     @torch.no_grad()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

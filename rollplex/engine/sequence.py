@@ -75,6 +75,8 @@ class Request:
     input_logprobs: list[float] | None = None
     aborted: bool = False
     max_len: int = 1 << 62  # tokens (prompt + output) at which a sample stops by length; set by the engine
+    keep_vision: bool = False  # keep the prefill's visual features (`vision_embeds`) for the caller
+    vision_embeds: Any = None  # [placeholders, C] device tensor, set at prefill when keep_vision
 
     def __post_init__(self):
         prompt = list(self.inputs.input_ids)

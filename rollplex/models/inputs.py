@@ -8,6 +8,11 @@ Qwen2-VL processors (rows = patches in (t, h/merge, w/merge, merge, merge) order
 `text_after` marks where generated tokens start (a prompt continued by a response, or a sequence
 re-prefilled after preemption): tokens from there on are text even if a model emitted a placeholder
 id, exactly as the response path embeds them.
+
+`vision_embeds` optionally carries the prompt's merged visual features (its images, then its videos,
+[placeholders, C]) computed earlier — the engine's prefill encodings reused by the reference and a
+frozen-vision actor — so the model skips its vision tower for this prompt. Only valid while the vision
+tower that made them is the one that would run (a frozen tower).
 """
 
 from __future__ import annotations
@@ -38,10 +43,15 @@ class ModelInputs:
     video_grid_thw: torch.Tensor | None = None  # long [num_videos, 3]
     second_per_grid_ts: list[float] | None = None  # per video: seconds per temporal grid step
     text_after: int | None = None  # tokens from this index on were generated (plain text); None: none
+    vision_embeds: torch.Tensor | None = None  # [placeholders, C] merged visual features, images then videos
 
     def __post_init__(self):
         if self.text_after is not None and not 0 <= self.text_after <= len(self.input_ids):
             raise ValueError(f"text_after={self.text_after} is outside the {len(self.input_ids)} input ids")
+
+    @property
+    def has_vision(self) -> bool:
+        return bool(self.image_grids) or bool(self.video_grids)
 
     @property
     def image_grids(self) -> list[Grid]:

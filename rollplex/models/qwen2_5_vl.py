@@ -50,6 +50,25 @@ class PrefixState:
     def batch_size(self) -> int:
         return self.lens.shape[0]
 
+    @staticmethod
+    def from_rows(rows: Sequence[tuple[PrefixState, int]]) -> PrefixState:
+        """A PrefixState of the given rows of other states (in order), right-padded to the longest."""
+        if not rows:
+            raise ValueError("no prefix rows")
+        P = max(int(s.keys[0].shape[2]) for s, _ in rows)
+
+        def take(t: torch.Tensor, r: int) -> torch.Tensor:
+            t = t[r : r + 1]
+            return t if t.shape[2] == P else F.pad(t, (0, 0, 0, P - t.shape[2]))
+
+        layers = range(len(rows[0][0].keys))
+        return PrefixState(
+            [torch.cat([take(s.keys[i], r) for s, r in rows]) for i in layers],
+            [torch.cat([take(s.values[i], r) for s, r in rows]) for i in layers],
+            torch.cat([s.lens[r : r + 1] for s, r in rows]),
+            torch.cat([s.rope_delta[r : r + 1] for s, r in rows]),
+            torch.cat([s.last_hidden[r : r + 1] for s, r in rows]))
+
 
 @dataclass
 class EmbeddedPrompts:
@@ -57,6 +76,7 @@ class EmbeddedPrompts:
     positions: torch.Tensor  # [3, B, Pmax]
     lens: torch.Tensor  # [B]
     rope_delta: torch.Tensor  # [B]
+    visual: list[torch.Tensor | None] | None = None  # per prompt: merged visual features, images then videos
 
 
 class Qwen25VL(nn.Module):
@@ -113,29 +133,60 @@ class Qwen25VL(nn.Module):
             deltas.append(delta)  # the prompt's delta carries over to the generated tail
         pad = to_device(pad, dev)
         x = emb(pad)
-        pixels, grids, kinds = [], [], []
-        for kind in ("image", "video"):  # every image of the batch, then every video
-            for p in prompts:
+        visual = self._visual_features(prompts)
+        m2 = cfg.vision.spatial_merge_size**2
+        flat, feats = [], []
+        for b, (p, x_ids, h, f) in enumerate(zip(prompts, ids, heads, visual)):
+            if f is None:
+                continue
+            # placeholder positions found on the host (masked_scatter would sync to count them, and its
+            # backward again): image features fill the image placeholders, then video ones the video ones
+            n_img = sum(t * hh * w // m2 for t, hh, w in p.image_grids)
+            img = [b * P + j for j in range(h) if x_ids[j] == cfg.image_token_id]
+            vid = [b * P + j for j in range(h) if x_ids[j] == cfg.video_token_id]
+            if len(img) != n_img or len(img) + len(vid) != f.shape[0]:
+                raise ValueError(f"prompt {b}: {len(img)} image / {len(vid)} video placeholder tokens for "
+                                 f"{n_img} / {f.shape[0] - n_img} visual embeddings")
+            flat += img + vid
+            feats.append(f)
+        if flat:
+            x = x.flatten(0, 1).index_put((as_device_tensor(flat, dev, torch.long),),
+                                          torch.cat(feats).to(x.dtype)).view(B, P, -1)
+        lens = as_device_tensor([len(t) for t in ids], dev)
+        return EmbeddedPrompts(x, to_device(positions, dev), lens, as_device_tensor(deltas, dev, torch.long), visual)
+
+    def _visual_features(self, prompts: Sequence[ModelInputs]) -> list[torch.Tensor | None]:
+        """Per prompt, its merged visual features (images, then videos) or None without any: the
+        prompt's `vision_embeds` when given, otherwise from one vision-tower call for the whole batch."""
+        cfg, dev = self.cfg, self.inv_freq.device
+        m2 = cfg.vision.spatial_merge_size**2
+        run = [i for i, p in enumerate(prompts) if p.vision_embeds is None and p.has_vision]
+        pixels, grids, owner = [], [], []
+        for kind in ("image", "video"):  # every image of the batch, then every video: one tower call
+            for i in run:
+                p = prompts[i]
                 pv, g = (p.pixel_values, p.image_grids) if kind == "image" else (p.pixel_values_videos, p.video_grids)
-                if pv is not None and g:
+                if g:
+                    if pv is None:
+                        raise ValueError(f"a prompt has {kind} grids but no {kind} pixels")
                     pixels.append(pv)
                     grids.extend(g)
-                    kinds.extend([kind] * len(g))
+                    owner.append((i, sum(t * h * w // m2 for t, h, w in g)))
+        parts: dict[int, list[torch.Tensor]] = {}
         if pixels:
-            feats = self.visual(torch.cat([to_device(t, dev) for t in pixels]), grids).to(x.dtype)
-            m2 = cfg.vision.spatial_merge_size**2
-            sizes = [t * h * w // m2 for t, h, w in grids]
-            n_img = sum(s for s, k in zip(sizes, kinds) if k == "image")
-            for tok, f in ((cfg.image_token_id, feats[:n_img]), (cfg.video_token_id, feats[n_img:])):
-                # flat positions of the placeholders, found on the host: masked_scatter would sync
-                # to count them (and its backward again)
-                where = [b * P + j for b, (x_ids, h) in enumerate(zip(ids, heads)) for j in range(h) if x_ids[j] == tok]
-                if len(where) != f.shape[0]:
-                    raise ValueError(f"{len(where)} placeholder tokens (id {tok}) but {f.shape[0]} visual embeddings")
-                if where:
-                    x = x.flatten(0, 1).index_put((as_device_tensor(where, dev, torch.long),), f).view(B, P, -1)
-        lens = as_device_tensor([len(t) for t in ids], dev)
-        return EmbeddedPrompts(x, to_device(positions, dev), lens, as_device_tensor(deltas, dev, torch.long))
+            feats = self.visual(torch.cat([to_device(t, dev) for t in pixels]), grids)
+            for (i, n), f in zip(owner, feats.split([n for _, n in owner])):
+                parts.setdefault(i, []).append(f)  # a prompt's images come before its videos
+        out: list[torch.Tensor | None] = []
+        for i, p in enumerate(prompts):
+            if p.vision_embeds is not None:
+                out.append(to_device(p.vision_embeds, dev))
+            elif i in parts:
+                fs = parts[i]
+                out.append(fs[0] if len(fs) == 1 else torch.cat(fs))
+            else:
+                out.append(None)
+        return out
 
     def forward_embeds(self, embeds: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
         """Incremental path: embeds [B, L, C], positions [3, B, L], attend owns K/V -> normed hidden."""

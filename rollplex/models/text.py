@@ -111,6 +111,10 @@ class TextDecoder(nn.Module):
         delta = None
         for i in range(len(self.layers)):
             x, delta = self.layer(i, x, delta, cos, sin, attend)
+        return self.finish(x, delta)
+
+    def finish(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """The final norm of the residual stream x + delta after the last layer."""
         if delta is None:
             return self.norm(x)
         return self._final(x, delta, self.norm.weight, self.cfg.rms_norm_eps)

@@ -99,7 +99,7 @@ class Actor:
         cfg = cfg or self.cfg
         if cfg.num_updates == 1:
             return None
-        return score(self.model, batch, cfg.mode, cfg.micro_batching, cfg.temperature)
+        return score(self.model, batch, cfg.mode, cfg.micro_batching, cfg.temperature, prefix_key="old")
 
     def _plan(self, cfg: RLConfig) -> MicroBatching:
         plan = cfg.micro_batching

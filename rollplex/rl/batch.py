@@ -18,6 +18,8 @@ class RolloutBatch:
     rollout_logprobs: torch.Tensor | None = None  # [N, R] engine logprobs of the sampled tokens
     rewards: torch.Tensor | None = None  # [N]
     extras: dict = field(default_factory=dict)  # per-sample lists (texts, finish reasons, ...)
+    # prefix states made during the rollout, by consumer ("ref", "old"): cosched.PrefixRows, one row per prompt
+    prefix: dict = field(default_factory=dict)
 
     @property
     def num_samples(self) -> int:
@@ -71,8 +73,10 @@ class RolloutBatch:
         """All samples of the given prompts (group re-indexed); also returns the sample indices."""
         remap = {p: i for i, p in enumerate(prompt_ids)}
         idx = torch.tensor([i for i, g in enumerate(self.group.tolist()) if g in remap], dtype=torch.long)
-        return self._take(idx, [self.prompts[p] for p in prompt_ids],
-                          torch.tensor([remap[g] for g in self.group[idx].tolist()], dtype=torch.long)), idx
+        out = self._take(idx, [self.prompts[p] for p in prompt_ids],
+                         torch.tensor([remap[g] for g in self.group[idx].tolist()], dtype=torch.long))
+        out.prefix = {k: rows.select(prompt_ids) for k, rows in self.prefix.items()}
+        return out, idx
 
     def select_samples(self, idx: torch.Tensor) -> RolloutBatch:
         return self._take(idx, self.prompts, self.group[idx])

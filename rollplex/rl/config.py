@@ -59,6 +59,14 @@ class RLConfig:
     # (verl: enable_gradient_checkpointing): activations stop growing with depth for about one extra forward
     gradient_checkpointing: bool = False
     vision_gradient_checkpointing: bool = False
+    # the vision tower gets no gradient (verl/EasyR1 freeze_vision_tower): in rollplex mode the engine's
+    # prefill encodings then stand in for the reference's and the actor's vision passes (one vision pass
+    # per prompt per step); serial mode re-encodes per sample, as verl does
+    freeze_vision_tower: bool = False
+    # rollplex mode: run the reference's prefix (vision + prompt prefill; the old policy's too when
+    # num_updates > 1) beside the rollout's decode steps on spare device capacity (rollplex.cosched), and
+    # hand the prefix states to scoring; same values as without it
+    cosched: bool = False
     seed: int = 0
 
     def __post_init__(self):
@@ -82,6 +90,8 @@ class RLConfig:
             raise ValueError("RL rollouts need temperature > 0")
         if self.lr <= 0 or self.grad_clip <= 0:
             raise ValueError("lr and grad_clip must be > 0")
+        if self.cosched and self.mode != "rollplex":
+            raise ValueError("cosched needs mode='rollplex' (it hands shared prefix states to scoring)")
 
     @property
     def num_updates(self) -> int:

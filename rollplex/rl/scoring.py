@@ -14,6 +14,8 @@ in the micro-batches a `MicroBatching` plans (microbatch.py).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..models import Qwen25VL
@@ -24,10 +26,15 @@ from .logprob import token_logprob
 from .microbatch import MicroBatching, micro_batches
 
 
-def response_hidden(model: Qwen25VL, mb: RolloutBatch, mode: str, packed: bool) -> torch.Tensor:
-    """Hidden states predicting each response token, [n, R, C]."""
+def response_hidden(model: Qwen25VL, mb: RolloutBatch, mode: str, packed: bool,
+                    prefix_key: str | None = None) -> torch.Tensor:
+    """Hidden states predicting each response token, [n, R, C]; with `prefix_key` (rollplex mode) the
+    responses attend to the prefix states the rollout handed over (`mb.prefix[prefix_key]`)."""
     dev = model.inv_freq.device
     R = mb.responses.shape[1]
+    if mode == "rollplex" and prefix_key is not None:
+        return model.response_hidden(mb.prefix[prefix_key].gather(), to_device(mb.responses, dev),
+                                     to_device(mb.group, dev))
     lens = mb.response_lengths()  # the mask keeps a prefix of each response: tokens up to EOS
     if mode == "rollplex" and packed:  # prompts and responses packed into one pass; each prompt computed once
         return model.group_hidden(mb.prompts, mb.responses, lens, mb.group.tolist())
@@ -43,9 +50,9 @@ def response_hidden(model: Qwen25VL, mb: RolloutBatch, mode: str, packed: bool) 
 
 
 def token_logprobs(model: Qwen25VL, mb: RolloutBatch, mode: str, packed: bool, temperature: float = 1.0,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   with_entropy: bool = False, prefix_key: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs [n, R] fp32, entropy [n, R] or None) of one micro-batch's responses; differentiable."""
-    hidden = response_hidden(model, mb, mode, packed)
+    hidden = response_hidden(model, mb, mode, packed, prefix_key)
     targets = to_device(mb.responses, hidden.device)
     if not with_entropy:  # chunked: never materialises the [n, R, V] logits
         return token_logprob(hidden, model.head_weight, targets, temperature), None
@@ -56,11 +63,16 @@ def token_logprobs(model: Qwen25VL, mb: RolloutBatch, mode: str, packed: bool, t
 
 @torch.no_grad()
 def score(model: Qwen25VL, batch: RolloutBatch, mode: str, plan: MicroBatching,
-          temperature: float = 1.0) -> torch.Tensor:
-    """No-grad logprobs [N, R] (reference / old-policy scoring), zero on padding."""
+          temperature: float = 1.0, prefix_key: str | None = None) -> torch.Tensor:
+    """No-grad logprobs [N, R] (reference / old-policy scoring), zero on padding; `prefix_key`: use the
+    rollout's prefix states for that consumer (`batch.prefix`) instead of running the prefix."""
     out = torch.zeros(batch.responses.shape, dtype=torch.float32, device=model.inv_freq.device)
+    if prefix_key is not None and (mode != "rollplex" or prefix_key not in batch.prefix):
+        prefix_key = None
+    if prefix_key is not None:  # prefix-state path: micro-batches count padded responses
+        plan = replace(plan, packed=False)
     for mb, idx in micro_batches(batch, mode, plan):
-        lp, _ = token_logprobs(model, mb, mode, plan.packed, temperature)
+        lp, _ = token_logprobs(model, mb, mode, plan.packed, temperature, prefix_key=prefix_key)
         # stays on the device: no sync per micro-batch
         out[to_device(idx, out.device)] = lp * to_device(mb.mask, out.device)
     return out.cpu()

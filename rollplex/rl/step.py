@@ -6,6 +6,13 @@
   and let its n responses attend to it; the backward flows through the one shared prefix graph.
 * `serial`: verl's order and shapes — each sample is a full sequence with its image re-encoded.
 
+With `cosched` (rollplex mode) the reference's prefix — and the old policy's when several updates
+need old logprobs — runs beside the rollout's decode steps (rollplex.cosched), and scoring reads the
+prefix states it handed over in `RolloutBatch.prefix` instead of recomputing them. With
+`freeze_vision_tower` the engine keeps its prefill's vision encodings and, in rollplex mode, the
+batch's prompts carry them (`ModelInputs.vision_embeds`), so the reference and the actor skip their
+vision passes: one vision-tower pass per prompt per step.
+
 The engine decodes with the actor's own parameter tensors, so there is no weight-sync phase; the
 reference model is a frozen copy of the initial policy. `train(batch, cfg)` takes an optional
 config for that step alone (the server's per-request overrides), derived from `self.cfg` with
@@ -18,9 +25,11 @@ import contextlib
 import copy
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 
+from ..cosched import CoschedConfig, CoScheduler, PrefixRows, Timeline
 from ..engine import Engine, SamplingParams
 from ..memory import MemoryConfig, MemoryManager, activation_bytes
 from ..models import Qwen25VL
@@ -33,22 +42,27 @@ from .scoring import score as score_logprobs
 
 
 @contextmanager
-def _timer(metrics: dict, name: str, device: torch.device):
+def _timer(metrics: dict, name: str, device: torch.device, timeline: Timeline | None = None):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     yield
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + time.perf_counter() - t0
+    t1 = time.perf_counter()
+    metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + t1 - t0
+    if timeline is not None:
+        timeline.host_span("phase", name, t0, t1)
 
 
 class RLStep:
     def __init__(self, model: Qwen25VL, engine: Engine | None, cfg: RLConfig, processor=None,
                  reward_fn: RewardFn | str | None = None, ref_model: Qwen25VL | None = None,
-                 memory: MemoryManager | None = None, memory_cfg: MemoryConfig | None = None):
+                 memory: MemoryManager | None = None, memory_cfg: MemoryConfig | None = None,
+                 cosched: CoschedConfig | None = None):
         """memory: the phase-aware memory manager the engine's KV cache was allocated under (None: every
-        tensor stays resident); its plan is chosen here from the sizes of the regions and `memory_cfg`."""
+        tensor stays resident); its plan is chosen here from the sizes of the regions and `memory_cfg`.
+        cosched: the co-scheduler's configuration (used when `cfg.cosched`)."""
         if engine is not None and engine.model is not model:
             raise ValueError("the engine must decode with the actor's own model (shared weights)")
         if engine is not None and memory is not None and engine.memory is not memory:
@@ -56,6 +70,8 @@ class RLStep:
         self.model, self.engine, self.cfg = model, engine, cfg
         self.memory, self.memory_cfg = memory, memory_cfg or MemoryConfig()
         self.processor = processor or (engine.processor if engine is not None else None)
+        if cfg.freeze_vision_tower:  # before the optimizer is built: the vision tower has no trainable state
+            model.visual.requires_grad_(False)
         self.reward_fn = reward_fn if callable(reward_fn) else get_reward_fn(reward_fn)
         self.ref = ref_model
         if self.ref is None and cfg.kl_coef > 0:
@@ -69,9 +85,13 @@ class RLStep:
         self.actor = Actor(model, cfg, memory, self.memory_cfg.optimizer_offload)
         self.step_idx = 0
         self.device = model.inv_freq.device
+        self.cosched = CoScheduler(cosched or CoschedConfig(), self.device, memory=memory)
+        self.timeline: Timeline | None = None  # set one to record phases and co-scheduled work
+        self.rollout_metrics: dict = {}  # the last rollout's co-scheduling metrics
         if memory is not None:
             memory.set_plan(self.memory_cfg.build_plan(self.memory_sizes(), self.activation_estimate(),
                                                        _capacity(self.device, memory)))
+        self.refresh_vision_check()
 
     # ---- memory -------------------------------------------------------------------------------
     def _region(self, tag: str):
@@ -112,6 +132,20 @@ class RLStep:
         upd = activation_bytes(t.hidden_size, t.num_hidden_layers, tokens, dtype_bytes, cfg.gradient_checkpointing)
         return {"rollout": 0, "ref": upd // 3, "update": upd}
 
+    def refresh_vision_check(self) -> None:
+        """Whether the reference's vision tower equals the actor's (a frozen tower never moved from the
+        reference's copy), so the reference may reuse the actor's vision encodings. Call after loading
+        weights."""
+        same = self.ref is not None and self.cfg.freeze_vision_tower
+        if same:
+            with self._resident(["ref_weights"]):
+                same = all(torch.equal(a, b) for a, b in zip(self.model.visual.parameters(),
+                                                              self.ref.visual.parameters()))
+        self._ref_same_vision = same
+
+    def _resident(self, tags):
+        return self.memory.resident(tags) if self.memory is not None else contextlib.nullcontext()
+
     # ---- phases -------------------------------------------------------------------------------
     def rollout(self, rows: list[dict]) -> RolloutBatch:
         from ..data import ground_truth, row_to_inputs
@@ -124,12 +158,53 @@ class RLStep:
                                  max_new_tokens=cfg.max_new_tokens,
                                  seed=(cfg.seed * 1_000_003 + self.step_idx * 10_007 + i * 101) % 2**62)
                   for i in range(len(rows))]
+        return self.generate(prompts, params, data_sources=[r.get("data_source") for r in rows],
+                             ground_truths=[ground_truth(r) for r in rows],
+                             extra_infos=[r.get("extra_info") for r in rows])
+
+    def generate(self, prompts: list, params: list[SamplingParams], **per_prompt) -> RolloutBatch:
+        """The rollout phase on prompts (ModelInputs): the engine's samples as a RolloutBatch, with the
+        co-scheduled prefix states (`cfg.cosched`) and the vision encodings (`freeze_vision_tower`)
+        it carries for scoring and the update. `per_prompt`: data_sources / ground_truths / extra_infos."""
+        cfg = self.cfg
+        frozen = cfg.freeze_vision_tower and cfg.mode == "rollplex"
+        handover = self._plan_handover(prompts, frozen)
+        jobs = [(job, i) for i, job in enumerate(j for rows in handover.values() for j in rows.jobs)]
         with self._phase("rollout"):
-            outs = self.engine.generate(prompts, params)
-        return RolloutBatch.from_outputs(
-            prompts, outs, pad_id=self.model.cfg.pad_token_id or 0,
-            data_sources=[r.get("data_source") for r in rows], ground_truths=[ground_truth(r) for r in rows],
-            extra_infos=[r.get("extra_info") for r in rows])
+            if jobs:
+                self.cosched.begin(jobs, self.timeline, prefilled=prompts if frozen else ())
+                self.engine.hooks.append(self.cosched)
+            try:
+                outs = self.engine.generate(prompts, params, keep_vision=frozen)
+            finally:
+                if jobs:
+                    self.engine.hooks.remove(self.cosched)
+                    self.rollout_metrics = self.cosched.finish()
+        if not jobs:
+            self.rollout_metrics = {}
+        batch = RolloutBatch.from_outputs(prompts, outs, pad_id=self.model.cfg.pad_token_id or 0, **per_prompt)
+        if frozen:
+            batch.prompts = [p if o.vision_embeds is None else replace(p, vision_embeds=o.vision_embeds)
+                             for p, o in zip(batch.prompts, outs)]
+        batch.prefix = handover
+        return batch
+
+    def _plan_handover(self, prompts: list, frozen: bool) -> dict[str, PrefixRows]:
+        """Prefix jobs to run beside decode, by consumer: the reference's (when the memory plan keeps
+        its weights resident during the rollout) and the old policy's (several updates per rollout)."""
+        cfg, out = self.cfg, {}
+        if not cfg.cosched or self.engine is None:
+            return out
+        per_job = self.cosched.config.job_prompts
+        if self.ref is not None and cfg.kl_coef > 0 and (
+                self.memory is None or self.memory.plan.get("rollout", "ref_weights") == "resident"):
+            # a frozen tower's encodings come from the engine's prefill, unless the reference's tower differs
+            ref_prompts = prompts if (not frozen or self._ref_same_vision) else [
+                replace(p, vision_embeds=None) for p in prompts]
+            out["ref"] = PrefixRows.plan(self.ref, ref_prompts, per_job, "ref")
+        if cfg.num_updates > 1:
+            out["old"] = PrefixRows.plan(self.model, prompts, per_job, "old")
+        return out
 
     def compute_rewards(self, batch: RolloutBatch, reward: RewardFn | str | None = None) -> tuple[torch.Tensor, dict]:
         """Rewards [N] of a rollout's samples and their extra metrics, by `reward` (a function, a
@@ -149,10 +224,19 @@ class RLStep:
         cfg, m = cfg or self.cfg, {}
         if batch.rewards is None:
             raise ValueError("the batch has no rewards")
+        if not self.cfg.freeze_vision_tower and any(p.vision_embeds is not None for p in batch.prompts):
+            # a trained vision tower must run: stored encodings would cut its gradient
+            batch = replace(batch, prompts=[replace(p, vision_embeds=None) for p in batch.prompts])
         ref_lp = None
+        tl = self.timeline
         if self.ref is not None and cfg.kl_coef > 0:
-            with _timer(m, "ref", self.device), self._phase("ref"):
-                ref_lp = score_logprobs(self.ref, batch, cfg.mode, cfg.micro_batching, cfg.temperature)
+            ref_batch = batch
+            if any(p.vision_embeds is not None for p in batch.prompts) and not self._ref_same_vision:
+                ref_batch = replace(batch, prompts=[replace(p, vision_embeds=None) for p in batch.prompts])
+            with _timer(m, "ref", self.device, tl), self._phase("ref"):
+                self._complete_handover(batch, "ref", m)
+                ref_lp = score_logprobs(self.ref, ref_batch, cfg.mode, cfg.micro_batching, cfg.temperature,
+                                        prefix_key="ref")
         rewards = batch.rewards.float()
         if ref_lp is not None and not cfg.use_kl_loss:  # KL as a reward penalty (policy = rollout logprobs)
             kl = (kl_penalty(batch.rollout_logprobs, ref_lp, cfg.kl_loss_type) * batch.mask).sum(-1)
@@ -161,9 +245,11 @@ class RLStep:
         adv = grpo_advantages(rewards, batch.group, cfg.norm_adv_by_std)
         old = old_logprobs
         if old is None:
-            with _timer(m, "old_log_prob", self.device), self._phase("ref"):
+            with _timer(m, "old_log_prob", self.device, tl), self._phase("ref"):
+                self._complete_handover(batch, "old", m)
                 old = self.actor.old_logprobs(batch, cfg)
-        with _timer(m, "update_actor", self.device), self._phase("update"):
+        batch.prefix = {}  # the prefix states are consumed: free them before the update
+        with _timer(m, "update_actor", self.device, tl), self._phase("update"):
             stats, first_lp = self.actor.update(batch, adv, ref_lp if cfg.use_kl_loss else None, old, self.step_idx,
                                                 cfg)
         m.update(stats)
@@ -188,12 +274,34 @@ class RLStep:
         self.step_idx += 1
         return m
 
+    def _complete_handover(self, batch: RolloutBatch, key: str, m: dict) -> None:
+        """Run the handed-over prefix work that was never admitted beside decode, standalone (its
+        normal phase); its time calibrates the co-scheduler's cost estimates."""
+        rows = batch.prefix.get(key)
+        if rows is None:
+            return
+        left = [j for j in rows.jobs if not j.done]
+        flops = sum(_left_flops(j) for j in left)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for j in left:
+                j.complete()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        if left:
+            self.cosched.calibrate(flops, dt)
+        m[f"rollplex/prefix_{key}_normal_phase_s"] = dt
+
     def step(self, rows: list[dict]) -> dict:
         """The full step on a batch of dataset rows; returns verl-named metrics."""
         m: dict = {}
         t0 = time.perf_counter()
-        with _timer(m, "gen", self.device):
+        with _timer(m, "gen", self.device, self.timeline):
             batch = self.rollout(rows)
+        m.update(self.rollout_metrics)
         with _timer(m, "reward", self.device):
             batch.rewards, extra = self.compute_rewards(batch)
         m.update(extra)
@@ -203,6 +311,11 @@ class RLStep:
         m["perf/throughput"] = tokens / m["timing_s/step"]
         m["training/global_step"] = self.step_idx
         return m
+
+
+def _left_flops(job) -> float:
+    f0, f_layer = job.unit_flops()
+    return (f0 if job.next_unit == 0 else 0.0) + f_layer * (job.units - max(job.next_unit, 1))
 
 
 def _capacity(device: torch.device, memory: MemoryManager) -> int:

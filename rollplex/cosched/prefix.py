@@ -1,0 +1,139 @@
+"""Prefix work in pieces: a few prompts' vision tower + prompt prefill, run a unit at a time.
+
+A `PrefixJob` computes exactly what `Qwen25VL.prefix(prompts)` computes — the same calls in the same
+order, so the same values — but split into units that a co-scheduler launches between decode steps:
+
+    unit 0        token embeddings + the vision tower (skipped for prompts that carry `vision_embeds`)
+    unit 1 .. L   decoder layer 0 .. L-1, keeping each layer's rotated K/V; the last also final-norms
+
+A unit either completes or leaves the job as it was (a layer's outputs replace the state only once it
+returns), so a chunk that runs out of memory part-way is resumed at the first unit it did not finish.
+
+`PrefixRows` is the hand-over: for every prompt of a rollout, the job that holds its prefix and its
+row there. Scoring asks it for the PrefixState of a micro-batch's prompts (`gather`); any unit that
+was never run beside decode runs then, in its normal phase (`complete`).
+
+Costs are estimated from FLOPs (`unit_flops`): the co-scheduler turns them into milliseconds with a
+throughput it calibrates from standalone runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..models import ModelInputs, Qwen25VL
+from ..models.attention import sdpa
+from ..models.qwen2_5_vl import PrefixState
+
+
+class PrefixJob:
+    def __init__(self, model: Qwen25VL, prompts: Sequence[ModelInputs], key: str):
+        if not prompts:
+            raise ValueError("a prefix job needs at least one prompt")
+        self.model, self.prompts, self.key = model, list(prompts), key
+        self.num_layers = model.cfg.text.num_hidden_layers
+        self.units = self.num_layers + 1
+        self.next_unit = 0
+        self._x = self._delta = self._cos = self._sin = self._e = None
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.state: PrefixState | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.next_unit == self.units
+
+    def unit_flops(self) -> tuple[float, float]:
+        """(FLOPs of unit 0, FLOPs of one decoder layer), forward only."""
+        cfg = self.model.cfg
+        t, v = cfg.text, cfg.vision
+        tokens = sum(len(p.input_ids) for p in self.prompts)
+        attn = sum(len(p.input_ids) ** 2 for p in self.prompts) * 2 * t.num_attention_heads * t.head_dim
+        layer = sum(x.numel() for x in self.model.model.layers[0].parameters())
+        patches = sum(t_ * h * w for p in self.prompts if p.vision_embeds is None
+                      for t_, h, w in (*p.image_grids, *p.video_grids))
+        vis_params = sum(x.numel() for x in self.model.visual.parameters())
+        return 2.0 * vis_params * patches + 1.0, 2.0 * layer * tokens + attn
+
+    @torch.no_grad()
+    def run(self, start: int, stop: int) -> None:
+        """Run units [start, stop); start must be the next unit (units run in order)."""
+        if start != self.next_unit or not start <= stop <= self.units:
+            raise ValueError(f"prefix job {self.key}: units [{start}, {stop}) but the next unit is {self.next_unit}")
+        for u in range(start, stop):
+            self._unit(u)
+            self.next_unit = u + 1
+
+    def complete(self) -> PrefixState:
+        """Run whatever units are left; the job's PrefixState."""
+        self.run(self.next_unit, self.units)
+        assert self.state is not None
+        return self.state
+
+    def _unit(self, u: int) -> None:
+        m = self.model
+        if u == 0:
+            e = m.embed_prompts(self.prompts)
+            cos, sin = m.rope(e.positions, e.embeds.dtype)
+            self._e, self._x, self._cos, self._sin = e, e.embeds, cos, sin
+            return
+        i = u - 1
+        kept: list[torch.Tensor] = []
+
+        def attend(layer, q, k, v):
+            kept[:] = [k, v]
+            return sdpa(q, k, v, causal=True)  # right padding: valid queries never see pads
+
+        x, delta = m.model.layer(i, self._x, self._delta, self._cos, self._sin, attend)
+        if i == self.num_layers - 1:
+            hidden = m.model.finish(x, delta)
+            e = self._e
+            last = hidden[torch.arange(hidden.shape[0], device=hidden.device), e.lens - 1]
+            self.state = PrefixState([*self.keys, kept[0]], [*self.values, kept[1]], e.lens, e.rope_delta, last)
+            self._x = self._delta = self._cos = self._sin = self._e = None
+            self.keys, self.values = [], []
+            return
+        self.keys.append(kept[0])
+        self.values.append(kept[1])
+        self._x, self._delta = x, delta
+
+
+class PrefixRows:
+    """Per prompt of a rollout, (job, row): which job computes its prefix and where in that job."""
+
+    def __init__(self, rows: list[tuple[PrefixJob, int]]):
+        self.rows = rows
+
+    @classmethod
+    def plan(cls, model: Qwen25VL, prompts: Sequence[ModelInputs], per_job: int, key: str) -> PrefixRows:
+        """Jobs of `per_job` consecutive prompts each."""
+        if per_job < 1:
+            raise ValueError("per_job must be >= 1")
+        rows = []
+        for j, a in enumerate(range(0, len(prompts), per_job)):
+            job = PrefixJob(model, prompts[a : a + per_job], f"{key}/{j}")
+            rows += [(job, r) for r in range(len(job.prompts))]
+        return cls(rows)
+
+    @property
+    def jobs(self) -> list[PrefixJob]:
+        seen: dict[int, PrefixJob] = {}
+        for job, _ in self.rows:
+            seen.setdefault(id(job), job)
+        return list(seen.values())
+
+    def select(self, prompt_ids: Sequence[int]) -> PrefixRows:
+        return PrefixRows([self.rows[i] for i in prompt_ids])
+
+    def complete(self) -> None:
+        for job in self.jobs:
+            job.complete()
+
+    def gather(self) -> PrefixState:
+        """The PrefixState of these prompts, in order (running any unit still pending)."""
+        return PrefixState.from_rows([(job.complete(), r) for job, r in self.rows])
+
+    def __len__(self) -> int:
+        return len(self.rows)

@@ -1,0 +1,231 @@
+"""The co-scheduler: the engine's decode hook that runs prefix work beside decode steps.
+
+During a rollout the RL step hands it `PrefixJob`s (the reference model's prefix of each prompt
+group, ...). It is registered as an engine hook and, per decode step:
+
+    on_decode_step(info)       takes the measured time of a finished step (the end-to-end period,
+                               which also catches a host that launched late) and asks the
+                               AdmissionController how much work to admit beside this step
+    after_decode_launch(info)  launches those chunks on its own stream once the step is queued, so
+                               the device runs both and the host's launch cost overlaps the decode
+    on_prefill(requests)       a job that reuses the engine's vision encodings becomes ready once
+                               its prompts were prefilled; its stream then waits for that prefill
+
+Exactness: a job runs the same ops as its normal-phase counterpart, unit by unit, so where it runs
+never changes what it computes. OOM while launching a chunk hands the unfinished units back to the
+queue and the controller backs off; `finish()` leaves whatever was never admitted to the phase that
+normally runs it (`PrefixRows.gather` completes it there), joins the streams, and returns metrics.
+
+Costs are FLOP estimates over a throughput (TFLOP/s) calibrated from standalone runs of the same
+work (`calibrate`), so the controller's budgets are in standalone milliseconds. On CPU there is no
+second stream: chunks run inline, which keeps the logic (and its exactness) testable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from .controller import AdmissionController, CoschedConfig
+from .prefix import PrefixJob
+from .timeline import Timeline
+from .work import Chunk, WorkItem, WorkQueue
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+class CoScheduler:
+    def __init__(self, config: CoschedConfig, device: torch.device, tflops: float | None = None,
+                 memory=None):
+        self.config, self.device, self.memory = config, torch.device(device), memory
+        self.cuda = self.device.type == "cuda"
+        # standalone throughput of prefix work; refined by `calibrate`
+        self.tflops = tflops or (200.0 if self.cuda else 0.02)
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.timeline: Timeline | None = None
+        self._active = False
+
+    # ---- a rollout --------------------------------------------------------------------------
+    def begin(self, jobs: list[tuple[PrefixJob, int]], timeline: Timeline | None = None,
+              prefilled: Sequence = ()) -> None:
+        """Start a rollout's work: (job, priority) pairs. A job with prompts among `prefilled` (the
+        engine's, asked to keep their vision encodings) is admitted once the engine has prefilled them,
+        and takes their encodings instead of running a vision tower."""
+        self.queue = WorkQueue()
+        self.ctrl = AdmissionController(self.config, self.queue)
+        self.timeline = timeline
+        self.jobs: dict[str, PrefixJob] = {}
+        self._waiting: dict[int, list[tuple[PrefixJob, int]]] = {}  # id(prompt) -> (job, row)
+        self._pending_jobs: dict[str, tuple[PrefixJob, int, int]] = {}  # key -> (job, priority, rows left)
+        self._ready_event: dict[str, object] = {}
+        self._inflight: list[tuple[Chunk, PrefixJob, object, object]] = []  # chunk, job, start mark, end mark
+        self._to_launch: list[Chunk] = []
+        self._step_marks: list[tuple[int, int, object, float]] = []  # step, batch size, mark, admitted ms
+        self._launch_s = 0.0
+        engine_prompts = {id(p) for p in prefilled}
+        for job, prio in jobs:
+            self.jobs[job.key] = job
+            need = [r for r, p in enumerate(job.prompts)
+                    if id(p) in engine_prompts and p.has_vision and p.vision_embeds is None]
+            if need:
+                for r in need:
+                    self._waiting.setdefault(id(job.prompts[r]), []).append((job, r))
+                self._pending_jobs[job.key] = (job, prio, len(need))
+            else:
+                self._enqueue(job, prio)
+        self._active = True
+
+    def _enqueue(self, job: PrefixJob, prio: int) -> None:
+        f0, f_layer = job.unit_flops()
+        self.queue.add(WorkItem(f"{job.key}/embed", job.key.split("/")[0], 2 * prio, self._ms(f0), 1))
+        self.queue.add(WorkItem(f"{job.key}/layers", job.key.split("/")[0], 2 * prio + 1,
+                                self._ms(f_layer * job.num_layers), job.num_layers))
+
+    def _ms(self, flops: float) -> float:
+        return flops / (self.tflops * 1e9)
+
+    # ---- engine hook ------------------------------------------------------------------------
+    def on_prefill(self, requests) -> None:
+        if not self._active or not self._waiting:
+            return
+        for req in requests:
+            for job, r in self._waiting.pop(id(req.inputs), []):
+                if req.vision_embeds is None:
+                    raise RuntimeError("the engine kept no vision encodings (add_request(keep_vision=True))")
+                job.prompts[r] = replace(job.prompts[r], vision_embeds=req.vision_embeds)
+                j, prio, left = self._pending_jobs[job.key]
+                if left == 1:
+                    del self._pending_jobs[job.key]
+                    if self.cuda:  # the job's first unit must see this prefill's output
+                        ev = torch.cuda.Event()
+                        ev.record()
+                        self._ready_event[job.key] = ev
+                    self._enqueue(job, prio)
+                else:
+                    self._pending_jobs[job.key] = (j, prio, left - 1)
+
+    def on_decode_step(self, info) -> None:
+        if not self._active:
+            return
+        self._poll()
+        ms = info.last_period_ms if info.last_period_ms is not None else info.last_step_ms
+        self._to_launch = self.ctrl.admit(info.step, info.batch_size, ms)
+        if self.timeline is not None:
+            self._step_marks.append((info.step, info.batch_size, self.timeline.now(),
+                                     sum(c.cost_ms for c in self._to_launch)))
+
+    def after_decode_launch(self, info) -> None:
+        if not self._active or not self._to_launch:
+            return
+        chunks, self._to_launch = self._to_launch, []
+        t0 = time.perf_counter()
+        for i, c in enumerate(chunks):
+            if not self._launch(c):
+                for rest in chunks[i + 1 :]:  # keep units in order: what follows a failed chunk waits
+                    self.ctrl.cancel(rest)
+                break
+        self._launch_s += time.perf_counter() - t0
+        if not self.cuda:
+            self._poll()
+
+    def _launch(self, chunk: Chunk) -> bool:
+        key, part = chunk.item.key.rsplit("/", 1)
+        job = self.jobs[key]
+        start, stop = (0, 1) if part == "embed" else (chunk.start + 1, chunk.stop + 1)
+        ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+        region = self.memory.region("prefix_states") if self.memory is not None else contextlib.nullcontext()
+        tl = self.timeline
+        with ctx, region:
+            if self.cuda and key in self._ready_event:
+                self.stream.wait_event(self._ready_event.pop(key))
+            mark0 = tl.now() if tl is not None else None
+            done0 = job.next_unit
+            try:
+                job.run(start, stop)
+            except Exception as e:  # noqa: BLE001 - only OOM is handled
+                if not _is_oom(e):
+                    raise
+                done = job.next_unit - done0  # units that finished before the failure stay done
+                self.ctrl.oom(chunk)
+                if done:
+                    self.queue.mark_done(chunk.item.key, chunk.start, chunk.start + done)
+                if self.cuda:
+                    torch.cuda.empty_cache()
+                return False
+            mark1 = tl.now() if tl is not None else None
+            end = None
+            if self.cuda:
+                end = torch.cuda.Event()
+                end.record()
+        self._inflight.append((chunk, job, (mark0, mark1), end))
+        return True
+
+    def _poll(self) -> None:
+        """Chunks whose work finished on the device count as hidden."""
+        still = []
+        for rec in self._inflight:
+            chunk, _, _, end = rec
+            if end is None or end.query():
+                self.ctrl.complete(chunk)
+                self._record_chunk(rec)
+            else:
+                still.append(rec)
+        self._inflight = still
+
+    def _record_chunk(self, rec) -> None:
+        chunk, _, (m0, m1), _ = rec
+        if self.timeline is not None and m0 is not None:
+            self.timeline.device_span("cosched", f"{chunk.item.key}[{chunk.start}:{chunk.stop}]", m0, m1,
+                                      est_ms=round(chunk.cost_ms, 3))
+
+    # ---- end of the rollout -----------------------------------------------------------------
+    def finish(self) -> dict[str, float]:
+        """Stop admitting; the main stream waits for the chunks in flight, whose results it will read."""
+        if not self._active:
+            return {}
+        self._active = False
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            main = torch.cuda.current_stream(self.device)
+            for job in self.jobs.values():  # tensors made on the side stream, read and freed on the main one
+                for t in _job_tensors(job):
+                    t.record_stream(main)
+        for rec in self._inflight:
+            self.ctrl.complete(rec[0])
+            self._record_chunk(rec)
+        self._inflight = []
+        if self.timeline is not None:
+            marks = self._step_marks
+            for (step, bs, m, adm), nxt in zip(marks, marks[1:]):
+                if nxt[0] == step + 1:
+                    self.timeline.device_span("decode", f"step {step}", m, nxt[2], batch_size=bs,
+                                              admitted_ms=round(adm, 3))
+        m = self.ctrl.metrics()
+        m["rollplex/cosched_launch_host_s"] = self._launch_s
+        m["rollplex/cosched_jobs_waiting"] = float(len(self._pending_jobs))
+        return m
+
+    def calibrate(self, flops: float, seconds: float) -> None:
+        """Refine the throughput estimate from a standalone run of `flops` of prefix work."""
+        if flops > 0 and seconds > 0:
+            measured = flops / seconds / 1e12
+            self.tflops = 0.5 * self.tflops + 0.5 * measured
+
+
+def _job_tensors(job: PrefixJob) -> list[torch.Tensor]:
+    ts = [*job.keys, *job.values]
+    for t in (job._x, job._delta, job._cos, job._sin):
+        if t is not None:
+            ts.append(t)
+    if job.state is not None:
+        s = job.state
+        ts += [*s.keys, *s.values, s.lens, s.rope_delta, s.last_hidden]
+    if job._e is not None:
+        ts += [job._e.embeds, job._e.positions, job._e.lens, job._e.rope_delta]
+    return [t for t in ts if t.is_cuda]

@@ -1,0 +1,149 @@
+"""The co-scheduler in the RL step (CPU, fp32, tiny model): prefix work admitted beside decode changes
+where it runs, never what is computed. A step with it gives the same losses, gradients and updated
+weights as `serial` (and as rollplex without it), with and without the frozen vision tower, with
+several mini-batches (old-policy prefixes co-scheduled too)."""
+
+import pytest
+import torch
+
+from rollplex.cosched import CoschedConfig, PrefixJob, PrefixRows, Timeline
+from rollplex.data import row_to_inputs
+from rollplex.demo import shape_color
+from rollplex.engine import Engine, EngineConfig
+from rollplex.models import load_model
+from rollplex.rl.config import RLConfig
+from rollplex.rl.step import RLStep
+
+ROWS = shape_color.make_rows(6, seed=5)
+# admit eagerly: on CPU the chunks run inline, so every loaded step is "slow"; the test is about exactness
+EAGER = CoschedConfig(slowdown_bound=0.9, baseline_samples=1, initial_budget=50.0, max_chunk_ms=1e6,
+                      max_in_flight=2, serial_after=1000, reprobe_every=0, job_prompts=2)
+
+
+def _rl(tiny_dir, proc, cosched_cfg=None, **cfg):
+    model = load_model(tiny_dir)
+    engine = Engine(model, proc, EngineConfig(max_num_seqs=64, max_model_len=256))
+    base = dict(n=3, max_new_tokens=12, lr=1e-4, kl_coef=0.05, micro_batch_prompts=2, micro_batch_samples=3)
+    return RLStep(model, engine, RLConfig(**{**base, **cfg}), proc, reward_fn="shape_color", cosched=cosched_cfg)
+
+
+def _run(rl: RLStep):
+    grads = []
+    opt_step = rl.actor.optimizer.step
+
+    def step():
+        grads.append({n: p.grad.clone() for n, p in rl.model.named_parameters() if p.grad is not None})
+        opt_step()
+
+    rl.actor.optimizer.step = step
+    batch = rl.rollout(ROWS)
+    roll_m = dict(rl.rollout_metrics)
+    batch.rewards = torch.tensor([float(i % 3 == 0) for i in range(batch.num_samples)])
+    m = rl.train(batch)
+    return m, roll_m, grads, {n: p.detach().clone() for n, p in rl.model.named_parameters()}, batch
+
+
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
+@pytest.mark.parametrize("extra", [dict(), dict(freeze_vision_tower=True),
+                                   dict(ppo_mini_batches=2, loss_agg_mode="seq-mean-token-mean")],
+                         ids=["plain", "frozen_vision", "mini_batches"])
+def test_cosched_step_equals_serial(tiny_dir, proc, extra):
+    serial = _run(_rl(tiny_dir, proc, mode="serial", **extra))
+    plain = _run(_rl(tiny_dir, proc, mode="rollplex", **extra))
+    rl = _rl(tiny_dir, proc, EAGER, mode="rollplex", cosched=True, **extra)
+    co = _run(rl)
+    m, roll_m, grads, weights, batch = co
+    # work really ran beside decode: chunks were admitted and the reference's prefix came from them
+    assert roll_m["rollplex/cosched_chunks"] > 0 and roll_m["rollplex/prefix_hidden_s"] > 0
+    assert roll_m["rollplex/cosched_jobs_waiting"] == 0
+    if extra.get("ppo_mini_batches"):
+        assert "rollplex/prefix_old_normal_phase_s" in m
+    if extra.get("freeze_vision_tower"):
+        assert all(p.vision_embeds is not None for p in batch.prompts)
+        assert all(not p.requires_grad for p in rl.model.visual.parameters())
+    for other in (serial, plain):
+        om, _, og, ow, ob = other
+        assert torch.equal(batch.responses, ob.responses)
+        for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+            assert m[k] == pytest.approx(om[k], rel=1e-5, abs=1e-7), k
+        assert len(grads) == len(og)
+        for a, b in zip(grads, og):
+            assert a.keys() == b.keys()
+            for name in a:
+                rel = ((a[name] - b[name]).norm() / b[name].norm().clamp_min(1e-12)).item()
+                assert rel <= 1e-5, f"{name}: {rel:.2e}"
+        _assert_same_weights(tiny_dir, weights, ow)
+
+
+def _assert_same_weights(tiny_dir, weights, want):
+    w0 = dict(load_model(tiny_dir).named_parameters())
+    for name in weights:
+        # relative to the weights, or for near-zero tensors (biases) to the update they received
+        diff = (weights[name] - want[name]).norm()
+        rel_w = (diff / want[name].norm().clamp_min(1e-12)).item()
+        rel_upd = (diff / (want[name] - w0[name]).norm().clamp_min(1e-12)).item()
+        assert rel_w <= 1e-5 or rel_upd <= 1e-3, f"{name}: {rel_w:.2e} / {rel_upd:.2e}"
+
+
+def test_prefix_job_in_pieces_equals_prefix(tiny_dir, proc):
+    """Units run in any chunking give exactly model.prefix; rows re-gathered across jobs too."""
+    model = load_model(tiny_dir).eval()
+    prompts = [row_to_inputs(proc, r) for r in ROWS[:3]]
+    with torch.no_grad():
+        want = model.prefix(prompts)
+    rows = PrefixRows.plan(model, prompts, per_job=2, key="ref")
+    a, b = rows.jobs
+    a.run(0, 1)
+    a.run(1, 3)
+    with pytest.raises(ValueError, match="next unit"):
+        a.run(5, 6)
+    a.run(3, a.units)
+    got = rows.select([2, 0, 1]).gather()  # b runs in its normal phase, inside gather
+    assert b.done
+    order = [2, 0, 1]
+    for layer in range(len(want.keys)):
+        for i, j in enumerate(order):
+            n = int(want.lens[j])
+            torch.testing.assert_close(got.keys[layer][i, :, :n], want.keys[layer][j, :, :n], rtol=0, atol=1e-6)
+            torch.testing.assert_close(got.values[layer][i, :, :n], want.values[layer][j, :, :n], rtol=0, atol=1e-6)
+    torch.testing.assert_close(got.last_hidden, want.last_hidden[order], rtol=0, atol=1e-6)
+    assert got.lens.tolist() == want.lens[order].tolist()
+
+
+def test_timeline_trace(tiny_dir, proc, tmp_path):
+    import json
+
+    rl = _rl(tiny_dir, proc, EAGER, mode="rollplex", cosched=True)
+    rl.timeline = Timeline(rl.device)
+    rl.step(ROWS)
+    trace = rl.timeline.write_trace(tmp_path / "t.json")
+    events = json.loads(trace.read_text())["traceEvents"]
+    lanes = {e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert {"phase", "decode", "cosched"} <= lanes
+    names = [e["name"] for e in events if e["ph"] == "X"]
+    assert "gen" in names and "ref" in names and "update_actor" in names
+    assert any(n.startswith("ref/") for n in names)
+    pytest.importorskip("matplotlib")
+    assert rl.timeline.plot(tmp_path / "t.png").stat().st_size > 0
+
+
+def test_oom_in_a_chunk_backs_off_and_stays_exact(tiny_dir, proc, monkeypatch):
+    """A chunk that runs out of memory part-way: its finished units stay done, the rest goes back to the
+    queue, the controller backs off, and the step's result does not change."""
+    plain = _run(_rl(tiny_dir, proc, mode="rollplex"))
+    rl = _rl(tiny_dir, proc, EAGER, mode="rollplex", cosched=True)
+    real = PrefixJob._unit
+    calls = {"n": 0}
+
+    def flaky(self, u):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(self, u)
+
+    monkeypatch.setattr(PrefixJob, "_unit", flaky)
+    m, roll_m, _, weights, _ = _run(rl)
+    assert roll_m["rollplex/cosched_ooms"] == 1
+    for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+        assert m[k] == pytest.approx(plain[0][k], rel=1e-5, abs=1e-7), k
+    _assert_same_weights(tiny_dir, weights, plain[3])
