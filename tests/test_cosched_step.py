@@ -147,3 +147,17 @@ def test_oom_in_a_chunk_backs_off_and_stays_exact(tiny_dir, proc, monkeypatch):
     for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
         assert m[k] == pytest.approx(plain[0][k], rel=1e-5, abs=1e-7), k
     _assert_same_weights(tiny_dir, weights, plain[3])
+
+
+@pytest.mark.parametrize("lens", [[5, 1, 3, 5, 2], [1, 1, 1, 1, 1]])
+def test_packed_responses_over_a_given_prefix_equal_group_hidden(tiny_dir, proc, lens):
+    """Responses packed with no padding over prefix rows made earlier == the one packed pass."""
+    model = load_model(tiny_dir).eval()
+    prompts = [row_to_inputs(proc, r) for r in ROWS[:3]]
+    group = [0, 2, 1, 0, 2]
+    g = torch.Generator().manual_seed(0)
+    resp = torch.randint(0, 200, (5, 5), generator=g)
+    with torch.no_grad():
+        want = model.group_hidden(prompts, resp, lens, group)
+        got = model.prefix_group_hidden(model.prefix(prompts), resp, lens, group)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

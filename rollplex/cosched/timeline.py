@@ -127,3 +127,20 @@ def plot_spans(spans: list[Span], path: Path, title: str) -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def main(argv=None) -> None:
+    """`python -m rollplex.cosched.timeline TRACE.json OUT.png`: draw a written trace."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m rollplex.cosched.timeline", description=main.__doc__)
+    ap.add_argument("trace")
+    ap.add_argument("png")
+    ap.add_argument("--title", default="rollout with co-scheduled prefix work")
+    args = ap.parse_args(argv)
+    out = plot_spans(load_trace(args.trace), Path(args.png), args.title)
+    print(out if out is not None else "matplotlib is not installed: pip install 'rollplex[plot]'")
+
+
+if __name__ == "__main__":
+    main()

@@ -165,13 +165,16 @@ class Engine:
             raise RuntimeError("the engine's KV cache is released (the memory manager is outside the rollout "
                                "phase): enter the rollout phase before generating")
         if self._inflight is not None and self.scheduler.waiting:
-            return self._outputs(self._resolve())  # prefill (or a preempted re-entry) needs every token known
+            touched = self._resolve()  # prefill (or a preempted re-entry) needs every token known
+            self._last_end = None
+            return self._outputs(touched)
         # a sequence whose in-flight token is its last (by length) does not decode again
         hold = frozenset(s for s in self.scheduler.running if s.pending and self._length_done(s, len(s)))
         batch = self.scheduler.schedule(hold)
         if batch.is_prefill:
             self._prefill(batch.prefill)
             touched = [s for item in batch.prefill for s in (item.seq, *item.forks)]
+            self._last_end = None  # the next decode step does not follow a decode step: no period
         elif batch.decode:
             launched = self._launch_decode(batch.decode)
             touched = self._resolve()  # the previous step, while this one runs
@@ -180,6 +183,7 @@ class Engine:
                 touched += self._resolve()
         elif self._inflight is not None:
             touched = self._resolve()
+            self._last_end = None  # nothing follows it now: the next step may come after an idle gap
         else:
             if self.scheduler.has_work:
                 raise RuntimeError("scheduler made no progress (KV cache too small for the waiting work)")

@@ -205,6 +205,64 @@ def shared_prefix_attention(q, k, v, pk, pv, layout: SharedPrefixLayout, backend
     return sdpa(q, torch.cat([pk[idx], k], dim=2), torch.cat([pv[idx], v], dim=2), mask=layout.mask())
 
 
+@dataclass
+class PrefixPackedLayout:
+    """Responses packed into one token sequence (no padding) attending to prefix rows computed
+    earlier: response i (response_lens[i] input tokens) sees the first prefix_lens[i] keys of prefix
+    row index[i], then its own tokens causally. The packed counterpart of SharedPrefixLayout."""
+
+    index: list[int]  # [N] prefix row of each response
+    prefix_lens: list[int]  # [N] prompt length of each response's prefix row
+    num_prefix_rows: int
+    prefix_max: int
+    response_lens: list[int]  # [N] input tokens of each response (may be 0)
+    device: torch.device
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def varlen(self):
+        """(key gather index into cat(prefix rows flattened, packed responses), cu_q, cu_k, max_q, max_k)."""
+        if "varlen" not in self._cache:
+            gather, cu_q, cu_k, start = [], [0], [0], self.num_prefix_rows * self.prefix_max
+            for g, p, n in zip(self.index, self.prefix_lens, self.response_lens):
+                if n:
+                    gather += [torch.arange(g * self.prefix_max, g * self.prefix_max + p), torch.arange(start, start + n)]
+                    cu_q.append(cu_q[-1] + n)
+                    cu_k.append(cu_k[-1] + p + n)
+                start += n
+            lq = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
+            lk = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]
+            dev, i32 = self.device, torch.int32
+            self._cache["varlen"] = (to_device(torch.cat(gather), dev), as_device_tensor(cu_q, dev, i32),
+                                     as_device_tensor(cu_k, dev, i32), max(lq), max(lk))
+        return self._cache["varlen"]
+
+    def mask(self) -> torch.Tensor:
+        """[1, 1, T, B * Pmax + T] bool (True = attend) for the dense SDPA path (CPU, small T)."""
+        if "mask" not in self._cache:
+            T, Kp = sum(self.response_lens), self.num_prefix_rows * self.prefix_max
+            m = torch.zeros(T, Kp + T, dtype=torch.bool)
+            s = 0
+            for g, p, n in zip(self.index, self.prefix_lens, self.response_lens):
+                m[s : s + n, g * self.prefix_max : g * self.prefix_max + p] = True
+                m[s : s + n, Kp + s : Kp + s + n] = torch.ones(n, n, dtype=torch.bool).tril()
+                s += n
+            self._cache["mask"] = to_device(m[None, None], self.device)
+        return self._cache["mask"]
+
+
+def prefix_packed_attention(q, k, v, pk, pv, layout: PrefixPackedLayout, backend: str = "auto") -> torch.Tensor:
+    """Packed responses over prefix rows. q [1, H, T, D]; k, v [1, Hkv, T, D]; pk, pv [B, Hkv, Pmax, D]
+    -> [1, H, T, D]."""
+    Hkv, D = k.shape[1], k.shape[3]
+    keys = torch.cat([pk.transpose(1, 2).reshape(-1, Hkv, D), k[0].transpose(0, 1)])  # [B*Pmax + T, Hkv, D]
+    vals = torch.cat([pv.transpose(1, 2).reshape(-1, Hkv, D), v[0].transpose(0, 1)])
+    if backend == "auto" and _use_flash_varlen(q) and varlen_bottom_right_ok(str(q.device), q.dtype):
+        gather, cu_q, cu_k, max_q, max_k = layout.varlen()
+        out = _varlen_causal(q[0].transpose(0, 1).contiguous(), keys[gather], vals[gather], cu_q, cu_k, max_q, max_k)
+        return out.transpose(0, 1)[None]
+    return sdpa(q, keys.transpose(0, 1)[None], vals.transpose(0, 1)[None], mask=layout.mask())
+
+
 @lru_cache(maxsize=1)
 def _varlen_kwargs_names() -> frozenset:
     import inspect

@@ -28,7 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import PackedLayout, SharedPrefixLayout, packed_attention, sdpa, shared_prefix_attention
+from .attention import (PackedLayout, PrefixPackedLayout, SharedPrefixLayout, packed_attention,
+                        prefix_packed_attention, sdpa, shared_prefix_attention)
 from .config import ModelConfig
 from .inputs import ModelInputs
 from .layers import rotary_inv_freq
@@ -285,6 +286,40 @@ class Qwen25VL(nn.Module):
             keep[i, :n] = True
         rows, keep = to_device(rows, dev), to_device(keep, dev)
         return hidden[rows] * keep[..., None]
+
+    def prefix_group_hidden(self, prefix: PrefixState, response_ids: torch.Tensor, response_lens: Sequence[int],
+                            group: Sequence[int]) -> torch.Tensor:
+        """Like `group_hidden`, but the prompts' prefix is given (computed earlier, e.g. beside decode):
+        only the responses run, packed into one sequence with no padding, each attending to its prefix
+        row. [N, R, C], rows past a response's length zero; the same values as `group_hidden`."""
+        N, R = response_ids.shape
+        dev = self.inv_freq.device
+        lens = [int(x) for x in response_lens]
+        group = [int(g) for g in group]
+        if len(lens) != N or len(group) != N or any(not 1 <= n <= R for n in lens):
+            raise ValueError("response_lens must give a length in [1, R] for every response")
+        if any(not 0 <= g < prefix.batch_size for g in group):
+            raise ValueError("group index out of range")
+        plens = prefix.lens.tolist()
+        layout = PrefixPackedLayout(group, [plens[g] for g in group], prefix.batch_size, prefix.keys[0].shape[2],
+                                    [n - 1 for n in lens], dev)
+        first = prefix.last_hidden[to_device(torch.tensor(group), dev)]  # [N, C]: row 0 predicts token 0
+        out = torch.zeros(N, R, first.shape[-1], dtype=first.dtype, device=dev)
+        out[:, 0] = first
+        if sum(lens) == N:  # every response is one token: nothing to run
+            return out
+        r_idx = to_device(torch.cat([torch.arange(n - 1) + i * R for i, n in enumerate(lens)]), dev)
+        r_off = to_device(torch.cat([torch.arange(n - 1) for n in lens]), dev)
+        r_grp = as_device_tensor([g for g, n in zip(group, lens) for _ in range(n - 1)], dev, torch.long)
+        x = self.model.embed_tokens(to_device(response_ids, dev).reshape(-1)[r_idx])  # [T, C]
+        pos = (prefix.lens + prefix.rope_delta)[r_grp] + r_off  # response token j sits at P + delta + j
+
+        def attend(layer, q, k, v):
+            return prefix_packed_attention(q, k, v, prefix.keys[layer], prefix.values[layer], layout)
+
+        hidden = self.forward_embeds(x[None], pos[None, None].expand(3, 1, -1), attend)[0]  # [T, C]
+        rows = to_device(torch.cat([torch.arange(1, n) + i * R for i, n in enumerate(lens)]), dev)
+        return out.flatten(0, 1).index_put((rows,), hidden).view(N, R, -1)
 
     def response_logits(self, prefix: PrefixState, response_ids: torch.Tensor, prefix_index=None) -> torch.Tensor:
         return self.logits(self.response_hidden(prefix, response_ids, prefix_index))

@@ -14,8 +14,6 @@ in the micro-batches a `MicroBatching` plans (microbatch.py).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from ..models import Qwen25VL
@@ -32,10 +30,12 @@ def response_hidden(model: Qwen25VL, mb: RolloutBatch, mode: str, packed: bool,
     responses attend to the prefix states the rollout handed over (`mb.prefix[prefix_key]`)."""
     dev = model.inv_freq.device
     R = mb.responses.shape[1]
-    if mode == "rollplex" and prefix_key is not None:
-        return model.response_hidden(mb.prefix[prefix_key].gather(), to_device(mb.responses, dev),
-                                     to_device(mb.group, dev))
     lens = mb.response_lengths()  # the mask keeps a prefix of each response: tokens up to EOS
+    if mode == "rollplex" and prefix_key is not None:  # the rollout computed the prefix: responses only
+        prefix = mb.prefix[prefix_key].gather()
+        if packed:
+            return model.prefix_group_hidden(prefix, mb.responses, lens, mb.group.tolist())
+        return model.response_hidden(prefix, to_device(mb.responses, dev), to_device(mb.group, dev))
     if mode == "rollplex" and packed:  # prompts and responses packed into one pass; each prompt computed once
         return model.group_hidden(mb.prompts, mb.responses, lens, mb.group.tolist())
     if mode == "rollplex":  # a prefix pass, then the padded responses over its PrefixState
@@ -69,8 +69,6 @@ def score(model: Qwen25VL, batch: RolloutBatch, mode: str, plan: MicroBatching,
     out = torch.zeros(batch.responses.shape, dtype=torch.float32, device=model.inv_freq.device)
     if prefix_key is not None and (mode != "rollplex" or prefix_key not in batch.prefix):
         prefix_key = None
-    if prefix_key is not None:  # prefix-state path: micro-batches count padded responses
-        plan = replace(plan, packed=False)
     for mb, idx in micro_batches(batch, mode, plan):
         lp, _ = token_logprobs(model, mb, mode, plan.packed, temperature, prefix_key=prefix_key)
         # stays on the device: no sync per micro-batch

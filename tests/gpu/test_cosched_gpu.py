@@ -1,29 +1,46 @@
 """The co-scheduler on the GPU: reference prefix work launched on its own stream beside graphed decode
-steps gives the same step as without it (fp32, tiny model), and work really ran beside decode."""
+steps gives the same step as without it (fp32), and work really ran beside decode."""
 
 import pytest
 import torch
+from helpers import make_prompt
 
 from rollplex.cosched import CoschedConfig, Timeline
-from rollplex.demo import shape_color
-from rollplex.engine import Engine, EngineConfig
-from rollplex.models import load_model
+from rollplex.engine import Engine, EngineConfig, SamplingParams
+from rollplex.models import ModelConfig, Qwen25VL, TextConfig, VisionConfig, init_weights
 from rollplex.rl.config import RLConfig
 from rollplex.rl.step import RLStep
 
-ROWS = shape_color.make_rows(8, seed=5)
+pytestmark = pytest.mark.gpu
 EAGER = CoschedConfig(slowdown_bound=0.5, baseline_samples=1, initial_budget=5.0, max_in_flight=4, job_prompts=2,
                       serial_after=1000)
 
 
-def _step(tiny_dir, proc, cosched: bool, frozen: bool):
-    model = load_model(tiny_dir, "cuda")
-    engine = Engine(model, proc, EngineConfig(max_num_seqs=64, max_model_len=256, compile_decode=False))
+def _model():
+    cfg = ModelConfig(
+        text=TextConfig(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, mrope_section=(8, 12, 12),
+                        tie_word_embeddings=False),
+        vision=VisionConfig(depth=2, hidden_size=64, intermediate_size=96, num_heads=2, window_size=56,
+                            out_hidden_size=256, fullatt_block_indexes=(1,)),
+        image_token_id=300, video_token_id=301, vision_start_token_id=302, vision_end_token_id=303, eos_token_id=2)
+    with torch.device("cuda"):
+        return init_weights(Qwen25VL(cfg), seed=0, std=0.05).eval()
+
+
+def _step(cosched: bool, frozen: bool):
+    model = _model()
+    engine = Engine(model, None, EngineConfig(max_num_seqs=64, max_model_len=512, kv_cache_tokens=64 * 512,
+                                              cuda_graph_max_bs=32))
     rl = RLStep(model, engine, RLConfig(n=4, max_new_tokens=48, lr=1e-4, kl_coef=0.05, micro_batch_prompts=2,
-                                        cosched=cosched, freeze_vision_tower=frozen),
-                proc, reward_fn="shape_color", cosched=EAGER)
+                                        cosched=cosched, freeze_vision_tower=frozen), reward_fn="exact", cosched=EAGER)
     rl.timeline = Timeline(rl.device)
-    batch = rl.rollout(ROWS)
+    g = torch.Generator().manual_seed(0)
+    prompts = [make_prompt(g, images=[(1, 4 + 2 * (i % 3), 6)], text_len=(3 + i, 5)) for i in range(6)]
+    for p in prompts:
+        p.pixel_values = p.pixel_values.cuda()
+    params = [SamplingParams(n=4, max_new_tokens=48, ignore_eos=True, seed=10 + i) for i in range(6)]
+    batch = rl.generate(prompts, params)
     roll = dict(rl.rollout_metrics)
     batch.rewards = torch.tensor([float(i % 3 == 0) for i in range(batch.num_samples)])
     m = rl.train(batch)
@@ -31,14 +48,17 @@ def _step(tiny_dir, proc, cosched: bool, frozen: bool):
 
 
 @pytest.mark.parametrize("frozen", [False, True])
-def test_cosched_on_a_side_stream_is_exact(tiny_dir, proc, frozen, tmp_path):
-    m0, _, w0, _ = _step(tiny_dir, proc, False, frozen)
-    m1, roll, w1, rl = _step(tiny_dir, proc, True, frozen)
+def test_cosched_on_a_side_stream_is_exact(frozen, tmp_path):
+    m0, _, w0, _ = _step(False, frozen)
+    m1, roll, w1, rl = _step(True, frozen)
     assert roll["rollplex/cosched_chunks"] > 0 and roll["rollplex/prefix_hidden_s"] > 0
     for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
         assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-6), k
-    for name in w0:
-        diff = (w1[name] - w0[name]).norm() / w0[name].norm().clamp_min(1e-6)
-        assert diff.item() <= 1e-4, name
+    init = dict(_model().named_parameters())
+    for name in w0:  # relative to the weights, or for zero-initialised biases to the update they received
+        diff = (w1[name] - w0[name]).norm()
+        rel_w = (diff / w0[name].norm().clamp_min(1e-12)).item()
+        rel_upd = (diff / (w0[name] - init[name]).norm().clamp_min(1e-12)).item()
+        assert rel_w <= 1e-5 or rel_upd <= 1e-3, f"{name}: {rel_w:.2e} / {rel_upd:.2e}"
     rl.timeline.write_trace(tmp_path / "trace.json")
     assert any(s.lane == "cosched" for s in rl.timeline.spans)
