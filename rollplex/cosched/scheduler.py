@@ -47,7 +47,10 @@ class CoScheduler:
         self.cuda = self.device.type == "cuda"
         # standalone throughput of prefix work; refined by `calibrate`
         self.tflops = tflops or (200.0 if self.cuda else 0.02)
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # decode runs on a high-priority stream while work is co-scheduled and the work on a low-priority
+        # one, so the block scheduler hands free SMs to decode first and the work fills what is left
+        self.stream = torch.cuda.Stream(self.device, priority=0) if self.cuda else None
+        self.decode_stream = torch.cuda.Stream(self.device, priority=-100) if self.cuda else None
         self.timeline: Timeline | None = None
         self._active = False
 
@@ -89,6 +92,18 @@ class CoScheduler:
 
     def _ms(self, flops: float) -> float:
         return flops / (self.tflops * 1e9)
+
+    @contextlib.contextmanager
+    def decode_priority(self):
+        """Run the engine's work inside on the high-priority stream (ordered after what came before)."""
+        if not self.cuda:
+            yield
+            return
+        cur = torch.cuda.current_stream(self.device)
+        self.decode_stream.wait_stream(cur)
+        with torch.cuda.stream(self.decode_stream):
+            yield
+        cur.wait_stream(self.decode_stream)
 
     # ---- engine hook ------------------------------------------------------------------------
     def on_prefill(self, requests) -> None:

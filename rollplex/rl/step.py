@@ -175,7 +175,8 @@ class RLStep:
                 self.cosched.begin(jobs, self.timeline, prefilled=prompts if frozen else ())
                 self.engine.hooks.append(self.cosched)
             try:
-                outs = self.engine.generate(prompts, params, keep_vision=frozen)
+                with self.cosched.decode_priority() if jobs else contextlib.nullcontext():
+                    outs = self.engine.generate(prompts, params, keep_vision=frozen)
             finally:
                 if jobs:
                     self.engine.hooks.remove(self.cosched)
