@@ -3,8 +3,8 @@
 During a rollout the RL step hands it `PrefixJob`s (the reference model's prefix of each prompt
 group, ...). It is registered as an engine hook and, per decode step:
 
-    on_decode_step(info)       takes the measured time of a finished step (the end-to-end period,
-                               which also catches a host that launched late) and asks the
+    on_decode_step(info)       takes the measured period of a finished step (end to end from the
+                               step before, which also catches a host that launched late), asks the
                                AdmissionController how much work to admit beside this step
     after_decode_launch(info)  launches those chunks on its own stream once the step is queued, so
                                the device runs both and the host's launch cost overlaps the decode
@@ -129,8 +129,9 @@ class CoScheduler:
         if not self._active:
             return
         self._poll()
-        ms = info.last_period_ms if info.last_period_ms is not None else info.last_step_ms
-        self._to_launch = self.ctrl.admit(info.step, info.batch_size, ms)
+        # only end-to-end periods between consecutive decode steps: the first step after a prefill or an
+        # idle gap has none (its own duration includes start-up effects and would inflate the baseline)
+        self._to_launch = self.ctrl.admit(info.step, info.batch_size, info.last_period_ms)
         if self.timeline is not None:
             self._step_marks.append((info.step, info.batch_size, self.timeline.now(),
                                      sum(c.cost_ms for c in self._to_launch)))
