@@ -257,7 +257,10 @@ def validate(client: Client, args, val_rows: list[dict]) -> dict:
     without retaining anything), score the answers with `--reward` here in the driver, and return
     verl's validation metrics plus `timing_s/testing`."""
     t0 = time.perf_counter()
-    fn = get_reward_fn(args.reward)
+    try:
+        fn = get_reward_fn(args.reward)
+    except ValueError as e:
+        raise SystemExit(f"validation: {e}") from None
     samples: list[tuple[str, int, dict[str, float]]] = []
     for lo in range(0, len(val_rows), args.val_batch_size):
         chunk = val_rows[lo:lo + args.val_batch_size]
