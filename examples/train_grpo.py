@@ -3,7 +3,8 @@
     python examples/train_grpo.py                                   # the embedded demo (tiny model,
                                                                     #  shape-colour task, in-process server)
     python examples/train_grpo.py --server http://127.0.0.1:30000 --data train.parquet --steps 200 \\
-        --rollout-batch-size 32 --n-samples 8 --save-dir ckpt --save-every 50
+        --rollout-batch-size 32 --n-samples 8 --save-dir ckpt --save-every 50 \\
+        --val-data test.parquet --eval-every 10 --logger jsonl,tensorboard --experiment geo3k
 
 Per step:  POST /rollout   (a batch of verl rows x n samples; the server retains the rollout)
            POST /train_step (rewards scored server-side by `--reward`, default: dispatch on data_source)
@@ -15,8 +16,16 @@ to it all the same.
 Data: verl rows (parquet or jsonl; `prompt`, `images`, `data_source`, `reward_model.ground_truth`);
 without --data the shape-colour demo set is written to LOG_DIR/shape_color_train.jsonl. Batches
 walk a seeded per-epoch permutation, so step k always sees the same prompts (and resume needs only k).
-Outputs in LOG_DIR: metrics.jsonl (verl metric names, one line per step), TensorBoard events when
-`torch.utils.tensorboard` imports, and reward.png (reward and throughput curves).
+
+Validation (verl's val_before_train, test_freq and val_kwargs): with --val-data the driver generates
+for every validation row through /rollout (`for_training: false`: nothing is retained; --val-n
+samples at --val-temperature, greedy by default), scores the answers itself with the same --reward,
+and logs `val-core/{data_source}/reward/mean@{n}` and friends: before the first step, every
+--eval-every steps and after the last one, with the metrics of the step they follow.
+
+Logging (`--logger`, repeatable or a comma list: console, jsonl, tensorboard, wandb; rollplex/loggers.py)
+into LOG_DIR (default runs/PROJECT/EXPERIMENT): metrics.jsonl (one object per step, verl metric names
+and a `step` key), tensorboard/, wandb/; and reward.png (reward and throughput curves).
 """
 
 from __future__ import annotations
@@ -27,8 +36,10 @@ import io
 import json
 import os
 import random
+import statistics
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 try:
@@ -40,38 +51,67 @@ import httpx
 from tqdm import tqdm
 
 from rollplex.data import load_rows, save_rows
+from rollplex.loggers import DEFAULT_NAMES as DEFAULT_LOGGERS
+from rollplex.loggers import LoggerConfig, Tracker, default_log_dir
+from rollplex.loggers import add_arguments as add_logger_arguments
+from rollplex.loggers import parse_names as parse_logger_names
 from rollplex.plots import plot_rewards
+from rollplex.rl.rewards import get_reward_fn, score
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None: such a flag's help says what leaving it out means."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default=None, help="HF dir / preset for the in-process server (default: tiny model)")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=_HelpFormatter)
+    ap.add_argument("--model", default=None, help="in-process server's model: HF checkpoint dir, HF model id from "
+                    "the local cache, or preset name (random weights: for benchmarks only) (default: the tiny "
+                    "demo model)")
     ap.add_argument("--data", default=None, help="verl rows, .parquet or .jsonl (default: the shape-colour demo)")
     ap.add_argument("--server", default=None, help="URL of a running `python -m rollplex.server` (default: in-process)")
-    ap.add_argument("--api-key", default=os.environ.get("ROLLPLEX_API_KEY"))
+    ap.add_argument("--api-key", default=None, help="the server's API key (default: $ROLLPLEX_API_KEY)")
     ap.add_argument("--mode", choices=["rollplex", "serial"], default="rollplex", help="in-process server's mode")
-    ap.add_argument("--device", choices=["cuda", "cpu"], default=None, help="in-process server's device")
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default=None, help="in-process server's device "
+                    "(default: cuda if available)")
+    ap.add_argument("--steps", type=int, default=300, help="training steps")
     ap.add_argument("--rollout-batch-size", type=int, default=32, help="prompts per step")
     ap.add_argument("--n-samples", type=int, default=16, help="samples per prompt (GRPO group size)")
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="default: 4 for the demo, else 256")
-    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="response length, also in validation "
+                    "(default: 4 for the demo, else 256)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature")
     ap.add_argument("--lr", type=float, default=None, help="default: 1e-3 for the demo, else the server's")
-    ap.add_argument("--kl-coef", type=float, default=None, help="in-process: the server's KL coefficient")
-    ap.add_argument("--reward", default="default", help="reward name or module:function (scored by the server)")
+    ap.add_argument("--kl-coef", type=float, default=None, help="KL coefficient (default: the server's)")
+    ap.add_argument("--reward", default="default", help="reward name or module:function (scored by the server in "
+                    "training, by this driver in validation)")
     ap.add_argument("--format-warmup-steps", type=int, default=None, help="in-process server; default: 30 for the"
                     " demo task, else 0")
     ap.add_argument("--target-reward", type=float, default=None, help="stop when the mean reward of the last 3"
                     " steps reaches it (default: 0.8 for the demo, else off)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="data order, sampling and the in-process server")
     ap.add_argument("--save-dir", default=None, help="checkpoints: SAVE_DIR/global_step_K; in-process: the server's"
                     " checkpoint root, with --server: a folder under that server's --checkpoint-root")
     ap.add_argument("--save-every", type=int, default=0, help="save every K steps (0: only at the end)")
     ap.add_argument("--resume", default=None, help="checkpoint dir to resume from (POST /load); in-process: under"
                     " --save-dir when given, with --server: under that server's --checkpoint-root")
-    ap.add_argument("--log-dir", default="runs/train_grpo")
     ap.add_argument("--timeout", type=float, default=600.0, help="HTTP timeout per request (s)")
+    val = ap.add_argument_group("validation (verl's val_kwargs, test_freq, val_before_train)")
+    val.add_argument("--val-data", default=None, help="validation rows, .parquet or .jsonl (default: none; the "
+                     "demo task with --eval-every writes its own)")
+    val.add_argument("--eval-every", type=int, default=0, help="validate every N steps and after the last one "
+                     "(0: no periodic validation)")
+    val.add_argument("--val-before-train", action=argparse.BooleanOptionalAction, default=True,
+                     help="validate before the first step (logged as that step, 0 on a fresh run)")
+    val.add_argument("--val-n", type=int, default=1, help="samples per validation prompt")
+    val.add_argument("--val-temperature", type=float, default=0.0, help="validation temperature (0: greedy)")
+    val.add_argument("--val-batch-size", type=int, default=256, help="validation prompts per /rollout request")
+    add_logger_arguments(ap, experiment="train_grpo")
     args = ap.parse_args(argv)
+    if args.api_key is None:
+        args.api_key = os.environ.get("ROLLPLEX_API_KEY")
     # the demo task's defaults follow the task, not where the server runs: `--server URL` against a server
     # started as the README says trains as the in-process demo does (the server's own lr is meant for real
     # models and leaves the tiny one flat)
@@ -84,9 +124,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.format_warmup_steps = 30 if demo else 0  # the demo task's answer format: never on user data
     if args.target_reward is None and demo:
         args.target_reward = 0.8
-    for name in ("steps", "rollout_batch_size", "n_samples", "max_new_tokens"):
+    if args.log_dir is None:
+        args.log_dir = default_log_dir(args.project, args.experiment)
+    for name in ("steps", "rollout_batch_size", "n_samples", "max_new_tokens", "val_n", "val_batch_size"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.eval_every < 0:
+        ap.error("--eval-every must be >= 0")
+    if not 0.0 <= args.val_temperature <= 100.0:
+        ap.error("--val-temperature must be in [0, 100]")
+    if args.eval_every and args.val_data is None and not demo:
+        ap.error("--eval-every needs --val-data")
+    try:
+        args.logger = list(parse_logger_names(args.logger or DEFAULT_LOGGERS))
+    except ValueError as e:
+        ap.error(str(e))
     return args
 
 
@@ -135,6 +187,24 @@ def load_dataset(args) -> list[dict]:
     return rows
 
 
+def load_val_dataset(args) -> list[dict]:
+    """The validation rows on the wire (encoded once), or [] without validation. The demo task with
+    --eval-every and no --val-data validates on its own held-out rows (the "test" split)."""
+    if args.val_data is None and args.eval_every:  # parse_args allows this only for the demo task
+        from rollplex.demo import shape_color
+
+        path = Path(args.log_dir) / "shape_color_val.jsonl"
+        if not path.exists():
+            save_rows(shape_color.make_rows(64, seed=args.seed, split="test"), path)
+        args.val_data = str(path)
+    if args.val_data is None:
+        return []
+    rows = load_rows(args.val_data)
+    if not rows:
+        raise SystemExit(f"{args.val_data}: no rows")
+    return [row_to_wire(r) for r in rows]
+
+
 def batch_indices(num_rows: int, step: int, batch_size: int, seed: int) -> list[int]:
     """Rows of step `step`: consecutive slices of a seeded permutation per epoch."""
     out, pos = [], step * batch_size
@@ -180,34 +250,99 @@ def start_server(args):
     return serve_in_thread(cfg)
 
 
-def _tensorboard(log_dir: Path):
+
+# ---- validation ---------------------------------------------------------------------------------
+def validate(client: Client, args, val_rows: list[dict]) -> dict:
+    """Generate for every validation row (`--val-n` samples at `--val-temperature`, through /rollout
+    without retaining anything), score the answers with `--reward` here in the driver, and return
+    verl's validation metrics plus `timing_s/testing`."""
+    t0 = time.perf_counter()
     try:
-        from torch.utils.tensorboard import SummaryWriter
-    except Exception:  # noqa: BLE001 - optional
-        return None
-    return SummaryWriter(str(log_dir / "tb"))
+        fn = get_reward_fn(args.reward)
+    except ValueError as e:
+        raise SystemExit(f"validation: {e}") from None
+    samples: list[tuple[str, int, dict[str, float]]] = []
+    for lo in range(0, len(val_rows), args.val_batch_size):
+        chunk = val_rows[lo:lo + args.val_batch_size]
+        sp = {"max_new_tokens": args.max_new_tokens, "temperature": args.val_temperature,
+              "seed": args.seed + lo * args.val_n}  # fixed across evaluations, so only the weights differ
+        ro = client.call("POST", "/rollout", {"prompts": chunk, "n": args.val_n, "sampling_params": sp,
+                                              "for_training": False})
+        for s in ro["samples"]:
+            i = s["prompt_index"]
+            row = chunk[i]
+            try:
+                value, extra = score(fn, row.get("data_source"), s["text"],
+                                     (row.get("reward_model") or {}).get("ground_truth"), row.get("extra_info"))
+            except Exception as e:  # noqa: BLE001 - the reward function's or the data's problem: say which row
+                raise SystemExit(f"validation: reward {args.reward!r} failed on {args.val_data} row {lo + i}: "
+                                 f"{type(e).__name__}: {e}") from e
+            samples.append((row.get("data_source") or "unknown", lo + i, {"reward": value, **extra}))
+    return {**validation_metrics(samples), "timing_s/testing": time.perf_counter() - t0}
 
 
+def _expected_max(values: list[float], draws: int) -> float:
+    """E[max of `draws` draws with replacement from `values`]: what verl's best@N bootstrap estimates."""
+    v, k = sorted(values), len(values)
+    return sum(x * ((i / k) ** draws - ((i - 1) / k) ** draws) for i, x in enumerate(v, start=1))
+
+
+def validation_metrics(samples: list[tuple[str, int, dict[str, float]]]) -> dict[str, float]:
+    """verl's validation metrics from (data_source, prompt id, {variable: value}) per sample.
+
+    Per data source and variable (`reward`, and any extra keys the reward function returns), averaged
+    over prompts: `mean@N` (N: samples per prompt) and, for N > 1, `std@N`, `best@N/mean` and
+    `worst@N/mean` (expected max / min of N draws from the prompt's samples, exact where verl
+    bootstraps). The core variable (`acc` when the reward returns it, else `reward`) is logged as
+    `val-core/{data_source}/{var}/mean@N` (and best@N), everything else under `val-aux/`.
+    """
+    groups: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))  # source -> var -> prompt -> values
+    for source, uid, values in samples:
+        for var, value in values.items():
+            groups[source][var][uid].append(float(value))
+    out: dict[str, float] = {}
+    for source, by_var in groups.items():
+        core = "acc" if "acc" in by_var else "reward"
+        for var, by_prompt in by_var.items():
+            per_prompt = list(by_prompt.values())
+            n = max(len(v) for v in per_prompt)
+            head, aux = f"{'val-core' if var == core else 'val-aux'}/{source}/{var}", f"val-aux/{source}/{var}"
+            out[f"{head}/mean@{n}"] = statistics.fmean(statistics.fmean(v) for v in per_prompt)
+            if n > 1:
+                out[f"{aux}/std@{n}"] = statistics.fmean(statistics.pstdev(v) for v in per_prompt)
+                out[f"{head}/best@{n}/mean"] = statistics.fmean(_expected_max(v, len(v)) for v in per_prompt)
+                out[f"{aux}/worst@{n}/mean"] = statistics.fmean(-_expected_max([-x for x in v], len(v))
+                                                                for v in per_prompt)
+    return out
+
+
+# ---- training -----------------------------------------------------------------------------------
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    log_dir = Path(args.log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     rows = load_dataset(args)
-    embedded = start_server(args) if args.server is None else None
-    url = args.server or embedded.url
-    client = Client(url, args.api_key, args.timeout)
+    val_rows = load_val_dataset(args)
+    # the loggers first: a missing optional package fails before the server loads a model
+    tracker = Tracker(LoggerConfig.from_args(args, append=bool(args.resume)))
+    embedded = None
     try:
-        return _train(args, client, rows, log_dir)
+        embedded = start_server(args) if args.server is None else None
+        client = Client(args.server or embedded.url, args.api_key, args.timeout)
+        try:
+            return _train(args, client, rows, val_rows, tracker)
+        finally:
+            client.http.close()
     finally:
-        client.http.close()
+        tracker.close()
         if embedded is not None:
             embedded.stop()
 
 
-def _train(args, client: Client, rows: list[dict], log_dir: Path) -> dict:
+def _train(args, client: Client, rows: list[dict], val_rows: list[dict], tracker: Tracker) -> dict:
     health = client.call("GET", "/health")
     print(f"server {client.http.base_url}: {health['model']} ({health['device']}, mode={health['mode']}), "
-          f"{len(rows)} rows from {args.data}", flush=True)
+          f"{len(rows)} rows from {args.data}" + (f", {len(val_rows)} validation rows" if val_rows else ""),
+          flush=True)
     start = 0
     if args.resume:
         resume = args.resume if args.server else str(Path(args.resume).resolve())  # in-process: from this cwd
@@ -215,49 +350,58 @@ def _train(args, client: Client, rows: list[dict], log_dir: Path) -> dict:
         start = int((loaded.get("data_state") or {}).get("step", loaded["global_step"]))
         print(f"resumed from {args.resume} at step {start}", flush=True)
     overrides = {k: v for k, v in (("lr", args.lr), ("kl_coef", args.kl_coef)) if v is not None}
-    tb = _tensorboard(log_dir)
     history: list[dict] = []
+    val: dict = {}
     saved = None
-    metrics_path = log_dir / "metrics.jsonl"
     sp = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
+    if val_rows and args.val_before_train:
+        val = validate(client, args, val_rows)
+        tracker.log(val, start)
+        print(_val_line(start, val), flush=True)
     bar = tqdm(range(start, args.steps), desc=f"GRPO ({health['mode']})", unit="step", initial=start,
                total=args.steps)
-    with open(metrics_path, "a" if args.resume else "w") as log:
-        for step in bar:
-            t0 = time.perf_counter()
-            batch = [row_to_wire(rows[i]) for i in batch_indices(len(rows), step, args.rollout_batch_size, args.seed)]
-            ro = client.call("POST", "/rollout", {"prompts": batch, "n": args.n_samples, "sampling_params": sp})
-            m = client.call("POST", "/train_step", {"rollout_id": ro["rollout_id"], "reward": args.reward, **overrides})
-            m.update({"driver/step": step + 1, "timing_s/driver_step": time.perf_counter() - t0})
-            history.append(m)
-            log.write(json.dumps(m) + "\n")
-            log.flush()
-            if tb is not None:
-                for k, v in m.items():
-                    if isinstance(v, (int, float)):
-                        tb.add_scalar(k, v, step + 1)
-            recent = [h["critic/score/mean"] for h in history[-3:]]
-            bar.set_postfix(reward=f"{m['critic/score/mean']:.2f}", avg3=f"{sum(recent) / len(recent):.2f}")
-            if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
-                saved = _save(client, args, step + 1)
-            if args.target_reward is not None and len(recent) == 3 and sum(recent) / 3 >= args.target_reward:
-                bar.write(f"target reward {args.target_reward} reached at step {step + 1}")
-                break
+    for step in bar:
+        t0 = time.perf_counter()
+        batch = [row_to_wire(rows[i]) for i in batch_indices(len(rows), step, args.rollout_batch_size, args.seed)]
+        ro = client.call("POST", "/rollout", {"prompts": batch, "n": args.n_samples, "sampling_params": sp})
+        m = client.call("POST", "/train_step", {"rollout_id": ro["rollout_id"], "reward": args.reward, **overrides})
+        m["timing_s/driver_step"] = time.perf_counter() - t0
+        history.append(m)
+        recent = [h["critic/score/mean"] for h in history[-3:]]
+        bar.set_postfix(reward=f"{m['critic/score/mean']:.2f}", avg3=f"{sum(recent) / len(recent):.2f}")
+        reached = args.target_reward is not None and len(recent) == 3 and sum(recent) / 3 >= args.target_reward
+        last = reached or step + 1 == args.steps
+        if val_rows and args.eval_every and ((step + 1) % args.eval_every == 0 or last):
+            val = validate(client, args, val_rows)  # logged with the step it follows, as verl does
+            m.update(val)
+            bar.write(_val_line(step + 1, val))
+        tracker.log(m, step + 1)
+        if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
+            saved = _save(client, args, step + 1)
+        if reached:
+            bar.write(f"target reward {args.target_reward} reached at step {step + 1}")
+            break
     bar.close()
-    if tb is not None:
-        tb.close()
     done = start + len(history)
     if args.save_dir and history and (not args.save_every or done % args.save_every):
         saved = _save(client, args, done)
+    log_dir = Path(args.log_dir)
     png = plot_rewards(history, log_dir / "reward.png") if history else None
-    summary = {"steps": len(history), "final_step": done, "metrics": str(metrics_path),
-               "plot": str(png) if png else None, "checkpoint": saved}
+    metrics_path = log_dir / "metrics.jsonl" if "jsonl" in args.logger else None
+    summary = {"steps": len(history), "final_step": done, "log_dir": str(log_dir),
+               "metrics": str(metrics_path) if metrics_path else None, "plot": str(png) if png else None,
+               "checkpoint": saved, "val": val}
     if history:
-        last = [h["critic/score/mean"] for h in history[-3:]]
-        summary.update(first_reward=history[0]["critic/score/mean"], last_reward=sum(last) / len(last))
+        last3 = [h["critic/score/mean"] for h in history[-3:]]
+        summary.update(first_reward=history[0]["critic/score/mean"], last_reward=sum(last3) / len(last3))
         print(f"mean reward {summary['first_reward']:.2f} (first step) -> {summary['last_reward']:.2f} "
-              f"(last {len(last)} steps); metrics: {metrics_path}" + (f", plot: {png}" if png else ""), flush=True)
+              f"(last {len(last3)} steps); logs: {log_dir}" + (f", plot: {png}" if png else ""), flush=True)
     return summary
+
+
+def _val_line(step: int, val: dict) -> str:
+    core = ", ".join(f"{k.removeprefix('val-core/')} {v:.3f}" for k, v in val.items() if k.startswith("val-core/"))
+    return f"validation at step {step}: {core} ({val['timing_s/testing']:.1f}s)"
 
 
 def _save(client: Client, args, step: int) -> str:

@@ -1,17 +1,22 @@
-"""Model presets: the real shapes of Qwen2.5-VL-3B/7B/32B (random init, for benchmarks) and `tiny`.
+"""Model presets: the real shapes of Qwen2.5-VL-3B/7B/32B with RANDOM weights, for benchmarks.
 
-`configs/<name>.json` holds each preset as an HF config.json; `resolve_model_config(name_or_dir)`
-accepts either a preset name or a checkpoint directory.
+A preset is only a shape: `preset(name)` is its ModelConfig and `random_model(name)` builds it with
+random weights (and no tokenizer). Such a model answers noise, so `random_model` logs a warning that
+names the preset and how to load the real weights: a checkpoint directory, or a Hugging Face model id
+(`Qwen/Qwen2.5-VL-3B-Instruct`) from the local cache (rollplex/models/hub.py).
+`configs/<name>.json` holds each preset as an HF config.json (`python -m rollplex.presets` writes them).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from .models.config import ModelConfig, TextConfig, VisionConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+log = logging.getLogger("rollplex.presets")
 
 
 def _vl(text: TextConfig, **vision) -> ModelConfig:
@@ -29,16 +34,47 @@ PRESETS: dict[str, ModelConfig] = {
                                      num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
                                      tie_word_embeddings=False)),
 }
+# the released checkpoints with these shapes
+HUB_IDS = {"qwen2.5-vl-3b": "Qwen/Qwen2.5-VL-3B-Instruct", "qwen2.5-vl-7b": "Qwen/Qwen2.5-VL-7B-Instruct",
+           "qwen2.5-vl-32b": "Qwen/Qwen2.5-VL-32B-Instruct"}
 
 
 def preset(name: str) -> ModelConfig:
-    key = name.lower().removesuffix("-instruct").replace("qwen2_5", "qwen2.5")
+    key = _key(name)
     if key in PRESETS:
         return PRESETS[key]
     path = CONFIG_DIR / f"{key}.json"
     if path.exists():
         return ModelConfig.from_hf(json.loads(path.read_text()))
-    raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)} or a checkpoint directory")
+    raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}, a checkpoint directory "
+                     "or a Hugging Face model id (org/name)")
+
+
+def _key(name: str) -> str:
+    return name.lower().removesuffix("-instruct").replace("qwen2_5", "qwen2.5")
+
+
+def random_weights_warning(name: str) -> str:
+    real = HUB_IDS.get(_key(name))
+    example = f"--model {real} (fill the cache with `huggingface-cli download {real}`)" if real else \
+        "--model ORG/NAME"
+    return (f"model preset {name!r} has RANDOM weights (the real shapes, untrained): its answers are noise, "
+            f"it is meant for benchmarks. For real weights pass a checkpoint directory, or a Hugging Face model "
+            f"id from the local cache: {example}")
+
+
+def random_model(name: str, device="cpu", dtype=None, seed: int = 0):
+    """The preset's model with random weights (seeded) on `device`, in `dtype` (default float32); logs
+    `random_weights_warning`."""
+    import torch
+
+    from .models import Qwen25VL, init_weights
+
+    cfg = preset(name)
+    log.warning("%s", random_weights_warning(name))
+    with torch.device(device):
+        model = init_weights(Qwen25VL(cfg), seed=seed, std=0.02)
+    return model.to(dtype or torch.float32)
 
 
 def write_preset_files(out_dir: Path = CONFIG_DIR) -> None:

@@ -5,12 +5,14 @@
    option letter and stop — it learns the format, not the answer, so it scores chance (0.25).
 3. GRPO with the native engine (shared weights), shared-prefix scoring and training until the mean
    reward reaches the target; a progress bar per step; a reward curve PNG at the end.
+
+Metrics (verl names) go to the loggers chosen with `--logger` (rollplex/loggers.py; default: jsonl, i.e.
+LOG_DIR/metrics.jsonl), LOG_DIR defaulting to runs/PROJECT/EXPERIMENT.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from pathlib import Path
@@ -18,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..engine import Engine, EngineConfig
+from ..loggers import LoggerConfig, Tracker, add_arguments, default_log_dir
 from ..models import load_model
 from ..plots import plot_rewards
 from ..processor import VLProcessor
@@ -28,20 +31,45 @@ from . import shape_color
 from .tiny import ensure_tiny
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None: such a flag's help says what leaving it out means."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m rollplex.demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="HF checkpoint dir (default: the embedded tiny model)")
-    ap.add_argument("--mode", default="rollplex", choices=["rollplex", "serial"])
+    ap = argparse.ArgumentParser(prog="python -m rollplex.demo", description=__doc__.splitlines()[0],
+                                 formatter_class=_HelpFormatter)
+    ap.add_argument("--model", default=None, help="HF checkpoint dir (default: the embedded tiny model, whose "
+                    "random weights this demo trains)")
+    ap.add_argument("--mode", default="rollplex", choices=["rollplex", "serial"], help="rollplex: shared-prefix "
+                    "scoring and training; serial: verl's per-sample order")
     ap.add_argument("--steps", type=int, default=300, help="max GRPO steps (stops early at --target)")
     ap.add_argument("--target", type=float, default=0.8, help="stop when the mean reward of 3 steps reaches it")
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--n", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    ap.add_argument("--n", type=int, default=16, help="samples per prompt (GRPO group size)")
+    ap.add_argument("--lr", type=float, default=1e-3, help="learning rate")
     ap.add_argument("--kl-coef", type=float, default=0.0, help="KL loss to the warmed-up reference policy")
-    ap.add_argument("--warmup-steps", type=int, default=30)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="runs/demo")
+    ap.add_argument("--warmup-steps", type=int, default=30, help="format warm-up steps (random option letters)")
+    ap.add_argument("--seed", type=int, default=0, help="data, warm-up and sampling seed")
+    add_arguments(ap, experiment="demo")
+    ap.add_argument("--out", dest="log_dir", help="the same as --log-dir")
     args = ap.parse_args(argv)
+    if args.log_dir is None:
+        args.log_dir = default_log_dir(args.project, args.experiment)
+    try:
+        logger_cfg = LoggerConfig.from_args(args)
+    except ValueError as e:
+        ap.error(str(e))
+    tracker = Tracker(logger_cfg)  # before the model: a missing logger package fails at once
+    try:
+        _run(args, tracker)
+    finally:
+        tracker.close()
+
+
+def _run(args, tracker: Tracker) -> None:
     torch.manual_seed(args.seed)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     path = args.model or ensure_tiny()
@@ -49,8 +77,7 @@ def main(argv=None) -> None:
     model = load_model(path, device=device)
     proc = VLProcessor.from_pretrained(path)
     rows = shape_color.make_rows(512, seed=args.seed)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(args.log_dir)
     t0 = time.perf_counter()
     loss = format_warmup(model, proc, rows, shape_color.LETTERS, args.warmup_steps, lr=1e-3, seed=args.seed)
     print(f"format warm-up: {args.warmup_steps} steps on random letters, loss {loss:.3f} "
@@ -69,19 +96,17 @@ def main(argv=None) -> None:
     for _ in bar:
         m = rl.step(rng.sample(rows, args.prompts))
         history.append(m)
+        tracker.log(m, len(history))
         recent = sum(h["critic/score/mean"] for h in history[-3:]) / len(history[-3:])
         bar.set_postfix(reward=f"{m['critic/score/mean']:.2f}", avg3=f"{recent:.2f}")
         if len(history) >= 3 and recent >= args.target:
             break
     bar.close()
-    with open(out / "metrics.jsonl", "w") as f:
-        for h in history:
-            f.write(json.dumps(h) + "\n")
     png = plot_rewards(history, out / "reward.png")
     first, last = history[0]["critic/score/mean"], sum(h["critic/score/mean"] for h in history[-3:]) / 3
     print(f"mean reward: {first:.2f} (step 1) -> {last:.2f} (last 3 steps) in {len(history)} steps, "
           f"{time.perf_counter() - t0:.0f}s total")
-    print(f"metrics: {out / 'metrics.jsonl'}" + (f", plot: {png}" if png else ""))
+    print(f"logs: {out}" + (f", plot: {png}" if png else ""))
 
 
 if __name__ == "__main__":

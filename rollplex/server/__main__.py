@@ -2,6 +2,7 @@
 
     python -m rollplex.server                                # the embedded tiny model, 127.0.0.1:30000
     python -m rollplex.server --model /ckpt/Qwen2.5-VL-3B-Instruct --api-key $KEY --n 8 --lr 1e-6
+    python -m rollplex.server --model qwen2.5-vl-3b          # a preset: real shapes, RANDOM weights (benchmarks)
 
 Flags fill ServerConfig (state.py): its own fields, then one flag per field of the RLConfig and the
 EngineConfig it nests, named after the field (`--kl-coef`, `--max-model-len`, `--no-packed`), so a
@@ -93,13 +94,14 @@ def parser() -> argparse.ArgumentParser:
 
     ap = argparse.ArgumentParser(prog="python -m rollplex.server", description=__doc__.splitlines()[0],
                                  formatter_class=_HelpFormatter)
-    ap.add_argument("--model", default=None, help="HF checkpoint dir or preset name (default: embedded tiny model)")
+    ap.add_argument("--model", default=None, help="HF checkpoint dir, HF model id from the local cache, or preset "
+                    "name (qwen2.5-vl-3b/7b/32b: RANDOM weights, for benchmarks only) (default: embedded tiny model)")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
     ap.add_argument("--port", type=int, default=30000, help="port to listen on")
     ap.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if available")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                     help="default: bfloat16 on cuda, float32 on cpu")
-    ap.add_argument("--api-key", default=os.environ.get("ROLLPLEX_API_KEY"),
+    ap.add_argument("--api-key", default=None,  # read after parsing: a default would print the key in --help
                     help="require 'Authorization: Bearer KEY' (default: $ROLLPLEX_API_KEY)")
     ap.add_argument("--reward", default="default", help="reward for /train_step without rewards (name or module:fn)")
     ap.add_argument("--format-warmup-steps", type=int, default=0,
@@ -137,7 +139,8 @@ def config_from_args(args):
                 value = given["seed" if f.name == "seed" else f"{section}.{f.name}"]
                 kw[f.name] = tuple(value) if isinstance(value, list) else value
         nested[section] = cls(**kw)
-    return ServerConfig(model=args.model, device=args.device, dtype=args.dtype, api_key=args.api_key,
+    api_key = args.api_key if args.api_key is not None else os.environ.get("ROLLPLEX_API_KEY")
+    return ServerConfig(model=args.model, device=args.device, dtype=args.dtype, api_key=api_key,
                         reward=args.reward, format_warmup_steps=args.format_warmup_steps,
                         rollout_ttl_s=args.rollout_ttl, max_rollouts=args.max_rollouts,
                         checkpoint_root=args.checkpoint_root, **nested)

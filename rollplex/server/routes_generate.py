@@ -33,16 +33,16 @@ def router(state) -> APIRouter:
     r = APIRouter()
     defaults = {"max_new_tokens": state.cfg.rl.max_new_tokens}
 
-    def sample_items(spec, ticket, out, extra, latency) -> list[dict]:
+    def sample_items(spec, t, out, extra, latency) -> list[dict]:
         items = []
-        base = spec.rid or out.request_id
+        base = spec.rid or t.rid
         n = len(out.samples)
         in_lp = sglang.input_logprobs(out, spec.params.logprob_start_len, extra and extra["in"]) \
             if spec.return_logprob else None
         for j, s in enumerate(out.samples):
             reason = sglang.finish_reason(s.finish_reason, s.matched_stop, len(s.token_ids))
             items.append(sglang.sample_dict(
-                base if n == 1 else f"{base}-{j}", len(out.prompt_token_ids), s.token_ids, s.logprobs, s.text,
+                sglang.sample_id(base, n, j), len(out.prompt_token_ids), s.token_ids, s.logprobs, s.text,
                 reason, spec.return_logprob, extra and extra["out"][j], in_lp, latency))
         return items
 
@@ -82,8 +82,8 @@ async def _stream(state, specs, tickets, offsets, request, sample_items, t0):
                 return
             if kind == "update":
                 j, ids, lps, text = rest
-                chunk = sglang.sample_dict(spec.rid or t.rid, t.prompt_tokens, ids, lps, text, None,
-                                           spec.return_logprob)
+                chunk = sglang.sample_dict(sglang.sample_id(spec.rid or t.rid, spec.params.n, j), t.prompt_tokens,
+                                           ids, lps, text, None, spec.return_logprob)
                 chunk["index"] = offsets[t.index] + j
                 yield f"data: {json.dumps(chunk)}\n\n"
             elif kind == "done":

@@ -139,6 +139,12 @@ def _triples(logprobs, ids, texts) -> list[list]:
     return [[lp, t, s] for lp, t, s in zip(logprobs, ids, texts)]
 
 
+def sample_id(base: str, n: int, j: int) -> str:
+    """`meta_info.id` of sample j of a prompt with n samples: the request's id, suffixed `-j` when n > 1.
+    Every streamed chunk of the sample and the non-streaming answer carry this one id."""
+    return base if n == 1 else f"{base}-{j}"
+
+
 def sample_dict(rid: str, prompt_tokens: int, ids: list[int], logprobs: list[float], text: str | None,
                 reason: dict | None, want_logprob: bool, token_texts: list | None = None,
                 input_logprobs: list | None = None, latency: float | None = None) -> dict:

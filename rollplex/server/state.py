@@ -99,7 +99,7 @@ def confine(root: str | Path, path: str) -> Path:
 
 def _load_policy(cfg: ServerConfig):
     """(model dir or None, model, processor or None)."""
-    from ..models import Qwen25VL, init_weights, load_model
+    from ..models import load_model
     from ..models.hub import looks_like_hub_id, resolve_model_dir
     from ..processor import VLProcessor
 
@@ -111,13 +111,11 @@ def _load_policy(cfg: ServerConfig):
     elif Path(cfg.model).is_dir() or looks_like_hub_id(cfg.model):  # a directory or a cached HF model id
         path = resolve_model_dir(cfg.model)
     else:  # a preset: the real shapes with random weights and no tokenizer (token-id prompts only)
-        from ..presets import preset
+        from ..presets import random_model
 
-        mcfg = preset(cfg.model)
-        log.warning("preset %s: random weights, no tokenizer; prompts must be input_ids", cfg.model)
-        with torch.device(cfg.device):
-            model = init_weights(Qwen25VL(mcfg), seed=cfg.rl.seed, std=0.02)
-        return None, model.to(dtype).eval(), None
+        model = random_model(cfg.model, cfg.device, dtype, seed=cfg.rl.seed)  # warns: random weights
+        log.warning("preset %s has no tokenizer: prompts must be input_ids", cfg.model)
+        return None, model.eval(), None
     return path, load_model(path, cfg.device, dtype).eval(), VLProcessor.from_pretrained(path)
 
 
