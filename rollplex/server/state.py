@@ -84,6 +84,10 @@ class ServerConfig:
             raise ValueError(f"dtype must be bfloat16 or float32, got {self.dtype!r}")
         if self.format_warmup_steps < 0:
             raise ValueError("format_warmup_steps must be >= 0")
+        if self.rl.cosched:
+            # /rollout runs requests through the engine loop shared with /generate, which does not host the
+            # co-scheduler; a silently ignored flag would report numbers it did not produce
+            raise ValueError("cosched is not available in the server yet (RLStep.step and the bench run it)")
 
 
 def confine(root: str | Path, path: str) -> Path:
