@@ -85,10 +85,9 @@ class CoScheduler:
         self._active = True
 
     def _enqueue(self, job: PrefixJob, prio: int) -> None:
-        f0, f_layer = job.unit_flops()
-        self.queue.add(WorkItem(f"{job.key}/embed", job.key.split("/")[0], 2 * prio, self._ms(f0), 1))
-        self.queue.add(WorkItem(f"{job.key}/layers", job.key.split("/")[0], 2 * prio + 1,
-                                self._ms(f_layer * job.num_layers), job.num_layers))
+        kind = job.key.split("/")[0]
+        for k, (part, units, per_unit) in enumerate(job.parts()):  # in order: a part's units follow the last's
+            self.queue.add(WorkItem(f"{job.key}/{part}", kind, 3 * prio + k, self._ms(per_unit * units), units))
 
     def _ms(self, flops: float) -> float:
         return flops / (self.tflops * 1e9)
@@ -153,7 +152,7 @@ class CoScheduler:
     def _launch(self, chunk: Chunk) -> bool:
         key, part = chunk.item.key.rsplit("/", 1)
         job = self.jobs[key]
-        start, stop = (0, 1) if part == "embed" else (chunk.start + 1, chunk.stop + 1)
+        start, stop = job.part_units(part, chunk.start, chunk.stop)
         ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
         region = self.memory.region("prefix_states") if self.memory is not None else contextlib.nullcontext()
         tl = self.timeline
@@ -210,7 +209,7 @@ class CoScheduler:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
             main = torch.cuda.current_stream(self.device)
             for job in self.jobs.values():  # tensors made on the side stream, read and freed on the main one
-                for t in _job_tensors(job):
+                for t in job.tensors():
                     t.record_stream(main)
         for rec in self._inflight:
             self.ctrl.complete(rec[0])
@@ -232,16 +231,3 @@ class CoScheduler:
         if flops > 0 and seconds > 0:
             measured = flops / seconds / 1e12
             self.tflops = 0.5 * self.tflops + 0.5 * measured
-
-
-def _job_tensors(job: PrefixJob) -> list[torch.Tensor]:
-    ts = [*job.keys, *job.values]
-    for t in (job._x, job._delta, job._cos, job._sin):
-        if t is not None:
-            ts.append(t)
-    if job.state is not None:
-        s = job.state
-        ts += [*s.keys, *s.values, s.lens, s.rope_delta, s.last_hidden]
-    if job._e is not None:
-        ts += [job._e.embeds, job._e.positions, job._e.lens, job._e.rope_delta]
-    return [t for t in ts if t.is_cuda]

@@ -159,11 +159,18 @@ class Qwen25VL(nn.Module):
     def _visual_features(self, prompts: Sequence[ModelInputs]) -> list[torch.Tensor | None]:
         """Per prompt, its merged visual features (images, then videos) or None without any: the
         prompt's `vision_embeds` when given, otherwise from one vision-tower call for the whole batch."""
-        cfg, dev = self.cfg, self.inv_freq.device
-        m2 = cfg.vision.spatial_merge_size**2
+        batch = self.vision_batch(prompts)
+        feats = self.visual(*batch[:2]) if batch is not None else None
+        return self.split_visual(prompts, feats, batch)
+
+    def vision_batch(self, prompts: Sequence[ModelInputs]):
+        """(pixels, grids, owners) of the prompts that need the vision tower (no `vision_embeds`), every
+        image of the batch then every video, for one tower call; None when no prompt needs it."""
+        m2 = self.cfg.vision.spatial_merge_size**2
+        dev = self.inv_freq.device
         run = [i for i, p in enumerate(prompts) if p.vision_embeds is None and p.has_vision]
         pixels, grids, owner = [], [], []
-        for kind in ("image", "video"):  # every image of the batch, then every video: one tower call
+        for kind in ("image", "video"):
             for i in run:
                 p = prompts[i]
                 pv, g = (p.pixel_values, p.image_grids) if kind == "image" else (p.pixel_values_videos, p.video_grids)
@@ -173,9 +180,16 @@ class Qwen25VL(nn.Module):
                     pixels.append(pv)
                     grids.extend(g)
                     owner.append((i, sum(t * h * w // m2 for t, h, w in g)))
+        if not pixels:
+            return None
+        return torch.cat([to_device(t, dev) for t in pixels]), grids, owner
+
+    def split_visual(self, prompts: Sequence[ModelInputs], feats: torch.Tensor | None, batch) -> list:
+        """The tower's output for `vision_batch(prompts)` -> per prompt features (or its vision_embeds)."""
+        dev = self.inv_freq.device
         parts: dict[int, list[torch.Tensor]] = {}
-        if pixels:
-            feats = self.visual(torch.cat([to_device(t, dev) for t in pixels]), grids)
+        if feats is not None:
+            owner = batch[2]
             for (i, n), f in zip(owner, feats.split([n for _, n in owner])):
                 parts.setdefault(i, []).append(f)  # a prompt's images come before its videos
         out: list[torch.Tensor | None] = []

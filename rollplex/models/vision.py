@@ -179,6 +179,13 @@ class VisionTower(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]] | torch.Tensor):
         """pixel_values [n_patches, C*T*P*P] -> merged embeddings [n_patches / merge^2, out_hidden]."""
+        st = self.begin(pixel_values, grid_thw)
+        for i in range(len(self.blocks)):
+            self.run_block(i, st)
+        return self.end(st)
+
+    # the forward in pieces (a co-scheduler runs it a block at a time): begin, run_block per block, end
+    def begin(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]] | torch.Tensor) -> VisionState:
         if isinstance(grid_thw, torch.Tensor):
             grid_thw = [tuple(g) for g in grid_thw.tolist()]
         n = sum(t * h * w for t, h, w in grid_thw)
@@ -188,6 +195,21 @@ class VisionTower(nn.Module):
         w = self.patch_embed.weight
         x = self.permute(self.patch_embed(pixel_values.to(w.dtype)), layout.window_index)
         cos, sin = (self.permute(c, layout.window_index) for c in self.rotary(layout))
-        for i, blk in enumerate(self.blocks):
-            x = self.block(blk, x, cos, sin, layout.frames if i in self.full_blocks else layout.windows)
-        return self.merger(x)[layout.reverse_index]
+        return VisionState(x, cos, sin, layout)
+
+    def run_block(self, i: int, st: VisionState) -> None:
+        seg = st.layout.frames if i in self.full_blocks else st.layout.windows
+        st.x = self.block(self.blocks[i], st.x, st.cos, st.sin, seg)
+
+    def end(self, st: VisionState) -> torch.Tensor:
+        return self.merger(st.x)[st.layout.reverse_index]
+
+
+@dataclass
+class VisionState:
+    """The vision tower's running state between blocks."""
+
+    x: torch.Tensor  # [n_patches, hidden], window order
+    cos: torch.Tensor
+    sin: torch.Tensor
+    layout: VisionLayout

@@ -200,11 +200,11 @@ class RLStep:
         if self.ref is not None and cfg.kl_coef > 0 and (
                 self.memory is None or self.memory.plan.get("rollout", "ref_weights") == "resident"):
             # a frozen tower's encodings come from the engine's prefill, unless the reference's tower differs
-            ref_prompts = prompts if (not frozen or self._ref_same_vision) else [
-                replace(p, vision_embeds=None) for p in prompts]
-            out["ref"] = PrefixRows.plan(self.ref, ref_prompts, per_job, "ref")
+            shared = frozen and self._ref_same_vision
+            ref_prompts = prompts if shared or not frozen else [replace(p, vision_embeds=None) for p in prompts]
+            out["ref"] = PrefixRows.plan(self.ref, ref_prompts, per_job, "ref", external_vision=shared)
         if cfg.num_updates > 1:
-            out["old"] = PrefixRows.plan(self.model, prompts, per_job, "old")
+            out["old"] = PrefixRows.plan(self.model, prompts, per_job, "old", external_vision=frozen)
         return out
 
     def compute_rewards(self, batch: RolloutBatch, reward: RewardFn | str | None = None) -> tuple[torch.Tensor, dict]:
@@ -282,7 +282,7 @@ class RLStep:
         if rows is None:
             return
         left = [j for j in rows.jobs if not j.done]
-        flops = sum(_left_flops(j) for j in left)
+        flops = sum(j.left_flops() for j in left)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
@@ -312,11 +312,6 @@ class RLStep:
         m["perf/throughput"] = tokens / m["timing_s/step"]
         m["training/global_step"] = self.step_idx
         return m
-
-
-def _left_flops(job) -> float:
-    f0, f_layer = job.unit_flops()
-    return (f0 if job.next_unit == 0 else 0.0) + f_layer * (job.units - max(job.next_unit, 1))
 
 
 def _capacity(device: torch.device, memory: MemoryManager) -> int:
