@@ -6,8 +6,10 @@ step; the controller answers with the chunks to launch beside that step, and hea
 
 Control law, per batch-size bucket (the buckets match the decode graphs' batch sizes, so one bucket
 has one no-overlap step time):
-- Baseline: steps run with nothing in flight are clean; their times feed an EMA, the bucket's
-  no-overlap step time. A bucket admits nothing until it has `baseline_samples` clean steps, and
+- Baseline: steps run with nothing in flight are clean; they give the bucket's no-overlap step time:
+  a faster clean step replaces it at once (start-up effects and host hiccups only make steps slower,
+  and a baseline taken from one would make every loaded step look fast); slower ones move it up as
+  an EMA, each sample clipped to 1.5x (contexts grow, so the true time drifts up). A bucket admits nothing until it has `baseline_samples` clean steps, and
   every `reprobe_every` of its steps it forces one clean step (step time drifts as contexts grow).
 - Feedback: a loaded step's slowdown is `step_ms / baseline - 1`. Under the target band
   (`bound * (1 - headroom)`) the per-step budget grows additively by `increase * baseline`; over the
@@ -184,7 +186,10 @@ class AdmissionController:
         cfg, b = self.config, self._state(rec.bucket)
         if not rec.loaded:
             ema = cfg.baseline_ema
-            b.baseline_ms = ms if b.baseline_ms is None else (1 - ema) * b.baseline_ms + ema * ms
+            if b.baseline_ms is None or ms < b.baseline_ms:  # noise only ever makes a step slower
+                b.baseline_ms = ms
+            else:  # contexts grow: drift up, but one odd step (a host hiccup) by at most half of itself
+                b.baseline_ms = (1 - ema) * b.baseline_ms + ema * min(ms, 1.5 * b.baseline_ms)
             b.clean += 1
             if b.budget_ms is None and b.clean >= cfg.baseline_samples:
                 larger = [self._buckets[k].budget_ms for k in sorted(self._buckets) if k > rec.bucket
