@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..cosched import Timeline
 from ..engine import Engine, EngineConfig
 from ..loggers import LoggerConfig, Tracker, add_arguments, default_log_dir
 from ..models import load_model
@@ -53,9 +54,18 @@ def main(argv=None) -> None:
     ap.add_argument("--kl-coef", type=float, default=0.0, help="KL loss to the warmed-up reference policy")
     ap.add_argument("--warmup-steps", type=int, default=30, help="format warm-up steps (random option letters)")
     ap.add_argument("--seed", type=int, default=0, help="data, warm-up and sampling seed")
+    ap.add_argument("--freeze-vision-tower", action="store_true",
+                    help="no gradient into the vision tower; the engine's prefill encodings are reused")
+    ap.add_argument("--cosched", action="store_true",
+                    help="run the reference's prefix beside the rollout's decode steps (needs --kl-coef > 0)")
+    ap.add_argument("--trace", default=None,
+                    help="write the run's phases and co-scheduled work as a Chrome/Perfetto trace (JSON) here, "
+                         "and its timeline as a PNG beside it")
     add_arguments(ap, experiment="demo")
     ap.add_argument("--out", dest="log_dir", help="the same as --log-dir")
     args = ap.parse_args(argv)
+    if args.cosched and args.kl_coef <= 0:
+        ap.error("--cosched moves the reference model's prefix work: it needs --kl-coef > 0")
     if args.log_dir is None:
         args.log_dir = default_log_dir(args.project, args.experiment)
     try:
@@ -86,8 +96,11 @@ def _run(args, tracker: Tracker) -> None:
         model.compile()
     engine = Engine(model, proc, EngineConfig(max_num_seqs=256, max_model_len=512))
     cfg = RLConfig(mode=args.mode, n=args.n, temperature=1.0, max_new_tokens=4, lr=args.lr, kl_coef=args.kl_coef,
-                   micro_batch_prompts=8, micro_batch_samples=32, seed=args.seed, grad_clip=1.0)
+                   micro_batch_prompts=8, micro_batch_samples=32, seed=args.seed, grad_clip=1.0,
+                   freeze_vision_tower=args.freeze_vision_tower, cosched=args.cosched)
     rl = RLStep(model, engine, cfg, proc, reward_fn="shape_color")
+    if args.trace:
+        rl.timeline = Timeline(model.inv_freq.device)
     rng = random.Random(args.seed)
     history: list[dict] = []
     from tqdm import tqdm
@@ -103,6 +116,10 @@ def _run(args, tracker: Tracker) -> None:
             break
     bar.close()
     png = plot_rewards(history, out / "reward.png")
+    if rl.timeline is not None:
+        trace = rl.timeline.write_trace(args.trace)
+        timeline_png = rl.timeline.plot(Path(args.trace).with_suffix(".png"), title="demo: phases and prefix work")
+        print(f"trace: {trace}" + (f", timeline: {timeline_png}" if timeline_png else ""))
     first, last = history[0]["critic/score/mean"], sum(h["critic/score/mean"] for h in history[-3:]) / 3
     print(f"mean reward: {first:.2f} (step 1) -> {last:.2f} (last 3 steps) in {len(history)} steps, "
           f"{time.perf_counter() - t0:.0f}s total")
