@@ -71,3 +71,12 @@ def test_step_bench_without_warm_up_times_the_first_step(tiny_dir, capsys):
     assert [r["step"] for r in rows if r["bench"] == "step" and r["workload"] == "w3b-video"] == ["first", "first"]
     (summary,) = [r for r in rows if r["bench"] == "step_summary"]
     assert summary["step"] == "first" and summary["serial"] > summary["gen_s"] and "cosched" not in summary
+
+
+def test_memory_bench_runs_steps_under_the_manager(capsys):
+    from rollplex.bench import memory
+
+    memory.main(["--workloads", "tiny", "--device", "cpu", "--no-compile", "--micro-prompts", "1"])
+    rows = _rows(capsys)
+    steps = [r for r in rows if r.get("micro_batch_prompts") is not None]
+    assert steps and all(r["micro_batch_prompts"] == 1 for r in steps)

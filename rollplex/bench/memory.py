@@ -99,7 +99,7 @@ def run(label: str, args) -> list[dict]:
                                            gpu_memory_utilization=args.gpu_memory_utilization,
                                            kv_cache_tokens=None if cuda else 16384,
                                            max_num_batched_tokens=40000), memory=mm)
-    rl_cfg = RLConfig(n=n, max_new_tokens=new_tokens, kl_coef=0.001, lr=1e-6, micro_batch_prompts=micro,
+    rl_cfg = RLConfig(n=n, max_new_tokens=new_tokens, kl_coef=0.001, lr=1e-6, micro_batch_prompts=args.micro_prompts or micro,
                       gradient_checkpointing=args.gradient_checkpointing)
     rl = RLStep(model, eng, rl_cfg, reward_fn="exact", memory=mm, memory_cfg=mem_cfg)
     sizes, acts = rl.memory_sizes(), rl.activation_estimate()
@@ -159,6 +159,8 @@ def main(argv=None) -> None:
     ap.add_argument("--memory-overrides", default=None)
     ap.add_argument("--optimizer-offload", default="none", choices=["none", "moments", "all", "cpu"])
     ap.add_argument("--gradient-checkpointing", action="store_true")
+    ap.add_argument("--micro-prompts", type=int, default=None,
+                    help="prompts (x n samples) per forward/backward of the update (default: the workload's)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="the engine's share (the server default)")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--device", default="cuda")
