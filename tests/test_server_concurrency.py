@@ -55,16 +55,22 @@ def _post(conn: http.client.HTTPConnection, body: dict):
     return json.loads(data)
 
 
+def _generate(server, body: dict):
+    conn = _connect(server)
+    try:
+        return _post(conn, body)
+    finally:
+        conn.close()
+
+
 def _prompts() -> list[list[int]]:
     return [[5 + (i * 7 + j) % 200 for j in range(PROMPT_LEN)] for i in range(N_PROMPTS)]
 
 
 def _batched(server) -> float:
-    conn = _connect(server)
     t0 = time.perf_counter()
-    out = _post(conn, {"input_ids": _prompts(), "sampling_params": SAMPLING})
+    out = _generate(server, {"input_ids": _prompts(), "sampling_params": SAMPLING})
     dt = time.perf_counter() - t0
-    conn.close()
     assert [o["meta_info"]["completion_tokens"] for o in out] == [NEW_TOKENS] * N_PROMPTS
     return dt
 
@@ -105,7 +111,7 @@ def test_concurrent_generates_run_as_one_batch(server):
 
 def test_encoding_a_prompt_does_not_stall_decoding(server, monkeypatch):
     engine = server.state.engine
-    running = threading.Thread(target=lambda: _post(_connect(server), {
+    running = threading.Thread(target=lambda: _generate(server, {
         "input_ids": _prompts()[0], "sampling_params": {**SAMPLING, "max_new_tokens": 200}}))
     running.start()
     deadline = time.monotonic() + 30
@@ -122,7 +128,7 @@ def test_encoding_a_prompt_does_not_stall_decoding(server, monkeypatch):
         return encode(self, *args, **kwargs)
 
     monkeypatch.setattr(VLProcessor, "encode", slow_encode)
-    out = _post(_connect(server), {"text": "What color is the", "sampling_params": {"max_new_tokens": 4}})
+    out = _generate(server, {"text": "What color is the", "sampling_params": {"max_new_tokens": 4}})
     monkeypatch.undo()
     running.join(60)
     assert out["meta_info"]["completion_tokens"] >= 1
