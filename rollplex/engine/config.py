@@ -43,6 +43,10 @@ class EngineConfig:
     attn_candidates: tuple[tuple[int | None, dict], ...] | None = None
     split_k_candidates: tuple[int, ...] | None = None
     swiglu_candidates: tuple[tuple[int, ...], ...] | None = None
+    # where the tuners' picks are kept between runs, keyed by GPU, torch / triton versions, kernel
+    # sources, shapes and candidates (kernels/tuning_cache.py): "auto" = $ROLLPLEX_CACHE_DIR/tuning,
+    # else ~/.cache/rollplex/tuning; None or "" = off (every start times the candidates again)
+    tuning_cache_dir: str | None = "auto"
 
     def __post_init__(self):
         if self.block_size not in (None, 16, 32, 64):
@@ -60,6 +64,8 @@ class EngineConfig:
             split_k.check_candidates(self.split_k_candidates)
         if self.swiglu_candidates is not None:
             swiglu_gemm.check_candidates(self.swiglu_candidates)
+        if self.tuning_cache_dir is not None and not isinstance(self.tuning_cache_dir, str):
+            raise ValueError(f"tuning_cache_dir must be a directory, 'auto', '' or None, got {self.tuning_cache_dir!r}")
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
 
     def for_device(self, device_type: str) -> EngineConfig:

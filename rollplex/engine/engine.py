@@ -17,7 +17,8 @@ The engine decodes with the model object it is given — the trainer's — so th
 and no sync phase. It reads that model and never modifies it: prefill runs the model's own forward
 (compiled if its owner compiled it, `Qwen25VL.compile`), decode runs the engine's own layer function
 over the model's parameters (`DecodeForward`). The server and the RL step both drive it through
-`generate` (or add_request/step).
+`generate` (or add_request/step). `add_request` = `prepare` (encode + validate; touches no engine
+state, so the server runs it off the engine thread) + `add` (queue it; the engine's thread).
 """
 
 from __future__ import annotations
@@ -98,48 +99,74 @@ class Engine:
         return cls(model, VLProcessor.from_pretrained(path), config, **kw)
 
     # ---- requests -----------------------------------------------------------------------------
-    def encode(self, prompt) -> ModelInputs:
+    def encode(self, prompt, processor=None) -> ModelInputs:
         """ModelInputs from: ModelInputs, list[int], str (templated text), or a dict with
-        `input_ids` | `text` | `messages` plus optional `images` / `videos`."""
+        `input_ids` | `text` | `messages` plus optional `images` / `videos`. processor: the one to
+        encode with (default: the engine's)."""
         if isinstance(prompt, ModelInputs):
             return prompt
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return ModelInputs(input_ids=list(prompt))
         if isinstance(prompt, dict) and "input_ids" in prompt and not prompt.get("images") and not prompt.get("videos"):
             return ModelInputs(input_ids=[int(t) for t in prompt["input_ids"]])
-        if self.processor is None:
+        processor = processor or self.processor
+        if processor is None:
             raise ValueError("this engine has no processor: pass token ids or ModelInputs")
         if isinstance(prompt, str):
-            return self.processor.encode(text=prompt)
+            return processor.encode(text=prompt)
         if isinstance(prompt, dict):
-            return self.processor.encode(text=prompt.get("text"), messages=prompt.get("messages"),
-                                         images=prompt.get("images"), videos=prompt.get("videos"))
+            return processor.encode(text=prompt.get("text"), messages=prompt.get("messages"),
+                                    images=prompt.get("images"), videos=prompt.get("videos"))
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    keep_vision: bool = False) -> str:
-        """Queue a prompt; keep_vision: return the prefill's visual features in the output (they can
-        stand in for the vision tower of a frozen-vision trainer, `ModelInputs.vision_embeds`)."""
+    def prepare(self, prompt, params: SamplingParams | None = None, processor=None,
+                keep_vision: bool = False) -> Request:
+        """Encode and validate one request without touching the engine's running state (it reads the
+        model config and the cache size, both fixed), so a server can prepare requests on another
+        thread while this one decodes. ValueError for anything the engine could never run: token ids
+        outside the vocabulary, images that do not match their placeholders, a prompt longer than
+        max_model_len or than the whole KV cache. processor: the one to encode with (default: the
+        engine's; a tokenizer is not safe to share between threads, so another thread brings its own).
+        keep_vision: return the prefill's visual features in the output (they can stand in for the
+        vision tower of a frozen-vision trainer, `ModelInputs.vision_embeds`)."""
         params = params or SamplingParams()
         if params.n > self.cfg.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.cfg.max_num_seqs}")
-        inputs = self.encode(prompt)
+        inputs = self.encode(prompt, processor)
         vocab = self.model.cfg.text.vocab_size
         if not inputs.input_ids or any(not 0 <= t < vocab for t in inputs.input_ids):
             raise ValueError(f"prompt token ids must be non-empty and within [0, {vocab})")
+        mcfg, delta = self.model.cfg, 0
+        if inputs.image_grids or inputs.video_grids or not {mcfg.image_token_id, mcfg.video_token_id}.isdisjoint(
+                inputs.input_ids):  # text-only prompts: positions 0..L-1 on all three axes, delta 0
+            _, delta = mrope_positions(  # ValueError on placeholders that do not match the images
+                list(inputs.input_ids), mcfg, inputs.image_grids, inputs.video_grids, inputs.second_per_grid_ts)
+        req = Request("", inputs, params, [0] * params.n, rope_delta=delta)  # id and seeds: `add`
+        req.max_len = min(req.num_prompt_tokens + params.max_new_tokens, self.cfg.max_model_len)
+        req.keep_vision = keep_vision
+        self.scheduler.check(req)  # reads only the limits and the cache size
+        return req
+
+    def add(self, req: Request, request_id: str | None = None) -> str:
+        """Queue a request from `prepare`: it gets its id and its samples' seeds here, in the order
+        requests are added, so a seedless request's samples depend only on that order."""
+        assert not req.request_id, "a prepared request is added once"
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"duplicate request id {rid!r}")
-        base = params.seed if params.seed is not None else None
-        seeds = [base + i if base is not None else self._rng.getrandbits(62) for i in range(params.n)]
-        _, delta = mrope_positions(  # ValueError on placeholders that do not match the images
-            list(inputs.input_ids), self.model.cfg, inputs.image_grids, inputs.video_grids, inputs.second_per_grid_ts)
-        req = Request(rid, inputs, params, seeds, arrival=time.monotonic(), rope_delta=delta)
-        req.max_len = min(req.num_prompt_tokens + params.max_new_tokens, self.cfg.max_model_len)
-        req.keep_vision = keep_vision
+        base = req.params.seed
+        req.seeds = [base + i if base is not None else self._rng.getrandbits(62) for i in range(req.params.n)]
+        for seq, seed in zip(req.seqs, req.seeds):
+            seq.seed = seed
+        req.request_id, req.arrival = rid, time.monotonic()
         self.scheduler.add(req)  # raises ValueError for requests that can never run
         self.requests[rid] = req
         return rid
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    keep_vision: bool = False) -> str:
+        """Queue a prompt (`prepare` + `add`); keep_vision: see `prepare`."""
+        return self.add(self.prepare(prompt, params, keep_vision=keep_vision), request_id)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; returns its partial output (None if unknown or already returned)."""

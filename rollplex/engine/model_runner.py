@@ -14,7 +14,9 @@ Prefill runs the model's forward over a right-padded batch (images and videos in
 Decode feeds one token per sequence through the engine's own layer function (`DecodeForward`, over
 the model's parameters); on GPU it replays a CUDA graph captured for the smallest batch-size bucket
 that fits. Before a bucket is captured, its attention launch config and the kernels of its
-projections (split-K o/down, fused gate_up + SwiGLU: kernels/decode_gemms.py) are picked by timing.
+projections (split-K o/down, fused gate_up + SwiGLU: kernels/decode_gemms.py) are picked by timing,
+or read from the tuning cache when this GPU and software timed the same shapes and candidates
+before (kernels/tuning_cache.py, EngineConfig.tuning_cache_dir).
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ import time
 
 import torch
 
+from ..kernels import tuning_cache
 from ..kernels.decode_gemms import SkinnyGemms, tune_decode_gemms
 from ..kernels.paged_attention import DECODE_CANDIDATES, paged_decode_attention, tune_decode
+from ..kernels.split_k import SPLIT_K_CANDIDATES
+from ..kernels.swiglu_gemm import SWIGLU_CANDIDATES
 from ..models import ModelInputs, Qwen25VL
 from ..models.attention import sdpa
 from ..models.transfer import as_device_tensor, to_device
@@ -266,6 +271,40 @@ class ModelRunner:
         self.v_cache[:layers, 1:1 + b * per].zero_()
         return best
 
+    def _tuning_keys(self, b: int, env: dict) -> tuple[dict, dict]:
+        """The tuning-cache keys of bucket b's attention config and projection kernels: everything
+        the timed result depends on besides the GPU and software (`env`)."""
+        t = self.model.cfg.text
+        ctx = min(self.TUNE_CONTEXT, self.cfg.max_model_len - 1)
+        common = {**env, "batch": b, "dtype": str(self.dtype), "layers": min(self.num_layers, self.TUNE_LAYERS)}
+        attn = {"what": "attention", **common, "context": ctx, "block_size": self.block_size,
+                "table_width": self.max_blocks_per_seq, "heads": [t.num_attention_heads, self.num_kv_heads,
+                                                                  self.head_dim],
+                "tunable": 1 + b * -(-ctx // self.block_size) <= self.num_blocks,  # else the default config
+                "candidates": [list(c) for c in (self.cfg.attn_candidates or DECODE_CANDIDATES)]}
+        gemms = {"what": "gemms", **common, "hidden": t.hidden_size, "intermediate": t.intermediate_size,
+                 "split_k": self.cfg.decode_split_k, "fused_swiglu": self.cfg.decode_fused_swiglu,
+                 "split_k_candidates": list(self.cfg.split_k_candidates or SPLIT_K_CANDIDATES),
+                 "swiglu_candidates": [list(c) for c in (self.cfg.swiglu_candidates or SWIGLU_CANDIDATES)]}
+        return attn, gemms
+
+    @staticmethod
+    def _cached(cache: tuning_cache.TuningCache, key: dict, tune, to_json, from_json) -> tuple[object, bool]:
+        """(result, whether it came from the cache): the stored result for `key`, else tune(), stored."""
+        stored = cache.get(key)
+        if stored is not None:
+            try:
+                return from_json(stored), True
+            except (ValueError, TypeError, KeyError) as e:
+                log.warning("tuning cache: ignoring the stored %s result (%s); tuning again", key["what"], e)
+        value = tune()
+        if cache.enabled:
+            try:
+                cache.put(key, to_json(value))
+            except ValueError as e:  # a result this cache cannot store: tuned again next time
+                log.warning("tuning cache: not storing the %s result (%s)", key["what"], e)
+        return value, False
+
     def _capture(self) -> None:
         max_bs = min(self.cfg.cuda_graph_max_bs, self.cfg.max_num_seqs)
         dev = self.device
@@ -275,13 +314,22 @@ class ModelRunner:
         pool = None
         buckets = graph_buckets(max_bs)
         tune_s = capture_s = 0.0
+        cache = tuning_cache.TuningCache(tuning_cache.resolve_dir(self.cfg.tuning_cache_dir))
+        env = tuning_cache.environment(dev) if cache.enabled else {}
+        hits = 0
         for b in reversed(buckets):
             t0 = time.perf_counter()
-            self.attn_cfg[b] = self._tune_attention(b)
-            self.gemms[b], self.gemms_us[b] = tune_decode_gemms(
-                self.model, b, self.cfg.decode_split_k, self.cfg.decode_fused_swiglu, self.decoder.final_norm,
-                self.decoder.swiglu, self.TUNE_LAYERS, split_k_candidates=self.cfg.split_k_candidates,
-                swiglu_candidates=self.cfg.swiglu_candidates)
+            attn_key, gemms_key = self._tuning_keys(b, env)
+            self.attn_cfg[b], hit = self._cached(cache, attn_key, lambda b=b: self._tune_attention(b),
+                                                 tuning_cache.attention_to_json, tuning_cache.attention_from_json)
+            hits += hit
+            (self.gemms[b], self.gemms_us[b]), hit = self._cached(
+                cache, gemms_key, lambda b=b: tune_decode_gemms(
+                    self.model, b, self.cfg.decode_split_k, self.cfg.decode_fused_swiglu, self.decoder.final_norm,
+                    self.decoder.swiglu, self.TUNE_LAYERS, split_k_candidates=self.cfg.split_k_candidates,
+                    swiglu_candidates=self.cfg.swiglu_candidates),
+                lambda v: tuning_cache.gemms_to_json(*v), tuning_cache.gemms_from_json)
+            hits += hit
             args = (self.static_meta[:, :b], self.static_bt[:b], self.attn_cfg[b], self.gemms[b])
             t1 = time.perf_counter()
             tune_s += t1 - t0
@@ -298,5 +346,12 @@ class ModelRunner:
             self.graphs[b] = (g, out)
             capture_s += time.perf_counter() - t1
         torch.cuda.synchronize(dev)
-        log.info("decode graphs: %d batch-size buckets, kernel tuning %.1fs, compile + capture %.1fs",
-                 len(buckets), tune_s, capture_s)
+        results = 2 * len(buckets)
+        if not cache.enabled:
+            source = "timed; tuning cache off"
+        elif hits == results:
+            source = f"all {results} results from the tuning cache in {cache.directory}"
+        else:
+            source = f"timed, {hits} of {results} results from the tuning cache; saved to {cache.directory}"
+        log.info("decode graphs: %d batch-size buckets, kernel tuning %.1fs (%s), compile + capture %.1fs",
+                 len(buckets), tune_s, source, capture_s)

@@ -8,6 +8,7 @@ against.
     decode_gemms.py            which kernels run the decode step's projections (`SkinnyGemms`), timed per
                                batch size
     tuning.py                  timing candidates as the graphed decode step runs them
+    tuning_cache.py            tuning results on disk, keyed by GPU, software, shapes and candidates
 
 Everything here imports without triton (kernels are built on first use) and knows nothing of the
 engine: the engine imports from here, never the reverse.

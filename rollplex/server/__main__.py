@@ -38,6 +38,8 @@ HELP = {
     "optimizer_offload": "AdamW state in pinned host memory: paged through the GPU in the optimizer step "
                          "(moments, all) or stepped on the CPU (cpu)",
     "decode_split_k": "S_o S_down K slices of the graphed decode's o/down projections; default: timed per bucket",
+    "tuning_cache_dir": "keeps the decode-kernel tuning between starts; auto: $ROLLPLEX_CACHE_DIR/tuning or "
+                        "~/.cache/rollplex/tuning; '' turns it off",
 }
 
 

@@ -1,19 +1,25 @@
 """The async side of engine requests: submit prompts as tickets, wait for them, abort on disconnect.
 
-    tickets = await submit(state, encode_fns, params, stream=...)   # HTTP 400 if any prompt is bad
-    results = await collect(state, tickets, request)                # {index: (RequestOutput, extra)}
+    tickets, inputs = await submit(state, encoders, params, stream=...)   # HTTP 400 if any prompt is bad
+    results = await collect(state, tickets, request)                      # {index: (RequestOutput, extra)}
 
-`submit` runs one worker job that encodes every prompt and adds its engine request; if one prompt
-is bad (undecodable image, too long, placeholder mismatch, prompt + max_new_tokens over
-max_model_len) the ones already added are dropped and the whole request fails with 400 — nothing
-half-done stays in the engine. `collect` polls for a client disconnect while waiting and aborts the
-request's unfinished tickets when the client is gone. Each ticket records the weights version its
-request samples from.
+`submit` prepares every prompt of the HTTP request off the engine thread: encoders run on the
+server's intake thread with its own processor (token-id prompts, which need no processor, are
+prepared right here), and `Engine.prepare` validates each result. If one prompt is bad
+(undecodable image, too long, placeholder mismatch, prompt + max_new_tokens over max_model_len) the
+whole request fails with 400 and nothing reaches the engine. The prepared requests are then queued
+as one worker job, which adds them between two engine steps and records the weights version they
+sample from; `submit` does not wait for it (a failing job answers the tickets with an error).
+
+`collect` waits for the tickets' events; a task watching the connection (the ASGI `receive`
+channel, which reports `http.disconnect` when the client goes) ends the wait with ClientGone and the
+request's unfinished tickets are aborted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 
 from fastapi import HTTPException, Request
@@ -22,6 +28,7 @@ from .errors import bad_request
 from .worker import Ticket
 
 PLACEHOLDER_HINT = " (text prompts need one <|vision_start|><|image_pad|><|vision_end|> per image)"
+log = logging.getLogger("rollplex.server")
 
 
 class ClientGone(Exception):
@@ -29,42 +36,56 @@ class ClientGone(Exception):
 
 
 async def submit(state, encoders: list[Callable[[], object]], params: list, stream: bool = False,
-                 finalize: list | None = None, what: str = "prompt") -> tuple[list[Ticket], list]:
-    """Encode and add one engine request per prompt; returns (tickets, encoded inputs)."""
-    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-    tickets = [Ticket(queue, loop, index=i, stream=stream, finalize=(finalize or [None] * len(params))[i])
-               for i in range(len(params))]
-    worker, max_len = state.worker, state.cfg.engine.max_model_len
+                 finalize: list | None = None, what: str = "prompt",
+                 inline: bool = False) -> tuple[list[Ticket], list]:
+    """Prepare and queue one engine request per prompt; returns (tickets, encoded inputs).
 
-    def job():
-        added, inputs = [], []
-        try:
-            for i, (enc, t, sp) in enumerate(zip(encoders, tickets, params)):
-                try:
-                    x = enc()
-                except Exception as e:  # processor / image errors: the client's input
-                    hint = PLACEHOLDER_HINT if "placeholder" in str(e) else ""
-                    raise ValueError(f"{what}[{i}]: {e}{hint}") from e
-                check_length(len(x.input_ids), sp.max_new_tokens, max_len, f"{what}[{i}]")
-                try:
-                    worker.add(t, x, sp)
-                except ValueError as e:
-                    raise ValueError(f"{what}[{i}]: {e}") from e
-                t.prompt_tokens = len(x.input_ids)
-                # read on the engine thread: weights change only in drain jobs, which wait for this request
-                t.weights_version = state.weights_version
-                added.append(t)
-                inputs.append(x)
-        except BaseException:
-            worker.discard(added)
-            raise
-        return inputs
+    encoders: one call per prompt returning its ModelInputs, run on the intake thread (they may use
+    `state.intake_processor`); inline: run them on the event loop instead (token-id prompts: nothing
+    to tokenize, a thread hop would cost more than the work)."""
+    engine, max_len = state.engine, state.cfg.engine.max_model_len
 
+    def prepare() -> list:
+        out = []
+        for i, (enc, sp) in enumerate(zip(encoders, params)):
+            try:
+                x = enc()
+            except Exception as e:  # processor / image errors: the client's input
+                hint = PLACEHOLDER_HINT if "placeholder" in str(e) else ""
+                raise ValueError(f"{what}[{i}]: {e}{hint}") from e
+            check_length(len(x.input_ids), sp.max_new_tokens, max_len, f"{what}[{i}]")
+            try:
+                out.append(engine.prepare(x, sp))
+            except ValueError as e:
+                raise ValueError(f"{what}[{i}]: {e}") from e
+        return out
+
+    loop = asyncio.get_running_loop()
     try:
-        inputs = await worker.run(job)
+        requests = prepare() if inline else await loop.run_in_executor(state.intake, prepare)
     except ValueError as e:
         raise bad_request(str(e)) from None
-    return tickets, inputs
+    queue: asyncio.Queue = asyncio.Queue()
+    fins = finalize or [None] * len(requests)
+    tickets = [Ticket(queue, loop, index=i, stream=stream, finalize=fins[i], prompt_tokens=r.num_prompt_tokens)
+               for i, r in enumerate(requests)]
+    worker = state.worker
+
+    def admit() -> None:
+        added = []
+        try:
+            for t, r in zip(tickets, requests):
+                if worker.add(t, r) is not None:
+                    # read on the engine thread: weights change only in drain jobs, which wait for this request
+                    t.weights_version = state.weights_version
+                    added.append(t)
+        except Exception as e:  # noqa: BLE001 - prepared requests are valid: this is the server's fault
+            log.exception("queueing %d prepared requests failed", len(tickets))
+            worker.discard(added)
+            worker.fail(tickets, e)
+
+    worker.call(admit)
+    return tickets, [r.inputs for r in requests]
 
 
 def check_length(prompt_tokens: int, max_new_tokens: int, max_model_len: int, where: str) -> None:
@@ -82,15 +103,30 @@ def abort_unfinished(state, tickets: list[Ticket], finished) -> None:
             state.worker.abort(t)
 
 
-async def next_event(tickets: list[Ticket], request: Request | None, poll_s: float = 0.25):
+async def _watch_disconnect(request: Request, queue: asyncio.Queue) -> None:
+    """Put ("gone",) on the queue when the client disconnects. Once the body is read, the ASGI receive
+    channel has nothing more to say until then (the server answers http.disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    queue.put_nowait(("gone",))
+
+
+def release(tickets: list[Ticket]) -> None:
+    """Stop watching the connection of this HTTP request (its answer is complete or abandoned)."""
+    if tickets and tickets[0].watch is not None:
+        tickets[0].watch.cancel()
+        tickets[0].watch = None
+
+
+async def next_event(tickets: list[Ticket], request: Request | None):
     """The next event of this request's tickets; ClientGone if the client disconnected meanwhile."""
     queue = tickets[0].queue
-    while True:
-        try:
-            return await asyncio.wait_for(queue.get(), poll_s)
-        except asyncio.TimeoutError:
-            if request is not None and await request.is_disconnected():
-                raise ClientGone() from None
+    if request is not None and tickets[0].watch is None:
+        tickets[0].watch = asyncio.create_task(_watch_disconnect(request, queue))
+    event = await queue.get()
+    if event[0] == "gone":
+        raise ClientGone()
+    return event
 
 
 async def collect(state, tickets: list[Ticket], request: Request | None) -> dict[int, tuple]:
@@ -105,6 +141,8 @@ async def collect(state, tickets: list[Ticket], request: Request | None) -> dict
     except BaseException:
         abort_unfinished(state, tickets, results)
         raise
+    finally:
+        release(tickets)
     for out, _ in results.values():
         state.metrics.inc("rollplex_prompt_tokens_total", len(out.prompt_token_ids))
         state.metrics.inc("rollplex_generation_tokens_total", sum(len(s.token_ids) for s in out.samples))

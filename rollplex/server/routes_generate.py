@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from . import sglang
-from .inflight import ClientGone, abort_unfinished, collect, next_event, submit
+from .inflight import ClientGone, abort_unfinished, collect, next_event, release, submit
 from .schemas import GenerateRequest
 
 
@@ -51,8 +51,9 @@ def router(state) -> APIRouter:
         t0 = time.perf_counter()
         specs, batched = sglang.expand(req, defaults, state.cfg.engine.max_num_seqs)
         fins = [_finalizer(state, s) if (req.return_text_in_logprobs and s.return_logprob) else None for s in specs]
-        encoders = [(lambda p=s.prompt: state.engine.encode(p)) for s in specs]
-        tickets, _ = await submit(state, encoders, [s.params for s in specs], stream=req.stream, finalize=fins)
+        encoders = [(lambda p=s.prompt: state.engine.encode(p, state.intake_processor)) for s in specs]
+        tickets, _ = await submit(state, encoders, [s.params for s in specs], stream=req.stream, finalize=fins,
+                                  inline=req.input_ids is not None)
         offsets = [0]
         for s in specs:
             offsets.append(offsets[-1] + s.params.n)
@@ -98,4 +99,5 @@ async def _stream(state, specs, tickets, offsets, request, sample_items, t0):
     except ClientGone:
         pass
     finally:
+        release(tickets)
         abort_unfinished(state, tickets, finished)

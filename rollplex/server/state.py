@@ -6,13 +6,17 @@
                        engine <- Engine(model, processor, cfg.engine)   decodes with the trainer's tensors
                        rl     <- RLStep(model, engine, cfg.rl)          ref = frozen copy when kl_coef > 0
                        store  <- RolloutStore(ttl, cap);  worker <- EngineWorker(engine)
+                       intake <- one thread + its own copy of the processor: encodes prompts
 
 ServerConfig holds the server's own settings and the two configs it hosts, nested: `engine`
 (EngineConfig) and `rl` (RLConfig, whose n / temperature / top_p / max_new_tokens are also the
 defaults of /rollout, max_new_tokens that of /generate). `rl.seed` seeds the model init and warm-up.
 
-Every method below except `describe` runs on the engine thread (through `worker.run`): the engine,
-the model, the optimizer and the tokenizer are touched by that one thread only.
+Every method below except `describe` and `encode_prompt` runs on the engine thread (through
+`worker.run`): the engine, the model, the optimizer and the engine's processor are touched by that
+one thread only. Prompts are encoded on the intake thread (`encode_prompt`, `intake_processor`: a
+tokenizer is not safe to share between threads), so tokenizing and image preprocessing never hold
+up a decode step (inflight.py).
 Train-step overrides apply to that step only: the step runs with `dataclasses.replace(rl.cfg, ...)`
 (validated; temperature = the rollout's, so the trainer scores the distribution that was sampled).
 `weights_version` counts weight changes (train steps, loads); a rollout sampled at another version
@@ -21,9 +25,11 @@ trains only off-policy. Checkpoints are read and written only under `cfg.checkpo
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -159,6 +165,8 @@ class ServerState:
             log.info("memory (%s backend):\n%s", self.memory.backend.name,
                      self.memory.plan.table(self.rl.memory_sizes(), self.rl.activation_estimate()))
         self.store = RolloutStore(cfg.rollout_ttl_s, cfg.max_rollouts)
+        self.intake = ThreadPoolExecutor(1, thread_name_prefix="rollplex-intake")
+        self.intake_processor = copy.deepcopy(self.processor)
         self.worker = EngineWorker(self.engine, decode=self._decode if self.processor is not None else None,
                                    before_step=self.enter_rollout)
         self.metrics = Metrics()
@@ -168,6 +176,7 @@ class ServerState:
 
     def close(self) -> None:
         self.worker.close()
+        self.intake.shutdown(wait=False, cancel_futures=True)
 
     def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.processor.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -192,14 +201,14 @@ class ServerState:
             self.memory.enter("rollout")
 
     def encode_prompt(self, p) -> ModelInputs:
-        """ModelInputs for a RolloutPrompt (chat messages / verl row / ids)."""
+        """ModelInputs for a RolloutPrompt (chat messages / verl row / ids); runs on the intake thread."""
         from ..data import row_to_inputs
 
         if p.input_ids is not None:
             return ModelInputs(input_ids=list(p.input_ids))
-        if self.processor is None:
+        if self.intake_processor is None:
             raise ValueError("this server has no tokenizer (a preset model): send `input_ids` prompts")
-        return row_to_inputs(self.processor, {"prompt": p.chat(), "images": p.images, "videos": p.videos})
+        return row_to_inputs(self.intake_processor, {"prompt": p.chat(), "images": p.images, "videos": p.videos})
 
     def train(self, entry: RetainedRollout, rewards, overrides: dict, reward_s: float,
               off_policy: bool = False) -> dict:

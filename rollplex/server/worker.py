@@ -1,19 +1,25 @@
-"""The engine thread: the only thread that touches the engine, the model, the trainer and the tokenizer.
+"""The engine thread: the only thread that touches the engine, the model, the trainer and the engine's
+tokenizer.
 
 The engine is not thread-safe, so every HTTP handler talks to it through this worker:
 
-    loop:  apply aborts -> run queued jobs (in order) -> engine.step() if it has work -> publish
-    jobs:  plain jobs run between two engine steps (adding requests, ledgers, checksums);
+    loop:  apply aborts -> run queued jobs (in order) -> engine.step() if it has work -> deliver events
+    jobs:  plain jobs run between two engine steps (admitting prepared requests, ledgers, checksums);
            `drain` jobs (train step, save, load) wait until the in-flight requests have finished and
            hold back everything queued after them, so weights never change under a running request
            and a rollout queued behind a train step samples from the updated policy.
 
-Requests from all handlers share one continuous batch. Each engine request has a `Ticket`; the
-worker pushes events onto the ticket's asyncio queue with `call_soon_threadsafe`:
+Requests from all handlers share one continuous batch: every job queued while a step runs is run
+before the next one, so requests that arrive while the engine is busy join the batch at the next
+step and are prefilled together. Handlers prepare (encode, validate) their requests before they
+queue them (inflight.py), so the only per-request work here is queueing a ready request.
+
+Each engine request has a `Ticket`. Events go onto the ticket's asyncio queue, delivered once per
+loop iteration with one `call_soon_threadsafe` per event loop (not one per event):
 
     ("update", ticket, sample_index, token_ids, logprobs, text)   streaming tickets, after each step
     ("done", ticket, RequestOutput, extra)                        extra = ticket.finalize(output)
-    ("error", ticket, exception)                                  the engine step failed
+    ("error", ticket, exception)                                  the engine step (or admission) failed
 
 An abort (client gone) removes the request from the engine at the next iteration; a ticket aborted
 before its request was added is simply never added. An exception in `engine.step()` fails the
@@ -33,7 +39,6 @@ from typing import Any
 
 log = logging.getLogger("rollplex.server")
 
-
 @dataclass(eq=False)
 class Ticket:
     """One engine request as seen by an HTTP handler."""
@@ -49,12 +54,7 @@ class Ticket:
     done: bool = False
     cancelled: bool = False
     sent: list[int] = field(default_factory=list)  # streaming: tokens published per sample
-
-    def emit(self, *event) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (event[0], self, *event[1:]))
-        except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
-            pass
+    watch: asyncio.Task | None = None  # the first ticket of an HTTP request: its disconnect watcher
 
 
 @dataclass
@@ -62,6 +62,11 @@ class _Job:
     fn: Callable[[], Any]
     drain: bool
     future: concurrent.futures.Future
+
+
+def _deliver(events: list) -> None:
+    for queue, event in events:
+        queue.put_nowait(event)
 
 
 class EngineWorker:
@@ -74,6 +79,8 @@ class EngineWorker:
         self._jobs: deque[_Job] = deque()
         self._aborts: deque[Ticket] = deque()
         self._tickets: dict[str, Ticket] = {}
+        self._streams: dict[str, Ticket] = {}
+        self._outbox: dict[asyncio.AbstractEventLoop, list] = {}
         self._closed = False
         self.busy_job = False  # a job is running right now (for /health)
         self.num_aborted = 0
@@ -105,20 +112,30 @@ class EngineWorker:
         self._thread.join(timeout)
 
     # ---- called inside a job (worker thread) ----------------------------------------------------
-    def add(self, ticket: Ticket, prompt, params) -> str | None:
-        """Add one engine request for `ticket` (ValueError from the engine propagates)."""
+    def add(self, ticket: Ticket, request) -> str | None:
+        """Queue a prepared engine request (`Engine.prepare`) for `ticket`; None if the ticket was
+        aborted meanwhile."""
         if ticket.cancelled:
             return None
-        rid = self.engine.add_request(prompt, params)
-        ticket.rid, ticket.sent = rid, [0] * params.n
+        rid = self.engine.add(request)
+        ticket.rid, ticket.sent = rid, [0] * request.params.n
         self._tickets[rid] = ticket
+        if ticket.stream:
+            self._streams[rid] = ticket
         return rid
 
     def discard(self, tickets: list[Ticket]) -> None:
         """Drop requests added by a job that then failed (no events are emitted for them)."""
         for t in tickets:
             if t.rid is not None and self._tickets.pop(t.rid, None) is not None:
+                self._streams.pop(t.rid, None)
                 self.engine.abort(t.rid)
+
+    def fail(self, tickets: list[Ticket], error: BaseException) -> None:
+        """Answer these tickets with an error event (a job that admits requests failed)."""
+        for t in tickets:
+            t.done = True
+            self._emit(t, "error", error)
 
     # ---- the thread ---------------------------------------------------------------------------
     def _next_job(self) -> _Job | None:
@@ -143,8 +160,10 @@ class EngineWorker:
                 self._run_job(job)
             if self.engine.has_work:
                 self._step()
+            self._flush()
         for t in list(self._tickets.values()):
-            t.emit("error", RuntimeError("server shutting down"))
+            self._emit(t, "error", RuntimeError("server shutting down"))
+        self._flush()
 
     def _run_job(self, job: _Job) -> None:
         if not job.future.set_running_or_notify_cancel():
@@ -179,8 +198,9 @@ class EngineWorker:
                 except Exception:  # noqa: BLE001
                     pass
                 t.done = True
-                t.emit("error", e)
+                self._emit(t, "error", e)
             self._tickets.clear()
+            self._streams.clear()
             return
         for out in outs:
             self._finish(out)
@@ -188,6 +208,7 @@ class EngineWorker:
 
     def _finish(self, out) -> None:
         t = self._tickets.pop(out.request_id, None)
+        self._streams.pop(out.request_id, None)
         if t is None:
             return
         t.done = True
@@ -196,14 +217,12 @@ class EngineWorker:
             try:
                 extra = t.finalize(out)
             except Exception as e:  # noqa: BLE001
-                t.emit("error", e)
+                self._emit(t, "error", e)
                 return
-        t.emit("done", out, extra)
+        self._emit(t, "done", out, extra)
 
     def _publish_streams(self) -> None:
-        for rid, t in self._tickets.items():
-            if not t.stream:
-                continue
+        for rid, t in self._streams.items():
             req = self.engine.requests.get(rid)
             if req is None:
                 continue
@@ -212,4 +231,17 @@ class EngineWorker:
                 if len(ids) > t.sent[j]:
                     t.sent[j] = len(ids)
                     text = self.decode(ids, req.params.skip_special_tokens) if self.decode is not None else None
-                    t.emit("update", j, list(ids), list(seq.logprobs), text)
+                    self._emit(t, "update", j, list(ids), list(seq.logprobs), text)
+
+    # ---- events and event loops ---------------------------------------------------------------
+    def _emit(self, t: Ticket, kind: str, *rest) -> None:
+        self._outbox.setdefault(t.loop, []).append((t.queue, (kind, t, *rest)))
+
+    def _flush(self) -> None:
+        """Hand this iteration's events to their event loops: one wake-up per loop."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, events in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, events)
+            except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
+                pass
