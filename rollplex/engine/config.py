@@ -43,8 +43,15 @@ class EngineConfig:
     attn_candidates: tuple[tuple[int | None, dict], ...] | None = None
     split_k_candidates: tuple[int, ...] | None = None
     swiglu_candidates: tuple[tuple[int, ...], ...] | None = None
+    # tensor-parallel degree of the model (1: off). >1: the model's text decoder was split over that
+    # many ranks by rollplex.parallel.apply_tensor_parallel; every rank runs an engine with the same
+    # requests in the same order, decode all-reduces the row-parallel outputs, and all ranks sample
+    # the same tokens from the gathered logits
+    tensor_parallel: int = 1
 
     def __post_init__(self):
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
         if self.block_size not in (None, 16, 32, 64):
             raise ValueError("block_size must be 16, 32, 64 or None (chosen per device)")
         if not 0.05 <= self.gpu_memory_utilization <= 0.98:

@@ -2,12 +2,15 @@
 
     fsdp.py            FSDP2 units (decoder layers, vision blocks, root) for the trainer
     data_parallel.py   the actor update with prompts dealt over data-parallel ranks
+    tp.py              tensor-parallel text decoder for rollout (column/row-parallel, vocab-parallel head)
 """
 
 from .data_parallel import DataParallel, DataParallelActor, assign_prompts, dp_score
 from .fsdp import FSDPConfig, apply_fsdp, full_state_dict, full_tensor, sharded_call
+from .tp import TensorParallel, VocabParallelEmbedding, apply_tensor_parallel, shard_state_dict
 
 __all__ = [
-    "DataParallel", "DataParallelActor", "FSDPConfig", "apply_fsdp", "assign_prompts", "dp_score",
-    "full_state_dict", "full_tensor", "sharded_call",
+    "DataParallel", "DataParallelActor", "FSDPConfig", "TensorParallel", "VocabParallelEmbedding", "apply_fsdp",
+    "apply_tensor_parallel", "assign_prompts", "dp_score", "full_state_dict", "full_tensor", "shard_state_dict",
+    "sharded_call",
 ]
