@@ -4,6 +4,8 @@ Imports neither transformers nor the engine, so a spawned rank starts in about t
 
 from __future__ import annotations
 
+import faulthandler
+
 import torch
 import torch.distributed as dist
 from helpers import IMG, VE, VID, VS, make_prompt
@@ -46,5 +48,7 @@ def rollout_batch(seed: int = 0, prompts: int = 5, n: int = 2,
 
 
 def init_group(rank: int, world: int, init: str) -> None:
+    # a rank stuck in a collective prints its stack and exits, failing the test instead of hanging it
+    faulthandler.dump_traceback_later(240, exit=True)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     torch.set_num_threads(1)  # the ranks share two cores
