@@ -117,6 +117,9 @@ class DataParallel:
         self.mesh, self.model_cfg = mesh, model_cfg
         self.group = mesh.get_group()
         self.rank, self.world = mesh.get_local_rank(), mesh.size()
+        # where this group's collectives take their tensors (NCCL: the rank's GPU)
+        cuda = mesh.device_type == "cuda"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device(mesh.device_type)
 
     def local_share(self, batch: RolloutBatch, mode: str) -> tuple[RolloutBatch, torch.Tensor]:
         """This rank's prompts of `batch` with all their samples, and the samples' indices in `batch`."""
@@ -126,12 +129,14 @@ class DataParallel:
         """This rank's micro-batches (samples indexed into `local`), padded with dummies so that every
         rank runs the same number of passes and the vision tower in the same ones. A collective."""
         mbs = list(micro_batches(local, mode, plan)) if local.num_samples else []
-        count = torch.tensor([len(mbs)])
+        count = torch.tensor([len(mbs)], device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
         K = int(count)
         flags = torch.zeros(K, dtype=torch.long)
         flags[: len(mbs)] = torch.tensor([uses_vision(mb, mode) for mb, _ in mbs], dtype=torch.long)
+        flags = flags.to(self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        flags = flags.cpu()
         out = []
         for k in range(K):
             need = bool(flags[k])
@@ -145,7 +150,11 @@ class DataParallel:
         return out
 
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t, group=self.group)
+        """t summed over the ranks, in place (through the collective's device when t is elsewhere)."""
+        x = t.to(self.device)
+        dist.all_reduce(x, group=self.group)
+        if x is not t:
+            t.copy_(x)
         return t
 
 
