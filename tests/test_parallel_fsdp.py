@@ -46,7 +46,7 @@ BASE = dict(lr=1e-4, kl_coef=0.05, micro_batch_prompts=1, micro_batch_samples=3)
     # over 4 ranks: uneven pass counts (dummy passes), text-only ranks in vision passes (dummy images);
     # two epochs score old logprobs first; tied embeddings
     (4, dict(ppo_epochs=2), FSDPConfig(), True),
-    # serial mode, the prefix-state path of rollplex is covered by the single-process tests
+    # serial mode (rollplex mode runs the packed pass: see test_prefix_state_path_is_refused)
     (2, dict(mode="serial", micro_batch_samples=2), FSDPConfig(reshard_after_forward=False), False),
 ])
 def test_fsdp_update_equals_single_process(tmp_path, world, rl, fsdp, tie):
@@ -85,3 +85,12 @@ def test_dummies_add_one_masked_sample():
     model = tiny_model(cfg)
     p = dummy_prompt(cfg, image=True)
     assert isinstance(p, ModelInputs) and model.embed_prompts([p]).embeds.shape == (1, 3, 64)
+
+
+def test_prefix_state_path_is_refused():
+    from rollplex.parallel.data_parallel import check_passes
+
+    check_passes("rollplex", True)
+    check_passes("serial", False)  # serial runs one full-sequence pass either way
+    with pytest.raises(ValueError, match="packed"):
+        check_passes("rollplex", False)

@@ -104,6 +104,14 @@ def with_dummy(mb: RolloutBatch | None, prompt: ModelInputs) -> RolloutBatch:
         extras={k: [*v, None] for k, v in mb.extras.items()})
 
 
+def check_passes(mode: str, packed: bool) -> None:
+    """ValueError for settings whose passes are not the same on every rank."""
+    if mode == "rollplex" and not packed:
+        # the prefix-state path runs the layers once more for the responses unless they are one token
+        # long: ranks could disagree on how many times a layer is gathered and reduced
+        raise ValueError("data-parallel training in rollplex mode needs packed=True (the packed pass)")
+
+
 def _rows(t: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:
     """t[idx] followed by zero rows up to n rows (the dummy samples of a pass)."""
     x = t[idx]
@@ -162,6 +170,7 @@ class DataParallel:
 def dp_score(model: Qwen25VL, dp: DataParallel, batch: RolloutBatch, mode: str, plan: MicroBatching,
              temperature: float = 1.0) -> torch.Tensor:
     """`rl.scoring.score` over an FSDP'd model: each rank scores its share; [N, R] on every rank."""
+    check_passes(mode, plan.packed)
     out = torch.zeros(batch.responses.shape, dtype=torch.float32)
     local, local_idx = dp.local_share(batch, mode)
     for mb, idx in dp.passes(local, mode, plan):
@@ -176,6 +185,7 @@ class DataParallelActor:
     logprobs) with the model sharded by FSDP2 over `mesh` and the prompts dealt over its ranks."""
 
     def __init__(self, model: Qwen25VL, cfg: RLConfig, mesh: DeviceMesh, fsdp: FSDPConfig | None = None):
+        check_passes(cfg.mode, cfg.packed)
         fsdp = fsdp or FSDPConfig(activation_checkpointing=cfg.gradient_checkpointing,
                                   vision_activation_checkpointing=cfg.vision_gradient_checkpointing)
         self.model, self.cfg = apply_fsdp(model, mesh, fsdp), cfg
@@ -213,6 +223,7 @@ class DataParallelActor:
         """As `Actor.update`, called on every rank with the same arguments; returns the same metrics and
         first-pass logprobs [N, R] on every rank."""
         cfg, model = cfg or self.cfg, self.model
+        check_passes(cfg.mode, cfg.packed)
         model.train()
         first_logp = torch.zeros(batch.responses.shape)
         seen = torch.zeros(batch.num_samples)
