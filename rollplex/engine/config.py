@@ -47,8 +47,15 @@ class EngineConfig:
     # sources, shapes and candidates (kernels/tuning_cache.py): "auto" = $ROLLPLEX_CACHE_DIR/tuning,
     # else ~/.cache/rollplex/tuning; None or "" = off (every start times the candidates again)
     tuning_cache_dir: str | None = "auto"
+    # tensor-parallel degree of the model (1: off). >1: the model's text decoder was split over that
+    # many ranks by rollplex.parallel.apply_tensor_parallel; every rank runs an engine with the same
+    # requests in the same order, decode all-reduces the row-parallel outputs, and all ranks sample
+    # the same tokens from the gathered logits
+    tensor_parallel: int = 1
 
     def __post_init__(self):
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
         if self.block_size not in (None, 16, 32, 64):
             raise ValueError("block_size must be 16, 32, 64 or None (chosen per device)")
         if not 0.05 <= self.gpu_memory_utilization <= 0.98:

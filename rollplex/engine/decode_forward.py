@@ -10,6 +10,10 @@ the way a parallelism plan is applied to a module it does not own:
   whose fp32 partials the next residual add + norm sums, and optionally gate_up with SwiGLU in the
   GEMM's epilogue.
 
+Under tensor parallelism (`rollplex.parallel.tp`: the layers hold this rank's heads and MLP features)
+`reduce` all-reduces the row-parallel o and down outputs (fp32 split-K partials included: the sum is
+linear) before the residual stream reads them.
+
 `DecodeForward` reads the model's parameters at every call (an in-place update by the trainer is
 what the next step and the next graph replay see) and never writes to the model. With `compile`
 it torch.compiles its own glue functions; the model and its forward stay exactly as the owner left
@@ -75,8 +79,9 @@ def _final_norm(x, delta, norm_w, eps: float):
 class DecodeForward:
     """The engine's forward for few new tokens per sequence over `model`'s parameters."""
 
-    def __init__(self, model: Qwen25VL, compile: bool = False):
-        self.model = model
+    def __init__(self, model: Qwen25VL, compile: bool = False,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.model, self.reduce = model, reduce
         wrap = compile_fn if compile else (lambda fn: fn)
         self.pre, self.post, self.final_norm = wrap(_pre_attention), wrap(_post_attention), wrap(_final_norm)
         self.mlp_in, self.residual_norm, self.swiglu = wrap(_mlp_in), wrap(_residual_norm), wrap(_gate_up_swiglu)
@@ -91,13 +96,16 @@ class DecodeForward:
         q, k, v, x = self.pre(x, delta, lyr.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, eps,
                               a.num_heads, a.num_kv_heads)
         out = attend(i, q, k, v, cos, sin)  # [B, H, L, D]
-        if gemms is None:
+        if gemms is None and self.reduce is None:
             return self.post(x, out, a.o_proj.weight, lyr.post_attention_layernorm.weight, m.gate_up_proj.weight,
                              m.down_proj.weight, eps)
+        gemms = gemms or SkinnyGemms()
         B, H, L, D = out.shape
         C = x.shape[-1]
         flat = out.transpose(1, 2).reshape(B * L, H * D)
         o = split_k_linear(flat, a.o_proj.weight, gemms.o_splits)  # [B*L, C] or partials [S, B*L, C]
+        if self.reduce is not None:
+            o = self.reduce(o)
         o = o.view(*o.shape[:-2], B, L, C)
         if gemms.gate_up_swiglu is None:
             x, act = self.mlp_in(x, o, lyr.post_attention_layernorm.weight, m.gate_up_proj.weight, eps)
@@ -106,6 +114,8 @@ class DecodeForward:
             x, h = self.residual_norm(x, o, lyr.post_attention_layernorm.weight, eps)
             act = gemms.gate_up_swiglu(h.reshape(B * L, C), m.gate_up_proj.weight)
         d = split_k_linear(act, m.down_proj.weight, gemms.down_splits)
+        if self.reduce is not None:
+            d = self.reduce(d)
         return x, d.view(*d.shape[:-2], B, L, C)
 
     def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, attend: RotaryAttendFn,

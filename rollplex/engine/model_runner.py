@@ -42,6 +42,17 @@ CPU_DEFAULT_KV_TOKENS = 65536
 log = logging.getLogger("rollplex.engine")
 
 
+def _tensor_parallel(model: Qwen25VL, cfg: EngineConfig):
+    """The model's tensor-parallel group (set by rollplex.parallel.apply_tensor_parallel), checked against
+    the config's degree; None when both say 1."""
+    tp = getattr(model.model, "tensor_parallel", None)
+    size = 1 if tp is None else tp.size
+    if size != cfg.tensor_parallel:
+        raise ValueError(f"EngineConfig.tensor_parallel={cfg.tensor_parallel}, but the model is split over {size} "
+                         "rank(s) (rollplex.parallel.apply_tensor_parallel)")
+    return tp
+
+
 def graph_buckets(max_bs: int) -> list[int]:
     small = [b for b in (1, 2, 4, 8) if b < max_bs]
     return small + list(range(16, max_bs, 16)) + [max_bs]
@@ -55,10 +66,16 @@ class ModelRunner:
         self.device = model.inv_freq.device
         self.dtype = model.model.embed_tokens.weight.dtype
         t = model.cfg.text
-        self.num_layers, self.num_kv_heads, self.head_dim = t.num_hidden_layers, t.num_key_value_heads, t.head_dim
+        self.tp = _tensor_parallel(model, cfg)
+        # this rank's KV heads: a share of them when the model is tensor-parallel
+        self.num_layers, self.num_kv_heads, self.head_dim = t.num_hidden_layers, self._attn().num_kv_heads, t.head_dim
         self.block_size = cfg.block_size
         self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
         self.num_blocks = self._num_blocks()
+        if self.tp is not None:  # one block budget for the group: the ranks' schedulers must stay in step
+            n = torch.tensor([self.num_blocks], device=self.device)
+            torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN, group=self.tp.group)
+            self.num_blocks = int(n)
         shape = (self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         with memory.region("kv_cache") if memory is not None else contextlib.nullcontext():
             self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -82,10 +99,13 @@ class ModelRunner:
         # the decode step's own layer functions over the model's parameters (compiled on GPU): the
         # model itself is never patched or compiled here
         compile_decode = self.device.type == "cuda" if cfg.compile_decode is None else cfg.compile_decode
-        self.decoder = DecodeForward(model, compile=compile_decode)
+        self.decoder = DecodeForward(model, compile=compile_decode, reduce=None if self.tp is None else self.tp.reduce)
         self.use_graphs = self.device.type == "cuda" and cfg.cuda_graph
         if self.use_graphs:
             self._capture()
+
+    def _attn(self):
+        return self.model.model.layers[0].self_attn
 
     # ---- sizing -------------------------------------------------------------------------------
     def zero_kv_cache(self) -> None:
@@ -248,7 +268,6 @@ class ModelRunner:
     def _tune_attention(self, b: int) -> tuple:
         """Pick the paged-attention launch config for batch size b by timing candidates on the (still
         empty) cache: b sequences of TUNE_CONTEXT tokens in their own blocks."""
-        t = self.model.cfg.text
         ctx = min(self.TUNE_CONTEXT, self.cfg.max_model_len - 1)
         per = -(-ctx // self.block_size)
         if 1 + b * per > self.num_blocks:
@@ -256,7 +275,7 @@ class ModelRunner:
         dev, dt = self.device, self.dtype
         table = torch.zeros(b, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
         table[:, :per] = 1 + torch.arange(b * per, device=dev, dtype=torch.int32).view(b, per)
-        q = torch.randn(b, t.num_attention_heads, self.head_dim, device=dev, dtype=dt)
+        q = torch.randn(b, self._attn().num_heads, self.head_dim, device=dev, dtype=dt)
         kn = torch.randn(b, self.num_kv_heads, self.head_dim, device=dev, dtype=dt)
         lens = torch.full((b,), ctx, device=dev)
         cos = torch.ones(b, self.head_dim, device=dev, dtype=dt)

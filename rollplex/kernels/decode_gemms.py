@@ -67,9 +67,9 @@ def tune_decode_gemms(model: Qwen25VL, b: int, split_k: tuple[int, int] | None, 
             return residual_norm(res, y.view(*y.shape[:-2], b, 1, C), text.norm.weight, eps)
 
         picks = []
-        for name, K, ws in (("o", C, [lyr.self_attn.o_proj.weight for lyr in lyrs]),
-                            ("down", tcfg.intermediate_size, [lyr.mlp.down_proj.weight for lyr in lyrs])):
-            x = torch.randn(b, K, device=dev, dtype=dt) * 0.1
+        for name, ws in (("o", [lyr.self_attn.o_proj.weight for lyr in lyrs]),
+                         ("down", [lyr.mlp.down_proj.weight for lyr in lyrs])):
+            x = torch.randn(b, ws[0].shape[1], device=dev, dtype=dt) * 0.1  # in-features: a TP shard's own
             best, us = tune_split_k(x, ws, consumer, split_k_candidates or SPLIT_K_CANDIDATES)
             picks.append(best)
             times[name] = {k: round(v, 2) for k, v in us.items()}

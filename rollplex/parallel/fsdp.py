@@ -1,0 +1,139 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) for Rollplex's Qwen2.5-VL, applied from outside the model.
+
+Units, as torchtitan cuts a transformer: every decoder layer, every vision block, and the root (token
+embeddings, patch embed, merger, final norm, LM head). Each unit's parameters become DTensor shards
+over the data-parallel mesh; a unit is all-gathered just before it computes and freed after
+(`reshard_after_forward`), its gradient reduce-scattered in backward.
+
+The model's layer math does not run in the layer modules' `forward`: `TextDecoder.layer(i, ...)` and
+`VisionTower.block(blk, ...)` read the parameters of layer i / block blk directly (one compiled
+function serves every layer). FSDP2 gathers a unit around a *call of its module*, so the plan routes
+each layer through one: the layer module gets a `forward` that runs the decoder's own layer function
+(or whatever sits in the decoder's `layer` slot when the plan is applied: an activation-checkpointing
+wrapper composes, as in torchtitan where checkpointing is applied before FSDP), and the decoder's
+`layer` slot — an instance attribute, the hook `rl.checkpointing` uses too — dispatches to that module
+call. The vision tower's `block` slot likewise. The root has no single forward either (training calls
+`group_hidden`, then the LM head): it gets `run_sharded(fn, *args)`, registered as an FSDP forward
+method, that runs `fn` with the root's parameters gathered; the logprob pass of a micro-batch runs
+inside it (`sharded_call`).
+
+Gradients are *summed* over ranks, not averaged (`set_gradient_divide_factor(1)`): the data-parallel
+trainer divides each rank's loss by the whole mini-batch's normaliser, so the sum is the
+single-process gradient (data_parallel.py).
+
+Every rank must call the units in the same order and the same number of times per backward (FSDP's
+collectives pair up by order): the caller keeps the micro-batch structure equal across ranks.
+`full_state_dict` gathers the full tensors (names are unchanged: FSDP2 adds no wrapper modules).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
+
+from ..models import Qwen25VL
+from ..rl.checkpointing import set_activation_checkpointing
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ROOT_METHOD = "run_sharded"
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    # free each layer's gathered parameters after its forward (gathered again for backward): ZeRO-3.
+    # False keeps them until backward (ZeRO-2: less communication, more memory)
+    reshard_after_forward: bool = True
+    # mixed precision: the layers compute in param_dtype from fp32 shards (the shards are the fp32
+    # masters) and reduce gradients in reduce_dtype; None: the parameters' own dtype
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    # per-layer activation checkpointing of the decoder / the vision tower, inside each FSDP unit
+    activation_checkpointing: bool = False
+    vision_activation_checkpointing: bool = False
+
+    def __post_init__(self):
+        for name in ("param_dtype", "reduce_dtype"):
+            v = getattr(self, name)
+            if v is not None and v not in DTYPES:
+                raise ValueError(f"{name} must be one of {sorted(DTYPES)} or None, got {v!r}")
+
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        return MixedPrecisionPolicy(param_dtype=DTYPES.get(self.param_dtype),
+                                    reduce_dtype=DTYPES.get(self.reduce_dtype))
+
+
+def _route_through_modules(model: Qwen25VL) -> None:
+    """Give every decoder layer and vision block a `forward` running its math, and make the decoder's
+    `layer` / the tower's `block` slot call those modules."""
+    text, vis = model.model, model.visual
+    layer_fn, block_fn = text.layer, vis.block  # bound methods, or checkpointing wrappers
+    for i, lyr in enumerate(text.layers):
+        lyr.forward = functools.partial(layer_fn, i)
+    for blk in vis.blocks:
+        blk.forward = functools.partial(block_fn, blk)
+    text.layer = lambda i, *args: text.layers[i](*args)
+    vis.block = lambda blk, *args: blk(*args)
+
+
+def apply_fsdp(model: Qwen25VL, mesh: DeviceMesh, cfg: FSDPConfig | None = None) -> Qwen25VL:
+    """Shard `model` in place over the 1-D data-parallel `mesh` (every rank calls this with the same
+    full weights). Returns the model, now an FSDPModule whose parameters are DTensor shards."""
+    cfg = cfg or FSDPConfig()
+    if mesh.ndim != 1:
+        raise ValueError(f"FSDP needs a 1-D data-parallel mesh, got {mesh.ndim} dims")
+    if isinstance(model, FSDPModule):
+        raise ValueError("the model is already sharded")
+    set_activation_checkpointing(model, cfg.activation_checkpointing, cfg.vision_activation_checkpointing)
+    _route_through_modules(model)
+    kw = dict(mesh=mesh, mp_policy=cfg.mp_policy())
+    for blk in model.visual.blocks:
+        fully_shard(blk, reshard_after_forward=cfg.reshard_after_forward, **kw)
+    for lyr in model.model.layers:
+        fully_shard(lyr, reshard_after_forward=cfg.reshard_after_forward, **kw)
+    # the root's parameters (embeddings, LM head) are needed again at once in backward: kept gathered
+    model.run_sharded = lambda fn, *args: _owned(fn(*args))
+    fully_shard(model, reshard_after_forward=False, **kw)
+    register_fsdp_forward_method(model, ROOT_METHOD)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            if hasattr(m, "set_force_sum_reduction_for_comms"):  # a plain SUM: gloo has no PREMUL_SUM
+                m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def _owned(out):
+    """Views among a root pass's outputs copied out: FSDP hooks its backward on the outputs, and a
+    hook on a view is lost to an in-place op on it."""
+    if isinstance(out, tuple):
+        return tuple(_owned(t) for t in out)
+    return out.clone() if isinstance(out, torch.Tensor) and out._base is not None else out
+
+
+def sharded_call(model: nn.Module, fn, *args):
+    """fn(*args) with the root's parameters gathered (its FSDP forward): a pass over the model."""
+    if isinstance(model, FSDPModule):
+        return getattr(model, ROOT_METHOD)(fn, *args)
+    return fn(*args)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor shard (a collective over its mesh); plain tensors as they are."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{name: full parameter} on every rank (one all-gather per parameter): what a checkpoint, a weight
+    broadcast to rollout ranks or a comparison with a single-process model reads."""
+    with torch.no_grad():
+        return {n: full_tensor(p.detach()) for n, p in model.named_parameters()}

@@ -1,0 +1,47 @@
+"""One rank of the data-parallel update test: FSDP2 over gloo, the rank's share of the prompts, then
+the gathered weights, gradients, metrics and logprobs against the single-process update."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from parallel_helpers import init_group, rollout_batch, tiny_cfg, tiny_model
+from torch.distributed.device_mesh import init_device_mesh
+
+from rollplex.parallel import DataParallelActor, FSDPConfig, full_state_dict, full_tensor
+from rollplex.rl.config import RLConfig
+
+
+def worker(rank: int, world: int, init: str, rl: RLConfig, fsdp: FSDPConfig, tie: bool, want: dict) -> None:
+    init_group(rank, world, init)
+    try:
+        model = tiny_model(tiny_cfg(tie))
+        actor = DataParallelActor(model, rl, init_device_mesh("cpu", (world,)), fsdp)
+        grads = []
+        step = actor.optimizer.step
+
+        def capture():
+            grads.append({n: full_tensor(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+            step()
+
+        actor.optimizer.step = capture
+        batch, adv, ref = rollout_batch()
+        old = actor.old_logprobs(batch)
+        metrics, first = actor.update(batch, adv, ref, old)
+        weights = full_state_dict(model)
+        assert isinstance(model.model.layers[0].self_attn.qkv_proj.weight, torch.distributed.tensor.DTensor)
+        for k, v in want["metrics"].items():
+            assert abs(metrics[k] - v) <= 1e-5 * max(1.0, abs(v)), (k, metrics[k], v)
+        assert (first - want["first"]).abs().max() <= 1e-5
+        assert len(grads) == len(want["grads"])
+        for mine, ref_g in zip(grads, want["grads"]):
+            assert mine.keys() == ref_g.keys()
+            for n, g in ref_g.items():
+                rel = ((mine[n] - g).norm() / g.norm().clamp_min(1e-12)).item()
+                assert rel <= 1e-5, (n, rel)
+        for n, w in want["weights"].items():
+            err = (weights[n] - w).abs().max().item()
+            assert err <= 1e-5, (n, err)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

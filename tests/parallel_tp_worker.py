@@ -1,0 +1,60 @@
+"""One rank of the tensor-parallel decode test: the model split over gloo ranks, its prefill logits and
+the engine's greedy and seeded generations against the single-process ones."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from parallel_helpers import init_group, tiny_cfg, tiny_model
+
+from rollplex.engine import Engine, EngineConfig, SamplingParams
+from rollplex.parallel import apply_tensor_parallel
+
+ENGINE = dict(max_num_seqs=8, max_model_len=128, kv_cache_tokens=1024)
+
+
+def sampling() -> list[SamplingParams]:
+    """Greedy with the prompt's logprobs; seeded sampling with top-k truncation, two samples."""
+    return [SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, logprob_start_len=0),
+            SamplingParams(max_new_tokens=8, temperature=1.0, top_k=40, n=2, seed=7, ignore_eos=True)]
+
+
+def run(model, prompts, tp: int = 1) -> dict:
+    """Prefill logits of the prompts and the engine's outputs under both sampling settings."""
+    with torch.no_grad():
+        logits = model(prompts)
+    engine = Engine(model, None, EngineConfig(tensor_parallel=tp, **ENGINE))
+    outs = {}
+    for i, sp in enumerate(sampling()):
+        res = engine.generate(prompts, sp)
+        outs[i] = [([s.token_ids for s in r.samples], [s.logprobs for s in r.samples], r.input_token_logprobs)
+                   for r in res]
+    return dict(logits=logits, lens=[len(p.input_ids) for p in prompts], outs=outs)
+
+
+def worker(rank: int, world: int, init: str, tie: bool, prompts, want: dict) -> None:
+    init_group(rank, world, init)
+    try:
+        cfg = tiny_cfg(tie)
+        model = tiny_model(cfg)
+        tp = apply_tensor_parallel(model)
+        t = cfg.text
+        a = model.model.layers[0].self_attn
+        kv = max(t.num_key_value_heads // world, 1)
+        assert (a.num_heads, a.num_kv_heads) == (t.num_attention_heads // world, kv)
+        assert a.qkv_proj.weight.shape == ((a.num_heads + 2 * kv) * t.head_dim, t.hidden_size)
+        assert model.model.layers[0].mlp.down_proj.weight.shape == (t.hidden_size, t.intermediate_size // world)
+        assert model.head_weight.shape == (t.vocab_size // world, t.hidden_size) and tp.size == world
+        got = run(model, prompts, tp=world)
+        for b, n in enumerate(want["lens"]):
+            err = (got["logits"][b, :n] - want["logits"][b, :n]).abs().max().item()
+            assert err <= 1e-5, (b, err)
+        for i, reqs in want["outs"].items():
+            for (tok, lp, inp), (gtok, glp, ginp) in zip(reqs, got["outs"][i]):
+                assert gtok == tok, (i, gtok, tok)
+                assert max(abs(x - y) for a, b in zip(glp, lp) for x, y in zip(a, b)) <= 1e-5
+                if inp is not None:
+                    assert max(abs(x - y) for x, y in zip(ginp[1:], inp[1:])) <= 1e-5 and ginp[0] is None
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,43 @@
+"""`python -m torch.distributed.run -m rollplex.parallel ...` on CPU (gloo): the torchrun entry point
+runs the data-parallel update and the tensor-parallel engine and matches one process (--check)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollplex.parallel.launch import init_from_env
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _torchrun(nproc: int, *args: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "rollplex.parallel", *args]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_torchrun_train_matches_one_process(tiny_dir):
+    out = _torchrun(2, "train", "--check", "--model", str(tiny_dir), "--prompts", "5", "--steps", "2")
+    assert out["world"] == 2 and len(out["step_s"]) == 2
+    assert out["check"]["max_rel_grad_diff"] <= 1e-5 and out["check"]["grad_norm_diff"] <= 1e-5
+    assert out["check"]["max_abs_weight_diff"] <= 2e-4  # two Adam steps of lr 1e-4: see the check's comment
+
+
+@pytest.mark.slow
+def test_torchrun_decode_matches_one_process(tiny_dir):
+    out = _torchrun(2, "decode", "--check", "--model", str(tiny_dir), "--temperature", "1.0", "--samples", "2")
+    assert out["check"]["tokens_equal"] and out["check"]["max_logprob_diff"] <= 1e-5
+
+
+def test_init_from_env_needs_torchrun(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="torchrun"):
+        init_from_env()

@@ -1,0 +1,77 @@
+"""Tensor-parallel decode on gloo (spawned ranks): prefill logits within 1e-5 of the single-process
+model, and the engine's greedy and seeded generations equal token for token (logprobs within 1e-5)."""
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from helpers import make_prompt
+from parallel_helpers import tiny_cfg, tiny_model
+from parallel_tp_worker import run, worker
+
+from rollplex.engine import Engine, EngineConfig
+from rollplex.parallel.tp import apply_tensor_parallel, shard_state_dict
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(1)
+    return [make_prompt(g, text_len=(6, 3)), make_prompt(g, images=[(1, 4, 4)], text_len=(4, 5)),
+            make_prompt(g, text_len=(2, 2))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,tie", [(2, False), (4, True)])
+def test_tp_decode_equals_single_process(tmp_path, world, tie):
+    prompts = _prompts()
+    want = run(tiny_model(tiny_cfg(tie)), prompts)
+    mp.spawn(worker, args=(world, f"file://{tmp_path}/store", tie, prompts, want), nprocs=world, join=True)
+
+
+def test_shard_state_dict_cuts_megatron_shards():
+    cfg = tiny_cfg()
+    full = {n: p.detach() for n, p in tiny_model(cfg).named_parameters()}
+    t, D = cfg.text, cfg.text.head_dim
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    for rank in range(2):
+        local = shard_state_dict(full, cfg, 2, rank)
+        q, k, v = full[qkv].split([t.num_attention_heads * D, t.num_key_value_heads * D, t.num_key_value_heads * D])
+        want = torch.cat([q[rank * 2 * D:(rank + 1) * 2 * D], k[rank * D:(rank + 1) * D], v[rank * D:(rank + 1) * D]])
+        assert torch.equal(local[qkv], want)
+        o = full["model.layers.0.self_attn.o_proj.weight"]
+        assert torch.equal(local["model.layers.0.self_attn.o_proj.weight"], o[:, rank * 32:(rank + 1) * 32])
+        gu = full["model.layers.0.mlp.gate_up_proj.weight"]
+        assert torch.equal(local["model.layers.0.mlp.gate_up_proj.weight"],
+                           torch.cat([gu[rank * 56:(rank + 1) * 56], gu[112 + rank * 56:112 + (rank + 1) * 56]]))
+        assert torch.equal(local["lm_head.weight"], full["lm_head.weight"][rank * 160:(rank + 1) * 160])
+        assert local["visual.blocks.0.attn.qkv.weight"] is full["visual.blocks.0.attn.qkv.weight"]  # whole
+    # over 4 ranks the 2 KV heads are replicated: ranks 0, 1 hold head 0
+    k0 = [shard_state_dict(full, cfg, 4, r)[qkv][D:2 * D] for r in range(4)]
+    assert torch.equal(k0[0], k0[1]) and not torch.equal(k0[1], k0[2])
+
+
+def test_engine_refuses_a_mismatched_degree():
+    with pytest.raises(ValueError, match="tensor_parallel"):
+        Engine(tiny_model(tiny_cfg()), None, EngineConfig(tensor_parallel=2, kv_cache_tokens=256))
+    with pytest.raises(ValueError):
+        EngineConfig(tensor_parallel=0)
+
+
+def test_one_rank_group_and_a_later_compile(tmp_path):
+    """Degree 1 is the plain model; `model.compile()` after the plan keeps the all-reducing function."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        cfg = tiny_cfg()
+        ref, model = tiny_model(cfg), tiny_model(cfg)
+        tp = apply_tensor_parallel(model)
+        post = model.model._post
+        model.compile(backend="eager")
+        assert model.model._post is post and model.model._pre is not ref.model._pre
+        with pytest.raises(ValueError, match="already"):
+            apply_tensor_parallel(model)
+        assert tp.size == 1
+        p = _prompts()[:1]
+        with torch.no_grad():
+            assert torch.allclose(model(p), ref(p), atol=1e-6)
+    finally:
+        dist.destroy_process_group()
