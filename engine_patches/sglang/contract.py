@@ -1,0 +1,163 @@
+"""Every SGLang name the Rollplex backend relies on, in one table (`CONTRACT`).
+
+The patch never imports SGLang at module level; what it needs from SGLang is listed here, each entry
+with the reason it is needed. `check.py` verifies the table against an SGLang release's source by AST
+(without importing SGLang's runtime), and the contract tests run that check on the versions in
+`CHECKED_VERSIONS`. A name the patch starts to rely on goes into this table first; the tests also read
+the patch's own source and fail when it touches a base-class attribute the table does not list.
+
+Entry kinds (`Relied.kind`):
+
+    class_attr   names are assigned in the class body                         (scope: Class)
+    method       names[0] is a method of the class; names[1:] are parameters it takes by these
+                 names ("**": it takes **kwargs)                             (scope: Class)
+    function     the same for a module-level function                         (scope: "")
+    fields       the class (or a base class in the same file) declares these fields or takes them in
+                 __init__                                                     (scope: Class)
+    calls        the scope calls these callables ("self.run_batch", "Scheduler"; "**parameters": a
+                 call that spreads `<x>.parameters` as keyword arguments)     (scope: Class.method | function)
+    reads        the scope reads these dotted names                           (scope: Class.method)
+    self_attr    the class reads or sets `self.<name>` somewhere              (scope: Class)
+    absent       these identifiers occur nowhere in the file (our additions cannot collide)
+    str_values   the field's annotation is a dict whose values may be strings (scope: Class)
+    strings      these string constants occur in the scope                    (scope: Class.method)
+    constant     a module-level constant has this value                      (scope: "", value)
+
+This module is import-light (no torch, no SGLang) so CI and the backend selector can read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# the oldest release with everything below (Engine.run_scheduler_process_func first appears in 0.5.7)
+MIN_VERSION = "0.5.7"
+# releases whose source the contract tests check; docs/SGLANG.md lists them
+CHECKED_VERSIONS = ("0.5.7", "0.5.23")
+NEWEST_CHECKED = CHECKED_VERSIONS[-1]
+
+ENGINE = "sglang/srt/entrypoints/engine.py"
+SCHEDULER = "sglang/srt/managers/scheduler.py"
+IO_STRUCT = "sglang/srt/managers/io_struct.py"
+FORWARD = "sglang/srt/model_executor/forward_batch_info.py"
+BATCH = "sglang/srt/managers/schedule_batch.py"
+CONSTANTS = "sglang/srt/constants.py"
+SAMPLING = "sglang/srt/sampling/sampling_params.py"
+QWEN_VL = "sglang/srt/models/qwen2_5_vl.py"
+FILES = (ENGINE, SCHEDULER, IO_STRUCT, FORWARD, BATCH, CONSTANTS, SAMPLING, QWEN_VL)
+
+# what the patched Scheduler adds: one RPC method and one attribute (the hook driver)
+RPC_METHOD = "rollplex_rpc"
+DRIVER_ATTR = "rollplex"
+# SGLang's memory tags (sglang/srt/constants.py GPU_MEMORY_TYPE_*)
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+# /generate request fields rollplex/server mirrors (schemas.GenerateRequest + NEUTRAL_GENERATE + IGNORED_GENERATE)
+GENERATE_FIELDS = (
+    "text", "input_ids", "image_data", "sampling_params", "rid", "return_logprob", "logprob_start_len",
+    "top_logprobs_num", "return_text_in_logprobs", "stream",
+    "lora_path", "lora_id", "custom_logit_processor", "return_hidden_states", "video_data", "audio_data",
+    "input_embeds", "session_params", "token_ids_logprob", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+    "log_metrics", "modalities", "data_parallel_rank", "priority", "no_logs",
+)
+# sampling parameters rollplex/server accepts under SGLang's names (schemas.SGLangSamplingParams without
+# Rollplex's `seed` alias, + NEUTRAL_SAMPLING + IGNORED_SAMPLING)
+SAMPLING_FIELDS = (
+    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "stop_token_ids", "ignore_eos",
+    "skip_special_tokens", "sampling_seed",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
+    "spaces_between_special_tokens", "no_stop_trim", "regex", "json_schema", "ebnf", "structural_tag",
+    "custom_params", "logit_bias", "stop_regex",
+    "stream_interval",
+)
+
+
+@dataclass(frozen=True)
+class Relied:
+    kind: str
+    file: str
+    scope: str
+    names: tuple[str, ...]
+    why: str
+    value: str | None = None
+
+    def __post_init__(self):
+        assert self.kind in KINDS, self.kind
+        assert self.file in FILES, self.file
+        assert self.names, "an entry names at least one thing"
+        assert (self.kind == "constant") == (self.value is not None)
+
+
+KINDS = ("class_attr", "method", "function", "fields", "calls", "reads", "self_attr", "absent", "str_values",
+         "strings", "constant")
+
+CONTRACT: tuple[Relied, ...] = (
+    # ---- the engine: launching the patched scheduler, control RPCs, memory, weights ------------------
+    Relied("class_attr", ENGINE, "Engine", ("run_scheduler_process_func",),
+           "the Engine subclass points it at the module-level shim that runs the patched Scheduler"),
+    Relied("reads", ENGINE, "Engine.__init__", ("self.run_scheduler_process_func",),
+           "Engine.__init__ launches what the instance holds, so an instance-level shim bound to a hook spec is used"),
+    Relied("method", ENGINE, "Engine", ("__init__", "**"),
+           "the subclass passes the server arguments through as keywords"),
+    Relied("method", ENGINE, "Engine", ("generate", "prompt", "sampling_params", "input_ids", "image_data",
+                                        "return_logprob"),
+           "the rollout's requests: templated prompts or token ids, images, sampling parameters, logprobs"),
+    Relied("method", ENGINE, "Engine", ("collective_rpc", "method", "**"),
+           "control RPCs reach every scheduler process (start/stop admission, metrics, prefix states, weights)"),
+    Relied("method", ENGINE, "Engine", ("release_memory_occupation", "tags"),
+           "leaving the rollout phase releases SGLang's KV cache, CUDA graphs and weights by tag"),
+    Relied("method", ENGINE, "Engine", ("resume_memory_occupation", "tags"),
+           "entering the rollout phase resumes them"),
+    Relied("method", ENGINE, "Engine", ("update_weights_from_tensor", "named_tensors", "load_format", "flush_cache"),
+           "the trained policy's weights are copied into SGLang's model before each rollout"),
+    Relied("constant", CONSTANTS, "", ("GPU_MEMORY_TYPE_KV_CACHE",), "memory tag of the KV cache", "kv_cache"),
+    Relied("constant", CONSTANTS, "", ("GPU_MEMORY_TYPE_WEIGHTS",), "memory tag of the weights", "weights"),
+    Relied("constant", CONSTANTS, "", ("GPU_MEMORY_TYPE_CUDA_GRAPH",), "memory tag of the CUDA graphs",
+           "cuda_graph"),
+    Relied("fields", IO_STRUCT, "ReleaseMemoryOccupationReqInput", ("tags",), "release takes a tag list"),
+    Relied("fields", IO_STRUCT, "ResumeMemoryOccupationReqInput", ("tags",), "resume takes a tag list"),
+    # ---- the scheduler process: the shim swaps the Scheduler class in --------------------------------
+    Relied("function", SCHEDULER, "", ("run_scheduler_process",),
+           "the shim runs SGLang's own scheduler process function (arguments passed through unchanged)"),
+    Relied("calls", SCHEDULER, "run_scheduler_process", ("Scheduler",),
+           "it builds the scheduler by the module-level name the shim rebinds in the child process"),
+    # ---- the decode hook --------------------------------------------------------------------------
+    Relied("method", SCHEDULER, "Scheduler", ("run_batch", "batch"),
+           "wrapped: every batch launch passes through it, with the batch first"),
+    Relied("method", SCHEDULER, "Scheduler", ("event_loop_normal",), "the event loop without overlap"),
+    Relied("method", SCHEDULER, "Scheduler", ("event_loop_overlap",), "the event loop with overlap scheduling"),
+    Relied("calls", SCHEDULER, "Scheduler.event_loop_normal", ("self.run_batch",),
+           "it launches batches through run_batch, so the wrapper sees each decode launch"),
+    Relied("calls", SCHEDULER, "Scheduler.event_loop_overlap", ("self.run_batch",),
+           "it launches batches through run_batch, so the wrapper sees each decode launch"),
+    Relied("self_attr", SCHEDULER, "Scheduler", ("waiting_queue",), "DecodeStepInfo.num_waiting is its length"),
+    Relied("self_attr", SCHEDULER, "Scheduler", ("enable_overlap",),
+           "with overlap the forward runs on forward_stream, where decode steps are timed"),
+    Relied("self_attr", SCHEDULER, "Scheduler", ("forward_stream",), "the stream decode runs on with overlap"),
+    Relied("method", FORWARD, "ForwardMode", ("is_decode",), "decode launches are told apart from prefill"),
+    Relied("fields", BATCH, "ScheduleBatch", ("forward_mode",), "the batch's forward mode"),
+    Relied("method", BATCH, "ScheduleBatch", ("batch_size",), "DecodeStepInfo.batch_size"),
+    Relied("absent", SCHEDULER, "Scheduler", (RPC_METHOD, DRIVER_ATTR),
+           "the names the patched Scheduler adds do not shadow SGLang's"),
+    # ---- control RPCs -----------------------------------------------------------------------------
+    Relied("method", SCHEDULER, "Scheduler", ("handle_rpc_request", "recv_req"),
+           "collective_rpc arrives here in each scheduler process"),
+    Relied("calls", SCHEDULER, "Scheduler.handle_rpc_request", ("getattr", "**parameters"),
+           "it calls the scheduler's method named by the request with the parameters as keywords"),
+    Relied("fields", IO_STRUCT, "RpcReqInput", ("method", "parameters"), "the RPC request"),
+    Relied("str_values", IO_STRUCT, "RpcReqInput", ("parameters",),
+           "RPC parameters are flat strings (paths of the files that carry payloads and results)"),
+    Relied("fields", IO_STRUCT, "RpcReqOutput", ("success", "message"),
+           "the RPC reply has no payload: results come back through files"),
+    # ---- the weight layout ------------------------------------------------------------------------
+    Relied("method", QWEN_VL, "Qwen2_5_VLForConditionalGeneration", ("load_weights", "weights"),
+           "update_weights_from_tensor hands the named tensors to the model's loader"),
+    Relied("strings", QWEN_VL, "Qwen2_5_VLForConditionalGeneration.load_weights",
+           (".q_proj", ".k_proj", ".v_proj", "gate_proj", "up_proj"),
+           "it fuses split q/k/v and gate/up weights: Rollplex sends HF names (rollplex_to_hf)"),
+    # ---- what rollplex/server mirrors ---------------------------------------------------------------
+    Relied("fields", IO_STRUCT, "GenerateReqInput", GENERATE_FIELDS,
+           "rollplex/server's /generate accepts these SGLang request fields"),
+    Relied("fields", SAMPLING, "SamplingParams", SAMPLING_FIELDS,
+           "rollplex/server's sampling_params accepts these SGLang names"),
+)
