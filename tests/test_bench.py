@@ -40,13 +40,15 @@ def test_step_bench_compares_serial_sharing_and_cosched(tiny_dir, capsys, tmp_pa
     step.main(["--preset", f"{tiny_dir}/config.json", "--workloads", "w3b-tail", "--trace", str(trace), *STEP_ARGS,
                "--new-tokens", "24"])
     rows = _rows(capsys)
-    steps = [(r["vision"], r["step"], r["mode"]) for r in rows if r["bench"] == "step" and r["workload"] == "w3b-tail"]
+    ours = [r for r in rows if r["bench"] == "step" and r["workload"] == "w3b-tail"]
+    steps = [(r["vision"], r["step"], r["mode"]) for r in ours]
     # per vision setting, the warm-up step (every mode) runs before the timed one
-    want = [(v, s, m) for v in ("trained", "frozen") for s in ("cold", "timed") for m in ("serial", "rollplex", "cosched")]
-    assert steps == want
-    by = {(r["vision"], r["step"], r["mode"]): r for r in rows if r["bench"] == "step" and r["workload"] == "w3b-tail"}
+    modes = ("serial", "rollplex", "cosched")
+    assert steps == [(v, s, m) for v in ("trained", "frozen") for s in ("cold", "timed") for m in modes]
+    by = {(r["vision"], r["step"], r["mode"]): r for r in ours}
     summaries = [r for r in rows if r["bench"] == "step_summary"]
-    assert [(s["vision"], s["step"]) for s in summaries] == [(v, s) for v in ("trained", "frozen") for s in ("cold", "timed")]
+    assert [(s["vision"], s["step"]) for s in summaries] == [(v, s) for v in ("trained", "frozen")
+                                                             for s in ("cold", "timed")]
     for s in summaries:
         assert s["movable_s"] > 0 and s["gen_s"] > 0 and s["cosched_gen_s"] > 0
         for mode in ("serial", "rollplex", "cosched"):

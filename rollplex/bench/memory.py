@@ -99,7 +99,8 @@ def run(label: str, args) -> list[dict]:
                                            gpu_memory_utilization=args.gpu_memory_utilization,
                                            kv_cache_tokens=None if cuda else 16384,
                                            max_num_batched_tokens=40000), memory=mm)
-    rl_cfg = RLConfig(n=n, max_new_tokens=new_tokens, kl_coef=0.001, lr=1e-6, micro_batch_prompts=args.micro_prompts or micro,
+    rl_cfg = RLConfig(n=n, max_new_tokens=new_tokens, kl_coef=0.001, lr=1e-6,
+                      micro_batch_prompts=args.micro_prompts or micro,
                       gradient_checkpointing=args.gradient_checkpointing)
     rl = RLStep(model, eng, rl_cfg, reward_fn="exact", memory=mm, memory_cfg=mem_cfg)
     sizes, acts = rl.memory_sizes(), rl.activation_estimate()

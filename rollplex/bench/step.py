@@ -232,7 +232,7 @@ def main(argv=None) -> None:
         lens = (tail_lengths(n_prompts, args.new_tokens, seed=7) if label == "w3b-tail"
                 else [args.new_tokens] * n_prompts)
 
-        def params(seed):
+        def params(seed, lens=lens):
             return [SamplingParams(n=args.n, max_new_tokens=n, ignore_eos=True, seed=seed * 100_003 + i)
                     for i, n in enumerate(lens)]
 

@@ -9,7 +9,8 @@ has one no-overlap step time):
 - Baseline: steps run with nothing in flight are clean; they give the bucket's no-overlap step time:
   a faster clean step replaces it at once (start-up effects and host hiccups only make steps slower,
   and a baseline taken from one would make every loaded step look fast); slower ones move it up as
-  an EMA, each sample clipped to 1.5x (contexts grow, so the true time drifts up). A bucket admits nothing until it has `baseline_samples` clean steps, and
+  an EMA, each sample clipped to 1.5x (contexts grow, so the true time drifts up). A bucket admits
+  nothing until it has `baseline_samples` clean steps, and
   every `reprobe_every` of its steps it forces one clean step (step time drifts as contexts grow).
 - Feedback: a loaded step's slowdown is `step_ms / baseline - 1`. Under the target band
   (`bound * (1 - headroom)`) the per-step budget grows additively by `increase * baseline`; over the

@@ -225,7 +225,8 @@ class PrefixPackedLayout:
             gather, cu_q, cu_k, start = [], [0], [0], self.num_prefix_rows * self.prefix_max
             for g, p, n in zip(self.index, self.prefix_lens, self.response_lens):
                 if n:
-                    gather += [torch.arange(g * self.prefix_max, g * self.prefix_max + p), torch.arange(start, start + n)]
+                    base = g * self.prefix_max
+                    gather += [torch.arange(base, base + p), torch.arange(start, start + n)]
                     cu_q.append(cu_q[-1] + n)
                     cu_k.append(cu_k[-1] + p + n)
                 start += n

@@ -28,8 +28,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import (PackedLayout, PrefixPackedLayout, SharedPrefixLayout, packed_attention,
-                        prefix_packed_attention, sdpa, shared_prefix_attention)
+from .attention import (
+    PackedLayout,
+    PrefixPackedLayout,
+    SharedPrefixLayout,
+    packed_attention,
+    prefix_packed_attention,
+    sdpa,
+    shared_prefix_attention,
+)
 from .config import ModelConfig
 from .inputs import ModelInputs
 from .layers import rotary_inv_freq
@@ -190,7 +197,7 @@ class Qwen25VL(nn.Module):
         parts: dict[int, list[torch.Tensor]] = {}
         if feats is not None:
             owner = batch[2]
-            for (i, n), f in zip(owner, feats.split([n for _, n in owner])):
+            for (i, _), f in zip(owner, feats.split([n for _, n in owner])):
                 parts.setdefault(i, []).append(f)  # a prompt's images come before its videos
         out: list[torch.Tensor | None] = []
         for i, p in enumerate(prompts):

@@ -50,7 +50,8 @@ def response_hidden(model: Qwen25VL, mb: RolloutBatch, mode: str, packed: bool,
 
 
 def token_logprobs(model: Qwen25VL, mb: RolloutBatch, mode: str, packed: bool, temperature: float = 1.0,
-                   with_entropy: bool = False, prefix_key: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   with_entropy: bool = False,
+                   prefix_key: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs [n, R] fp32, entropy [n, R] or None) of one micro-batch's responses; differentiable."""
     hidden = response_hidden(model, mb, mode, packed, prefix_key)
     targets = to_device(mb.responses, hidden.device)
