@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from server_helpers import IMG, png_b64, sse_events, wire_rows
 
 from rollplex.demo.tiny import write_tiny
@@ -564,3 +565,21 @@ def test_train_step_oom_is_507_and_changes_nothing(client, server, monkeypatch):
     manager = client.get("/memory").json()["manager"]
     assert manager["phase"] == "update" and manager["state"]["kv_cache"] == "released"
     assert manager["phases"]["rollout"]["resident_bytes"]["kv_cache"] > 0
+
+
+def test_frozen_vision_tower_reuses_the_rollouts_encodings(tiny_dir):
+    """freeze_vision_tower: the retained rollout carries the prefill's vision encodings, the step trains
+    the decoder and leaves the vision tower as it was; cosched is refused (the server does not host it)."""
+    with serve_in_thread(_config(tiny_dir, freeze_vision_tower=True)) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as c:
+        ro = _rollout(c, n_prompts=2, n=2)
+        entry = srv.state.store.get(ro["rollout_id"])
+        assert all(p.vision_embeds is not None for p in entry.batch.prompts)
+        vis0 = [p.detach().clone() for p in srv.state.model.visual.parameters()]
+        txt0 = srv.state.model.model.layers[0].mlp.down_proj.weight.detach().clone()
+        r = c.post("/train_step", json={"rollout_id": ro["rollout_id"], "rewards": [1, 0, 0, 1]})
+        assert r.status_code == 200, r.text
+        assert all(torch.equal(a, b) for a, b in zip(vis0, srv.state.model.visual.parameters()))
+        assert not torch.equal(txt0, srv.state.model.model.layers[0].mlp.down_proj.weight)
+    with pytest.raises(ValueError, match="cosched"):
+        _config(tiny_dir, cosched=True)

@@ -37,12 +37,13 @@ class ClientGone(Exception):
 
 async def submit(state, encoders: list[Callable[[], object]], params: list, stream: bool = False,
                  finalize: list | None = None, what: str = "prompt",
-                 inline: bool = False) -> tuple[list[Ticket], list]:
+                 inline: bool = False, keep_vision: bool = False) -> tuple[list[Ticket], list]:
     """Prepare and queue one engine request per prompt; returns (tickets, encoded inputs).
 
     encoders: one call per prompt returning its ModelInputs, run on the intake thread (they may use
     `state.intake_processor`); inline: run them on the event loop instead (token-id prompts: nothing
-    to tokenize, a thread hop would cost more than the work)."""
+    to tokenize, a thread hop would cost more than the work); keep_vision: the outputs carry the
+    prefill's vision encodings (a frozen-vision trainer reuses them)."""
     engine, max_len = state.engine, state.cfg.engine.max_model_len
 
     def prepare() -> list:
@@ -55,7 +56,7 @@ async def submit(state, encoders: list[Callable[[], object]], params: list, stre
                 raise ValueError(f"{what}[{i}]: {e}{hint}") from e
             check_length(len(x.input_ids), sp.max_new_tokens, max_len, f"{what}[{i}]")
             try:
-                out.append(engine.prepare(x, sp))
+                out.append(engine.prepare(x, sp, keep_vision=keep_vision))
             except ValueError as e:
                 raise ValueError(f"{what}[{i}]: {e}") from e
         return out

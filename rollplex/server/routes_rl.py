@@ -61,7 +61,9 @@ def router(state) -> APIRouter:
             raise bad_request("training rollouts need temperature > 0 (the trainer scores that distribution)")
         params = [sp if sp.seed is None else replace(sp, seed=sp.seed + i * n) for i in range(len(req.prompts))]
         encoders = [(lambda p=p: state.encode_prompt(p)) for p in req.prompts]
-        tickets, inputs = await submit(state, encoders, params, what="prompts")
+        # a frozen vision tower's encodings from the prefill stand in for the trainer's vision passes
+        keep_vision = req.for_training and rl.freeze_vision_tower and rl.mode == "rollplex"
+        tickets, inputs = await submit(state, encoders, params, what="prompts", keep_vision=keep_vision)
         try:
             results = await collect(state, tickets, request)
         except ClientGone:
@@ -79,6 +81,9 @@ def router(state) -> APIRouter:
                 inputs, outs, pad_id=state.model.cfg.pad_token_id or 0,
                 data_sources=[p.data_source for p in req.prompts], ground_truths=[p.truth() for p in req.prompts],
                 extra_infos=[p.extra_info for p in req.prompts])
+            if keep_vision:
+                batch.prompts = [p if o.vision_embeds is None else replace(p, vision_embeds=o.vision_embeds)
+                                 for p, o in zip(batch.prompts, outs)]
             entry = RetainedRollout(batch, temperature=sp.temperature, gen_s=gen_s, weights_version=version)
             state.store.put(entry)
             rollout_id = entry.rollout_id
