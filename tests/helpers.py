@@ -51,6 +51,21 @@ def tiny_model(seed: int = 0, tie: bool = False) -> Qwen25VL:
     return init_weights(Qwen25VL(ModelConfig.from_hf(tiny_hf_config(tie))), seed=seed, std=0.1)
 
 
+def kernel_model(device: str = "cuda") -> Qwen25VL:
+    """A small model whose head_dim (64) the Triton decode kernels take: the GPU engine tests' model."""
+    from rollplex.models import TextConfig, VisionConfig
+
+    cfg = ModelConfig(
+        text=TextConfig(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, mrope_section=(8, 12, 12),
+                        tie_word_embeddings=False),
+        vision=VisionConfig(depth=2, hidden_size=64, intermediate_size=96, num_heads=2, window_size=56,
+                            out_hidden_size=256, fullatt_block_indexes=(1,)),
+        image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE, eos_token_id=2)
+    with torch.device(device):
+        return init_weights(Qwen25VL(cfg), seed=0, std=0.05).eval()
+
+
 def make_prompt(gen: torch.Generator, images=(), videos=(), text_len=(5, 4), patch_dim=3 * 2 * 14 * 14,
                 vocab=290, secs=1.0) -> ModelInputs:
     """Random prompt: text, then for each image/video grid a vision block, then more text."""

@@ -205,6 +205,15 @@ def shared_prefix_attention(q, k, v, pk, pv, layout: SharedPrefixLayout, backend
     return sdpa(q, torch.cat([pk[idx], k], dim=2), torch.cat([pv[idx], v], dim=2), mask=layout.mask())
 
 
+def _varlen_meta(gather: list[torch.Tensor], cu_q: list[int], cu_k: list[int], dev) -> tuple:
+    """(key gather index, cu_q, cu_k, max_q, max_k) on the device, from host-built segment lists."""
+    lq = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
+    lk = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]
+    i32 = torch.int32
+    return (to_device(torch.cat(gather), dev), as_device_tensor(cu_q, dev, i32), as_device_tensor(cu_k, dev, i32),
+            max(lq), max(lk))
+
+
 @dataclass
 class PrefixPackedLayout:
     """Responses packed into one token sequence (no padding) attending to prefix rows computed
@@ -230,11 +239,7 @@ class PrefixPackedLayout:
                     cu_q.append(cu_q[-1] + n)
                     cu_k.append(cu_k[-1] + p + n)
                 start += n
-            lq = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
-            lk = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]
-            dev, i32 = self.device, torch.int32
-            self._cache["varlen"] = (to_device(torch.cat(gather), dev), as_device_tensor(cu_q, dev, i32),
-                                     as_device_tensor(cu_k, dev, i32), max(lq), max(lk))
+            self._cache["varlen"] = _varlen_meta(gather, cu_q, cu_k, self.device)
         return self._cache["varlen"]
 
     def mask(self) -> torch.Tensor:
@@ -311,11 +316,7 @@ class PackedLayout:
                     gather.append(torch.arange(a, a + m))
                 cu_q.append(cu_q[-1] + n)
                 cu_k.append(cu_k[-1] + sum(m for _, m in runs))
-            lq = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
-            lk = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]
-            dev, i32 = self.device, torch.int32
-            self._cache["varlen"] = (to_device(torch.cat(gather), dev), as_device_tensor(cu_q, dev, i32),
-                                     as_device_tensor(cu_k, dev, i32), max(lq), max(lk))
+            self._cache["varlen"] = _varlen_meta(gather, cu_q, cu_k, self.device)
         return self._cache["varlen"]
 
     def mask(self) -> torch.Tensor:

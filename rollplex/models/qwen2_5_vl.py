@@ -273,12 +273,7 @@ class Qwen25VL(nn.Module):
         """
         N, R = response_ids.shape
         dev = self.inv_freq.device
-        lens = [int(x) for x in response_lens]
-        group = [int(g) for g in group]
-        if len(lens) != N or len(group) != N or any(not 1 <= n <= R for n in lens):
-            raise ValueError("response_lens must give a length in [1, R] for every response")
-        if any(not 0 <= g < len(prompts) for g in group):
-            raise ValueError("group index out of range")
+        lens, group = _check_responses(response_ids, response_lens, group, len(prompts))
         e = self.embed_prompts(prompts)
         P = [len(p.input_ids) for p in prompts]
         layout = PackedLayout(P, [n - 1 for n in lens], group, dev)
@@ -315,12 +310,7 @@ class Qwen25VL(nn.Module):
         row. [N, R, C], rows past a response's length zero; the same values as `group_hidden`."""
         N, R = response_ids.shape
         dev = self.inv_freq.device
-        lens = [int(x) for x in response_lens]
-        group = [int(g) for g in group]
-        if len(lens) != N or len(group) != N or any(not 1 <= n <= R for n in lens):
-            raise ValueError("response_lens must give a length in [1, R] for every response")
-        if any(not 0 <= g < prefix.batch_size for g in group):
-            raise ValueError("group index out of range")
+        lens, group = _check_responses(response_ids, response_lens, group, prefix.batch_size)
         plens = prefix.lens.tolist()
         layout = PrefixPackedLayout(group, [plens[g] for g in group], prefix.batch_size, prefix.keys[0].shape[2],
                                     [n - 1 for n in lens], dev)
@@ -352,3 +342,16 @@ class Qwen25VL(nn.Module):
     def forward(self, prompts: Sequence[ModelInputs]) -> torch.Tensor:
         """Full forward over whole sequences: logits [B, Lmax, V] (rows past a sequence's end are junk)."""
         return self.logits(self.hidden(prompts))
+
+
+def _check_responses(response_ids: torch.Tensor, response_lens: Sequence[int], group: Sequence[int],
+                     num_prompts: int) -> tuple[list[int], list[int]]:
+    """Validated (lengths, group) of N responses [N, R] over `num_prompts` prompts."""
+    N, R = response_ids.shape
+    lens = [int(x) for x in response_lens]
+    group = [int(g) for g in group]
+    if len(lens) != N or len(group) != N or any(not 1 <= n <= R for n in lens):
+        raise ValueError("response_lens must give a length in [1, R] for every response")
+    if any(not 0 <= g < num_prompts for g in group):
+        raise ValueError("group index out of range")
+    return lens, group

@@ -3,11 +3,10 @@ steps gives the same step as without it (fp32), and work really ran beside decod
 
 import pytest
 import torch
-from helpers import make_prompt
+from helpers import kernel_model, make_prompt
 
 from rollplex.cosched import CoschedConfig, Timeline
 from rollplex.engine import Engine, EngineConfig, SamplingParams
-from rollplex.models import ModelConfig, Qwen25VL, TextConfig, VisionConfig, init_weights
 from rollplex.rl.config import RLConfig
 from rollplex.rl.step import RLStep
 
@@ -17,15 +16,7 @@ EAGER = CoschedConfig(slowdown_bound=0.5, baseline_samples=1, initial_budget=5.0
 
 
 def _model():
-    cfg = ModelConfig(
-        text=TextConfig(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                        num_attention_heads=4, num_key_value_heads=2, mrope_section=(8, 12, 12),
-                        tie_word_embeddings=False),
-        vision=VisionConfig(depth=2, hidden_size=64, intermediate_size=96, num_heads=2, window_size=56,
-                            out_hidden_size=256, fullatt_block_indexes=(1,)),
-        image_token_id=300, video_token_id=301, vision_start_token_id=302, vision_end_token_id=303, eos_token_id=2)
-    with torch.device("cuda"):
-        return init_weights(Qwen25VL(cfg), seed=0, std=0.05).eval()
+    return kernel_model("cuda")
 
 
 def _step(cosched: bool, frozen: bool):

@@ -3,25 +3,16 @@ reference decoder's greedy tokens and full-forward logprobs, across several batc
 
 import pytest
 import torch
-from helpers import make_prompt
+from helpers import kernel_model, make_prompt
 
 from rollplex.engine import Engine, EngineConfig, SamplingParams
 from rollplex.generate import generate
-from rollplex.models import ModelConfig, Qwen25VL, TextConfig, VisionConfig, init_weights
 
 pytestmark = pytest.mark.gpu
 
 
 def _model():
-    cfg = ModelConfig(
-        text=TextConfig(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                        num_attention_heads=4, num_key_value_heads=2, mrope_section=(8, 12, 12),
-                        tie_word_embeddings=False),
-        vision=VisionConfig(depth=2, hidden_size=64, intermediate_size=96, num_heads=2, window_size=56,
-                            out_hidden_size=256, fullatt_block_indexes=(1,)),
-        image_token_id=300, video_token_id=301, vision_start_token_id=302, vision_end_token_id=303, eos_token_id=2)
-    with torch.device("cuda"):
-        return init_weights(Qwen25VL(cfg), seed=0, std=0.05).eval()
+    return kernel_model("cuda")
 
 
 @pytest.mark.parametrize("kernel", ["gather", "tma"])
