@@ -42,11 +42,6 @@ def _scheduler_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _left_flops(job) -> float:
-    f0, f_layer = job.unit_flops()
-    return (f0 if job.next_unit == 0 else 0.0) + f_layer * (job.units - max(job.next_unit, 1))
-
-
 class CoschedHook:
     def __init__(self, ref_path: str | None = None, policy_path: str | None = None, dtype: str = "bfloat16",
                  config: dict | None = None, device: str | None = None, tflops: float | None = None):
@@ -108,7 +103,7 @@ class CoschedHook:
         if not self.rows:
             raise RuntimeError("no rollout's prefix work to export (start_admission first)")
         left = [j for rows in self.rows.values() for j in rows.jobs if not j.done]
-        flops = sum(_left_flops(j) for j in left)
+        flops = sum(j.left_flops() for j in left)
         self._sync()
         t0 = time.perf_counter()
         with torch.no_grad():
