@@ -97,12 +97,13 @@ def apply_fsdp(model: Qwen25VL, mesh: DeviceMesh, cfg: FSDPConfig | None = None)
     for lyr in model.model.layers:
         fully_shard(lyr, reshard_after_forward=cfg.reshard_after_forward, **kw)
     # the root's parameters (embeddings, LM head) are needed again at once in backward: kept gathered
-    model.run_sharded = lambda fn, *args: _owned(fn(*args))
+    setattr(model, ROOT_METHOD, lambda fn, *args: _owned(fn(*args)))
     fully_shard(model, reshard_after_forward=False, **kw)
     register_fsdp_forward_method(model, ROOT_METHOD)
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(1.0)
+            # (set_reduce_scatter_divide_factor: its name in older torch)
+            (getattr(m, "set_gradient_divide_factor", None) or m.set_reduce_scatter_divide_factor)(1.0)
             if hasattr(m, "set_force_sum_reduction_for_comms"):  # a plain SUM: gloo has no PREMUL_SUM
                 m.set_force_sum_reduction_for_comms(True)
     return model
