@@ -50,7 +50,7 @@ def fake_sglang(monkeypatch):
 
 
 class FakeDevice:
-    """Device time: batches advance it; events record it and complete at once."""
+    """Simulated GPU clock: batches advance it; events record it and complete at once."""
 
     def __init__(self):
         self.t = 0.0
@@ -109,7 +109,7 @@ def test_decode_steps_are_timed_and_periods_never_span_a_prefill(fake_sglang, lo
     spec = HookSpec("recording_hook:Recorder")
     s = _run(fake_sglang, loop, spec, clock=lambda: ((lambda: FakeEvent(device)), lambda: "current"), device=device)
     infos = s.rollplex.hook.infos
-    ms = [x[3] for x in DECODES]  # each decode step's device time
+    ms = [x[3] for x in DECODES]  # each decode step's GPU time
     assert [i.last_step_ms for i in infos] == [None, *ms[:-1]]
     # step k's period (end of k-1 to end of k) is reported at step k+1; steps 0, 3 and 5 follow a
     # non-decode batch (EXTEND, EXTEND, MIXED), so they have none

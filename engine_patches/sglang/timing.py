@@ -4,7 +4,7 @@
 `poll()` reads every bracketed step that has completed (`event.query()`, never a synchronize), in launch
 order, and updates
 
-    last_step_ms     device time of the latest completed step (start to end event)
+    last_step_ms     GPU time of the latest completed step (start to end event)
     last_period_ms   end of the previous completed step to the end of this one, when the two were
                      consecutive decode steps with no other batch between them; None otherwise
 
