@@ -22,20 +22,29 @@ from rollplex.server import ServerConfig, ServerState, serve_in_thread
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = {"max_model_len": 256, "kv_cache_tokens": 4096, "max_num_seqs": 8}
-# the tuning-cache keys of every graphed bucket of a server's engine, one digest each (run in a fresh
-# process: a restart); `env` stands in for the GPU and software part, which needs CUDA to read
-KEYS = """
+# a restart: a fresh process builds the same server and prints its key digests
+RESTART = """
 import json, sys
+sys.path.insert(0, "tests")
+from test_server_startup import ENGINE, key_digests
 from rollplex.engine import EngineConfig
-from rollplex.engine.model_runner import graph_buckets
-from rollplex.kernels.tuning_cache import key_digest
 from rollplex.server import ServerConfig, ServerState
 
-state = ServerState(ServerConfig(model=sys.argv[1], device="cpu", engine=EngineConfig(**json.loads(sys.argv[2]))))
-env = {"gpu": "stand-in", "kernels": "stand-in"}
-print(json.dumps([key_digest(k) for b in graph_buckets(8) for k in state.engine.runner._tuning_keys(b, env)]))
+state = ServerState(ServerConfig(model=sys.argv[1], device="cpu", engine=EngineConfig(**ENGINE)))
+print(json.dumps(key_digests(state)))
 state.close()
 """
+
+
+def key_digests(state: ServerState) -> list[str]:
+    """The tuning-cache key digest of every graphed bucket's attention config and projection kernels; the GPU
+    and software part of the key (which needs CUDA to read) is a stand-in."""
+    from rollplex.engine.model_runner import graph_buckets
+    from rollplex.kernels.tuning_cache import key_digest
+
+    env = {"gpu": "stand-in", "kernels": "stand-in"}
+    runner = state.engine.runner
+    return [key_digest(k) for b in graph_buckets(state.cfg.engine.max_num_seqs) for k in runner._tuning_keys(b, env)]
 
 
 @pytest.fixture(scope="module")
@@ -59,18 +68,19 @@ def test_startup_phases_are_logged_and_reported(tiny_dir, caplog):
     assert "decode kernel tuning" in lines[1] and "graph capture" in lines[1]
 
 
-def _key_digests(tiny_dir) -> list[str]:
-    out = subprocess.run([sys.executable, "-c", KEYS, str(tiny_dir), json.dumps(ENGINE)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def test_a_restarted_server_asks_the_tuning_cache_for_the_same_keys(tiny_dir):
     """A key part that changed from one process to the next (an address, a profiled size) would make every
     warm start tune again."""
-    first, second = _key_digests(tiny_dir), _key_digests(tiny_dir)
-    assert first == second and len(set(first)) == len(first) == 2 * 4  # buckets 1, 2, 4, 8: attention + gemms
+    state = ServerState(ServerConfig(model=str(tiny_dir), device="cpu", engine=EngineConfig(**ENGINE)))
+    try:
+        here = key_digests(state)
+    finally:
+        state.close()
+    out = subprocess.run([sys.executable, "-c", RESTART, str(tiny_dir)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == here
+    assert len(set(here)) == len(here) == 2 * 4  # buckets 1, 2, 4, 8: attention + gemms
 
 
 def test_a_restarted_server_times_nothing(tiny_dir, tmp_path, monkeypatch, caplog):

@@ -298,14 +298,14 @@ def measure(url: str, cfg: LoadConfig, rows: list[dict]) -> list[list[int]]:
     asyncio.run(batched(url, prompts, cfg.sampling(cfg.temperature, 4)))  # warm-up of the sampled path
     n_tok = cfg.prompts * cfg.max_new_tokens
     for rep in range(cfg.repeats):
-        wall, _ = asyncio.run(batched(url, prompts, sp))
-        engine = _emit(rows, {"measure": "batched", "repeat": rep, "tokens": n_tok, "wall_s": round(wall, 3),
-                              "tok_s": round(n_tok / wall, 1)})
+        engine_wall, _ = asyncio.run(batched(url, prompts, sp))
+        _emit(rows, {"measure": "batched", "repeat": rep, "tokens": n_tok, "wall_s": round(engine_wall, 3),
+                     "tok_s": round(n_tok / engine_wall, 1)})
         wall, replies = asyncio.run(concurrent(url, prompts, sp))
         outputs_of(replies, cfg.max_new_tokens)
         _emit(rows, {"measure": "concurrent", "repeat": rep, "requests": cfg.prompts, "tokens": n_tok,
                      "wall_s": round(wall, 3), "tok_s": round(n_tok / wall, 1),
-                     "ratio_to_batched": round(engine["wall_s"] / wall, 3)})
+                     "ratio_to_batched": round(engine_wall / wall, 3)})
         wall, replies = asyncio.run(concurrent(url, prompts, sp, stream=True))
         outputs_of(replies, cfg.max_new_tokens)
         ttft = [(r.first_token - r.start) * 1e3 for r in replies]
@@ -327,7 +327,8 @@ def table(rows: list[dict]) -> str:
 
     def phases(start):
         p = ready.get(start, {}).get("server_phases_s", {})
-        return ", ".join(f"{k} {p[k]:.1f}" for k in ("kv_sizing", "tuning", "capture", "trainer") if k in p)
+        return ", ".join(f"{k} {p[k]:.1f}" for k in ("imports", "weights", "kv_sizing", "tuning", "capture", "trainer")
+                         if k in p)
 
     lines = [f"{'measure':<38} {'value':>10}  notes"]
 
