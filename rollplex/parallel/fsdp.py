@@ -21,6 +21,10 @@ Gradients are *summed* over ranks, not averaged (`set_gradient_divide_factor(1)`
 trainer divides each rank's loss by the whole mini-batch's normaliser, so the sum is the
 single-process gradient (data_parallel.py).
 
+Activation checkpointing composes the same way: `set_checkpointing` puts the plain or the
+checkpointed layer function back into the slot and routes the modules through it again, so the
+update's OOM ladder can turn checkpointing on after sharding.
+
 Every rank must call the units in the same order and the same number of times per backward (FSDP's
 collectives pair up by order): the caller keeps the micro-batch structure equal across ranks.
 `full_state_dict` gathers the full tensors (names are unchanged: FSDP2 adds no wrapper modules).
@@ -107,6 +111,25 @@ def apply_fsdp(model: Qwen25VL, mesh: DeviceMesh, cfg: FSDPConfig | None = None)
             if hasattr(m, "set_force_sum_reduction_for_comms"):  # a plain SUM: gloo has no PREMUL_SUM
                 m.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def set_checkpointing(model: Qwen25VL, decoder: bool, vision: bool) -> None:
+    """Per-layer activation checkpointing of the decoder / the vision tower of a model `apply_fsdp`
+    sharded, on or off: the slots get the plain methods back, then the (un)wrapped functions are
+    routed through the layer modules again (the FSDP units and their hooks are untouched)."""
+    text, vis = model.model, model.visual
+    vars(text).pop("layer", None)
+    vars(vis).pop("block", None)
+    set_activation_checkpointing(model, decoder, vision)
+    _route_through_modules(model)
+
+
+def checkpointing(model: Qwen25VL) -> tuple[bool, bool]:
+    """Whether the decoder layers / vision blocks of a model `apply_fsdp` sharded run checkpointed."""
+    def wrapped(mods) -> bool:
+        return len(mods) > 0 and hasattr(mods[0].forward.func, "__wrapped__")
+
+    return wrapped(model.model.layers), wrapped(model.visual.blocks)
 
 
 def _owned(out):

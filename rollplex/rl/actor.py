@@ -30,10 +30,10 @@ from ..models import Qwen25VL
 from ..models.transfer import to_device
 from .algos import agg_denominator, agg_loss, kl_penalty, ppo_policy_loss
 from .batch import RolloutBatch
-from .checkpointing import activation_checkpointing, set_activation_checkpointing
 from .config import RLConfig
-from .microbatch import MicroBatching, micro_batches
+from .microbatch import MicroBatching
 from .optimizer import MasterAdamW
+from .placement import CollectiveOOM, Placement, SingleProcess
 from .scoring import score, token_logprobs
 
 log = logging.getLogger("rollplex.rl")
@@ -64,15 +64,22 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
+METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl")
+
+
 class Actor:
-    def __init__(self, model: Qwen25VL, cfg: RLConfig, memory=None, optimizer_offload: str = "none"):
+    def __init__(self, model: Qwen25VL, cfg: RLConfig, memory=None, optimizer_offload: str = "none",
+                 placement: Placement | None = None):
+        """placement: where the passes run (default: this process; `rollplex.parallel.DataParallelActor`
+        gives a data-parallel one over an FSDP2-sharded model)."""
         self.model, self.cfg, self.memory = model, cfg, memory
+        self.placement = placement or SingleProcess()
         params = [p for p in model.parameters() if p.requires_grad]
         kw = dict(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         # persistent gradient buffers in the `grads` region, masters and moments in `optimizer`
         self.optimizer = MasterAdamW(params, memory=memory, offload=optimizer_offload, **kw)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer.opt, lr_lambda(cfg))
-        set_activation_checkpointing(model, cfg.gradient_checkpointing, cfg.vision_gradient_checkpointing)
+        self.placement.set_checkpointing(model, cfg.gradient_checkpointing, cfg.vision_gradient_checkpointing)
         # micro-batching that ran out of memory is halved for the rest of the run (OOM back-off)
         self._backoff: MicroBatching | None = None
 
@@ -99,7 +106,8 @@ class Actor:
         cfg = cfg or self.cfg
         if cfg.num_updates == 1:
             return None
-        return score(self.model, batch, cfg.mode, cfg.micro_batching, cfg.temperature, prefix_key="old")
+        return score(self.model, batch, cfg.mode, cfg.micro_batching, cfg.temperature, prefix_key="old",
+                     placement=self.placement)
 
     def _plan(self, cfg: RLConfig) -> MicroBatching:
         plan = cfg.micro_batching
@@ -115,16 +123,19 @@ class Actor:
                cfg: RLConfig | None = None) -> tuple[dict, torch.Tensor]:
         """advantages [N]; ref/old logprobs [N, R] or None; cfg: this step's config (default: the
         actor's). Returns (verl-named metrics averaged over updates, the trainer's logprobs of the
-        first pass [N, R] before any update).
+        first pass [N, R] before any update). Under a data-parallel placement every rank calls it with
+        the same arguments and gets the same results.
 
         A micro-batch that runs out of device memory drops that mini-batch's gradients and retries it with
         halved micro-batches (kept for later steps); at one prompt (one sequence) per pass it turns on
         activation checkpointing, and after that raises TrainOOM, with the weights and optimizer untouched
-        when no optimizer step had been applied."""
-        cfg, model = cfg or self.cfg, self.model
+        when no optimizer step had been applied. Under a data-parallel placement the ranks back off
+        together from a `CollectiveOOM`; an out-of-memory error inside a pass with other ranks waiting in
+        its collectives cannot be retried and raises TrainOOM at once."""
+        cfg, model, pl = cfg or self.cfg, self.model, self.placement
         model.train()
         first_logp = torch.zeros(batch.responses.shape)
-        seen = torch.zeros(batch.num_samples, dtype=torch.bool)
+        seen = torch.zeros(batch.num_samples)
         first_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         sums: dict[str, float] = {}
         updates = 0
@@ -143,12 +154,18 @@ class Actor:
                                 raise
                             self._recover()
                             del first_parts[kept:]
+                            if not (isinstance(e, CollectiveOOM) or pl.recoverable_oom()):
+                                raise TrainOOM(
+                                    "the actor update ran out of device memory inside a data-parallel pass (the "
+                                    "other ranks wait in its collectives, so it cannot be retried); lower "
+                                    "micro_batch_prompts / micro_batch_max_tokens or turn on "
+                                    "gradient_checkpointing", updates) from e
                             smaller = _halve(self._plan(cfg), cfg.mode)
-                            if smaller is None and activation_checkpointing(model) != (True, True):
+                            if smaller is None and pl.checkpointing(model) != (True, True):
                                 # last rung: recompute activations in backward instead of keeping them
                                 log.warning("actor update out of memory at the smallest micro-batch: turning on "
                                             "activation checkpointing for the rest of the run")
-                                set_activation_checkpointing(model, True, True)
+                                pl.set_checkpointing(model, True, True)
                                 continue
                             if smaller is None:
                                 raise TrainOOM(
@@ -157,8 +174,10 @@ class Actor:
                                     "n or max_new_tokens, turn on gradient_checkpointing, or offload the optimizer "
                                     "(optimizer_offload) or the reference model", updates) from e
                             self._backoff = smaller
-                    stats = {k: float(v) for k, v in acc.items()}
-                    grad_norm = torch.nn.utils.clip_grad_norm_(self.optimizer.touched_params(), cfg.grad_clip)
+                    # one host sync per mini-batch: the metrics summed over the placement's processes
+                    stats = dict(zip(METRICS, pl.sum_(acc).tolist()))
+                    grad_norm = pl.full(torch.nn.utils.clip_grad_norm_(self.optimizer.touched_params(),
+                                                                       cfg.grad_clip))
                     stats["actor/grad_norm"] = float(grad_norm)
                     stats["actor/lr"] = self._set_lr(cfg)
                     if torch.isfinite(grad_norm):
@@ -176,8 +195,10 @@ class Actor:
         model.eval()
         for gidx, lp in first_parts:
             first_logp[gidx] = lp.cpu()
-            seen[gidx] = True
-        assert bool(seen.all())
+            seen[gidx] += 1
+        pl.sum_(first_logp)
+        pl.sum_(seen)
+        assert bool((seen == 1).all())
         return {k: v / max(updates, 1) for k, v in sums.items()}, first_logp
 
     def _recover(self) -> None:
@@ -188,43 +209,50 @@ class Actor:
 
     def _accumulate(self, cfg: RLConfig, mini: RolloutBatch, mini_idx: torch.Tensor, advantages: torch.Tensor,
                     ref_logprobs: torch.Tensor | None, old_all: torch.Tensor | None,
-                    first_parts: list | None) -> dict:
-        """Forward/backward of one mini-batch's micro-batches into zeroed gradients; returns its metrics
-        (device tensors: an .item() per micro-batch would make the host wait for the GPU each time and
-        lose the run-ahead that hides Python/launch overhead)."""
-        model, plan = self.model, self._plan(cfg)
+                    first_parts: list | None) -> torch.Tensor:
+        """Forward/backward of this process's share of one mini-batch's micro-batches into zeroed
+        gradients; returns its part of the metrics in METRICS order (a device tensor: an .item() per
+        micro-batch would make the host wait for the GPU each time and lose the run-ahead that hides
+        Python/launch overhead; the caller sums it over the placement's processes).
+
+        Every loss term is divided by the *whole mini-batch's* normaliser (`agg_denominator` over all
+        processes' tokens or sequences), so summing the gradients over micro-batches and processes gives
+        the mini-batch's gradient (rl/algos.py). Rows of a pass past its sample indices are a placement's
+        masked-out dummies: zero advantages and reference logprobs, zero mask."""
+        model, plan, pl = self.model, self._plan(cfg), self.placement
         denom = agg_denominator(mini.mask, cfg.loss_agg_mode)
+        n_tok = max(float(mini.mask.sum()), 1.0)
+        local, local_idx = pl.share(mini, cfg.mode)
+        entropy = "grad" if cfg.entropy_coeff > 0 else "none"
+        use_kl = ref_logprobs is not None and cfg.use_kl_loss and cfg.kl_coef > 0
         self.optimizer.zero_grad()
-        acc: dict[str, torch.Tensor | float] = {"actor/pg_loss": 0.0, "actor/kl_loss": 0.0, "actor/entropy": 0.0,
-                                                "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0}
-        n_tok = float(mini.mask.sum())
-        want_ent = cfg.entropy_coeff > 0
-        for mb, idx in micro_batches(mini, cfg.mode, plan):
-            gidx = mini_idx[idx]
-            logp, ent = token_logprobs(model, mb, cfg.mode, plan.packed, cfg.temperature, with_entropy=want_ent)
+        acc = torch.zeros(len(METRICS), device=model.inv_freq.device)
+        for mb, idx in pl.passes(local, cfg.mode, plan):
+            n_all, n = mb.num_samples, idx.shape[0]
+            gidx = mini_idx[local_idx[idx]]  # the real samples' indices in the whole batch
+            logp, ent = pl.run(model, token_logprobs, model, mb, cfg.mode, plan.packed, cfg.temperature, entropy)
             dev = logp.device
             mask = to_device(mb.mask, dev)
             if first_parts is not None:  # kept on the device until the update ends (no sync per micro-batch)
-                first_parts.append((gidx, logp.detach() * mask))
-            old = logp.detach() if old_all is None else to_device(old_all[gidx], dev)
-            adv = to_device(advantages[gidx], dev)
+                first_parts.append((gidx, logp[:n].detach() * mask[:n]))
+            old = logp.detach() if old_all is None else to_device(_rows(old_all, gidx, n_all), dev)
+            adv = to_device(_rows(advantages, gidx, n_all), dev)
             pg, clipfrac, ppo_kl = ppo_policy_loss(logp, old, adv, mask, cfg.clip_ratio_low, cfg.clip_ratio_high,
                                                    cfg.dual_clip, cfg.loss_agg_mode, denom)
             loss = pg
-            w = float(mb.mask.sum()) / max(n_tok, 1.0)  # token share of this micro-batch, for metrics
-            if ref_logprobs is not None and cfg.use_kl_loss and cfg.kl_coef > 0:
-                kl = agg_loss(kl_penalty(logp, to_device(ref_logprobs[gidx], dev), cfg.kl_loss_type), mask,
-                              cfg.loss_agg_mode, denom)
+            w = float(mb.mask.sum()) / n_tok  # token share of this micro-batch, for metrics
+            kl = torch.zeros((), device=dev)
+            if use_kl:
+                kl = agg_loss(kl_penalty(logp, to_device(_rows(ref_logprobs, gidx, n_all), dev), cfg.kl_loss_type),
+                              mask, cfg.loss_agg_mode, denom)
                 loss = loss + cfg.kl_coef * kl
-                acc["actor/kl_loss"] = acc["actor/kl_loss"] + kl.detach()
-            if want_ent:
+            e = torch.zeros((), device=dev)
+            if cfg.entropy_coeff > 0:
                 e = agg_loss(ent, mask, cfg.loss_agg_mode, denom)
                 loss = loss - cfg.entropy_coeff * e
-                acc["actor/entropy"] = acc["actor/entropy"] + e.detach()
             loss.backward()
-            acc["actor/pg_loss"] = acc["actor/pg_loss"] + pg.detach()
-            acc["actor/pg_clipfrac"] = acc["actor/pg_clipfrac"] + clipfrac.detach() * w
-            acc["actor/ppo_kl"] = acc["actor/ppo_kl"] + ppo_kl.detach() * w
+            acc += torch.stack([pg.detach(), kl.detach(), e.detach(), clipfrac.detach() * w,
+                                ppo_kl.detach() * w]).float()
         return acc
 
     def state_dict(self) -> dict:
@@ -244,3 +272,9 @@ def _halve(plan: MicroBatching, mode: str) -> MicroBatching | None:
     if mode == "rollplex":
         return None if plan.prompts <= 1 else MicroBatching(plan.prompts // 2, plan.samples, None, plan.packed)
     return None if plan.samples <= 1 else MicroBatching(plan.prompts, plan.samples // 2, None, plan.packed)
+
+
+def _rows(t: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:
+    """t[idx] followed by zero rows up to n rows (a placement's dummy samples in a pass)."""
+    x = t[idx]
+    return torch.cat([x, x.new_zeros(n - x.shape[0], *x.shape[1:])]) if n > x.shape[0] else x

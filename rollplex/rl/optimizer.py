@@ -14,6 +14,10 @@ keeps all of it on the host and runs the AdamW step there instead (gradients go 
 weights come up: 6 bytes per parameter over the bus rather than 24, for the CPU's arithmetic). The math is
 torch.optim.AdamW's, element for element: chunking only changes which parameters one call updates
 (AdamW skips parameters without a gradient), so every mode gives the same weights.
+
+Sharded parameters (FSDP2 DTensors) are stepped through their local shards: the masters, moments and
+gradient buffers are plain tensors of this rank's shard (AdamW is elementwise, so stepping the shards
+equals stepping the whole tensors), which is also what a memory region holds and an offload copies.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.distributed.tensor import DTensor
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 OFFLOAD_MODES = ("none", "moments", "all", "cpu")
@@ -39,13 +44,15 @@ class MasterAdamW:
         self._cpu_step = offload == "cpu"
         self.device = params[0].device
         self._pin = offload != "none" and self.device.type == "cuda"
+        # the tensors the step writes: the parameters themselves, or their shards' local tensors
+        self.local = [_local(p.detach()) if isinstance(p, DTensor) else p for p in params]
         with torch.no_grad(), self._region("optimizer"):
             if self._page_masters or self._cpu_step:
-                self.master = [self._host_copy(p.detach().float()) for p in params]
+                self.master = [self._host_copy(t.detach().float()) for t in self.local]
             elif params[0].dtype == torch.float32:
-                self.master = params
+                self.master = self.local  # fp32 parameters are their own masters
             else:
-                self.master = [p.detach().float().clone() for p in params]
+                self.master = [t.detach().float().clone() for t in self.local]
         if memory is not None:
             memory.preserve("optimizer", self.state_tensors)
         self.opt = torch.optim.AdamW(self.master, **kw)
@@ -78,9 +85,9 @@ class MasterAdamW:
     # ---- gradients ----------------------------------------------------------------------------
     def _alloc_grads(self) -> None:
         with self._region("grads"):
-            for p in self.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)  # zeroed again by the caller
+            for p, t in zip(self.params, self.local):
+                if p.grad is None:  # zeroed again by the caller
+                    p.grad = _like(p, torch.zeros_like(t)) if isinstance(p, DTensor) else torch.zeros_like(p)
         if self.memory is not None:
             self.memory.on_resume("grads", self.zero_grad)
         self._grads_ready = True
@@ -96,7 +103,7 @@ class MasterAdamW:
         if not self._grads_ready or any(p.grad is None for p in self.params):
             self._alloc_grads()
         for p in self.params:
-            p.grad.zero_()
+            _local(p.grad).zero_()
 
     def close(self) -> None:
         """Detach from the parameters (gradient hooks) so another optimizer can take them over."""
@@ -111,7 +118,7 @@ class MasterAdamW:
     # ---- state --------------------------------------------------------------------------------
     def state_tensors(self) -> list[torch.Tensor]:
         """Masters (when separate from the parameters) and moments: what an offload of the region keeps."""
-        out = [] if self.master is self.params else list(self.master)
+        out = [] if self.master is self.local else list(self.master)
         for m in self.master:
             st = self.opt.state.get(m, {})
             out.extend(st[k] for k in MOMENTS if k in st)
@@ -128,7 +135,7 @@ class MasterAdamW:
 
     def _step(self) -> None:
         grads = [p.grad for p in self.params]
-        live = [g if i in self.touched else None for i, g in enumerate(grads)]
+        live = [_local(g) if i in self.touched else None for i, g in enumerate(grads)]
         for m in self.master:
             m.grad = None  # AdamW steps only the parameters that have one: the current chunk's
         for chunk in self.chunks:
@@ -142,8 +149,8 @@ class MasterAdamW:
                                                  else g.to(device=m.device, dtype=m.dtype))
             self.opt.step()
             for i in chunk:
-                if self.master[i] is not self.params[i]:
-                    self.params[i].copy_(self.master[i], non_blocking=self._pin)
+                if self.master[i] is not self.local[i]:
+                    self.local[i].copy_(self.master[i], non_blocking=self._pin)
                 self.master[i].grad = None
             if paged is not None:
                 self._page_out(chunk, paged)
@@ -193,7 +200,7 @@ class MasterAdamW:
         with self._region("optimizer"):  # the loaded moments are new tensors: in the region
             self.opt.load_state_dict(sd["opt"])
         with torch.no_grad():
-            for m, s, p in zip(self.master, sd["master"], self.params):
+            for m, s, p in zip(self.master, sd["master"], self.local):
                 m.copy_(s)
                 if m is not p:
                     p.copy_(s)
@@ -203,3 +210,13 @@ class MasterAdamW:
                     for k in MOMENTS:
                         if k in st and (self._pin and not st[k].is_pinned()):
                             st[k] = self._host_copy(st[k])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (sharing its storage); other tensors as they are."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _like(p: DTensor, local: torch.Tensor) -> DTensor:
+    """A DTensor laid out as `p` whose shard is `local` (a gradient buffer allocated shard by shard)."""
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())

@@ -8,8 +8,11 @@
               as verl repeats multimodal inputs n times) -> hidden rows of the response
 
 Both give, for each response token t, log softmax(logits / temperature)[t] — the distribution the
-engine sampled from — and, on request, the entropy of that distribution. `score` runs a whole batch
-in the micro-batches a `MicroBatching` plans (microbatch.py).
+engine sampled from — and, on request, the entropy of that distribution: `entropy="grad"` from the
+full [n, R, V] logits, differentiable (an entropy bonus in the loss); `entropy="metric"` detached,
+from the chunked logprob pass (rl/logprob.py), so the logits are never all materialised (the
+`actor/entropy` metric without a bonus). `score` runs a whole batch in the micro-batches a
+`MicroBatching` plans (microbatch.py), in this process or over a data-parallel group (placement.py).
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ from ..models import Qwen25VL
 from ..models.transfer import to_device
 from .algos import entropy_from_logits
 from .batch import RolloutBatch
-from .logprob import token_logprob
-from .microbatch import MicroBatching, micro_batches
+from .logprob import token_logprob, token_logprob_entropy
+from .microbatch import MicroBatching
+from .placement import Placement, SingleProcess
+
+ENTROPY = ("none", "metric", "grad")
 
 
 def response_hidden(model: Qwen25VL, mb: RolloutBatch, mode: str, packed: bool,
@@ -50,13 +56,18 @@ def response_hidden(model: Qwen25VL, mb: RolloutBatch, mode: str, packed: bool,
 
 
 def token_logprobs(model: Qwen25VL, mb: RolloutBatch, mode: str, packed: bool, temperature: float = 1.0,
-                   with_entropy: bool = False,
+                   entropy: str = "none",
                    prefix_key: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logprobs [n, R] fp32, entropy [n, R] or None) of one micro-batch's responses; differentiable."""
+    """(logprobs [n, R] fp32, entropy [n, R] or None) of one micro-batch's responses; the logprobs are
+    differentiable, the entropy is with `entropy="grad"` (see the module docstring)."""
+    if entropy not in ENTROPY:
+        raise ValueError(f"entropy must be one of {ENTROPY}, got {entropy!r}")
     hidden = response_hidden(model, mb, mode, packed, prefix_key)
     targets = to_device(mb.responses, hidden.device)
-    if not with_entropy:  # chunked: never materialises the [n, R, V] logits
+    if entropy == "none":  # chunked: never materialises the [n, R, V] logits
         return token_logprob(hidden, model.head_weight, targets, temperature), None
+    if entropy == "metric":
+        return token_logprob_entropy(hidden, model.head_weight, targets, temperature)
     logits = model.logits(hidden).float() / temperature
     lp = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
     return lp, entropy_from_logits(logits)
@@ -64,14 +75,19 @@ def token_logprobs(model: Qwen25VL, mb: RolloutBatch, mode: str, packed: bool, t
 
 @torch.no_grad()
 def score(model: Qwen25VL, batch: RolloutBatch, mode: str, plan: MicroBatching,
-          temperature: float = 1.0, prefix_key: str | None = None) -> torch.Tensor:
+          temperature: float = 1.0, prefix_key: str | None = None,
+          placement: Placement | None = None) -> torch.Tensor:
     """No-grad logprobs [N, R] (reference / old-policy scoring), zero on padding; `prefix_key`: use the
-    rollout's prefix states for that consumer (`batch.prefix`) instead of running the prefix."""
+    rollout's prefix states for that consumer (`batch.prefix`) instead of running the prefix.
+    placement: where the passes run (default: this process); every process gets the whole [N, R]."""
+    pl = placement or SingleProcess()
     out = torch.zeros(batch.responses.shape, dtype=torch.float32, device=model.inv_freq.device)
     if prefix_key is not None and (mode != "rollplex" or prefix_key not in batch.prefix):
         prefix_key = None
-    for mb, idx in micro_batches(batch, mode, plan):
-        lp, _ = token_logprobs(model, mb, mode, plan.packed, temperature, prefix_key=prefix_key)
+    local, local_idx = pl.share(batch, mode)
+    for mb, idx in pl.passes(local, mode, plan):
+        lp, _ = pl.run(model, token_logprobs, model, mb, mode, plan.packed, temperature, "none", prefix_key)
+        n = idx.shape[0]  # rows past n: a placement's masked-out dummies
         # stays on the device: no sync per micro-batch
-        out[to_device(idx, out.device)] = lp * to_device(mb.mask, out.device)
-    return out.cpu()
+        out[to_device(local_idx[idx], out.device)] = lp[:n] * to_device(mb.mask[:n], out.device)
+    return pl.sum_(out).cpu()

@@ -1,0 +1,93 @@
+"""Where the passes of scoring and of the actor update run: this process, or a data-parallel group.
+
+Scoring (`scoring.score`) and the update (`actor.Actor`) are one loop each, written against the
+small interface below; the placement decides which of a batch's samples this process computes, how
+they are cut into passes, how a pass calls the model, and how per-process results are combined:
+
+    share(batch, mode)          this process's prompts (each with all its samples) and their indices
+    passes(local, mode, plan)   (micro-batch, sample indices into `local`) per forward/backward;
+                                a data-parallel placement may append masked-out dummy samples
+                                (rows past the indices), so every rank runs the same passes
+    run(model, fn, *args)       fn(*args): one pass over the model (a sharded model gathers around it)
+    sum_(t)                     t summed over the processes, in place
+    full(t)                     the whole tensor of a sharded one (a gradient norm)
+    checkpointing / set_checkpointing   per-layer activation checkpointing of the model
+    recoverable_oom()           whether an out-of-memory error inside a pass leaves every process able
+                                to retry it (one process: always); a `CollectiveOOM`, raised by every
+                                process at the same point before a pass, always does
+
+`SingleProcess` is the identity placement: every sample here, passes from `micro_batches`, no
+communication. `rollplex.parallel.DataParallel` deals prompt groups over the ranks of a process group
+with the model sharded by FSDP2. Because both run the same loop, the data-parallel update computes
+what the single-process one does by construction (same loss, normalisers, clipping, schedule and
+OOM ladder); only the placement's five operations differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+
+from ..models import Qwen25VL
+from .batch import RolloutBatch
+from .checkpointing import activation_checkpointing, set_activation_checkpointing
+from .microbatch import MicroBatching, micro_batches
+
+
+class CollectiveOOM(torch.OutOfMemoryError):
+    """Out of memory agreed by every process of a placement at the same point, outside any pass's
+    collectives (a pass predicted not to fit on some rank): every process backs off together."""
+
+
+class Placement(Protocol):
+    world: int
+
+    def share(self, batch: RolloutBatch, mode: str) -> tuple[RolloutBatch, torch.Tensor]: ...
+
+    def passes(self, local: RolloutBatch, mode: str,
+               plan: MicroBatching) -> Iterable[tuple[RolloutBatch, torch.Tensor]]: ...
+
+    def run(self, model: Qwen25VL, fn, *args): ...
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def full(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def checkpointing(self, model: Qwen25VL) -> tuple[bool, bool]: ...
+
+    def set_checkpointing(self, model: Qwen25VL, decoder: bool, vision: bool) -> None: ...
+
+    def recoverable_oom(self) -> bool: ...
+
+
+class SingleProcess:
+    """Every sample in this process, in the micro-batches `micro_batches` plans."""
+
+    world = 1
+
+    def share(self, batch: RolloutBatch, mode: str) -> tuple[RolloutBatch, torch.Tensor]:
+        return batch, torch.arange(batch.num_samples)
+
+    def passes(self, local: RolloutBatch, mode: str,
+               plan: MicroBatching) -> Iterable[tuple[RolloutBatch, torch.Tensor]]:
+        return micro_batches(local, mode, plan)
+
+    def run(self, model: Qwen25VL, fn, *args):
+        return fn(*args)
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def full(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def checkpointing(self, model: Qwen25VL) -> tuple[bool, bool]:
+        return activation_checkpointing(model)
+
+    def set_checkpointing(self, model: Qwen25VL, decoder: bool, vision: bool) -> None:
+        set_activation_checkpointing(model, decoder, vision)
+
+    def recoverable_oom(self) -> bool:
+        return True
