@@ -223,7 +223,9 @@ class Actor:
         denom = agg_denominator(mini.mask, cfg.loss_agg_mode)
         n_tok = max(float(mini.mask.sum()), 1.0)
         local, local_idx = pl.share(mini, cfg.mode)
-        entropy = "grad" if cfg.entropy_coeff > 0 else "none"
+        # the entropy is a metric always (verl reports it): detached from the chunked pass, and through the
+        # full logits only when a bonus needs its gradient
+        entropy = "grad" if cfg.entropy_coeff > 0 else "metric"
         use_kl = ref_logprobs is not None and cfg.use_kl_loss and cfg.kl_coef > 0
         self.optimizer.zero_grad()
         acc = torch.zeros(len(METRICS), device=model.inv_freq.device)
@@ -246,9 +248,8 @@ class Actor:
                 kl = agg_loss(kl_penalty(logp, to_device(_rows(ref_logprobs, gidx, n_all), dev), cfg.kl_loss_type),
                               mask, cfg.loss_agg_mode, denom)
                 loss = loss + cfg.kl_coef * kl
-            e = torch.zeros((), device=dev)
+            e = agg_loss(ent, mask, cfg.loss_agg_mode, denom)
             if cfg.entropy_coeff > 0:
-                e = agg_loss(ent, mask, cfg.loss_agg_mode, denom)
                 loss = loss - cfg.entropy_coeff * e
             loss.backward()
             acc += torch.stack([pg.detach(), kl.detach(), e.detach(), clipfrac.detach() * w,

@@ -8,7 +8,7 @@ is one [chunk, V] block instead of the [N, R, V] logits, log-softmax and their g
 per micro-batch at Qwen's 152K vocabulary). Same values and gradients as log_softmax + gather (the
 tests hold it); the logits GEMM runs in the weights' dtype, as `model.logits` does.
 
-`token_logprob_entropy` also returns each token's entropy, H = logsumexp(z) - sum_v softmax(z)_v z_v,
+`token_logprob_entropy` also returns each token's entropy, H = -sum_v p_v log p_v with p = softmax(z),
 from the same chunk logits (no second GEMM): a detached metric, for when no loss term needs its
 gradient (an entropy bonus does: it goes through the full logits, rl/scoring.py).
 """
@@ -31,7 +31,8 @@ def _chunk_fwd_entropy(logits, targets, temperature: float):
     """As `_chunk_fwd`, plus the entropy of softmax(logits / T) per token [c] (fp32)."""
     z = logits.float() / temperature
     lse = z.logsumexp(-1)
-    ent = lse - ((z - lse[:, None]).exp() * z).sum(-1)
+    lz = z - lse[:, None]  # log-probabilities: -sum p log p has no cancellation, unlike lse - sum p z
+    ent = -(lz.exp() * lz).sum(-1)
     return z.gather(-1, targets[:, None]).squeeze(-1) - lse, lse, ent
 
 
