@@ -25,8 +25,22 @@ import contextlib
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
+
+
+def _plain(tree) -> list[torch.Tensor]:
+    """The plain tensors of a pytree, with tensor subclasses that wrap others (DTensor: its local
+    shard) opened up: the wrapper itself owns no storage."""
+    out = []
+    for t in tree_leaves(tree):
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            continue
+        if is_traceable_wrapper_subclass(t):
+            out.extend(_plain([getattr(t, name) for name in t.__tensor_flatten__()[0]]))
+        else:
+            out.append(t)
+    return out
 
 
 class _Capture(TorchDispatchMode):
@@ -38,13 +52,11 @@ class _Capture(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        seen = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-                and t.device.type != "meta"}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                st = t.untyped_storage()
-                if st.nbytes() and st.data_ptr() not in seen:
-                    self.sink(st)
+        seen = {t.untyped_storage().data_ptr() for t in _plain((args, kwargs))}
+        for t in _plain(out):
+            st = t.untyped_storage()
+            if st.nbytes() and st.data_ptr() not in seen:
+                self.sink(st)
         return out
 
 
