@@ -85,9 +85,9 @@ class MasterAdamW:
     # ---- gradients ----------------------------------------------------------------------------
     def _alloc_grads(self) -> None:
         with self._region("grads"):
-            for p, t in zip(self.params, self.local):
-                if p.grad is None:  # zeroed again by the caller
-                    p.grad = _like(p, torch.zeros_like(t)) if isinstance(p, DTensor) else torch.zeros_like(p)
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)  # zeroed again by the caller
         if self.memory is not None:
             self.memory.on_resume("grads", self.zero_grad)
         self._grads_ready = True
@@ -215,8 +215,3 @@ class MasterAdamW:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (sharing its storage); other tensors as they are."""
     return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def _like(p: DTensor, local: torch.Tensor) -> DTensor:
-    """A DTensor laid out as `p` whose shard is `local` (a gradient buffer allocated shard by shard)."""
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
