@@ -29,8 +29,14 @@ def _held(step: RLStep, modified: bool):
     return step.memory.resident(_HELD, modified) if step.memory is not None else contextlib.nullcontext()
 
 
+def _single_process(step: RLStep) -> None:
+    if step.parallel is not None:  # sharded trainer and optimizer state: one writer per rank's shards needed
+        raise ValueError("checkpoints of a data-parallel RL step are not supported yet")
+
+
 def save_checkpoint(step: RLStep, path: str | Path, data_state: dict | None = None,
                     tokenizer_dir: str | Path | None = None) -> Path:
+    _single_process(step)
     with _held(step, modified=False):
         return _save(step, Path(path), data_state, tokenizer_dir)
 
@@ -67,6 +73,7 @@ def _load_into(model, path: Path) -> None:
 
 def load_checkpoint(step: RLStep, path: str | Path) -> dict:
     """Restore policy, reference, optimizer, scheduler, step counter and RNG; returns the data state."""
+    _single_process(step)
     path = Path(path)
     if not (path / STATE).exists():
         raise ValueError(f"{path} is not a Rollplex checkpoint (no {STATE})")

@@ -17,6 +17,13 @@ The engine decodes with the actor's own parameter tensors, so there is no weight
 reference model is a frozen copy of the initial policy. `train(batch, cfg)` takes an optional
 config for that step alone (the server's per-request overrides), derived from `self.cfg` with
 `dataclasses.replace`; `self.cfg` never changes.
+
+Under torch.distributed (`group`: a process group, or by default the default group when one is
+initialised) the step is data-parallel (rollplex.parallel.colocated): every rank calls it with the
+same rows, rolls out its share of the prompts (or all of them with a tensor-parallel engine), scores
+and trains its share of the prompt groups with FSDP2-sharded reference and trainer, and ends with the
+same metrics and weights as one process; the trainer's new weights are copied into `model` (and the
+engine's) after each update.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ..cosched import CoschedConfig, CoScheduler, PrefixRows, Timeline
 from ..engine import Engine, SamplingParams
@@ -59,30 +68,51 @@ class RLStep:
     def __init__(self, model: Qwen25VL, engine: Engine | None, cfg: RLConfig, processor=None,
                  reward_fn: RewardFn | str | None = None, ref_model: Qwen25VL | None = None,
                  memory: MemoryManager | None = None, memory_cfg: MemoryConfig | None = None,
-                 cosched: CoschedConfig | None = None):
+                 cosched: CoschedConfig | None = None, group: dist.ProcessGroup | str | None = "auto", fsdp=None):
         """memory: the phase-aware memory manager the engine's KV cache was allocated under (None: every
         tensor stays resident); its plan is chosen here from the sizes of the regions and `memory_cfg`.
-        cosched: the co-scheduler's configuration (used when `cfg.cosched`)."""
-        if engine is not None and engine.model is not model:
+        cosched: the co-scheduler's configuration (used when `cfg.cosched`).
+        group: a torch.distributed process group to run data-parallel over; "auto" (default): the default
+        group when torch.distributed is initialised; None: this process alone. Data-parallel, `model`
+        holds the full weights on every rank and the engine decodes it, or this rank's tensor-parallel
+        shard of it over the same group. fsdp: the trainer's and reference's `parallel.FSDPConfig`."""
+        if group == "auto":
+            group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        if engine is not None and engine.model is not model and group is None:
             raise ValueError("the engine must decode with the actor's own model (shared weights)")
         if engine is not None and memory is not None and engine.memory is not memory:
             raise ValueError("the engine and the RL step must share one memory manager")
         self.model, self.engine, self.cfg = model, engine, cfg
         self.memory, self.memory_cfg = memory, memory_cfg or MemoryConfig()
         self.processor = processor or (engine.processor if engine is not None else None)
+        self.parallel = None
+        if group is not None:
+            from ..parallel.colocated import Colocated
+
+            self.parallel = Colocated(group, model, engine, cfg, fsdp)
         if cfg.freeze_vision_tower:  # before the optimizer is built: the vision tower has no trainable state
             model.visual.requires_grad_(False)
         self.reward_fn = reward_fn if callable(reward_fn) else get_reward_fn(reward_fn)
         self.ref = ref_model
         if self.ref is None and cfg.kl_coef > 0:
+            if self.parallel is None:
+                with self._region("ref_weights"):
+                    self.ref = copy.deepcopy(model)
+            else:
+                self.ref = copy.deepcopy(model)  # transient full copy: only its shards go into the region
+        if self.ref is not None and self.parallel is not None:
             with self._region("ref_weights"):
-                self.ref = copy.deepcopy(model)
+                self.ref = self.parallel.shard_reference(self.ref)
         if self.ref is not None:
             self.ref.requires_grad_(False).eval()
             if memory is not None:
-                ref = self.ref
-                memory.preserve("ref_weights", lambda: [*ref.parameters(), *ref.buffers()])
-        self.actor = Actor(model, cfg, memory, self.memory_cfg.optimizer_offload)
+                ref, par = self.ref, self.parallel
+                memory.preserve("ref_weights", lambda: [*ref.parameters(), *ref.buffers()] if par is None
+                                else par.local_tensors(ref))
+        if self.parallel is not None:
+            self.actor = self.parallel.actor(model, cfg, memory, self.memory_cfg.optimizer_offload)
+        else:
+            self.actor = Actor(model, cfg, memory, self.memory_cfg.optimizer_offload)
         self.step_idx = 0
         self.device = model.inv_freq.device
         self.cosched = CoScheduler(cosched or CoschedConfig(), self.device, memory=memory)
@@ -105,12 +135,18 @@ class RLStep:
         def nbytes(ts):
             return sum(t.numel() * t.element_size() for t in ts)
 
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        def local(t):
+            return t.to_local() if isinstance(t, DTensor) else t
+
+        # a data-parallel rank holds its shards of the trainer and the reference besides the full policy
+        trainer = [local(p.detach()) for p in self.actor.model.parameters()]
+        params = [t for t, p in zip(trainer, self.actor.model.parameters()) if p.requires_grad]
+        ref = [local(p.detach()) for p in self.ref.parameters()] if self.ref is not None else []
         n = sum(p.numel() for p in params)
         fp32 = params[0].dtype == torch.float32
         return {
-            "weights": nbytes(self.model.parameters()),
-            "ref_weights": nbytes(self.ref.parameters()) if self.ref is not None else 0,
+            "weights": nbytes(self.model.parameters()) + (nbytes(trainer) if self.parallel is not None else 0),
+            "ref_weights": nbytes(ref),
             "kv_cache": self.engine.runner.kv_cache_bytes() if self.engine is not None else 0,
             "optimizer": {"none": (8 if fp32 else 12) * n, "moments": 0 if fp32 else 4 * n,
                           "all": 0, "cpu": 0}[self.memory_cfg.optimizer_offload],
@@ -176,7 +212,10 @@ class RLStep:
                 self.engine.hooks.append(self.cosched)
             try:
                 with self.cosched.decode_priority() if jobs else contextlib.nullcontext():
-                    outs = self.engine.generate(prompts, params, keep_vision=frozen)
+                    if self.parallel is not None:  # this rank's share, gathered (or a tensor-parallel engine)
+                        outs = self.parallel.generate(prompts, params, keep_vision=frozen)
+                    else:
+                        outs = self.engine.generate(prompts, params, keep_vision=frozen)
             finally:
                 if jobs:
                     self.engine.hooks.remove(self.cosched)
@@ -237,7 +276,7 @@ class RLStep:
             with _timer(m, "ref", self.device, tl), self._phase("ref"):
                 self._complete_handover(batch, "ref", m)
                 ref_lp = score_logprobs(self.ref, ref_batch, cfg.mode, cfg.micro_batching, cfg.temperature,
-                                        prefix_key="ref")
+                                        prefix_key="ref", placement=self.actor.placement)
         rewards = batch.rewards.float()
         if ref_lp is not None and not cfg.use_kl_loss:  # KL as a reward penalty (policy = rollout logprobs)
             kl = (kl_penalty(batch.rollout_logprobs, ref_lp, cfg.kl_loss_type) * batch.mask).sum(-1)
@@ -253,6 +292,9 @@ class RLStep:
         with _timer(m, "update_actor", self.device, tl), self._phase("update"):
             stats, first_lp = self.actor.update(batch, adv, ref_lp if cfg.use_kl_loss else None, old, self.step_idx,
                                                 cfg)
+        if self.parallel is not None:  # the trainer's new weights into the policy the engine decodes
+            with _timer(m, "sync_weights", self.device, tl):
+                self.parallel.sync_weights(self.actor.model, self.model)
         m.update(stats)
         if self.memory is not None:
             m.update(self.memory.take_metrics())

@@ -1,0 +1,112 @@
+"""The RL step data-parallel over a process group, colocated: every rank rolls out, scores and trains.
+
+`rl.step.RLStep(..., group=...)` builds one of these when it runs under torch.distributed. Per rank:
+
+    policy      `model`, the full weights, as on one process: what the engine decodes (per-rank
+                rollout), what `RLStep.model` shows, what checkpoints and comparisons read
+    trainer     a copy of the policy sharded by FSDP2 over the group (`DataParallelActor`: the
+                single-process `Actor` loop over the `DataParallel` placement); after each update its
+                new weights are copied into the policy and the rollout model in place
+    reference   the frozen reference, sharded by FSDP2 the same way; each rank scores its share of
+                the prompt groups and the logprobs are summed to every rank (`rl.scoring.score`)
+    rollout     per rank (`rollout="data"`): the prompts are dealt round-robin, each rank's engine
+                generates its share, and the outputs are gathered so every rank holds the whole batch;
+                or tensor-parallel (`rollout="tensor"`: the engine's model is this rank's TP shard of the
+                policy, `apply_tensor_parallel` over the same group), where every rank generates every
+                prompt and the samples are the same everywhere
+
+Sampling is seeded per prompt and sample (`RLStep.rollout`), and the sampler's noise depends only on
+(seed, step, token) (engine/sampler.py), so a prompt's samples do not depend on which rank, or which
+other prompts, it is generated with: the data-parallel step computes the single-process step.
+
+The memory manager is per rank: each rank's engine, optimizer state, gradient buffers and reference
+shards live in its own regions (local shards, not whole tensors), and `RLStep`'s phases, the
+optimizer offload, activation checkpointing and the update's OOM ladder run as on one process.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..models import Qwen25VL
+from ..rl.config import RLConfig
+from .data_parallel import DataParallelActor
+from .fsdp import FSDPConfig, apply_fsdp, full_tensor, local_tensor
+from .tp import shard_state_dict
+
+
+class Colocated:
+    """This rank's part of the data-parallel RL step (see the module docstring)."""
+
+    def __init__(self, group: dist.ProcessGroup, model: Qwen25VL, engine, cfg: RLConfig,
+                 fsdp: FSDPConfig | None = None):
+        if cfg.cosched:
+            raise ValueError("cosched runs one process's prefix work beside its decode: not data-parallel yet")
+        if cfg.freeze_vision_tower:
+            raise ValueError("freeze_vision_tower reuses one engine's vision encodings: not data-parallel yet")
+        if cfg.mode == "rollplex" and not cfg.packed:
+            raise ValueError("data-parallel training in rollplex mode needs packed=True (the packed pass)")
+        self.group, self.model_cfg = group, model.cfg
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        device = model.inv_freq.device
+        self.mesh = DeviceMesh.from_group(group, device.type)
+        self.fsdp = fsdp or FSDPConfig()
+        self.rollout = "data"
+        if engine is not None and engine.model is not model:
+            tp = getattr(engine.model.model, "tensor_parallel", None)
+            if tp is None or tp.size != self.world:
+                raise ValueError("under data parallelism the engine decodes the policy itself (per-rank rollout) "
+                                 "or its tensor-parallel shard over the same group (apply_tensor_parallel)")
+            self.rollout = "tensor"
+        self.engine = engine
+
+    # ---- models -------------------------------------------------------------------------------
+    def actor(self, model: Qwen25VL, cfg: RLConfig, memory, optimizer_offload: str) -> DataParallelActor:
+        """The trainer: a copy of the policy, sharded (its shards are new tensors; the copy's full ones
+        are dropped)."""
+        return DataParallelActor(copy.deepcopy(model), cfg, self.mesh, self.fsdp, memory, optimizer_offload)
+
+    def shard_reference(self, ref: Qwen25VL) -> Qwen25VL:
+        """The frozen reference sharded like the trainer (no checkpointing: it only scores)."""
+        cfg = dataclasses.replace(self.fsdp, activation_checkpointing=False, vision_activation_checkpointing=False)
+        return apply_fsdp(ref, self.mesh, cfg)
+
+    @staticmethod
+    def local_tensors(model: nn.Module) -> list[torch.Tensor]:
+        """The tensors a sharded model holds on this rank (what its memory region keeps)."""
+        return [local_tensor(t.detach()) for t in (*model.parameters(), *model.buffers())]
+
+    # ---- rollout ------------------------------------------------------------------------------
+    def generate(self, prompts: list, params: list, keep_vision: bool = False) -> list:
+        """The engine's outputs for every prompt, on every rank (see the module docstring)."""
+        if self.rollout == "tensor":
+            return self.engine.generate(prompts, params, keep_vision=keep_vision)
+        share = list(range(self.rank, len(prompts), self.world))
+        outs = self.engine.generate([prompts[i] for i in share], [params[i] for i in share],
+                                    keep_vision=keep_vision) if share else []
+        mine = [(i, dataclasses.replace(o, vision_embeds=None)) for i, o in zip(share, outs)]
+        every: list = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.group)
+        got = dict(x for part in every for x in part)
+        return [got[i] for i in range(len(prompts))]
+
+    # ---- weights ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def sync_weights(self, trainer: nn.Module, policy: nn.Module) -> None:
+        """Copy the trainer's weights into the policy and the engine's model, in place (the engine's
+        tensors and CUDA graphs stay valid). One all-gather per parameter (none with one rank)."""
+        dst = dict(policy.named_parameters())
+        tp_model = self.engine.model if self.rollout == "tensor" else None
+        tp_params = dict(tp_model.named_parameters()) if tp_model is not None else {}
+        tp = tp_model.model.tensor_parallel if tp_model is not None else None
+        for name, p in trainer.named_parameters():
+            full = local_tensor(p.detach()) if self.world == 1 else full_tensor(p.detach())
+            dst[name].copy_(full)
+            if tp is not None:
+                tp_params[name].copy_(shard_state_dict({name: full}, self.model_cfg, tp.size, tp.rank)[name])

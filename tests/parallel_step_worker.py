@@ -1,0 +1,147 @@
+"""One rank of the data-parallel RL step test: the full step (rollout, rewards, reference scoring,
+update, weight sync) under RLStep's distributed path over gloo, against the single-process steps."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from parallel_helpers import init_group
+
+from rollplex.engine import Engine, EngineConfig
+from rollplex.models import load_model
+from rollplex.parallel import full_tensor
+from rollplex.processor import VLProcessor
+from rollplex.rl.config import RLConfig
+from rollplex.rl.step import RLStep
+
+
+def parity_reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """Varies within a group on the untrained tiny model (the task's own reward is 0 for every sample)."""
+    return float(sum(map(ord, solution_str)) % 2)
+
+
+def build(tiny_dir, cfg: RLConfig, rollout: str = "data", memory_cfg=None, group="auto") -> RLStep:
+    """The RL step on the tiny checkpoint: the engine decodes the policy, or (rollout="tensor") a copy
+    of it tensor-parallel over the default group."""
+    model = load_model(tiny_dir)
+    proc = VLProcessor.from_pretrained(tiny_dir)
+    mm = None
+    if memory_cfg is not None:
+        from rollplex.memory import MemoryManager, PhasePlan
+
+        mm = MemoryManager(PhasePlan.releases_only(), backend="accounting")
+    ecfg = EngineConfig(max_num_seqs=64, max_model_len=256)
+    roll = model
+    if rollout == "tensor":
+        from rollplex.parallel import apply_tensor_parallel
+
+        roll = copy.deepcopy(model)
+        apply_tensor_parallel(roll)
+        ecfg = EngineConfig(max_num_seqs=64, max_model_len=256, tensor_parallel=dist.get_world_size())
+    engine = Engine(roll, proc, ecfg, memory=mm)
+    return RLStep(model, engine, cfg, proc, reward_fn=parity_reward, memory=mm, memory_cfg=memory_cfg, group=group)
+
+
+def capture_grads(rl: RLStep) -> list[dict]:
+    """Filled with the full gradients each optimizer step reads (gathered from FSDP shards)."""
+    grads: list[dict] = []
+    step = rl.actor.optimizer.step
+
+    def capture():
+        grads.append({n: full_tensor(p.grad).clone() for n, p in rl.actor.model.named_parameters()
+                      if p.grad is not None})
+        step()
+
+    rl.actor.optimizer.step = capture
+    return grads
+
+
+def run_steps(rl: RLStep, rows: list[dict], steps: int) -> list[dict]:
+    """Per step: the rollout's tokens, the metrics, the gradients and the policy's weights after it."""
+    grads = capture_grads(rl)
+    out = []
+    generate = rl.generate
+    tokens: list = []
+
+    def recording(prompts, params, **kw):
+        batch = generate(prompts, params, **kw)
+        tokens.append(batch.responses.clone())
+        return batch
+
+    rl.generate = recording
+    for _ in range(steps):
+        metrics = rl.step(rows)
+        out.append(dict(tokens=tokens[-1], metrics=metrics, grads=list(grads),
+                        weights={n: p.detach().clone() for n, p in rl.model.named_parameters()}))
+        grads.clear()
+    return out
+
+
+def compare(got: list[dict], want: list[dict], engine_model=None) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert torch.equal(g["tokens"], w["tokens"]), "the rollouts differ"
+        for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "critic/score/mean",
+                  "training/rollout_probs_diff_mean"):
+            assert abs(g["metrics"][k] - w["metrics"][k]) <= 1e-5 * max(1.0, abs(w["metrics"][k])), (
+                k, g["metrics"][k], w["metrics"][k])
+        assert len(g["grads"]) == len(w["grads"]) > 0
+        for mine, ref in zip(g["grads"], w["grads"]):
+            assert mine.keys() == ref.keys()
+            for n, t in ref.items():
+                rel = ((mine[n] - t).norm() / t.norm().clamp_min(1e-12)).item()
+                assert rel <= 1e-5, (n, rel)
+        for n, t in w["weights"].items():
+            err = (g["weights"][n] - t).abs().max().item()
+            assert err <= 1e-5, (n, err)
+
+
+def inject_oom(kind: str) -> None:
+    """Out of memory in multi-prompt training passes: predicted on rank 1 ("predicted": the
+    placement's check before a mini-batch), or raised inside the pass ("in_pass")."""
+    if kind == "predicted":
+        from rollplex.parallel.data_parallel import DataParallel
+
+        DataParallel.fits = lambda self, mb, mode: not (self.rank == 1 and mb.num_prompts > 1)
+        return
+    from rollplex.rl import actor as actor_mod
+
+    real = actor_mod.token_logprobs
+
+    def fake(model, mb, *a, **k):
+        if mb.num_prompts > 1 and torch.is_grad_enabled():
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(model, mb, *a, **k)
+
+    actor_mod.token_logprobs = fake
+
+
+def worker(rank: int, world: int, init: str, tiny_dir, rows, cfg: RLConfig, rollout: str, steps: int,
+           memory_cfg, want: list[dict], oom: str | None = None) -> None:
+    init_group(rank, world, init)
+    try:
+        rl = build(tiny_dir, cfg, rollout, memory_cfg)
+        assert rl.parallel is not None and rl.parallel.world == world
+        if oom is not None:
+            inject_oom(oom)
+        got = run_steps(rl, rows, steps)
+        compare(got, want)
+        if oom is not None:  # every rank backed off to one prompt per pass
+            assert rl.actor._plan(rl.cfg).prompts == 1
+        if memory_cfg is not None:  # the rank's regions hold its shards and moved between phases
+            sizes = rl.memory.report()["region_bytes"]
+            assert min(sizes["ref_weights"], sizes["optimizer"], sizes["grads"], sizes["kv_cache"]) > 0, sizes
+            assert got[-1]["metrics"]["memory/offload_copy_gib"] > 0
+            assert rl.memory.state["kv_cache"] == "released" and rl.memory.state["ref_weights"] == "offloaded"
+        if rollout == "tensor":  # the engine's shards hold the updated weights
+            from rollplex.parallel.tp import shard_state_dict
+
+            tp = rl.engine.model.model.tensor_parallel
+            full = {n: p.detach() for n, p in rl.model.named_parameters()}
+            for n, t in shard_state_dict(full, rl.model.cfg, tp.size, tp.rank).items():
+                assert torch.equal(dict(rl.engine.model.named_parameters())[n], t), n
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
