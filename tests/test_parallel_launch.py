@@ -14,13 +14,17 @@ from rollplex.parallel.launch import init_from_env
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _torchrun(nproc: int, *args: str) -> dict:
+def _run(nproc: int, *args: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "rollplex.parallel", *args]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-4000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return res.stdout
+
+
+def _torchrun(nproc: int, *args: str) -> dict:
+    return json.loads(_run(nproc, *args).strip().splitlines()[-1])
 
 
 @pytest.mark.slow
@@ -35,6 +39,21 @@ def test_torchrun_train_matches_one_process(tiny_dir):
 def test_torchrun_decode_matches_one_process(tiny_dir):
     out = _torchrun(2, "decode", "--check", "--model", str(tiny_dir), "--temperature", "1.0", "--samples", "2")
     assert out["check"]["tokens_equal"] and out["check"]["max_logprob_diff"] <= 1e-5
+
+
+@pytest.mark.slow
+def test_torchrun_step_check_and_bench_on_cpu(tiny_dir):
+    # the GPU measurement entry with tiny shapes: the check first, then both paths timed warm
+    out = _run(1, "step", "--check", "--bench", "--device", "cpu", "--preset", str(tiny_dir), "--prompts", "4",
+               "--samples", "2", "--new-tokens", "8", "--image-size", "56", "--text-tokens", "16",
+               "--micro-prompts", "2")
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    check = next(x for x in lines if x["bench"] == "dp_step_check")
+    assert check["passed"] and check["tokens_equal"] and check["max_rel_grad_diff"] <= 1e-5
+    steps = [(x["path"], x["step"]) for x in lines if x["bench"] == "dp_step"]
+    assert steps == [("single", "warm-up"), ("single", "timed"), ("parallel", "warm-up"), ("parallel", "timed")]
+    assert next(x for x in lines if x["bench"] == "dp_step_weights")["final_weight_max_abs_diff"] <= 1e-5
+    assert "| parallel | timed | 1 |" in out and "data-parallel step vs one process (timed)" in out
 
 
 def test_init_from_env_needs_torchrun(monkeypatch):

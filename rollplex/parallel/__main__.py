@@ -6,6 +6,9 @@ responses and rewards). Rank 0 prints one JSON line.
     decode         the engine with the model tensor-parallel over all ranks (tp.py)
     disaggregated  one RL step of the disaggregated layout: --train-ranks trainer ranks, rollout
                    engines of --rollout-tp ranks on the rest; rollout, update, weight broadcast
+    step           the whole RL step through RLStep's data-parallel path against one process:
+                   --check, then --bench (the warm W3B step both ways); its own options (step_bench.py,
+                   `... -m rollplex.parallel step --help`)
 
 --check (train, decode): rank 0 also runs the single-process path on a copy of the model and reports
 the largest difference (train: weights after the update; decode: tokens, logprobs). --model: a
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -226,9 +230,15 @@ COMMANDS = {"train": cmd_train, "decode": cmd_decode, "disaggregated": cmd_disag
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["step"]:
+        from .step_bench import main as step_main
+
+        step_main(argv[1:])
+        return
     ap = argparse.ArgumentParser(prog="python -m torch.distributed.run --nproc-per-node N -m rollplex.parallel",
                                  description=__doc__.splitlines()[0])
-    ap.add_argument("command", choices=sorted(COMMANDS))
+    ap.add_argument("command", choices=[*sorted(COMMANDS), "step"])
     ap.add_argument("--model", default=None, help="checkpoint directory or preset name (default: embedded tiny)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),

@@ -87,6 +87,8 @@ class Colocated:
         """The engine's outputs for every prompt, on every rank (see the module docstring)."""
         if self.rollout == "tensor":
             return self.engine.generate(prompts, params, keep_vision=keep_vision)
+        if self.world == 1:
+            return self.engine.generate(prompts, params, keep_vision=keep_vision)
         share = list(range(self.rank, len(prompts), self.world))
         outs = self.engine.generate([prompts[i] for i in share], [params[i] for i in share],
                                     keep_vision=keep_vision) if share else []

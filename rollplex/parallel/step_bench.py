@@ -1,0 +1,260 @@
+"""`python -m torch.distributed.run --nproc-per-node N -m rollplex.parallel step [--check] [--bench]`: the RL
+step through `RLStep`'s data-parallel path (parallel/colocated.py) against the single-process step.
+
+--check   correctness first, on a reduced fp32 copy of the shapes (`--check-layers` decoder layers and
+          vision blocks, random weights): the whole step — rollout, reference scoring, update, weight
+          sync — on one process and data-parallel over the group, from the same weights with the same
+          seeded rollout and rewards. Every rank runs both; rank 0 reports whether the rollouts are equal
+          token for token and the largest relative gradient, metric and absolute weight differences, and
+          the command fails past `--tol` (the bench does not run).
+--bench   the W3B step (`--prompts` x `--samples` samples, one `--image-size` image + `--text-tokens` text
+          tokens per prompt, `--new-tokens` new tokens; bf16 and compiled on CUDA) on one process, then
+          data-parallel, each from the same initial weights: a warm-up step (dynamo compiles, allocator
+          growth, first-call tuning; reported as `warm-up`) and then a timed step. Rank 0 prints a table
+          of gen / ref / update / weight-sync / step seconds with the data-parallel path's overhead, and
+          the largest weight difference between the two paths after their two steps.
+
+On CPU (`--device cpu`) everything runs over gloo in fp32 with the same code, for tiny shapes:
+`--preset tiny` (the embedded tiny checkpoint's shapes) or a checkpoint directory. Rewards are random
+0/1 per sample (seeded): a model with random weights earns no task reward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..bench.common import make_prompts
+from ..engine import Engine, EngineConfig, SamplingParams
+from ..models import ModelConfig, Qwen25VL, init_weights
+from ..rl.config import RLConfig
+from ..rl.step import RLStep
+from .fsdp import full_tensor
+from .launch import Process, init_from_env
+
+
+def model_config(name: str) -> ModelConfig:
+    """A preset name, "tiny" (the embedded tiny checkpoint), a checkpoint directory or an HF config.json."""
+    if name == "tiny":
+        from ..demo.tiny import ensure_tiny
+
+        name = str(ensure_tiny())
+    if Path(name).is_dir() or name.endswith(".json"):
+        return ModelConfig.from_hf(name)
+    from ..presets import preset
+
+    return preset(name)
+
+
+def reduced(cfg: ModelConfig, layers: int) -> ModelConfig:
+    """`cfg` with at most `layers` decoder layers and vision blocks (full attention where it was)."""
+    v = cfg.vision
+    depth = min(v.depth, layers)
+    vision = dataclasses.replace(v, depth=depth, fullatt_block_indexes=tuple(i for i in v.fullatt_block_indexes
+                                                                              if i < depth) or (depth - 1,))
+    text = dataclasses.replace(cfg.text, num_hidden_layers=min(cfg.text.num_hidden_layers, layers))
+    return dataclasses.replace(cfg, text=text, vision=vision)
+
+
+def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, compile_: bool) -> Qwen25VL:
+    with torch.device(device):
+        model = init_weights(Qwen25VL(cfg), seed=0, std=0.02)
+    model = model.to(dtype).eval()
+    if compile_:
+        model.compile()
+    return model
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _rewards(num: int, seed: int) -> torch.Tensor:
+    return torch.rand(num, generator=torch.Generator().manual_seed(seed)).round()
+
+
+def _params(n_prompts: int, n: int, new_tokens: int, seed: int) -> list[SamplingParams]:
+    # seeded per prompt: a prompt's samples do not depend on which rank generates it
+    return [SamplingParams(n=n, max_new_tokens=new_tokens, ignore_eos=True, seed=seed * 100_003 + i * 101)
+            for i in range(n_prompts)]
+
+
+def _engine(model: Qwen25VL, args, max_len: int, compile_decode: bool) -> Engine:
+    return Engine(model, None, EngineConfig(max_num_seqs=256, max_model_len=max_len,
+                                            gpu_memory_utilization=args.kv_memory, max_num_batched_tokens=40000,
+                                            compile_decode=None if compile_decode else False))
+
+
+def _capture_grads(rl: RLStep) -> list[dict]:
+    grads: list[dict] = []
+    step = rl.actor.optimizer.step
+
+    def capture():
+        grads.append({n: full_tensor(p.grad).float().clone() for n, p in rl.actor.model.named_parameters()
+                      if p.grad is not None})
+        step()
+
+    rl.actor.optimizer.step = capture
+    return grads
+
+
+def _one_step(rl: RLStep, prompts, params, seed: int, device: torch.device) -> tuple[dict, torch.Tensor]:
+    """Rollout, rewards, reference scoring, update (and weight sync): (metrics with timings, tokens)."""
+    _sync(device)
+    t0 = time.perf_counter()
+    batch = rl.generate(prompts, params)
+    _sync(device)
+    gen_s = time.perf_counter() - t0
+    batch.rewards = _rewards(batch.num_samples, seed)
+    m = rl.train(batch)
+    _sync(device)
+    m["timing_s/gen"] = gen_s
+    m["timing_s/step"] = time.perf_counter() - t0
+    return m, batch.responses
+
+
+def check(proc: Process, args) -> dict:
+    """The reduced fp32 step on one process and data-parallel (see the module docstring)."""
+    cfg = reduced(model_config(args.preset), args.check_layers)
+    model = random_model(cfg, proc.device, torch.float32, compile_=False)
+    prompts, _ = make_prompts(cfg, args.check_prompts, 1, size=args.image_size, text=args.text_tokens,
+                              device=proc.device, dtype=torch.float32)
+    # lr 1e-6: Adam's first step is ~lr * sign(grad), so rounding noise in a near-zero gradient moves a weight
+    # by at most 2 lr, under the tolerance; the gradients are the sharper comparison
+    rl_cfg = RLConfig(n=args.check_samples, kl_coef=0.01, lr=1e-6, micro_batch_prompts=2,
+                      max_new_tokens=args.check_tokens)
+    params = _params(len(prompts), args.check_samples, args.check_tokens, seed=3)
+    max_len = len(prompts[0].input_ids) + args.check_tokens + 16
+    out = {}
+    for label, group in (("single", None), ("parallel", dist.group.WORLD)):
+        m = copy.deepcopy(model)
+        rl = RLStep(m, _engine(m, args, max_len, compile_decode=False), rl_cfg, reward_fn="exact", group=group)
+        grads = _capture_grads(rl)
+        metrics, tokens = _one_step(rl, prompts, params, seed=3, device=proc.device)
+        out[label] = dict(metrics=metrics, tokens=tokens.cpu(), grads=grads,
+                          weights={n: p.detach().cpu() for n, p in m.named_parameters()})
+        del rl, m
+        _free()
+    a, b = out["single"], out["parallel"]
+    rel = [((b["grads"][0][n] - g).norm() / g.norm().clamp_min(1e-12)).item() for n, g in a["grads"][0].items()]
+    keys = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm")
+    res = {"tokens_equal": torch.equal(a["tokens"], b["tokens"]),
+           "max_rel_grad_diff": max(rel),
+           "max_rel_metric_diff": max(abs(a["metrics"][k] - b["metrics"][k]) / max(abs(a["metrics"][k]), 1e-12)
+                                      for k in keys),
+           "max_abs_weight_diff": max((a["weights"][n] - w).abs().max().item() for n, w in b["weights"].items()),
+           "weights_moved": any(not torch.equal(a["weights"][n], w.detach().cpu())
+                                for n, w in model.named_parameters())}
+    res["passed"] = bool(res["tokens_equal"] and res["weights_moved"] and
+                         max(res["max_rel_grad_diff"], res["max_rel_metric_diff"], res["max_abs_weight_diff"])
+                         <= args.tol)
+    return res
+
+
+def bench(proc: Process, args) -> list[dict]:
+    """The warm W3B step on one process, then data-parallel (see the module docstring)."""
+    cuda = proc.device.type == "cuda"
+    cfg = model_config(args.preset)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = random_model(cfg, proc.device, dtype, compile_=cuda and not args.no_compile)
+    prompts, _ = make_prompts(cfg, args.prompts, 1, size=args.image_size, text=args.text_tokens,
+                              device=proc.device, dtype=dtype)
+    engine = _engine(model, args, len(prompts[0].input_ids) + args.new_tokens + 64,
+                     compile_decode=cuda and not args.no_compile)
+    init = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    rl_cfg = RLConfig(n=args.samples, kl_coef=0.01, lr=1e-6, micro_batch_prompts=args.micro_prompts,
+                      max_new_tokens=args.new_tokens)
+    rows, finals = [], {}
+    for label, group in (("single", None), ("parallel", dist.group.WORLD)):
+        with torch.no_grad():  # both paths start from the same weights (the reference is copied from them)
+            for k, v in model.state_dict().items():
+                v.copy_(init[k])
+        rl = RLStep(model, engine, rl_cfg, reward_fn="exact", group=group)
+        for step, seed in (("warm-up", 1), ("timed", 0)):
+            m, _ = _one_step(rl, prompts, _params(len(prompts), args.samples, args.new_tokens, seed), seed, proc.device)
+            rows.append({"path": label, "step": step, "world": proc.world,
+                         **{f"{short}_s": round(m.get(f"timing_s/{k}", 0.0), 3) for short, k in
+                            (("gen", "gen"), ("ref", "ref"), ("update", "update_actor"), ("sync", "sync_weights"),
+                             ("total", "step"))}})
+            if proc.rank == 0:
+                print(json.dumps({"bench": "dp_step", **rows[-1]}), flush=True)
+        finals[label] = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+        del rl
+        _free()
+    diff = max((finals["single"][n].float() - w.float()).abs().max().item() for n, w in finals["parallel"].items())
+    rows.append({"final_weight_max_abs_diff": diff})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    timed = {r["path"]: r for r in rows if r.get("step") == "timed"}
+    lines = ["| path | step | ranks | gen s | ref s | update s | sync s | step s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "path" in r:
+            lines.append(f"| {r['path']} | {r['step']} | {r['world']} | {r['gen_s']:.2f} | {r['ref_s']:.2f} | "
+                         f"{r['update_s']:.2f} | {r['sync_s']:.3f} | {r['total_s']:.2f} |")
+    if "single" in timed and "parallel" in timed:
+        over = timed["parallel"]["total_s"] / timed["single"]["total_s"] - 1
+        lines.append(f"\ndata-parallel step vs one process (timed): {over:+.1%}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m torch.distributed.run --nproc-per-node N -m rollplex.parallel step",
+                                 description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="compare with one process first (fails past --tol)")
+    ap.add_argument("--bench", action="store_true", help="time the warm step on one process and data-parallel")
+    ap.add_argument("--preset", default="qwen2.5-vl-3b", help="preset name, tiny, checkpoint dir or config.json")
+    ap.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--samples", type=int, default=8, help="samples per prompt (GRPO group size)")
+    ap.add_argument("--new-tokens", type=int, default=512)
+    ap.add_argument("--image-size", type=int, default=448, help="image side in pixels")
+    ap.add_argument("--text-tokens", type=int, default=96)
+    ap.add_argument("--micro-prompts", type=int, default=4, help="prompts (x n samples) per forward/backward")
+    ap.add_argument("--kv-memory", type=float, default=0.2, help="share of GPU memory for the KV cache")
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--check-layers", type=int, default=2, help="decoder layers and vision blocks of the check")
+    ap.add_argument("--check-prompts", type=int, default=4)
+    ap.add_argument("--check-samples", type=int, default=4)
+    ap.add_argument("--check-tokens", type=int, default=16)
+    ap.add_argument("--tol", type=float, default=1e-5, help="largest relative gradient / metric and absolute "
+                    "weight difference the check accepts")
+    args = ap.parse_args(argv)
+    if not (args.check or args.bench):
+        ap.error("nothing to do: pass --check and/or --bench")
+    proc = init_from_env(args.device)
+    failed = False
+    try:
+        if args.check:
+            res = check(proc, args)
+            failed = not res["passed"]
+            if proc.rank == 0:
+                print(json.dumps({"bench": "dp_step_check", "world": proc.world, **res}), flush=True)
+        if args.bench and not failed:
+            rows = bench(proc, args)
+            if proc.rank == 0:
+                print(json.dumps({"bench": "dp_step_weights", **rows[-1]}), flush=True)
+                print(table(rows), flush=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    if failed:
+        sys.exit("the data-parallel step differs from the single-process step (see dp_step_check)")
