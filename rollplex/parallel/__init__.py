@@ -1,21 +1,25 @@
 """Multi-process execution on torch.distributed, applied from outside the model (torchtitan style).
 
     fsdp.py            FSDP2 units (decoder layers, vision blocks, root) for the trainer
-    data_parallel.py   the actor update with prompts dealt over data-parallel ranks
+    data_parallel.py   the data-parallel placement of scoring and the actor update (prompts dealt over ranks)
+    colocated.py       the data-parallel RL step (`RLStep(..., group=...)`): FSDP trainer and reference,
+                       per-rank or tensor-parallel rollout, weight sync into the policy
+    step_bench.py      the `step` command: the data-parallel step checked and timed against one process
     tp.py              tensor-parallel text decoder for rollout (column/row-parallel, vocab-parallel head)
     broadcast.py       trainer -> rollout weight broadcast in buckets
     disaggregated.py   the disaggregated layout: trainer ranks, rollout engines, their groups
 """
 
 from .broadcast import bucket_plan, receive_weights, send_weights
+from .colocated import Colocated
 from .data_parallel import DataParallel, DataParallelActor, assign_prompts, dp_score
 from .disaggregated import Disaggregated, DisaggregatedLayout, init_disaggregated
 from .fsdp import FSDPConfig, apply_fsdp, full_state_dict, full_tensor, sharded_call
 from .tp import TensorParallel, VocabParallelEmbedding, apply_tensor_parallel, shard_state_dict
 
 __all__ = [
-    "DataParallel", "DataParallelActor", "Disaggregated", "DisaggregatedLayout", "FSDPConfig", "TensorParallel",
-    "VocabParallelEmbedding", "apply_fsdp", "apply_tensor_parallel", "assign_prompts", "bucket_plan", "dp_score",
-    "full_state_dict", "full_tensor", "init_disaggregated", "receive_weights", "send_weights", "shard_state_dict",
-    "sharded_call",
+    "Colocated", "DataParallel", "DataParallelActor", "Disaggregated", "DisaggregatedLayout", "FSDPConfig",
+    "TensorParallel", "VocabParallelEmbedding", "apply_fsdp", "apply_tensor_parallel", "assign_prompts",
+    "bucket_plan", "dp_score", "full_state_dict", "full_tensor", "init_disaggregated", "receive_weights",
+    "send_weights", "shard_state_dict", "sharded_call",
 ]
