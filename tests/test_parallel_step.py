@@ -54,3 +54,28 @@ def test_oom_backs_off_on_every_rank(tmp_path, tiny_dir, world, oom):
     # a pass predicted not to fit on one rank backs every rank off together; with one rank an OOM inside
     # a pass (through FSDP's hooks) is retried as on one process. Same step as without the OOM.
     _spawn(tmp_path, tiny_dir, world, RLConfig(**BASE), steps=1, oom=oom)
+
+
+def test_what_a_process_group_refuses(tmp_path, tiny_dir):
+    import torch.distributed as dist
+
+    from rollplex.engine import Engine
+    from rollplex.models import load_model
+    from rollplex.rl.checkpoint import save_checkpoint
+    from rollplex.rl.step import RLStep
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        for bad in (dict(cosched=True), dict(freeze_vision_tower=True), dict(packed=False)):
+            with pytest.raises(ValueError, match="data-parallel"):
+                build(tiny_dir, RLConfig(**{**BASE, **bad}))
+        rl = build(tiny_dir, RLConfig(**BASE))  # group="auto": the initialised default group
+        assert rl.parallel is not None and rl.parallel.rollout == "data"
+        with pytest.raises(ValueError, match="data-parallel"):
+            save_checkpoint(rl, tmp_path / "ckpt")
+        other = Engine(load_model(tiny_dir), rl.processor)  # neither the policy nor its TP shard
+        with pytest.raises(ValueError, match="tensor-parallel shard"):
+            RLStep(rl.model, other, RLConfig(**BASE), rl.processor, reward_fn="exact")
+        assert build(tiny_dir, RLConfig(**BASE), group=None).parallel is None
+    finally:
+        dist.destroy_process_group()

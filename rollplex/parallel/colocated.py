@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..models import Qwen25VL
 from ..rl.config import RLConfig
-from .data_parallel import DataParallelActor
+from .data_parallel import DataParallelActor, check_passes
 from .fsdp import FSDPConfig, apply_fsdp, full_tensor, local_tensor
 from .tp import shard_state_dict
 
@@ -50,8 +50,7 @@ class Colocated:
             raise ValueError("cosched runs one process's prefix work beside its decode: not data-parallel yet")
         if cfg.freeze_vision_tower:
             raise ValueError("freeze_vision_tower reuses one engine's vision encodings: not data-parallel yet")
-        if cfg.mode == "rollplex" and not cfg.packed:
-            raise ValueError("data-parallel training in rollplex mode needs packed=True (the packed pass)")
+        check_passes(cfg.mode, cfg.packed)
         self.group, self.model_cfg = group, model.cfg
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         device = model.inv_freq.device
