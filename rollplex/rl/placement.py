@@ -20,7 +20,7 @@ they are cut into passes, how a pass calls the model, and how per-process result
 communication. `rollplex.parallel.DataParallel` deals prompt groups over the ranks of a process group
 with the model sharded by FSDP2. Because both run the same loop, the data-parallel update computes
 what the single-process one does by construction (same loss, normalisers, clipping, schedule and
-OOM ladder); only the placement's five operations differ.
+OOM ladder); only the placement's operations above differ.
 """
 
 from __future__ import annotations

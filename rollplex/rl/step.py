@@ -33,6 +33,7 @@ import copy
 import time
 from contextlib import contextmanager
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,9 @@ from .batch import RolloutBatch
 from .config import RLConfig
 from .rewards import RewardFn, get_reward_fn, score_samples
 from .scoring import score as score_logprobs
+
+if TYPE_CHECKING:
+    from ..parallel.fsdp import FSDPConfig
 
 
 @contextmanager
@@ -68,7 +72,8 @@ class RLStep:
     def __init__(self, model: Qwen25VL, engine: Engine | None, cfg: RLConfig, processor=None,
                  reward_fn: RewardFn | str | None = None, ref_model: Qwen25VL | None = None,
                  memory: MemoryManager | None = None, memory_cfg: MemoryConfig | None = None,
-                 cosched: CoschedConfig | None = None, group: dist.ProcessGroup | str | None = "auto", fsdp=None):
+                 cosched: CoschedConfig | None = None, group: dist.ProcessGroup | str | None = "auto",
+                 fsdp: FSDPConfig | None = None):
         """memory: the phase-aware memory manager the engine's KV cache was allocated under (None: every
         tensor stays resident); its plan is chosen here from the sizes of the regions and `memory_cfg`.
         cosched: the co-scheduler's configuration (used when `cfg.cosched`).
