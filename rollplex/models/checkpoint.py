@@ -114,8 +114,8 @@ def init_weights(model: Qwen25VL, seed: int = 0, std: float = 0.02) -> Qwen25VL:
     """Random init like transformers' (normal(0, std) matrices, zero biases, unit norms), seeded.
 
     The numbers are drawn on the parameters' device: on CPU they are the same on every machine (the
-    tiny checkpoints depend on that); on a GPU they come from its generator, which is far faster than a host-side draw of
-    billions of numbers followed by a copy."""
+    tiny checkpoints depend on that); on a GPU they come from its generator, far faster than a
+    host-side draw of billions of numbers followed by a copy."""
     device = next(model.parameters()).device
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
