@@ -25,9 +25,10 @@ contract.py):
 `request_outputs` turns them into one `RequestOutput` per prompt (its samples in order), the form the
 native engine returns and RolloutBatch.from_outputs reads. SGLang's default logprob is
 log_softmax(logits / temperature) before top-k/top-p, the native engine's definition (unless SGLang
-runs with SGLANG_RETURN_ORIGINAL_LOGPROB). Anything that does not fit — a prompt SGLang counted with
-another length, logprobs for other tokens than output_ids, an unfinished request — is a ValueError
-rather than a batch the trainer would score against the wrong tokens.
+runs with SGLANG_RETURN_ORIGINAL_LOGPROB). An answer that does not fit — a prompt SGLang counted with
+another length, logprobs for other tokens than output_ids, an unfinished request — is a RuntimeError
+rather than a batch the trainer would score against the wrong tokens; a prompt that cannot be sent
+(a video) is a ValueError.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def generate_kwargs(prompts: Sequence, params: Sequence[SamplingParams], seeds: 
 def _finish(meta: dict, where: str) -> tuple[str, int | str | None]:
     reason = meta.get("finish_reason")
     if not isinstance(reason, dict) or reason.get("type") not in FINISH_TYPES:
-        raise ValueError(f"{where}: finish_reason {reason!r} is not a finished request's "
+        raise RuntimeError(f"{where}: finish_reason {reason!r} is not a finished request's "
                          "({'type': 'stop' | 'length' | 'abort', ...})")
     kind = FINISH_TYPES[reason["type"]]
     return kind, reason.get("matched") if kind == "stop" else None
@@ -101,21 +102,21 @@ def sample_output(raw: dict, prompt_len: int, sp: SamplingParams, where: str,
                   decode: Callable[[list[int], bool], str] | None = None) -> SampleOutput:
     """One SGLang answer (a dict) as a SampleOutput."""
     if not isinstance(raw, dict) or not isinstance(raw.get("meta_info"), dict) or "output_ids" not in raw:
-        raise ValueError(f"{where}: expected SGLang's {{'output_ids', 'meta_info', ...}}, got {type(raw).__name__}")
+        raise RuntimeError(f"{where}: expected SGLang's {{'output_ids', 'meta_info', ...}}, got {type(raw).__name__}")
     meta = raw["meta_info"]
     ids = [int(t) for t in raw["output_ids"]]
     if "prompt_tokens" in meta and meta["prompt_tokens"] != prompt_len:
-        raise ValueError(f"{where}: SGLang counted {meta['prompt_tokens']} prompt tokens where Rollplex sent "
+        raise RuntimeError(f"{where}: SGLang counted {meta['prompt_tokens']} prompt tokens where Rollplex sent "
                          f"{prompt_len}: it did not decode the prompt the trainer scores")
     lps = meta.get("output_token_logprobs")
     if lps is None:
-        raise ValueError(f"{where}: no output_token_logprobs in meta_info (was return_logprob dropped?)")
+        raise RuntimeError(f"{where}: no output_token_logprobs in meta_info (was return_logprob dropped?)")
     if len(lps) < len(ids) or any(int(e[1]) != t for e, t in zip(lps, ids)):
-        raise ValueError(f"{where}: output_token_logprobs do not cover output_ids token for token "
+        raise RuntimeError(f"{where}: output_token_logprobs do not cover output_ids token for token "
                          f"({len(lps)} logprobs, {len(ids)} tokens)")
     reason, matched = _finish(meta, where)
     if not ids and reason != "abort":
-        raise ValueError(f"{where}: a finished sample without tokens")
+        raise RuntimeError(f"{where}: a finished sample without tokens")
     if decode is not None:
         text = decode(ids, sp.skip_special_tokens)
         if isinstance(matched, str) and matched in text:  # as the native engine: the answer ends before it
@@ -133,7 +134,7 @@ def request_outputs(prompts: Sequence, params: Sequence[SamplingParams], raw: li
         raw = [raw]
     want = sum(sp.n for sp in params)
     if not isinstance(raw, list) or len(raw) != want:
-        raise ValueError(f"SGLang answered {len(raw) if isinstance(raw, list) else type(raw).__name__} "
+        raise RuntimeError(f"SGLang answered {len(raw) if isinstance(raw, list) else type(raw).__name__} "
                          f"outputs for {want} requests")
     outs, k = [], 0
     for i, (p, sp) in enumerate(zip(prompts, params)):
