@@ -19,9 +19,8 @@ phase; or SGLang (engine_patches.sglang.backend.SGLangRollout), which keeps its 
 the step enters each phase on the backend too (SGLang releases its memory outside the rollout), and
 entering the rollout copies the updated policy in. The step is otherwise the same on both: the
 backend's outputs are the native engine's RequestOutputs. The reference model is a frozen copy of the
-initial policy. `train(batch, cfg)` takes an optional
-config for that step alone (the server's per-request overrides), derived from `self.cfg` with
-`dataclasses.replace`; `self.cfg` never changes.
+initial policy. `train(batch, cfg)` takes an optional config for that step alone (the server's
+per-request overrides), derived from `self.cfg` with `dataclasses.replace`; `self.cfg` never changes.
 """
 
 from __future__ import annotations
