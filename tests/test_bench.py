@@ -82,3 +82,94 @@ def test_memory_bench_runs_steps_under_the_manager(capsys):
     rows = _rows(capsys)
     steps = [r for r in rows if r.get("micro_batch_prompts") is not None]
     assert steps and all(r["micro_batch_prompts"] == 1 for r in steps)
+
+
+# ---- serve --load ---------------------------------------------------------------------------------
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_load_runs_end_to_end(tiny_dir, capsys, tmp_path, monkeypatch):
+    """Cold start, check, the three measurements, warm start, table: the server a subprocess (the CLI), this
+    process the client."""
+    import os
+    from pathlib import Path
+
+    from rollplex.bench import serve
+
+    root = str(Path(__file__).resolve().parents[1])
+    monkeypatch.setenv("PYTHONPATH", root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    log = tmp_path / "server.log"
+    serve.main(["--load", "--model", str(tiny_dir), "--port", str(_free_port()), "--prompts", "8", "--prompt-len", "16",
+                "--max-new-tokens", "8", "--check-tokens", "4", "--repeats", "1", "--token-range", "10,400",
+                "--cache-root", str(tmp_path / "caches"), "--log", str(log),
+                "--server-args", "--device cpu --max-num-seqs 8 --kv-cache-tokens 4096 --max-model-len 256"])
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [(r["measure"], r.get("start")) for r in rows] == [
+        ("ready", "cold"), ("first_request", "cold"), ("check", None), ("batched", None), ("concurrent", None),
+        ("streamed", None), ("ready", "warm"), ("first_request", "warm")]
+    by = {(r["measure"], r.get("start")): r for r in rows}
+    for start in ("cold", "warm"):
+        ready = by[("ready", start)]
+        phases = ready["server_phases_s"]
+        assert list(phases) == ["imports", "weights", "kv_sizing", "tuning", "capture", "engine", "trainer", "ready"]
+        # the bench counts from the process start, the server from its CLI's entry
+        assert ready["ready_s"] >= phases["ready"] >= phases["imports"] + phases["weights"]
+    assert by[("check", None)]["equal"] + by[("check", None)]["near_ties"] == 8
+    for m in ("batched", "concurrent", "streamed"):
+        assert by[(m, None)]["tokens"] == 8 * 8 and by[(m, None)]["tok_s"] > 0
+    streamed = by[("streamed", None)]
+    assert 0 < streamed["ttft_p50_ms"] <= streamed["ttft_p99_ms"] <= streamed["wall_s"] * 1e3
+    assert by[("concurrent", None)]["ratio_to_batched"] > 0
+    assert by[("first_request", "warm")]["same_tokens_as_cold"] == 8  # fp32 on CPU: the same greedy tokens
+    assert "time to ready, warm (s)" in out and "TTFT p50 / p99 (ms)" in out
+    text = log.read_text()
+    assert text.count("startup: ready in") == 2 and "startup: weights loaded in" in text
+
+
+def test_serve_load_check_fails_on_a_mismatch():
+    from rollplex.bench.serve_load import OutputMismatch, check_outputs
+
+    batched = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+
+    def no_tie_check(where):
+        raise AssertionError("equal outputs need no tie check")
+
+    assert check_outputs(batched, [list(x) for x in batched], 4, no_tie_check, 0.5)["equal"] == 3
+    with pytest.raises(OutputMismatch, match="not a near tie"):  # answers routed to the wrong requests
+        check_outputs(batched, [batched[1], batched[0], batched[2]], 4, lambda where: [6.0] * len(where), 0.5)
+    late = [batched[0], batched[1], [9, 10, 11, 13]]
+    summary = check_outputs(batched, late, 4, lambda where: [0.01] * len(where), 0.5)  # a flipped near tie
+    assert summary["equal"] == 2 and summary["near_ties"] == 1 and summary["first_difference"] == [3]
+    with pytest.raises(OutputMismatch):
+        check_outputs(batched, late, 4, lambda where: [2.0] * len(where), 0.5)
+    with pytest.raises(OutputMismatch, match="expected 4"):  # an answer cut short
+        check_outputs(batched, [batched[0], batched[1], [9, 10, 11]], 4, no_tie_check, 0.5)
+
+
+def test_serve_load_tie_gaps_are_logprob_differences_given_the_common_context(tiny_dir):
+    import asyncio
+
+    import torch
+
+    from rollplex.bench.serve_load import tie_gaps
+    from rollplex.engine import EngineConfig
+    from rollplex.models import ModelInputs, load_model
+    from rollplex.server import ServerConfig, serve_in_thread
+
+    prompt = list(range(10, 26))
+    batched, concurrent = [[30, 31, 32], [30, 31, 32]], [[30, 31, 40], [77, 31, 32]]
+    engine = EngineConfig(max_model_len=256, kv_cache_tokens=4096, max_num_seqs=8)
+    with serve_in_thread(ServerConfig(model=str(tiny_dir), device="cpu", engine=engine)) as srv:
+        gaps = asyncio.run(tie_gaps(srv.url, [prompt, prompt], batched, concurrent, [(0, 2), (1, 0)]))
+    model = load_model(tiny_dir, "cpu", torch.float32).eval()
+    with torch.no_grad():
+        late = torch.log_softmax(model([ModelInputs(prompt + [30, 31])])[0, -1].float(), -1)
+        first = torch.log_softmax(model([ModelInputs(prompt)])[0, -1].float(), -1)
+    expected = [abs(late[32] - late[40]).item(), abs(first[30] - first[77]).item()]
+    assert gaps == pytest.approx(expected, abs=1e-4) and min(expected) > 0

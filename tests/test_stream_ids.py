@@ -69,3 +69,33 @@ def test_stream_ids_follow_the_given_rid(client):
     assert {i: set(_ids(c)) for i, c in by_index.items()} == {0: {"a-0"}, 1: {"a-1"}, 2: {"b"}}
     plain = client.post("/generate", json=body).json()
     assert [x["meta_info"]["id"] for x in plain] == ["a-0", "a-1", "b"]  # as in the non-streaming answer
+
+
+def test_a_sample_update_waits_until_its_last_one_is_read():
+    """Updates carry the whole output so far: while one is unread the engine thread adds none, and the
+    next one after it is read carries every token since (a slow handler gets fewer, larger chunks)."""
+    from types import SimpleNamespace
+
+    from rollplex.server.worker import EngineWorker, Ticket
+
+    seq = SimpleNamespace(output_ids=[5], logprobs=[-0.5])
+    req = SimpleNamespace(seqs=[seq], params=SimpleNamespace(skip_special_tokens=True))
+    worker = EngineWorker.__new__(EngineWorker)  # no engine thread: only the publishing logic
+    worker.engine, worker.decode, worker._outbox = SimpleNamespace(requests={"r": req}), None, {}
+    loop = object()
+    t = Ticket(queue=None, loop=loop, stream=True, rid="r", sent=[0])
+    worker._streams = {"r": t}
+
+    def updates():
+        return [event[3] for _, event in worker._outbox.get(loop, [])]
+
+    worker._publish_streams()
+    seq.output_ids += [6, 7]
+    seq.logprobs += [-0.6, -0.7]
+    worker._publish_streams()
+    assert updates() == [[5]]  # the second step's tokens wait: [5] is unread
+    t.unread.discard(0)  # the handler took it
+    worker._publish_streams()
+    assert updates() == [[5], [5, 6, 7]]
+    worker._publish_streams()
+    assert updates() == [[5], [5, 6, 7]]  # nothing new

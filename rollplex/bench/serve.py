@@ -7,6 +7,11 @@ after each phase. Any non-200 answer is reported and ends the run. Prints one JS
 table; the server is stopped at the end.
 
     python -m rollplex.bench serve --model qwen2.5-vl-3b --server-args "--kl-coef 0.001"
+
+`--load` runs the load mode instead (serve_load.py: engine speed against concurrent and streamed
+/generate clients, time to ready cold and warm): `python -m rollplex.bench serve --load --help`.
+The server-process helpers here (`server_command`, `start_server`, `wait_ready`, `stop_server`)
+serve both modes.
 """
 
 from __future__ import annotations
@@ -23,7 +28,21 @@ import time
 GiB = 2**30
 
 
-def _wait_ready(proc: subprocess.Popen, url: str, timeout: float) -> float:
+def server_command(model: str | None, port: int, server_args: str) -> list[str]:
+    return [sys.executable, "-m", "rollplex.server", *(["--model", model] if model else []), "--port", str(port),
+            *shlex.split(server_args)]
+
+
+def start_server(cmd: list[str], log: str | None = None, env: dict | None = None,
+                 append: bool = False) -> subprocess.Popen:
+    """The server as a subprocess; its output goes to `log` (appended to with `append`), else to ours."""
+    out = open(log, "a" if append else "w") if log else None  # noqa: SIM115 - lives as long as the server
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
+                            env=dict(os.environ) if env is None else env)
+
+
+def wait_ready(proc: subprocess.Popen, url: str, timeout: float, poll: float = 0.1) -> float:
+    """Seconds until /health answers 200 (counted from now: call it right after starting the server)."""
     import httpx
 
     t0 = time.perf_counter()
@@ -35,8 +54,17 @@ def _wait_ready(proc: subprocess.Popen, url: str, timeout: float) -> float:
                 return time.perf_counter() - t0
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(poll)
     raise SystemExit(f"the server was not ready after {timeout:.0f} s")
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _phases(mem: dict) -> dict:
@@ -47,7 +75,14 @@ def _phases(mem: dict) -> dict:
 
 
 def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--load" in argv:
+        from . import serve_load
+
+        argv.remove("--load")
+        return serve_load.main(argv)
     ap = argparse.ArgumentParser(prog="python -m rollplex.bench serve")
+    ap.add_argument("--load", action="store_true", help="run the load mode instead (its flags: --load --help)")
     ap.add_argument("--model", default=None, help="HF dir or preset (default: the embedded tiny model)")
     ap.add_argument("--server-args", default="", help="extra flags for python -m rollplex.server")
     ap.add_argument("--port", type=int, default=30123)
@@ -63,13 +98,11 @@ def main(argv=None) -> None:
     import httpx
 
     url = f"http://127.0.0.1:{args.port}"
-    cmd = [sys.executable, "-m", "rollplex.server", *(["--model", args.model] if args.model else []),
-           "--port", str(args.port), *shlex.split(args.server_args)]
-    out = open(args.log, "w") if args.log else None  # noqa: SIM115 - lives as long as the server
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=dict(os.environ))
+    cmd = server_command(args.model, args.port, args.server_args)
+    proc = start_server(cmd, args.log)
     rows = []
     try:
-        ready_s = _wait_ready(proc, url, args.ready_timeout)
+        ready_s = wait_ready(proc, url, args.ready_timeout)
         print(json.dumps({"ready_s": round(ready_s, 1), "cmd": " ".join(cmd)}), flush=True)
         rng = random.Random(0)
         lo, hi = (int(x) for x in args.token_range.split(","))
@@ -108,11 +141,7 @@ def main(argv=None) -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     print(f"\n{'round':>5} {'rollout':>8} {'tok/s':>8} {'train':>6} {'train s':>8} {'upd peak GiB':>13} "
           f"{'transit s':>10}")
     for row in rows:

@@ -24,9 +24,13 @@ has one no-overlap step time):
   step up to `max_in_flight` outstanding.
 - Long tail: a bucket seen for the first time starts from the budget of the nearest larger bucket
   (a smaller batch leaves more SMs idle), so admission rises as the batch shrinks.
-- Serial fallback: when the budget is below the smallest chunk, the controller still tries that
-  chunk (once per probe period: after a failure the ceiling blocks it); `serial_after` consecutive
-  tries over the bound mark the bucket serial (it admits nothing).
+- Duty cycle: when the budget is below the smallest chunk (one whole unit slows its step past the
+  bound), the controller admits that chunk on one step in `duty`, with `duty` = the measured slowdown
+  of such a step over the target band, so the rollout's mean slowdown stays inside the bound even
+  though single steps break it. A try waits for the previous one's measurement.
+- Serial fallback: overlap pays only when the decode time a chunk adds is less than the chunk's own
+  cost (`1 - min_gain` of it); `serial_after` consecutive tries that do not pay mark the bucket
+  serial (it admits nothing).
 - OOM: the chunk goes back to the queue, every bucket's budget halves (memory is shared) and
   nothing is admitted for `oom_cooldown_steps`; whatever is never admitted runs in its normal phase.
 
@@ -38,6 +42,7 @@ normal phase (`WorkQueue.remaining`).
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 
 from .work import Chunk, WorkQueue
@@ -57,6 +62,7 @@ class CoschedConfig:
     max_chunk_ms: float = 2.0
     max_in_flight: int = 4
     serial_after: int = 3
+    min_gain: float = 0.25  # a chunk must hide this share of its cost net of the decode time it adds
     oom_cooldown_steps: int = 16
     reprobe_every: int = 64  # 0: never re-measure the baseline
     job_prompts: int = 4  # prompts per prefix job (one batched forward): bigger runs faster, holds more
@@ -78,6 +84,8 @@ class CoschedConfig:
             raise ValueError("initial_budget must be >= 0, increase and max_chunk_ms > 0")
         if min(self.baseline_samples, self.max_in_flight, self.serial_after) < 1:
             raise ValueError("baseline_samples, max_in_flight and serial_after must be >= 1")
+        if not 0 <= self.min_gain < 1:
+            raise ValueError("min_gain must be in [0, 1)")
         if self.job_prompts < 1:
             raise ValueError("job_prompts must be >= 1")
         if self.oom_cooldown_steps < 0 or self.reprobe_every < 0:
@@ -92,8 +100,11 @@ class _Bucket:
     since_probe: int = 0  # steps since the last forced clean one
     ceiling_ms: float = float("inf")  # admitted work that broke the bound
     epoch: int = 0  # bumps whenever the budget moves
-    strikes: int = 0  # consecutive smallest-chunk tries over the bound
+    strikes: int = 0  # consecutive smallest-chunk tries that did not pay
     serial: bool = False
+    duty: int | None = 1  # smallest-chunk tries: one step in `duty` (None: wait for the last try's measure)
+    last_try: int = -(1 << 30)
+    try_slowdown: float | None = None  # EMA of the slowdown of steps with a smallest-chunk try
 
 
 @dataclass(frozen=True)
@@ -115,7 +126,7 @@ class AdmissionController:
     _cooldown_until: int = -1
     _step: int = -1  # the last step admit() saw
     _stats: dict[str, float] = field(default_factory=lambda: dict(
-        hidden_ms=0.0, overhead_ms=0.0, slowdown_sum=0.0, slowdown_max=0.0, loaded_measured=0,
+        hidden_ms=0.0, overhead_ms=0.0, slowdown_sum=0.0, slowdown_max=0.0, loaded_measured=0, measured=0,
         admitted=0, ooms=0))
 
     def bucket_of(self, batch_size: int) -> int:
@@ -143,7 +154,12 @@ class AdmissionController:
         if self.config.reprobe_every and b.since_probe > self.config.reprobe_every:
             b.since_probe, b.ceiling_ms = 0, float("inf")  # this step is the probe: nothing admitted
         elif not (b.serial or step < self._cooldown_until or b.budget_ms is None):
-            chunks, smallest_try = self._cut(b.budget_ms, b.ceiling_ms)
+            since = step - b.last_try
+            # a try waits for its predecessor's measurement (or for that to be given up as lost)
+            may_try = since >= b.duty if b.duty is not None else since > 4 * self.config.measure_lag
+            chunks, smallest_try = self._cut(b.budget_ms, b.ceiling_ms, may_try)
+            if smallest_try:
+                b.last_try, b.duty = step, None
         for c in chunks:
             self._in_flight[id(c)] = c
         self._records[step] = _Record(bucket, bool(self._in_flight), b.epoch, smallest_try,
@@ -151,14 +167,19 @@ class AdmissionController:
         self._stats["admitted"] += len(chunks)
         return chunks
 
-    def _cut(self, budget_ms: float, ceiling_ms: float) -> tuple[list[Chunk], bool]:
+    def _cut(self, budget_ms: float, ceiling_ms: float, may_try: bool) -> tuple[list[Chunk], bool]:
         cfg, chunks, spend, total = self.config, [], budget_ms, 0.0
         smallest = self.queue.min_chunk_ms()
         smallest_try = smallest is not None and budget_ms < smallest
+        if smallest_try:  # one smallest chunk on its duty step; the ceiling does not apply to it
+            if not may_try or len(self._in_flight) >= cfg.max_in_flight:
+                return [], False
+            c = self._take_below(smallest, float("inf"))
+            return ([c], True) if c is not None else ([], False)
         while len(self._in_flight) + len(chunks) < cfg.max_in_flight:
             smallest = self.queue.min_chunk_ms()
             room = ceiling_ms - total
-            if smallest is None or smallest >= room or (spend < smallest and not (smallest_try and not chunks)):
+            if smallest is None or smallest >= room or spend < smallest:
                 break
             c = self._take_below(min(spend, cfg.max_chunk_ms), room)
             if c is None:
@@ -166,7 +187,7 @@ class AdmissionController:
             chunks.append(c)
             spend -= c.cost_ms
             total += c.cost_ms
-        return chunks, smallest_try and bool(chunks)
+        return chunks, False
 
     def _take_below(self, target_ms: float, room_ms: float) -> Chunk | None:
         """A chunk of about target_ms that costs less than room_ms (whole units make the target inexact)."""
@@ -185,6 +206,7 @@ class AdmissionController:
         if rec is None:
             return
         cfg, b = self.config, self._state(rec.bucket)
+        self._stats["measured"] += 1
         if not rec.loaded:
             ema = cfg.baseline_ema
             if b.baseline_ms is None or ms < b.baseline_ms:  # noise only ever makes a step slower
@@ -207,21 +229,29 @@ class AdmissionController:
         s["loaded_measured"] += 1
         if b.budget_ms is None:
             return
+        if rec.smallest_try:
+            self._duty(b, rec, slowdown)
         if slowdown > cfg.slowdown_bound:
-            if rec.smallest_try:
-                b.strikes += 1
-                b.serial = b.strikes >= cfg.serial_after
-            if rec.admitted_ms > 0:
+            if rec.admitted_ms > 0 and not rec.smallest_try:
                 b.ceiling_ms = min(b.ceiling_ms, rec.admitted_ms)
             if rec.epoch == b.epoch:
                 b.budget_ms *= cfg.decrease
                 b.epoch += 1
             return
-        b.strikes = 0
         if slowdown < cfg.slowdown_bound * (1 - cfg.headroom) and rec.epoch == b.epoch:
             b.budget_ms = min(b.budget_ms + cfg.increase * b.baseline_ms, cfg.max_in_flight * cfg.max_chunk_ms,
                               b.ceiling_ms)
             b.epoch += 1
+
+    def _duty(self, b: _Bucket, rec: _Record, slowdown: float) -> None:
+        """After a smallest-chunk try: does overlap pay, and on how many steps may the next one come."""
+        cfg = self.config
+        pays = max(0.0, slowdown) * b.baseline_ms <= (1 - cfg.min_gain) * rec.admitted_ms
+        b.strikes = 0 if pays else b.strikes + 1
+        b.serial = b.strikes >= cfg.serial_after
+        b.try_slowdown = slowdown if b.try_slowdown is None else 0.5 * (b.try_slowdown + slowdown)
+        target = cfg.slowdown_bound * (1 - cfg.headroom)
+        b.duty = max(1, math.ceil(max(0.0, b.try_slowdown) / target))
 
     def complete(self, chunk: Chunk) -> None:
         del self._in_flight[id(chunk)]
@@ -264,7 +294,9 @@ class AdmissionController:
             "rollplex/prefix_left_s": self.queue.left_ms() / 1e3,
             "rollplex/prefix_total_s": self.queue.total_ms() / 1e3,
             "rollplex/decode_overhead_s": s["overhead_ms"] / 1e3,
-            "rollplex/decode_slowdown": s["slowdown_sum"] / n if n else 0.0,
+            # the bounded quantity: mean over every measured decode step (a clean one adds nothing)
+            "rollplex/decode_slowdown": s["slowdown_sum"] / s["measured"] if s["measured"] else 0.0,
+            "rollplex/decode_slowdown_loaded": s["slowdown_sum"] / n if n else 0.0,
             "rollplex/decode_slowdown_max": s["slowdown_max"],
             "rollplex/cosched_chunks": float(s["admitted"]),
             "rollplex/cosched_ooms": float(s["ooms"]),

@@ -71,7 +71,11 @@ class ModelRunner:
         self.num_layers, self.num_kv_heads, self.head_dim = t.num_hidden_layers, self._attn().num_kv_heads, t.head_dim
         self.block_size = cfg.block_size
         self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
+        t0 = time.perf_counter()
         self.num_blocks = self._num_blocks()
+        # seconds per startup phase, for the owner's log: KV sizing (on GPU a warm-up prefill, which compiles a
+        # compiled forward), decode kernel tuning, decode compile + graph capture
+        self.startup_s = {"kv_sizing": time.perf_counter() - t0, "tuning": 0.0, "capture": 0.0}
         if self.tp is not None:  # one block budget for the group: the ranks' schedulers must stay in step
             n = torch.tensor([self.num_blocks], device=self.device)
             torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN, group=self.tp.group)
@@ -365,6 +369,7 @@ class ModelRunner:
             self.graphs[b] = (g, out)
             capture_s += time.perf_counter() - t1
         torch.cuda.synchronize(dev)
+        self.startup_s.update(tuning=tune_s, capture=capture_s)
         results = 2 * len(buckets)
         if not cache.enabled:
             source = "timed; tuning cache off"

@@ -108,8 +108,8 @@ class TorchMemorySaverBackend:
         self.tms = torch_memory_saver
         try:
             self.tms.hook_mode = "torch"
-        except AssertionError:
-            pass  # already initialised (one saver per process): its hook mode stands
+        except (AssertionError, AttributeError):
+            pass  # already initialised (one saver per process, e.g. a second manager): its hook mode stands
         self.device = device
         self._bytes: dict[str, int] = {}
 

@@ -111,8 +111,13 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def init_weights(model: Qwen25VL, seed: int = 0, std: float = 0.02) -> Qwen25VL:
-    """Random init like transformers' (normal(0, std) matrices, zero biases, unit norms), seeded."""
-    g = torch.Generator().manual_seed(seed)
+    """Random init like transformers' (normal(0, std) matrices, zero biases, unit norms), seeded.
+
+    The numbers are drawn on the parameters' device: on CPU they are the same on every machine (the
+    tiny checkpoints depend on that); on a GPU they come from its generator, which is far faster than a host-side draw of
+    billions of numbers followed by a copy."""
+    device = next(model.parameters()).device
+    g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
@@ -120,7 +125,7 @@ def init_weights(model: Qwen25VL, seed: int = 0, std: float = 0.02) -> Qwen25VL:
             elif p.ndim == 1:
                 p.fill_(1.0)
             else:
-                p.copy_(torch.randn(p.shape, generator=g, device="cpu") * std)
+                p.copy_(torch.randn(p.shape, generator=g, device=device) * std)
     return model
 
 

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import time
 import types
 import typing
 
@@ -160,6 +161,7 @@ def config_from_args(args):
 
 
 def main(argv=None) -> None:
+    launched = time.perf_counter()  # the startup log counts the imports below from here
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import uvicorn
@@ -169,7 +171,7 @@ def main(argv=None) -> None:
 
     try:
         cfg = config_from_args(args)
-        state = ServerState(cfg)
+        state = ServerState(cfg, launched=launched)
     except ValueError as e:
         raise SystemExit(f"rollplex.server: {e}") from None
     logging.getLogger("rollplex.server").info("serving %s on http://%s:%d (%s, %s, mode=%s, rollouts=%s, auth=%s)",

@@ -1,9 +1,9 @@
 """FastAPI app: routes, bearer auth, request counting, and one error shape for every failure.
 
     GET  /health   {"status": "ok", model, mode, rollout_backend, device, global_step, weights_version,
-                    retained_rollouts, engine: {waiting, running} (null with the SGLang backend), ...};
-                    ?checksum=true adds `weights_checksum` (a float
-                    over all policy parameters; changes when training changes the weights)
+                    retained_rollouts, engine: {waiting, running} (null with the SGLang backend), startup_s:
+                    seconds per startup phase, ...}; ?checksum=true adds `weights_checksum` (a float over
+                    all policy parameters; changes when training changes the weights)
     GET  /metrics  Prometheus text (metrics.py)
     GET  /memory   bytes per region: weights, ref_weights, kv_cache, optimizer_state, grads,
                    retained_rollouts (+ torch.cuda allocator stats on GPU); `manager`: the memory manager's
@@ -100,6 +100,7 @@ def create_app(state: ServerState) -> FastAPI:
                 state.store.purge()
 
         task = asyncio.create_task(purge())
+        state.mark_ready()
         try:
             yield
         finally:

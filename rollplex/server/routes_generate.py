@@ -89,6 +89,7 @@ async def _stream(state, specs, tickets, offsets, request, sample_items, t0):
                 return
             if kind == "update":
                 j, ids, lps, text = rest
+                t.unread.discard(j)  # the engine thread may publish this sample's next update
                 chunk = sglang.sample_dict(sglang.sample_id(spec.rid or t.rid, spec.params.n, j), t.prompt_tokens,
                                            ids, lps, text, None, spec.return_logprob)
                 chunk["index"] = offsets[t.index] + j

@@ -144,12 +144,18 @@ def _load_policy(cfg: ServerConfig):
 
 
 class ServerState:
-    def __init__(self, cfg: ServerConfig):
+    def __init__(self, cfg: ServerConfig, launched: float | None = None):
+        """launched: `time.perf_counter()` when the process began starting the server (the CLI's entry), so
+        that the startup phases count the imports before this; None: now."""
+        t_init = time.perf_counter()
+        self.launched = t_init if launched is None else launched
+        # seconds per startup phase, in order (logged, and reported by /health)
+        self.startup_s: dict[str, float] = {} if launched is None else {"imports": t_init - launched}
         self.cfg = cfg
         torch.manual_seed(cfg.rl.seed)
         t0 = time.perf_counter()
         self.model_path, self.model, self.processor = _load_policy(cfg)
-        log.info("startup: model loaded in %.1fs (%s)", time.perf_counter() - t0, self.model_path or cfg.model)
+        log.info("startup: weights loaded in %.1fs (%s)", self._phase("weights", t0), self.model_path or cfg.model)
         self.warmup_loss = None
         if cfg.format_warmup_steps:
             if self.processor is None:
@@ -162,10 +168,10 @@ class ServerState:
             self.warmup_loss = format_warmup(self.model, self.processor, rows, shape_color.LETTERS,
                                              cfg.format_warmup_steps, lr=1e-3, seed=cfg.rl.seed)
             self.model.eval()
-            log.info("format warm-up: %d steps, loss %.3f (%.1fs)", cfg.format_warmup_steps, self.warmup_loss,
-                     time.perf_counter() - t0)
+            log.info("startup: format warm-up in %.1fs (%d steps, loss %.3f)", self._phase("format_warmup", t0),
+                     cfg.format_warmup_steps, self.warmup_loss)
         if self.model.inv_freq.is_cuda:  # the server owns the model: its training and prefill run compiled
-            self.model.compile()
+            self.model.compile()  # lazy: the engine's warm-up prefill below compiles
         # the phase-aware memory manager: the KV cache is released outside rollout, the rest follows the plan
         self.memory = (MemoryManager(PhasePlan.releases_only(), cfg.device, backend=cfg.memory.memory_backend)
                        if cfg.memory.managed else None)
@@ -179,14 +185,21 @@ class ServerState:
             except ImportError as e:
                 raise ValueError(str(e)) from None
             self.engine = None
-            log.info("startup: SGLang rollout engine ready in %.1fs", time.perf_counter() - t0)
+            log.info("startup: SGLang rollout engine in %.1fs", self._phase("sglang_engine", t0))
         else:
             rollout = self.engine = Engine(self.model, self.processor, cfg.engine, memory=self.memory)
-            log.info("startup: engine ready in %.1fs (KV cache %d blocks of %d tokens; decode tuning and graph "
-                     "capture included)", time.perf_counter() - t0, self.engine.blocks.num_blocks,
+            runner = self.engine.runner
+            self.startup_s.update(runner.startup_s)
+            log.info("startup: engine in %.1fs: KV cache sizing %.1fs (on GPU a warm-up prefill, its compile "
+                     "included), decode kernel tuning %.1fs, decode compile + graph capture %.1fs; KV cache %d blocks "
+                     "of %d tokens", self._phase("engine", t0), runner.startup_s["kv_sizing"],
+                     runner.startup_s["tuning"], runner.startup_s["capture"], self.engine.blocks.num_blocks,
                      self.engine.cfg.block_size)
+        t0 = time.perf_counter()
         self.rl = RLStep(self.model, rollout, cfg.rl, self.processor, reward_fn=cfg.reward, memory=self.memory,
                          memory_cfg=cfg.memory)
+        log.info("startup: trainer in %.1fs (reference model: %s)", self._phase("trainer", t0),
+                 "yes" if self.rl.ref is not None else "no")
         if self.memory is not None:
             log.info("memory (%s backend):\n%s", self.memory.backend.name,
                      self.memory.plan.table(self.rl.memory_sizes(), self.rl.activation_estimate()))
@@ -199,6 +212,16 @@ class ServerState:
         self.weights_version = 0
         self.last_train: dict = {}
         self.started = time.time()
+
+    def _phase(self, name: str, t0: float) -> float:
+        self.startup_s[name] = time.perf_counter() - t0
+        return self.startup_s[name]
+
+    def mark_ready(self) -> None:
+        """The HTTP server is about to accept requests: log the time since launch and its phases."""
+        self.startup_s["ready"] = time.perf_counter() - self.launched
+        parts = ", ".join(f"{k} {v:.1f}s" for k, v in self.startup_s.items() if k not in ("ready", "engine"))
+        log.info("startup: ready in %.1fs (%s)", self.startup_s["ready"], parts)
 
     def close(self) -> None:
         self.worker.close()
@@ -220,7 +243,8 @@ class ServerState:
                 "dtype": cfg.dtype, "global_step": self.rl.step_idx, "weights_version": self.weights_version,
                 "retained_rollouts": len(self.store), "has_ref_model": self.rl.ref is not None,
                 "max_model_len": cfg.engine.max_model_len, "max_num_seqs": cfg.engine.max_num_seqs,
-                "uptime_s": round(time.time() - self.started, 3)}
+                "uptime_s": round(time.time() - self.started, 3),
+                "startup_s": {k: round(v, 3) for k, v in self.startup_s.items()}}
 
     def engine_counts(self) -> dict | None:
         """{"waiting", "running"} requests of the native engine; None when the rollouts run elsewhere."""

@@ -17,7 +17,10 @@ queue them (inflight.py), so the only per-request work here is queueing a ready 
 Each engine request has a `Ticket`. Events go onto the ticket's asyncio queue, delivered once per
 loop iteration with one `call_soon_threadsafe` per event loop (not one per event):
 
-    ("update", ticket, sample_index, token_ids, logprobs, text)   streaming tickets, after each step
+    ("update", ticket, sample_index, token_ids, logprobs, text)   streaming tickets, after a step that
+                                                                  grew the sample, unless its last
+                                                                  update is still unread (whole output
+                                                                  so far: a newer one replaces it)
     ("done", ticket, RequestOutput, extra)                        extra = ticket.finalize(output)
     ("error", ticket, exception)                                  the engine step (or admission) failed
 
@@ -57,6 +60,11 @@ class Ticket:
     done: bool = False
     cancelled: bool = False
     sent: list[int] = field(default_factory=list)  # streaming: tokens published per sample
+    # streaming: samples whose last update the handler has not taken yet. An update carries the whole
+    # output so far, so a newer one replaces it losslessly: while one waits, none is added, and a
+    # handler that falls behind (many streams, one event loop) gets fewer, larger chunks instead of
+    # a backlog that the engine thread built and serialised token by token.
+    unread: set[int] = field(default_factory=set)
     watch: asyncio.Task | None = None  # the first ticket of an HTTP request: its disconnect watcher
 
 
@@ -235,8 +243,9 @@ class EngineWorker:
                 continue
             for j, seq in enumerate(req.seqs):
                 ids = seq.output_ids
-                if len(ids) > t.sent[j]:
+                if len(ids) > t.sent[j] and j not in t.unread:
                     t.sent[j] = len(ids)
+                    t.unread.add(j)
                     text = self.decode(ids, req.params.skip_special_tokens) if self.decode is not None else None
                     self._emit(t, "update", j, list(ids), list(seq.logprobs), text)
 
