@@ -75,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--server", default=None, help="URL of a running `python -m rollplex.server` (default: in-process)")
     ap.add_argument("--api-key", default=None, help="the server's API key (default: $ROLLPLEX_API_KEY)")
     ap.add_argument("--mode", choices=["rollplex", "serial"], default="rollplex", help="in-process server's mode")
+    ap.add_argument("--rollout-backend", choices=["native", "sglang"], default=None,
+                    help="in-process server's rollout backend; sglang needs `pip install 'rollplex[sglang]'` and "
+                    "CUDA (default: native; with --server the server's own --rollout-backend applies)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default=None, help="in-process server's device "
                     "(default: cuda if available)")
     ap.add_argument("--steps", type=int, default=300, help="training steps")
@@ -135,6 +138,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--val-temperature must be in [0, 100]")
     if args.eval_every and args.val_data is None and not demo:
         ap.error("--eval-every needs --val-data")
+    if args.server and args.rollout_backend:
+        ap.error("--rollout-backend sets the in-process server's backend; start the server at --server with it")
     try:
         args.logger = list(parse_logger_names(args.logger or DEFAULT_LOGGERS))
     except ValueError as e:
@@ -235,6 +240,7 @@ class Client:
 
 
 def start_server(args):
+    from rollplex.backends import BackendConfig
     from rollplex.engine import EngineConfig
     from rollplex.rl.config import RLConfig
     from rollplex.server import ServerConfig, serve_in_thread
@@ -244,10 +250,14 @@ def start_server(args):
                   micro_batch_prompts=8, micro_batch_samples=32)
     # the server only saves and loads under its checkpoint root: the save dir, else the resumed run's folder
     root = args.save_dir or (str(Path(args.resume).resolve().parent) if args.resume else None)
-    cfg = ServerConfig(model=args.model, device=args.device, api_key=args.api_key,
-                       format_warmup_steps=args.format_warmup_steps, rl=rl, engine=EngineConfig(seed=args.seed),
-                       checkpoint_root=root)
-    return serve_in_thread(cfg)
+    backend = BackendConfig(rollout_backend=args.rollout_backend or "native")
+    try:  # a missing SGLang (--rollout-backend sglang) fails here, before a model is loaded
+        cfg = ServerConfig(model=args.model, device=args.device, api_key=args.api_key,
+                           format_warmup_steps=args.format_warmup_steps, rl=rl, engine=EngineConfig(seed=args.seed),
+                           checkpoint_root=root, backend=backend)
+        return serve_in_thread(cfg)
+    except ValueError as e:
+        raise SystemExit(f"train_grpo: {e}") from None
 
 
 
@@ -340,7 +350,8 @@ def main(argv=None) -> dict:
 
 def _train(args, client: Client, rows: list[dict], val_rows: list[dict], tracker: Tracker) -> dict:
     health = client.call("GET", "/health")
-    print(f"server {client.http.base_url}: {health['model']} ({health['device']}, mode={health['mode']}), "
+    print(f"server {client.http.base_url}: {health['model']} ({health['device']}, mode={health['mode']}, "
+          f"rollouts={health.get('rollout_backend', 'native')}), "
           f"{len(rows)} rows from {args.data}" + (f", {len(val_rows)} validation rows" if val_rows else ""),
           flush=True)
     start = 0

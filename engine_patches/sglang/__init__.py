@@ -10,6 +10,8 @@
     memory.py           Rollplex phases -> SGLang release/resume tags; weight refresh
     tensor_ipc.py       tensors between processes through files (CUDA IPC handles)
     cosched_hook.py     the co-scheduler as a scheduler hook, and the trainer-side PrefixRows
+    outputs.py          rollout requests in Engine.generate's form; SGLang's answers as RequestOutputs
+    backend.py          SGLangRollout: SGLang as the RL step's RolloutBackend (rollplex/rl/rollout.py)
 
 Nothing here imports SGLang until `load_engine_class()` (or the shim, in the scheduler process) runs.
 Exports resolve lazily so that the torch-free parts (contract, check, spec, timing) import without torch.
@@ -22,7 +24,8 @@ _EXPORTS = {
     "StepTimer": "timing", "HookDriver": "driver", "make_hooked_scheduler": "scheduler_patch",
     "run_patched_scheduler_process": "scheduler_patch", "make_engine_class": "engine",
     "load_engine_class": "engine", "SGLangMemoryAdapter": "memory", "hf_named_tensors": "memory",
-    "CoschedHook": "cosched_hook", "received_rows": "cosched_hook",
+    "CoschedHook": "cosched_hook", "received_rows": "cosched_hook", "SGLangRollout": "backend",
+    "generate_kwargs": "outputs", "request_outputs": "outputs",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -3,8 +3,9 @@
     python -m engine_patches.sglang.check 0.5.23 [--cache DIR]
 
 downloads the release's wheel (`pip download --no-deps`, kept in DIR), extracts the files the contract
-names and prints every entry that does not hold. `check_sources(read)` is the check itself: `read(path)`
-returns a file's text, so tests can run it on hand-written sources too.
+names and prints every entry that does not hold. `check_sources(read, version=...)` is the check itself:
+`read(path)` returns a file's text, so tests can run it on hand-written sources too; `version` leaves out
+the entries that hold only from a later release (`Relied.since`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import zipfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from .contract import CONTRACT, FILES, Relied
+from .contract import CONTRACT, FILES, SERVER_ARG_FIELDS, Relied
 
 # where a wheel for this interpreter is missing, a CPython 3.11 manylinux one is taken: only its source is read
 FALLBACK_TAGS = ("--python-version", "3.11", "--implementation", "cp", "--platform", "manylinux_2_34_x86_64",
@@ -32,8 +33,9 @@ class FetchError(RuntimeError):
 
 
 # ---- the AST check ------------------------------------------------------------------------------
-def check_sources(read: Callable[[str], str], contract: Iterable[Relied] = CONTRACT) -> list[str]:
-    """One message per contract entry that does not hold (empty: all hold)."""
+def check_sources(read: Callable[[str], str], contract: Iterable[Relied] = CONTRACT,
+                  version: str | None = None) -> list[str]:
+    """One message per contract entry that does not hold in release `version` (empty: all hold)."""
     trees: dict[str, ast.Module | str] = {}
 
     def tree(file: str):
@@ -51,11 +53,13 @@ def check_sources(read: Callable[[str], str], contract: Iterable[Relied] = CONTR
 
     problems = []
     for entry in contract:
+        if not entry.applies_to(version):
+            continue
         t = tree(entry.file)
         if isinstance(t, str):
             problems.append(f"{_label(entry)}: {t}")
             continue
-        for msg in _check(entry, t, read):
+        for msg in _check(entry, t, read, tree):
             problems.append(f"{_label(entry)}: {msg} (needed because {entry.why})")
     return problems
 
@@ -161,7 +165,26 @@ def _dict_accepts_str(ann) -> bool:
     return False
 
 
-def _check(e: Relied, mod: ast.Module, read) -> list[str]:
+def _annotated(cls: ast.ClassDef) -> set[str]:
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def _server_args(mod: ast.Module, scope: str, tree) -> set[str]:
+    """Annotated fields of ServerArgs, and of every class in the argument-group files of newer releases."""
+    cls = _class(mod, scope)
+    have = _annotated(cls) if cls is not None else set()
+    for f in SERVER_ARG_FIELDS:
+        t = tree(f)
+        if not isinstance(t, str):
+            for c in (n for n in t.body if isinstance(n, ast.ClassDef)):
+                have |= _annotated(c)
+    return have
+
+
+def _check(e: Relied, mod: ast.Module, read, tree) -> list[str]:
+    if e.kind == "server_args":
+        have = _server_args(mod, e.scope, tree)
+        return [f"no server argument {x}" for x in e.names if x not in have]
     if e.kind == "constant":
         name = e.names[0]
         for n in mod.body:
@@ -291,11 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     except FetchError as e:
         print(e, file=sys.stderr)
         return 2
-    problems = check_sources(reader(extract_sources(wheel, Path(args.cache))))
+    problems = check_sources(reader(extract_sources(wheel, Path(args.cache))), version=args.version)
     for p in problems:
         print(p)
+    held = sum(e.applies_to(args.version) for e in CONTRACT)
     print(f"sglang {args.version}: {len(problems)} problem(s) with the contract" if problems
-          else f"sglang {args.version}: all {len(CONTRACT)} contract entries hold")
+          else f"sglang {args.version}: all {held} contract entries that apply to it hold")
     return 1 if problems else 0
 
 

@@ -22,12 +22,18 @@ Entry kinds (`Relied.kind`):
     str_values   the field's annotation is a dict whose values may be strings (scope: Class)
     strings      these string constants occur in the scope                    (scope: Class.method)
     constant     a module-level constant has this value                      (scope: "", value)
+    server_args  SGLang's server arguments include these names: fields of ServerArgs, or of the
+                 argument-group classes it is assembled from in newer releases (SERVER_ARG_FIELDS)
+
+An entry with `since` holds from that release on; older checked releases are not held to it (the
+feature that needs it is refused there, e.g. IMAGE_PROMPTS_MIN_VERSION).
 
 This module is import-light (no torch, no SGLang) so CI and the backend selector can read it.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 # the oldest release with everything below (Engine.run_scheduler_process_func first appears in 0.5.7)
@@ -35,6 +41,10 @@ MIN_VERSION = "0.5.7"
 # releases whose source the contract tests check; docs/SGLANG.md lists them
 CHECKED_VERSIONS = ("0.5.7", "0.5.23")
 NEWEST_CHECKED = CHECKED_VERSIONS[-1]
+# the oldest checked release whose Qwen-VL processor takes the M-RoPE grids of processor_output images from
+# the items (0.5.7 passes the HF processor's output, None for such input, so image tokens would get text
+# positions); the rollout backend refuses image prompts on older releases
+IMAGE_PROMPTS_MIN_VERSION = "0.5.23"
 
 ENGINE = "sglang/srt/entrypoints/engine.py"
 SCHEDULER = "sglang/srt/managers/scheduler.py"
@@ -44,13 +54,29 @@ BATCH = "sglang/srt/managers/schedule_batch.py"
 CONSTANTS = "sglang/srt/constants.py"
 SAMPLING = "sglang/srt/sampling/sampling_params.py"
 QWEN_VL = "sglang/srt/models/qwen2_5_vl.py"
-FILES = (ENGINE, SCHEDULER, IO_STRUCT, FORWARD, BATCH, CONSTANTS, SAMPLING, QWEN_VL)
+TOKENIZER = "sglang/srt/managers/tokenizer_manager.py"
+MM_BASE = "sglang/srt/multimodal/processors/base_processor.py"
+MM_QWEN_VL = "sglang/srt/multimodal/processors/qwen_vl.py"
+SERVER_ARGS = "sglang/srt/server_args.py"
+# where newer releases declare ServerArgs' fields (argument-group classes); absent in older ones
+SERVER_ARG_FIELDS = tuple(f"sglang/srt/arg_groups/fields/{m}.py" for m in (
+    "device", "disagg", "exec_", "lora", "memory", "mm", "model", "observability", "parallel", "schedule",
+    "serving", "spec"))
+FILES = (ENGINE, SCHEDULER, IO_STRUCT, FORWARD, BATCH, CONSTANTS, SAMPLING, QWEN_VL, TOKENIZER, MM_BASE,
+         MM_QWEN_VL, SERVER_ARGS, *SERVER_ARG_FIELDS)
 
 # what the patched Scheduler adds: one RPC method and one attribute (the hook driver)
 RPC_METHOD = "rollplex_rpc"
 DRIVER_ATTR = "rollplex"
 # SGLang's memory tags (sglang/srt/constants.py GPU_MEMORY_TYPE_*)
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+# server arguments the rollout backend sets when it starts SGLang's Engine (rollplex.backends.sglang_rollout)
+MANAGED_SERVER_ARGS = ("model_path", "dtype", "mem_fraction_static", "enable_memory_saver",
+                       "enable_weights_cpu_backup", "random_seed")
+# sampling parameters the rollout backend sends (outputs.sampling_dict)
+ROLLOUT_SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "stop_token_ids",
+                    "ignore_eos", "skip_special_tokens", "sampling_seed")
 
 # /generate request fields rollplex/server mirrors (schemas.GenerateRequest + NEUTRAL_GENERATE + IGNORED_GENERATE)
 GENERATE_FIELDS = (
@@ -80,16 +106,28 @@ class Relied:
     names: tuple[str, ...]
     why: str
     value: str | None = None
+    since: str | None = None  # the first release the entry holds in (None: every checked release)
 
     def __post_init__(self):
         assert self.kind in KINDS, self.kind
         assert self.file in FILES, self.file
         assert self.names, "an entry names at least one thing"
         assert (self.kind == "constant") == (self.value is not None)
+        assert self.since is None or release_tuple(self.since) > release_tuple(MIN_VERSION)
+
+    def applies_to(self, version: str | None) -> bool:
+        """Whether a release must hold this entry (None: an unnamed source, held to everything)."""
+        return self.since is None or version is None or release_tuple(version) >= release_tuple(self.since)
+
+
+def release_tuple(version: str) -> tuple[int, ...]:
+    """(0, 5, 23) for "0.5.23", "0.5.23.post1", "0.5.23+local"; () when it does not start with a number."""
+    m = re.match(r"\d+(?:\.\d+)*", version)
+    return tuple(int(x) for x in m.group(0).split(".")) if m else ()
 
 
 KINDS = ("class_attr", "method", "function", "fields", "calls", "reads", "self_attr", "absent", "str_values",
-         "strings", "constant")
+         "strings", "constant", "server_args")
 
 CONTRACT: tuple[Relied, ...] = (
     # ---- the engine: launching the patched scheduler, control RPCs, memory, weights ------------------
@@ -110,6 +148,9 @@ CONTRACT: tuple[Relied, ...] = (
            "entering the rollout phase resumes them"),
     Relied("method", ENGINE, "Engine", ("update_weights_from_tensor", "named_tensors", "load_format", "flush_cache"),
            "the trained policy's weights are copied into SGLang's model before each rollout"),
+    Relied("method", ENGINE, "Engine", ("shutdown",), "the rollout backend's close() stops SGLang's processes"),
+    Relied("server_args", SERVER_ARGS, "ServerArgs", MANAGED_SERVER_ARGS,
+           "the rollout backend starts the Engine on the policy's checkpoint with these server arguments"),
     Relied("constant", CONSTANTS, "", ("GPU_MEMORY_TYPE_KV_CACHE",), "memory tag of the KV cache", "kv_cache"),
     Relied("constant", CONSTANTS, "", ("GPU_MEMORY_TYPE_WEIGHTS",), "memory tag of the weights", "weights"),
     Relied("constant", CONSTANTS, "", ("GPU_MEMORY_TYPE_CUDA_GRAPH",), "memory tag of the CUDA graphs",
@@ -155,6 +196,33 @@ CONTRACT: tuple[Relied, ...] = (
     Relied("strings", QWEN_VL, "Qwen2_5_VLForConditionalGeneration.load_weights",
            (".q_proj", ".k_proj", ".v_proj", "gate_proj", "up_proj"),
            "it fuses split q/k/v and gate/up weights: Rollplex sends HF names (rollplex_to_hf)"),
+    # ---- the rollout's requests and answers (outputs.py) ------------------------------------------------
+    Relied("fields", SAMPLING, "SamplingParams", ROLLOUT_SAMPLING,
+           "every sample is its own request (n = 1) with a seed: the native engine's sampling parameters"),
+    Relied("strings", TOKENIZER, "TokenizerManager._handle_batch_output",
+           ("text", "output_ids", "meta_info", "finish_reason", "prompt_tokens"),
+           "each answer is {text, output_ids, meta_info: {finish_reason, prompt_tokens, ...}}"),
+    Relied("strings", TOKENIZER, "TokenizerManager.add_logprob_to_meta_info", ("output_token_logprobs",),
+           "the sampled tokens' logprobs come back in meta_info"),
+    Relied("method", TOKENIZER, "TokenizerManager",
+           ("detokenize_logprob_tokens", "token_logprobs_val", "token_logprobs_idx"),
+           "output_token_logprobs entries are (logprob, token id, text) triples"),
+    Relied("method", BATCH, "Req", ("output_ids_through_stop",),
+           "output_ids run through the stop token, the sampled EOS included, as the native engine's"),
+    Relied("strings", BATCH, "FINISH_MATCHED_TOKEN.to_json", ("type", "stop", "matched"),
+           "a stop token ends a sample: {type: stop, matched: token id}"),
+    Relied("strings", BATCH, "FINISH_MATCHED_STR.to_json", ("type", "stop", "matched"),
+           "a stop string ends a sample: {type: stop, matched: the string}"),
+    Relied("strings", BATCH, "FINISH_LENGTH.to_json", ("type", "length"), "max_new_tokens ends a sample"),
+    Relied("strings", BATCH, "FINISH_ABORT.to_json", ("type", "abort"), "an aborted sample"),
+    Relied("strings", MM_BASE, "BaseMultimodalProcessor", ("processor_output",),
+           "an image prompt's preprocessed images go as one processor_output item, not re-processed"),
+    Relied("strings", MM_BASE, "BaseMultimodalProcessor.__init__", ("pixel_values", "image_grid_thw"),
+           "the processor_output item carries the prompt's pixel_values and image_grid_thw"),
+    Relied("calls", MM_QWEN_VL, "QwenVLImageProcessor._process_mm_data_uncached",
+           ("self._get_grid_from_output_or_items",),
+           "M-RoPE positions of processor_output images come from the item's image_grid_thw",
+           since=IMAGE_PROMPTS_MIN_VERSION),
     # ---- what rollplex/server mirrors ---------------------------------------------------------------
     Relied("fields", IO_STRUCT, "GenerateReqInput", GENERATE_FIELDS,
            "rollplex/server's /generate accepts these SGLang request fields"),

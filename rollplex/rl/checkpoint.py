@@ -1,7 +1,8 @@
 """Checkpoint / resume of an RL run: an HF directory for the policy (readable by transformers and
 by `load_model`), the reference policy beside it, and `trainer_state.pt` with the optimizer,
 LR scheduler, step counter, data position and RNG states. Loading copies weights *in place* so the
-engine, which reads the same tensors, keeps decoding with the restored policy.
+native engine, which reads the same tensors, keeps decoding with the restored policy; a rollout backend
+with its own copy of the policy (SGLang) gets the restored weights copied in.
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ def _load(step: RLStep, path: Path, state: dict) -> dict:
             raise ValueError(f"{path} has no reference policy but this run uses one")
         _load_into(step.ref, path / "ref")
     step.actor.load_state_dict(state["actor"])
+    if step.backend is not None:
+        step.backend.update_weights()
     step.step_idx = state["step_idx"]
     random.setstate(state["rng"]["python"])
     torch.set_rng_state(state["rng"]["torch"])

@@ -13,17 +13,21 @@ prefix states it handed over in `RolloutBatch.prefix` instead of recomputing the
 batch's prompts carry them (`ModelInputs.vision_embeds`), so the reference and the actor skip their
 vision passes: one vision-tower pass per prompt per step.
 
-The engine decodes with the actor's own parameter tensors, so there is no weight-sync phase; the
-reference model is a frozen copy of the initial policy. `train(batch, cfg)` takes an optional
-config for that step alone (the server's per-request overrides), derived from `self.cfg` with
-`dataclasses.replace`; `self.cfg` never changes.
+The rollout runs on a `RolloutBackend` (rollout.py): Rollplex's engine (`NativeRollout`, built from
+the Engine given), which decodes with the actor's own parameter tensors, so there is no weight-sync
+phase; or SGLang (engine_patches.sglang.backend.SGLangRollout), which keeps its own copy of the policy:
+the step enters each phase on the backend too (SGLang releases its memory outside the rollout), and
+entering the rollout copies the updated policy in. The step is otherwise the same on both: the
+backend's outputs are the native engine's RequestOutputs. The reference model is a frozen copy of the
+initial policy. `train(batch, cfg)` takes an optional config for that step alone (the server's
+per-request overrides), derived from `self.cfg` with `dataclasses.replace`; `self.cfg` never changes.
 
 Under torch.distributed (`group`: a process group, or by default the default group when one is
 initialised) the step is data-parallel (rollplex.parallel.colocated): every rank calls it with the
 same rows, rolls out its share of the prompts (or all of them with a tensor-parallel engine), scores
 and trains its share of the prompt groups with FSDP2-sharded reference and trainer, and ends with the
 same metrics and weights as one process; the trainer's new weights are copied into `model` (and the
-engine's) after each update.
+engine's) after each update. Data-parallel runs need the native backend.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from .algos import grpo_advantages, kl_penalty
 from .batch import RolloutBatch
 from .config import RLConfig
 from .rewards import RewardFn, get_reward_fn, score_samples
+from .rollout import NativeRollout, RolloutBackend, as_rollout_backend
 from .scoring import score as score_logprobs
 
 if TYPE_CHECKING:
@@ -69,12 +74,14 @@ def _timer(metrics: dict, name: str, device: torch.device, timeline: Timeline | 
 
 
 class RLStep:
-    def __init__(self, model: Qwen25VL, engine: Engine | None, cfg: RLConfig, processor=None,
+    def __init__(self, model: Qwen25VL, engine: Engine | RolloutBackend | None, cfg: RLConfig, processor=None,
                  reward_fn: RewardFn | str | None = None, ref_model: Qwen25VL | None = None,
                  memory: MemoryManager | None = None, memory_cfg: MemoryConfig | None = None,
                  cosched: CoschedConfig | None = None, group: dist.ProcessGroup | str | None = "auto",
                  fsdp: FSDPConfig | None = None):
-        """memory: the phase-aware memory manager the engine's KV cache was allocated under (None: every
+        """engine: the rollout backend — a rollplex Engine over `model` (the native backend), a
+        RolloutBackend (the SGLang one), or None (train() on given rollouts only).
+        memory: the phase-aware memory manager the engine's KV cache was allocated under (None: every
         tensor stays resident); its plan is chosen here from the sizes of the regions and `memory_cfg`.
         cosched: the co-scheduler's configuration (used when `cfg.cosched`).
         group: a torch.distributed process group to run data-parallel over; "auto" (default): the default
@@ -83,18 +90,26 @@ class RLStep:
         shard of it over the same group. fsdp: the trainer's and reference's `parallel.FSDPConfig`."""
         if group == "auto":
             group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-        if engine is not None and engine.model is not model and group is None:
-            raise ValueError("the engine must decode with the actor's own model (shared weights)")
-        if engine is not None and memory is not None and engine.memory is not memory:
+        self.backend = as_rollout_backend(engine)
+        # the native engine, whose decode loop the co-scheduler hooks into; None with another backend
+        self.engine = self.backend.engine if isinstance(self.backend, NativeRollout) else None
+        if cfg.cosched and self.backend is not None and self.engine is None:
+            raise ValueError(f"cosched needs the native rollout backend: with {self.backend.name} the co-scheduler "
+                             "runs in its scheduler (engine_patches.sglang.CoschedHook), which RLStep does not drive")
+        if group is not None and self.backend is not None and self.engine is None:
+            raise ValueError(f"a data-parallel RL step needs the native rollout backend, not {self.backend.name}")
+        if self.backend is not None and group is None:
+            self.backend.attach(model, memory)
+        elif self.engine is not None and memory is not None and self.engine.memory is not memory:
             raise ValueError("the engine and the RL step must share one memory manager")
-        self.model, self.engine, self.cfg = model, engine, cfg
+        self.model, self.cfg = model, cfg
         self.memory, self.memory_cfg = memory, memory_cfg or MemoryConfig()
-        self.processor = processor or (engine.processor if engine is not None else None)
+        self.processor = processor or (self.backend.processor if self.backend is not None else None)
         self.parallel = None
         if group is not None:
             from ..parallel.colocated import Colocated
 
-            self.parallel = Colocated(group, model, engine, cfg, fsdp)
+            self.parallel = Colocated(group, model, self.engine, cfg, fsdp)
         if cfg.freeze_vision_tower:  # before the optimizer is built: the vision tower has no trainable state
             model.visual.requires_grad_(False)
         self.reward_fn = reward_fn if callable(reward_fn) else get_reward_fn(reward_fn)
@@ -132,8 +147,23 @@ class RLStep:
     def _region(self, tag: str):
         return self.memory.region(tag) if self.memory is not None else contextlib.nullcontext()
 
+    @contextmanager
     def _phase(self, name: str):
-        return self.memory.phase(name) if self.memory is not None else contextlib.nullcontext()
+        """`name` on the memory manager and on the rollout backend, releases before resumes: leaving the
+        rollout the backend lets its memory go first; entering it the trainer's regions go first."""
+        backend_first = name != "rollout"
+        if backend_first and self.backend is not None:
+            self.backend.enter_phase(name)
+        if self.memory is not None:
+            self.memory.enter(name)
+        if not backend_first and self.backend is not None:
+            self.backend.enter_phase(name)
+        yield
+
+    @property
+    def rollout_backend(self) -> str | None:
+        """The rollout backend's name ("native", "sglang"); None without one."""
+        return self.backend.name if self.backend is not None else None
 
     def memory_sizes(self) -> dict[str, int]:
         """Bytes per memory tag at steady state (the optimizer's moments exist only after its first step)."""
@@ -152,7 +182,7 @@ class RLStep:
         return {
             "weights": nbytes(self.model.parameters()) + (nbytes(trainer) if self.parallel is not None else 0),
             "ref_weights": nbytes(ref),
-            "kv_cache": self.engine.runner.kv_cache_bytes() if self.engine is not None else 0,
+            "kv_cache": self.backend.kv_cache_bytes() if self.backend is not None else 0,
             "optimizer": {"none": (8 if fp32 else 12) * n, "moments": 0 if fp32 else 4 * n,
                           "all": 0, "cpu": 0}[self.memory_cfg.optimizer_offload],
             "grads": nbytes(params),
@@ -192,8 +222,8 @@ class RLStep:
         from ..data import ground_truth, row_to_inputs
 
         cfg = self.cfg
-        if self.engine is None:
-            raise ValueError("this RLStep has no engine: pass rollouts to train() instead")
+        if self.backend is None:
+            raise ValueError("this RLStep has no rollout engine: pass rollouts to train() instead")
         prompts = [row_to_inputs(self.processor, r) for r in rows]
         params = [SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p,
                                  max_new_tokens=cfg.max_new_tokens,
@@ -220,7 +250,7 @@ class RLStep:
                     if self.parallel is not None:  # this rank's share, gathered (or a tensor-parallel engine)
                         outs = self.parallel.generate(prompts, params, keep_vision=frozen)
                     else:
-                        outs = self.engine.generate(prompts, params, keep_vision=frozen)
+                        outs = self.backend.generate(prompts, params, keep_vision=frozen)
             finally:
                 if jobs:
                     self.engine.hooks.remove(self.cosched)
@@ -233,6 +263,14 @@ class RLStep:
                              for p, o in zip(batch.prompts, outs)]
         batch.prefix = handover
         return batch
+
+    def sample(self, prompts: list, params: list[SamplingParams], keep_vision: bool = False) -> list:
+        """The rollout phase on prompts without co-scheduling: the backend's RequestOutputs, one per
+        prompt (the server's /rollout when the backend is not its own engine loop)."""
+        if self.backend is None:
+            raise ValueError("this RLStep has no rollout engine")
+        with self._phase("rollout"):
+            return self.backend.generate(prompts, params, keep_vision=keep_vision)
 
     def _plan_handover(self, prompts: list, frozen: bool) -> dict[str, PrefixRows]:
         """Prefix jobs to run beside decode, by consumer: the reference's (when the memory plan keeps

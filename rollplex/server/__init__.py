@@ -9,8 +9,8 @@ Modules, one job each:
     sglang.py    SGLang request <-> rollplex SamplingParams / response dicts
     worker.py    the engine thread: continuous batching over all HTTP requests + exclusive jobs
     store.py     retained rollouts (TTL + cap) waiting for their /train_step
-    state.py     ServerConfig (nesting RLConfig + EngineConfig) and the hosted runtime (model, processor,
-                 engine, RLStep, store, worker) + /memory ledger
+    state.py     ServerConfig (nesting RLConfig, EngineConfig, MemoryConfig, BackendConfig) and the hosted
+                 runtime (model, processor, engine or SGLang, RLStep, store, worker) + /memory ledger
     metrics.py   Prometheus counters and gauges for /metrics
     inflight.py  the async side of engine requests: submit, collect, abort on disconnect
     routes_generate.py   POST /generate (SGLang)

@@ -41,6 +41,15 @@ HELP = {
     "decode_split_k": "S_o S_down K slices of the graphed decode's o/down projections; default: timed per bucket",
     "tuning_cache_dir": "keeps the decode-kernel tuning between starts; auto: $ROLLPLEX_CACHE_DIR/tuning or "
                         "~/.cache/rollplex/tuning; '' turns it off",
+    "rollout_backend": "native: Rollplex's engine decodes with the trainer's weights; sglang: SGLang decodes "
+                       "(pip install 'rollplex[sglang]'; CUDA), the policy copied in before each rollout; "
+                       "/generate is then not served",
+    "sglang_mem_fraction_static": "share of device memory SGLang takes for its weights and KV cache; the trainer "
+                                  "uses the rest",
+    "sglang_release_weights": "release SGLang's weights outside the rollout (copied in again before it)",
+    "sglang_weights_cpu_backup": "SGLang keeps a host copy of released weights",
+    "sglang_weight_bucket_mb": "MiB per update_weights_from_tensor call when the policy is copied in",
+    "sglang_args": "further SGLang server arguments as a JSON object, e.g. '{\"attention_backend\": \"fa3\"}'",
 }
 
 
@@ -91,6 +100,7 @@ def _config_flags(group, section: str, cls, default, choices: dict) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
+    from ..backends import ROLLOUT_BACKENDS
     from ..memory.config import PLANS
     from ..rl.algos import AGG_MODES, KL_KINDS
     from ..rl.config import ADV_ESTIMATORS, LR_SCHEDULES, MODES
@@ -121,9 +131,10 @@ def parser() -> argparse.ArgumentParser:
     choices = {"rl": {"mode": MODES, "adv_estimator": ADV_ESTIMATORS, "loss_agg_mode": AGG_MODES,
                       "kl_loss_type": KL_KINDS, "lr_schedule": LR_SCHEDULES},
                "memory": {"memory_plan": PLANS, "memory_backend": ("auto", "tms", "accounting"),
-                          "optimizer_offload": ("none", "moments", "all", "cpu")}}
+                          "optimizer_offload": ("none", "moments", "all", "cpu")},
+               "backend": {"rollout_backend": ROLLOUT_BACKENDS}}
     titles = {"rl": "RL defaults (RLConfig; /train_step may override them per step)", "engine": "engine (EngineConfig)",
-              "memory": "phase-aware memory (MemoryConfig)"}
+              "memory": "phase-aware memory (MemoryConfig)", "backend": "rollout backend (BackendConfig)"}
     for section, cls, default in nested:
         _config_flags(ap.add_argument_group(titles.get(section, section)), section, cls, default,
                       choices.get(section, {}))
@@ -163,9 +174,10 @@ def main(argv=None) -> None:
         state = ServerState(cfg, launched=launched)
     except ValueError as e:
         raise SystemExit(f"rollplex.server: {e}") from None
-    logging.getLogger("rollplex.server").info("serving %s on http://%s:%d (%s, %s, mode=%s, auth=%s)",
+    logging.getLogger("rollplex.server").info("serving %s on http://%s:%d (%s, %s, mode=%s, rollouts=%s, auth=%s)",
                                               state.model_path or cfg.model, args.host, args.port, cfg.device,
-                                              cfg.dtype, cfg.rl.mode, "on" if cfg.api_key else "off")
+                                              cfg.dtype, cfg.rl.mode, cfg.backend.rollout_backend,
+                                              "on" if cfg.api_key else "off")
     try:
         uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
     finally:

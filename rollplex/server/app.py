@@ -1,9 +1,9 @@
 """FastAPI app: routes, bearer auth, request counting, and one error shape for every failure.
 
-    GET  /health   {"status": "ok", model, mode, device, global_step, weights_version, retained_rollouts,
-                    engine: {waiting, running}, startup_s: seconds per startup phase, ...};
-                    ?checksum=true adds `weights_checksum` (a float over all policy parameters; changes
-                    when training changes the weights)
+    GET  /health   {"status": "ok", model, mode, rollout_backend, device, global_step, weights_version,
+                    retained_rollouts, engine: {waiting, running} (null with the SGLang backend), startup_s:
+                    seconds per startup phase, ...}; ?checksum=true adds `weights_checksum` (a float over
+                    all policy parameters; changes when training changes the weights)
     GET  /metrics  Prometheus text (metrics.py)
     GET  /memory   bytes per region: weights, ref_weights, kv_cache, optimizer_state, grads,
                    retained_rollouts (+ torch.cuda allocator stats on GPU); `manager`: the memory manager's
@@ -124,19 +124,18 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health(checksum: bool = False):
-        info = {"status": "ok", **state.describe(),
-                "engine": {"waiting": len(state.engine.scheduler.waiting),
-                           "running": len(state.engine.scheduler.running)}}
+        info = {"status": "ok", **state.describe(), "engine": state.engine_counts()}
         if checksum:
             info["weights_checksum"] = await state.worker.run(state.checksum)
         return info
 
     @app.get("/metrics")
     async def metrics():
+        counts = state.engine_counts()
         gauges = {"rollplex_retained_rollouts": len(state.store), "rollplex_global_step": state.rl.step_idx,
                   "rollplex_weights_version": state.weights_version,
-                  "rollplex_engine_waiting": len(state.engine.scheduler.waiting),
-                  "rollplex_engine_running": len(state.engine.scheduler.running),
+                  **({"rollplex_engine_waiting": counts["waiting"], "rollplex_engine_running": counts["running"]}
+                     if counts is not None else {}),
                   **state.last_train}
         text = state.metrics.render(gauges, {"rollplex_requests_aborted_total": state.worker.num_aborted})
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")

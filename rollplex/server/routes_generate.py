@@ -1,5 +1,7 @@
 """POST /generate: SGLang's request/response schema over the shared continuous batch (see sglang.py).
 
+Served by the native engine only: with another rollout backend (`--rollout-backend sglang`) it is a 400.
+
 Non-streaming: wait for every prompt, answer a dict (one prompt, n = 1) or a prompt-major list.
 Streaming (`stream: true`): Server-Sent Events, `data: {chunk}\\n\\n` per new token batch of a
 sample (cumulative text / output_ids, `index` = prompt-major sample position), a final chunk per
@@ -16,6 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from . import sglang
+from .errors import bad_request
 from .inflight import ClientGone, abort_unfinished, collect, next_event, release, submit
 from .schemas import GenerateRequest
 
@@ -48,6 +51,9 @@ def router(state) -> APIRouter:
 
     @r.post("/generate")
     async def generate(req: GenerateRequest, request: Request):
+        if state.engine is None:
+            raise bad_request(f"/generate is served from the native engine's loop; this server's rollouts run on "
+                              f"{state.rl.rollout_backend} (--rollout-backend): use /rollout with for_training false")
         t0 = time.perf_counter()
         specs, batched = sglang.expand(req, defaults, state.cfg.engine.max_num_seqs)
         fins = [_finalizer(state, s) if (req.return_text_in_logprobs and s.return_logprob) else None for s in specs]

@@ -18,6 +18,8 @@
            the saved data_state and drops retained rollouts (sampled from the previous weights).
            Paths lie under --checkpoint-root (relative ones are taken from it); others are 400.
 Training, save and load are `drain` jobs: they start once in-flight engine requests have finished.
+With a rollout backend outside the engine loop (`--rollout-backend sglang`) a /rollout is one worker
+job: its prompts are encoded on the intake thread, then the RL step's backend samples them all at once.
 """
 
 from __future__ import annotations
@@ -63,19 +65,23 @@ def router(state) -> APIRouter:
         encoders = [(lambda p=p: state.encode_prompt(p)) for p in req.prompts]
         # a frozen vision tower's encodings from the prefill stand in for the trainer's vision passes
         keep_vision = req.for_training and rl.freeze_vision_tower and rl.mode == "rollplex"
-        tickets, inputs = await submit(state, encoders, params, what="prompts", keep_vision=keep_vision)
-        try:
-            results = await collect(state, tickets, request)
-        except ClientGone:
-            return Response(status_code=499)
+        if state.engine is None:  # the backend batches the rollout itself
+            outs, inputs, version = await _backend_rollout(state, encoders, params, keep_vision)
+        else:
+            tickets, inputs = await submit(state, encoders, params, what="prompts", keep_vision=keep_vision)
+            try:
+                results = await collect(state, tickets, request)
+            except ClientGone:
+                return Response(status_code=499)
+            outs = [results[i][0] for i in range(len(req.prompts))]
+            version = tickets[0].weights_version
         gen_s = time.perf_counter() - t0
-        outs = [results[i][0] for i in range(len(req.prompts))]
         samples = [{"prompt_index": i, "sample_index": j, "token_ids": s.token_ids, "text": s.text or "",
                     "logprobs": s.logprobs,
                     "finish_reason": finish_reason(s.finish_reason, s.matched_stop, len(s.token_ids))}
                    for i, out in enumerate(outs) for j, s in enumerate(out.samples)]
         state.metrics.inc("rollplex_rollouts_total")
-        rollout_id, version = None, tickets[0].weights_version
+        rollout_id = None
         if req.for_training and all(s.finish_reason != "abort" for out in outs for s in out.samples):
             batch = RolloutBatch.from_outputs(
                 inputs, outs, pad_id=state.model.cfg.pad_token_id or 0,
@@ -148,3 +154,29 @@ def router(state) -> APIRouter:
             raise bad_request(f"cannot load {req.path!r}: {e}") from None
 
     return r
+
+
+async def _backend_rollout(state, encoders: list, params: list, keep_vision: bool) -> tuple[list, list, int]:
+    """(outputs, encoded prompts, weights version) of a rollout through the RL step's backend: prompts
+    encoded on the intake thread (400 for a bad one), then sampled in one worker job."""
+    def encode() -> list:
+        out = []
+        for i, enc in enumerate(encoders):
+            try:
+                out.append(enc())
+            except Exception as e:  # processor / image errors: the client's input
+                raise ValueError(f"prompts[{i}]: {e}") from e
+        return out
+
+    try:
+        inputs = await asyncio.get_running_loop().run_in_executor(state.intake, encode)
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+    try:
+        outs, version = await state.worker.run(lambda: state.sample(inputs, params, keep_vision))
+    except ValueError as e:  # a prompt the backend refuses (e.g. video with SGLang)
+        raise bad_request(str(e)) from None
+    for out in outs:
+        state.metrics.inc("rollplex_prompt_tokens_total", len(out.prompt_token_ids))
+        state.metrics.inc("rollplex_generation_tokens_total", sum(len(s.token_ids) for s in out.samples))
+    return outs, inputs, version

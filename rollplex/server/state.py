@@ -4,13 +4,20 @@
                                  | None (the embedded tiny model, written on first use)
                        [format warm-up: rollplex.rl.warmup on the shape-colour task's rows]
                        engine <- Engine(model, processor, cfg.engine)   decodes with the trainer's tensors
-                       rl     <- RLStep(model, engine, cfg.rl)          ref = frozen copy when kl_coef > 0
+                                 | SGLang (cfg.backend.rollout_backend = "sglang"): no engine here; SGLang
+                                   started on the checkpoint, the rollout backend of the RL step
+                       rl     <- RLStep(model, engine | backend, cfg.rl)  ref = frozen copy when kl_coef > 0
                        store  <- RolloutStore(ttl, cap);  worker <- EngineWorker(engine)
                        intake <- one thread + its own copy of the processor: encodes prompts
 
-ServerConfig holds the server's own settings and the two configs it hosts, nested: `engine`
-(EngineConfig) and `rl` (RLConfig, whose n / temperature / top_p / max_new_tokens are also the
-defaults of /rollout, max_new_tokens that of /generate). `rl.seed` seeds the model init and warm-up.
+ServerConfig holds the server's own settings and the configs it hosts, nested: `engine`
+(EngineConfig), `rl` (RLConfig, whose n / temperature / top_p / max_new_tokens are also the
+defaults of /rollout, max_new_tokens that of /generate), `memory` (MemoryConfig) and `backend`
+(BackendConfig: the rollout backend). `rl.seed` seeds the model init and warm-up.
+
+With the SGLang backend /rollout runs as one worker job through the RL step's backend (SGLang batches
+it), /train_step as with the native engine, and /generate is not served (it streams from the native
+engine's loop); `engine` is None.
 
 Every method below except `describe` and `encode_prompt` runs on the engine thread (through
 `worker.run`): the engine, the model, the optimizer and the engine's processor are touched by that
@@ -35,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from ..backends import BackendConfig, require_sglang, sglang_rollout
 from ..engine import Engine, EngineConfig
 from ..memory import MemoryConfig, MemoryManager, PhasePlan
 from ..models import ModelInputs
@@ -67,6 +75,7 @@ class ServerConfig:
     rl: RLConfig = field(default_factory=server_rl_config)  # the defaults; /train_step overrides per step
     engine: EngineConfig = field(default_factory=EngineConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)  # which regions are resident in which phase
+    backend: BackendConfig = field(default_factory=BackendConfig)  # the rollout backend: native | sglang
     # /save and /load read and write only under this folder (created on the first save);
     # None: `checkpoints` under the working directory
     checkpoint_root: str | None = None
@@ -94,6 +103,11 @@ class ServerConfig:
             # /rollout runs requests through the engine loop shared with /generate, which does not host the
             # co-scheduler; a silently ignored flag would report numbers it did not produce
             raise ValueError("cosched is not available in the server yet (RLStep.step and the bench run it)")
+        if self.backend.rollout_backend == "sglang":
+            try:  # before any model is loaded: a missing SGLang fails the start at once
+                require_sglang()
+            except ImportError as e:
+                raise ValueError(str(e)) from None
 
 
 def confine(root: str | Path, path: str) -> Path:
@@ -162,15 +176,27 @@ class ServerState:
         self.memory = (MemoryManager(PhasePlan.releases_only(), cfg.device, backend=cfg.memory.memory_backend)
                        if cfg.memory.managed else None)
         t0 = time.perf_counter()
-        self.engine = Engine(self.model, self.processor, cfg.engine, memory=self.memory)
-        runner = self.engine.runner
-        self.startup_s.update(runner.startup_s)
-        log.info("startup: engine in %.1fs: KV cache sizing %.1fs (on GPU a warm-up prefill, its compile included), "
-                 "decode kernel tuning %.1fs, decode compile + graph capture %.1fs; KV cache %d blocks of %d tokens",
-                 self._phase("engine", t0), runner.startup_s["kv_sizing"], runner.startup_s["tuning"],
-                 runner.startup_s["capture"], self.engine.blocks.num_blocks, self.engine.cfg.block_size)
+        if cfg.backend.rollout_backend == "sglang":
+            if self.model_path is None:
+                raise ValueError("the sglang rollout backend starts SGLang on a checkpoint directory: give --model "
+                                 "DIR (a preset has none)")
+            try:
+                rollout = sglang_rollout(cfg.backend, str(self.model_path), self.processor, cfg.dtype, cfg.rl.seed)
+            except ImportError as e:
+                raise ValueError(str(e)) from None
+            self.engine = None
+            log.info("startup: SGLang rollout engine in %.1fs", self._phase("sglang_engine", t0))
+        else:
+            rollout = self.engine = Engine(self.model, self.processor, cfg.engine, memory=self.memory)
+            runner = self.engine.runner
+            self.startup_s.update(runner.startup_s)
+            log.info("startup: engine in %.1fs: KV cache sizing %.1fs (on GPU a warm-up prefill, its compile "
+                     "included), decode kernel tuning %.1fs, decode compile + graph capture %.1fs; KV cache %d blocks "
+                     "of %d tokens", self._phase("engine", t0), runner.startup_s["kv_sizing"],
+                     runner.startup_s["tuning"], runner.startup_s["capture"], self.engine.blocks.num_blocks,
+                     self.engine.cfg.block_size)
         t0 = time.perf_counter()
-        self.rl = RLStep(self.model, self.engine, cfg.rl, self.processor, reward_fn=cfg.reward, memory=self.memory,
+        self.rl = RLStep(self.model, rollout, cfg.rl, self.processor, reward_fn=cfg.reward, memory=self.memory,
                          memory_cfg=cfg.memory)
         log.info("startup: trainer in %.1fs (reference model: %s)", self._phase("trainer", t0),
                  "yes" if self.rl.ref is not None else "no")
@@ -200,6 +226,7 @@ class ServerState:
     def close(self) -> None:
         self.worker.close()
         self.intake.shutdown(wait=False, cancel_futures=True)
+        self.rl.backend.close()
 
     def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.processor.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -211,12 +238,19 @@ class ServerState:
 
     def describe(self) -> dict:
         cfg = self.cfg
-        return {"model": str(self.model_path or cfg.model), "mode": cfg.rl.mode, "device": cfg.device,
+        return {"model": str(self.model_path or cfg.model), "mode": cfg.rl.mode,
+                "rollout_backend": self.rl.rollout_backend, "device": cfg.device,
                 "dtype": cfg.dtype, "global_step": self.rl.step_idx, "weights_version": self.weights_version,
                 "retained_rollouts": len(self.store), "has_ref_model": self.rl.ref is not None,
                 "max_model_len": cfg.engine.max_model_len, "max_num_seqs": cfg.engine.max_num_seqs,
                 "uptime_s": round(time.time() - self.started, 3),
                 "startup_s": {k: round(v, 3) for k, v in self.startup_s.items()}}
+
+    def engine_counts(self) -> dict | None:
+        """{"waiting", "running"} requests of the native engine; None when the rollouts run elsewhere."""
+        if self.engine is None:
+            return None
+        return {"waiting": len(self.engine.scheduler.waiting), "running": len(self.engine.scheduler.running)}
 
     # ---- engine-thread methods ----------------------------------------------------------------
     def enter_rollout(self) -> None:
@@ -233,6 +267,11 @@ class ServerState:
         if self.intake_processor is None:
             raise ValueError("this server has no tokenizer (a preset model): send `input_ids` prompts")
         return row_to_inputs(self.intake_processor, {"prompt": p.chat(), "images": p.images, "videos": p.videos})
+
+    def sample(self, inputs: list[ModelInputs], params: list, keep_vision: bool) -> tuple[list, int]:
+        """(one RequestOutput per prompt, the weights version they were sampled from) through the RL
+        step's rollout backend; a worker job when the rollouts run outside the engine loop (SGLang)."""
+        return self.rl.sample(inputs, params, keep_vision=keep_vision), self.weights_version
 
     def train(self, entry: RetainedRollout, rewards, overrides: dict, reward_s: float,
               off_policy: bool = False) -> dict:
@@ -310,17 +349,19 @@ class ServerState:
         regions = {
             "weights": tensor_bytes(params + list(self.model.buffers())),
             "ref_weights": tensor_bytes(list(self.rl.ref.parameters())) if self.rl.ref is not None else 0,
-            "kv_cache": tensor_bytes([self.engine.runner.k_cache, self.engine.runner.v_cache]),
+            # the native engine's; SGLang's KV cache is in its own memory pool, not counted here
+            "kv_cache": tensor_bytes([self.engine.runner.k_cache, self.engine.runner.v_cache])
+            if self.engine is not None else 0,
             "optimizer_state": tensor_bytes(opt_state),
             "grads": tensor_bytes([p.grad for p in params if p.grad is not None]),  # persistent buffers
             "retained_rollouts": self.store.nbytes(),
         }
         out = {"regions": regions, "total_bytes": sum(regions.values()), "retained_rollouts": len(self.store),
                "kv_cache_blocks": {"total": self.engine.blocks.num_blocks, "free": self.engine.blocks.num_free,
-                                   "block_size": self.engine.cfg.block_size},
-               "device": self.cfg.device, "cuda": None}
+                                   "block_size": self.engine.cfg.block_size} if self.engine is not None else None,
+               "rollout_backend": self.rl.rollout_backend, "device": self.cfg.device, "cuda": None}
         out["manager"] = self.memory.report() if self.memory is not None else None
-        dev = self.engine.runner.device
+        dev = self.model.inv_freq.device
         if dev.type == "cuda":
             out["cuda"] = {"allocated": torch.cuda.memory_allocated(dev), "reserved": torch.cuda.memory_reserved(dev),
                            "max_allocated": torch.cuda.max_memory_allocated(dev),

@@ -27,6 +27,9 @@ loop iteration with one `call_soon_threadsafe` per event loop (not one per event
 An abort (client gone) removes the request from the engine at the next iteration; a ticket aborted
 before its request was added is simply never added. An exception in `engine.step()` fails the
 in-flight tickets (500) and aborts their requests; the thread keeps serving.
+
+Without an engine (`engine=None`: the rollouts run on a backend outside this loop, SGLang) the worker
+runs jobs only, in order, on the one thread that touches the model and the trainer.
 """
 
 from __future__ import annotations
@@ -146,17 +149,21 @@ class EngineWorker:
             self._emit(t, "error", error)
 
     # ---- the thread ---------------------------------------------------------------------------
+    @property
+    def _engine_busy(self) -> bool:
+        return self.engine is not None and self.engine.has_work
+
     def _next_job(self) -> _Job | None:
         with self._cv:
-            if not self._jobs or (self._jobs[0].drain and self.engine.has_work):
+            if not self._jobs or (self._jobs[0].drain and self._engine_busy):
                 return None
             return self._jobs.popleft()
 
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._closed or self._aborts or self.engine.has_work
-                           or (self._jobs and not (self._jobs[0].drain and self.engine.has_work))):
+                while not (self._closed or self._aborts or self._engine_busy
+                           or (self._jobs and not (self._jobs[0].drain and self._engine_busy))):
                     self._cv.wait(timeout=1.0)
                 if self._closed:
                     break
@@ -166,7 +173,7 @@ class EngineWorker:
                 self._abort(t)
             while (job := self._next_job()) is not None:
                 self._run_job(job)
-            if self.engine.has_work:
+            if self._engine_busy:
                 self._step()
             self._flush()
         for t in list(self._tickets.values()):

@@ -1,5 +1,11 @@
 """An Engine with SGLang's shape: launches `self.run_scheduler_process_func` in a spawned process and
-reaches it by collective_rpc. `run_script(script)` (in place of generate) runs batches there and waits for their results."""
+reaches it by collective_rpc. `run_script(script)` runs scripted batches there and waits for their results.
+
+Started with `model_path`, it also generates (tiny_runtime.TinyRuntime: Rollplex's engine over its own
+copy of the checkpoint, answers in SGLang's shape) and its weight and memory calls act on that copy;
+each generate also runs the matching prefill and decode batches through the scheduler process, so its
+hook sees the rollout's decode steps.
+"""
 
 import multiprocessing as mp
 
@@ -23,6 +29,25 @@ class Engine:
             self.proc.kill()
             raise RuntimeError("the scheduler process did not start")
         self.scheduler_info = reader.recv()
+        self.runtime = None
+        if kwargs.get("model_path") is not None:
+            from tiny_runtime import TinyRuntime
+
+            self.runtime = TinyRuntime(kwargs["model_path"], kwargs.get("enable_weights_cpu_backup", False))
+
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, image_data=None, return_logprob=False):
+        if self.runtime is None:
+            raise RuntimeError("this fake engine was started without model_path")
+        if prompt is not None or input_ids is None or not isinstance(input_ids[0], list):
+            raise NotImplementedError("the fake takes a batch of input_ids")
+        if isinstance(sampling_params, dict):
+            sampling_params = [sampling_params] * len(input_ids)
+        answers = self.runtime.generate(input_ids, sampling_params, image_data, return_logprob)
+        lens = [len(a["output_ids"]) for a in answers]
+        script = [("EXTEND", len(lens), 0, 1.0)]
+        script += [("DECODE", sum(n > k for n in lens), 0, 1.0) for k in range(1, max(lens))]
+        self.run_script(script)
+        return answers
 
     def collective_rpc(self, method: str, **kwargs):
         obj = RpcReqInput(method=method, parameters=kwargs)
@@ -37,12 +62,18 @@ class Engine:
 
     def release_memory_occupation(self, tags=None):
         self.memory_calls.append(("release", tags))
+        if self.runtime is not None:
+            self.runtime.release(tags)
 
     def resume_memory_occupation(self, tags=None):
         self.memory_calls.append(("resume", tags))
+        if self.runtime is not None:
+            self.runtime.resume(tags)
 
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
         self.memory_calls.append(("update", [n for n, _ in named_tensors], flush_cache))
+        if self.runtime is not None:
+            self.runtime.update(named_tensors)
 
     def shutdown(self):
         if self.proc.is_alive():

@@ -1,0 +1,85 @@
+"""What the RL step needs from a rollout engine (`RolloutBackend`), and Rollplex's own engine behind it.
+
+    generate(prompts, params, keep_vision)   ModelInputs + SamplingParams (one per prompt) -> one
+                                             RequestOutput per prompt, in order (rollplex.engine's form,
+                                             which RolloutBatch.from_outputs reads)
+    attach(model, memory)                    the policy the rollouts sample from and the step's memory
+                                             manager (its plan and ledger); called once by RLStep
+    enter_phase(phase)                       rollout / ref / update: release or resume the backend's own
+                                             memory for that phase; entering the rollout brings the
+                                             backend's weights up to date with the policy first
+    update_weights()                         the policy changed outside an update phase (a checkpoint
+                                             load): copy it in
+    kv_cache_bytes()                         bytes of KV cache the step's memory manager holds for it
+    close()
+
+`NativeRollout` wraps `rollplex.engine.Engine`: it decodes with the trainer's own parameter tensors and
+allocates its KV cache in the step's memory manager, so it has no weights to copy and no memory of its
+own to move (the manager's phases move its KV cache). The SGLang backend
+(engine_patches.sglang.backend.SGLangRollout) holds its own copy of the policy and its own memory pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    name: str
+    processor: object
+
+    def generate(self, prompts: Sequence, params: Sequence, keep_vision: bool = False) -> list: ...
+
+    def attach(self, model, memory) -> None: ...
+
+    def enter_phase(self, phase: str) -> None: ...
+
+    def update_weights(self) -> None: ...
+
+    def kv_cache_bytes(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class NativeRollout:
+    """Rollplex's engine as a RolloutBackend (`engine`: the rollplex.engine.Engine it drives)."""
+
+    name = "native"
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.processor = engine.processor
+
+    def generate(self, prompts: Sequence, params: Sequence, keep_vision: bool = False) -> list:
+        return self.engine.generate(prompts, params, keep_vision=keep_vision)
+
+    def attach(self, model, memory) -> None:
+        if self.engine.model is not model:
+            raise ValueError("the engine must decode with the actor's own model (shared weights)")
+        if memory is not None and self.engine.memory is not memory:
+            raise ValueError("the engine and the RL step must share one memory manager")
+
+    def enter_phase(self, phase: str) -> None:
+        """Nothing of its own: its KV cache is a region of the step's memory manager."""
+
+    def update_weights(self) -> None:
+        """Nothing to copy: it decodes with the policy's own tensors."""
+
+    def kv_cache_bytes(self) -> int:
+        return self.engine.runner.kv_cache_bytes()
+
+    def close(self) -> None:
+        """The engine holds no process or thread of its own."""
+
+
+def as_rollout_backend(engine) -> RolloutBackend | None:
+    """A RolloutBackend for `engine`: a rollplex Engine (wrapped), a backend (as is) or None."""
+    from ..engine import Engine
+
+    if isinstance(engine, Engine):
+        return NativeRollout(engine)
+    if engine is None or isinstance(engine, RolloutBackend):
+        return engine
+    raise ValueError(f"expected a rollplex Engine or a RolloutBackend, got {type(engine).__name__}")
