@@ -8,11 +8,18 @@ Flags fill ServerConfig (state.py): its own fields, then one flag per field of t
 EngineConfig it nests, named after the field (`--kl-coef`, `--max-model-len`, `--no-packed`), so a
 new config field is a new flag with nothing restated here. `--seed` seeds both. Defaults are
 ServerConfig's. One process per GPU; requests share one continuous batch.
+
+Under torchrun (WORLD_SIZE > 1) every rank joins the default process group (NCCL on cuda:LOCAL_RANK,
+gloo on CPU) and builds the same state; rank 0 serves HTTP on --host/--port and the others follow its
+commands (group.py). When rank 0 stops (SIGINT, SIGTERM, or the server ending) it stops the others:
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m rollplex.server --model DIR
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -160,6 +167,44 @@ def config_from_args(args):
                         checkpoint_root=args.checkpoint_root, **nested)
 
 
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _join_group(cfg):
+    """torchrun's process group for this rank (group.py), and the config with this rank's device."""
+    from ..parallel.launch import init_from_env
+    from .group import Commands, check_config
+
+    check_config(cfg)
+    if cfg.device.startswith("cuda:"):
+        raise ValueError("under torchrun every rank uses cuda:LOCAL_RANK: pass --device cuda")
+    proc = init_from_env("cuda" if cfg.device == "cuda" else "cpu")
+    if proc.device.type == "cuda":
+        cfg = dataclasses.replace(cfg, device=str(proc.device))
+    return cfg, Commands()
+
+
+def _serve_group(app, host: str, port: int, log_level: str) -> None:
+    """uvicorn.run for rank 0 of a group: ends on SIGINT/SIGTERM without re-raising the signal afterwards
+    (uvicorn does, to die by it), so that rank 0 stops the other ranks and the group exits 0."""
+    import uvicorn
+
+    class GroupServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self._captured_signals.clear()
+
+    server = GroupServer(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    server.run()
+    if not server.started:
+        raise SystemExit(f"rollplex.server: could not serve on {host}:{port}")
+
+
 def main(argv=None) -> None:
     launched = time.perf_counter()  # the startup log counts the imports below from here
     args = parser().parse_args(argv)
@@ -169,19 +214,39 @@ def main(argv=None) -> None:
     from .app import create_app
     from .state import ServerState
 
+    commands = None
     try:
         cfg = config_from_args(args)
+        if _world_size() > 1:
+            cfg, commands = _join_group(cfg)
         state = ServerState(cfg, launched=launched)
     except ValueError as e:
         raise SystemExit(f"rollplex.server: {e}") from None
-    logging.getLogger("rollplex.server").info("serving %s on http://%s:%d (%s, %s, mode=%s, rollouts=%s, auth=%s)",
-                                              state.model_path or cfg.model, args.host, args.port, cfg.device,
-                                              cfg.dtype, cfg.rl.mode, cfg.backend.rollout_backend,
-                                              "on" if cfg.api_key else "off")
+    if commands is not None and commands.rank != 0:
+        from .group import follow
+
+        try:
+            follow(state, commands)
+        finally:
+            state.close()
+        commands.close()
+        return
+    logging.getLogger("rollplex.server").info(
+        "serving %s on http://%s:%d (%s, %s, mode=%s, rollouts=%s, auth=%s%s)", state.model_path or cfg.model,
+        args.host, args.port, cfg.device, cfg.dtype, cfg.rl.mode, cfg.backend.rollout_backend,
+        "on" if cfg.api_key else "off",
+        f", {commands.world} ranks" if commands is not None else "")
     try:
-        uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
+        if commands is None:
+            uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
+        else:
+            state.commands = commands
+            _serve_group(create_app(state), args.host, args.port, args.log_level)
     finally:
         state.close()
+        if commands is not None:
+            commands.stop()
+            commands.close()
 
 
 if __name__ == "__main__":

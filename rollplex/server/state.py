@@ -28,6 +28,10 @@ Train-step overrides apply to that step only: the step runs with `dataclasses.re
 (validated; temperature = the rollout's, so the trainer scores the distribution that was sampled).
 `weights_version` counts weight changes (train steps, loads); a rollout sampled at another version
 trains only off-policy. Checkpoints are read and written only under `cfg.checkpoint_root` (`confine`).
+
+Started by torchrun (the default process group initialised before this is built), every rank builds
+the same state and the RL step is data-parallel (group.py); `world_size` is the group's size. Rank 0
+holds `commands` (group.Commands): its `train` hands each step to the other ranks before running it.
 """
 
 from __future__ import annotations
@@ -35,12 +39,14 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ..backends import BackendConfig, require_sglang, sglang_rollout
 from ..engine import Engine, EngineConfig
@@ -49,6 +55,7 @@ from ..models import ModelInputs
 from ..rl.actor import TrainOOM
 from ..rl.config import RLConfig
 from ..rl.step import RLStep
+from .group import collective_oom
 from .metrics import Metrics
 from .store import RetainedRollout, RolloutStore, StaleRollout, tensor_bytes
 from .worker import EngineWorker
@@ -121,6 +128,15 @@ def confine(root: str | Path, path: str) -> Path:
     return full
 
 
+def _leave_group(e: BaseException) -> None:
+    """Out of memory on this rank alone inside a data-parallel pass: the other ranks wait in its
+    collectives and cannot be brought back in step, so this process exits and torchrun ends the group."""
+    log.critical("out of device memory inside a data-parallel pass (%s): the process group cannot continue; "
+                 "exiting so that torchrun ends every rank", e)
+    logging.shutdown()
+    os._exit(1)
+
+
 def _load_policy(cfg: ServerConfig):
     """(model dir or None, model, processor or None)."""
     from ..models import load_model
@@ -170,6 +186,12 @@ class ServerState:
             self.model.eval()
             log.info("startup: format warm-up in %.1fs (%d steps, loss %.3f)", self._phase("format_warmup", t0),
                      cfg.format_warmup_steps, self.warmup_loss)
+        self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if self.world_size > 1 and cfg.format_warmup_steps:
+            # the warm-up's updates may round differently per device: every rank starts from rank 0's weights
+            with torch.no_grad():
+                for t in (*self.model.parameters(), *self.model.buffers()):
+                    dist.broadcast(t.data, src=0)
         if self.model.inv_freq.is_cuda:  # the server owns the model: its training and prefill run compiled
             self.model.compile()  # lazy: the engine's warm-up prefill below compiles
         # the phase-aware memory manager: the KV cache is released outside rollout, the rest follows the plan
@@ -210,6 +232,7 @@ class ServerState:
                                    before_step=self.enter_rollout)
         self.metrics = Metrics()
         self.weights_version = 0
+        self.commands = None  # rank 0 of a process group: group.Commands (set by the CLI)
         self.last_train: dict = {}
         self.started = time.time()
 
@@ -239,8 +262,8 @@ class ServerState:
     def describe(self) -> dict:
         cfg = self.cfg
         return {"model": str(self.model_path or cfg.model), "mode": cfg.rl.mode,
-                "rollout_backend": self.rl.rollout_backend, "device": cfg.device,
-                "dtype": cfg.dtype, "global_step": self.rl.step_idx, "weights_version": self.weights_version,
+                "rollout_backend": self.rl.rollout_backend, "device": cfg.device, "dtype": cfg.dtype,
+                "world_size": self.world_size, "global_step": self.rl.step_idx, "weights_version": self.weights_version,
                 "retained_rollouts": len(self.store), "has_ref_model": self.rl.ref is not None,
                 "max_model_len": cfg.engine.max_model_len, "max_num_seqs": cfg.engine.max_num_seqs,
                 "uptime_s": round(time.time() - self.started, 3),
@@ -289,13 +312,21 @@ class ServerState:
         old = entry.batch.rollout_logprobs if stale else None
         if stale and old is None:
             raise ValueError("this rollout has no engine logprobs to train it off-policy")
+        rewards = torch.as_tensor(rewards, dtype=torch.float32)
+        if rewards.shape != (entry.batch.num_samples,):
+            raise ValueError(f"got rewards of shape {tuple(rewards.shape)} for {entry.batch.num_samples} samples")
+        if self.commands is not None:  # validated: every other rank runs this same step (group.py)
+            self.commands.send("train", entry, rewards, overrides, reward_s, off_policy)
         t0 = time.perf_counter()
         try:
-            m = self.rl.train(replace(entry.batch, rewards=torch.as_tensor(rewards, dtype=torch.float32)), cfg,
-                              old_logprobs=old)
-        except TrainOOM:
+            m = self.rl.train(replace(entry.batch, rewards=rewards), cfg, old_logprobs=old)
+        except TrainOOM as e:
+            if self.world_size > 1 and not collective_oom(e):
+                _leave_group(e)
             raise
         except torch.OutOfMemoryError as e:  # outside the update (reference scoring): nothing was changed
+            if self.world_size > 1:
+                _leave_group(e)
             if self.model.inv_freq.is_cuda:
                 torch.cuda.empty_cache()
             raise TrainOOM(f"the train step ran out of device memory while scoring: {e}; lower the micro-batch "
@@ -318,9 +349,15 @@ class ServerState:
         lies outside the root."""
         return confine(self.cfg.checkpoint_root, path)
 
+    def _no_checkpoints(self) -> None:
+        if self.world_size > 1:
+            raise ValueError(f"checkpoints are not available over a process group ({self.world_size} ranks): the "
+                             "optimizer state is sharded across the ranks")
+
     def save(self, path: str, data_state: dict | None) -> dict:
         from ..rl.checkpoint import save_checkpoint
 
+        self._no_checkpoints()
         out = save_checkpoint(self.rl, self.checkpoint_path(path), data_state, tokenizer_dir=self.model_path)
         ref = out / "ref" if self.rl.ref is not None else None
         return {"path": str(out), "global_step": self.rl.step_idx, "ref_path": str(ref) if ref else None}
@@ -328,6 +365,7 @@ class ServerState:
     def load(self, path: str) -> dict:
         from ..rl.checkpoint import load_checkpoint
 
+        self._no_checkpoints()
         full = self.checkpoint_path(path)
         if not full.is_dir():
             raise ValueError(f"checkpoint {full} is not a directory")

@@ -1,0 +1,138 @@
+"""The server over a torchrun process group: rank 0 serves HTTP, the other ranks follow its commands.
+
+    python -m torch.distributed.run --standalone --nproc-per-node N -m rollplex.server [flags]
+
+Every rank builds the same `ServerState` (same model, same configs); its `RLStep` runs data-parallel
+over the default group (`group="auto"`: FSDP2-sharded trainer and reference, the full policy on every
+rank). Rank 0 runs the HTTP front end; the other ranks run `follow`, which waits for rank 0's
+commands on a gloo group of its own (`Commands`; `broadcast_object_list` of a tuple) and runs them:
+
+    ("train", entry, rewards, overrides, reward_s, off_policy)   `ServerState.train` on the same retained
+                                                                 rollout: every rank enters the step's
+                                                                 collectives together and ends with the
+                                                                 same weights and weights_version
+    ("stop",)                                                    the follower returns (its process exits 0)
+
+Rank 0 sends "train" from inside its own `ServerState.train`, after every check that can reject the
+request (stale rollout, overrides, reference model), so a rejected request never reaches the
+followers and they cannot diverge. Errors inside the step are the same on every rank (the same code on
+the same batch), and the update's out-of-memory back-off is agreed collectively (`CollectiveOOM`); an
+out-of-memory error inside a data-parallel pass leaves the other ranks waiting in its collectives, so the
+rank that hits one (rank 0 included) exits non-zero and torchrun ends the group.
+
+Rollouts and /generate run on rank 0's engine only: its policy holds the full weights, synced after
+every update. Refused under a group: a tensor-parallel engine, cosched, a frozen vision tower (startup
+errors, `check_config`) and checkpoints (/save, /load: the optimizer state is sharded).
+
+The command channel waits without a deadline (a server may sit idle for days); a rank 0 that dies
+closes its sockets, which ends the followers' wait with an error, and torchrun then ends the group.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..parallel.data_parallel import check_passes
+from ..rl.actor import TrainOOM
+from ..rl.placement import CollectiveOOM
+from .store import StaleRollout
+
+log = logging.getLogger("rollplex.server")
+
+# how long a follower waits for rank 0's next command: effectively forever (see the module docstring)
+COMMAND_TIMEOUT = timedelta(days=3650)
+
+
+def check_config(cfg) -> None:
+    """ValueError for a ServerConfig the server cannot run over a process group (before any rank starts
+    building, so every rank fails the same way)."""
+    if cfg.backend.rollout_backend != "native":
+        raise ValueError(f"the {cfg.backend.rollout_backend} rollout backend is not served over a process group "
+                         "yet: rank 0's native engine decodes the policy (leave --rollout-backend at native)")
+    if cfg.engine.tensor_parallel != 1:
+        raise ValueError("tensor-parallel engines are not served over a process group yet: every rank's engine "
+                         "decodes the full policy (leave --tensor-parallel at 1)")
+    if cfg.rl.cosched:
+        raise ValueError("cosched is not available under a process group (it runs one process's prefix work "
+                         "beside its decode)")
+    if cfg.rl.freeze_vision_tower:
+        raise ValueError("freeze_vision_tower is not available under a process group (it reuses one engine's "
+                         "vision encodings)")
+    check_passes(cfg.rl.mode, cfg.rl.packed)
+
+
+def collective_oom(e: TrainOOM) -> bool:
+    """Whether every rank raised this TrainOOM together (the back-off ran out on all ranks), so the group
+    is still in step; otherwise one rank ran out of memory inside a pass while the others wait."""
+    return isinstance(e.__cause__, CollectiveOOM)
+
+
+class Commands:
+    """Rank 0's commands to the other ranks, over a gloo group created here (collectively: every rank
+    constructs it at the same point)."""
+
+    def __init__(self):
+        self.group = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self._lock = threading.Lock()  # the engine thread sends "train", the main thread "stop"
+        self._stopped = False
+
+    def send(self, op: str, *args) -> None:
+        """Rank 0: broadcast (op, *args) to every follower."""
+        assert self.rank == 0 and op != "stop", "rank 0 sends commands; stop() ends them"
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("the process group has been stopped")
+            dist.broadcast_object_list([(op, *args)], src=0, group=self.group)
+
+    def stop(self) -> None:
+        """Rank 0: tell the followers to return (once; later calls do nothing) and wait until all have it."""
+        assert self.rank == 0, "rank 0 stops the followers"
+        with self._lock:
+            if not self._stopped:
+                dist.broadcast_object_list([("stop",)], src=0, group=self.group)
+                self._stopped = True
+                self.closing()
+
+    def closing(self) -> None:
+        """Every rank, after "stop": a barrier, so that no rank tears the groups down (`close`) while
+        another still reads from them."""
+        dist.barrier(group=self.group)
+
+    @staticmethod
+    def close() -> None:
+        dist.destroy_process_group()
+
+    def receive(self) -> tuple:
+        """A follower: the next command (blocks until rank 0 sends one)."""
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+
+def follow(state, commands: Commands) -> None:
+    """A follower's loop: run rank 0's commands on this rank's ServerState until "stop"."""
+    # Ctrl-C reaches every process of the terminal's group: rank 0 handles it and sends "stop"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    log.info("rank %d/%d following rank 0's commands", commands.rank, commands.world)
+    while True:
+        op, *args = commands.receive()
+        if op == "stop":
+            log.info("rank %d: stopped by rank 0", commands.rank)
+            commands.closing()
+            return
+        if op != "train":
+            raise RuntimeError(f"unknown command {op!r} from rank 0")
+        entry, rewards, overrides, reward_s, off_policy = args
+        try:
+            state.train(entry, rewards, overrides, reward_s, off_policy=off_policy)
+        except (ValueError, StaleRollout) as e:  # raised on every rank alike: the group stays in step
+            log.warning("rank %d: train step rejected as on rank 0: %s", commands.rank, e)
+        except TrainOOM as e:  # agreed by every rank (one rank's OOM inside a pass ends its process: state.py)
+            log.warning("rank %d: train step out of memory on every rank: %s", commands.rank, e)

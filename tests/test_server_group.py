@@ -1,0 +1,122 @@
+"""`python -m torch.distributed.run -m rollplex.server` on CPU (gloo, 2 ranks): rank 0 serves HTTP, the
+train step runs data-parallel on both ranks, and the weights after a seeded rollout + train step equal
+those of a one-process server given the same requests; checkpoints answer 400 under the group; SIGTERM
+to rank 0 stops the group and torchrun exits 0."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from server_helpers import wire_rows
+
+from rollplex.server import serve_in_thread
+from rollplex.server.__main__ import config_from_args, parser
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLING = {"seed": 11, "temperature": 1.0, "max_new_tokens": 4}
+REWARDS = [1.0, 0.0, 0.25, 0.75]
+
+
+def _flags(tiny_dir) -> list[str]:
+    return ["--model", str(tiny_dir), "--device", "cpu", "--max-model-len", "256", "--kv-cache-tokens", "4096",
+            "--lr", "1e-5", "--kl-coef", "0.05", "--max-new-tokens", "4", "--micro-batch-prompts", "1",
+            "--log-level", "warning"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank0_pid(parent: int) -> int:
+    """The pid of the descendant of `parent` whose environment says RANK=0 (torchrun's rank-0 worker)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    todo = list(children.get(parent, []))
+    while todo:
+        pid = todo.pop()
+        try:
+            env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"RANK=0" in env and b"LOCAL_RANK=0" in env:
+            return pid
+        todo += children.get(pid, [])
+    raise AssertionError("no rank-0 process under torchrun")
+
+
+def _steps(client: httpx.Client) -> dict:
+    """A seeded training rollout, a rejected step, a step with given rewards, and a second rollout."""
+    first = client.post("/rollout", json={"prompts": wire_rows(2), "n": 2, "sampling_params": SAMPLING})
+    assert first.status_code == 200, first.text
+    rid = first.json()["rollout_id"]
+    bad = client.post("/train_step", json={"rollout_id": rid, "rewards": REWARDS, "loss_agg_mode": "nope"})
+    assert bad.status_code == 400, bad.text  # rejected before any rank trains
+    step = client.post("/train_step", json={"rollout_id": rid, "rewards": REWARDS})
+    assert step.status_code == 200, step.text
+    second = client.post("/rollout", json={"prompts": wire_rows(2, seed=1), "n": 2, "sampling_params": SAMPLING})
+    assert second.status_code == 200, second.text
+    health = client.get("/health", params={"checksum": True}).json()
+    return {"tokens": [[s["token_ids"] for s in r.json()["samples"]] for r in (first, second)],
+            "loss": step.json()["actor/pg_loss"], "grad_norm": step.json()["actor/grad_norm"], "health": health}
+
+
+@pytest.mark.slow
+def test_server_over_two_ranks_matches_one_process(tiny_dir, tmp_path):
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+           "rollplex.server", *_flags(tiny_dir), "--port", str(port), "--checkpoint-root", str(tmp_path)]
+    group = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        # the one-process server on the same flags, in this process, while the group starts
+        cfg = config_from_args(parser().parse_args(_flags(tiny_dir) + ["--checkpoint-root", str(tmp_path)]))
+        with serve_in_thread(cfg) as single, httpx.Client(base_url=single.url, timeout=120) as c:
+            start = c.get("/health", params={"checksum": True}).json()["weights_checksum"]
+            one = _steps(c)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert group.poll() is None, group.stdout.read().decode()[-4000:]
+            assert time.monotonic() < deadline, "the group's server did not come up"
+            time.sleep(0.3)
+        with httpx.Client(base_url=url, timeout=120) as c:
+            two = _steps(c)
+            save = c.post("/save", json={"path": "ck"})
+            assert save.status_code == 400 and "process group" in save.json()["error"]["message"], save.text
+            assert c.get("/health").json()["status"] == "ok"
+        assert one["health"]["world_size"] == 1 and two["health"]["world_size"] == 2
+        assert two["health"]["weights_version"] == one["health"]["weights_version"] == 1
+        assert two["tokens"] == one["tokens"]  # the second rollout decodes the synced weights
+        assert two["loss"] == pytest.approx(one["loss"], abs=1e-5)
+        assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+        moved = abs(one["health"]["weights_checksum"] - start)
+        diff = abs(two["health"]["weights_checksum"] - one["health"]["weights_checksum"])
+        assert diff <= 1e-5 * moved, (diff, moved)  # equal up to fp32 summation order
+        os.kill(_rank0_pid(group.pid), signal.SIGTERM)
+        rc = group.wait(60)
+        assert rc == 0, group.stdout.read().decode()[-4000:]
+    finally:
+        if group.poll() is None:
+            group.kill()
+            group.wait(10)
