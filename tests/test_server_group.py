@@ -120,3 +120,17 @@ def test_server_over_two_ranks_matches_one_process(tiny_dir, tmp_path):
         if group.poll() is None:
             group.kill()
             group.wait(10)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tensor-parallel", "2"], "tensor-parallel engines"),
+    (["--freeze-vision-tower"], "freeze_vision_tower"),
+    (["--no-packed"], "packed=True"),
+])
+def test_group_refuses_what_it_cannot_run(flags, message):
+    from rollplex.server.group import check_config
+
+    cfg = config_from_args(parser().parse_args(["--device", "cpu", *flags]))
+    check_config(config_from_args(parser().parse_args(["--device", "cpu"])))  # the defaults run
+    with pytest.raises(ValueError, match=message):
+        check_config(cfg)

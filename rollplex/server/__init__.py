@@ -17,6 +17,7 @@ Modules, one job each:
     routes_rl.py         POST /rollout, /train_step, /save, /load
     app.py       the FastAPI app: info routes, auth, request counters, error mapping
     embedded.py  run a real uvicorn server in a background thread (driver, tests)
+    group.py     under torchrun: rank 0's commands to the other ranks (the data-parallel train step)
     __main__.py  the CLI: flags generated from ServerConfig and its nested configs
 """
 

@@ -11,7 +11,9 @@ commands on a gloo group of its own (`Commands`; `broadcast_object_list` of a tu
                                                                  rollout: every rank enters the step's
                                                                  collectives together and ends with the
                                                                  same weights and weights_version
-    ("stop",)                                                    the follower returns (its process exits 0)
+    ("stop",)                                                    a barrier on every rank (none tears the
+                                                                 groups down while another still reads),
+                                                                 then the follower returns and exits 0
 
 Rank 0 sends "train" from inside its own `ServerState.train`, after every check that can reject the
 request (stale rollout, overrides, reference model), so a rejected request never reaches the
@@ -21,8 +23,9 @@ out-of-memory error inside a data-parallel pass leaves the other ranks waiting i
 rank that hits one (rank 0 included) exits non-zero and torchrun ends the group.
 
 Rollouts and /generate run on rank 0's engine only: its policy holds the full weights, synced after
-every update. Refused under a group: a tensor-parallel engine, cosched, a frozen vision tower (startup
-errors, `check_config`) and checkpoints (/save, /load: the optimizer state is sharded).
+every update. Refused under a group: a tensor-parallel engine, a frozen vision tower, the prefix-state
+path (startup errors, `check_config`; cosched is refused by ServerConfig in any case) and checkpoints
+(/save, /load: the optimizer state is sharded).
 
 The command channel waits without a deadline (a server may sit idle for days); a rank 0 that dies
 closes its sockets, which ends the followers' wait with an error, and torchrun then ends the group.
@@ -57,9 +60,6 @@ def check_config(cfg) -> None:
     if cfg.engine.tensor_parallel != 1:
         raise ValueError("tensor-parallel engines are not served over a process group yet: every rank's engine "
                          "decodes the full policy (leave --tensor-parallel at 1)")
-    if cfg.rl.cosched:
-        raise ValueError("cosched is not available under a process group (it runs one process's prefix work "
-                         "beside its decode)")
     if cfg.rl.freeze_vision_tower:
         raise ValueError("freeze_vision_tower is not available under a process group (it reuses one engine's "
                          "vision encodings)")
