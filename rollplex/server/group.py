@@ -23,9 +23,9 @@ out-of-memory error inside a data-parallel pass leaves the other ranks waiting i
 rank that hits one (rank 0 included) exits non-zero and torchrun ends the group.
 
 Rollouts and /generate run on rank 0's engine only: its policy holds the full weights, synced after
-every update. Refused under a group: a tensor-parallel engine, a frozen vision tower, the prefix-state
-path (startup errors, `check_config`; cosched is refused by ServerConfig in any case) and checkpoints
-(/save, /load: the optimizer state is sharded).
+every update. Refused under a group: the SGLang rollout backend, a tensor-parallel engine, a frozen
+vision tower, the prefix-state path (startup errors, `check_config`; cosched is refused by ServerConfig
+in any case) and checkpoints (/save, /load: the optimizer state is sharded).
 
 The command channel waits without a deadline (a server may sit idle for days); a rank 0 that dies
 closes its sockets, which ends the followers' wait with an error, and torchrun then ends the group.
