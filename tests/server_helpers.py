@@ -5,6 +5,9 @@ from __future__ import annotations
 import base64
 import io
 import json
+import socket
+import subprocess
+import time
 
 from PIL import Image
 
@@ -38,3 +41,25 @@ def sse_events(lines) -> list:
             payload = line[len("data: "):]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_health(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    """Poll GET /health until it answers 200; fail with the process's output if it exits or times out."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, proc.stdout.read().decode()[-4000:]
+        assert time.monotonic() < deadline, f"the server at {url} did not come up in {timeout:.0f} s"
+        time.sleep(0.2)

@@ -10,7 +10,6 @@ must all be 400 while the server stays healthy and a retained rollout still trai
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from server_helpers import IMG, png_b64, sse_events, wire_rows
+from server_helpers import IMG, free_port, png_b64, sse_events, wait_for_health, wire_rows
 
 from rollplex.demo.tiny import write_tiny
 from rollplex.engine import EngineConfig
@@ -473,30 +472,15 @@ def test_rollout_store_ttl_and_cap():
     assert store.get(b.rollout_id) is None and len(store) == 0 and store.num_expired == 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_cli_subprocess(tiny_dir):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, "-m", "rollplex.server", "--model", str(tiny_dir), "--port", str(port),
                              "--device", "cpu", "--max-model-len", "256", "--kv-cache-tokens", "4096",
                              "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_for_health(url, proc, 60)
         r = httpx.post(url + "/generate", json={"text": "hi", "sampling_params": GREEDY}, timeout=30)
         assert r.status_code == 200 and len(r.json()["output_ids"]) >= 1
     finally:

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import wire_rows
+from server_helpers import free_port, wait_for_health, wire_rows
 
 from rollplex.server import serve_in_thread
 from rollplex.server.__main__ import config_from_args, parser
@@ -29,12 +27,6 @@ def _flags(tiny_dir) -> list[str]:
     return ["--model", str(tiny_dir), "--device", "cpu", "--max-model-len", "256", "--kv-cache-tokens", "4096",
             "--lr", "1e-5", "--kl-coef", "0.05", "--max-new-tokens", "4", "--micro-batch-prompts", "1",
             "--log-level", "warning"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank0_pid(parent: int) -> int:
@@ -78,7 +70,7 @@ def _steps(client: httpx.Client) -> dict:
 
 @pytest.mark.slow
 def test_server_over_two_ranks_matches_one_process(tiny_dir, tmp_path):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
            "rollplex.server", *_flags(tiny_dir), "--port", str(port), "--checkpoint-root", str(tmp_path)]
@@ -90,16 +82,7 @@ def test_server_over_two_ranks_matches_one_process(tiny_dir, tmp_path):
             start = c.get("/health", params={"checksum": True}).json()["weights_checksum"]
             one = _steps(c)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert group.poll() is None, group.stdout.read().decode()[-4000:]
-            assert time.monotonic() < deadline, "the group's server did not come up"
-            time.sleep(0.3)
+        wait_for_health(url, group, 90)
         with httpx.Client(base_url=url, timeout=120) as c:
             two = _steps(c)
             save = c.post("/save", json={"path": "ck"})
