@@ -13,7 +13,8 @@ decodes exactly --max-new-tokens (ignore_eos); tok/s = generated tokens / wall t
    picked per batch size round differently in bf16 and may flip a near-tied argmax of a random-weight
    model; a request answered with another prompt's tokens or garbage differs by whole nats. The first
    call's wall time is reported as the cold server's first request (compiles still pending at ready).
-3. Per repeat, at --temperature: (a) engine speed, all N prompts in one /generate; (b) the same
+3. A warm-up of 4 sampled tokens in each of the three patterns below, then per repeat, at
+   --temperature: (a) engine speed, all N prompts in one /generate; (b) the same
    prompts as N separate concurrent /generate calls, their tok/s and its ratio to (a) (goal >= 0.80);
    (c) the same as N streaming calls: time to first token (first SSE chunk holding a token, from the
    request's own start) p50 / p99, and streamed tok/s.
@@ -295,7 +296,12 @@ def measure(url: str, cfg: LoadConfig, rows: list[dict]) -> list[list[int]]:
                           lambda where: asyncio.run(tie_gaps(url, prompts, ref, got, where)), cfg.tie_tolerance)
     _emit(rows, {"measure": "check", **check})
     sp = cfg.sampling(cfg.temperature, cfg.max_new_tokens)
-    asyncio.run(batched(url, prompts, cfg.sampling(cfg.temperature, 4)))  # warm-up of the sampled path
+    # warm-up of the sampled path in each arrival pattern: requests arriving one by one are prefilled in
+    # other chunks than one batched call, and a server sees those shapes (and compiles them) only then
+    short = cfg.sampling(cfg.temperature, 4)
+    asyncio.run(batched(url, prompts, short))
+    asyncio.run(concurrent(url, prompts, short))
+    asyncio.run(concurrent(url, prompts, short, stream=True))
     n_tok = cfg.prompts * cfg.max_new_tokens
     for rep in range(cfg.repeats):
         engine_wall, _ = asyncio.run(batched(url, prompts, sp))
