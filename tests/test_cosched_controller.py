@@ -198,6 +198,7 @@ def test_chunks_cover_the_item_once():
     dict(buckets=(8, 4)), dict(buckets=(0, 4)), dict(measure_lag=0), dict(baseline_ema=0),
     dict(decrease=1), dict(increase=0), dict(max_chunk_ms=0), dict(max_in_flight=0),
     dict(serial_after=0), dict(baseline_samples=0), dict(oom_cooldown_steps=-1), dict(reprobe_every=-1),
+    dict(side_sms=-1),
 ])
 def test_config_validation(kw):
     with pytest.raises(ValueError):

@@ -193,6 +193,8 @@ def main(argv=None) -> None:
                     help="serial: sequences per fwd/bwd (default: 8 for w3b, 4 for w3b-video)")
     ap.add_argument("--slowdown-bound", type=float, default=CoschedConfig.slowdown_bound)
     ap.add_argument("--job-prompts", type=int, default=CoschedConfig.job_prompts)
+    ap.add_argument("--side-sms", default="0", help="comma list: one co-scheduled row per value; 0 shares every SM "
+                    "with decode, N > 0 confines the admitted work to a green context of N SMs")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-packed", action="store_true",
                     help="rollplex: a prefix pass, then padded responses (RLConfig.packed=False), not one packed pass")
@@ -215,7 +217,8 @@ def main(argv=None) -> None:
                                            compile_decode=False if args.no_compile else None))
     print(json.dumps({"bench": "step_setup", "kv_blocks": eng.runner.num_blocks, **env_info()}), flush=True)
     modes = args.modes.split(",")
-    co_cfg = CoschedConfig(slowdown_bound=args.slowdown_bound, job_prompts=args.job_prompts)
+    co_cfgs = [CoschedConfig(slowdown_bound=args.slowdown_bound, job_prompts=args.job_prompts, side_sms=int(v))
+               for v in args.side_sms.split(",")]
     rl_kw = dict(n=args.n, kl_coef=0.01, lr=1e-6, micro_batch_max_tokens=args.micro_tokens, packed=not args.no_packed)
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ref = copy.deepcopy(model).requires_grad_(False)
@@ -236,7 +239,8 @@ def main(argv=None) -> None:
             return [SamplingParams(n=args.n, max_new_tokens=n, ignore_eos=True, seed=seed * 100_003 + i)
                     for i, n in enumerate(lens)]
 
-        _check(model, eng, prompts, rl_kw, co_cfg, cfg, grid, label, init, ref, modes)
+        for co_cfg in co_cfgs:
+            _check(model, eng, prompts, rl_kw, co_cfg, cfg, grid, label, init, ref, modes)
         for frozen in [v == "frozen" for v in args.vision.split(",")]:
             vis = "frozen" if frozen else "trained"
             restore(model, init, frozen)
@@ -257,23 +261,27 @@ def main(argv=None) -> None:
                         row[mode + "_ref_s"], row[mode + "_update_s"] = r["ref_s"], r["update_actor_s"]
                     del batch
                     _free()
-                if "cosched" in modes:
-                    tl = None
-                    if args.trace and step != "cold" and not traced:
-                        tl, traced = Timeline(torch.device(args.device)), True
-                    r = cosched_step(model, eng, prompts, params(seed), rl_kw, co_cfg, cfg, grid, label, step,
-                                     frozen, init, ref, seed, tl)
-                    row["cosched"] = r["gen_s"] + r["ref_plus_update_s"]
-                    row["cosched_gen_s"] = r["gen_s"]
-                    row["cosched_ref_s"], row["cosched_update_s"] = r["ref_s"], r["update_actor_s"]
-                    row["hidden_est_s"] = r.get("prefix_hidden_s", 0.0)
-                    row["slowdown_ctrl"] = r.get("decode_slowdown", 0.0)
-                    if tl is not None:
-                        tl.write_trace(args.trace)
-                        print(json.dumps({"bench": "step_trace", "path": args.trace}), flush=True)
-                print(json.dumps({"bench": "step_summary", **{k: round(v, 4) if isinstance(v, float) else v
-                                                               for k, v in row.items()}}), flush=True)
-                summary.append(row)
+                variants = co_cfgs if "cosched" in modes else [None]
+                for co_cfg in variants:
+                    vrow = dict(row)
+                    if co_cfg is not None:
+                        tl = None
+                        if args.trace and step != "cold" and not traced:
+                            tl, traced = Timeline(torch.device(args.device)), True
+                        r = cosched_step(model, eng, prompts, params(seed), rl_kw, co_cfg, cfg, grid, label, step,
+                                         frozen, init, ref, seed, tl)
+                        vrow["side_sms"] = co_cfg.side_sms
+                        vrow["cosched"] = r["gen_s"] + r["ref_plus_update_s"]
+                        vrow["cosched_gen_s"] = r["gen_s"]
+                        vrow["cosched_ref_s"], vrow["cosched_update_s"] = r["ref_s"], r["update_actor_s"]
+                        vrow["hidden_est_s"] = r.get("prefix_hidden_s", 0.0)
+                        vrow["slowdown_ctrl"] = r.get("decode_slowdown", 0.0)
+                        if tl is not None:
+                            tl.write_trace(args.trace)
+                            print(json.dumps({"bench": "step_trace", "path": args.trace}), flush=True)
+                    print(json.dumps({"bench": "step_summary", **{k: round(v, 4) if isinstance(v, float) else v
+                                                                   for k, v in vrow.items()}}), flush=True)
+                    summary.append(vrow)
     _table(summary)
 
 
@@ -301,9 +309,9 @@ def _check(model, eng, prompts, rl_kw, co_cfg, cfg, grid, label, init, ref, mode
 
 
 def _table(summary: list[dict]) -> None:
-    print("\n| workload | vision | step | movable s | serial s | rollplex s | cosched s (gen s) | limit s | "
+    print("\n| workload | vision | step | movable s | serial s | rollplex s | side SMs | cosched s (gen s) | limit s | "
           "hidden of limit | decode slowdown | vs serial |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in summary:
         base, share, co = r.get("serial"), r.get("rollplex"), r.get("cosched")
         limit = share - r["movable_s"] if share is not None else None
@@ -311,5 +319,5 @@ def _table(summary: list[dict]) -> None:
         slow = r["cosched_gen_s"] / r["gen_s"] - 1 if co is not None and "gen_s" in r else None
         fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)  # noqa: E731
         print(f"| {r['workload']} | {r['vision']} | {r['step']} | {r['movable_s']:.3f} | {fmt(base)} | {fmt(share)} | "
-              f"{fmt(co)} ({fmt(r.get('cosched_gen_s'))}) | {fmt(limit)} | {fmt(frac, '{:.0%}')} | "
+              f"{r.get('side_sms', 0) or 'all'} | {fmt(co)} ({fmt(r.get('cosched_gen_s'))}) | {fmt(limit)} | {fmt(frac, '{:.0%}')} | "
               f"{fmt(slow, '{:+.1%}')} | {fmt(base / co if base and co else None)}x |")

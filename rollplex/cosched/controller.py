@@ -66,6 +66,9 @@ class CoschedConfig:
     oom_cooldown_steps: int = 16
     reprobe_every: int = 64  # 0: never re-measure the baseline
     job_prompts: int = 4  # prompts per prefix job (one batched forward): bigger runs faster, holds more
+    # SMs the admitted work may use: 0 shares every SM with decode (a low-priority stream); N > 0 confines it
+    # to a green-context partition of N SMs, so a chunk's blocks can never occupy more than that share
+    side_sms: int = 0
 
     def __post_init__(self):
         if not 0 < self.slowdown_bound < 1:
@@ -88,6 +91,8 @@ class CoschedConfig:
             raise ValueError("min_gain must be in [0, 1)")
         if self.job_prompts < 1:
             raise ValueError("job_prompts must be >= 1")
+        if self.side_sms < 0:
+            raise ValueError("side_sms must be >= 0 (0: share every SM)")
         if self.oom_cooldown_steps < 0 or self.reprobe_every < 0:
             raise ValueError("oom_cooldown_steps and reprobe_every must be >= 0")
 

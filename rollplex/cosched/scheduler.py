@@ -40,6 +40,24 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
+def side_stream(device: torch.device, sms: int) -> tuple[torch.cuda.Stream, object]:
+    """The stream admitted work runs on, and what must outlive it: a low-priority stream over every SM, or
+    (sms > 0) the stream of a green context holding `sms` SMs (the driver rounds the count up to its
+    partition granularity) and that context."""
+    if sms == 0:
+        return torch.cuda.Stream(device, priority=0), None
+    from torch.cuda import green_contexts
+
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    if not 0 < sms < total:
+        raise ValueError(f"side_sms={sms}: the device has {total} SMs; give 0 (share all) or fewer than {total}")
+    if not green_contexts.SUPPORTED or not hasattr(green_contexts.GreenContext, "Stream"):
+        raise ValueError(f"side_sms={sms} needs CUDA green contexts with streams (torch {torch.__version__} "
+                         "lacks them); use side_sms=0")
+    ctx = green_contexts.GreenContext.create(num_sms=sms, device_id=device.index or torch.cuda.current_device())
+    return ctx.Stream(), ctx
+
+
 class CoScheduler:
     def __init__(self, config: CoschedConfig, device: torch.device, tflops: float | None = None,
                  memory=None):
@@ -49,7 +67,7 @@ class CoScheduler:
         self.tflops = tflops or (200.0 if self.cuda else 0.02)
         # decode runs on a high-priority stream while work is co-scheduled and the work on a low-priority
         # one, so the block scheduler hands free SMs to decode first and the work fills what is left
-        self.stream = torch.cuda.Stream(self.device, priority=0) if self.cuda else None
+        self.stream, self._green_context = side_stream(self.device, config.side_sms) if self.cuda else (None, None)
         self.decode_stream = torch.cuda.Stream(self.device, priority=-100) if self.cuda else None
         self.timeline: Timeline | None = None
         self._active = False
