@@ -69,12 +69,17 @@ def random_model(name: str, device="cpu", dtype=None, seed: int = 0):
     import torch
 
     from .models import Qwen25VL, init_weights
+    from .models.checkpoint import empty_model
 
     cfg = preset(name)
     log.warning("%s", random_weights_warning(name))
-    with torch.device(device):
-        model = init_weights(Qwen25VL(cfg), seed=seed, std=0.02)
-    return model.to(dtype or torch.float32)
+    if torch.device(device).type == "cpu":  # the CPU draw order and float32 rounding every test relies on
+        with torch.device(device):
+            model = init_weights(Qwen25VL(cfg), seed=seed, std=0.02)
+        return model.to(dtype or torch.float32)
+    # on an accelerator: the parameters are allocated once in `dtype` and drawn there (a float32 draw rounds
+    # into them exactly as a float32 model cast to `dtype` would), without a default init to overwrite
+    return init_weights(empty_model(cfg, device, dtype or torch.float32), seed=seed, std=0.02)
 
 
 def write_preset_files(out_dir: Path = CONFIG_DIR) -> None:

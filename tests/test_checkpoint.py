@@ -71,3 +71,20 @@ def test_hub_ids_resolve_from_the_local_cache(tmp_path):
     assert resolve_model_dir(str(snap)) == snap
     with pytest.raises(ValueError, match="huggingface-cli download acme/absent"):
         resolve_model_dir("acme/absent", cache_dir=cache)
+
+
+def test_empty_model_then_init_equals_float32_init_cast():
+    """The accelerator path of a random preset (parameters allocated once in the target dtype, drawn in
+    float32 and rounded in) gives the weights of a float32 model initialised and then cast."""
+    from rollplex.models import ModelConfig, Qwen25VL, init_weights
+    from rollplex.models.checkpoint import empty_model
+    from rollplex.tiny import ensure_tiny
+
+    cfg = ModelConfig.from_hf(str(ensure_tiny()))
+    ref = init_weights(Qwen25VL(cfg), seed=3).to(torch.bfloat16)
+    got = init_weights(empty_model(cfg, "cpu", torch.bfloat16), seed=3)
+    want, have = ref.state_dict(), got.state_dict()
+    assert want.keys() == have.keys()
+    for k in want:
+        assert have[k].dtype == torch.bfloat16 and torch.equal(want[k], have[k]), k
+    assert got.inv_freq.dtype == torch.float32  # rotary frequencies stay float32, as a loaded checkpoint's

@@ -142,6 +142,20 @@ def load_model(
     state = hf_to_rollplex(read_safetensors(path), cfg)
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
+    return _with_rotary(model, device)
+
+
+def empty_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype) -> Qwen25VL:
+    """The model with uninitialised parameters allocated once on `device` in `dtype` (no default init, no
+    float32 copy): for `init_weights` or a state dict to fill."""
+    with torch.device("meta"):
+        model = Qwen25VL(cfg).to(dtype)
+    return _with_rotary(model.to_empty(device=device), device)
+
+
+def _with_rotary(model: Qwen25VL, device) -> Qwen25VL:
+    """The rotary frequencies (non-persistent buffers, float32) on `device`."""
+    cfg = model.cfg
     model.inv_freq = rotary_inv_freq(cfg.text.head_dim, cfg.text.rope_theta).to(device)
     model.visual.inv_freq = rotary_inv_freq(cfg.vision.head_dim // 2, cfg.vision.rope_theta).to(device)
     return model
