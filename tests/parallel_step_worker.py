@@ -122,7 +122,7 @@ def worker(rank: int, world: int, init: str, tiny_dir, rows, cfg: RLConfig, roll
            memory_cfg, want: list[dict], oom: str | None = None) -> None:
     init_group(rank, world, init)
     try:
-        rl = build(tiny_dir, cfg, rollout, memory_cfg)
+        rl = build(tiny_dir, cfg, rollout, memory_cfg, group=dist.group.WORLD)  # world size 1 included
         assert rl.parallel is not None and rl.parallel.world == world
         if oom is not None:
             inject_oom(oom)

@@ -66,16 +66,19 @@ def test_what_a_process_group_refuses(tmp_path, tiny_dir):
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
+        world = dist.group.WORLD  # a group of one rank, given explicitly
         for bad in (dict(cosched=True), dict(freeze_vision_tower=True), dict(packed=False)):
             with pytest.raises(ValueError, match="data-parallel"):
-                build(tiny_dir, RLConfig(**{**BASE, **bad}))
-        rl = build(tiny_dir, RLConfig(**BASE))  # group="auto": the initialised default group
+                build(tiny_dir, RLConfig(**{**BASE, **bad}), group=world)
+        rl = build(tiny_dir, RLConfig(**BASE), group=world)
         assert rl.parallel is not None and rl.parallel.rollout == "data"
         with pytest.raises(ValueError, match="data-parallel"):
             save_checkpoint(rl, tmp_path / "ckpt")
         other = Engine(load_model(tiny_dir), rl.processor)  # neither the policy nor its TP shard
         with pytest.raises(ValueError, match="tensor-parallel shard"):
-            RLStep(rl.model, other, RLConfig(**BASE), rl.processor, reward_fn="exact")
+            RLStep(rl.model, other, RLConfig(**BASE), rl.processor, reward_fn="exact", group=world)
         assert build(tiny_dir, RLConfig(**BASE), group=None).parallel is None
+        # group="auto" over a default group of one: the single-process step (nothing to shard or split)
+        assert build(tiny_dir, RLConfig(**BASE)).parallel is None
     finally:
         dist.destroy_process_group()

@@ -9,10 +9,13 @@ step through `RLStep`'s data-parallel path (parallel/colocated.py) against the s
           the command fails past `--tol` (the bench does not run).
 --bench   the W3B step (`--prompts` x `--samples` samples, one `--image-size` image + `--text-tokens` text
           tokens per prompt, `--new-tokens` new tokens; bf16 and compiled on CUDA) on one process, then
-          data-parallel, each from the same initial weights: a warm-up step (dynamo compiles, allocator
-          growth, first-call tuning; reported as `warm-up`) and then a timed step. Rank 0 prints a table
-          of gen / ref / update / weight-sync / step seconds with the data-parallel path's overhead, and
-          the largest weight difference between the two paths after their two steps.
+          data-parallel, each from the same initial weights: `--warmup-steps` steps (dynamo compiles,
+          allocator growth, first-call tuning, the OOM ladder settling; reported as `warm-up`) and then
+          `--timed-steps` timed steps. Rank 0 prints a table of gen / ref / update / weight-sync / step
+          seconds, graphs compiled, peak memory and any OOM back-off per step, the data-parallel path's
+          overhead (medians of the timed steps), and the largest weight difference between the two
+          paths after their steps. The data-parallel path is given the default group explicitly, so at
+          world size 1 it measures FSDP2 over a group of one (which `RLStep(group="auto")` skips).
 
 On CPU (`--device cpu`) everything runs over gloo in fp32 with the same code, for tiny shapes:
 `--preset tiny` (the embedded tiny checkpoint's shapes) or a checkpoint directory. Rewards are random
@@ -26,12 +29,14 @@ import copy
 import dataclasses
 import gc
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 
 from ..bench.common import make_prompts
 from ..engine import Engine, EngineConfig, SamplingParams
@@ -186,12 +191,21 @@ def bench(proc: Process, args) -> list[dict]:
             for k, v in model.state_dict().items():
                 v.copy_(init[k])
         rl = RLStep(model, engine, rl_cfg, reward_fn="exact", group=group)
-        for step, seed in (("warm-up", 1), ("timed", 0)):
+        steps = [("warm-up", 1 + i) for i in range(args.warmup_steps)] + [("timed", 100 + i) for i in range(args.timed_steps)]
+        for step, seed in steps:
+            graphs0 = counters["stats"]["unique_graphs"]
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(proc.device)
             m, _ = _one_step(rl, prompts, _params(len(prompts), args.samples, args.new_tokens, seed), seed, proc.device)
+            backoff = rl.actor._backoff  # the OOM ladder's micro-batching, when it had to step down
             rows.append({"path": label, "step": step, "world": proc.world,
                          **{f"{short}_s": round(m.get(f"timing_s/{k}", 0.0), 3) for short, k in
                             (("gen", "gen"), ("ref", "ref"), ("update", "update_actor"), ("sync", "sync_weights"),
-                             ("total", "step"))}})
+                             ("total", "step"))},
+                         "graphs_compiled": counters["stats"]["unique_graphs"] - graphs0,
+                         "peak_gib": round(torch.cuda.max_memory_allocated(proc.device) / 2**30, 1) if cuda else 0.0,
+                         "oom_backoff": None if backoff is None else f"{backoff.prompts}x{backoff.samples}",
+                         "checkpointing": any(rl.actor.placement.checkpointing(rl.actor.model))})
             if proc.rank == 0:
                 print(json.dumps({"bench": "dp_step", **rows[-1]}), flush=True)
         finals[label] = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
@@ -203,16 +217,19 @@ def bench(proc: Process, args) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    timed = {r["path"]: r for r in rows if r.get("step") == "timed"}
-    lines = ["| path | step | ranks | gen s | ref s | update s | sync s | step s |",
-             "|---|---|---|---|---|---|---|---|"]
+    timed: dict[str, list[float]] = {}
+    lines = ["| path | step | ranks | gen s | ref s | update s | sync s | step s | graphs compiled | peak GiB | "
+             "OOM back-off |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "path" in r:
+            if r["step"] == "timed":
+                timed.setdefault(r["path"], []).append(r["total_s"])
             lines.append(f"| {r['path']} | {r['step']} | {r['world']} | {r['gen_s']:.2f} | {r['ref_s']:.2f} | "
-                         f"{r['update_s']:.2f} | {r['sync_s']:.3f} | {r['total_s']:.2f} |")
+                         f"{r['update_s']:.2f} | {r['sync_s']:.3f} | {r['total_s']:.2f} | {r['graphs_compiled']} | "
+                         f"{r['peak_gib']} | {r['oom_backoff'] or '-'}{' +ckpt' if r['checkpointing'] else ''} |")
     if "single" in timed and "parallel" in timed:
-        over = timed["parallel"]["total_s"] / timed["single"]["total_s"] - 1
-        lines.append(f"\ndata-parallel step vs one process (timed): {over:+.1%}")
+        over = statistics.median(timed["parallel"]) / statistics.median(timed["single"]) - 1
+        lines.append(f"\ndata-parallel step vs one process (median of timed steps): {over:+.1%}")
     return "\n".join(lines)
 
 
@@ -231,6 +248,8 @@ def main(argv=None) -> None:
     ap.add_argument("--micro-prompts", type=int, default=4, help="prompts (x n samples) per forward/backward")
     ap.add_argument("--kv-memory", type=float, default=0.2, help="share of GPU memory for the KV cache")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--warmup-steps", type=int, default=2, help="untimed steps per path before the timed ones")
+    ap.add_argument("--timed-steps", type=int, default=2, help="timed steps per path (the table compares medians)")
     ap.add_argument("--check-layers", type=int, default=2, help="decoder layers and vision blocks of the check")
     ap.add_argument("--check-prompts", type=int, default=4)
     ap.add_argument("--check-samples", type=int, default=4)
@@ -240,6 +259,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if not (args.check or args.bench):
         ap.error("nothing to do: pass --check and/or --bench")
+    if args.warmup_steps < 0 or args.timed_steps < 1:
+        ap.error("--warmup-steps must be >= 0 and --timed-steps >= 1")
     proc = init_from_env(args.device)
     failed = False
     try:

@@ -22,8 +22,8 @@ backend's outputs are the native engine's RequestOutputs. The reference model is
 initial policy. `train(batch, cfg)` takes an optional config for that step alone (the server's
 per-request overrides), derived from `self.cfg` with `dataclasses.replace`; `self.cfg` never changes.
 
-Under torch.distributed (`group`: a process group, or by default the default group when one is
-initialised) the step is data-parallel (rollplex.parallel.colocated): every rank calls it with the
+Under torch.distributed (`group`: a process group, or by default the default group when one of two or
+more ranks is initialised) the step is data-parallel (rollplex.parallel.colocated): every rank calls it with the
 same rows, rolls out its share of the prompts (or all of them with a tensor-parallel engine), scores
 and trains its share of the prompt groups with FSDP2-sharded reference and trainer, and ends with the
 same metrics and weights as one process; the trainer's new weights are copied into `model` (and the
@@ -84,12 +84,14 @@ class RLStep:
         memory: the phase-aware memory manager the engine's KV cache was allocated under (None: every
         tensor stays resident); its plan is chosen here from the sizes of the regions and `memory_cfg`.
         cosched: the co-scheduler's configuration (used when `cfg.cosched`).
-        group: a torch.distributed process group to run data-parallel over; "auto" (default): the default
-        group when torch.distributed is initialised; None: this process alone. Data-parallel, `model`
+        group: a torch.distributed process group to run data-parallel over (a group of one rank included);
+        "auto" (default): the default group when torch.distributed is initialised with more than one rank;
+        None: this process alone. Data-parallel, `model`
         holds the full weights on every rank and the engine decodes it, or this rank's tensor-parallel
         shard of it over the same group. fsdp: the trainer's and reference's `parallel.FSDPConfig`."""
-        if group == "auto":
-            group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        if group == "auto":  # a group of one has nothing to split: the single-process step, without FSDP's copies
+            group = (dist.group.WORLD if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+                     else None)
         self.backend = as_rollout_backend(engine)
         # the native engine, whose decode loop the co-scheduler hooks into; None with another backend
         self.engine = self.backend.engine if isinstance(self.backend, NativeRollout) else None
