@@ -29,14 +29,18 @@ def _spawn(tmp_path, tiny_dir, world, cfg, rollout="data", steps=2, memory_cfg=N
     # two mini-batches (old logprobs scored data-parallel first), entropy bonus, sequence-mean loss
     (2, dict(ppo_mini_batches=2, entropy_coeff=0.01, loss_agg_mode="seq-mean-token-mean")),
     (4, dict(mode="serial", micro_batch_samples=3)),
+    # a frozen vision tower: the per-rank rollout drops the engine's encodings, the towers run frozen
+    (2, dict(freeze_vision_tower=True)),
 ])
 def test_data_parallel_step_equals_single_process(tmp_path, tiny_dir, world, rl):
     _spawn(tmp_path, tiny_dir, world, RLConfig(**{**BASE, **rl}))
 
 
 @pytest.mark.slow
-def test_tensor_parallel_rollout_step_equals_single_process(tmp_path, tiny_dir):
-    _spawn(tmp_path, tiny_dir, 2, RLConfig(**BASE), rollout="tensor")
+@pytest.mark.parametrize("rl", [dict(), dict(freeze_vision_tower=True)])
+def test_tensor_parallel_rollout_step_equals_single_process(tmp_path, tiny_dir, rl):
+    # frozen: every rank prefilled every prompt, so the engine's encodings stand in for both towers
+    _spawn(tmp_path, tiny_dir, 2, RLConfig(**{**BASE, **rl}), rollout="tensor")
 
 
 @pytest.mark.slow
@@ -67,7 +71,7 @@ def test_what_a_process_group_refuses(tmp_path, tiny_dir):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         world = dist.group.WORLD  # a group of one rank, given explicitly
-        for bad in (dict(cosched=True), dict(freeze_vision_tower=True), dict(packed=False)):
+        for bad in (dict(cosched=True), dict(packed=False)):
             with pytest.raises(ValueError, match="data-parallel"):
                 build(tiny_dir, RLConfig(**{**BASE, **bad}), group=world)
         rl = build(tiny_dir, RLConfig(**BASE), group=world)

@@ -69,15 +69,18 @@ def _steps(client: httpx.Client) -> dict:
 
 
 @pytest.mark.slow
-def test_server_over_two_ranks_matches_one_process(tiny_dir, tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--freeze-vision-tower"]], ids=["trained", "frozen-vision"])
+def test_server_over_two_ranks_matches_one_process(tiny_dir, tmp_path, extra):
+    # frozen: the one-process server reuses its prefill's vision encodings, the group runs the frozen tower
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    flags = _flags(tiny_dir) + extra
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "rollplex.server", *_flags(tiny_dir), "--port", str(port), "--checkpoint-root", str(tmp_path)]
+           "rollplex.server", *flags, "--port", str(port), "--checkpoint-root", str(tmp_path)]
     group = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         # the one-process server on the same flags, in this process, while the group starts
-        cfg = config_from_args(parser().parse_args(_flags(tiny_dir) + ["--checkpoint-root", str(tmp_path)]))
+        cfg = config_from_args(parser().parse_args(flags + ["--checkpoint-root", str(tmp_path)]))
         with serve_in_thread(cfg) as single, httpx.Client(base_url=single.url, timeout=120) as c:
             start = c.get("/health", params={"checksum": True}).json()["weights_checksum"]
             one = _steps(c)
@@ -107,7 +110,6 @@ def test_server_over_two_ranks_matches_one_process(tiny_dir, tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     (["--tensor-parallel", "2"], "tensor-parallel engines"),
-    (["--freeze-vision-tower"], "freeze_vision_tower"),
     (["--no-packed"], "packed=True"),
 ])
 def test_group_refuses_what_it_cannot_run(flags, message):

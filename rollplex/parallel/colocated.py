@@ -19,6 +19,12 @@ Sampling is seeded per prompt and sample (`RLStep.rollout`), and the sampler's n
 (seed, step, token) (engine/sampler.py), so a prompt's samples do not depend on which rank, or which
 other prompts, it is generated with: the data-parallel step computes the single-process step.
 
+A frozen vision tower (`freeze_vision_tower`) gets no gradient and no optimizer state in the trainer.
+Its encodings from the engine's prefill are reused where the rank holds them: a tensor-parallel engine
+prefilled every prompt on every rank, and one rank alone is one process; a per-rank rollout over
+several ranks drops them at the gather (the scoring and training shares are dealt by cost after the
+rollout, not by who prefilled what), so the reference and the trainer run the frozen tower instead.
+
 The memory manager is per rank: each rank's engine, optimizer state, gradient buffers and reference
 shards live in its own regions (local shards, not whole tensors), and `RLStep`'s phases, the
 optimizer offload, activation checkpointing and the update's OOM ladder run as on one process.
@@ -48,8 +54,6 @@ class Colocated:
                  fsdp: FSDPConfig | None = None):
         if cfg.cosched:
             raise ValueError("cosched runs one process's prefix work beside its decode: not data-parallel yet")
-        if cfg.freeze_vision_tower:
-            raise ValueError("freeze_vision_tower reuses one engine's vision encodings: not data-parallel yet")
         check_passes(cfg.mode, cfg.packed)
         self.group, self.model_cfg = group, model.cfg
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)

@@ -211,9 +211,9 @@ class RLStep:
         weights."""
         same = self.ref is not None and self.cfg.freeze_vision_tower
         if same:
-            with self._resident(["ref_weights"]):
-                same = all(torch.equal(a, b) for a, b in zip(self.model.visual.parameters(),
-                                                              self.ref.visual.parameters()))
+            with self._resident(["ref_weights"]):  # a data-parallel reference holds shards (DTensors)
+                same = all(torch.equal(a, b.full_tensor() if isinstance(b, DTensor) else b)
+                           for a, b in zip(self.model.visual.parameters(), self.ref.visual.parameters()))
         self._ref_same_vision = same
 
     def _resident(self, tags):

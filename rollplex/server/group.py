@@ -23,9 +23,11 @@ out-of-memory error inside a data-parallel pass leaves the other ranks waiting i
 rank that hits one (rank 0 included) exits non-zero and torchrun ends the group.
 
 Rollouts and /generate run on rank 0's engine only: its policy holds the full weights, synced after
-every update. Refused under a group: the SGLang rollout backend, a tensor-parallel engine, a frozen
-vision tower, the prefix-state path (startup errors, `check_config`; cosched is refused by ServerConfig
-in any case) and checkpoints (/save, /load: the optimizer state is sharded).
+every update. A frozen vision tower trains nothing in the tower on every rank; rank 0 keeps no prefill
+encodings for it (the other ranks never saw those prompts), so every rank runs the frozen tower when
+scoring and training. Refused under a group: the SGLang rollout backend, a tensor-parallel engine, the
+prefix-state path (startup errors, `check_config`; cosched is refused by ServerConfig in any case) and
+checkpoints (/save, /load: the optimizer state is sharded).
 
 The command channel waits without a deadline (a server may sit idle for days); a rank 0 that dies
 closes its sockets, which ends the followers' wait with an error, and torchrun then ends the group.
@@ -60,9 +62,6 @@ def check_config(cfg) -> None:
     if cfg.engine.tensor_parallel != 1:
         raise ValueError("tensor-parallel engines are not served over a process group yet: every rank's engine "
                          "decodes the full policy (leave --tensor-parallel at 1)")
-    if cfg.rl.freeze_vision_tower:
-        raise ValueError("freeze_vision_tower is not available under a process group (it reuses one engine's "
-                         "vision encodings)")
     check_passes(cfg.rl.mode, cfg.rl.packed)
 
 

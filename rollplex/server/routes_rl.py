@@ -63,8 +63,9 @@ def router(state) -> APIRouter:
             raise bad_request("training rollouts need temperature > 0 (the trainer scores that distribution)")
         params = [sp if sp.seed is None else replace(sp, seed=sp.seed + i * n) for i in range(len(req.prompts))]
         encoders = [(lambda p=p: state.encode_prompt(p)) for p in req.prompts]
-        # a frozen vision tower's encodings from the prefill stand in for the trainer's vision passes
-        keep_vision = req.for_training and rl.freeze_vision_tower and rl.mode == "rollplex"
+        # a frozen vision tower's encodings from the prefill stand in for the trainer's vision passes; under a
+        # process group the other ranks never prefilled these prompts, so every rank runs the frozen tower
+        keep_vision = req.for_training and rl.freeze_vision_tower and rl.mode == "rollplex" and state.world_size == 1
         if state.engine is None:  # the backend batches the rollout itself
             outs, inputs, version = await _backend_rollout(state, encoders, params, keep_vision)
         else:
