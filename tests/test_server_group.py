@@ -1,5 +1,5 @@
 """`python -m torch.distributed.run -m rollplex.server` on CPU (gloo, 2 ranks): rank 0 serves HTTP, the
-train step runs data-parallel on both ranks, and the weights after a seeded rollout + train step equal
+rollouts and the train step run data-parallel on both ranks, and the weights after a seeded rollout + train step equal
 those of a one-process server given the same requests; checkpoints answer 400 under the group; SIGTERM
 to rank 0 stops the group and torchrun exits 0."""
 
@@ -57,6 +57,9 @@ def _steps(client: httpx.Client) -> dict:
     first = client.post("/rollout", json={"prompts": wire_rows(2), "n": 2, "sampling_params": SAMPLING})
     assert first.status_code == 200, first.text
     rid = first.json()["rollout_id"]
+    # a prompt no engine can run is refused before any rank samples, and nothing is lost
+    too_long = client.post("/rollout", json={"prompts": [{"input_ids": [5] * 300}], "n": 2, "sampling_params": SAMPLING})
+    assert too_long.status_code == 400 and "prompts[0]" in too_long.text, too_long.text
     bad = client.post("/train_step", json={"rollout_id": rid, "rewards": REWARDS, "loss_agg_mode": "nope"})
     assert bad.status_code == 400, bad.text  # rejected before any rank trains
     step = client.post("/train_step", json={"rollout_id": rid, "rewards": REWARDS})
@@ -76,7 +79,7 @@ def test_server_over_two_ranks_matches_one_process(tiny_dir, tmp_path, extra):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     flags = _flags(tiny_dir) + extra
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "rollplex.server", *flags, "--port", str(port), "--checkpoint-root", str(tmp_path)]
+           "rollplex.server", *flags, "--port", str(port), "--checkpoint-root", str(tmp_path), "--log-level", "info"]
     group = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         # the one-process server on the same flags, in this process, while the group starts
@@ -101,7 +104,10 @@ def test_server_over_two_ranks_matches_one_process(tiny_dir, tmp_path, extra):
         assert diff <= 1e-5 * moved, (diff, moved)  # equal up to fp32 summation order
         os.kill(_rank0_pid(group.pid), signal.SIGTERM)
         rc = group.wait(60)
-        assert rc == 0, group.stdout.read().decode()[-4000:]
+        log = group.stdout.read().decode()
+        assert rc == 0, log[-4000:]
+        # both rollouts were data-parallel: rank 1's engine sampled one of the two prompts each time
+        assert log.count("rank 1: sampled 1 of the rollout's 2 prompts") == 2, log[-4000:]
     finally:
         if group.poll() is None:
             group.kill()

@@ -268,10 +268,13 @@ class RLStep:
 
     def sample(self, prompts: list, params: list[SamplingParams], keep_vision: bool = False) -> list:
         """The rollout phase on prompts without co-scheduling: the backend's RequestOutputs, one per
-        prompt (the server's /rollout when the backend is not its own engine loop)."""
+        prompt (the server's /rollout when the backend is not its own engine loop, or over a process
+        group, where each rank samples its share)."""
         if self.backend is None:
             raise ValueError("this RLStep has no rollout engine")
         with self._phase("rollout"):
+            if self.parallel is not None:  # this rank's share, gathered (a collective: every rank calls it)
+                return self.parallel.generate(prompts, params, keep_vision=keep_vision)
             return self.backend.generate(prompts, params, keep_vision=keep_vision)
 
     def _plan_handover(self, prompts: list, frozen: bool) -> dict[str, PrefixRows]:

@@ -7,6 +7,9 @@ over the default group (`group="auto"`: FSDP2-sharded trainer and reference, the
 rank). Rank 0 runs the HTTP front end; the other ranks run `follow`, which waits for rank 0's
 commands on a gloo group of its own (`Commands`; `broadcast_object_list` of a tuple) and runs them:
 
+    ("rollout", inputs, params)                                  `ServerState.sample`: every rank samples its
+                                                                 share of the encoded prompts (dealt round-robin)
+                                                                 and the outputs are gathered to every rank
     ("train", entry, rewards, overrides, reward_s, off_policy)   `ServerState.train` on the same retained
                                                                  rollout: every rank enters the step's
                                                                  collectives together and ends with the
@@ -22,8 +25,11 @@ the same batch), and the update's out-of-memory back-off is agreed collectively 
 out-of-memory error inside a data-parallel pass leaves the other ranks waiting in its collectives, so the
 rank that hits one (rank 0 included) exits non-zero and torchrun ends the group.
 
-Rollouts and /generate run on rank 0's engine only: its policy holds the full weights, synced after
-every update. A frozen vision tower trains nothing in the tower on every rank; rank 0 keeps no prefill
+A `/rollout` is data-parallel: rank 0 encodes the prompts, waits until its engine has no request in
+flight, sends "rollout", and every rank's engine samples its share (sampling is seeded per prompt and
+sample, so the samples are those one process would draw). One group rollout runs at a time, and it is
+not batched with other requests. `/generate` runs on rank 0's engine alone, continuously batched: its
+policy holds the full weights, synced after every update. A frozen vision tower trains nothing in the tower on every rank; rank 0 keeps no prefill
 encodings for it (the other ranks never saw those prompts), so every rank runs the frozen tower when
 scoring and training. Refused under a group: the SGLang rollout backend, a tensor-parallel engine, the
 prefix-state path (startup errors, `check_config`; cosched is refused by ServerConfig in any case) and
@@ -126,6 +132,12 @@ def follow(state, commands: Commands) -> None:
             log.info("rank %d: stopped by rank 0", commands.rank)
             commands.closing()
             return
+        if op == "rollout":  # this rank's share of the prompts; the outputs are gathered to every rank
+            inputs, params = args
+            state.sample(inputs, params, keep_vision=False)
+            log.info("rank %d: sampled %d of the rollout's %d prompts", commands.rank,
+                     len(range(commands.rank, len(inputs), commands.world)), len(inputs))
+            continue
         if op != "train":
             raise RuntimeError(f"unknown command {op!r} from rank 0")
         entry, rewards, overrides, reward_s, off_policy = args

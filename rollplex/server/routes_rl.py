@@ -18,8 +18,9 @@
            the saved data_state and drops retained rollouts (sampled from the previous weights).
            Paths lie under --checkpoint-root (relative ones are taken from it); others are 400.
 Training, save and load are `drain` jobs: they start once in-flight engine requests have finished.
-With a rollout backend outside the engine loop (`--rollout-backend sglang`) a /rollout is one worker
-job: its prompts are encoded on the intake thread, then the RL step's backend samples them all at once.
+With a rollout backend outside the engine loop (`--rollout-backend sglang`), or over a process group
+(every rank's engine samples a share; group.py), a /rollout is one worker job: its prompts are encoded
+on the intake thread, then sampled all at once.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def router(state) -> APIRouter:
         # a frozen vision tower's encodings from the prefill stand in for the trainer's vision passes; under a
         # process group the other ranks never prefilled these prompts, so every rank runs the frozen tower
         keep_vision = req.for_training and rl.freeze_vision_tower and rl.mode == "rollplex" and state.world_size == 1
-        if state.engine is None:  # the backend batches the rollout itself
+        if state.engine is None or state.world_size > 1:  # the backend, or every rank's engine, samples it whole
             outs, inputs, version = await _backend_rollout(state, encoders, params, keep_vision)
         else:
             tickets, inputs = await submit(state, encoders, params, what="prompts", keep_vision=keep_vision)
@@ -165,7 +166,9 @@ async def _backend_rollout(state, encoders: list, params: list, keep_vision: boo
         for i, enc in enumerate(encoders):
             try:
                 out.append(enc())
-            except Exception as e:  # processor / image errors: the client's input
+                if state.engine is not None:  # what the engines would refuse, refused before any rank starts
+                    state.engine.prepare(out[-1], params[i], processor=state.intake_processor)
+            except Exception as e:  # processor / image errors, prompts the engine cannot run: the client's input
                 raise ValueError(f"prompts[{i}]: {e}") from e
         return out
 
@@ -173,8 +176,9 @@ async def _backend_rollout(state, encoders: list, params: list, keep_vision: boo
         inputs = await asyncio.get_running_loop().run_in_executor(state.intake, encode)
     except ValueError as e:
         raise bad_request(str(e)) from None
-    try:
-        outs, version = await state.worker.run(lambda: state.sample(inputs, params, keep_vision))
+    try:  # over a process group the engine's in-flight requests finish first: the job drives it alone
+        outs, version = await state.worker.run(lambda: state.sample(inputs, params, keep_vision),
+                                               drain=state.engine is not None)
     except ValueError as e:  # a prompt the backend refuses (e.g. video with SGLang)
         raise bad_request(str(e)) from None
     for out in outs:

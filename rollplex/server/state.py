@@ -293,7 +293,11 @@ class ServerState:
 
     def sample(self, inputs: list[ModelInputs], params: list, keep_vision: bool) -> tuple[list, int]:
         """(one RequestOutput per prompt, the weights version they were sampled from) through the RL
-        step's rollout backend; a worker job when the rollouts run outside the engine loop (SGLang)."""
+        step's rollout backend; a worker job when the rollouts run outside the engine loop (SGLang) or
+        over a process group, where rank 0 first hands the prompts to the other ranks (group.py) and every
+        rank samples its share."""
+        if self.commands is not None:
+            self.commands.send("rollout", inputs, params)
         return self.rl.sample(inputs, params, keep_vision=keep_vision), self.weights_version
 
     def train(self, entry: RetainedRollout, rewards, overrides: dict, reward_s: float,
