@@ -191,7 +191,8 @@ def main(argv=None) -> None:
                     help="token budget per fwd/bwd instead of the counts (RLConfig.micro_batch_max_tokens)")
     ap.add_argument("--micro-samples", type=int, default=None,
                     help="serial: sequences per fwd/bwd (default: 8 for w3b, 4 for w3b-video)")
-    ap.add_argument("--slowdown-bound", type=float, default=CoschedConfig.slowdown_bound)
+    ap.add_argument("--slowdown-bound", default=str(CoschedConfig.slowdown_bound),
+                    help="comma list: one co-scheduled row per value (crossed with --side-sms)")
     ap.add_argument("--job-prompts", type=int, default=CoschedConfig.job_prompts)
     ap.add_argument("--side-sms", default="0", help="comma list: one co-scheduled row per value; 0 shares every SM "
                     "with decode, N > 0 confines the admitted work to a green context of N SMs")
@@ -217,8 +218,8 @@ def main(argv=None) -> None:
                                            compile_decode=False if args.no_compile else None))
     print(json.dumps({"bench": "step_setup", "kv_blocks": eng.runner.num_blocks, **env_info()}), flush=True)
     modes = args.modes.split(",")
-    co_cfgs = [CoschedConfig(slowdown_bound=args.slowdown_bound, job_prompts=args.job_prompts, side_sms=int(v))
-               for v in args.side_sms.split(",")]
+    co_cfgs = [CoschedConfig(slowdown_bound=float(b), job_prompts=args.job_prompts, side_sms=int(v))
+               for b in args.slowdown_bound.split(",") for v in args.side_sms.split(",")]
     rl_kw = dict(n=args.n, kl_coef=0.01, lr=1e-6, micro_batch_max_tokens=args.micro_tokens, packed=not args.no_packed)
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ref = copy.deepcopy(model).requires_grad_(False)
@@ -270,7 +271,7 @@ def main(argv=None) -> None:
                             tl, traced = Timeline(torch.device(args.device)), True
                         r = cosched_step(model, eng, prompts, params(seed), rl_kw, co_cfg, cfg, grid, label, step,
                                          frozen, init, ref, seed, tl)
-                        vrow["side_sms"] = co_cfg.side_sms
+                        vrow["side_sms"], vrow["slowdown_bound"] = co_cfg.side_sms, co_cfg.slowdown_bound
                         vrow["cosched"] = r["gen_s"] + r["ref_plus_update_s"]
                         vrow["cosched_gen_s"] = r["gen_s"]
                         vrow["cosched_ref_s"], vrow["cosched_update_s"] = r["ref_s"], r["update_actor_s"]
@@ -309,9 +310,9 @@ def _check(model, eng, prompts, rl_kw, co_cfg, cfg, grid, label, init, ref, mode
 
 
 def _table(summary: list[dict]) -> None:
-    print("\n| workload | vision | step | movable s | serial s | rollplex s | side SMs | cosched s (gen s) | limit s | "
-          "hidden of limit | decode slowdown | vs serial |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| workload | vision | step | movable s | serial s | rollplex s | bound | side SMs | cosched s (gen s) | "
+          "limit s | hidden of limit | decode slowdown | vs serial |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in summary:
         base, share, co = r.get("serial"), r.get("rollplex"), r.get("cosched")
         limit = share - r["movable_s"] if share is not None else None
@@ -319,5 +320,5 @@ def _table(summary: list[dict]) -> None:
         slow = r["cosched_gen_s"] / r["gen_s"] - 1 if co is not None and "gen_s" in r else None
         fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)  # noqa: E731
         print(f"| {r['workload']} | {r['vision']} | {r['step']} | {r['movable_s']:.3f} | {fmt(base)} | {fmt(share)} | "
-              f"{r.get('side_sms', 0) or 'all'} | {fmt(co)} ({fmt(r.get('cosched_gen_s'))}) | {fmt(limit)} | {fmt(frac, '{:.0%}')} | "
+              f"{fmt(r.get('slowdown_bound'), '{:g}')} | {r.get('side_sms', 0) or 'all'} | {fmt(co)} ({fmt(r.get('cosched_gen_s'))}) | {fmt(limit)} | {fmt(frac, '{:.0%}')} | "
               f"{fmt(slow, '{:+.1%}')} | {fmt(base / co if base and co else None)}x |")
