@@ -72,14 +72,18 @@ def _steps(client: httpx.Client) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], ["--freeze-vision-tower"]], ids=["trained", "frozen-vision"])
-def test_server_over_two_ranks_matches_one_process(tiny_dir, tmp_path, extra):
-    # frozen: the one-process server reuses its prefill's vision encodings, the group runs the frozen tower
+@pytest.mark.parametrize("extra, group_extra", [([], []), (["--freeze-vision-tower"], []),
+                                                ([], ["--tensor-parallel", "2"])],
+                         ids=["trained", "frozen-vision", "tensor-parallel"])
+def test_server_over_two_ranks_matches_one_process(tiny_dir, tmp_path, extra, group_extra):
+    # frozen: the one-process server reuses its prefill's vision encodings, the group runs the frozen tower;
+    # tensor-parallel: both ranks' engines decode every prompt of a rollout with their shards of the policy
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     flags = _flags(tiny_dir) + extra
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "rollplex.server", *flags, "--port", str(port), "--checkpoint-root", str(tmp_path), "--log-level", "info"]
+           "rollplex.server", *flags, *group_extra, "--port", str(port), "--checkpoint-root", str(tmp_path),
+           "--log-level", "info"]
     group = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         # the one-process server on the same flags, in this process, while the group starts
@@ -91,6 +95,9 @@ def test_server_over_two_ranks_matches_one_process(tiny_dir, tmp_path, extra):
         wait_for_health(url, group, 90)
         with httpx.Client(base_url=url, timeout=120) as c:
             two = _steps(c)
+            if group_extra:
+                gen = c.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+                assert gen.status_code == 400 and "tensor-parallel" in gen.text, gen.text
             save = c.post("/save", json={"path": "ck"})
             assert save.status_code == 400 and "process group" in save.json()["error"]["message"], save.text
             assert c.get("/health").json()["status"] == "ok"
@@ -106,8 +113,10 @@ def test_server_over_two_ranks_matches_one_process(tiny_dir, tmp_path, extra):
         rc = group.wait(60)
         log = group.stdout.read().decode()
         assert rc == 0, log[-4000:]
-        # both rollouts were data-parallel: rank 1's engine sampled one of the two prompts each time
-        assert log.count("rank 1: sampled 1 of the rollout's 2 prompts") == 2, log[-4000:]
+        # both rollouts ran on both ranks: rank 1's engine sampled one of the two prompts each time, or (tensor-
+        # parallel) decoded both with rank 0
+        want = "rank 1: decoded the rollout's 2 prompts" if group_extra else "rank 1: sampled 1 of the rollout's 2 prompts"
+        assert log.count(want) == 2, log[-4000:]
     finally:
         if group.poll() is None:
             group.kill()
@@ -115,13 +124,14 @@ def test_server_over_two_ranks_matches_one_process(tiny_dir, tmp_path, extra):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--tensor-parallel", "2"], "tensor-parallel engines"),
+    (["--tensor-parallel", "4"], "spans the whole group"),
     (["--no-packed"], "packed=True"),
 ])
 def test_group_refuses_what_it_cannot_run(flags, message):
     from rollplex.server.group import check_config
 
     cfg = config_from_args(parser().parse_args(["--device", "cpu", *flags]))
-    check_config(config_from_args(parser().parse_args(["--device", "cpu"])))  # the defaults run
+    check_config(config_from_args(parser().parse_args(["--device", "cpu"])), 2)  # the defaults run
+    check_config(config_from_args(parser().parse_args(["--device", "cpu", "--tensor-parallel", "2"])), 2)
     with pytest.raises(ValueError, match=message):
-        check_config(cfg)
+        check_config(cfg, 2)

@@ -176,7 +176,7 @@ def _join_group(cfg):
     from ..parallel.launch import init_from_env
     from .group import Commands, check_config
 
-    check_config(cfg)
+    check_config(cfg, _world_size())
     if cfg.device.startswith("cuda:"):
         raise ValueError("under torchrun every rank uses cuda:LOCAL_RANK: pass --device cuda")
     proc = init_from_env("cuda" if cfg.device == "cuda" else "cpu")

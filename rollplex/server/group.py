@@ -31,8 +31,11 @@ sample, so the samples are those one process would draw). One group rollout runs
 not batched with other requests. `/generate` runs on rank 0's engine alone, continuously batched: its
 policy holds the full weights, synced after every update. A frozen vision tower trains nothing in the tower on every rank; rank 0 keeps no prefill
 encodings for it (the other ranks never saw those prompts), so every rank runs the frozen tower when
-scoring and training. Refused under a group: the SGLang rollout backend, a tensor-parallel engine, the
-prefix-state path (startup errors, `check_config`; cosched is refused by ServerConfig in any case) and
+scoring and training. With `--tensor-parallel N` (N = the group's size) every rank's engine holds
+its tensor-parallel shard of the policy and decodes every prompt of a `/rollout` with the others (the
+weight sync writes the shards after each update); `/generate` is then a 400, since its continuous
+batching steps rank 0's engine alone. Refused under a group: the SGLang rollout backend, any other
+tensor-parallel degree, the prefix-state path (startup errors, `check_config`; cosched is refused by ServerConfig in any case) and
 checkpoints (/save, /load: the optimizer state is sharded).
 
 The command channel waits without a deadline (a server may sit idle for days); a rank 0 that dies
@@ -59,15 +62,16 @@ log = logging.getLogger("rollplex.server")
 COMMAND_TIMEOUT = timedelta(days=3650)
 
 
-def check_config(cfg) -> None:
-    """ValueError for a ServerConfig the server cannot run over a process group (before any rank starts
-    building, so every rank fails the same way)."""
+def check_config(cfg, world: int) -> None:
+    """ValueError for a ServerConfig the server cannot run over a process group of `world` ranks (before any
+    rank starts building, so every rank fails the same way)."""
     if cfg.backend.rollout_backend != "native":
         raise ValueError(f"the {cfg.backend.rollout_backend} rollout backend is not served over a process group "
-                         "yet: rank 0's native engine decodes the policy (leave --rollout-backend at native)")
-    if cfg.engine.tensor_parallel != 1:
-        raise ValueError("tensor-parallel engines are not served over a process group yet: every rank's engine "
-                         "decodes the full policy (leave --tensor-parallel at 1)")
+                         "yet: every rank's native engine samples the rollouts (leave --rollout-backend at native)")
+    if cfg.engine.tensor_parallel not in (1, world):
+        raise ValueError(f"--tensor-parallel {cfg.engine.tensor_parallel} over {world} ranks: a tensor-parallel "
+                         f"engine spans the whole group (--tensor-parallel {world}), or each rank's engine decodes "
+                         "the full policy (--tensor-parallel 1)")
     check_passes(cfg.rl.mode, cfg.rl.packed)
 
 
@@ -135,8 +139,11 @@ def follow(state, commands: Commands) -> None:
         if op == "rollout":  # this rank's share of the prompts; the outputs are gathered to every rank
             inputs, params = args
             state.sample(inputs, params, keep_vision=False)
-            log.info("rank %d: sampled %d of the rollout's %d prompts", commands.rank,
-                     len(range(commands.rank, len(inputs), commands.world)), len(inputs))
+            if state.cfg.engine.tensor_parallel > 1:
+                log.info("rank %d: decoded the rollout's %d prompts", commands.rank, len(inputs))
+            else:
+                log.info("rank %d: sampled %d of the rollout's %d prompts", commands.rank,
+                         len(range(commands.rank, len(inputs), commands.world)), len(inputs))
             continue
         if op != "train":
             raise RuntimeError(f"unknown command {op!r} from rank 0")

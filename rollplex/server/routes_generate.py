@@ -1,6 +1,7 @@
 """POST /generate: SGLang's request/response schema over the shared continuous batch (see sglang.py).
 
-Served by the native engine only: with another rollout backend (`--rollout-backend sglang`) it is a 400.
+Served by the native engine only: with another rollout backend (`--rollout-backend sglang`), or by a
+tensor-parallel process group (`--tensor-parallel` > 1 under torchrun), it is a 400.
 
 Non-streaming: wait for every prompt, answer a dict (one prompt, n = 1) or a prompt-major list.
 Streaming (`stream: true`): Server-Sent Events, `data: {chunk}\\n\\n` per new token batch of a
@@ -54,6 +55,10 @@ def router(state) -> APIRouter:
         if state.engine is None:
             raise bad_request(f"/generate is served from the native engine's loop; this server's rollouts run on "
                               f"{state.rl.rollout_backend} (--rollout-backend): use /rollout with for_training false")
+        if state.cfg.engine.tensor_parallel > 1:
+            raise bad_request("/generate is not served by a tensor-parallel group: its continuous batching steps rank "
+                              "0's engine alone, and every rank's shard must run each step; use /rollout (with "
+                              "for_training false for evaluation), which every rank decodes together")
         t0 = time.perf_counter()
         specs, batched = sglang.expand(req, defaults, state.cfg.engine.max_num_seqs)
         fins = [_finalizer(state, s) if (req.return_text_in_logprobs and s.return_logprob) else None for s in specs]

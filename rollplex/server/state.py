@@ -40,6 +40,7 @@ import copy
 import logging
 import math
 import os
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -192,8 +193,19 @@ class ServerState:
             with torch.no_grad():
                 for t in (*self.model.parameters(), *self.model.buffers()):
                     dist.broadcast(t.data, src=0)
+        decoded = self.model  # what the engine decodes: the policy, or this rank's tensor-parallel shard of it
+        if cfg.engine.tensor_parallel > 1:
+            if cfg.engine.tensor_parallel != self.world_size:
+                raise ValueError(f"--tensor-parallel {cfg.engine.tensor_parallel} needs a torchrun group of as many "
+                                 f"ranks (this one has {self.world_size})")
+            from ..parallel import apply_tensor_parallel
+
+            decoded = copy.deepcopy(self.model)
+            apply_tensor_parallel(decoded)  # over the default group; the weight sync rewrites the shards
         if self.model.inv_freq.is_cuda:  # the server owns the model: its training and prefill run compiled
             self.model.compile()  # lazy: the engine's warm-up prefill below compiles
+            if decoded is not self.model:
+                decoded.compile()
         # the phase-aware memory manager: the KV cache is released outside rollout, the rest follows the plan
         self.memory = (MemoryManager(PhasePlan.releases_only(), cfg.device, backend=cfg.memory.memory_backend)
                        if cfg.memory.managed else None)
@@ -209,7 +221,7 @@ class ServerState:
             self.engine = None
             log.info("startup: SGLang rollout engine in %.1fs", self._phase("sglang_engine", t0))
         else:
-            rollout = self.engine = Engine(self.model, self.processor, cfg.engine, memory=self.memory)
+            rollout = self.engine = Engine(decoded, self.processor, cfg.engine, memory=self.memory)
             runner = self.engine.runner
             self.startup_s.update(runner.startup_s)
             log.info("startup: engine in %.1fs: KV cache sizing %.1fs (on GPU a warm-up prefill, its compile "
@@ -297,6 +309,8 @@ class ServerState:
         over a process group, where rank 0 first hands the prompts to the other ranks (group.py) and every
         rank samples its share."""
         if self.commands is not None:
+            # every rank draws the same samples: seedless requests get their seeds here, once, on rank 0
+            params = [p if p.seed is not None else replace(p, seed=random.getrandbits(62)) for p in params]
             self.commands.send("rollout", inputs, params)
         return self.rl.sample(inputs, params, keep_vision=keep_vision), self.weights_version
 
