@@ -145,3 +145,42 @@ def worker(rank: int, world: int, init: str, tiny_dir, rows, cfg: RLConfig, roll
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def checkpoint_worker(rank: int, world: int, init: str, tiny_dir, rows, cfg: RLConfig, ckpt: str) -> None:
+    """Two steps straight through, against one step + save, then a fresh group step that loads and runs
+    the second step: the same rollout, metrics and weights."""
+    import shutil
+    from pathlib import Path
+
+    import pytest
+
+    from rollplex.models import load_model
+    from rollplex.rl.checkpoint import load_checkpoint, save_checkpoint
+
+    init_group(rank, world, init)
+    try:
+        first = build(tiny_dir, cfg, group=dist.group.WORLD)
+        first.step(rows)
+        after_one = {n: p.detach().clone() for n, p in first.model.named_parameters()}
+        save_checkpoint(first, ckpt, data_state={"epoch": 3})
+        want = run_steps(first, rows, 1)
+        del first
+        second = build(tiny_dir, cfg, group=dist.group.WORLD)
+        assert load_checkpoint(second, ckpt) == {"epoch": 3} and second.step_idx == 1
+        got = run_steps(second, rows, 1)
+        compare(got, want)
+        # the HF directory holds the policy as it was saved, readable by one process
+        saved = dict(load_model(ckpt).named_parameters())
+        assert all(torch.equal(saved[n], w) for n, w in after_one.items())
+        single = Path(ckpt).parent / "single"  # the same checkpoint as one process would have written it
+        if rank == 0:
+            shutil.copytree(ckpt, single)
+            for f in single.glob("trainer_state.rank*"):
+                f.rename(single / "trainer_state.pt")
+        dist.barrier()
+        with pytest.raises(ValueError, match="written by one process"):  # refused on every rank alike
+            load_checkpoint(second, single)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

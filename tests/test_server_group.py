@@ -1,7 +1,7 @@
 """`python -m torch.distributed.run -m rollplex.server` on CPU (gloo, 2 ranks): rank 0 serves HTTP, the
-rollouts and the train step run data-parallel on both ranks, and the weights after a seeded rollout + train step equal
-those of a one-process server given the same requests; checkpoints answer 400 under the group; SIGTERM
-to rank 0 stops the group and torchrun exits 0."""
+rollouts and the train step run on both ranks, and the weights after a seeded rollout + train step equal
+those of a one-process server given the same requests, also after a checkpoint is saved and loaded back;
+SIGTERM to rank 0 stops the group and torchrun exits 0."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from server_helpers import free_port, wait_for_health, wire_rows
 
 from rollplex.server import serve_in_thread
@@ -68,7 +69,28 @@ def _steps(client: httpx.Client) -> dict:
     assert second.status_code == 200, second.text
     health = client.get("/health", params={"checksum": True}).json()
     return {"tokens": [[s["token_ids"] for s in r.json()["samples"]] for r in (first, second)],
-            "loss": step.json()["actor/pg_loss"], "grad_norm": step.json()["actor/grad_norm"], "health": health}
+            "loss": step.json()["actor/pg_loss"], "grad_norm": step.json()["actor/grad_norm"], "health": health,
+            "second": second.json()["rollout_id"]}
+
+
+def _checkpoint_round(client: httpx.Client, rollout_id: str) -> float:
+    """Save, train the retained rollout, load the checkpoint back (weights as saved), then roll out and
+    train again from the restored state; the weights checksum after that."""
+    checksum = lambda: client.get("/health", params={"checksum": True}).json()["weights_checksum"]  # noqa: E731
+    save = client.post("/save", json={"path": "ck", "data_state": {"epoch": 1}})
+    assert save.status_code == 200, save.text
+    saved = checksum()
+    step = client.post("/train_step", json={"rollout_id": rollout_id, "rewards": REWARDS})
+    assert step.status_code == 200, step.text
+    assert checksum() != saved
+    load = client.post("/load", json={"path": "ck"})
+    assert load.status_code == 200 and load.json()["data_state"] == {"epoch": 1}, load.text
+    assert checksum() == saved
+    again = client.post("/rollout", json={"prompts": wire_rows(2, seed=2), "n": 2, "sampling_params": SAMPLING})
+    assert again.status_code == 200, again.text
+    step = client.post("/train_step", json={"rollout_id": again.json()["rollout_id"], "rewards": REWARDS})
+    assert step.status_code == 200, step.text
+    return checksum()
 
 
 @pytest.mark.slow
@@ -82,15 +104,23 @@ def test_server_over_two_ranks_matches_one_process(tiny_dir, tmp_path, extra, gr
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     flags = _flags(tiny_dir) + extra
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "rollplex.server", *flags, *group_extra, "--port", str(port), "--checkpoint-root", str(tmp_path),
+           "rollplex.server", *flags, *group_extra, "--port", str(port), "--checkpoint-root", str(tmp_path / "group"),
            "--log-level", "info"]
     group = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         # the one-process server on the same flags, in this process, while the group starts
-        cfg = config_from_args(parser().parse_args(flags + ["--checkpoint-root", str(tmp_path)]))
-        with serve_in_thread(cfg) as single, httpx.Client(base_url=single.url, timeout=120) as c:
-            start = c.get("/health", params={"checksum": True}).json()["weights_checksum"]
-            one = _steps(c)
+        cfg = config_from_args(parser().parse_args(flags + ["--checkpoint-root", str(tmp_path / "one")]))
+        # one intra-op thread, as each rank has (OMP_NUM_THREADS=1): a BLAS that picks its thread count by the
+        # machine's load would otherwise change the summation order, and a near-tie sample with it
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with serve_in_thread(cfg) as single, httpx.Client(base_url=single.url, timeout=120) as c:
+                start = c.get("/health", params={"checksum": True}).json()["weights_checksum"]
+                one = _steps(c)
+                one["resumed"] = _checkpoint_round(c, one["second"])
+        finally:
+            torch.set_num_threads(threads)
         url = f"http://127.0.0.1:{port}"
         wait_for_health(url, group, 90)
         with httpx.Client(base_url=url, timeout=120) as c:
@@ -98,8 +128,8 @@ def test_server_over_two_ranks_matches_one_process(tiny_dir, tmp_path, extra, gr
             if group_extra:
                 gen = c.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
                 assert gen.status_code == 400 and "tensor-parallel" in gen.text, gen.text
-            save = c.post("/save", json={"path": "ck"})
-            assert save.status_code == 400 and "process group" in save.json()["error"]["message"], save.text
+            # every rank writes and restores its part: the run resumes as the one-process server's does
+            two["resumed"] = _checkpoint_round(c, two["second"])
             assert c.get("/health").json()["status"] == "ok"
         assert one["health"]["world_size"] == 1 and two["health"]["world_size"] == 2
         assert two["health"]["weights_version"] == one["health"]["weights_version"] == 1
@@ -109,14 +139,15 @@ def test_server_over_two_ranks_matches_one_process(tiny_dir, tmp_path, extra, gr
         moved = abs(one["health"]["weights_checksum"] - start)
         diff = abs(two["health"]["weights_checksum"] - one["health"]["weights_checksum"])
         assert diff <= 1e-5 * moved, (diff, moved)  # equal up to fp32 summation order
+        assert abs(two["resumed"] - one["resumed"]) <= 1e-5 * moved, (two["resumed"], one["resumed"])
         os.kill(_rank0_pid(group.pid), signal.SIGTERM)
         rc = group.wait(60)
         log = group.stdout.read().decode()
         assert rc == 0, log[-4000:]
-        # both rollouts ran on both ranks: rank 1's engine sampled one of the two prompts each time, or (tensor-
-        # parallel) decoded both with rank 0
+        # the three rollouts ran on both ranks: rank 1's engine sampled one of the two prompts each time, or
+        # (tensor-parallel) decoded both with rank 0
         want = "rank 1: decoded the rollout's 2 prompts" if group_extra else "rank 1: sampled 1 of the rollout's 2 prompts"
-        assert log.count(want) == 2, log[-4000:]
+        assert log.count(want) == 3, log[-4000:]
     finally:
         if group.poll() is None:
             group.kill()

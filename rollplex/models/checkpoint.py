@@ -167,11 +167,13 @@ def save_model(
     copy_tokenizer_from: str | os.PathLike | None = None,
     max_shard_bytes: int = 4 << 30,
     dtype: torch.dtype | None = None,
+    state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write an HF directory (config.json, [sharded] safetensors [+ index], tokenizer files)."""
+    """Write an HF directory (config.json, [sharded] safetensors [+ index], tokenizer files). state: the
+    full tensors to write instead of `model.state_dict()` (e.g. gathered from shards)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu", dtype or v.dtype) for k, v in model.state_dict().items()}
+    state = {k: v.detach().to("cpu", dtype or v.dtype) for k, v in (state or model.state_dict()).items()}
     hf = rollplex_to_hf(state, model.cfg)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0

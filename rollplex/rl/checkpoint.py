@@ -3,6 +3,13 @@ by `load_model`), the reference policy beside it, and `trainer_state.pt` with th
 LR scheduler, step counter, data position and RNG states. Loading copies weights *in place* so the
 native engine, which reads the same tensors, keeps decoding with the restored policy; a rollout backend
 with its own copy of the policy (SGLang) gets the restored weights copied in.
+
+A data-parallel step (under a process group; every rank calls save / load together) writes the same HF
+directories from rank 0 (the policy is whole on every rank; the reference's shards are gathered), and
+per rank `trainer_state.rank{r}-of-{W}.pt`: that rank's optimizer shards (fp32 masters and moments,
+which restore the trainer's shards), its reference shards, the scheduler, step counter and its RNG
+states, as verl writes one file per rank. It loads into a group of the same size and layout; loading
+copies the trainer's restored weights into the policy and the rollout engine (`sync_weights`).
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ..models import hf_to_rollplex, save_model
 from ..models.checkpoint import read_safetensors
@@ -30,22 +39,52 @@ def _held(step: RLStep, modified: bool):
     return step.memory.resident(_HELD, modified) if step.memory is not None else contextlib.nullcontext()
 
 
-def _single_process(step: RLStep) -> None:
-    if step.parallel is not None:  # sharded trainer and optimizer state: one writer per rank's shards needed
-        raise ValueError("checkpoints of a data-parallel RL step are not supported yet")
+def _rank_file(step: RLStep) -> str:
+    """This process's trainer-state file: STATE on one process, one file per rank of a group."""
+    par = step.parallel
+    return STATE if par is None else f"trainer_state.rank{par.rank}-of-{par.world}.pt"
 
 
 def save_checkpoint(step: RLStep, path: str | Path, data_state: dict | None = None,
                     tokenizer_dir: str | Path | None = None) -> Path:
-    _single_process(step)
+    """Write the checkpoint (every rank of a data-parallel step calls this with the same path)."""
     with _held(step, modified=False):
         return _save(step, Path(path), data_state, tokenizer_dir)
 
 
+def _full_state(model) -> dict:
+    """Whole tensors of a possibly sharded model (a collective when it holds DTensors)."""
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+
+
+def _agree(step: RLStep, err: BaseException | None) -> None:
+    """Raise on every rank of a group when any rank failed (none is left waiting in a collective)."""
+    if step.parallel is None:
+        if err is not None:
+            raise err
+        return
+    flag = torch.tensor([int(err is not None)], device=step.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=step.parallel.group)
+    if err is not None:
+        raise err
+    if flag.item():
+        raise OSError("another rank failed to write its part of the checkpoint (see its log)")
+
+
 def _save(step: RLStep, path: Path, data_state: dict | None, tokenizer_dir) -> Path:
-    save_model(step.model, path, copy_tokenizer_from=tokenizer_dir)
-    if step.ref is not None:
-        save_model(step.ref, path / "ref")
+    par = step.parallel
+    ref_state = _full_state(step.ref) if step.ref is not None else None  # every rank: gathers shards
+    err = None
+    if par is None or par.rank == 0:  # the HF directories: the policy is whole on every rank
+        try:
+            save_model(step.model, path, copy_tokenizer_from=tokenizer_dir)
+            if step.ref is not None:
+                save_model(step.ref, path / "ref", state=ref_state)
+            (path / "rollplex_step.json").write_text(json.dumps({"global_step": step.step_idx}) + "\n")
+        except OSError as e:
+            err = e
+    del ref_state
+    _agree(step, err)
     state = {
         "actor": step.actor.state_dict(),
         "step_idx": step.step_idx,
@@ -53,9 +92,21 @@ def _save(step: RLStep, path: Path, data_state: dict | None, tokenizer_dir) -> P
         "data": data_state or {},
         "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
     }
-    torch.save(state, path / STATE)
-    (path / "rollplex_step.json").write_text(json.dumps({"global_step": step.step_idx}) + "\n")
+    if par is not None:
+        state["world"] = par.world
+        if step.ref is not None:  # this rank's shards, restored as they are
+            state["ref_shards"] = {k: _local(v).cpu() for k, v in step.ref.state_dict().items()}
+    err = None
+    try:
+        torch.save(state, path / _rank_file(step))
+    except OSError as e:
+        err = e
+    _agree(step, err)  # the checkpoint is whole once every rank has written
     return path
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _load_into(model, path: Path) -> None:
@@ -73,24 +124,40 @@ def _load_into(model, path: Path) -> None:
 
 
 def load_checkpoint(step: RLStep, path: str | Path) -> dict:
-    """Restore policy, reference, optimizer, scheduler, step counter and RNG; returns the data state."""
-    _single_process(step)
+    """Restore policy, reference, optimizer, scheduler, step counter and RNG; returns the data state.
+    Under a process group every rank calls it; a checkpoint of another world size is refused."""
     path = Path(path)
-    if not (path / STATE).exists():
-        raise ValueError(f"{path} is not a Rollplex checkpoint (no {STATE})")
+    name = _rank_file(step)
+    ok = (path / name).exists()
+    if step.parallel is not None:  # every rank refuses together, or none does
+        flag = torch.tensor([int(ok)], device=step.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=step.parallel.group)
+        ok = bool(flag.item())
+    if not ok:
+        single = (path / STATE).exists()
+        raise ValueError(f"{path} is not a Rollplex checkpoint for this run (no {name}"
+                         + ("; it was written by one process" if single and name != STATE else "") + ")")
     # weights_only: the state is tensors and plain containers; never unpickle arbitrary objects
-    state = torch.load(path / STATE, map_location="cpu", weights_only=True)
+    state = torch.load(path / name, map_location="cpu", weights_only=True)
     with _held(step, modified=True):
         return _load(step, path, state)
 
 
 def _load(step: RLStep, path: Path, state: dict) -> dict:
+    par = step.parallel
     _load_into(step.model, path)
     if step.ref is not None:
         if not (path / "ref").exists():
             raise ValueError(f"{path} has no reference policy but this run uses one")
-        _load_into(step.ref, path / "ref")
-    step.actor.load_state_dict(state["actor"])
+        if par is None:
+            _load_into(step.ref, path / "ref")
+        else:
+            with torch.no_grad():
+                for k, v in step.ref.state_dict().items():
+                    _local(v).copy_(state["ref_shards"][k])
+    step.actor.load_state_dict(state["actor"])  # its masters restore the trainer's weights (shards)
+    if par is not None:  # the policy and the engine's shards from the restored trainer, as after an update
+        par.sync_weights(step.actor.model, step.model)
     if step.backend is not None:
         step.backend.update_weights()
     step.step_idx = state["step_idx"]

@@ -10,6 +10,9 @@ commands on a gloo group of its own (`Commands`; `broadcast_object_list` of a tu
     ("rollout", inputs, params)                                  `ServerState.sample`: every rank samples its
                                                                  share of the encoded prompts (dealt round-robin)
                                                                  and the outputs are gathered to every rank
+    ("save", path, data_state) / ("load", path)                 `ServerState.save` / `load`: rank 0 writes the
+                                                                 HF directories, every rank its trainer shards
+                                                                 (rl/checkpoint.py); a load restores every rank
     ("train", entry, rewards, overrides, reward_s, off_policy)   `ServerState.train` on the same retained
                                                                  rollout: every rank enters the step's
                                                                  collectives together and ends with the
@@ -35,8 +38,9 @@ scoring and training. With `--tensor-parallel N` (N = the group's size) every ra
 its tensor-parallel shard of the policy and decodes every prompt of a `/rollout` with the others (the
 weight sync writes the shards after each update); `/generate` is then a 400, since its continuous
 batching steps rank 0's engine alone. Refused under a group: the SGLang rollout backend, any other
-tensor-parallel degree, the prefix-state path (startup errors, `check_config`; cosched is refused by ServerConfig in any case) and
-checkpoints (/save, /load: the optimizer state is sharded).
+tensor-parallel degree, the prefix-state path (startup errors, `check_config`; cosched is refused by
+ServerConfig in any case). /save and /load need the checkpoint root on a filesystem every rank sees (one node, or a shared one),
+and a checkpoint loads into a group of the size that wrote it.
 
 The command channel waits without a deadline (a server may sit idle for days); a rank 0 that dies
 closes its sockets, which ends the followers' wait with an error, and torchrun then ends the group.
@@ -130,6 +134,9 @@ def follow(state, commands: Commands) -> None:
     # Ctrl-C reaches every process of the terminal's group: rank 0 handles it and sends "stop"
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     log.info("rank %d/%d following rank 0's commands", commands.rank, commands.world)
+    # this thread drives the rank's engine (its share of each rollout): the HTTP-side engine loop, which would
+    # step the same engine whenever it holds requests, never runs on a follower
+    state.worker.close()
     while True:
         op, *args = commands.receive()
         if op == "stop":
@@ -144,6 +151,12 @@ def follow(state, commands: Commands) -> None:
             else:
                 log.info("rank %d: sampled %d of the rollout's %d prompts", commands.rank,
                          len(range(commands.rank, len(inputs), commands.world)), len(inputs))
+            continue
+        if op in ("save", "load"):  # failures are agreed by every rank (rl/checkpoint.py): logged, not fatal
+            try:
+                state.save(*args) if op == "save" else state.load(*args)
+            except (ValueError, OSError) as e:
+                log.warning("rank %d: %s failed as on rank 0: %s", commands.rank, op, e)
             continue
         if op != "train":
             raise RuntimeError(f"unknown command {op!r} from rank 0")

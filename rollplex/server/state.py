@@ -367,26 +367,26 @@ class ServerState:
         lies outside the root."""
         return confine(self.cfg.checkpoint_root, path)
 
-    def _no_checkpoints(self) -> None:
-        if self.world_size > 1:
-            raise ValueError(f"checkpoints are not available over a process group ({self.world_size} ranks): the "
-                             "optimizer state is sharded across the ranks")
-
     def save(self, path: str, data_state: dict | None) -> dict:
+        """Write a checkpoint under the checkpoint root; over a process group rank 0 checks the path, then
+        every rank writes its part (rl/checkpoint.py)."""
         from ..rl.checkpoint import save_checkpoint
 
-        self._no_checkpoints()
-        out = save_checkpoint(self.rl, self.checkpoint_path(path), data_state, tokenizer_dir=self.model_path)
+        full = self.checkpoint_path(path)
+        if self.commands is not None:
+            self.commands.send("save", path, data_state)
+        out = save_checkpoint(self.rl, full, data_state, tokenizer_dir=self.model_path)
         ref = out / "ref" if self.rl.ref is not None else None
         return {"path": str(out), "global_step": self.rl.step_idx, "ref_path": str(ref) if ref else None}
 
     def load(self, path: str) -> dict:
         from ..rl.checkpoint import load_checkpoint
 
-        self._no_checkpoints()
         full = self.checkpoint_path(path)
         if not full.is_dir():
             raise ValueError(f"checkpoint {full} is not a directory")
+        if self.commands is not None:  # every rank restores its shards (a checkpoint of this group's size)
+            self.commands.send("load", path)
         data_state = load_checkpoint(self.rl, full)
         self.weights_version += 1
         dropped = self.store.clear()  # sampled from the previous weights: no longer on-policy

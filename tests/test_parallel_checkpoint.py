@@ -1,0 +1,19 @@
+"""Checkpoints of the data-parallel RL step (gloo, 2 spawned ranks, the tiny checkpoint): save after a
+step, load into a fresh group, and the next step equals the one the saving group took; the HF
+directory is the policy; a checkpoint of another layout is refused on every rank."""
+
+import pytest
+import torch.multiprocessing as mp
+from parallel_step_worker import checkpoint_worker
+
+from rollplex.demo import shape_color
+from rollplex.rl.config import RLConfig
+
+ROWS = shape_color.make_rows(5, seed=3)
+
+
+@pytest.mark.slow
+def test_data_parallel_checkpoint_resumes_the_same_run(tmp_path, tiny_dir):
+    cfg = RLConfig(n=4, max_new_tokens=6, lr=1e-4, kl_coef=0.05, micro_batch_prompts=2, temperature=1.0)
+    mp.spawn(checkpoint_worker, args=(2, f"file://{tmp_path}/store", tiny_dir, ROWS, cfg, str(tmp_path / "ck")),
+             nprocs=2, join=True)
