@@ -59,7 +59,8 @@ def _steps(client: httpx.Client) -> dict:
     assert first.status_code == 200, first.text
     rid = first.json()["rollout_id"]
     # a prompt no engine can run is refused before any rank samples, and nothing is lost
-    too_long = client.post("/rollout", json={"prompts": [{"input_ids": [5] * 300}], "n": 2, "sampling_params": SAMPLING})
+    too_long = client.post("/rollout", json={"prompts": [{"input_ids": [5] * 300}], "n": 2,
+                                             "sampling_params": SAMPLING})
     assert too_long.status_code == 400 and "prompts[0]" in too_long.text, too_long.text
     bad = client.post("/train_step", json={"rollout_id": rid, "rewards": REWARDS, "loss_agg_mode": "nope"})
     assert bad.status_code == 400, bad.text  # rejected before any rank trains
@@ -146,7 +147,8 @@ def test_server_over_two_ranks_matches_one_process(tiny_dir, tmp_path, extra, gr
         assert rc == 0, log[-4000:]
         # the three rollouts ran on both ranks: rank 1's engine sampled one of the two prompts each time, or
         # (tensor-parallel) decoded both with rank 0
-        want = "rank 1: decoded the rollout's 2 prompts" if group_extra else "rank 1: sampled 1 of the rollout's 2 prompts"
+        want = ("rank 1: decoded the rollout's 2 prompts" if group_extra
+                else "rank 1: sampled 1 of the rollout's 2 prompts")
         assert log.count(want) == 3, log[-4000:]
     finally:
         if group.poll() is None:

@@ -320,5 +320,6 @@ def _table(summary: list[dict]) -> None:
         slow = r["cosched_gen_s"] / r["gen_s"] - 1 if co is not None and "gen_s" in r else None
         fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)  # noqa: E731
         print(f"| {r['workload']} | {r['vision']} | {r['step']} | {r['movable_s']:.3f} | {fmt(base)} | {fmt(share)} | "
-              f"{fmt(r.get('slowdown_bound'), '{:g}')} | {r.get('side_sms', 0) or 'all'} | {fmt(co)} ({fmt(r.get('cosched_gen_s'))}) | {fmt(limit)} | {fmt(frac, '{:.0%}')} | "
+              f"{fmt(r.get('slowdown_bound'), '{:g}')} | {r.get('side_sms', 0) or 'all'} | "
+              f"{fmt(co)} ({fmt(r.get('cosched_gen_s'))}) | {fmt(limit)} | {fmt(frac, '{:.0%}')} | "
               f"{fmt(slow, '{:+.1%}')} | {fmt(base / co if base and co else None)}x |")

@@ -191,7 +191,8 @@ def bench(proc: Process, args) -> list[dict]:
             for k, v in model.state_dict().items():
                 v.copy_(init[k])
         rl = RLStep(model, engine, rl_cfg, reward_fn="exact", group=group)
-        steps = [("warm-up", 1 + i) for i in range(args.warmup_steps)] + [("timed", 100 + i) for i in range(args.timed_steps)]
+        steps = ([("warm-up", 1 + i) for i in range(args.warmup_steps)]
+                 + [("timed", 100 + i) for i in range(args.timed_steps)])
         for step, seed in steps:
             graphs0 = counters["stats"]["unique_graphs"]
             if cuda:

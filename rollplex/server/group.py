@@ -10,7 +10,7 @@ commands on a gloo group of its own (`Commands`; `broadcast_object_list` of a tu
     ("rollout", inputs, params)                                  `ServerState.sample`: every rank samples its
                                                                  share of the encoded prompts (dealt round-robin)
                                                                  and the outputs are gathered to every rank
-    ("save", path, data_state) / ("load", path)                 `ServerState.save` / `load`: rank 0 writes the
+    ("save", path, data_state) / ("load", path)                  `ServerState.save` / `load`: rank 0 writes the
                                                                  HF directories, every rank its trainer shards
                                                                  (rl/checkpoint.py); a load restores every rank
     ("train", entry, rewards, overrides, reward_s, off_policy)   `ServerState.train` on the same retained
@@ -28,19 +28,27 @@ the same batch), and the update's out-of-memory back-off is agreed collectively 
 out-of-memory error inside a data-parallel pass leaves the other ranks waiting in its collectives, so the
 rank that hits one (rank 0 included) exits non-zero and torchrun ends the group.
 
-A `/rollout` is data-parallel: rank 0 encodes the prompts, waits until its engine has no request in
-flight, sends "rollout", and every rank's engine samples its share (sampling is seeded per prompt and
-sample, so the samples are those one process would draw). One group rollout runs at a time, and it is
-not batched with other requests. `/generate` runs on rank 0's engine alone, continuously batched: its
-policy holds the full weights, synced after every update. A frozen vision tower trains nothing in the tower on every rank; rank 0 keeps no prefill
-encodings for it (the other ranks never saw those prompts), so every rank runs the frozen tower when
-scoring and training. With `--tensor-parallel N` (N = the group's size) every rank's engine holds
-its tensor-parallel shard of the policy and decodes every prompt of a `/rollout` with the others (the
+A `/rollout` is data-parallel: rank 0 encodes the prompts, checks them against the engine's limits,
+waits until its engine has no request in flight, sends "rollout", and every rank's engine samples its
+share (sampling is seeded per prompt and sample, so the samples are those one process would draw; a
+seedless request gets its seeds on rank 0 first). One group rollout runs at a time, and it is not
+batched with other requests; a share that fails on one rank ends the group, as an in-pass OOM does.
+Followers drive their engine from the command loop alone (their HTTP-side engine thread is closed).
+`/generate` runs on rank 0's engine alone, continuously batched: its policy holds the full weights,
+synced after every update.
+
+A frozen vision tower trains nothing in the tower on every rank; rank 0 keeps no prefill encodings for
+it (the other ranks never saw those prompts), so every rank runs the frozen tower when scoring and
+training. With `--tensor-parallel N` (N = the group's size) every rank's engine holds its
+tensor-parallel shard of the policy and decodes every prompt of a `/rollout` with the others (the
 weight sync writes the shards after each update); `/generate` is then a 400, since its continuous
-batching steps rank 0's engine alone. Refused under a group: the SGLang rollout backend, any other
-tensor-parallel degree, the prefix-state path (startup errors, `check_config`; cosched is refused by
-ServerConfig in any case). /save and /load need the checkpoint root on a filesystem every rank sees (one node, or a shared one),
-and a checkpoint loads into a group of the size that wrote it.
+batching steps rank 0's engine alone.
+
+/save and /load run on every rank (rl/checkpoint.py: rank 0 writes the HF directories, every rank its
+trainer shards); they need the checkpoint root on a filesystem every rank sees (one node, or a shared
+one), and a checkpoint loads into a group of the size that wrote it. Refused under a group: the SGLang
+rollout backend, any other tensor-parallel degree, the prefix-state path (startup errors,
+`check_config`; cosched is refused by ServerConfig in any case).
 
 The command channel waits without a deadline (a server may sit idle for days); a rank 0 that dies
 closes its sockets, which ends the followers' wait with an error, and torchrun then ends the group.

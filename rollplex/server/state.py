@@ -129,11 +129,11 @@ def confine(root: str | Path, path: str) -> Path:
     return full
 
 
-def _leave_group(e: BaseException) -> None:
-    """Out of memory on this rank alone inside a data-parallel pass: the other ranks wait in its
-    collectives and cannot be brought back in step, so this process exits and torchrun ends the group."""
-    log.critical("out of device memory inside a data-parallel pass (%s): the process group cannot continue; "
-                 "exiting so that torchrun ends every rank", e)
+def _leave_group(e: BaseException, where: str = "out of device memory inside a data-parallel pass") -> None:
+    """A failure on this rank alone inside a collective phase (out of memory inside a data-parallel pass, a
+    rollout share that failed): the other ranks wait in its collectives and cannot be brought back in
+    step, so this process exits and torchrun ends the group."""
+    log.critical("%s (%s): the process group cannot continue; exiting so that torchrun ends every rank", where, e)
     logging.shutdown()
     os._exit(1)
 
@@ -312,6 +312,10 @@ class ServerState:
             # every rank draws the same samples: seedless requests get their seeds here, once, on rank 0
             params = [p if p.seed is not None else replace(p, seed=random.getrandbits(62)) for p in params]
             self.commands.send("rollout", inputs, params)
+            try:
+                return self.rl.sample(inputs, params, keep_vision=keep_vision), self.weights_version
+            except Exception as e:  # noqa: BLE001 - the prompts were checked: this rank's failure alone
+                _leave_group(e, "this rank's share of a group rollout failed")
         return self.rl.sample(inputs, params, keep_vision=keep_vision), self.weights_version
 
     def train(self, entry: RetainedRollout, rewards, overrides: dict, reward_s: float,
