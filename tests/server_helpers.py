@@ -60,6 +60,6 @@ def wait_for_health(url: str, proc: subprocess.Popen, timeout: float) -> None:
                 return
         except httpx.HTTPError:
             pass
-        assert proc.poll() is None, proc.stdout.read().decode()[-4000:]
+        assert proc.poll() is None, proc.stdout.read().decode()[-4000:] if proc.stdout else "the server exited"
         assert time.monotonic() < deadline, f"the server at {url} did not come up in {timeout:.0f} s"
         time.sleep(0.2)

@@ -107,7 +107,9 @@ def test_server_over_two_ranks_matches_one_process(tiny_dir, tmp_path, extra, gr
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
            "rollplex.server", *flags, *group_extra, "--port", str(port), "--checkpoint-root", str(tmp_path / "group"),
            "--log-level", "info"]
-    group = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = open(tmp_path / "group.log", "wb")  # a file, not a pipe: nobody reads while the ranks log
+    # a session of its own, so a failed test can end torchrun and its ranks together
+    group = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         # the one-process server on the same flags, in this process, while the group starts
         cfg = config_from_args(parser().parse_args(flags + ["--checkpoint-root", str(tmp_path / "one")]))
@@ -143,7 +145,7 @@ def test_server_over_two_ranks_matches_one_process(tiny_dir, tmp_path, extra, gr
         assert abs(two["resumed"] - one["resumed"]) <= 1e-5 * moved, (two["resumed"], one["resumed"])
         os.kill(_rank0_pid(group.pid), signal.SIGTERM)
         rc = group.wait(60)
-        log = group.stdout.read().decode()
+        log = (tmp_path / "group.log").read_text()
         assert rc == 0, log[-4000:]
         # the three rollouts ran on both ranks: rank 1's engine sampled one of the two prompts each time, or
         # (tensor-parallel) decoded both with rank 0
@@ -152,8 +154,9 @@ def test_server_over_two_ranks_matches_one_process(tiny_dir, tmp_path, extra, gr
         assert log.count(want) == 3, log[-4000:]
     finally:
         if group.poll() is None:
-            group.kill()
+            os.killpg(group.pid, signal.SIGKILL)
             group.wait(10)
+        out.close()
 
 
 @pytest.mark.parametrize("flags, message", [
