@@ -52,9 +52,16 @@ def save_checkpoint(step: RLStep, path: str | Path, data_state: dict | None = No
         return _save(step, Path(path), data_state, tokenizer_dir)
 
 
-def _full_state(model) -> dict:
-    """Whole tensors of a possibly sharded model (a collective when it holds DTensors)."""
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+def _full_state(model, keep: bool) -> dict | None:
+    """Whole tensors of a possibly sharded model, on the host, one at a time (a collective when it holds
+    DTensors: every rank takes part, only a rank that `keep`s them holds the result)."""
+    out = {}
+    for k, v in model.state_dict().items():
+        full = v.full_tensor() if isinstance(v, DTensor) else v
+        if keep:
+            out[k] = full.detach().cpu()
+        del full
+    return out if keep else None
 
 
 def _agree(step: RLStep, err: BaseException | None) -> None:
@@ -73,9 +80,10 @@ def _agree(step: RLStep, err: BaseException | None) -> None:
 
 def _save(step: RLStep, path: Path, data_state: dict | None, tokenizer_dir) -> Path:
     par = step.parallel
-    ref_state = _full_state(step.ref) if step.ref is not None else None  # every rank: gathers shards
+    writer = par is None or par.rank == 0
+    ref_state = _full_state(step.ref, writer) if step.ref is not None else None  # every rank gathers shards
     err = None
-    if par is None or par.rank == 0:  # the HF directories: the policy is whole on every rank
+    if writer:  # the HF directories: the policy is whole on every rank
         try:
             save_model(step.model, path, copy_tokenizer_from=tokenizer_dir)
             if step.ref is not None:
