@@ -3,8 +3,6 @@ update, weight sync) under RLStep's distributed path over gloo, against the sing
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.distributed as dist
 from parallel_helpers import init_group
@@ -35,10 +33,9 @@ def build(tiny_dir, cfg: RLConfig, rollout: str = "data", memory_cfg=None, group
     ecfg = EngineConfig(max_num_seqs=64, max_model_len=256)
     roll = model
     if rollout == "tensor":
-        from rollplex.parallel import apply_tensor_parallel
+        from rollplex.parallel import tensor_parallel_copy
 
-        roll = copy.deepcopy(model)
-        apply_tensor_parallel(roll)
+        roll = tensor_parallel_copy(model)
         ecfg = EngineConfig(max_num_seqs=64, max_model_len=256, tensor_parallel=dist.get_world_size())
     engine = Engine(roll, proc, ecfg, memory=mm)
     return RLStep(model, engine, cfg, proc, reward_fn=parity_reward, memory=mm, memory_cfg=memory_cfg, group=group)
@@ -128,6 +125,8 @@ def worker(rank: int, world: int, init: str, tiny_dir, rows, cfg: RLConfig, roll
             inject_oom(oom)
         got = run_steps(rl, rows, steps)
         compare(got, want)
+        shares = rl.parallel.weights.report()  # the trainer's shards are windows of the policy
+        assert shares["shared_bytes"] > 0 and (world > 1 or shares["separate_bytes"] == shares["rebuilt_bytes"] == 0)
         if oom is not None:  # every rank backed off to one prompt per pass
             assert rl.actor._plan(rl.cfg).prompts == 1
         if memory_cfg is not None:  # the rank's regions hold its shards and moved between phases
@@ -139,6 +138,8 @@ def worker(rank: int, world: int, init: str, tiny_dir, rows, cfg: RLConfig, roll
             from rollplex.parallel.tp import shard_state_dict
 
             tp = rl.engine.model.model.tensor_parallel
+            engine_params = dict(rl.engine.model.named_parameters())  # what the shard keeps whole is the policy's
+            assert all(engine_params[n] is p for n, p in rl.model.named_parameters() if n.startswith("visual."))
             full = {n: p.detach() for n, p in rl.model.named_parameters()}
             for n, t in shard_state_dict(full, rl.model.cfg, tp.size, tp.rank).items():
                 assert torch.equal(dict(rl.engine.model.named_parameters())[n], t), n

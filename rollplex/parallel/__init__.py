@@ -15,11 +15,11 @@ from .colocated import Colocated
 from .data_parallel import DataParallel, DataParallelActor, assign_prompts, dp_score
 from .disaggregated import Disaggregated, DisaggregatedLayout, init_disaggregated
 from .fsdp import FSDPConfig, apply_fsdp, full_state_dict, full_tensor, sharded_call
-from .tp import TensorParallel, VocabParallelEmbedding, apply_tensor_parallel, shard_state_dict
+from .tp import TensorParallel, VocabParallelEmbedding, apply_tensor_parallel, shard_state_dict, tensor_parallel_copy
 
 __all__ = [
     "Colocated", "DataParallel", "DataParallelActor", "Disaggregated", "DisaggregatedLayout", "FSDPConfig",
     "TensorParallel", "VocabParallelEmbedding", "apply_fsdp", "apply_tensor_parallel", "assign_prompts",
     "bucket_plan", "dp_score", "full_state_dict", "full_tensor", "init_disaggregated", "receive_weights",
-    "send_weights", "shard_state_dict", "sharded_call",
+    "send_weights", "shard_state_dict", "sharded_call", "tensor_parallel_copy",
 ]

@@ -4,9 +4,11 @@
 
     policy      `model`, the full weights, as on one process: what the engine decodes (per-rank
                 rollout), what `RLStep.model` shows, what checkpoints and comparisons read
-    trainer     a copy of the policy sharded by FSDP2 over the group (`DataParallelActor`: the
-                single-process `Actor` loop over the `DataParallel` placement); after each update its
-                new weights are copied into the policy and the rollout model in place
+    trainer     the policy sharded by FSDP2 over the group (`DataParallelActor`: the single-process
+                `Actor` loop over the `DataParallel` placement), its shards windows of the policy's
+                own tensors where the sharing plan allows (`shared_weights`): an update writes this
+                rank's rows of the policy in place, and `sync_weights` rebuilds only the rows other
+                ranks own (and the tensor-parallel engine's shards, cut from the policy locally)
     reference   the frozen reference, sharded by FSDP2 the same way; each rank scores its share of
                 the prompt groups and the logprobs are summed to every rank (`rl.scoring.score`)
     rollout     per rank (`rollout="data"`): the prompts are dealt round-robin, each rank's engine
@@ -32,7 +34,6 @@ optimizer offload, activation checkpointing and the update's OOM ladder run as o
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import torch
@@ -43,7 +44,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..models import Qwen25VL
 from ..rl.config import RLConfig
 from .data_parallel import DataParallelActor, check_passes
-from .fsdp import FSDPConfig, apply_fsdp, full_tensor, local_tensor
+from .fsdp import FSDPConfig, apply_fsdp, local_tensor
+from .shared_weights import SharedWeights, meta_copy
 from .tp import shard_state_dict
 
 
@@ -68,12 +70,18 @@ class Colocated:
                                  "or its tensor-parallel shard over the same group (apply_tensor_parallel)")
             self.rollout = "tensor"
         self.engine = engine
+        self.weights: SharedWeights | None = None  # set when the trainer is built
 
     # ---- models -------------------------------------------------------------------------------
     def actor(self, model: Qwen25VL, cfg: RLConfig, memory, optimizer_offload: str) -> DataParallelActor:
-        """The trainer: a copy of the policy, sharded (its shards are new tensors; the copy's full ones
-        are dropped)."""
-        return DataParallelActor(copy.deepcopy(model), cfg, self.mesh, self.fsdp, memory, optimizer_offload)
+        """The trainer: the policy's structure sharded on the meta device, its shards then adopted into
+        the policy's tensors (`SharedWeights`): no second copy of the weights is allocated."""
+        def adopt(sharded):
+            self.weights = SharedWeights(sharded, model, self.group)
+
+        self._policy_params = list(model.parameters())
+
+        return DataParallelActor(meta_copy(model), cfg, self.mesh, self.fsdp, memory, optimizer_offload, adopt=adopt)
 
     def shard_reference(self, ref: Qwen25VL) -> Qwen25VL:
         """The frozen reference sharded like the trainer (no checkpointing: it only scores)."""
@@ -104,14 +112,26 @@ class Colocated:
     # ---- weights ------------------------------------------------------------------------------
     @torch.no_grad()
     def sync_weights(self, trainer: nn.Module, policy: nn.Module) -> None:
-        """Copy the trainer's weights into the policy and the engine's model, in place (the engine's
-        tensors and CUDA graphs stay valid). One all-gather per parameter (none with one rank)."""
-        dst = dict(policy.named_parameters())
-        tp_model = self.engine.model if self.rollout == "tensor" else None
-        tp_params = dict(tp_model.named_parameters()) if tp_model is not None else {}
-        tp = tp_model.model.tensor_parallel if tp_model is not None else None
-        for name, p in trainer.named_parameters():
-            full = local_tensor(p.detach()) if self.world == 1 else full_tensor(p.detach())
-            dst[name].copy_(full)
-            if tp is not None:
-                tp_params[name].copy_(shard_state_dict({name: full}, self.model_cfg, tp.size, tp.rank)[name])
+        """After an update: the policy's rows other ranks' shards hold (this rank's are the trainer's
+        shards themselves), then the tensor-parallel engine's shards of every trained parameter, cut
+        from the policy locally. The engine's tensors and CUDA graphs stay valid."""
+        self.weights.rebuild()
+        if self.rollout != "tensor":
+            return
+        tp_model = self.engine.model
+        tp_params = dict(tp_model.named_parameters())
+        tp = tp_model.model.tensor_parallel
+        trained = {n for n, p in trainer.named_parameters() if p.requires_grad}
+        for name, p in policy.named_parameters():
+            if name in trained and tp_params[name] is not p:  # a parameter the shard keeps whole is the policy's
+                tp_params[name].copy_(shard_state_dict({name: p.detach()}, self.model_cfg, tp.size, tp.rank)[name])
+
+    def weight_bytes(self) -> int:
+        """Bytes the trainer's shards and the tensor-parallel engine's add to the policy's on this rank
+        (those not stored in the policy's tensors)."""
+        extra = self.weights.report()["separate_bytes"]
+        if self.rollout == "tensor":
+            own = {p.untyped_storage().data_ptr() for p in self._policy_params}
+            extra += sum(p.numel() * p.element_size() for p in self.engine.model.parameters()
+                         if p.untyped_storage().data_ptr() not in own)
+        return extra

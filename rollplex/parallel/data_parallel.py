@@ -219,10 +219,12 @@ def dp_score(model: Qwen25VL, dp: DataParallel, batch: RolloutBatch, mode: str, 
 class DataParallelActor(Actor):
     """`rl.actor.Actor` with the model sharded by FSDP2 over `mesh` and the prompts dealt over its
     ranks (the `DataParallel` placement): same loss, mini-batches, clipping, schedule, metrics, OOM
-    ladder and returned logprobs. Activation checkpointing is on where `cfg` or `fsdp` asks for it."""
+    ladder and returned logprobs. Activation checkpointing is on where `cfg` or `fsdp` asks for it.
+    `adopt(sharded_model)` runs after sharding and before the optimizer reads the shards: where the
+    shards get their storage when `model` was sharded on the meta device (`shared_weights`)."""
 
     def __init__(self, model: Qwen25VL, cfg: RLConfig, mesh: DeviceMesh, fsdp: FSDPConfig | None = None,
-                 memory=None, optimizer_offload: str = "none"):
+                 memory=None, optimizer_offload: str = "none", adopt=None):
         check_passes(cfg.mode, cfg.packed)
         fsdp = fsdp or FSDPConfig()
         cfg = dataclasses.replace(
@@ -232,4 +234,7 @@ class DataParallelActor(Actor):
                                    vision_activation_checkpointing=cfg.vision_gradient_checkpointing)
         dtype = fsdp_mod.DTYPES.get(fsdp.param_dtype) or next(model.parameters()).dtype
         self.dp = DataParallel(mesh, model.cfg, torch.empty((), dtype=dtype).element_size())
-        super().__init__(apply_fsdp(model, mesh, fsdp), cfg, memory, optimizer_offload, placement=self.dp)
+        model = apply_fsdp(model, mesh, fsdp)
+        if adopt is not None:
+            adopt(model)
+        super().__init__(model, cfg, memory, optimizer_offload, placement=self.dp)

@@ -192,12 +192,16 @@ def bench(proc: Process, args) -> list[dict]:
                 v.copy_(init[k])
         rl = RLStep(model, engine, rl_cfg, reward_fn="exact", group=group)
         steps = ([("warm-up", 1 + i) for i in range(args.warmup_steps)]
-                 + [("timed", 100 + i) for i in range(args.timed_steps)])
+                 + [("timed", 100 + i) for i in range(args.timed_steps)]
+                 + ([("profiled", 200)] if args.profile and cuda else []))
         for step, seed in steps:
             graphs0 = counters["stats"]["unique_graphs"]
             if cuda:
                 torch.cuda.reset_peak_memory_stats(proc.device)
+            prof = _profile_update(rl) if step == "profiled" else None
             m, _ = _one_step(rl, prompts, _params(len(prompts), args.samples, args.new_tokens, seed), seed, proc.device)
+            if prof is not None and proc.rank == 0:
+                print(json.dumps({"bench": "update_profile", "path": label, **prof}), flush=True)
             backoff = rl.actor._backoff  # the OOM ladder's micro-batching, when it had to step down
             rows.append({"path": label, "step": step, "world": proc.world,
                          **{f"{short}_s": round(m.get(f"timing_s/{k}", 0.0), 3) for short, k in
@@ -215,6 +219,42 @@ def bench(proc: Process, args) -> list[dict]:
     diff = max((finals["single"][n].float() - w.float()).abs().max().item() for n, w in finals["parallel"].items())
     rows.append({"final_weight_max_abs_diff": diff})
     return rows
+
+
+def _profile_update(rl: RLStep) -> dict:
+    """Profile the next `actor.update` (filled in when it returns): device time by kernel family and
+    FSDP2's host ranges, to attribute what the data-parallel update adds."""
+    out: dict = {}
+    update = rl.actor.update
+
+    def profiled(*a, **k):
+        from torch.profiler import ProfilerActivity, profile
+
+        rl.actor.update = update
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            res = update(*a, **k)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        fam: dict[str, float] = {}
+        fsdp: dict[str, float] = {}
+        for e in prof.key_averages():
+            dev = getattr(e, "self_device_time_total", 0) / 1e6
+            name = e.key.lower()
+            kind = ("nccl" if "nccl" in name else "gemm" if any(x in name for x in ("gemm", "matmul", "mm_", "cutlass",
+                                                                                   "sm90", "nvjet"))
+                    else "attention" if any(x in name for x in ("flash", "attention", "fmha")) else
+                    "copy/cat" if any(x in name for x in ("copy", "cat", "memcpy", "split", "chunk")) else
+                    "foreach/optimizer" if "foreach" in name or "adam" in name else "other")
+            if e.device_type == torch.autograd.DeviceType.CUDA:  # kernels (ops' device time would count twice)
+                fam[kind] = fam.get(kind, 0.0) + dev
+            if e.key.startswith("FSDP::"):
+                fsdp[e.key] = round(e.cpu_time_total / 1e6, 3)
+        out.update(wall_s=round(wall, 3), device_s={k: round(v, 3) for k, v in sorted(fam.items())}, fsdp_host_s=fsdp)
+        return res
+
+    rl.actor.update = profiled
+    return out
 
 
 def table(rows: list[dict]) -> str:
@@ -251,6 +291,9 @@ def main(argv=None) -> None:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--warmup-steps", type=int, default=2, help="untimed steps per path before the timed ones")
     ap.add_argument("--timed-steps", type=int, default=2, help="timed steps per path (the table compares medians)")
+    ap.add_argument("--profile", action="store_true",
+                    help="one more, untimed step per path with its update profiled (device time by kernel "
+                         "family, FSDP2's host ranges)")
     ap.add_argument("--check-layers", type=int, default=2, help="decoder layers and vision blocks of the check")
     ap.add_argument("--check-prompts", type=int, default=4)
     ap.add_argument("--check-samples", type=int, default=4)

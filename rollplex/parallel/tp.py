@@ -27,6 +27,7 @@ needs no further communication and every rank draws the same tokens.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +115,15 @@ def _tp_post_attention(tp: TensorParallel):
     return post
 
 
+def tensor_parallel_copy(model: Qwen25VL, group: dist.ProcessGroup | None = None) -> Qwen25VL:
+    """This rank's tensor-parallel shard of `model` as a new model beside it: the sharded parameters are
+    new tensors, and every parameter the shard keeps whole (the vision tower, the norms) is `model`'s
+    own tensor, stored once and never copied by a weight sync."""
+    tp_model = copy.deepcopy(model, {id(p): p for p in model.parameters()})
+    apply_tensor_parallel(tp_model, group)
+    return tp_model
+
+
 def apply_tensor_parallel(model: Qwen25VL, group: dist.ProcessGroup | None = None) -> TensorParallel:
     """Shard the text decoder of `model` (the same full weights on every rank of `group`) in place;
     returns the TP group description. The model then runs its usual methods (prefix, forward, the
@@ -126,8 +136,8 @@ def apply_tensor_parallel(model: Qwen25VL, group: dist.ProcessGroup | None = Non
     params = dict(model.named_parameters())
     local = shard_state_dict({n: params[n].detach() for n in names}, model.cfg, tp.size, tp.rank)
     for name, t in local.items():
-        if name == "model.embed_tokens.weight":
-            continue
+        if name == "model.embed_tokens.weight" or t.shape == params[name].shape:
+            continue  # a replicated parameter (a norm) stays the tensor it is
         mod_name, attr = name.rsplit(".", 1)
         mod = model.get_submodule(mod_name)
         setattr(mod, attr, nn.Parameter(t.clone(), requires_grad=params[name].requires_grad))

@@ -154,6 +154,8 @@ def load_checkpoint(step: RLStep, path: str | Path) -> dict:
 def _load(step: RLStep, path: Path, state: dict) -> dict:
     par = step.parallel
     _load_into(step.model, path)
+    if par is not None:  # the trainer's shards that are not windows of the policy read it too
+        par.weights.pull()
     if step.ref is not None:
         if not (path / "ref").exists():
             raise ValueError(f"{path} has no reference policy but this run uses one")

@@ -26,8 +26,9 @@ Under torch.distributed (`group`: a process group, or by default the default gro
 more ranks is initialised) the step is data-parallel (rollplex.parallel.colocated): every rank calls it with the
 same rows, rolls out its share of the prompts (or all of them with a tensor-parallel engine), scores
 and trains its share of the prompt groups with FSDP2-sharded reference and trainer, and ends with the
-same metrics and weights as one process; the trainer's new weights are copied into `model` (and the
-engine's) after each update. Data-parallel runs need the native backend.
+same metrics and weights as one process; the trainer's shards are windows of `model`'s own tensors,
+so an update writes this rank's rows in place and only the rows other ranks own are copied in after
+it (and the tensor-parallel engine's shards). Data-parallel runs need the native backend.
 """
 
 from __future__ import annotations
@@ -175,14 +176,15 @@ class RLStep:
         def local(t):
             return t.to_local() if isinstance(t, DTensor) else t
 
-        # a data-parallel rank holds its shards of the trainer and the reference besides the full policy
+        # a data-parallel rank holds its shards of the reference besides the full policy, and the
+        # trainer's shards that are not windows of the policy's tensors
         trainer = [local(p.detach()) for p in self.actor.model.parameters()]
         params = [t for t, p in zip(trainer, self.actor.model.parameters()) if p.requires_grad]
         ref = [local(p.detach()) for p in self.ref.parameters()] if self.ref is not None else []
         n = sum(p.numel() for p in params)
         fp32 = params[0].dtype == torch.float32
         return {
-            "weights": nbytes(self.model.parameters()) + (nbytes(trainer) if self.parallel is not None else 0),
+            "weights": nbytes(self.model.parameters()) + (self.parallel.weight_bytes() if self.parallel else 0),
             "ref_weights": nbytes(ref),
             "kv_cache": self.backend.kv_cache_bytes() if self.backend is not None else 0,
             "optimizer": {"none": (8 if fp32 else 12) * n, "moments": 0 if fp32 else 4 * n,

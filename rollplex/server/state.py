@@ -198,10 +198,10 @@ class ServerState:
             if cfg.engine.tensor_parallel != self.world_size:
                 raise ValueError(f"--tensor-parallel {cfg.engine.tensor_parallel} needs a torchrun group of as many "
                                  f"ranks (this one has {self.world_size})")
-            from ..parallel import apply_tensor_parallel
+            from ..parallel import tensor_parallel_copy
 
-            decoded = copy.deepcopy(self.model)
-            apply_tensor_parallel(decoded)  # over the default group; the weight sync rewrites the shards
+            # over the default group; the weight sync rewrites the shards, the vision tower is the policy's
+            decoded = tensor_parallel_copy(self.model)
         if self.model.inv_freq.is_cuda:  # the server owns the model: its training and prefill run compiled
             self.model.compile()  # lazy: the engine's warm-up prefill below compiles
             if decoded is not self.model:

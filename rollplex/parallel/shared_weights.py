@@ -1,0 +1,183 @@
+"""The trainer's FSDP2 shards inside the policy's weights: the sharing plan applied at run time.
+
+A colocated rank holds the policy whole (the weights its engine decodes, and the source its
+tensor-parallel engine's shards are cut from) and the trainer's FSDP2 shard of every parameter. The
+plan of `rollplex.weights` for training layout FSDP(W) and rollout layout TP 1 finds that a rank's
+shard is a window of the whole tensor (dim-0 rows [r*c, (r+1)*c)): the trainer adopts that window as
+its shard's storage (`SharedWeights.adopt`, before the optimizer reads the shards), so the shard
+costs no memory of its own and every optimizer step writes the policy's rows in place — the engine
+decodes them with no copy. `rebuild`, after each optimizer step, fills only the rows the other ranks
+own, by the plan's copies (batched P2P per bucket of parameters); at world size 1 there is nothing
+to rebuild.
+
+A share is realised only where the plan's buffer is the policy's tensor as it already is: the engine's
+tensors and CUDA graphs keep their addresses. A rank whose FSDP2 chunk is padded (dim 0 not a
+multiple of the world size) keeps a separate shard, as does every parameter when the trainer's dtype
+differs from the policy's; `rebuild` copies those whole (the rank's own rows by a local copy).
+Parameters that do not train (a frozen vision tower) are never rebuilt: nothing changes them.
+
+The trainer is built on the meta device (`meta_copy`) and sharded there, so no transient second full
+copy of the model is ever allocated; `adopt` then gives every FSDP2 parameter its real local tensor
+(the policy's window, or a copy of the rank's chunk) through `FSDPParam.reset_sharded_param`, the
+path `load_state_dict(assign=True)` takes.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+
+from ..weights import ParamPlan, RolloutLayout, TrainLayout, model_specs, plan
+from ..weights.mapping import Mapping
+from ..weights.share import plan_param
+from ..weights.storage import cut, rebuild
+
+BUCKET_BYTES = 256 << 20  # rollout bytes per rebuild exchange: bounds its packing buffers
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose parameters are on the meta device (buffers are copied)."""
+    memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            for p in model.parameters()}
+    return copy.deepcopy(model, memo)
+
+
+def fsdp_params(model: nn.Module) -> dict[str, object]:
+    """{parameter name: its FSDPParam} of a model `fully_shard` sharded."""
+    by_id = {}
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            state = m._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:  # older torch: one group per module
+                groups = [g for g in [state._fsdp_param_group] if g is not None]
+            for g in groups:
+                for fp in g.fsdp_params:
+                    by_id[id(fp.sharded_param)] = fp
+    return {n: by_id[id(p)] for n, p in model.named_parameters() if id(p) in by_id}
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The duck type `weights.storage.rebuild` reads: the plan's specs of one bucket, with the
+    shares the runtime could not realise replaced by plans that copy everything."""
+
+    specs: tuple
+    world: int
+    plans: dict  # (name, rank) -> ParamPlan
+
+    def param(self, name: str, rank: int) -> ParamPlan:
+        return self.plans[name, rank]
+
+
+class SharedWeights:
+    """This rank's trainer shards adopted into the policy's tensors, and their rebuild (module doc)."""
+
+    def __init__(self, trainer: nn.Module, policy: nn.Module, group: dist.ProcessGroup,
+                 bucket_bytes: int = BUCKET_BYTES):
+        self.group, self.rank, self.world = group, dist.get_rank(group), dist.get_world_size(group)
+        policy_params = dict(policy.named_parameters())
+        fps = fsdp_params(trainer)
+        if set(fps) != set(policy_params):
+            raise ValueError("the trainer's FSDP parameters are not the policy's")
+        trainer_dtype = next(iter(fps.values())).sharded_param.dtype
+        same_dtype = all(p.dtype == trainer_dtype for p in policy_params.values())
+        specs = model_specs(policy.cfg, [(n, tuple(p.shape)) for n, p in policy_params.items()])
+        self.plan = plan(specs, TrainLayout(fsdp=self.world), RolloutLayout(tp=1), share=same_dtype,
+                         mapping=Mapping("identity", tuple(range(self.world)), None))
+        self.rollout: dict[str, torch.Tensor] = {}  # the policy's tensor as [rows, width]
+        self.train: dict[str, torch.Tensor] = {}  # the FSDP2 shard's padded storage as [rows + pad, width]
+        self.shared: set[str] = set()  # names whose shard is a window of the policy's tensor here
+        plans = {}
+        for spec in specs:
+            for r in range(self.world):
+                p = self.plan.param(spec.name, r)
+                if not self._in_place(p, policy_params[spec.name]):
+                    p = plan_param(p.rollout, p.train, [(q, self.plan.param(spec.name, q).train)
+                                                        for q in _order(r, self.world)], share=False)
+                plans[spec.name, r] = p
+        self._plans = plans
+        with torch.no_grad():
+            for spec in specs:
+                self._adopt(spec.name, fps[spec.name], policy_params[spec.name], plans[spec.name, self.rank])
+        trainable = [s for s in specs if fps[s.name].sharded_param.requires_grad]
+        self.buckets: list[_Plan] = []
+        cur, size = [], 0
+        for s in trainable:
+            cur.append(s)
+            size += policy_params[s.name].numel() * policy_params[s.name].element_size()
+            if size >= bucket_bytes:
+                self.buckets.append(_Plan(tuple(cur), self.world, plans))
+                cur, size = [], 0
+        if cur:
+            self.buckets.append(_Plan(tuple(cur), self.world, plans))
+        self.rebuilt_bytes = sum(c.numel * policy_params[s.name].element_size()
+                                 for s in trainable for c in plans[s.name, self.rank].copies)
+
+    @staticmethod
+    def _in_place(p: ParamPlan, full: torch.Tensor) -> bool:
+        """The plan's shared buffer is the policy's tensor itself, with no padding to store."""
+        sh = p.share
+        return (sh is not None and p.train.pad == 0 and sh.rollout_offset == 0 and sh.buffer_numel == full.numel()
+                and full.is_contiguous())
+
+    def _adopt(self, name: str, fp, full: torch.Tensor, p: ParamPlan) -> None:
+        t = p.train
+        padded = tuple(fp.padded_sharded_param_size)
+        assert padded[0] == t.rows + t.pad and math.prod(padded[1:]) == t.width, (name, padded, t)
+        full = full.detach()
+        self.rollout[name] = full.view(full.shape[0], -1)
+        if p.share is not None:
+            sh = p.share
+            local = full.view(-1)[sh.train_offset : sh.train_offset + sh.train_numel].view(padded)
+        else:
+            local = cut(full, t).to(fp.sharded_param.dtype).view(padded)[: t.rows]
+        param = nn.Parameter(fp.to_sharded_dtensor(local), requires_grad=fp.sharded_param.requires_grad)
+        mi = fp._module_info
+        for mod, attr in [(mi.module, mi.param_name), *zip(mi.shared_modules, mi.shared_param_names)]:
+            mod._parameters[attr] = param
+        fp.reset_sharded_param()
+        data = fp._sharded_param_data
+        self.train[name] = data.view(t.rows + t.pad, t.width)
+        if p.share is not None:
+            assert data.data_ptr() == local.data_ptr(), f"FSDP2 did not adopt the shared storage of {name}"
+            self.shared.add(name)
+
+    # ---- after each optimizer step --------------------------------------------------------------
+    @torch.no_grad()
+    def rebuild(self) -> None:
+        """Fill the policy's rows this rank's shard does not hold, from the ranks that hold them (every
+        rank calls it; nothing moves at world size 1 with every share realised)."""
+        for b in self.buckets:
+            if any(b.param(s.name, r).copies for s in b.specs for r in range(self.world)):
+                rebuild(b, self.rank, {s.name: self.train[s.name] for s in b.specs},
+                        {s.name: self.rollout[s.name] for s in b.specs}, self.group)
+
+    @torch.no_grad()
+    def pull(self) -> None:
+        """Copy the policy's values into the shards that are not windows of it (after the policy was
+        loaded from a checkpoint); the shared ones already read the policy."""
+        for name, t in self.train.items():
+            if name not in self.shared:
+                p = self._plans[name, self.rank]
+                t[: p.train.rows].copy_(cut(self.rollout[name], p.train)[: p.train.rows])
+
+    def report(self) -> dict[str, float]:
+        """Bytes on this rank: trainer shards shared with the policy, kept separately, and rebuilt after
+        each optimizer step."""
+        def nbytes(names):
+            return sum(self.train[n].numel() * self.train[n].element_size() for n in names)
+
+        return {"shared_bytes": nbytes(self.shared), "separate_bytes": nbytes(set(self.train) - self.shared),
+                "rebuilt_bytes": self.rebuilt_bytes}
+
+
+def _order(rank: int, world: int) -> list[int]:
+    """Sources of a rebuilt block, the rank's own shard first."""
+    return sorted(range(world), key=lambda q: (q != rank, abs(q - rank), q))
