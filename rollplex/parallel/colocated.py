@@ -77,7 +77,7 @@ class Colocated:
         """The trainer: the policy's structure sharded on the meta device, its shards then adopted into
         the policy's tensors (`SharedWeights`): no second copy of the weights is allocated."""
         def adopt(sharded):
-            self.weights = SharedWeights(sharded, model, self.group)
+            self.weights = SharedWeights(sharded, model, self.group, share=self.fsdp.share_policy_storage)
 
         self._policy_params = list(model.parameters())
 

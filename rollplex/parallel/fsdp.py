@@ -60,6 +60,10 @@ class FSDPConfig:
     # per-layer activation checkpointing of the decoder / the vision tower, inside each FSDP unit
     activation_checkpointing: bool = False
     vision_activation_checkpointing: bool = False
+    # a colocated trainer's shards are windows of the policy's own tensors where the sharing plan
+    # allows (parallel/shared_weights.py); False keeps separate shards, copied into the policy after
+    # each update
+    share_policy_storage: bool = True
 
     def __post_init__(self):
         for name in ("param_dtype", "reduce_dtype"):

@@ -80,7 +80,7 @@ class SharedWeights:
     """This rank's trainer shards adopted into the policy's tensors, and their rebuild (module doc)."""
 
     def __init__(self, trainer: nn.Module, policy: nn.Module, group: dist.ProcessGroup,
-                 bucket_bytes: int = BUCKET_BYTES):
+                 bucket_bytes: int = BUCKET_BYTES, share: bool = True):
         self.group, self.rank, self.world = group, dist.get_rank(group), dist.get_world_size(group)
         policy_params = dict(policy.named_parameters())
         fps = fsdp_params(trainer)
@@ -89,7 +89,7 @@ class SharedWeights:
         trainer_dtype = next(iter(fps.values())).sharded_param.dtype
         same_dtype = all(p.dtype == trainer_dtype for p in policy_params.values())
         specs = model_specs(policy.cfg, [(n, tuple(p.shape)) for n, p in policy_params.items()])
-        self.plan = plan(specs, TrainLayout(fsdp=self.world), RolloutLayout(tp=1), share=same_dtype,
+        self.plan = plan(specs, TrainLayout(fsdp=self.world), RolloutLayout(tp=1), share=share and same_dtype,
                          mapping=Mapping("identity", tuple(range(self.world)), None))
         self.rollout: dict[str, torch.Tensor] = {}  # the policy's tensor as [rows, width]
         self.train: dict[str, torch.Tensor] = {}  # the FSDP2 shard's padded storage as [rows + pad, width]

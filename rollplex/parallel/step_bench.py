@@ -43,7 +43,7 @@ from ..engine import Engine, EngineConfig, SamplingParams
 from ..models import ModelConfig, Qwen25VL, init_weights
 from ..rl.config import RLConfig
 from ..rl.step import RLStep
-from .fsdp import full_tensor
+from .fsdp import FSDPConfig, full_tensor
 from .launch import Process, init_from_env
 
 
@@ -147,7 +147,13 @@ def check(proc: Process, args) -> dict:
     params = _params(len(prompts), args.check_samples, args.check_tokens, seed=3)
     max_len = len(prompts[0].input_ids) + args.check_tokens + 16
     out = {}
-    for label, group in (("single", None), ("parallel", dist.group.WORLD)):
+    paths = {"single": (None, None), "parallel": (dist.group.WORLD, FSDPConfig()),
+             "parallel-copy": (dist.group.WORLD, FSDPConfig(share_policy_storage=False))}
+    for label in args.paths.split(","):
+        if label not in paths:
+            raise ValueError(f"--paths: unknown path {label!r} (choose from {sorted(paths)})")
+    for label in args.paths.split(","):
+        group, fsdp = paths[label]
         m = copy.deepcopy(model)
         rl = RLStep(m, _engine(m, args, max_len, compile_decode=False), rl_cfg, reward_fn="exact", group=group)
         grads = _capture_grads(rl)
@@ -186,16 +192,23 @@ def bench(proc: Process, args) -> list[dict]:
     rl_cfg = RLConfig(n=args.samples, kl_coef=0.01, lr=1e-6, micro_batch_prompts=args.micro_prompts,
                       max_new_tokens=args.new_tokens)
     rows, finals = [], {}
-    for label, group in (("single", None), ("parallel", dist.group.WORLD)):
+    paths = {"single": (None, None), "parallel": (dist.group.WORLD, FSDPConfig()),
+             "parallel-copy": (dist.group.WORLD, FSDPConfig(share_policy_storage=False))}
+    for label in args.paths.split(","):
+        if label not in paths:
+            raise ValueError(f"--paths: unknown path {label!r} (choose from {sorted(paths)})")
+    for label in args.paths.split(","):
+        group, fsdp = paths[label]
         with torch.no_grad():  # both paths start from the same weights (the reference is copied from them)
             for k, v in model.state_dict().items():
                 v.copy_(init[k])
-        rl = RLStep(model, engine, rl_cfg, reward_fn="exact", group=group)
+        rl = RLStep(model, engine, rl_cfg, reward_fn="exact", group=group, fsdp=fsdp)
         steps = ([("warm-up", 1 + i) for i in range(args.warmup_steps)]
                  + [("timed", 100 + i) for i in range(args.timed_steps)]
                  + ([("profiled", 200)] if args.profile and cuda else []))
         for step, seed in steps:
             graphs0 = counters["stats"]["unique_graphs"]
+            retries0 = torch.cuda.memory_stats(proc.device).get("num_alloc_retries", 0) if cuda else 0
             if cuda:
                 torch.cuda.reset_peak_memory_stats(proc.device)
             prof = _profile_update(rl) if step == "profiled" else None
@@ -208,6 +221,8 @@ def bench(proc: Process, args) -> list[dict]:
                             (("gen", "gen"), ("ref", "ref"), ("update", "update_actor"), ("sync", "sync_weights"),
                              ("total", "step"))},
                          "graphs_compiled": counters["stats"]["unique_graphs"] - graphs0,
+                         "alloc_retries": (torch.cuda.memory_stats(proc.device).get("num_alloc_retries", 0) - retries0
+                                           if cuda else 0),
                          "peak_gib": round(torch.cuda.max_memory_allocated(proc.device) / 2**30, 1) if cuda else 0.0,
                          "oom_backoff": None if backoff is None else f"{backoff.prompts}x{backoff.samples}",
                          "checkpointing": any(rl.actor.placement.checkpointing(rl.actor.model))})
@@ -216,14 +231,18 @@ def bench(proc: Process, args) -> list[dict]:
         finals[label] = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
         del rl
         _free()
-    diff = max((finals["single"][n].float() - w.float()).abs().max().item() for n, w in finals["parallel"].items())
-    rows.append({"final_weight_max_abs_diff": diff})
+    if "single" in finals:
+        for label, got in finals.items():
+            if label != "single":
+                diff = max((finals["single"][n].float() - w.float()).abs().max().item() for n, w in got.items())
+                rows.append({"path": label, "final_weight_max_abs_diff": diff})
     return rows
 
 
 def _profile_update(rl: RLStep) -> dict:
-    """Profile the next `actor.update` (filled in when it returns): device time by kernel family and
-    FSDP2's host ranges, to attribute what the data-parallel update adds."""
+    """Profile the next `actor.update` (filled in when it returns): its wall time against the device
+    time of its kernels by family, to attribute what the data-parallel update adds (wall minus busy is
+    time the device waited on the host)."""
     out: dict = {}
     update = rl.actor.update
 
@@ -231,13 +250,12 @@ def _profile_update(rl: RLStep) -> dict:
         from torch.profiler import ProfilerActivity, profile
 
         rl.actor.update = update
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:  # kernels only: host tracing costs seconds
             t0 = time.perf_counter()
             res = update(*a, **k)
             torch.cuda.synchronize()
             wall = time.perf_counter() - t0
         fam: dict[str, float] = {}
-        fsdp: dict[str, float] = {}
         for e in prof.key_averages():
             dev = getattr(e, "self_device_time_total", 0) / 1e6
             name = e.key.lower()
@@ -248,9 +266,9 @@ def _profile_update(rl: RLStep) -> dict:
                     "foreach/optimizer" if "foreach" in name or "adam" in name else "other")
             if e.device_type == torch.autograd.DeviceType.CUDA:  # kernels (ops' device time would count twice)
                 fam[kind] = fam.get(kind, 0.0) + dev
-            if e.key.startswith("FSDP::"):
-                fsdp[e.key] = round(e.cpu_time_total / 1e6, 3)
-        out.update(wall_s=round(wall, 3), device_s={k: round(v, 3) for k, v in sorted(fam.items())}, fsdp_host_s=fsdp)
+        busy = sum(fam.values())
+        out.update(wall_s=round(wall, 3), device_busy_s=round(busy, 3),
+                   device_s={k: round(v, 3) for k, v in sorted(fam.items())})
         return res
 
     rl.actor.update = profiled
@@ -260,17 +278,18 @@ def _profile_update(rl: RLStep) -> dict:
 def table(rows: list[dict]) -> str:
     timed: dict[str, list[float]] = {}
     lines = ["| path | step | ranks | gen s | ref s | update s | sync s | step s | graphs compiled | peak GiB | "
-             "OOM back-off |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "alloc retries | OOM back-off |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        if "path" in r:
+        if "step" in r:
             if r["step"] == "timed":
                 timed.setdefault(r["path"], []).append(r["total_s"])
             lines.append(f"| {r['path']} | {r['step']} | {r['world']} | {r['gen_s']:.2f} | {r['ref_s']:.2f} | "
                          f"{r['update_s']:.2f} | {r['sync_s']:.3f} | {r['total_s']:.2f} | {r['graphs_compiled']} | "
-                         f"{r['peak_gib']} | {r['oom_backoff'] or '-'}{' +ckpt' if r['checkpointing'] else ''} |")
-    if "single" in timed and "parallel" in timed:
-        over = statistics.median(timed["parallel"]) / statistics.median(timed["single"]) - 1
-        lines.append(f"\ndata-parallel step vs one process (median of timed steps): {over:+.1%}")
+                         f"{r['peak_gib']} | {r['alloc_retries']} | {r['oom_backoff'] or '-'}{' +ckpt' if r['checkpointing'] else ''} |")
+    for label in timed:
+        if label != "single" and "single" in timed:
+            over = statistics.median(timed[label]) / statistics.median(timed["single"]) - 1
+            lines.append(f"\n{label} step vs one process (median of timed steps): {over:+.1%}")
     return "\n".join(lines)
 
 
@@ -291,9 +310,11 @@ def main(argv=None) -> None:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--warmup-steps", type=int, default=2, help="untimed steps per path before the timed ones")
     ap.add_argument("--timed-steps", type=int, default=2, help="timed steps per path (the table compares medians)")
+    ap.add_argument("--paths", default="single,parallel",
+                    help="paths to time, in order: single (one process), parallel (the data-parallel step), "
+                         "parallel-copy (the same with the trainer's shards kept apart from the policy)")
     ap.add_argument("--profile", action="store_true",
-                    help="one more, untimed step per path with its update profiled (device time by kernel "
-                         "family, FSDP2's host ranges)")
+                    help="one more, untimed step per path with its update profiled (device time by kernel family)")
     ap.add_argument("--check-layers", type=int, default=2, help="decoder layers and vision blocks of the check")
     ap.add_argument("--check-prompts", type=int, default=4)
     ap.add_argument("--check-samples", type=int, default=4)
@@ -316,7 +337,9 @@ def main(argv=None) -> None:
         if args.bench and not failed:
             rows = bench(proc, args)
             if proc.rank == 0:
-                print(json.dumps({"bench": "dp_step_weights", **rows[-1]}), flush=True)
+                for r in rows:
+                    if "final_weight_max_abs_diff" in r:
+                        print(json.dumps({"bench": "dp_step_weights", **r}), flush=True)
                 print(table(rows), flush=True)
         dist.barrier()
     finally:
