@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from parallel_helpers import init_group
 
+from rollplex.cosched import CoschedConfig
 from rollplex.engine import Engine, EngineConfig
 from rollplex.models import load_model
 from rollplex.parallel import full_tensor
@@ -18,6 +19,11 @@ from rollplex.rl.step import RLStep
 def parity_reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
     """Varies within a group on the untrained tiny model (the task's own reward is 0 for every sample)."""
     return float(sum(map(ord, solution_str)) % 2)
+
+
+# admit eagerly: on CPU the chunks run inline, so every loaded step is "slow"; the tests are about exactness
+EAGER = CoschedConfig(slowdown_bound=0.9, baseline_samples=1, initial_budget=50.0, max_chunk_ms=1e6,
+                      max_in_flight=2, serial_after=1000, reprobe_every=0, job_prompts=2)
 
 
 def build(tiny_dir, cfg: RLConfig, rollout: str = "data", memory_cfg=None, group="auto") -> RLStep:
@@ -38,7 +44,8 @@ def build(tiny_dir, cfg: RLConfig, rollout: str = "data", memory_cfg=None, group
         roll = tensor_parallel_copy(model)
         ecfg = EngineConfig(max_num_seqs=64, max_model_len=256, tensor_parallel=dist.get_world_size())
     engine = Engine(roll, proc, ecfg, memory=mm)
-    return RLStep(model, engine, cfg, proc, reward_fn=parity_reward, memory=mm, memory_cfg=memory_cfg, group=group)
+    return RLStep(model, engine, cfg, proc, reward_fn=parity_reward, memory=mm, memory_cfg=memory_cfg, group=group,
+                  cosched=EAGER if cfg.cosched else None)
 
 
 def capture_grads(rl: RLStep) -> list[dict]:
@@ -70,6 +77,8 @@ def run_steps(rl: RLStep, rows: list[dict], steps: int) -> list[dict]:
     rl.generate = recording
     for _ in range(steps):
         metrics = rl.step(rows)
+        if rl.cfg.cosched:  # the old policy's prefixes ran beside this process's decode
+            metrics["rollout_metrics"] = dict(rl.rollout_metrics)
         out.append(dict(tokens=tokens[-1], metrics=metrics, grads=list(grads),
                         weights={n: p.detach().clone() for n, p in rl.model.named_parameters()}))
         grads.clear()
@@ -125,6 +134,9 @@ def worker(rank: int, world: int, init: str, tiny_dir, rows, cfg: RLConfig, roll
             inject_oom(oom)
         got = run_steps(rl, rows, steps)
         compare(got, want)
+        if cfg.cosched:  # every rank co-scheduled the old policy's prefixes of its share beside its decode
+            for g in got:
+                assert g["metrics"]["rollout_metrics"]["rollplex/cosched_chunks"] > 0, g["metrics"]["rollout_metrics"]
         shares = rl.parallel.weights.report()  # the trainer's shards are windows of the policy
         assert shares["shared_bytes"] > 0 and (world > 1 or shares["separate_bytes"] == shares["rebuilt_bytes"] == 0)
         if oom is not None:  # every rank backed off to one prompt per pass

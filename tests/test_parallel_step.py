@@ -31,13 +31,16 @@ def _spawn(tmp_path, tiny_dir, world, cfg, rollout="data", steps=2, memory_cfg=N
     (4, dict(mode="serial", micro_batch_samples=3)),
     # a frozen vision tower: the per-rank rollout drops the engine's encodings, the towers run frozen
     (2, dict(freeze_vision_tower=True)),
+    # the co-scheduler per rank: each rank's old-policy prefixes beside its own decode, scored by it
+    (2, dict(cosched=True, ppo_mini_batches=2)),
+    (2, dict(cosched=True, ppo_mini_batches=2, freeze_vision_tower=True)),
 ])
 def test_data_parallel_step_equals_single_process(tmp_path, tiny_dir, world, rl):
     _spawn(tmp_path, tiny_dir, world, RLConfig(**{**BASE, **rl}))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rl", [dict(), dict(freeze_vision_tower=True)])
+@pytest.mark.parametrize("rl", [dict(), dict(freeze_vision_tower=True), dict(cosched=True, ppo_mini_batches=2)])
 def test_tensor_parallel_rollout_step_equals_single_process(tmp_path, tiny_dir, rl):
     # frozen: every rank prefilled every prompt, so the engine's encodings stand in for both towers
     _spawn(tmp_path, tiny_dir, 2, RLConfig(**{**BASE, **rl}), rollout="tensor")
@@ -70,9 +73,8 @@ def test_what_a_process_group_refuses(tmp_path, tiny_dir):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         world = dist.group.WORLD  # a group of one rank, given explicitly
-        for bad in (dict(cosched=True), dict(packed=False)):
-            with pytest.raises(ValueError, match="data-parallel"):
-                build(tiny_dir, RLConfig(**{**BASE, **bad}), group=world)
+        with pytest.raises(ValueError, match="data-parallel"):
+            build(tiny_dir, RLConfig(**{**BASE, "packed": False}), group=world)
         rl = build(tiny_dir, RLConfig(**BASE), group=world)
         assert rl.parallel is not None and rl.parallel.rollout == "data"
         other = Engine(load_model(tiny_dir), rl.processor)  # neither the policy nor its TP shard

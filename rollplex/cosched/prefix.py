@@ -162,21 +162,26 @@ class PrefixRows:
 
     @classmethod
     def plan(cls, model: Qwen25VL, prompts: Sequence[ModelInputs], per_job: int, key: str,
-             external_vision: bool = False) -> PrefixRows:
-        """Jobs of `per_job` consecutive prompts each (external_vision: see PrefixJob)."""
+             external_vision: bool = False, only: Sequence[int] | None = None) -> PrefixRows:
+        """Jobs of `per_job` consecutive prompts each (external_vision: see PrefixJob); `only`: the
+        prompts (indices) to plan, the others get no row (a data-parallel rank plans its own share)."""
         if per_job < 1:
             raise ValueError("per_job must be >= 1")
-        rows = []
-        for j, a in enumerate(range(0, len(prompts), per_job)):
-            job = PrefixJob(model, prompts[a : a + per_job], f"{key}/{j}", external_vision)
-            rows += [(job, r) for r in range(len(job.prompts))]
+        ids = list(range(len(prompts))) if only is None else list(only)
+        rows: list = [None] * len(prompts)
+        for j, a in enumerate(range(0, len(ids), per_job)):
+            part = ids[a : a + per_job]
+            job = PrefixJob(model, [prompts[i] for i in part], f"{key}/{j}", external_vision)
+            for r, i in enumerate(part):
+                rows[i] = (job, r)
         return cls(rows)
 
     @property
     def jobs(self) -> list[PrefixJob]:
         seen: dict[int, PrefixJob] = {}
-        for job, _ in self.rows:
-            seen.setdefault(id(job), job)
+        for row in self.rows:
+            if row is not None:
+                seen.setdefault(id(row[0]), row[0])
         return list(seen.values())
 
     def select(self, prompt_ids: Sequence[int]) -> PrefixRows:
@@ -188,6 +193,8 @@ class PrefixRows:
 
     def gather(self) -> PrefixState:
         """The PrefixState of these prompts, in order (running any unit still pending)."""
+        if any(row is None for row in self.rows):
+            raise ValueError("a prompt without a planned prefix row (another rank's share)")
         return PrefixState.from_rows([(job.complete(), r) for job, r in self.rows])
 
     def __len__(self) -> int:

@@ -27,6 +27,12 @@ prefilled every prompt on every rank, and one rank alone is one process; a per-r
 several ranks drops them at the gather (the scoring and training shares are dealt by cost after the
 rollout, not by who prefilled what), so the reference and the trainer run the frozen tower instead.
 
+The co-scheduler is per rank too (`cosched`): beside its decode, each rank computes the prefixes of
+the old policy (several updates per rollout) for its share of the prompts on the policy it holds
+whole, so the prefix work needs no collective and no other rank's pace; the rank then scores the old
+logprobs of that share itself (`old_logprobs`) and the shares are summed. The reference is sharded,
+so its prefix work is not co-scheduled: it runs data-parallel in its phase.
+
 The memory manager is per rank: each rank's engine, optimizer state, gradient buffers and reference
 shards live in its own regions (local shards, not whole tensors), and `RLStep`'s phases, the
 optimizer offload, activation checkpointing and the update's OOM ladder run as on one process.
@@ -54,8 +60,6 @@ class Colocated:
 
     def __init__(self, group: dist.ProcessGroup, model: Qwen25VL, engine, cfg: RLConfig,
                  fsdp: FSDPConfig | None = None):
-        if cfg.cosched:
-            raise ValueError("cosched runs one process's prefix work beside its decode: not data-parallel yet")
         check_passes(cfg.mode, cfg.packed)
         self.group, self.model_cfg = group, model.cfg
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -94,13 +98,36 @@ class Colocated:
         return [local_tensor(t.detach()) for t in (*model.parameters(), *model.buffers())]
 
     # ---- rollout ------------------------------------------------------------------------------
+    def share(self, num_prompts: int) -> list[int]:
+        """The prompts (indices) this rank rolls out with a per-rank engine, dealt round-robin; also
+        the share whose old-policy logprobs it scores (`old_logprobs`) and whose prefixes its
+        co-scheduler computes beside its decode, with either rollout layout."""
+        return list(range(self.rank, num_prompts, self.world))
+
+    @torch.no_grad()
+    def old_logprobs(self, policy: Qwen25VL, batch, cfg: RLConfig) -> torch.Tensor:
+        """The old policy's logprobs [N, R] on every rank: each rank scores its share on the policy,
+        which it holds whole (no collective inside the passes; the prefixes its co-scheduler handed
+        over for those prompts are used), and the shares are summed over the group."""
+        from ..rl.scoring import score
+
+        device = policy.inv_freq.device
+        out = torch.zeros(batch.responses.shape, dtype=torch.float32, device=device)
+        mine = self.share(batch.num_prompts)
+        if mine:
+            sub, idx = batch.select_prompts(mine)
+            out[idx.to(device)] = score(policy, sub, cfg.mode, cfg.micro_batching, cfg.temperature,
+                                        prefix_key="old").to(device)
+        dist.all_reduce(out, group=self.group)
+        return out.cpu()
+
     def generate(self, prompts: list, params: list, keep_vision: bool = False) -> list:
         """The engine's outputs for every prompt, on every rank (see the module docstring)."""
         if self.rollout == "tensor":
             return self.engine.generate(prompts, params, keep_vision=keep_vision)
         if self.world == 1:
             return self.engine.generate(prompts, params, keep_vision=keep_vision)
-        share = list(range(self.rank, len(prompts), self.world))
+        share = self.share(len(prompts))
         outs = self.engine.generate([prompts[i] for i in share], [params[i] for i in share],
                                     keep_vision=keep_vision) if share else []
         mine = [(i, dataclasses.replace(o, vision_embeds=None)) for i, o in zip(share, outs)]

@@ -285,7 +285,8 @@ def table(rows: list[dict]) -> str:
                 timed.setdefault(r["path"], []).append(r["total_s"])
             lines.append(f"| {r['path']} | {r['step']} | {r['world']} | {r['gen_s']:.2f} | {r['ref_s']:.2f} | "
                          f"{r['update_s']:.2f} | {r['sync_s']:.3f} | {r['total_s']:.2f} | {r['graphs_compiled']} | "
-                         f"{r['peak_gib']} | {r['alloc_retries']} | {r['oom_backoff'] or '-'}{' +ckpt' if r['checkpointing'] else ''} |")
+                         f"{r['peak_gib']} | {r['alloc_retries']} | {r['oom_backoff'] or '-'}"
+                         f"{' +ckpt' if r['checkpointing'] else ''} |")
     for label in timed:
         if label != "single" and "single" in timed:
             over = statistics.median(timed[label]) / statistics.median(timed["single"]) - 1

@@ -286,6 +286,11 @@ class RLStep:
         if not cfg.cosched or self.engine is None:
             return out
         per_job = self.cosched.config.job_prompts
+        if self.parallel is not None:  # per rank: the old policy's prefixes of its share, on the whole policy
+            if cfg.num_updates > 1:
+                out["old"] = PrefixRows.plan(self.model, prompts, per_job, "old", external_vision=frozen,
+                                             only=self.parallel.share(len(prompts)))
+            return out
         if self.ref is not None and cfg.kl_coef > 0 and (
                 self.memory is None or self.memory.plan.get("rollout", "ref_weights") == "resident"):
             # a frozen tower's encodings come from the engine's prefill, unless the reference's tower differs
@@ -337,7 +342,10 @@ class RLStep:
         if old is None:
             with _timer(m, "old_log_prob", self.device, tl), self._phase("ref"):
                 self._complete_handover(batch, "old", m)
-                old = self.actor.old_logprobs(batch, cfg)
+                if self.parallel is not None and cfg.num_updates > 1:  # each rank its share, on the policy
+                    old = self.parallel.old_logprobs(self.model, batch, cfg)
+                else:
+                    old = self.actor.old_logprobs(batch, cfg)
         batch.prefix = {}  # the prefix states are consumed: free them before the update
         with _timer(m, "update_actor", self.device, tl), self._phase("update"):
             stats, first_lp = self.actor.update(batch, adv, ref_lp if cfg.use_kl_loss else None, old, self.step_idx,
