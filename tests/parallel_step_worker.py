@@ -21,9 +21,10 @@ def parity_reward(data_source, solution_str, ground_truth, extra_info=None) -> f
     return float(sum(map(ord, solution_str)) % 2)
 
 
-# admit eagerly: on CPU the chunks run inline, so every loaded step is "slow"; the tests are about exactness
+# admit eagerly: on CPU the chunks run inline, so every loaded step is "slow"; the tests are about exactness.
+# One prompt per job: a rank's jobs then batch their prefixes as one process does (same rounding)
 EAGER = CoschedConfig(slowdown_bound=0.9, baseline_samples=1, initial_budget=50.0, max_chunk_ms=1e6,
-                      max_in_flight=2, serial_after=1000, reprobe_every=0, job_prompts=2)
+                      max_in_flight=2, serial_after=1000, reprobe_every=0, job_prompts=1)
 
 
 def build(tiny_dir, cfg: RLConfig, rollout: str = "data", memory_cfg=None, group="auto") -> RLStep:
@@ -38,11 +39,12 @@ def build(tiny_dir, cfg: RLConfig, rollout: str = "data", memory_cfg=None, group
         mm = MemoryManager(PhasePlan.releases_only(), backend="accounting")
     ecfg = EngineConfig(max_num_seqs=64, max_model_len=256)
     roll = model
-    if rollout == "tensor":
+    if rollout.startswith("tensor"):  # "tensor": one engine over the group; "tensor:N": blocks of N ranks
         from rollplex.parallel import tensor_parallel_copy
 
-        roll = tensor_parallel_copy(model)
-        ecfg = EngineConfig(max_num_seqs=64, max_model_len=256, tensor_parallel=dist.get_world_size())
+        size = int(rollout.split(":")[1]) if ":" in rollout else dist.get_world_size()
+        roll = tensor_parallel_copy(model, None if size == dist.get_world_size() else dist.new_subgroups(size)[0])
+        ecfg = EngineConfig(max_num_seqs=64, max_model_len=256, tensor_parallel=size)
     engine = Engine(roll, proc, ecfg, memory=mm)
     return RLStep(model, engine, cfg, proc, reward_fn=parity_reward, memory=mm, memory_cfg=memory_cfg, group=group,
                   cosched=EAGER if cfg.cosched else None)
@@ -146,7 +148,7 @@ def worker(rank: int, world: int, init: str, tiny_dir, rows, cfg: RLConfig, roll
             assert min(sizes["ref_weights"], sizes["optimizer"], sizes["grads"], sizes["kv_cache"]) > 0, sizes
             assert got[-1]["metrics"]["memory/offload_copy_gib"] > 0
             assert rl.memory.state["kv_cache"] == "released" and rl.memory.state["ref_weights"] == "offloaded"
-        if rollout == "tensor":  # the engine's shards hold the updated weights
+        if rollout.startswith("tensor"):  # the engine's shards hold the updated weights
             from rollplex.parallel.tp import shard_state_dict
 
             tp = rl.engine.model.model.tensor_parallel

@@ -47,6 +47,14 @@ def test_tensor_parallel_rollout_step_equals_single_process(tmp_path, tiny_dir, 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("rl", [dict(ppo_mini_batches=2), dict(freeze_vision_tower=True)])
+def test_rollout_groups_of_tensor_parallel_engines(tmp_path, tiny_dir, rl):
+    # 4 ranks, two rollout groups of 2: each block's engines decode half the prompts with their shards
+    # (frozen: the encodings of the other group's prompts are not on this rank, so the towers run)
+    _spawn(tmp_path, tiny_dir, 4, RLConfig(**{**BASE, **rl}), rollout="tensor:2")
+
+
+@pytest.mark.slow
 def test_memory_manager_runs_per_rank(tmp_path, tiny_dir):
     # every idle region moves (released regions read as garbage with the accounting backend), the
     # optimizer pages its moments, layers are checkpointed: same step as one process without any of it

@@ -149,7 +149,7 @@ def test_server_over_two_ranks_matches_one_process(tiny_dir, tmp_path, extra, gr
         assert rc == 0, log[-4000:]
         # the three rollouts ran on both ranks: rank 1's engine sampled one of the two prompts each time, or
         # (tensor-parallel) decoded both with rank 0
-        want = ("rank 1: decoded the rollout's 2 prompts" if group_extra
+        want = ("rank 1: sampled 2 of the rollout's 2 prompts" if group_extra
                 else "rank 1: sampled 1 of the rollout's 2 prompts")
         assert log.count(want) == 3, log[-4000:]
     finally:
@@ -160,7 +160,8 @@ def test_server_over_two_ranks_matches_one_process(tiny_dir, tmp_path, extra, gr
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--tensor-parallel", "4"], "spans the whole group"),
+    (["--tensor-parallel", "4"], "must divide 2"),
+    (["--tensor-parallel", "3"], "must divide 2"),
     (["--no-packed"], "packed=True"),
 ])
 def test_group_refuses_what_it_cannot_run(flags, message):

@@ -11,20 +11,22 @@
                 ranks own (and the tensor-parallel engine's shards, cut from the policy locally)
     reference   the frozen reference, sharded by FSDP2 the same way; each rank scores its share of
                 the prompt groups and the logprobs are summed to every rank (`rl.scoring.score`)
-    rollout     per rank (`rollout="data"`): the prompts are dealt round-robin, each rank's engine
-                generates its share, and the outputs are gathered so every rank holds the whole batch;
-                or tensor-parallel (`rollout="tensor"`: the engine's model is this rank's TP shard of the
-                policy, `apply_tensor_parallel` over the same group), where every rank generates every
-                prompt and the samples are the same everywhere
+    rollout     data-parallel over rollout groups: the prompts are dealt round-robin over the groups,
+                each group's engine generates its share, and the outputs are gathered so every rank
+                holds the whole batch. A group is one rank whose engine decodes the policy itself
+                (`rollout="data"`), or a block of consecutive ranks whose engines decode their
+                tensor-parallel shards of it together (`rollout="tensor"`: `tensor_parallel_copy` over
+                the block's group, the whole group being one block); the ranks of a block generate the
+                same samples
 
 Sampling is seeded per prompt and sample (`RLStep.rollout`), and the sampler's noise depends only on
 (seed, step, token) (engine/sampler.py), so a prompt's samples do not depend on which rank, or which
 other prompts, it is generated with: the data-parallel step computes the single-process step.
 
 A frozen vision tower (`freeze_vision_tower`) gets no gradient and no optimizer state in the trainer.
-Its encodings from the engine's prefill are reused where the rank holds them: a tensor-parallel engine
-prefilled every prompt on every rank, and one rank alone is one process; a per-rank rollout over
-several ranks drops them at the gather (the scoring and training shares are dealt by cost after the
+Its encodings from the engine's prefill are reused where the rank holds them: one tensor-parallel
+engine over the whole group prefilled every prompt on every rank, and one rank alone is one process;
+a rollout over several groups drops them at the gather (the scoring and training shares are dealt by cost after the
 rollout, not by who prefilled what), so the reference and the trainer run the frozen tower instead.
 
 The co-scheduler is per rank too (`cosched`): beside its decode, each rank computes the prefixes of
@@ -66,13 +68,16 @@ class Colocated:
         device = model.inv_freq.device
         self.mesh = DeviceMesh.from_group(group, device.type)
         self.fsdp = fsdp or FSDPConfig()
-        self.rollout = "data"
+        self.rollout, self.tp_size, self.tp_rank = "data", 1, 0
         if engine is not None and engine.model is not model:
             tp = getattr(engine.model.model, "tensor_parallel", None)
-            if tp is None or tp.size != self.world:
+            if tp is None or not _consecutive_block(tp, group, self.rank):
                 raise ValueError("under data parallelism the engine decodes the policy itself (per-rank rollout) "
-                                 "or its tensor-parallel shard over the same group (apply_tensor_parallel)")
-            self.rollout = "tensor"
+                                 "or its tensor-parallel shard (tensor_parallel_copy) over the whole group or over "
+                                 "a block of consecutive ranks of it (dist.new_subgroups)")
+            self.rollout, self.tp_size, self.tp_rank = "tensor", tp.size, tp.rank
+        # rollout groups: one engine each (a rank alone, or a tensor-parallel block of tp_size ranks)
+        self.groups, self.rollout_group = self.world // self.tp_size, self.rank // self.tp_size
         self.engine = engine
         self.weights: SharedWeights | None = None  # set when the trainer is built
 
@@ -98,11 +103,15 @@ class Colocated:
         return [local_tensor(t.detach()) for t in (*model.parameters(), *model.buffers())]
 
     # ---- rollout ------------------------------------------------------------------------------
+    def group_prompts(self, num_prompts: int) -> list[int]:
+        """The prompts (indices) this rank's rollout group generates: dealt round-robin over the groups."""
+        return list(range(self.rollout_group, num_prompts, self.groups))
+
     def share(self, num_prompts: int) -> list[int]:
-        """The prompts (indices) this rank rolls out with a per-rank engine, dealt round-robin; also
-        the share whose old-policy logprobs it scores (`old_logprobs`) and whose prefixes its
-        co-scheduler computes beside its decode, with either rollout layout."""
-        return list(range(self.rank, num_prompts, self.world))
+        """This rank's part of its rollout group's prompts (all of them with a per-rank engine): the
+        prompts whose old-policy logprobs it scores (`old_logprobs`) and whose prefixes its
+        co-scheduler computes beside its decode — prompts its own engine prefilled."""
+        return self.group_prompts(num_prompts)[self.tp_rank :: self.tp_size]
 
     @torch.no_grad()
     def old_logprobs(self, policy: Qwen25VL, batch, cfg: RLConfig) -> torch.Tensor:
@@ -123,14 +132,14 @@ class Colocated:
 
     def generate(self, prompts: list, params: list, keep_vision: bool = False) -> list:
         """The engine's outputs for every prompt, on every rank (see the module docstring)."""
-        if self.rollout == "tensor":
+        if self.groups == 1:  # one engine: every rank generated every prompt
             return self.engine.generate(prompts, params, keep_vision=keep_vision)
-        if self.world == 1:
-            return self.engine.generate(prompts, params, keep_vision=keep_vision)
-        share = self.share(len(prompts))
+        share = self.group_prompts(len(prompts))
         outs = self.engine.generate([prompts[i] for i in share], [params[i] for i in share],
                                     keep_vision=keep_vision) if share else []
-        mine = [(i, dataclasses.replace(o, vision_embeds=None)) for i, o in zip(share, outs)]
+        # the ranks of a tensor-parallel group hold the same outputs: its first rank contributes them
+        mine = ([(i, dataclasses.replace(o, vision_embeds=None)) for i, o in zip(share, outs)]
+                if self.tp_rank == 0 else [])
         every: list = [None] * self.world
         dist.all_gather_object(every, mine, group=self.group)
         got = dict(x for part in every for x in part)
@@ -162,3 +171,12 @@ class Colocated:
             extra += sum(p.numel() * p.element_size() for p in self.engine.model.parameters()
                          if p.untyped_storage().data_ptr() not in own)
         return extra
+
+
+def _consecutive_block(tp, group: dist.ProcessGroup, rank: int) -> bool:
+    """The TP group is the block of tp.size consecutive ranks of `group` that holds `rank`."""
+    if dist.get_world_size(group) % tp.size:
+        return False
+    first = rank - rank % tp.size
+    want = [dist.get_global_rank(group, r) for r in range(first, first + tp.size)]
+    return dist.get_process_group_ranks(tp.group) == want and tp.rank == rank % tp.size

@@ -39,15 +39,15 @@ synced after every update.
 
 A frozen vision tower trains nothing in the tower on every rank; rank 0 keeps no prefill encodings for
 it (the other ranks never saw those prompts), so every rank runs the frozen tower when scoring and
-training. With `--tensor-parallel N` (N = the group's size) every rank's engine holds its
-tensor-parallel shard of the policy and decodes every prompt of a `/rollout` with the others (the
-weight sync writes the shards after each update); `/generate` is then a 400, since its continuous
-batching steps rank 0's engine alone.
+training. With `--tensor-parallel N` (N dividing the group's size) every block of N consecutive ranks
+is one rollout engine: each rank's engine holds its tensor-parallel shard of the policy and decodes its
+block's prompts of a `/rollout` with the others (the weight sync writes the shards after each update);
+`/generate` is then a 400, since its continuous batching steps rank 0's engine alone.
 
 /save and /load run on every rank (rl/checkpoint.py: rank 0 writes the HF directories, every rank its
 trainer shards); they need the checkpoint root on a filesystem every rank sees (one node, or a shared
 one), and a checkpoint loads into a group of the size that wrote it. Refused under a group: the SGLang
-rollout backend, any other tensor-parallel degree, the prefix-state path (startup errors,
+rollout backend, a tensor-parallel degree that does not divide the group, the prefix-state path (startup errors,
 `check_config`; cosched is refused by ServerConfig in any case).
 
 The command channel waits without a deadline (a server may sit idle for days); a rank 0 that dies
@@ -80,10 +80,10 @@ def check_config(cfg, world: int) -> None:
     if cfg.backend.rollout_backend != "native":
         raise ValueError(f"the {cfg.backend.rollout_backend} rollout backend is not served over a process group "
                          "yet: every rank's native engine samples the rollouts (leave --rollout-backend at native)")
-    if cfg.engine.tensor_parallel not in (1, world):
+    if world % cfg.engine.tensor_parallel:
         raise ValueError(f"--tensor-parallel {cfg.engine.tensor_parallel} over {world} ranks: a tensor-parallel "
-                         f"engine spans the whole group (--tensor-parallel {world}), or each rank's engine decodes "
-                         "the full policy (--tensor-parallel 1)")
+                         f"engine spans a block of consecutive ranks, so its degree must divide {world} (1: each "
+                         "rank's engine decodes the full policy)")
     check_passes(cfg.rl.mode, cfg.rl.packed)
 
 
@@ -154,11 +154,9 @@ def follow(state, commands: Commands) -> None:
         if op == "rollout":  # this rank's share of the prompts; the outputs are gathered to every rank
             inputs, params = args
             state.sample(inputs, params, keep_vision=False)
-            if state.cfg.engine.tensor_parallel > 1:
-                log.info("rank %d: decoded the rollout's %d prompts", commands.rank, len(inputs))
-            else:
-                log.info("rank %d: sampled %d of the rollout's %d prompts", commands.rank,
-                         len(range(commands.rank, len(inputs), commands.world)), len(inputs))
+            groups = commands.world // state.cfg.engine.tensor_parallel
+            log.info("rank %d: sampled %d of the rollout's %d prompts", commands.rank,
+                     len(range(commands.rank // state.cfg.engine.tensor_parallel, len(inputs), groups)), len(inputs))
             continue
         if op in ("save", "load"):  # failures are agreed by every rank (rl/checkpoint.py): logged, not fatal
             try:

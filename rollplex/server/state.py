@@ -194,14 +194,17 @@ class ServerState:
                 for t in (*self.model.parameters(), *self.model.buffers()):
                     dist.broadcast(t.data, src=0)
         decoded = self.model  # what the engine decodes: the policy, or this rank's tensor-parallel shard of it
-        if cfg.engine.tensor_parallel > 1:
-            if cfg.engine.tensor_parallel != self.world_size:
-                raise ValueError(f"--tensor-parallel {cfg.engine.tensor_parallel} needs a torchrun group of as many "
-                                 f"ranks (this one has {self.world_size})")
+        tp = cfg.engine.tensor_parallel
+        if tp > 1:
+            if self.world_size % tp:
+                raise ValueError(f"--tensor-parallel {tp} needs a torchrun group of a multiple of as many ranks "
+                                 f"(this one has {self.world_size})")
             from ..parallel import tensor_parallel_copy
 
-            # over the default group; the weight sync rewrites the shards, the vision tower is the policy's
-            decoded = tensor_parallel_copy(self.model)
+            # blocks of tp consecutive ranks (every rank creates every block's group, in the same order);
+            # the weight sync rewrites the shards, the vision tower is the policy's
+            block = None if tp == self.world_size else dist.new_subgroups(tp)[0]
+            decoded = tensor_parallel_copy(self.model, block)
         if self.model.inv_freq.is_cuda:  # the server owns the model: its training and prefill run compiled
             self.model.compile()  # lazy: the engine's warm-up prefill below compiles
             if decoded is not self.model:
