@@ -154,6 +154,8 @@ def worker(rank: int, world: int, init: str, tiny_dir, rows, cfg: RLConfig, roll
             tp = rl.engine.model.model.tensor_parallel
             engine_params = dict(rl.engine.model.named_parameters())  # what the shard keeps whole is the policy's
             assert all(engine_params[n] is p for n, p in rl.model.named_parameters() if n.startswith("visual."))
+            vocab = engine_params["model.embed_tokens.weight"]  # its shard is a window of the policy's table
+            assert vocab.untyped_storage().data_ptr() == rl.model.model.embed_tokens.weight.untyped_storage().data_ptr()
             full = {n: p.detach() for n, p in rl.model.named_parameters()}
             for n, t in shard_state_dict(full, rl.model.cfg, tp.size, tp.rank).items():
                 assert torch.equal(dict(rl.engine.model.named_parameters())[n], t), n

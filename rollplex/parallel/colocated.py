@@ -159,7 +159,8 @@ class Colocated:
         tp = tp_model.model.tensor_parallel
         trained = {n for n, p in trainer.named_parameters() if p.requires_grad}
         for name, p in policy.named_parameters():
-            if name in trained and tp_params[name] is not p:  # a parameter the shard keeps whole is the policy's
+            # a parameter the shard keeps whole, or a vocab shard, is (a view of) the policy's tensor
+            if name in trained and tp_params[name].untyped_storage().data_ptr() != p.untyped_storage().data_ptr():
                 tp_params[name].copy_(shard_state_dict({name: p.detach()}, self.model_cfg, tp.size, tp.rank)[name])
 
     def weight_bytes(self) -> int:
