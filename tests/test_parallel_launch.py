@@ -60,6 +60,17 @@ def test_torchrun_step_check_and_bench_on_cpu(tiny_dir):
     assert "parallel-copy step vs one process" in out
 
 
+@pytest.mark.slow
+def test_torchrun_step_check_with_tensor_parallel_rollout_groups(tiny_dir):
+    # 2 ranks, one 2-rank tensor-parallel engine for the data-parallel paths, both trainer layouts
+    out = _run(2, "step", "--check", "--device", "cpu", "--preset", str(tiny_dir), "--check-tokens", "8",
+               "--image-size", "56", "--text-tokens", "16", "--rollout-tp", "2",
+               "--paths", "single,parallel,parallel-copy")
+    check = next(json.loads(x) for x in out.splitlines() if x.startswith('{"bench": "dp_step_check"'))
+    assert check["paths"] == ["parallel", "parallel-copy"] and check["passed"] and check["tokens_equal"], check
+    assert check["weights_moved"] and check["max_rel_grad_diff"] <= 1e-5, check
+
+
 def test_init_from_env_needs_torchrun(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ValueError, match="torchrun"):

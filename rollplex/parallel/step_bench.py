@@ -16,6 +16,10 @@ step through `RLStep`'s data-parallel path (parallel/colocated.py) against the s
           overhead (medians of the timed steps), and the largest weight difference between the two
           paths after their steps. The data-parallel path is given the default group explicitly, so at
           world size 1 it measures FSDP2 over a group of one (which `RLStep(group="auto")` skips).
+--paths   which paths run, single first: `parallel` (the trainer's shards inside the policy),
+          `parallel-copy` (kept apart and copied in after each update).
+--rollout-tp N   the data-parallel paths roll out with tensor-parallel engines over blocks of N
+          consecutive ranks (data-parallel rollout groups; N = the world size: one engine).
 
 On CPU (`--device cpu`) everything runs over gloo in fp32 with the same code, for tiny shapes:
 `--preset tiny` (the embedded tiny checkpoint's shapes) or a checkpoint directory. Rewards are random
@@ -134,6 +138,37 @@ def _one_step(rl: RLStep, prompts, params, seed: int, device: torch.device) -> t
     return m, batch.responses
 
 
+def _paths(args) -> list[tuple[str, dist.ProcessGroup | None, FSDPConfig | None]]:
+    """(label, group, FSDP config) of each path `--paths` names, in order; "single" comes first."""
+    known = {"single": (None, None), "parallel": (dist.group.WORLD, FSDPConfig()),
+             "parallel-copy": (dist.group.WORLD, FSDPConfig(share_policy_storage=False))}
+    labels = args.paths.split(",")
+    for label in labels:
+        if label not in known:
+            raise ValueError(f"--paths: unknown path {label!r} (choose from {sorted(known)})")
+    if "single" not in labels or len(labels) < 2:
+        raise ValueError("--paths needs single and at least one data-parallel path")
+    labels = ["single"] + [x for x in labels if x != "single"]
+    return [(label, *known[label]) for label in labels]
+
+
+def _path_engine(model: Qwen25VL, args, max_len: int, compile_decode: bool, group) -> Engine:
+    """The engine a path rolls out with: the policy itself, or under a group with `--rollout-tp` N > 1 this
+    rank's tensor-parallel copy of it over its block of N consecutive ranks (a data-parallel rollout group)."""
+    if group is None or args.rollout_tp == 1:
+        return _engine(model, args, max_len, compile_decode)
+    from .tp import tensor_parallel_copy
+
+    world = dist.get_world_size()
+    tp_model = tensor_parallel_copy(model, None if args.rollout_tp == world else dist.new_subgroups(args.rollout_tp)[0])
+    if compile_decode:
+        tp_model.compile()
+    return Engine(tp_model, None, EngineConfig(max_num_seqs=256, max_model_len=max_len,
+                                               gpu_memory_utilization=args.kv_memory, max_num_batched_tokens=40000,
+                                               compile_decode=None if compile_decode else False,
+                                               tensor_parallel=args.rollout_tp))
+
+
 def check(proc: Process, args) -> dict:
     """The reduced fp32 step on one process and data-parallel (see the module docstring)."""
     cfg = reduced(model_config(args.preset), args.check_layers)
@@ -147,29 +182,25 @@ def check(proc: Process, args) -> dict:
     params = _params(len(prompts), args.check_samples, args.check_tokens, seed=3)
     max_len = len(prompts[0].input_ids) + args.check_tokens + 16
     out = {}
-    paths = {"single": (None, None), "parallel": (dist.group.WORLD, FSDPConfig()),
-             "parallel-copy": (dist.group.WORLD, FSDPConfig(share_policy_storage=False))}
-    for label in args.paths.split(","):
-        if label not in paths:
-            raise ValueError(f"--paths: unknown path {label!r} (choose from {sorted(paths)})")
-    for label in args.paths.split(","):
-        group, fsdp = paths[label]
+    for label, group, fsdp in _paths(args):
         m = copy.deepcopy(model)
-        rl = RLStep(m, _engine(m, args, max_len, compile_decode=False), rl_cfg, reward_fn="exact", group=group)
+        rl = RLStep(m, _path_engine(m, args, max_len, False, group), rl_cfg, reward_fn="exact", group=group,
+                    fsdp=fsdp)
         grads = _capture_grads(rl)
         metrics, tokens = _one_step(rl, prompts, params, seed=3, device=proc.device)
         out[label] = dict(metrics=metrics, tokens=tokens.cpu(), grads=grads,
                           weights={n: p.detach().cpu() for n, p in m.named_parameters()})
         del rl, m
         _free()
-    a, b = out["single"], out["parallel"]
-    rel = [((b["grads"][0][n] - g).norm() / g.norm().clamp_min(1e-12)).item() for n, g in a["grads"][0].items()]
+    a = out.pop("single")
     keys = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm")
-    res = {"tokens_equal": torch.equal(a["tokens"], b["tokens"]),
-           "max_rel_grad_diff": max(rel),
+    res = {"paths": sorted(out), "tokens_equal": all(torch.equal(a["tokens"], b["tokens"]) for b in out.values()),
+           "max_rel_grad_diff": max(((b["grads"][0][n] - g).norm() / g.norm().clamp_min(1e-12)).item()
+                                    for b in out.values() for n, g in a["grads"][0].items()),
            "max_rel_metric_diff": max(abs(a["metrics"][k] - b["metrics"][k]) / max(abs(a["metrics"][k]), 1e-12)
-                                      for k in keys),
-           "max_abs_weight_diff": max((a["weights"][n] - w).abs().max().item() for n, w in b["weights"].items()),
+                                      for b in out.values() for k in keys),
+           "max_abs_weight_diff": max((a["weights"][n] - w).abs().max().item()
+                                      for b in out.values() for n, w in b["weights"].items()),
            "weights_moved": any(not torch.equal(a["weights"][n], w.detach().cpu())
                                 for n, w in model.named_parameters())}
     res["passed"] = bool(res["tokens_equal"] and res["weights_moved"] and
@@ -186,19 +217,17 @@ def bench(proc: Process, args) -> list[dict]:
     model = random_model(cfg, proc.device, dtype, compile_=cuda and not args.no_compile)
     prompts, _ = make_prompts(cfg, args.prompts, 1, size=args.image_size, text=args.text_tokens,
                               device=proc.device, dtype=dtype)
-    engine = _engine(model, args, len(prompts[0].input_ids) + args.new_tokens + 64,
-                     compile_decode=cuda and not args.no_compile)
+    max_len = len(prompts[0].input_ids) + args.new_tokens + 64
+    engine = _engine(model, args, max_len, compile_decode=cuda and not args.no_compile)
     init = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     rl_cfg = RLConfig(n=args.samples, kl_coef=0.01, lr=1e-6, micro_batch_prompts=args.micro_prompts,
                       max_new_tokens=args.new_tokens)
     rows, finals = [], {}
-    paths = {"single": (None, None), "parallel": (dist.group.WORLD, FSDPConfig()),
-             "parallel-copy": (dist.group.WORLD, FSDPConfig(share_policy_storage=False))}
-    for label in args.paths.split(","):
-        if label not in paths:
-            raise ValueError(f"--paths: unknown path {label!r} (choose from {sorted(paths)})")
-    for label in args.paths.split(","):
-        group, fsdp = paths[label]
+    for label, group, fsdp in _paths(args):
+        if group is not None and args.rollout_tp > 1 and engine.model is model:  # the rollout groups' engine
+            del engine
+            _free()
+            engine = _path_engine(model, args, max_len, cuda and not args.no_compile, group)
         with torch.no_grad():  # both paths start from the same weights (the reference is copied from them)
             for k, v in model.state_dict().items():
                 v.copy_(init[k])
@@ -314,6 +343,8 @@ def main(argv=None) -> None:
     ap.add_argument("--paths", default="single,parallel",
                     help="paths to time, in order: single (one process), parallel (the data-parallel step), "
                          "parallel-copy (the same with the trainer's shards kept apart from the policy)")
+    ap.add_argument("--rollout-tp", type=int, default=1,
+                    help="data-parallel paths roll out with tensor-parallel engines over blocks of this many ranks")
     ap.add_argument("--profile", action="store_true",
                     help="one more, untimed step per path with its update profiled (device time by kernel family)")
     ap.add_argument("--check-layers", type=int, default=2, help="decoder layers and vision blocks of the check")
@@ -328,6 +359,8 @@ def main(argv=None) -> None:
     if args.warmup_steps < 0 or args.timed_steps < 1:
         ap.error("--warmup-steps must be >= 0 and --timed-steps >= 1")
     proc = init_from_env(args.device)
+    if args.rollout_tp < 1 or proc.world % args.rollout_tp:
+        ap.error(f"--rollout-tp {args.rollout_tp} must divide the world size {proc.world}")
     failed = False
     try:
         if args.check:
