@@ -141,6 +141,7 @@ def worker(rank: int, world: int, init: str, tiny_dir, rows, cfg: RLConfig, roll
                 assert g["metrics"]["rollout_metrics"]["rollplex/cosched_chunks"] > 0, g["metrics"]["rollout_metrics"]
         shares = rl.parallel.weights.report()  # the trainer's shards are windows of the policy
         assert shares["shared_bytes"] > 0 and (world > 1 or shares["separate_bytes"] == shares["rebuilt_bytes"] == 0)
+        assert got[-1]["metrics"]["perf/weights_shared_gib"] == shares["shared_bytes"] / 2**30
         if oom is not None:  # every rank backed off to one prompt per pass
             assert rl.actor._plan(rl.cfg).prompts == 1
         if memory_cfg is not None:  # the rank's regions hold its shards and moved between phases

@@ -163,6 +163,13 @@ class Colocated:
             if name in trained and tp_params[name].untyped_storage().data_ptr() != p.untyped_storage().data_ptr():
                 tp_params[name].copy_(shard_state_dict({name: p.detach()}, self.model_cfg, tp.size, tp.rank)[name])
 
+    def weight_metrics(self) -> dict[str, float]:
+        """This rank's trainer shards shared with the policy, kept apart, and rebuilt after each update."""
+        r = self.weights.report()
+        return {"perf/weights_shared_gib": r["shared_bytes"] / 2**30,
+                "perf/weights_separate_gib": r["separate_bytes"] / 2**30,
+                "perf/weights_rebuilt_gib": r["rebuilt_bytes"] / 2**30}
+
     def weight_bytes(self) -> int:
         """Bytes the trainer's shards and the tensor-parallel engine's add to the policy's on this rank
         (those not stored in the policy's tensors)."""

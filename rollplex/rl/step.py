@@ -353,6 +353,7 @@ class RLStep:
         if self.parallel is not None:  # the trainer's new weights into the policy the engine decodes
             with _timer(m, "sync_weights", self.device, tl):
                 self.parallel.sync_weights(self.actor.model, self.model)
+            m.update(self.parallel.weight_metrics())
         m.update(stats)
         if self.memory is not None:
             m.update(self.memory.take_metrics())
