@@ -8,17 +8,22 @@
     tp.py              tensor-parallel text decoder for rollout (column/row-parallel, vocab-parallel head)
     broadcast.py       trainer -> rollout weight broadcast in buckets
     disaggregated.py   the disaggregated layout: trainer ranks, rollout engines, their groups
+    disaggregated_step.py  the RL step in that layout (the baseline): rollout ranks generate, trainer
+                       ranks run `RLStep.train`, the weights are broadcast to the rollout ranks
+    shared_weights.py  the colocated trainer's FSDP2 shards inside the policy's tensors, and their rebuild
 """
 
 from .broadcast import bucket_plan, receive_weights, send_weights
 from .colocated import Colocated
 from .data_parallel import DataParallel, DataParallelActor, assign_prompts, dp_score
 from .disaggregated import Disaggregated, DisaggregatedLayout, init_disaggregated
+from .disaggregated_step import DisaggregatedStep
 from .fsdp import FSDPConfig, apply_fsdp, full_state_dict, full_tensor, sharded_call
 from .tp import TensorParallel, VocabParallelEmbedding, apply_tensor_parallel, shard_state_dict, tensor_parallel_copy
 
 __all__ = [
-    "Colocated", "DataParallel", "DataParallelActor", "Disaggregated", "DisaggregatedLayout", "FSDPConfig",
+    "Colocated", "DataParallel", "DataParallelActor", "Disaggregated", "DisaggregatedLayout", "DisaggregatedStep",
+    "FSDPConfig",
     "TensorParallel", "VocabParallelEmbedding", "apply_fsdp", "apply_tensor_parallel", "assign_prompts",
     "bucket_plan", "dp_score", "full_state_dict", "full_tensor", "init_disaggregated", "receive_weights",
     "send_weights", "shard_state_dict", "sharded_call", "tensor_parallel_copy",

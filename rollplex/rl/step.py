@@ -223,19 +223,10 @@ class RLStep:
 
     # ---- phases -------------------------------------------------------------------------------
     def rollout(self, rows: list[dict]) -> RolloutBatch:
-        from ..data import ground_truth, row_to_inputs
-
-        cfg = self.cfg
         if self.backend is None:
             raise ValueError("this RLStep has no rollout engine: pass rollouts to train() instead")
-        prompts = [row_to_inputs(self.processor, r) for r in rows]
-        params = [SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p,
-                                 max_new_tokens=cfg.max_new_tokens,
-                                 seed=(cfg.seed * 1_000_003 + self.step_idx * 10_007 + i * 101) % 2**62)
-                  for i in range(len(rows))]
-        return self.generate(prompts, params, data_sources=[r.get("data_source") for r in rows],
-                             ground_truths=[ground_truth(r) for r in rows],
-                             extra_infos=[r.get("extra_info") for r in rows])
+        prompts, params, per_prompt = rollout_requests(self.processor, rows, self.cfg, self.step_idx)
+        return self.generate(prompts, params, **per_prompt)
 
     def generate(self, prompts: list, params: list[SamplingParams], **per_prompt) -> RolloutBatch:
         """The rollout phase on prompts (ModelInputs): the engine's samples as a RolloutBatch, with the
@@ -413,6 +404,20 @@ class RLStep:
         m["perf/throughput"] = tokens / m["timing_s/step"]
         m["training/global_step"] = self.step_idx
         return m
+
+
+def rollout_requests(processor, rows: list[dict], cfg: RLConfig, step_idx: int) -> tuple[list, list, dict]:
+    """(prompts, sampling params, per-prompt extras) of step `step_idx`'s rollout of `rows`. The seeds
+    depend only on (cfg.seed, step, prompt): wherever a prompt is generated, its samples are the same."""
+    from ..data import ground_truth, row_to_inputs
+
+    prompts = [row_to_inputs(processor, r) for r in rows]
+    params = [SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                             seed=(cfg.seed * 1_000_003 + step_idx * 10_007 + i * 101) % 2**62)
+              for i in range(len(rows))]
+    return prompts, params, dict(data_sources=[r.get("data_source") for r in rows],
+                                 ground_truths=[ground_truth(r) for r in rows],
+                                 extra_infos=[r.get("extra_info") for r in rows])
 
 
 def _capacity(device: torch.device, memory: MemoryManager) -> int:

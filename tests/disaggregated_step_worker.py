@@ -1,0 +1,38 @@
+"""One rank of the disaggregated RL step test: trainer and rollout ranks apart, against one process."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from parallel_helpers import init_group
+from parallel_step_worker import parity_reward
+
+from rollplex.engine import EngineConfig
+from rollplex.models import load_model
+from rollplex.parallel.disaggregated_step import DisaggregatedStep
+from rollplex.parallel.tp import shard_state_dict
+from rollplex.processor import VLProcessor
+
+
+def worker(rank: int, world: int, init: str, tiny_dir, rows, cfg, layout, want: list[dict]) -> None:
+    init_group(rank, world, init)
+    try:
+        step = DisaggregatedStep(layout, load_model(tiny_dir), VLProcessor.from_pretrained(tiny_dir), cfg,
+                                 parity_reward, EngineConfig(max_num_seqs=64, max_model_len=256))
+        for w in want:
+            m = step.step(rows)
+            if step.role == "train":  # the same rollout, metrics and updated policy as one process
+                assert torch.equal(step.last_batch.responses, w["tokens"]), "the rollouts differ"
+                for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean"):
+                    assert abs(m[k] - w["metrics"][k]) <= 1e-5 * max(1.0, abs(w["metrics"][k])), (k, m[k])
+                got = dict(step.model.named_parameters())
+            else:  # the engine's shards hold the broadcast weights
+                tp = step.model.model.tensor_parallel
+                got = dict(step.model.named_parameters())
+                w = dict(w, weights=shard_state_dict(w["weights"], step.model.cfg, tp.size, tp.rank))
+            for n, t in w["weights"].items():
+                err = (got[n].detach().float() - t).abs().max().item()
+                assert err <= 1e-5, (n, err)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
