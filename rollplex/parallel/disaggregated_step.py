@@ -72,14 +72,25 @@ class DisaggregatedStep:
         return out
 
     def step(self, rows: list[dict]) -> dict:
+        """The step on dataset rows (every rank the same rows); the trainer's verl-named metrics."""
+        prompts, params, per_prompt = rollout_requests(self.processor, rows, self.cfg, self.step_idx)
+        return self.run(prompts, params, per_prompt)
+
+    def run(self, prompts: list, params: list, per_prompt: dict | None = None,
+            rewards: torch.Tensor | None = None) -> dict:
+        """The step on prompts (ModelInputs) and their SamplingParams; `rewards` [N]: given rewards
+        instead of the reward function's (per_prompt then needs no ground truths)."""
         m: dict = {}
         t0 = time.perf_counter()
-        prompts, params, per_prompt = rollout_requests(self.processor, rows, self.cfg, self.step_idx)
         outs = self._timed(m, "gen", lambda: self._generate(prompts, params))
         if self.rl is not None:
-            batch = RolloutBatch.from_outputs(prompts, outs, pad_id=self.model.cfg.pad_token_id or 0, **per_prompt)
-            batch.rewards, extra = self._timed(m, "reward", lambda: self.rl.compute_rewards(batch))
-            m.update(extra)
+            batch = RolloutBatch.from_outputs(prompts, outs, pad_id=self.model.cfg.pad_token_id or 0,
+                                              **(per_prompt or {}))
+            if rewards is None:
+                batch.rewards, extra = self._timed(m, "reward", lambda: self.rl.compute_rewards(batch))
+                m.update(extra)
+            else:
+                batch.rewards = rewards
             self.last_batch = batch
             m.update(self.rl.train(batch))
         self._timed(m, "broadcast_weights", lambda: self.d.sync_weights(self.model))

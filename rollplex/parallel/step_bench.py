@@ -17,7 +17,9 @@ step through `RLStep`'s data-parallel path (parallel/colocated.py) against the s
           paths after their steps. The data-parallel path is given the default group explicitly, so at
           world size 1 it measures FSDP2 over a group of one (which `RLStep(group="auto")` skips).
 --paths   which paths run, single first: `parallel` (the trainer's shards inside the policy),
-          `parallel-copy` (kept apart and copied in after each update).
+          `parallel-copy` (kept apart and copied in after each update), `disaggregated` (last:
+          `--train-ranks` trainer ranks, the others rollout engines of `--rollout-tp` ranks, the
+          weights broadcast after each update; its sync column is the broadcast).
 --rollout-tp N   the data-parallel paths roll out with tensor-parallel engines over blocks of N
           consecutive ranks (data-parallel rollout groups; N = the world size: one engine).
 
@@ -141,15 +143,75 @@ def _one_step(rl: RLStep, prompts, params, seed: int, device: torch.device) -> t
 def _paths(args) -> list[tuple[str, dist.ProcessGroup | None, FSDPConfig | None]]:
     """(label, group, FSDP config) of each path `--paths` names, in order; "single" comes first."""
     known = {"single": (None, None), "parallel": (dist.group.WORLD, FSDPConfig()),
-             "parallel-copy": (dist.group.WORLD, FSDPConfig(share_policy_storage=False))}
+             "parallel-copy": (dist.group.WORLD, FSDPConfig(share_policy_storage=False)),
+             "disaggregated": (dist.group.WORLD, FSDPConfig())}
     labels = args.paths.split(",")
     for label in labels:
         if label not in known:
             raise ValueError(f"--paths: unknown path {label!r} (choose from {sorted(known)})")
     if "single" not in labels or len(labels) < 2:
         raise ValueError("--paths needs single and at least one data-parallel path")
-    labels = ["single"] + [x for x in labels if x != "single"]
+    # the disaggregated path turns its rollout ranks' model into shards: it runs last, on a copy
+    labels = ["single"] + [x for x in labels if x not in ("single", "disaggregated")] + (
+        ["disaggregated"] if "disaggregated" in labels else [])
     return [(label, *known[label]) for label in labels]
+
+
+def _layout(args, world: int, wire_dtype: str):
+    from .disaggregated import DisaggregatedLayout
+
+    train = args.train_ranks or world // 2
+    if not 0 < train < world or (world - train) % args.rollout_tp:
+        raise ValueError(f"disaggregated: {train} trainer ranks of {world} leave no whole rollout engines of "
+                         f"--rollout-tp {args.rollout_tp} ranks")
+    return DisaggregatedLayout(train, args.rollout_tp, (world - train) // args.rollout_tp, wire_dtype=wire_dtype)
+
+
+class _Path:
+    """One path's step: a colocated `RLStep` (one process or data-parallel) or the disaggregated step."""
+
+    def __init__(self, label: str, model: Qwen25VL, engine_fn, rl_cfg: RLConfig, group, fsdp, args, wire_dtype: str):
+        self.ds = None
+        if label == "disaggregated":
+            from .disaggregated_step import DisaggregatedStep
+
+            ecfg = EngineConfig(max_num_seqs=256, max_model_len=engine_fn.max_len,
+                                gpu_memory_utilization=args.kv_memory, max_num_batched_tokens=40000,
+                                compile_decode=None if engine_fn.compile_decode else False)
+            self.ds = DisaggregatedStep(_layout(args, dist.get_world_size(), wire_dtype), model, None, rl_cfg,
+                                        "exact", ecfg, fsdp)
+            self.rl = self.ds.rl  # None on rollout ranks
+        else:
+            self.rl = RLStep(model, engine_fn(group), rl_cfg, reward_fn="exact", group=group, fsdp=fsdp)
+        self.model = model
+
+    def step(self, prompts, params, seed: int, device: torch.device) -> tuple[dict, torch.Tensor]:
+        if self.ds is None:
+            return _one_step(self.rl, prompts, params, seed, device)
+        n = sum(p.n for p in params)
+        m = self.ds.run(prompts, params, rewards=_rewards(n, seed))
+        m["timing_s/sync_weights"] = m.get("timing_s/sync_weights", 0.0) + m.pop("timing_s/broadcast_weights")
+        tokens = self.ds.last_batch.responses if self.ds.last_batch is not None else torch.empty(0)
+        return m, tokens
+
+
+@dataclasses.dataclass
+class _EngineFn:
+    """Builds a colocated path's engine (`_path_engine`); the disaggregated path reads its settings."""
+
+    model: Qwen25VL
+    args: argparse.Namespace
+    max_len: int
+    compile_decode: bool
+    engine: Engine | None = None  # reuse: the engine built for the previous path of the same kind
+
+    def __call__(self, group) -> Engine:
+        tp = group is not None and self.args.rollout_tp > 1
+        if self.engine is None or (self.engine.model is not self.model) != tp:
+            self.engine = None
+            _free()
+            self.engine = _path_engine(self.model, self.args, self.max_len, self.compile_decode, group)
+        return self.engine
 
 
 def _path_engine(model: Qwen25VL, args, max_len: int, compile_decode: bool, group) -> Engine:
@@ -184,13 +246,14 @@ def check(proc: Process, args) -> dict:
     out = {}
     for label, group, fsdp in _paths(args):
         m = copy.deepcopy(model)
-        rl = RLStep(m, _path_engine(m, args, max_len, False, group), rl_cfg, reward_fn="exact", group=group,
-                    fsdp=fsdp)
-        grads = _capture_grads(rl)
-        metrics, tokens = _one_step(rl, prompts, params, seed=3, device=proc.device)
-        out[label] = dict(metrics=metrics, tokens=tokens.cpu(), grads=grads,
-                          weights={n: p.detach().cpu() for n, p in m.named_parameters()})
-        del rl, m
+        engine_fn = _EngineFn(m, args, max_len, False)
+        path = _Path(label, m, engine_fn, rl_cfg, group, fsdp, args, "float32")
+        grads = _capture_grads(path.rl) if path.rl is not None else None
+        metrics, tokens = path.step(prompts, params, seed=3, device=proc.device)
+        if path.rl is not None:  # a disaggregated rollout rank trains nothing: rank 0 (a trainer) compares
+            out[label] = dict(metrics=metrics, tokens=tokens.cpu(), grads=grads,
+                              weights={n: p.detach().cpu() for n, p in m.named_parameters()})
+        del path, m
         _free()
     a = out.pop("single")
     keys = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm")
@@ -218,20 +281,23 @@ def bench(proc: Process, args) -> list[dict]:
     prompts, _ = make_prompts(cfg, args.prompts, 1, size=args.image_size, text=args.text_tokens,
                               device=proc.device, dtype=dtype)
     max_len = len(prompts[0].input_ids) + args.new_tokens + 64
-    engine = _engine(model, args, max_len, compile_decode=cuda and not args.no_compile)
+    engine_fn = _EngineFn(model, args, max_len, cuda and not args.no_compile)
+    engine_fn(None)  # the policy's engine, built (and its decode compiled) before any path is timed
     init = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     rl_cfg = RLConfig(n=args.samples, kl_coef=0.01, lr=1e-6, micro_batch_prompts=args.micro_prompts,
                       max_new_tokens=args.new_tokens)
     rows, finals = [], {}
     for label, group, fsdp in _paths(args):
-        if group is not None and args.rollout_tp > 1 and engine.model is model:  # the rollout groups' engine
-            del engine
-            _free()
-            engine = _path_engine(model, args, max_len, cuda and not args.no_compile, group)
-        with torch.no_grad():  # both paths start from the same weights (the reference is copied from them)
+        with torch.no_grad():  # every path starts from the same weights (the reference is copied from them)
             for k, v in model.state_dict().items():
                 v.copy_(init[k])
-        rl = RLStep(model, engine, rl_cfg, reward_fn="exact", group=group, fsdp=fsdp)
+        policy = model
+        if label == "disaggregated":  # its rollout ranks shard their model: a copy, the engines freed first
+            engine_fn.engine = None
+            _free()
+            policy = copy.deepcopy(model)
+        path = _Path(label, policy, engine_fn, rl_cfg, group, fsdp, args, "bfloat16" if cuda else "float32")
+        rl = path.rl
         steps = ([("warm-up", 1 + i) for i in range(args.warmup_steps)]
                  + [("timed", 100 + i) for i in range(args.timed_steps)]
                  + ([("profiled", 200)] if args.profile and cuda else []))
@@ -240,11 +306,11 @@ def bench(proc: Process, args) -> list[dict]:
             retries0 = torch.cuda.memory_stats(proc.device).get("num_alloc_retries", 0) if cuda else 0
             if cuda:
                 torch.cuda.reset_peak_memory_stats(proc.device)
-            prof = _profile_update(rl) if step == "profiled" else None
-            m, _ = _one_step(rl, prompts, _params(len(prompts), args.samples, args.new_tokens, seed), seed, proc.device)
+            prof = _profile_update(rl) if step == "profiled" and rl is not None else None
+            m, _ = path.step(prompts, _params(len(prompts), args.samples, args.new_tokens, seed), seed, proc.device)
             if prof is not None and proc.rank == 0:
                 print(json.dumps({"bench": "update_profile", "path": label, **prof}), flush=True)
-            backoff = rl.actor._backoff  # the OOM ladder's micro-batching, when it had to step down
+            backoff = rl.actor._backoff if rl is not None else None  # the OOM ladder's micro-batching
             rows.append({"path": label, "step": step, "world": proc.world,
                          **{f"{short}_s": round(m.get(f"timing_s/{k}", 0.0), 3) for short, k in
                             (("gen", "gen"), ("ref", "ref"), ("update", "update_actor"), ("sync", "sync_weights"),
@@ -254,11 +320,12 @@ def bench(proc: Process, args) -> list[dict]:
                                            if cuda else 0),
                          "peak_gib": round(torch.cuda.max_memory_allocated(proc.device) / 2**30, 1) if cuda else 0.0,
                          "oom_backoff": None if backoff is None else f"{backoff.prompts}x{backoff.samples}",
-                         "checkpointing": any(rl.actor.placement.checkpointing(rl.actor.model))})
+                         "checkpointing": rl is not None and any(rl.actor.placement.checkpointing(rl.actor.model))})
             if proc.rank == 0:
                 print(json.dumps({"bench": "dp_step", **rows[-1]}), flush=True)
-        finals[label] = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
-        del rl
+        if rl is not None:  # (a disaggregated rollout rank holds shards in the wire dtype)
+            finals[label] = {n: p.detach().to("cpu", copy=True) for n, p in policy.named_parameters()}
+        del rl, path, policy
         _free()
     if "single" in finals:
         for label, got in finals.items():
@@ -320,6 +387,9 @@ def table(rows: list[dict]) -> str:
         if label != "single" and "single" in timed:
             over = statistics.median(timed[label]) / statistics.median(timed["single"]) - 1
             lines.append(f"\n{label} step vs one process (median of timed steps): {over:+.1%}")
+    if "parallel" in timed and "disaggregated" in timed:
+        speedup = statistics.median(timed["disaggregated"]) / statistics.median(timed["parallel"])
+        lines.append(f"\ncolocated (parallel) over disaggregated on the same ranks: {speedup:.2f}x")
     return "\n".join(lines)
 
 
@@ -343,6 +413,8 @@ def main(argv=None) -> None:
     ap.add_argument("--paths", default="single,parallel",
                     help="paths to time, in order: single (one process), parallel (the data-parallel step), "
                          "parallel-copy (the same with the trainer's shards kept apart from the policy)")
+    ap.add_argument("--train-ranks", type=int, default=0,
+                    help="disaggregated path: trainer ranks (default: half the world); the rest roll out")
     ap.add_argument("--rollout-tp", type=int, default=1,
                     help="data-parallel paths roll out with tensor-parallel engines over blocks of this many ranks")
     ap.add_argument("--profile", action="store_true",
