@@ -73,19 +73,23 @@ def test_torchrun_step_check_with_tensor_parallel_rollout_groups(tiny_dir):
 
 @pytest.mark.slow
 def test_torchrun_step_check_and_bench_against_disaggregated(tiny_dir):
-    # 2 ranks: colocated over both, then one trainer rank and one rollout rank; both checked, then timed
+    # 2 ranks: colocated over both (rollplex and serial mode), then one trainer rank and one rollout
+    # rank; all checked against one process, then timed
     out = _run(2, "step", "--check", "--bench", "--device", "cpu", "--preset", str(tiny_dir), "--check-tokens", "8",
                "--image-size", "56", "--text-tokens", "16", "--prompts", "4", "--samples", "2", "--new-tokens", "8",
                "--micro-prompts", "2", "--warmup-steps", "1", "--timed-steps", "1",
-               "--paths", "disaggregated,single,parallel")
+               "--paths", "disaggregated,single,parallel,parallel-serial")
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     check = next(x for x in lines if x["bench"] == "dp_step_check")
-    assert check["paths"] == ["disaggregated", "parallel"] and check["passed"] and check["weights_moved"], check
+    assert check["paths"] == ["disaggregated", "parallel", "parallel-serial"], check
+    assert check["passed"] and check["weights_moved"], check
     steps = [(x["path"], x["step"]) for x in lines if x["bench"] == "dp_step"]
-    assert steps == [(p, s) for p in ("single", "parallel", "disaggregated") for s in ("warm-up", "timed")]
+    assert steps == [(p, s) for p in ("single", "parallel", "parallel-serial", "disaggregated")
+                     for s in ("warm-up", "timed")]
     weights = {x["path"]: x["final_weight_max_abs_diff"] for x in lines if x["bench"] == "dp_step_weights"}
-    assert weights.keys() == {"parallel", "disaggregated"} and max(weights.values()) <= 1e-5
+    assert weights.keys() == {"parallel", "parallel-serial", "disaggregated"} and max(weights.values()) <= 1e-5
     assert "colocated (parallel) over disaggregated on the same ranks:" in out
+    assert "colocated (parallel) over parallel-serial on the same ranks:" in out
 
 
 def test_init_from_env_needs_torchrun(monkeypatch):

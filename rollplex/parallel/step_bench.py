@@ -7,17 +7,19 @@ step through `RLStep`'s data-parallel path (parallel/colocated.py) against the s
           seeded rollout and rewards. Every rank runs both; rank 0 reports whether the rollouts are equal
           token for token and the largest relative gradient, metric and absolute weight differences, and
           the command fails past `--tol` (the bench does not run).
---bench   the W3B step (`--prompts` x `--samples` samples, one `--image-size` image + `--text-tokens` text
-          tokens per prompt, `--new-tokens` new tokens; bf16 and compiled on CUDA) on one process, then
-          data-parallel, each from the same initial weights: `--warmup-steps` steps (dynamo compiles,
-          allocator growth, first-call tuning, the OOM ladder settling; reported as `warm-up`) and then
-          `--timed-steps` timed steps. Rank 0 prints a table of gen / ref / update / weight-sync / step
-          seconds, graphs compiled, peak memory and any OOM back-off per step, the data-parallel path's
-          overhead (medians of the timed steps), and the largest weight difference between the two
-          paths after their steps. The data-parallel path is given the default group explicitly, so at
-          world size 1 it measures FSDP2 over a group of one (which `RLStep(group="auto")` skips).
+--bench   the W3B step (`--prompts` x `--samples` samples, one `--image-size` image, or a video of
+          `--frames` frames, + `--text-tokens` text tokens per prompt, `--new-tokens` new tokens; bf16
+          and compiled on CUDA) on one process, then data-parallel, each from the same initial weights:
+          `--warmup-steps` steps (dynamo compiles, allocator growth, first-call tuning, the OOM ladder
+          settling; reported as `warm-up`) and then `--timed-steps` timed steps. Rank 0 prints a table
+          of gen / ref / update / weight-sync / step seconds, graphs compiled, peak memory and any OOM
+          back-off per step, each path's overhead against one process (medians of the timed steps),
+          and the largest weight difference between the paths after their steps. The data-parallel
+          path is given the default group explicitly, so at world size 1 it measures FSDP2 over a
+          group of one (which `RLStep(group="auto")` skips).
 --paths   which paths run, single first: `parallel` (the trainer's shards inside the policy),
-          `parallel-copy` (kept apart and copied in after each update), `disaggregated` (last:
+          `parallel-copy` (kept apart and copied in after each update), `parallel-serial` (serial
+          colocation: the data-parallel step in serial mode), `disaggregated` (last:
           `--train-ranks` trainer ranks, the others rollout engines of `--rollout-tp` ranks, the
           weights broadcast after each update; its sync column is the broadcast).
 --rollout-tp N   the data-parallel paths roll out with tensor-parallel engines over blocks of N
@@ -144,6 +146,7 @@ def _paths(args) -> list[tuple[str, dist.ProcessGroup | None, FSDPConfig | None]
     """(label, group, FSDP config) of each path `--paths` names, in order; "single" comes first."""
     known = {"single": (None, None), "parallel": (dist.group.WORLD, FSDPConfig()),
              "parallel-copy": (dist.group.WORLD, FSDPConfig(share_policy_storage=False)),
+             "parallel-serial": (dist.group.WORLD, FSDPConfig()),
              "disaggregated": (dist.group.WORLD, FSDPConfig())}
     labels = args.paths.split(",")
     for label in labels:
@@ -172,6 +175,9 @@ class _Path:
 
     def __init__(self, label: str, model: Qwen25VL, engine_fn, rl_cfg: RLConfig, group, fsdp, args, wire_dtype: str):
         self.ds = None
+        if label == "parallel-serial":  # serial colocation: every sample its own sequence, no prefix sharing
+            rl_cfg = dataclasses.replace(rl_cfg, mode="serial", micro_batch_prompts=1,
+                                         micro_batch_samples=args.serial_samples)
         if label == "disaggregated":
             from .disaggregated_step import DisaggregatedStep
 
@@ -235,7 +241,7 @@ def check(proc: Process, args) -> dict:
     """The reduced fp32 step on one process and data-parallel (see the module docstring)."""
     cfg = reduced(model_config(args.preset), args.check_layers)
     model = random_model(cfg, proc.device, torch.float32, compile_=False)
-    prompts, _ = make_prompts(cfg, args.check_prompts, 1, size=args.image_size, text=args.text_tokens,
+    prompts, _ = make_prompts(cfg, args.check_prompts, args.frames, size=args.image_size, text=args.text_tokens,
                               device=proc.device, dtype=torch.float32)
     # lr 1e-6: Adam's first step is ~lr * sign(grad), so rounding noise in a near-zero gradient moves a weight
     # by at most 2 lr, under the tolerance; the gradients are the sharper comparison
@@ -278,7 +284,7 @@ def bench(proc: Process, args) -> list[dict]:
     cfg = model_config(args.preset)
     dtype = torch.bfloat16 if cuda else torch.float32
     model = random_model(cfg, proc.device, dtype, compile_=cuda and not args.no_compile)
-    prompts, _ = make_prompts(cfg, args.prompts, 1, size=args.image_size, text=args.text_tokens,
+    prompts, _ = make_prompts(cfg, args.prompts, args.frames, size=args.image_size, text=args.text_tokens,
                               device=proc.device, dtype=dtype)
     max_len = len(prompts[0].input_ids) + args.new_tokens + 64
     engine_fn = _EngineFn(model, args, max_len, cuda and not args.no_compile)
@@ -387,9 +393,10 @@ def table(rows: list[dict]) -> str:
         if label != "single" and "single" in timed:
             over = statistics.median(timed[label]) / statistics.median(timed["single"]) - 1
             lines.append(f"\n{label} step vs one process (median of timed steps): {over:+.1%}")
-    if "parallel" in timed and "disaggregated" in timed:
-        speedup = statistics.median(timed["disaggregated"]) / statistics.median(timed["parallel"])
-        lines.append(f"\ncolocated (parallel) over disaggregated on the same ranks: {speedup:.2f}x")
+    for base in ("parallel-serial", "disaggregated"):
+        if "parallel" in timed and base in timed:
+            speedup = statistics.median(timed[base]) / statistics.median(timed["parallel"])
+            lines.append(f"\ncolocated (parallel) over {base} on the same ranks: {speedup:.2f}x")
     return "\n".join(lines)
 
 
@@ -413,6 +420,10 @@ def main(argv=None) -> None:
     ap.add_argument("--paths", default="single,parallel",
                     help="paths to time, in order: single (one process), parallel (the data-parallel step), "
                          "parallel-copy (the same with the trainer's shards kept apart from the policy)")
+    ap.add_argument("--frames", type=int, default=1,
+                    help="1: one image per prompt; more: one video of this many frames (W3B-video: 8)")
+    ap.add_argument("--serial-samples", type=int, default=8,
+                    help="parallel-serial path: sequences per forward/backward")
     ap.add_argument("--train-ranks", type=int, default=0,
                     help="disaggregated path: trainer ranks (default: half the world); the rest roll out")
     ap.add_argument("--rollout-tp", type=int, default=1,
