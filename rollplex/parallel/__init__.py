@@ -5,6 +5,7 @@
     colocated.py       the data-parallel RL step (`RLStep(..., group=...)`): FSDP trainer and reference,
                        per-rank or tensor-parallel rollout, weight sync into the policy
     step_bench.py      the `step` command: the data-parallel step checked and timed against one process
+    step_paths.py      its paths: one process, colocated (rollplex or serial mode), disaggregated
     tp.py              tensor-parallel text decoder for rollout (column/row-parallel, vocab-parallel head)
     broadcast.py       trainer -> rollout weight broadcast in buckets
     disaggregated.py   the disaggregated layout: trainer ranks, rollout engines, their groups

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import gc
 import json
 import statistics
 import sys
@@ -47,12 +46,11 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 from ..bench.common import make_prompts
-from ..engine import Engine, EngineConfig, SamplingParams
 from ..models import ModelConfig, Qwen25VL, init_weights
 from ..rl.config import RLConfig
 from ..rl.step import RLStep
-from .fsdp import FSDPConfig, full_tensor
 from .launch import Process, init_from_env
+from .step_paths import BenchPath, EngineFactory, bench_paths, capture_grads, free_memory, sampling_params
 
 
 def model_config(name: str) -> ModelConfig:
@@ -87,156 +85,6 @@ def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, com
     return model
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _rewards(num: int, seed: int) -> torch.Tensor:
-    return torch.rand(num, generator=torch.Generator().manual_seed(seed)).round()
-
-
-def _params(n_prompts: int, n: int, new_tokens: int, seed: int) -> list[SamplingParams]:
-    # seeded per prompt: a prompt's samples do not depend on which rank generates it
-    return [SamplingParams(n=n, max_new_tokens=new_tokens, ignore_eos=True, seed=seed * 100_003 + i * 101)
-            for i in range(n_prompts)]
-
-
-def _engine(model: Qwen25VL, args, max_len: int, compile_decode: bool) -> Engine:
-    return Engine(model, None, EngineConfig(max_num_seqs=256, max_model_len=max_len,
-                                            gpu_memory_utilization=args.kv_memory, max_num_batched_tokens=40000,
-                                            compile_decode=None if compile_decode else False))
-
-
-def _capture_grads(rl: RLStep) -> list[dict]:
-    grads: list[dict] = []
-    step = rl.actor.optimizer.step
-
-    def capture():
-        grads.append({n: full_tensor(p.grad).float().clone() for n, p in rl.actor.model.named_parameters()
-                      if p.grad is not None})
-        step()
-
-    rl.actor.optimizer.step = capture
-    return grads
-
-
-def _one_step(rl: RLStep, prompts, params, seed: int, device: torch.device) -> tuple[dict, torch.Tensor]:
-    """Rollout, rewards, reference scoring, update (and weight sync): (metrics with timings, tokens)."""
-    _sync(device)
-    t0 = time.perf_counter()
-    batch = rl.generate(prompts, params)
-    _sync(device)
-    gen_s = time.perf_counter() - t0
-    batch.rewards = _rewards(batch.num_samples, seed)
-    m = rl.train(batch)
-    _sync(device)
-    m["timing_s/gen"] = gen_s
-    m["timing_s/step"] = time.perf_counter() - t0
-    return m, batch.responses
-
-
-def _paths(args) -> list[tuple[str, dist.ProcessGroup | None, FSDPConfig | None]]:
-    """(label, group, FSDP config) of each path `--paths` names, in order; "single" comes first."""
-    known = {"single": (None, None), "parallel": (dist.group.WORLD, FSDPConfig()),
-             "parallel-copy": (dist.group.WORLD, FSDPConfig(share_policy_storage=False)),
-             "parallel-serial": (dist.group.WORLD, FSDPConfig()),
-             "disaggregated": (dist.group.WORLD, FSDPConfig())}
-    labels = args.paths.split(",")
-    for label in labels:
-        if label not in known:
-            raise ValueError(f"--paths: unknown path {label!r} (choose from {sorted(known)})")
-    if "single" not in labels or len(labels) < 2:
-        raise ValueError("--paths needs single and at least one data-parallel path")
-    # the disaggregated path turns its rollout ranks' model into shards: it runs last, on a copy
-    labels = ["single"] + [x for x in labels if x not in ("single", "disaggregated")] + (
-        ["disaggregated"] if "disaggregated" in labels else [])
-    return [(label, *known[label]) for label in labels]
-
-
-def _layout(args, world: int, wire_dtype: str):
-    from .disaggregated import DisaggregatedLayout
-
-    train = args.train_ranks or world // 2
-    if not 0 < train < world or (world - train) % args.rollout_tp:
-        raise ValueError(f"disaggregated: {train} trainer ranks of {world} leave no whole rollout engines of "
-                         f"--rollout-tp {args.rollout_tp} ranks")
-    return DisaggregatedLayout(train, args.rollout_tp, (world - train) // args.rollout_tp, wire_dtype=wire_dtype)
-
-
-class _Path:
-    """One path's step: a colocated `RLStep` (one process or data-parallel) or the disaggregated step."""
-
-    def __init__(self, label: str, model: Qwen25VL, engine_fn, rl_cfg: RLConfig, group, fsdp, args, wire_dtype: str):
-        self.ds = None
-        if label == "parallel-serial":  # serial colocation: every sample its own sequence, no prefix sharing
-            rl_cfg = dataclasses.replace(rl_cfg, mode="serial", micro_batch_prompts=1,
-                                         micro_batch_samples=args.serial_samples)
-        if label == "disaggregated":
-            from .disaggregated_step import DisaggregatedStep
-
-            ecfg = EngineConfig(max_num_seqs=256, max_model_len=engine_fn.max_len,
-                                gpu_memory_utilization=args.kv_memory, max_num_batched_tokens=40000,
-                                compile_decode=None if engine_fn.compile_decode else False)
-            self.ds = DisaggregatedStep(_layout(args, dist.get_world_size(), wire_dtype), model, None, rl_cfg,
-                                        "exact", ecfg, fsdp)
-            self.rl = self.ds.rl  # None on rollout ranks
-        else:
-            self.rl = RLStep(model, engine_fn(group), rl_cfg, reward_fn="exact", group=group, fsdp=fsdp)
-        self.model = model
-
-    def step(self, prompts, params, seed: int, device: torch.device) -> tuple[dict, torch.Tensor]:
-        if self.ds is None:
-            return _one_step(self.rl, prompts, params, seed, device)
-        n = sum(p.n for p in params)
-        m = self.ds.run(prompts, params, rewards=_rewards(n, seed))
-        m["timing_s/sync_weights"] = m.get("timing_s/sync_weights", 0.0) + m.pop("timing_s/broadcast_weights")
-        tokens = self.ds.last_batch.responses if self.ds.last_batch is not None else torch.empty(0)
-        return m, tokens
-
-
-@dataclasses.dataclass
-class _EngineFn:
-    """Builds a colocated path's engine (`_path_engine`); the disaggregated path reads its settings."""
-
-    model: Qwen25VL
-    args: argparse.Namespace
-    max_len: int
-    compile_decode: bool
-    engine: Engine | None = None  # reuse: the engine built for the previous path of the same kind
-
-    def __call__(self, group) -> Engine:
-        tp = group is not None and self.args.rollout_tp > 1
-        if self.engine is None or (self.engine.model is not self.model) != tp:
-            self.engine = None
-            _free()
-            self.engine = _path_engine(self.model, self.args, self.max_len, self.compile_decode, group)
-        return self.engine
-
-
-def _path_engine(model: Qwen25VL, args, max_len: int, compile_decode: bool, group) -> Engine:
-    """The engine a path rolls out with: the policy itself, or under a group with `--rollout-tp` N > 1 this
-    rank's tensor-parallel copy of it over its block of N consecutive ranks (a data-parallel rollout group)."""
-    if group is None or args.rollout_tp == 1:
-        return _engine(model, args, max_len, compile_decode)
-    from .tp import tensor_parallel_copy
-
-    world = dist.get_world_size()
-    tp_model = tensor_parallel_copy(model, None if args.rollout_tp == world else dist.new_subgroups(args.rollout_tp)[0])
-    if compile_decode:
-        tp_model.compile()
-    return Engine(tp_model, None, EngineConfig(max_num_seqs=256, max_model_len=max_len,
-                                               gpu_memory_utilization=args.kv_memory, max_num_batched_tokens=40000,
-                                               compile_decode=None if compile_decode else False,
-                                               tensor_parallel=args.rollout_tp))
-
-
 def check(proc: Process, args) -> dict:
     """The reduced fp32 step on one process and data-parallel (see the module docstring)."""
     cfg = reduced(model_config(args.preset), args.check_layers)
@@ -247,20 +95,20 @@ def check(proc: Process, args) -> dict:
     # by at most 2 lr, under the tolerance; the gradients are the sharper comparison
     rl_cfg = RLConfig(n=args.check_samples, kl_coef=0.01, lr=1e-6, micro_batch_prompts=2,
                       max_new_tokens=args.check_tokens)
-    params = _params(len(prompts), args.check_samples, args.check_tokens, seed=3)
+    params = sampling_params(len(prompts), args.check_samples, args.check_tokens, seed=3)
     max_len = len(prompts[0].input_ids) + args.check_tokens + 16
     out = {}
-    for label, group, fsdp in _paths(args):
+    for label, group, fsdp in bench_paths(args):
         m = copy.deepcopy(model)
-        engine_fn = _EngineFn(m, args, max_len, False)
-        path = _Path(label, m, engine_fn, rl_cfg, group, fsdp, args, "float32")
-        grads = _capture_grads(path.rl) if path.rl is not None else None
+        engine_fn = EngineFactory(m, args, max_len, False)
+        path = BenchPath(label, m, engine_fn, rl_cfg, group, fsdp, args, "float32")
+        grads = capture_grads(path.rl) if path.rl is not None else None
         metrics, tokens = path.step(prompts, params, seed=3, device=proc.device)
         if path.rl is not None:  # a disaggregated rollout rank trains nothing: rank 0 (a trainer) compares
             out[label] = dict(metrics=metrics, tokens=tokens.cpu(), grads=grads,
                               weights={n: p.detach().cpu() for n, p in m.named_parameters()})
         del path, m
-        _free()
+        free_memory()
     a = out.pop("single")
     keys = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm")
     res = {"paths": sorted(out), "tokens_equal": all(torch.equal(a["tokens"], b["tokens"]) for b in out.values()),
@@ -287,22 +135,22 @@ def bench(proc: Process, args) -> list[dict]:
     prompts, _ = make_prompts(cfg, args.prompts, args.frames, size=args.image_size, text=args.text_tokens,
                               device=proc.device, dtype=dtype)
     max_len = len(prompts[0].input_ids) + args.new_tokens + 64
-    engine_fn = _EngineFn(model, args, max_len, cuda and not args.no_compile)
+    engine_fn = EngineFactory(model, args, max_len, cuda and not args.no_compile)
     engine_fn(None)  # the policy's engine, built (and its decode compiled) before any path is timed
     init = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     rl_cfg = RLConfig(n=args.samples, kl_coef=0.01, lr=1e-6, micro_batch_prompts=args.micro_prompts,
                       max_new_tokens=args.new_tokens)
     rows, finals = [], {}
-    for label, group, fsdp in _paths(args):
+    for label, group, fsdp in bench_paths(args):
         with torch.no_grad():  # every path starts from the same weights (the reference is copied from them)
             for k, v in model.state_dict().items():
                 v.copy_(init[k])
         policy = model
         if label == "disaggregated":  # its rollout ranks shard their model: a copy, the engines freed first
             engine_fn.engine = None
-            _free()
+            free_memory()
             policy = copy.deepcopy(model)
-        path = _Path(label, policy, engine_fn, rl_cfg, group, fsdp, args, "bfloat16" if cuda else "float32")
+        path = BenchPath(label, policy, engine_fn, rl_cfg, group, fsdp, args, "bfloat16" if cuda else "float32")
         rl = path.rl
         steps = ([("warm-up", 1 + i) for i in range(args.warmup_steps)]
                  + [("timed", 100 + i) for i in range(args.timed_steps)]
@@ -313,7 +161,8 @@ def bench(proc: Process, args) -> list[dict]:
             if cuda:
                 torch.cuda.reset_peak_memory_stats(proc.device)
             prof = _profile_update(rl) if step == "profiled" and rl is not None else None
-            m, _ = path.step(prompts, _params(len(prompts), args.samples, args.new_tokens, seed), seed, proc.device)
+            params = sampling_params(len(prompts), args.samples, args.new_tokens, seed)
+            m, _ = path.step(prompts, params, seed, proc.device)
             if prof is not None and proc.rank == 0:
                 print(json.dumps({"bench": "update_profile", "path": label, **prof}), flush=True)
             backoff = rl.actor._backoff if rl is not None else None  # the OOM ladder's micro-batching
@@ -332,7 +181,7 @@ def bench(proc: Process, args) -> list[dict]:
         if rl is not None:  # (a disaggregated rollout rank holds shards in the wire dtype)
             finals[label] = {n: p.detach().to("cpu", copy=True) for n, p in policy.named_parameters()}
         del rl, path, policy
-        _free()
+        free_memory()
     if "single" in finals:
         for label, got in finals.items():
             if label != "single":

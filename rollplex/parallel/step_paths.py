@@ -1,0 +1,170 @@
+"""The paths the data-parallel step bench runs (step_bench.py): one process, the colocated data-parallel
+step (trainer shards inside the policy or apart, rollplex or serial mode, per-rank or tensor-parallel
+rollout groups) and the disaggregated step, each built the same way and stepped with the same seeded
+prompts and rewards, so their results can be compared and their times set side by side."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..engine import Engine, EngineConfig, SamplingParams
+from ..models import Qwen25VL
+from ..rl.config import RLConfig
+from ..rl.step import RLStep
+from .fsdp import FSDPConfig, full_tensor
+
+
+def sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def bench_rewards(num: int, seed: int) -> torch.Tensor:
+    return torch.rand(num, generator=torch.Generator().manual_seed(seed)).round()
+
+
+def sampling_params(n_prompts: int, n: int, new_tokens: int, seed: int) -> list[SamplingParams]:
+    # seeded per prompt: a prompt's samples do not depend on which rank generates it
+    return [SamplingParams(n=n, max_new_tokens=new_tokens, ignore_eos=True, seed=seed * 100_003 + i * 101)
+            for i in range(n_prompts)]
+
+
+def policy_engine(model: Qwen25VL, args, max_len: int, compile_decode: bool) -> Engine:
+    return Engine(model, None, EngineConfig(max_num_seqs=256, max_model_len=max_len,
+                                            gpu_memory_utilization=args.kv_memory, max_num_batched_tokens=40000,
+                                            compile_decode=None if compile_decode else False))
+
+
+def capture_grads(rl: RLStep) -> list[dict]:
+    grads: list[dict] = []
+    step = rl.actor.optimizer.step
+
+    def capture():
+        grads.append({n: full_tensor(p.grad).float().clone() for n, p in rl.actor.model.named_parameters()
+                      if p.grad is not None})
+        step()
+
+    rl.actor.optimizer.step = capture
+    return grads
+
+
+def one_step(rl: RLStep, prompts, params, seed: int, device: torch.device) -> tuple[dict, torch.Tensor]:
+    """Rollout, rewards, reference scoring, update (and weight sync): (metrics with timings, tokens)."""
+    sync_device(device)
+    t0 = time.perf_counter()
+    batch = rl.generate(prompts, params)
+    sync_device(device)
+    gen_s = time.perf_counter() - t0
+    batch.rewards = bench_rewards(batch.num_samples, seed)
+    m = rl.train(batch)
+    sync_device(device)
+    m["timing_s/gen"] = gen_s
+    m["timing_s/step"] = time.perf_counter() - t0
+    return m, batch.responses
+
+
+def bench_paths(args) -> list[tuple[str, dist.ProcessGroup | None, FSDPConfig | None]]:
+    """(label, group, FSDP config) of each path `--paths` names, in order; "single" comes first."""
+    known = {"single": (None, None), "parallel": (dist.group.WORLD, FSDPConfig()),
+             "parallel-copy": (dist.group.WORLD, FSDPConfig(share_policy_storage=False)),
+             "parallel-serial": (dist.group.WORLD, FSDPConfig()),
+             "disaggregated": (dist.group.WORLD, FSDPConfig())}
+    labels = args.paths.split(",")
+    for label in labels:
+        if label not in known:
+            raise ValueError(f"--paths: unknown path {label!r} (choose from {sorted(known)})")
+    if "single" not in labels or len(labels) < 2:
+        raise ValueError("--paths needs single and at least one data-parallel path")
+    # the disaggregated path turns its rollout ranks' model into shards: it runs last, on a copy
+    labels = ["single"] + [x for x in labels if x not in ("single", "disaggregated")] + (
+        ["disaggregated"] if "disaggregated" in labels else [])
+    return [(label, *known[label]) for label in labels]
+
+
+def disaggregated_layout(args, world: int, wire_dtype: str):
+    from .disaggregated import DisaggregatedLayout
+
+    train = args.train_ranks or world // 2
+    if not 0 < train < world or (world - train) % args.rollout_tp:
+        raise ValueError(f"disaggregated: {train} trainer ranks of {world} leave no whole rollout engines of "
+                         f"--rollout-tp {args.rollout_tp} ranks")
+    return DisaggregatedLayout(train, args.rollout_tp, (world - train) // args.rollout_tp, wire_dtype=wire_dtype)
+
+
+class BenchPath:
+    """One path's step: a colocated `RLStep` (one process or data-parallel) or the disaggregated step."""
+
+    def __init__(self, label: str, model: Qwen25VL, engine_fn, rl_cfg: RLConfig, group, fsdp, args, wire_dtype: str):
+        self.ds = None
+        if label == "parallel-serial":  # serial colocation: every sample its own sequence, no prefix sharing
+            rl_cfg = dataclasses.replace(rl_cfg, mode="serial", micro_batch_prompts=1,
+                                         micro_batch_samples=args.serial_samples)
+        if label == "disaggregated":
+            from .disaggregated_step import DisaggregatedStep
+
+            ecfg = EngineConfig(max_num_seqs=256, max_model_len=engine_fn.max_len,
+                                gpu_memory_utilization=args.kv_memory, max_num_batched_tokens=40000,
+                                compile_decode=None if engine_fn.compile_decode else False)
+            layout = disaggregated_layout(args, dist.get_world_size(), wire_dtype)
+            self.ds = DisaggregatedStep(layout, model, None, rl_cfg, "exact", ecfg, fsdp)
+            self.rl = self.ds.rl  # None on rollout ranks
+        else:
+            self.rl = RLStep(model, engine_fn(group), rl_cfg, reward_fn="exact", group=group, fsdp=fsdp)
+        self.model = model
+
+    def step(self, prompts, params, seed: int, device: torch.device) -> tuple[dict, torch.Tensor]:
+        if self.ds is None:
+            return one_step(self.rl, prompts, params, seed, device)
+        n = sum(p.n for p in params)
+        m = self.ds.run(prompts, params, rewards=bench_rewards(n, seed))
+        m["timing_s/sync_weights"] = m.get("timing_s/sync_weights", 0.0) + m.pop("timing_s/broadcast_weights")
+        tokens = self.ds.last_batch.responses if self.ds.last_batch is not None else torch.empty(0)
+        return m, tokens
+
+
+@dataclasses.dataclass
+class EngineFactory:
+    """Builds a colocated path's engine (`path_engine`); the disaggregated path reads its settings."""
+
+    model: Qwen25VL
+    args: argparse.Namespace
+    max_len: int
+    compile_decode: bool
+    engine: Engine | None = None  # reuse: the engine built for the previous path of the same kind
+
+    def __call__(self, group) -> Engine:
+        tp = group is not None and self.args.rollout_tp > 1
+        if self.engine is None or (self.engine.model is not self.model) != tp:
+            self.engine = None
+            free_memory()
+            self.engine = path_engine(self.model, self.args, self.max_len, self.compile_decode, group)
+        return self.engine
+
+
+def path_engine(model: Qwen25VL, args, max_len: int, compile_decode: bool, group) -> Engine:
+    """The engine a path rolls out with: the policy itself, or under a group with `--rollout-tp` N > 1 this
+    rank's tensor-parallel copy of it over its block of N consecutive ranks (a data-parallel rollout group)."""
+    if group is None or args.rollout_tp == 1:
+        return policy_engine(model, args, max_len, compile_decode)
+    from .tp import tensor_parallel_copy
+
+    world = dist.get_world_size()
+    tp_model = tensor_parallel_copy(model, None if args.rollout_tp == world else dist.new_subgroups(args.rollout_tp)[0])
+    if compile_decode:
+        tp_model.compile()
+    return Engine(tp_model, None, EngineConfig(max_num_seqs=256, max_model_len=max_len,
+                                               gpu_memory_utilization=args.kv_memory, max_num_batched_tokens=40000,
+                                               compile_decode=None if compile_decode else False,
+                                               tensor_parallel=args.rollout_tp))
