@@ -215,7 +215,7 @@ def _profile_update(rl: RLStep) -> dict:
                     else "attention" if any(x in name for x in ("flash", "attention", "fmha")) else
                     "copy/cat" if any(x in name for x in ("copy", "cat", "memcpy", "split", "chunk")) else
                     "foreach/optimizer" if "foreach" in name or "adam" in name else "other")
-            if e.device_type == torch.autograd.DeviceType.CUDA:  # kernels (ops' device time would count twice)
+            if e.device_type == torch.autograd.DeviceType.CUDA:  # kernels (ops' GPU time would count twice)
                 fam[kind] = fam.get(kind, 0.0) + dev
         busy = sum(fam.values())
         out.update(wall_s=round(wall, 3), device_busy_s=round(busy, 3),
@@ -278,7 +278,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rollout-tp", type=int, default=1,
                     help="data-parallel paths roll out with tensor-parallel engines over blocks of this many ranks")
     ap.add_argument("--profile", action="store_true",
-                    help="one more, untimed step per path with its update profiled (device time by kernel family)")
+                    help="one more, untimed step per path with its update profiled (GPU time by kernel family)")
     ap.add_argument("--check-layers", type=int, default=2, help="decoder layers and vision blocks of the check")
     ap.add_argument("--check-prompts", type=int, default=4)
     ap.add_argument("--check-samples", type=int, default=4)
