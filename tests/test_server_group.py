@@ -95,16 +95,18 @@ def _checkpoint_round(client: httpx.Client, rollout_id: str) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra, group_extra", [([], []), (["--freeze-vision-tower"], []),
-                                                ([], ["--tensor-parallel", "2"])],
-                         ids=["trained", "frozen-vision", "tensor-parallel"])
-def test_server_over_two_ranks_matches_one_process(tiny_dir, tmp_path, extra, group_extra):
+@pytest.mark.parametrize("extra, group_extra, world", [([], [], 2), (["--freeze-vision-tower"], [], 2),
+                                                       ([], ["--tensor-parallel", "2"], 2),
+                                                       ([], ["--tensor-parallel", "2"], 4)],
+                         ids=["trained", "frozen-vision", "tensor-parallel", "tensor-parallel-groups"])
+def test_server_over_a_group_matches_one_process(tiny_dir, tmp_path, extra, group_extra, world):
     # frozen: the one-process server reuses its prefill's vision encodings, the group runs the frozen tower;
-    # tensor-parallel: both ranks' engines decode every prompt of a rollout with their shards of the policy
+    # tensor-parallel: both ranks' engines decode every prompt of a rollout with their shards of the policy;
+    # tensor-parallel groups: 4 ranks, two 2-rank engines, each decoding its share of a rollout
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     flags = _flags(tiny_dir) + extra
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", "-m",
            "rollplex.server", *flags, *group_extra, "--port", str(port), "--checkpoint-root", str(tmp_path / "group"),
            "--log-level", "info"]
     out = open(tmp_path / "group.log", "wb")  # a file, not a pipe: nobody reads while the ranks log
@@ -134,7 +136,7 @@ def test_server_over_two_ranks_matches_one_process(tiny_dir, tmp_path, extra, gr
             # every rank writes and restores its part: the run resumes as the one-process server's does
             two["resumed"] = _checkpoint_round(c, two["second"])
             assert c.get("/health").json()["status"] == "ok"
-        assert one["health"]["world_size"] == 1 and two["health"]["world_size"] == 2
+        assert one["health"]["world_size"] == 1 and two["health"]["world_size"] == world
         assert two["health"]["weights_version"] == one["health"]["weights_version"] == 1
         assert two["tokens"] == one["tokens"]  # the second rollout decodes the synced weights
         assert two["loss"] == pytest.approx(one["loss"], abs=1e-5)
@@ -147,9 +149,9 @@ def test_server_over_two_ranks_matches_one_process(tiny_dir, tmp_path, extra, gr
         rc = group.wait(60)
         log = (tmp_path / "group.log").read_text()
         assert rc == 0, log[-4000:]
-        # the three rollouts ran on both ranks: rank 1's engine sampled one of the two prompts each time, or
-        # (tensor-parallel) decoded both with rank 0
-        want = ("rank 1: sampled 2 of the rollout's 2 prompts" if group_extra
+        # the three rollouts ran on every rank: rank 1's engine sampled one of the two prompts each time, or
+        # (one tensor-parallel engine over both ranks) decoded both with rank 0
+        want = ("rank 1: sampled 2 of the rollout's 2 prompts" if group_extra and world == 2
                 else "rank 1: sampled 1 of the rollout's 2 prompts")
         assert log.count(want) == 3, log[-4000:]
     finally:
