@@ -42,6 +42,17 @@ def test_torchrun_decode_matches_one_process(tiny_dir):
 
 
 @pytest.mark.slow
+def test_torchrun_disaggregated_steps(tiny_dir):
+    # one trainer rank, one 2-rank rollout engine: two whole steps with the weights broadcast after each
+    out = _torchrun(3, "disaggregated", "--model", str(tiny_dir), "--train-ranks", "1", "--rollout-tp", "2",
+                    "--steps", "2", "--prompts", "3", "--samples", "2", "--new-tokens", "6")
+    assert out["layout"] == {"train": 1, "rollout_tp": 2, "replicas": 1}
+    assert [r["role"] for r in out["per_rank"]] == ["train", "rollout", "rollout"]
+    assert all(r["broadcast_weights"] >= 0 and r["gen"] > 0 for r in out["per_rank"])
+    assert out["metrics"]["actor/grad_norm"] > 0
+
+
+@pytest.mark.slow
 def test_torchrun_step_check_and_bench_on_cpu(tiny_dir):
     # the GPU measurement entry with tiny shapes: the check first, then both paths timed warm
     out = _run(1, "step", "--check", "--bench", "--device", "cpu", "--preset", str(tiny_dir), "--prompts", "4",

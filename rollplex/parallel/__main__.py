@@ -4,8 +4,9 @@ responses and rewards). Rank 0 prints one JSON line.
 
     train          FSDP2 data-parallel actor update(s) over all ranks (data_parallel.py)
     decode         the engine with the model tensor-parallel over all ranks (tp.py)
-    disaggregated  one RL step of the disaggregated layout: --train-ranks trainer ranks, rollout
-                   engines of --rollout-tp ranks on the rest; rollout, update, weight broadcast
+    disaggregated  --steps RL steps of the disaggregated layout (DisaggregatedStep, random rewards):
+                   --train-ranks trainer ranks, rollout engines of --rollout-tp ranks on the rest;
+                   rollout, reference scoring, update, weight broadcast; per-rank timings
     step           the whole RL step through RLStep's data-parallel path against one process:
                    --check, then --bench (the warm W3B step both ways); its own options (step_bench.py,
                    `... -m rollplex.parallel step --help`)
@@ -36,7 +37,7 @@ from ..rl.algos import grpo_advantages
 from ..rl.batch import RolloutBatch
 from ..rl.config import RLConfig
 from .data_parallel import DataParallelActor
-from .disaggregated import DisaggregatedLayout, init_disaggregated
+from .disaggregated import DisaggregatedLayout
 from .fsdp import DTYPES, FSDPConfig, full_state_dict, full_tensor
 from .launch import Process, init_from_env
 from .tp import apply_tensor_parallel
@@ -181,49 +182,32 @@ def cmd_decode(proc: Process, args) -> dict:
 
 
 def cmd_disaggregated(proc: Process, args) -> dict:
+    """The disaggregated RL step (`DisaggregatedStep`) on synthetic prompts with random rewards: trainer
+    ranks first, then rollout engines of `--rollout-tp` ranks; per-rank timings and the trainer's metrics."""
+    from .disaggregated_step import DisaggregatedStep
+
     if (proc.world - args.train_ranks) % args.rollout_tp or proc.world <= args.train_ranks:
         raise ValueError(f"{proc.world} ranks: {args.train_ranks} trainer ranks leave no whole engines of "
                          f"{args.rollout_tp} ranks")
     layout = DisaggregatedLayout(args.train_ranks, args.rollout_tp, (proc.world - args.train_ranks) // args.rollout_tp,
                                  wire_dtype=args.dtype)
-    d = init_disaggregated(layout, proc.device.type)
-    train = d.role == "train"
-    model = build_model(proc, args.model, torch.float32 if train else DTYPES[args.dtype], args.seed)
+    model = build_model(proc, args.model, torch.float32, args.seed)  # a rollout rank casts its shards
     prompts = synthetic_prompts(model.cfg, args.prompts, args.prompt_len, args.image_grid, args.seed)
-    timing = {}
-    if train:
-        actor = DataParallelActor(model, _rl(args), d.train_mesh, _fsdp(args))
-        engine = None
-    else:
-        apply_tensor_parallel(model, d.tp_group)
-        engine = Engine(model, None, _engine_cfg(args, args.rollout_tp))
-    for step in range(args.steps):
-        mine = []
-        if engine is not None:  # each engine rolls out its share of the prompts; its TP rank 0 reports
-            share = list(range(d.replica, len(prompts), layout.replicas))
-            outs, timing["generate_s"] = _generate(engine, [prompts[i] for i in share], args)
-            if d.rank == layout.replica_ranks(d.replica)[0]:
-                mine = [(i, [s.token_ids for s in o.samples]) for i, o in zip(share, outs)]
-        every: list = [None] * proc.world
-        dist.all_gather_object(every, mine)
-        samples = dict(x for part in every for x in part)
-        if train:
-            g = torch.Generator().manual_seed(args.seed + step)
-            batch = RolloutBatch.from_samples(prompts, [i for i in range(len(prompts)) for _ in samples[i]],
-                                              [r for i in range(len(prompts)) for r in samples[i]], pad_id=0,
-                                              rewards=torch.rand(len(prompts) * args.samples, generator=g).tolist())
-            t0 = time.perf_counter()
-            actor.update(batch, grpo_advantages(batch.rewards, batch.group), None, step=step)
-            _sync(proc)
-            timing["update_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        d.sync_weights(model)
-        _sync(proc)
-        timing["sync_s"] = time.perf_counter() - t0
+    params = [SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, n=args.samples,
+                             seed=args.seed * 1_000_003 + i * 101, ignore_eos=True) for i in range(len(prompts))]
+    step = DisaggregatedStep(layout, model, None, _rl(args), "exact", _engine_cfg(args, args.rollout_tp), _fsdp(args))
+    metrics = {}
+    for i in range(args.steps):
+        g = torch.Generator().manual_seed(args.seed + i)
+        metrics = step.run(prompts, params, rewards=torch.rand(len(prompts) * args.samples, generator=g).round())
+    timing = {k.removeprefix("timing_s/"): round(v, 4) for k, v in metrics.items() if k.startswith("timing_s/")}
     every = [None] * proc.world
-    dist.all_gather_object(every, {k: round(v, 4) for k, v in timing.items()})
-    return {"layout": {"train": layout.train, "rollout_tp": layout.rollout_tp, "replicas": layout.replicas},
-            "per_rank": every}
+    dist.all_gather_object(every, {"role": step.role, **timing})
+    out = {"layout": {"train": layout.train, "rollout_tp": layout.rollout_tp, "replicas": layout.replicas},
+           "per_rank": every}
+    if step.role == "train":
+        out["metrics"] = {k: metrics[k] for k in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean")}
+    return out
 
 
 COMMANDS = {"train": cmd_train, "decode": cmd_decode, "disaggregated": cmd_disaggregated}
