@@ -27,7 +27,7 @@ EAGER = CoschedConfig(slowdown_bound=0.9, baseline_samples=1, initial_budget=50.
                       max_in_flight=2, serial_after=1000, reprobe_every=0, job_prompts=1)
 
 
-def build(tiny_dir, cfg: RLConfig, rollout: str = "data", memory_cfg=None, group="auto") -> RLStep:
+def build(tiny_dir, cfg: RLConfig, rollout: str = "data", memory_cfg=None, group="auto", fsdp=None) -> RLStep:
     """The RL step on the tiny checkpoint: the engine decodes the policy, or (rollout="tensor") a copy
     of it tensor-parallel over the default group."""
     model = load_model(tiny_dir)
@@ -47,7 +47,7 @@ def build(tiny_dir, cfg: RLConfig, rollout: str = "data", memory_cfg=None, group
         ecfg = EngineConfig(max_num_seqs=64, max_model_len=256, tensor_parallel=size)
     engine = Engine(roll, proc, ecfg, memory=mm)
     return RLStep(model, engine, cfg, proc, reward_fn=parity_reward, memory=mm, memory_cfg=memory_cfg, group=group,
-                  cosched=EAGER if cfg.cosched else None)
+                  cosched=EAGER if cfg.cosched else None, fsdp=fsdp)
 
 
 def capture_grads(rl: RLStep) -> list[dict]:
@@ -108,7 +108,8 @@ def compare(got: list[dict], want: list[dict], engine_model=None) -> None:
 
 def inject_oom(kind: str) -> None:
     """Out of memory in multi-prompt training passes: predicted on rank 1 ("predicted": the
-    placement's check before a mini-batch), or raised inside the pass ("in_pass")."""
+    placement's check before a mini-batch), or raised inside the second such pass, after the first
+    one's backward ("in_pass")."""
     if kind == "predicted":
         from rollplex.parallel.data_parallel import DataParallel
 
@@ -117,20 +118,23 @@ def inject_oom(kind: str) -> None:
     from rollplex.rl import actor as actor_mod
 
     real = actor_mod.token_logprobs
+    calls = [0]
 
     def fake(model, mb, *a, **k):
         if mb.num_prompts > 1 and torch.is_grad_enabled():
-            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            calls[0] += 1
+            if calls[0] > 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
         return real(model, mb, *a, **k)
 
     actor_mod.token_logprobs = fake
 
 
 def worker(rank: int, world: int, init: str, tiny_dir, rows, cfg: RLConfig, rollout: str, steps: int,
-           memory_cfg, want: list[dict], oom: str | None = None) -> None:
+           memory_cfg, want: list[dict], oom: str | None = None, fsdp=None) -> None:
     init_group(rank, world, init)
     try:
-        rl = build(tiny_dir, cfg, rollout, memory_cfg, group=dist.group.WORLD)  # world size 1 included
+        rl = build(tiny_dir, cfg, rollout, memory_cfg, group=dist.group.WORLD, fsdp=fsdp)  # world size 1 included
         assert rl.parallel is not None and rl.parallel.world == world
         if oom is not None:
             inject_oom(oom)

@@ -54,21 +54,23 @@ def test_torchrun_disaggregated_steps(tiny_dir):
 
 @pytest.mark.slow
 def test_torchrun_step_check_and_bench_on_cpu(tiny_dir):
-    # the GPU measurement entry with tiny shapes: the check first, then both paths timed warm
+    # the GPU measurement entry with tiny shapes: the check first, then the paths timed warm (one with
+    # other FSDP settings)
+    copy = "parallel-copy:layers_per_unit=2;reduce_every_pass=false"
     out = _run(1, "step", "--check", "--bench", "--device", "cpu", "--preset", str(tiny_dir), "--prompts", "4",
                "--samples", "2", "--new-tokens", "8", "--image-size", "56", "--text-tokens", "16",
                "--micro-prompts", "2", "--warmup-steps", "1", "--timed-steps", "2",
-               "--paths", "single,parallel,parallel-copy")
+               "--paths", f"single,parallel,{copy}")
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     check = next(x for x in lines if x["bench"] == "dp_step_check")
     assert check["passed"] and check["tokens_equal"] and check["max_rel_grad_diff"] <= 1e-5
     steps = [(x["path"], x["step"]) for x in lines if x["bench"] == "dp_step"]
-    assert steps == [(p, s) for p in ("single", "parallel", "parallel-copy") for s in ("warm-up", "timed", "timed")]
+    assert steps == [(p, s) for p in ("single", "parallel", copy) for s in ("warm-up", "timed", "timed")]
     assert all(x["oom_backoff"] is None and not x["checkpointing"] for x in lines if x["bench"] == "dp_step")
     weights = {x["path"]: x["final_weight_max_abs_diff"] for x in lines if x["bench"] == "dp_step_weights"}
-    assert weights.keys() == {"parallel", "parallel-copy"} and max(weights.values()) <= 1e-5
+    assert weights.keys() == {"parallel", copy} and max(weights.values()) <= 1e-5
     assert "| parallel | timed | 1 |" in out and "parallel step vs one process (median of timed steps)" in out
-    assert "parallel-copy step vs one process" in out
+    assert f"{copy} step vs one process" in out
 
 
 @pytest.mark.slow

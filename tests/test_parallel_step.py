@@ -9,6 +9,7 @@ from parallel_step_worker import build, run_steps, worker
 
 from rollplex.demo import shape_color
 from rollplex.memory import MemoryConfig
+from rollplex.parallel import FSDPConfig
 from rollplex.rl.config import RLConfig
 
 ROWS = shape_color.make_rows(5, seed=3)
@@ -17,10 +18,10 @@ ROWS = shape_color.make_rows(5, seed=3)
 BASE = dict(n=4, max_new_tokens=6, lr=1e-4, kl_coef=0.05, micro_batch_prompts=2)
 
 
-def _spawn(tmp_path, tiny_dir, world, cfg, rollout="data", steps=2, memory_cfg=None, oom=None):
+def _spawn(tmp_path, tiny_dir, world, cfg, rollout="data", steps=2, memory_cfg=None, oom=None, fsdp=None):
     want = run_steps(build(tiny_dir, cfg, group=None), ROWS, steps)
     mp.spawn(worker, args=(world, f"file://{tmp_path}/store", tiny_dir, ROWS, cfg, rollout, steps, memory_cfg, want,
-                           oom), nprocs=world, join=True)
+                           oom, fsdp), nprocs=world, join=True)
 
 
 @pytest.mark.slow
@@ -64,11 +65,13 @@ def test_memory_manager_runs_per_rank(tmp_path, tiny_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,oom", [(2, "predicted"), (1, "in_pass")])
-def test_oom_backs_off_on_every_rank(tmp_path, tiny_dir, world, oom):
+@pytest.mark.parametrize("world,oom,fsdp", [(2, "predicted", None), (1, "in_pass", None),
+                                            (1, "in_pass", FSDPConfig(reduce_every_pass=False))])
+def test_oom_backs_off_on_every_rank(tmp_path, tiny_dir, world, oom, fsdp):
     # a pass predicted not to fit on one rank backs every rank off together; with one rank an OOM inside
-    # a pass (through FSDP's hooks) is retried as on one process. Same step as without the OOM.
-    _spawn(tmp_path, tiny_dir, world, RLConfig(**BASE), steps=1, oom=oom)
+    # a pass (through FSDP's hooks) is retried as on one process, also after earlier passes of the
+    # mini-batch left unsharded gradients (dropped). Same step as without the OOM.
+    _spawn(tmp_path, tiny_dir, world, RLConfig(**BASE), steps=1, oom=oom, fsdp=fsdp)
 
 
 def test_what_a_process_group_refuses(tmp_path, tiny_dir):

@@ -489,6 +489,7 @@ def test_cli_subprocess(tiny_dir):
 
 
 def test_cli_flags_fill_the_nested_configs(monkeypatch):
+    from rollplex.parallel import FSDPConfig
     from rollplex.server.__main__ import config_from_args, parser
 
     monkeypatch.delenv("ROLLPLEX_API_KEY", raising=False)
@@ -497,10 +498,12 @@ def test_cli_flags_fill_the_nested_configs(monkeypatch):
     cfg = config_from_args(ap.parse_args([
         "--device", "cpu", "--mode", "serial", "--lr", "3e-4", "--no-packed", "--betas", "0.8", "0.95",
         "--micro-batch-max-tokens", "512", "--max-model-len", "256", "--decode-split-k", "2", "4",
-        "--no-overlap-schedule", "--seed", "7", "--rollout-ttl", "30"]))
+        "--no-overlap-schedule", "--seed", "7", "--rollout-ttl", "30", "--layers-per-unit", "4",
+        "--no-reduce-every-pass"]))
     assert cfg.rl == RLConfig(mode="serial", lr=3e-4, packed=False, betas=(0.8, 0.95), micro_batch_max_tokens=512,
                               max_new_tokens=128, seed=7)
     assert cfg.engine == EngineConfig(max_model_len=256, decode_split_k=(2, 4), overlap_schedule=False, seed=7)
+    assert cfg.fsdp == FSDPConfig(layers_per_unit=4, reduce_every_pass=False)
     assert cfg.rollout_ttl_s == 30.0 and cfg.checkpoint_root == str(Path("checkpoints").resolve())
     assert config_from_args(ap.parse_args(["--device", "cpu", "--checkpoint-root", "/srv/ck"])).checkpoint_root \
         == str(Path("/srv/ck").resolve())

@@ -95,12 +95,15 @@ def _checkpoint_round(client: httpx.Client, rollout_id: str) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra, group_extra, world", [([], [], 2), (["--freeze-vision-tower"], [], 2),
+@pytest.mark.parametrize("extra, group_extra, world", [([], [], 2),
+                                                       (["--freeze-vision-tower"],
+                                                        ["--layers-per-unit", "2", "--no-reduce-every-pass"], 2),
                                                        ([], ["--tensor-parallel", "2"], 2),
                                                        ([], ["--tensor-parallel", "2"], 4)],
                          ids=["trained", "frozen-vision", "tensor-parallel", "tensor-parallel-groups"])
 def test_server_over_a_group_matches_one_process(tiny_dir, tmp_path, extra, group_extra, world):
-    # frozen: the one-process server reuses its prefill's vision encodings, the group runs the frozen tower;
+    # frozen: the one-process server reuses its prefill's vision encodings, the group runs the frozen tower
+    # (in FSDP units of two layers, gradients reduced once per mini-batch);
     # tensor-parallel: both ranks' engines decode every prompt of a rollout with their shards of the policy;
     # tensor-parallel groups: 4 ranks, two 2-rank engines, each decoding its share of a rollout
     port = free_port()
@@ -130,7 +133,7 @@ def test_server_over_a_group_matches_one_process(tiny_dir, tmp_path, extra, grou
         wait_for_health(url, group, 90)
         with httpx.Client(base_url=url, timeout=120) as c:
             two = _steps(c)
-            if group_extra:
+            if "--tensor-parallel" in group_extra:
                 gen = c.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
                 assert gen.status_code == 400 and "tensor-parallel" in gen.text, gen.text
             # every rank writes and restores its part: the run resumes as the one-process server's does
@@ -151,7 +154,7 @@ def test_server_over_a_group_matches_one_process(tiny_dir, tmp_path, extra, grou
         assert rc == 0, log[-4000:]
         # the three rollouts ran on every rank: rank 1's engine sampled one of the two prompts each time, or
         # (one tensor-parallel engine over both ranks) decoded both with rank 0
-        want = ("rank 1: sampled 2 of the rollout's 2 prompts" if group_extra and world == 2
+        want = ("rank 1: sampled 2 of the rollout's 2 prompts" if "--tensor-parallel" in group_extra and world == 2
                 else "rank 1: sampled 1 of the rollout's 2 prompts")
         assert log.count(want) == 3, log[-4000:]
     finally:

@@ -52,7 +52,7 @@ from ..rl.microbatch import MicroBatching, micro_batches
 from ..rl.placement import CollectiveOOM
 from ..rl.scoring import score
 from . import fsdp as fsdp_mod
-from .fsdp import FSDPConfig, apply_fsdp, full_tensor, sharded_call
+from .fsdp import FSDPConfig, apply_fsdp, local_tensor, sharded_call
 
 
 def prompt_costs(batch: RolloutBatch, mode: str) -> list[int]:
@@ -128,9 +128,13 @@ class DataParallel:
     """The rank's place in the data-parallel mesh, as a placement of scoring and the update
     (rl/placement.py) over models `apply_fsdp` sharded on that mesh."""
 
-    def __init__(self, mesh: DeviceMesh, model_cfg: ModelConfig, dtype_bytes: int = 4):
-        """dtype_bytes: bytes per element of the layers' compute dtype (the activation estimate)."""
+    def __init__(self, mesh: DeviceMesh, model_cfg: ModelConfig, dtype_bytes: int = 4, fsdp: FSDPConfig | None = None):
+        """dtype_bytes: bytes per element of the layers' compute dtype (the activation estimate); fsdp:
+        the sharded models' settings (whether training passes reduce every pass or per mini-batch)."""
         self.mesh, self.model_cfg, self.dtype_bytes = mesh, model_cfg, dtype_bytes
+        self.fsdp = fsdp or FSDPConfig()
+        self._left = self._first = 0  # training passes of the current mini-batch: not yet run, in all
+        self._open = False  # a mini-batch's passes accumulate unsharded gradients
         self.group = mesh.get_group()
         self.rank, self.world = mesh.get_local_rank(), mesh.size()
         # where this group's collectives take their tensors (NCCL: the rank's GPU)
@@ -170,6 +174,7 @@ class DataParallel:
             if need and not uses_vision(mb, mode):
                 mb = with_dummy(mb, dummy_prompt(self.model_cfg, True))
             out.append((mb, idx))
+        self._left = self._first = K if torch.is_grad_enabled() else 0
         return out
 
     def fits(self, mb: RolloutBatch, mode: str) -> bool:
@@ -186,6 +191,12 @@ class DataParallel:
         return need <= free + cached
 
     def run(self, model: Qwen25VL, fn, *args):
+        if not self.fsdp.reduce_every_pass and self._left > 0 and torch.is_grad_enabled():
+            if self._open and self._left == self._first:  # the last mini-batch stopped short of its last pass
+                fsdp_mod.drop_unsharded_grads(model)
+            self._left -= 1
+            fsdp_mod.set_accumulating(model, self._left > 0, self.fsdp)
+            self._open = self._left > 0
         return sharded_call(model, fn, *args)
 
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
@@ -196,8 +207,25 @@ class DataParallel:
             t.copy_(x)
         return t
 
-    def full(self, t: torch.Tensor) -> torch.Tensor:
-        return full_tensor(t)
+    def clip_grad_norm_(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        """torch's clip_grad_norm_ over the whole model, computed on the local shards: FSDP2's Shard(0)
+        rows are disjoint over the ranks, so the squared norm is the sum of the ranks' squared local
+        norms (one all-reduce). The DTensor version dispatches every foreach op through sharding
+        propagation over hundreds of gradients, host time that stalls the device at every mini-batch."""
+        grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        if grads:
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+            sq = torch.stack(norms).square().sum().to(self.device)
+        dist.all_reduce(sq, group=self.group)
+        total = sq.sqrt()
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for gs in by_dtype.values():
+            torch._foreach_mul_(gs, coef.to(gs[0].device))
+        return total
 
     def checkpointing(self, model: Qwen25VL) -> tuple[bool, bool]:
         return fsdp_mod.checkpointing(model)
@@ -233,7 +261,7 @@ class DataParallelActor(Actor):
         fsdp = dataclasses.replace(fsdp, activation_checkpointing=cfg.gradient_checkpointing,
                                    vision_activation_checkpointing=cfg.vision_gradient_checkpointing)
         dtype = fsdp_mod.DTYPES.get(fsdp.param_dtype) or next(model.parameters()).dtype
-        self.dp = DataParallel(mesh, model.cfg, torch.empty((), dtype=dtype).element_size())
+        self.dp = DataParallel(mesh, model.cfg, torch.empty((), dtype=dtype).element_size(), fsdp)
         model = apply_fsdp(model, mesh, fsdp)
         if adopt is not None:
             adopt(model)

@@ -64,8 +64,19 @@ class FSDPConfig:
     # allows (parallel/shared_weights.py); False keeps separate shards, copied into the policy after
     # each update
     share_policy_storage: bool = True
+    # consecutive decoder layers (and vision blocks) per FSDP unit: one gather and one reduce per unit
+    # and pass. FSDP2's hooks cost host time per unit, pass and direction; more layers per unit
+    # means fewer, larger collectives and more gathered parameters resident at once
+    layers_per_unit: int = 1
+    # False: the passes of a mini-batch accumulate unsharded gradients, reduce-scattered once after its
+    # last pass, and the units stay gathered from its first forward to its last backward (DDP's
+    # no_sync): one gather and one reduce per unit and mini-batch instead of per pass, at the cost of
+    # an unsharded copy of the parameters and of their gradients while the mini-batch runs
+    reduce_every_pass: bool = True
 
     def __post_init__(self):
+        if self.layers_per_unit < 1:
+            raise ValueError(f"layers_per_unit must be >= 1, got {self.layers_per_unit}")
         for name in ("param_dtype", "reduce_dtype"):
             v = getattr(self, name)
             if v is not None and v not in DTYPES:
@@ -100,10 +111,11 @@ def apply_fsdp(model: Qwen25VL, mesh: DeviceMesh, cfg: FSDPConfig | None = None)
     set_activation_checkpointing(model, cfg.activation_checkpointing, cfg.vision_activation_checkpointing)
     _route_through_modules(model)
     kw = dict(mesh=mesh, mp_policy=cfg.mp_policy())
-    for blk in model.visual.blocks:
-        fully_shard(blk, reshard_after_forward=cfg.reshard_after_forward, **kw)
-    for lyr in model.model.layers:
-        fully_shard(lyr, reshard_after_forward=cfg.reshard_after_forward, **kw)
+    k = cfg.layers_per_unit
+    for mods in (list(model.visual.blocks), list(model.model.layers)):
+        for i in range(0, len(mods), k):
+            unit = mods[i:i + k]
+            fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=cfg.reshard_after_forward, **kw)
     # the root's parameters (embeddings, LM head) are needed again at once in backward: kept gathered
     setattr(model, ROOT_METHOD, lambda fn, *args: _owned(fn(*args)))
     fully_shard(model, reshard_after_forward=False, **kw)
@@ -115,6 +127,44 @@ def apply_fsdp(model: Qwen25VL, mesh: DeviceMesh, cfg: FSDPConfig | None = None)
             if hasattr(m, "set_force_sum_reduction_for_comms"):  # a plain SUM: gloo has no PREMUL_SUM
                 m.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def units(model: nn.Module) -> list[FSDPModule]:
+    """The FSDP units of a model `apply_fsdp` sharded, the root last (each once: a unit of several
+    layers is one FSDP state shared by its modules)."""
+    seen, out = set(), []
+    for m in model.modules():
+        if isinstance(m, FSDPModule) and m is not model and id(m._get_fsdp_state()) not in seen:
+            seen.add(id(m._get_fsdp_state()))
+            out.append(m)
+    return out + [model] if isinstance(model, FSDPModule) else out
+
+
+def set_accumulating(model: nn.Module, on: bool, cfg: FSDPConfig) -> None:
+    """Passes that follow keep the units gathered and their gradients unsharded (on) or reduce them
+    after backward and reshard as `cfg` says (off: the last pass of a mini-batch)."""
+    model.set_requires_gradient_sync(not on)
+    model.set_reshard_after_backward(not on)
+    for u in units(model)[:-1]:  # (the root stays gathered through a pass either way)
+        if hasattr(u, "set_reshard_after_forward"):
+            u.set_reshard_after_forward(cfg.reshard_after_forward and not on, recurse=False)
+
+
+def drop_unsharded_grads(model: nn.Module) -> None:
+    """Forget gradients accumulated unsharded by passes whose mini-batch never reached its last pass
+    (an out-of-memory error in between), and free the gathered parameters."""
+    for u in units(model):
+        state = u._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # older torch: one group per state
+            groups = [g for g in [state._fsdp_param_group] if g is not None]
+        for g in groups:
+            for fp in g.fsdp_params:
+                fp.unsharded_accumulated_grad = None
+                unsharded = getattr(fp, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
+        u.reshard()
 
 
 def set_checkpointing(model: Qwen25VL, decoder: bool, vision: bool) -> None:

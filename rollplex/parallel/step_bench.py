@@ -22,6 +22,8 @@ step through `RLStep`'s data-parallel path (parallel/colocated.py) against the s
           colocation: the data-parallel step in serial mode), `disaggregated` (last:
           `--train-ranks` trainer ranks, the others rollout engines of `--rollout-tp` ranks, the
           weights broadcast after each update; its sync column is the broadcast).
+          A data-parallel path may carry FSDPConfig fields after a colon, `;`-separated
+          (`parallel:layers_per_unit=4`): the same step with other FSDP2 settings, side by side.
 --rollout-tp N   the data-parallel paths roll out with tensor-parallel engines over blocks of N
           consecutive ranks (data-parallel rollout groups; N = the world size: one engine).
 
@@ -50,7 +52,7 @@ from ..models import ModelConfig, Qwen25VL, init_weights
 from ..rl.config import RLConfig
 from ..rl.step import RLStep
 from .launch import Process, init_from_env
-from .step_paths import BenchPath, EngineFactory, bench_paths, capture_grads, free_memory, sampling_params
+from .step_paths import BenchPath, EngineFactory, base, bench_paths, capture_grads, free_memory, sampling_params
 
 
 def model_config(name: str) -> ModelConfig:
@@ -146,7 +148,7 @@ def bench(proc: Process, args) -> list[dict]:
             for k, v in model.state_dict().items():
                 v.copy_(init[k])
         policy = model
-        if label == "disaggregated":  # its rollout ranks shard their model: a copy, the engines freed first
+        if base(label) == "disaggregated":  # its rollout ranks shard their model: a copy, the engines freed first
             engine_fn.engine = None
             free_memory()
             policy = copy.deepcopy(model)
@@ -242,10 +244,10 @@ def table(rows: list[dict]) -> str:
         if label != "single" and "single" in timed:
             over = statistics.median(timed[label]) / statistics.median(timed["single"]) - 1
             lines.append(f"\n{label} step vs one process (median of timed steps): {over:+.1%}")
-    for base in ("parallel-serial", "disaggregated"):
-        if "parallel" in timed and base in timed:
-            speedup = statistics.median(timed[base]) / statistics.median(timed["parallel"])
-            lines.append(f"\ncolocated (parallel) over {base} on the same ranks: {speedup:.2f}x")
+    for other in ("parallel-serial", "disaggregated"):
+        if "parallel" in timed and other in timed:
+            speedup = statistics.median(timed[other]) / statistics.median(timed["parallel"])
+            lines.append(f"\ncolocated (parallel) over {other} on the same ranks: {speedup:.2f}x")
     return "\n".join(lines)
 
 
@@ -268,7 +270,9 @@ def main(argv=None) -> None:
     ap.add_argument("--timed-steps", type=int, default=2, help="timed steps per path (the table compares medians)")
     ap.add_argument("--paths", default="single,parallel",
                     help="paths to time, in order: single (one process), parallel (the data-parallel step), "
-                         "parallel-copy (the same with the trainer's shards kept apart from the policy)")
+                         "parallel-copy (the same with the trainer's shards kept apart from the policy), "
+                         "parallel-serial, disaggregated; a data-parallel path may set FSDPConfig fields: "
+                         "parallel:layers_per_unit=4;reshard_after_forward=false")
     ap.add_argument("--frames", type=int, default=1,
                     help="1: one image per prompt; more: one video of this many frames (W3B-video: 8)")
     ap.add_argument("--serial-samples", type=int, default=8,

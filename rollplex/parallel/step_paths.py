@@ -75,22 +75,47 @@ def one_step(rl: RLStep, prompts, params, seed: int, device: torch.device) -> tu
     return m, batch.responses
 
 
+def path_spec(spec: str, known: dict) -> tuple[str, dict]:
+    """`name` or `name:key=value,...` (FSDPConfig fields for this path) -> (name, {field: value})."""
+    name, _, rest = spec.partition(":")
+    if name not in known:
+        raise ValueError(f"--paths: unknown path {name!r} (choose from {sorted(known)})")
+    fields = {f.name: f.type for f in dataclasses.fields(FSDPConfig)}
+    over = {}
+    for item in filter(None, rest.split(";")):
+        key, _, value = item.partition("=")
+        if key not in fields or name == "single":
+            raise ValueError(f"--paths: {spec!r}: {key!r} is not an FSDPConfig field of a data-parallel path")
+        over[key] = (value.lower() in ("1", "true") if "bool" in str(fields[key])
+                     else int(value) if "int" in str(fields[key]) else value)
+    return name, over
+
+
 def bench_paths(args) -> list[tuple[str, dist.ProcessGroup | None, FSDPConfig | None]]:
-    """(label, group, FSDP config) of each path `--paths` names, in order; "single" comes first."""
-    known = {"single": (None, None), "parallel": (dist.group.WORLD, FSDPConfig()),
-             "parallel-copy": (dist.group.WORLD, FSDPConfig(share_policy_storage=False)),
-             "parallel-serial": (dist.group.WORLD, FSDPConfig()),
-             "disaggregated": (dist.group.WORLD, FSDPConfig())}
-    labels = args.paths.split(",")
-    for label in labels:
-        if label not in known:
-            raise ValueError(f"--paths: unknown path {label!r} (choose from {sorted(known)})")
-    if "single" not in labels or len(labels) < 2:
+    """(label, group, FSDP config) of each path `--paths` names, in order; "single" comes first. A path
+    may carry FSDPConfig fields, `parallel:layers_per_unit=4;reshard_after_forward=false`."""
+    known = {"single": None, "parallel": {}, "parallel-copy": {"share_policy_storage": False},
+             "parallel-serial": {}, "disaggregated": {}}
+    specs = [path_spec(x, known) for x in args.paths.split(",")]
+    labels = [x for x in args.paths.split(",")]
+    if len(set(labels)) != len(labels):
+        raise ValueError("--paths: a path is named twice")
+    names = [n for n, _ in specs]
+    if "single" not in names or len(names) < 2:
         raise ValueError("--paths needs single and at least one data-parallel path")
+    paths = {}
+    for label, (name, over) in zip(labels, specs):
+        paths[label] = (None, None) if name == "single" else (
+            dist.group.WORLD, FSDPConfig(**{**known[name], **over}))
     # the disaggregated path turns its rollout ranks' model into shards: it runs last, on a copy
-    labels = ["single"] + [x for x in labels if x not in ("single", "disaggregated")] + (
-        ["disaggregated"] if "disaggregated" in labels else [])
-    return [(label, *known[label]) for label in labels]
+    order = (["single"] + [x for x in labels if x != "single" and base(x) != "disaggregated"]
+             + [x for x in labels if base(x) == "disaggregated"])
+    return [(label, *paths[label]) for label in order]
+
+
+def base(label: str) -> str:
+    """A path's kind: its label without FSDP settings."""
+    return label.partition(":")[0]
 
 
 def disaggregated_layout(args, world: int, wire_dtype: str):
@@ -108,10 +133,10 @@ class BenchPath:
 
     def __init__(self, label: str, model: Qwen25VL, engine_fn, rl_cfg: RLConfig, group, fsdp, args, wire_dtype: str):
         self.ds = None
-        if label == "parallel-serial":  # serial colocation: every sample its own sequence, no prefix sharing
+        if base(label) == "parallel-serial":  # serial colocation: every sample its own sequence, no prefix sharing
             rl_cfg = dataclasses.replace(rl_cfg, mode="serial", micro_batch_prompts=1,
                                          micro_batch_samples=args.serial_samples)
-        if label == "disaggregated":
+        if base(label) == "disaggregated":
             from .disaggregated_step import DisaggregatedStep
 
             ecfg = EngineConfig(max_num_seqs=256, max_model_len=engine_fn.max_len,

@@ -176,8 +176,7 @@ class Actor:
                             self._backoff = smaller
                     # one host sync per mini-batch: the metrics summed over the placement's processes
                     stats = dict(zip(METRICS, pl.sum_(acc).tolist()))
-                    grad_norm = pl.full(torch.nn.utils.clip_grad_norm_(self.optimizer.touched_params(),
-                                                                       cfg.grad_clip))
+                    grad_norm = pl.clip_grad_norm_(self.optimizer.touched_params(), cfg.grad_clip)
                     stats["actor/grad_norm"] = float(grad_norm)
                     stats["actor/lr"] = self._set_lr(cfg)
                     if torch.isfinite(grad_norm):

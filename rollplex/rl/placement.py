@@ -10,7 +10,8 @@ they are cut into passes, how a pass calls the model, and how per-process result
                                 (rows past the indices), so every rank runs the same passes
     run(model, fn, *args)       fn(*args): one pass over the model (a sharded model gathers around it)
     sum_(t)                     t summed over the processes, in place
-    full(t)                     the whole tensor of a sharded one (a gradient norm)
+    clip_grad_norm_(params, m)  the gradients' global 2-norm, every gradient scaled so that it is at
+                                most m (torch's clip_grad_norm_ over the whole model)
     checkpointing / set_checkpointing   per-layer activation checkpointing of the model
     recoverable_oom()           whether an out-of-memory error inside a pass leaves every process able
                                 to retry it (one process: always); a `CollectiveOOM`, raised by every
@@ -53,7 +54,7 @@ class Placement(Protocol):
 
     def sum_(self, t: torch.Tensor) -> torch.Tensor: ...
 
-    def full(self, t: torch.Tensor) -> torch.Tensor: ...
+    def clip_grad_norm_(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor: ...
 
     def checkpointing(self, model: Qwen25VL) -> tuple[bool, bool]: ...
 
@@ -80,8 +81,8 @@ class SingleProcess:
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
-    def full(self, t: torch.Tensor) -> torch.Tensor:
-        return t
+    def clip_grad_norm_(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def checkpointing(self, model: Qwen25VL) -> tuple[bool, bool]:
         return activation_checkpointing(model)

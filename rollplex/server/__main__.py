@@ -56,6 +56,16 @@ HELP = {
     "sglang_release_weights": "release SGLang's weights outside the rollout (copied in again before it)",
     "sglang_weights_cpu_backup": "SGLang keeps a host copy of released weights",
     "sglang_weight_bucket_mb": "MiB per update_weights_from_tensor call when the policy is copied in",
+    "reshard_after_forward": "free each FSDP unit's gathered parameters after its forward (ZeRO-3); "
+                             "--no-reshard-after-forward keeps them to backward",
+    "param_dtype": "FSDP2 mixed precision: the layers compute in this dtype from the shards",
+    "reduce_dtype": "FSDP2 mixed precision: gradients are reduced in this dtype",
+    "activation_checkpointing": "per-layer activation checkpointing inside each FSDP unit (as --gradient-checkpointing)",
+    "vision_activation_checkpointing": "the same for the vision blocks",
+    "share_policy_storage": "the trainer's shards are windows of the policy's tensors (no second copy)",
+    "layers_per_unit": "decoder layers / vision blocks per FSDP unit: fewer, larger gathers and less hook time",
+    "reduce_every_pass": "reduce-scatter gradients after every micro-batch; --no-reduce-every-pass reduces once per "
+                         "mini-batch and keeps the units gathered between its passes (faster, more memory)",
     "sglang_args": "further SGLang server arguments as a JSON object, e.g. '{\"attention_backend\": \"fa3\"}'",
 }
 
@@ -109,6 +119,7 @@ def _config_flags(group, section: str, cls, default, choices: dict) -> None:
 def parser() -> argparse.ArgumentParser:
     from ..backends import ROLLOUT_BACKENDS
     from ..memory.config import PLANS
+    from ..parallel.fsdp import DTYPES
     from ..rl.algos import AGG_MODES, KL_KINDS
     from ..rl.config import ADV_ESTIMATORS, LR_SCHEDULES, MODES
 
@@ -139,9 +150,11 @@ def parser() -> argparse.ArgumentParser:
                       "kl_loss_type": KL_KINDS, "lr_schedule": LR_SCHEDULES},
                "memory": {"memory_plan": PLANS, "memory_backend": ("auto", "tms", "accounting"),
                           "optimizer_offload": ("none", "moments", "all", "cpu")},
-               "backend": {"rollout_backend": ROLLOUT_BACKENDS}}
+               "backend": {"rollout_backend": ROLLOUT_BACKENDS},
+               "fsdp": {"param_dtype": tuple(DTYPES), "reduce_dtype": tuple(DTYPES)}}
     titles = {"rl": "RL defaults (RLConfig; /train_step may override them per step)", "engine": "engine (EngineConfig)",
-              "memory": "phase-aware memory (MemoryConfig)", "backend": "rollout backend (BackendConfig)"}
+              "memory": "phase-aware memory (MemoryConfig)", "backend": "rollout backend (BackendConfig)",
+              "fsdp": "FSDP2 training over a torchrun group (FSDPConfig; one process ignores it)"}
     for section, cls, default in nested:
         _config_flags(ap.add_argument_group(titles.get(section, section)), section, cls, default,
                       choices.get(section, {}))

@@ -53,6 +53,7 @@ from ..backends import BackendConfig, require_sglang, sglang_rollout
 from ..engine import Engine, EngineConfig
 from ..memory import MemoryConfig, MemoryManager, PhasePlan
 from ..models import ModelInputs
+from ..parallel.fsdp import FSDPConfig
 from ..rl.actor import TrainOOM
 from ..rl.config import RLConfig
 from ..rl.step import RLStep
@@ -84,6 +85,7 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)  # which regions are resident in which phase
     backend: BackendConfig = field(default_factory=BackendConfig)  # the rollout backend: native | sglang
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)  # the trainer's and reference's FSDP2 under torchrun
     # /save and /load read and write only under this folder (created on the first save);
     # None: `checkpoints` under the working directory
     checkpoint_root: str | None = None
@@ -234,7 +236,7 @@ class ServerState:
                      self.engine.cfg.block_size)
         t0 = time.perf_counter()
         self.rl = RLStep(self.model, rollout, cfg.rl, self.processor, reward_fn=cfg.reward, memory=self.memory,
-                         memory_cfg=cfg.memory)
+                         memory_cfg=cfg.memory, fsdp=cfg.fsdp)
         log.info("startup: trainer in %.1fs (reference model: %s)", self._phase("trainer", t0),
                  "yes" if self.rl.ref is not None else "no")
         if self.memory is not None:
