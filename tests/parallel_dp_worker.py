@@ -12,11 +12,27 @@ from rollplex.parallel import DataParallelActor, FSDPConfig, full_state_dict, fu
 from rollplex.rl.config import RLConfig
 
 
-def worker(rank: int, world: int, init: str, rl: RLConfig, fsdp: FSDPConfig, tie: bool, want: dict) -> None:
+def worker(rank: int, world: int, init: str, rl: RLConfig, fsdp: FSDPConfig, tie: bool, want: dict,
+           refuse_on: int | None = None) -> None:
+    """refuse_on: the rank whose device memory (as `fits` sees it) takes no unsharded copy."""
     init_group(rank, world, init)
     try:
         model = tiny_model(tiny_cfg(tie))
         actor = DataParallelActor(model, rl, init_device_mesh("cpu", (world,)), fsdp)
+        if rank == refuse_on:
+            actor.dp.fits = lambda mb, mode, extra=0: extra == 0
+        accumulated = []  # per training mini-batch of several passes: reduced once after its last pass
+        kept = []  # per scoring call of several passes: the units gathered once for all of them
+        passes = actor.dp.passes
+
+        def recording(local, mode, plan):
+            out = passes(local, mode, plan)
+            if len(out) > 1:
+                (accumulated if torch.is_grad_enabled() else kept).append(
+                    actor.dp._accumulate if torch.is_grad_enabled() else actor.dp._scoring_left > 0)
+            return out
+
+        actor.dp.passes = recording
         grads = []
         step = actor.optimizer.step
 
@@ -29,6 +45,10 @@ def worker(rank: int, world: int, init: str, rl: RLConfig, fsdp: FSDPConfig, tie
         old = actor.old_logprobs(batch)
         metrics, first = actor.update(batch, adv, ref, old)
         weights = full_state_dict(model)
+        # the default reduces once per mini-batch unless some rank's memory refuses the copy: all ranks agree
+        assert accumulated and set(accumulated) == {fsdp.reduce_every_pass is not True and refuse_on is None}, \
+            accumulated
+        assert (len(kept) > 0) == (rl.num_updates > 1) and set(kept) <= {refuse_on is None}, kept
         assert isinstance(model.model.layers[0].self_attn.qkv_proj.weight, torch.distributed.tensor.DTensor)
         for k, v in want["metrics"].items():
             assert abs(metrics[k] - v) <= 1e-5 * max(1.0, abs(v)), (k, metrics[k], v)

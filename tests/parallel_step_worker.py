@@ -113,7 +113,7 @@ def inject_oom(kind: str) -> None:
     if kind == "predicted":
         from rollplex.parallel.data_parallel import DataParallel
 
-        DataParallel.fits = lambda self, mb, mode: not (self.rank == 1 and mb.num_prompts > 1)
+        DataParallel.fits = lambda self, mb, mode, extra=0: not (self.rank == 1 and mb.num_prompts > 1)
         return
     from rollplex.rl import actor as actor_mod
 

@@ -41,20 +41,23 @@ BASE = dict(lr=1e-4, kl_coef=0.05, micro_batch_prompts=1, micro_batch_samples=3)
 @pytest.mark.slow
 @pytest.mark.parametrize("world,rl,fsdp,tie", [
     # 5 prompts over 2 ranks, two optimizer steps, entropy bonus, per-layer checkpointing; units of two
-    # layers (the third vision block alone), gradients reduced once per mini-batch
+    # layers (the third vision block alone), gradients reduced once per mini-batch (the default on CPU)
     (2, dict(ppo_mini_batches=2, loss_agg_mode="seq-mean-token-mean", entropy_coeff=0.01),
      FSDPConfig(activation_checkpointing=True, vision_activation_checkpointing=True, layers_per_unit=2,
                 reduce_every_pass=False), False),
     # over 4 ranks: uneven pass counts (dummy passes), text-only ranks in vision passes (dummy images);
-    # two epochs score old logprobs first; tied embeddings
-    (4, dict(ppo_epochs=2), FSDPConfig(), True),
+    # two epochs score old logprobs first; tied embeddings; gradients reduced after every pass
+    (4, dict(ppo_epochs=2), FSDPConfig(reduce_every_pass=True), True),
     # serial mode (rollplex mode runs the packed pass: see test_prefix_state_path_is_refused)
+    # rank 1's memory takes no unsharded copy, so both ranks reduce after every pass
     (2, dict(mode="serial", micro_batch_samples=2), FSDPConfig(reshard_after_forward=False, layers_per_unit=3), False),
 ])
 def test_fsdp_update_equals_single_process(tmp_path, world, rl, fsdp, tie):
     cfg = RLConfig(**{**BASE, **rl})
     want = _single_process(cfg, tie)
-    mp.spawn(worker, args=(world, f"file://{tmp_path}/store", cfg, fsdp, tie, want), nprocs=world, join=True)
+    refuse_on = 1 if cfg.mode == "serial" else None
+    mp.spawn(worker, args=(world, f"file://{tmp_path}/store", cfg, fsdp, tie, want, refuse_on), nprocs=world,
+             join=True)
 
 
 def test_assign_prompts_balances_by_cost():

@@ -66,11 +66,12 @@ def test_memory_manager_runs_per_rank(tmp_path, tiny_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,oom,fsdp", [(2, "predicted", None), (1, "in_pass", None),
-                                            (1, "in_pass", FSDPConfig(reduce_every_pass=False))])
+                                            (1, "in_pass", FSDPConfig(reduce_every_pass=True))])
 def test_oom_backs_off_on_every_rank(tmp_path, tiny_dir, world, oom, fsdp):
     # a pass predicted not to fit on one rank backs every rank off together; with one rank an OOM inside
-    # a pass (through FSDP's hooks) is retried as on one process, also after earlier passes of the
-    # mini-batch left unsharded gradients (dropped). Same step as without the OOM.
+    # a pass (through FSDP's hooks) is retried as on one process: after earlier passes of the mini-batch
+    # left unsharded gradients (dropped; the default on CPU), and with gradients reduced after every pass.
+    # Same step as without the OOM.
     _spawn(tmp_path, tiny_dir, world, RLConfig(**BASE), steps=1, oom=oom, fsdp=fsdp)
 
 

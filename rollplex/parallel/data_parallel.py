@@ -133,7 +133,12 @@ class DataParallel:
         the sharded models' settings (whether training passes reduce every pass or per mini-batch)."""
         self.mesh, self.model_cfg, self.dtype_bytes = mesh, model_cfg, dtype_bytes
         self.fsdp = fsdp or FSDPConfig()
+        # a sharded model's gathered parameters, and those with the unsharded gradients (set by the actor)
+        self.gathered_bytes = self.unsharded_bytes = 0
+        self._scoring_left = 0  # no-grad passes of the current scoring call not yet run
+        self._kept: Qwen25VL | None = None  # a model whose units stay gathered through a scoring call's passes
         self._left = self._first = 0  # training passes of the current mini-batch: not yet run, in all
+        self._accumulate = False  # the current mini-batch's passes reduce once, after its last
         self._open = False  # a mini-batch's passes accumulate unsharded gradients
         self.group = mesh.get_group()
         self.rank, self.world = mesh.get_local_rank(), mesh.size()
@@ -153,12 +158,24 @@ class DataParallel:
         fit its device."""
         check_passes(mode, plan.packed)
         mbs = list(micro_batches(local, mode, plan)) if local.num_samples else []
-        misfit = self.world > 1 and torch.is_grad_enabled() and not all(self.fits(mb, mode) for mb, _ in mbs)
-        head = torch.tensor([len(mbs), int(misfit)], device=self.device)
+        grad = torch.is_grad_enabled()
+        misfit = self.world > 1 and grad and not all(self.fits(mb, mode) for mb, _ in mbs)
+        # at one rank an out-of-memory pass is retried; over several it is not (the others wait in its
+        # collectives), so there the unsharded copy is counted with a quarter more (allocator fragmentation)
+        copy = self.unsharded_bytes * (1.0 if self.world == 1 else 1.25)
+        no_accumulate = self.fsdp.reduce_every_pass is None and grad and not all(
+            self.fits(mb, mode, int(copy)) for mb, _ in mbs)
+        # scoring: the units stay gathered from the first pass to the last when a gathered copy fits
+        no_keep = not grad and not all(self.fits(mb, mode, int(self.gathered_bytes * 1.25)) for mb, _ in mbs)
+        head = torch.tensor([len(mbs), int(misfit), int(no_accumulate), int(no_keep)], device=self.device)
         dist.all_reduce(head, op=dist.ReduceOp.MAX, group=self.group)
-        K, misfit = head.tolist()
+        K, misfit, no_accumulate, no_keep = head.tolist()
+        self._release_kept()  # a scoring call that stopped short of its last pass
+        self._scoring_left = 0 if grad or K < 2 or no_keep else K
         if misfit:
             raise CollectiveOOM("a data-parallel rank's micro-batch would not fit its device memory")
+        every = self.fsdp.reduce_every_pass
+        self._accumulate = grad and K > 1 and (every is False or (every is None and not no_accumulate))
         flags = torch.zeros(K, dtype=torch.long)
         flags[: len(mbs)] = torch.tensor([uses_vision(mb, mode) for mb, _ in mbs], dtype=torch.long)
         flags = flags.to(self.device)
@@ -177,27 +194,44 @@ class DataParallel:
         self._left = self._first = K if torch.is_grad_enabled() else 0
         return out
 
-    def fits(self, mb: RolloutBatch, mode: str) -> bool:
-        """Whether a training pass over `mb` is expected to fit this rank's device: the memory plan's
-        activation estimate (memory/config.py) against the free and cached-unused device memory.
-        Always on CPU."""
+    def fits(self, mb: RolloutBatch, mode: str, extra: int = 0) -> bool:
+        """Whether a training pass over `mb` (and `extra` more bytes) is expected to fit this rank's
+        device: the memory plan's activation estimate (memory/config.py) against the free and
+        cached-unused device memory. Always on CPU."""
         if self.device.type != "cuda":
             return True
         t = self.model_cfg.text
-        need = activation_bytes(t.hidden_size, t.num_hidden_layers, sum(prompt_costs(mb, mode)), self.dtype_bytes,
-                                self._checkpointing[0])
+        need = extra + activation_bytes(t.hidden_size, t.num_hidden_layers, sum(prompt_costs(mb, mode)),
+                                        self.dtype_bytes, self._checkpointing[0])
         free = torch.cuda.mem_get_info(self.device)[0]
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         return need <= free + cached
 
     def run(self, model: Qwen25VL, fn, *args):
-        if not self.fsdp.reduce_every_pass and self._left > 0 and torch.is_grad_enabled():
+        if self._scoring_left > 0 and not torch.is_grad_enabled():  # a scoring pass, units kept gathered
+            if self._kept is None:
+                self._kept = model
+                fsdp_mod.keep_gathered(model, True, self.fsdp)
+            self._scoring_left -= 1
+            out = sharded_call(model, fn, *args)
+            if self._scoring_left == 0:
+                self._release_kept()
+            return out
+        if self._left > 0 and torch.is_grad_enabled():  # a training pass
             if self._open and self._left == self._first:  # the last mini-batch stopped short of its last pass
                 fsdp_mod.drop_unsharded_grads(model)
+                fsdp_mod.set_accumulating(model, False, self.fsdp)
+                self._open = False
             self._left -= 1
-            fsdp_mod.set_accumulating(model, self._left > 0, self.fsdp)
-            self._open = self._left > 0
+            if self._accumulate:
+                fsdp_mod.set_accumulating(model, self._left > 0, self.fsdp)
+                self._open = self._left > 0
         return sharded_call(model, fn, *args)
+
+    def _release_kept(self) -> None:
+        if self._kept is not None:
+            fsdp_mod.keep_gathered(self._kept, False, self.fsdp)
+            self._kept = None
 
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
         """t summed over the ranks, in place (through the collective's device when t is elsewhere)."""
@@ -263,6 +297,12 @@ class DataParallelActor(Actor):
         dtype = fsdp_mod.DTYPES.get(fsdp.param_dtype) or next(model.parameters()).dtype
         self.dp = DataParallel(mesh, model.cfg, torch.empty((), dtype=dtype).element_size(), fsdp)
         model = apply_fsdp(model, mesh, fsdp)
+        # what reducing once per mini-batch holds: every parameter gathered, every trained one's gradient
+        # unsharded (in the reduce dtype where one is set)
+        grad_bytes = torch.empty((), dtype=fsdp_mod.DTYPES.get(fsdp.reduce_dtype) or dtype).element_size()
+        self.dp.unsharded_bytes = sum(p.numel() * (self.dp.dtype_bytes + (grad_bytes if p.requires_grad else 0))
+                                      for p in model.parameters())
+        self.dp.gathered_bytes = sum(p.numel() for p in model.parameters()) * self.dp.dtype_bytes
         if adopt is not None:
             adopt(model)
         super().__init__(model, cfg, memory, optimizer_offload, placement=self.dp)

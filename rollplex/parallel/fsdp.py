@@ -71,8 +71,10 @@ class FSDPConfig:
     # False: the passes of a mini-batch accumulate unsharded gradients, reduce-scattered once after its
     # last pass, and the units stay gathered from its first forward to its last backward (DDP's
     # no_sync): one gather and one reduce per unit and mini-batch instead of per pass, at the cost of
-    # an unsharded copy of the parameters and of their gradients while the mini-batch runs
-    reduce_every_pass: bool = True
+    # an unsharded copy of the parameters and of their gradients while the mini-batch runs. None:
+    # False for a mini-batch when that copy and its largest pass fit every rank's free device memory
+    # (the ranks agree before its first pass), True otherwise
+    reduce_every_pass: bool | None = None
 
     def __post_init__(self):
         if self.layers_per_unit < 1:
@@ -148,6 +150,17 @@ def set_accumulating(model: nn.Module, on: bool, cfg: FSDPConfig) -> None:
     for u in units(model)[:-1]:  # (the root stays gathered through a pass either way)
         if hasattr(u, "set_reshard_after_forward"):
             u.set_reshard_after_forward(cfg.reshard_after_forward and not on, recurse=False)
+
+
+def keep_gathered(model: nn.Module, on: bool, cfg: FSDPConfig) -> None:
+    """No-grad passes that follow keep every unit gathered after its forward (on), or reshard as `cfg`
+    says, the units freed now (off: after a scoring call's last pass)."""
+    for u in units(model)[:-1]:
+        if hasattr(u, "set_reshard_after_forward"):
+            u.set_reshard_after_forward(cfg.reshard_after_forward and not on, recurse=False)
+    if not on:
+        for u in units(model):
+            u.reshard()
 
 
 def drop_unsharded_grads(model: nn.Module) -> None:

@@ -64,8 +64,9 @@ HELP = {
     "vision_activation_checkpointing": "the same for the vision blocks",
     "share_policy_storage": "the trainer's shards are windows of the policy's tensors (no second copy)",
     "layers_per_unit": "decoder layers / vision blocks per FSDP unit: fewer, larger gathers and less hook time",
-    "reduce_every_pass": "reduce-scatter gradients after every micro-batch; --no-reduce-every-pass reduces once per "
-                         "mini-batch and keeps the units gathered between its passes (faster, more memory)",
+    "reduce_every_pass": "reduce-scatter gradients after every micro-batch; --no-reduce-every-pass: once per "
+                         "mini-batch, the units kept gathered between its passes (faster, more memory); default: "
+                         "once per mini-batch when that fits every rank's free memory",
     "sglang_args": "further SGLang server arguments as a JSON object, e.g. '{\"attention_backend\": \"fa3\"}'",
 }
 
