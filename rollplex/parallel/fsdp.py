@@ -163,20 +163,24 @@ def keep_gathered(model: nn.Module, on: bool, cfg: FSDPConfig) -> None:
             u.reshard()
 
 
+def unit_params(unit: FSDPModule) -> list:
+    """The FSDPParams (FSDP2's per-parameter state) of one unit."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # older torch: one group per state
+        groups = [g for g in [state._fsdp_param_group] if g is not None]
+    return [fp for g in groups for fp in g.fsdp_params]
+
+
 def drop_unsharded_grads(model: nn.Module) -> None:
     """Forget gradients accumulated unsharded by passes whose mini-batch never reached its last pass
     (an out-of-memory error in between), and free the gathered parameters."""
     for u in units(model):
-        state = u._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:  # older torch: one group per state
-            groups = [g for g in [state._fsdp_param_group] if g is not None]
-        for g in groups:
-            for fp in g.fsdp_params:
-                fp.unsharded_accumulated_grad = None
-                unsharded = getattr(fp, "_unsharded_param", None)
-                if unsharded is not None:
-                    unsharded.grad = None
+        for fp in unit_params(u):
+            fp.unsharded_accumulated_grad = None
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
         u.reshard()
 
 

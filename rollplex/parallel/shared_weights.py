@@ -31,12 +31,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
 
 from ..weights import ParamPlan, RolloutLayout, TrainLayout, model_specs, plan
 from ..weights.mapping import Mapping
 from ..weights.share import plan_param
 from ..weights.storage import cut, rebuild
+from .fsdp import unit_params, units
 
 BUCKET_BYTES = 256 << 20  # rollout bytes per rebuild exchange: bounds its packing buffers
 
@@ -49,17 +49,9 @@ def meta_copy(model: nn.Module) -> nn.Module:
 
 
 def fsdp_params(model: nn.Module) -> dict[str, object]:
-    """{parameter name: its FSDPParam} of a model `fully_shard` sharded."""
-    by_id = {}
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            state = m._get_fsdp_state()
-            groups = getattr(state, "_fsdp_param_groups", None)
-            if groups is None:  # older torch: one group per module
-                groups = [g for g in [state._fsdp_param_group] if g is not None]
-            for g in groups:
-                for fp in g.fsdp_params:
-                    by_id[id(fp.sharded_param)] = fp
+    """{parameter name: its FSDPParam} of a model `fully_shard` sharded (while its parameters are the
+    sharded ones)."""
+    by_id = {id(fp.sharded_param): fp for u in units(model) for fp in unit_params(u)}
     return {n: by_id[id(p)] for n, p in model.named_parameters() if id(p) in by_id}
 
 
