@@ -75,3 +75,25 @@ def test_one_rank_group_and_a_later_compile(tmp_path):
             assert torch.allclose(model(p), ref(p), atol=1e-6)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_sharing_plan_rollout_regions_are_the_engines_shards(tie):
+    # what the sharing plan (rollplex.weights) calls a rank's rollout shard, and so what its memory
+    # tables count, is the tensor the tensor-parallel engine holds: every parameter, TP 2 and 4 (4 ranks
+    # replicate each KV head twice), the vision tower whole
+    from rollplex.weights import RolloutLayout, model_specs
+    from rollplex.weights.storage import cut
+
+    cfg = tiny_cfg(tie)
+    full = {n: p.detach() for n, p in tiny_model(cfg).named_parameters()}
+    specs = model_specs(cfg)
+    assert {s.name for s in specs} == set(full)
+    for tp in (2, 4):
+        for rank in range(tp):
+            engine = shard_state_dict(full, cfg, tp, rank)
+            for s in specs:
+                region = RolloutLayout(tp).region(s, rank)
+                want = cut(full[s.name], region)[: region.rows]
+                assert engine[s.name].numel() == want.numel(), (tp, rank, s.name)
+                assert torch.equal(engine[s.name].reshape(want.shape), want), (tp, rank, s.name)
