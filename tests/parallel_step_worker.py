@@ -143,6 +143,9 @@ def worker(rank: int, world: int, init: str, tiny_dir, rows, cfg: RLConfig, roll
         if cfg.cosched:  # every rank co-scheduled the old policy's prefixes of its share beside its decode
             for g in got:
                 assert g["metrics"]["rollout_metrics"]["rollplex/cosched_chunks"] > 0, g["metrics"]["rollout_metrics"]
+                # and the reference's where it holds the reference whole
+                whole_ref = fsdp is not None and not fsdp.shard_reference
+                assert ("rollplex/prefix_ref_normal_phase_s" in g["metrics"]) == whole_ref, g["metrics"].keys()
         shares = rl.parallel.weights.report()  # the trainer's shards are windows of the policy
         assert shares["shared_bytes"] > 0 and (world > 1 or shares["separate_bytes"] == shares["rebuilt_bytes"] == 0)
         assert got[-1]["metrics"]["perf/weights_shared_gib"] == shares["shared_bytes"] / 2**30

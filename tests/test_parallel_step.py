@@ -25,19 +25,21 @@ def _spawn(tmp_path, tiny_dir, world, cfg, rollout="data", steps=2, memory_cfg=N
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,rl", [
-    (1, dict()),
+@pytest.mark.parametrize("world,rl,fsdp", [
+    (1, dict(), None),
     # two mini-batches (old logprobs scored data-parallel first), entropy bonus, sequence-mean loss
-    (2, dict(ppo_mini_batches=2, entropy_coeff=0.01, loss_agg_mode="seq-mean-token-mean")),
-    (4, dict(mode="serial", micro_batch_samples=3)),
+    (2, dict(ppo_mini_batches=2, entropy_coeff=0.01, loss_agg_mode="seq-mean-token-mean"), None),
+    (4, dict(mode="serial", micro_batch_samples=3), None),
     # a frozen vision tower: the per-rank rollout drops the engine's encodings, the towers run frozen
-    (2, dict(freeze_vision_tower=True)),
+    (2, dict(freeze_vision_tower=True), None),
     # the co-scheduler per rank: each rank's old-policy prefixes beside its own decode, scored by it
-    (2, dict(cosched=True, ppo_mini_batches=2)),
-    (2, dict(cosched=True, ppo_mini_batches=2, freeze_vision_tower=True)),
+    (2, dict(cosched=True, ppo_mini_batches=2), None),
+    # and with the reference whole on every rank, its prefixes too (the frozen tower's encodings from the
+    # rank's own prefill)
+    (2, dict(cosched=True, ppo_mini_batches=2, freeze_vision_tower=True), FSDPConfig(shard_reference=False)),
 ])
-def test_data_parallel_step_equals_single_process(tmp_path, tiny_dir, world, rl):
-    _spawn(tmp_path, tiny_dir, world, RLConfig(**{**BASE, **rl}))
+def test_data_parallel_step_equals_single_process(tmp_path, tiny_dir, world, rl, fsdp):
+    _spawn(tmp_path, tiny_dir, world, RLConfig(**{**BASE, **rl}), fsdp=fsdp)
 
 
 @pytest.mark.slow

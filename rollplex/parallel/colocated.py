@@ -10,7 +10,8 @@
                 rank's rows of the policy in place, and `sync_weights` rebuilds only the rows other
                 ranks own (and the tensor-parallel engine's shards, cut from the policy locally)
     reference   the frozen reference, sharded by FSDP2 the same way; each rank scores its share of
-                the prompt groups and the logprobs are summed to every rank (`rl.scoring.score`)
+                the prompt groups and the logprobs are summed to every rank (`rl.scoring.score`).
+                `FSDPConfig(shard_reference=False)` keeps it whole on every rank instead
     rollout     data-parallel over rollout groups: the prompts are dealt round-robin over the groups,
                 each group's engine generates its share, and the outputs are gathered so every rank
                 holds the whole batch. A group is one rank whose engine decodes the policy itself
@@ -32,8 +33,10 @@ rollout, not by who prefilled what), so the reference and the trainer run the fr
 The co-scheduler is per rank too (`cosched`): beside its decode, each rank computes the prefixes of
 the old policy (several updates per rollout) for its share of the prompts on the policy it holds
 whole, so the prefix work needs no collective and no other rank's pace; the rank then scores the old
-logprobs of that share itself (`old_logprobs`) and the shares are summed. The reference is sharded,
-so its prefix work is not co-scheduled: it runs data-parallel in its phase.
+logprobs of that share itself (`share_logprobs`) and the shares are summed. A reference held whole
+on every rank is co-scheduled and scored the same way; a sharded one is not co-scheduled (its FSDP2
+collectives would have to run in step across every rank's decode loop): it runs data-parallel in its
+phase.
 
 The memory manager is per rank: each rank's engine, optimizer state, gradient buffers and reference
 shards live in its own regions (local shards, not whole tensors), and `RLStep`'s phases, the
@@ -93,7 +96,10 @@ class Colocated:
         return DataParallelActor(meta_copy(model), cfg, self.mesh, self.fsdp, memory, optimizer_offload, adopt=adopt)
 
     def shard_reference(self, ref: Qwen25VL) -> Qwen25VL:
-        """The frozen reference sharded like the trainer (no checkpointing: it only scores)."""
+        """The frozen reference sharded like the trainer (no checkpointing: it only scores), or whole
+        (`FSDPConfig.shard_reference` off)."""
+        if not self.fsdp.shard_reference:
+            return ref
         cfg = dataclasses.replace(self.fsdp, activation_checkpointing=False, vision_activation_checkpointing=False)
         return apply_fsdp(ref, self.mesh, cfg)
 
@@ -114,10 +120,11 @@ class Colocated:
         return self.group_prompts(num_prompts)[self.tp_rank :: self.tp_size]
 
     @torch.no_grad()
-    def old_logprobs(self, policy: Qwen25VL, batch, cfg: RLConfig) -> torch.Tensor:
-        """The old policy's logprobs [N, R] on every rank: each rank scores its share on the policy,
-        which it holds whole (no collective inside the passes; the prefixes its co-scheduler handed
-        over for those prompts are used), and the shares are summed over the group."""
+    def share_logprobs(self, policy: Qwen25VL, batch, cfg: RLConfig, key: str) -> torch.Tensor:
+        """Logprobs [N, R] on every rank of a model each rank holds whole (the old policy, `key`
+        "old"; a reference not sharded, "ref"): each rank scores its share (no collective inside the
+        passes; the prefixes its co-scheduler handed over for those prompts under `key` are used), and
+        the shares are summed over the group."""
         from ..rl.scoring import score
 
         device = policy.inv_freq.device
@@ -126,7 +133,7 @@ class Colocated:
         if mine:
             sub, idx = batch.select_prompts(mine)
             out[idx.to(device)] = score(policy, sub, cfg.mode, cfg.micro_batching, cfg.temperature,
-                                        prefix_key="old").to(device)
+                                        prefix_key=key).to(device)
         dist.all_reduce(out, group=self.group)
         return out.cpu()
 

@@ -64,6 +64,10 @@ class FSDPConfig:
     # allows (parallel/shared_weights.py); False keeps separate shards, copied into the policy after
     # each update
     share_policy_storage: bool = True
+    # False: every rank holds the whole frozen reference (no FSDP): its scoring needs no collective
+    # inside a pass, so each rank co-schedules its share's reference prefixes beside its decode, as it
+    # does the old policy's; the cost is a whole copy of the reference per rank
+    shard_reference: bool = True
     # consecutive decoder layers (and vision blocks) per FSDP unit: one gather and one reduce per unit
     # and pass. FSDP2's hooks cost host time per unit, pass and direction; more layers per unit
     # means fewer, larger collectives and more gathered parameters resident at once

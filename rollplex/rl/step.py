@@ -117,13 +117,15 @@ class RLStep:
             model.visual.requires_grad_(False)
         self.reward_fn = reward_fn if callable(reward_fn) else get_reward_fn(reward_fn)
         self.ref = ref_model
+        # the reference whole on this process: one process, or a group that does not shard it
+        whole_ref = self.parallel is None or not self.parallel.fsdp.shard_reference
         if self.ref is None and cfg.kl_coef > 0:
-            if self.parallel is None:
+            if whole_ref:
                 with self._region("ref_weights"):
                     self.ref = copy.deepcopy(model)
             else:
                 self.ref = copy.deepcopy(model)  # transient full copy: only its shards go into the region
-        if self.ref is not None and self.parallel is not None:
+        if self.ref is not None and not whole_ref:
             with self._region("ref_weights"):
                 self.ref = self.parallel.shard_reference(self.ref)
         if self.ref is not None:
@@ -277,19 +279,18 @@ class RLStep:
         if not cfg.cosched or self.engine is None:
             return out
         per_job = self.cosched.config.job_prompts
-        if self.parallel is not None:  # per rank: the old policy's prefixes of its share, on the whole policy
-            if cfg.num_updates > 1:
-                out["old"] = PrefixRows.plan(self.model, prompts, per_job, "old", external_vision=frozen,
-                                             only=self.parallel.share(len(prompts)))
-            return out
-        if self.ref is not None and cfg.kl_coef > 0 and (
+        # under a group, each rank its share of the prompts (those its engine prefilled), on models it
+        # holds whole: the policy, and the reference unless it is sharded
+        only = self.parallel.share(len(prompts)) if self.parallel is not None else None
+        whole_ref = self.parallel is None or not self.parallel.fsdp.shard_reference
+        if whole_ref and self.ref is not None and cfg.kl_coef > 0 and (
                 self.memory is None or self.memory.plan.get("rollout", "ref_weights") == "resident"):
             # a frozen tower's encodings come from the engine's prefill, unless the reference's tower differs
             shared = frozen and self._ref_same_vision
             ref_prompts = prompts if shared or not frozen else [replace(p, vision_embeds=None) for p in prompts]
-            out["ref"] = PrefixRows.plan(self.ref, ref_prompts, per_job, "ref", external_vision=shared)
+            out["ref"] = PrefixRows.plan(self.ref, ref_prompts, per_job, "ref", external_vision=shared, only=only)
         if cfg.num_updates > 1:
-            out["old"] = PrefixRows.plan(self.model, prompts, per_job, "old", external_vision=frozen)
+            out["old"] = PrefixRows.plan(self.model, prompts, per_job, "old", external_vision=frozen, only=only)
         return out
 
     def compute_rewards(self, batch: RolloutBatch, reward: RewardFn | str | None = None) -> tuple[torch.Tensor, dict]:
@@ -321,8 +322,11 @@ class RLStep:
                 ref_batch = replace(batch, prompts=[replace(p, vision_embeds=None) for p in batch.prompts])
             with _timer(m, "ref", self.device, tl), self._phase("ref"):
                 self._complete_handover(batch, "ref", m)
-                ref_lp = score_logprobs(self.ref, ref_batch, cfg.mode, cfg.micro_batching, cfg.temperature,
-                                        prefix_key="ref", placement=self.actor.placement)
+                if self.parallel is not None and not self.parallel.fsdp.shard_reference:  # each rank its share
+                    ref_lp = self.parallel.share_logprobs(self.ref, ref_batch, cfg, "ref")
+                else:
+                    ref_lp = score_logprobs(self.ref, ref_batch, cfg.mode, cfg.micro_batching, cfg.temperature,
+                                            prefix_key="ref", placement=self.actor.placement)
         rewards = batch.rewards.float()
         if ref_lp is not None and not cfg.use_kl_loss:  # KL as a reward penalty (policy = rollout logprobs)
             kl = (kl_penalty(batch.rollout_logprobs, ref_lp, cfg.kl_loss_type) * batch.mask).sum(-1)
@@ -334,7 +338,7 @@ class RLStep:
             with _timer(m, "old_log_prob", self.device, tl), self._phase("ref"):
                 self._complete_handover(batch, "old", m)
                 if self.parallel is not None and cfg.num_updates > 1:  # each rank its share, on the policy
-                    old = self.parallel.old_logprobs(self.model, batch, cfg)
+                    old = self.parallel.share_logprobs(self.model, batch, cfg, "old")
                 else:
                     old = self.actor.old_logprobs(batch, cfg)
         batch.prefix = {}  # the prefix states are consumed: free them before the update

@@ -60,9 +60,11 @@ HELP = {
                              "--no-reshard-after-forward keeps them to backward",
     "param_dtype": "FSDP2 mixed precision: the layers compute in this dtype from the shards",
     "reduce_dtype": "FSDP2 mixed precision: gradients are reduced in this dtype",
-    "activation_checkpointing": "per-layer activation checkpointing inside each FSDP unit (as --gradient-checkpointing)",
+    "activation_checkpointing": "per-layer activation checkpointing inside each FSDP unit (as "
+                                "--gradient-checkpointing)",
     "vision_activation_checkpointing": "the same for the vision blocks",
     "share_policy_storage": "the trainer's shards are windows of the policy's tensors (no second copy)",
+    "shard_reference": "the frozen reference sharded by FSDP2; --no-shard-reference keeps it whole on every rank",
     "layers_per_unit": "decoder layers / vision blocks per FSDP unit: fewer, larger gathers and less hook time",
     "reduce_every_pass": "reduce-scatter gradients after every micro-batch; --no-reduce-every-pass: once per "
                          "mini-batch, the units kept gathered between its passes (faster, more memory); default: "
