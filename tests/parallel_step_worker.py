@@ -108,8 +108,8 @@ def compare(got: list[dict], want: list[dict], engine_model=None) -> None:
 
 def inject_oom(kind: str) -> None:
     """Out of memory in multi-prompt training passes: predicted on rank 1 ("predicted": the
-    placement's check before a mini-batch), or raised inside the second such pass, after the first
-    one's backward ("in_pass")."""
+    placement's check before a mini-batch), raised inside the second such pass, after the first
+    one's backward ("in_pass"), or inside rank 1's first such pass only ("in_pass_rank1")."""
     if kind == "predicted":
         from rollplex.parallel.data_parallel import DataParallel
 
@@ -123,7 +123,7 @@ def inject_oom(kind: str) -> None:
     def fake(model, mb, *a, **k):
         if mb.num_prompts > 1 and torch.is_grad_enabled():
             calls[0] += 1
-            if calls[0] > 1:
+            if calls[0] > 1 if kind == "in_pass" else dist.get_rank() == 1:
                 raise torch.OutOfMemoryError("CUDA out of memory (injected)")
         return real(model, mb, *a, **k)
 

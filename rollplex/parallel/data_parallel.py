@@ -25,9 +25,13 @@ pass used it, as in the single-process step, where every image of the mini-batch
 Out of memory: the same agreement decides, before a mini-batch's first pass, whether every rank's
 largest pass fits its device (`DataParallel.fits`: the activation estimate of the memory plan
 against free memory); if one does not, every rank raises `CollectiveOOM` at that point and the
-update's OOM ladder halves the micro-batches on all ranks together. An OOM inside a pass cannot be
-retried with more than one rank (the others wait in the pass's collectives): the update raises
-TrainOOM on that rank. With one rank it is retried as on one process.
+update's OOM ladder halves the micro-batches on all ranks together. When a mini-batch's gradients
+are reduced once (`FSDPConfig.reduce_every_pass`), its units are gathered before its first pass and
+reduced by one more dummy pass after its last, so its passes run no collective: an OOM inside one is
+deferred (`defer_oom`), the ranks agree before the reduce (`end_passes`) and all raise CollectiveOOM.
+Where gradients are reduced after every pass, an OOM inside a pass cannot be retried with more than
+one rank (the others wait in the pass's collectives): the update raises TrainOOM on that rank. With
+one rank it is always retried as on one process.
 
 The optimizer is `rl.optimizer.MasterAdamW` over the DTensor shards (stepped through their local
 tensors, so the memory regions and optimizer offload work per rank), with gradient clipping on the
@@ -160,8 +164,8 @@ class DataParallel:
         mbs = list(micro_batches(local, mode, plan)) if local.num_samples else []
         grad = torch.is_grad_enabled()
         misfit = self.world > 1 and grad and not all(self.fits(mb, mode) for mb, _ in mbs)
-        # at one rank an out-of-memory pass is retried; over several it is not (the others wait in its
-        # collectives), so there the unsharded copy is counted with a quarter more (allocator fragmentation)
+        # over several ranks the unsharded copy is counted with a quarter more (allocator fragmentation):
+        # a misjudged fit costs a back-off of every rank there
         copy = self.unsharded_bytes * (1.0 if self.world == 1 else 1.25)
         no_accumulate = self.fsdp.reduce_every_pass is None and grad and not all(
             self.fits(mb, mode, int(copy)) for mb, _ in mbs)
@@ -192,6 +196,7 @@ class DataParallel:
                 mb = with_dummy(mb, dummy_prompt(self.model_cfg, True))
             out.append((mb, idx))
         self._left = self._first = K if torch.is_grad_enabled() else 0
+        self._began = self._failed = False
         return out
 
     def fits(self, mb: RolloutBatch, mode: str, extra: int = 0) -> bool:
@@ -218,15 +223,51 @@ class DataParallel:
                 self._release_kept()
             return out
         if self._left > 0 and torch.is_grad_enabled():  # a training pass
-            if self._open and self._left == self._first:  # the last mini-batch stopped short of its last pass
+            if self._open and self._left == self._first:  # the last mini-batch stopped short of its reduce
                 fsdp_mod.drop_unsharded_grads(model)
                 fsdp_mod.set_accumulating(model, False, self.fsdp)
                 self._open = False
             self._left -= 1
-            if self._accumulate:
-                fsdp_mod.set_accumulating(model, self._left > 0, self.fsdp)
-                self._open = self._left > 0
+            if self._accumulate and not self._began:
+                # every unit gathered before the first pass: the passes then run no collective, so an
+                # out-of-memory error inside one leaves no other rank waiting (`defer_oom`)
+                fsdp_mod.set_accumulating(model, True, self.fsdp)
+                self._open = True
+                fsdp_mod.gather_all(model)
+                self._began = True
         return sharded_call(model, fn, *args)
+
+    def defer_oom(self) -> bool:
+        """Whether an out-of-memory error inside the current training pass can wait for `end_passes`:
+        yes when the mini-batch's passes run no collective (gradients reduced once, after them); this
+        rank then runs no more passes of the mini-batch."""
+        if self._accumulate and self._began:
+            self._failed = True
+            return True
+        return False
+
+    def end_passes(self, model: Qwen25VL, forward) -> None:
+        """After a mini-batch's passes: where they accumulated unsharded gradients, every rank learns
+        whether some rank's pass ran out of memory (one all-reduce). If one did, every rank drops its
+        gradients and raises CollectiveOOM, so all back off together; otherwise the gradients are
+        reduce-scattered by one more pass, over a one-token dummy prompt with a zero loss (`forward(mb)`
+        returns its logprobs): its backward adds exact zeros and reduces every unit."""
+        if not (self._accumulate and self._began):
+            return
+        failed = torch.tensor([int(self._failed)], device=self.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
+        self._began = False
+        if failed.item():
+            fsdp_mod.drop_unsharded_grads(model)
+            fsdp_mod.set_accumulating(model, False, self.fsdp)
+            self._open = False
+            raise CollectiveOOM("a data-parallel rank ran out of device memory inside a pass of the mini-batch")
+        model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)
+        dummy = with_dummy(None, dummy_prompt(self.model_cfg, False))
+        (sharded_call(model, forward, dummy).sum() * 0.0).backward()
+        fsdp_mod.keep_gathered(model, False, self.fsdp)  # each unit back to its own resharding, freed
+        self._open = False
 
     def _release_kept(self) -> None:
         if self._kept is not None:

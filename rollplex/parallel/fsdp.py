@@ -156,6 +156,15 @@ def set_accumulating(model: nn.Module, on: bool, cfg: FSDPConfig) -> None:
             u.set_reshard_after_forward(cfg.reshard_after_forward and not on, recurse=False)
 
 
+def gather_all(model: nn.Module) -> None:
+    """All-gather every unit now, in one order on every rank (a unit already gathered is skipped)."""
+    state = model._get_fsdp_state()
+    if hasattr(state, "_lazy_init"):  # the root's streams, before any forward has set them up
+        state._lazy_init()
+    for u in units(model):
+        u.unshard()
+
+
 def keep_gathered(model: nn.Module, on: bool, cfg: FSDPConfig) -> None:
     """No-grad passes that follow keep every unit gathered after its forward (on), or reshard as `cfg`
     says, the units freed now (off: after a scoring call's last pass)."""
@@ -167,19 +176,33 @@ def keep_gathered(model: nn.Module, on: bool, cfg: FSDPConfig) -> None:
             u.reshard()
 
 
-def unit_params(unit: FSDPModule) -> list:
-    """The FSDPParams (FSDP2's per-parameter state) of one unit."""
+def _param_groups(unit: FSDPModule) -> list:
     state = unit._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:  # older torch: one group per state
         groups = [g for g in [state._fsdp_param_group] if g is not None]
-    return [fp for g in groups for fp in g.fsdp_params]
+    return groups
+
+
+def unit_params(unit: FSDPModule) -> list:
+    """The FSDPParams (FSDP2's per-parameter state) of one unit."""
+    return [fp for g in _param_groups(unit) for fp in g.fsdp_params]
 
 
 def drop_unsharded_grads(model: nn.Module) -> None:
-    """Forget gradients accumulated unsharded by passes whose mini-batch never reached its last pass
-    (an out-of-memory error in between), and free the gathered parameters."""
+    """Forget gradients accumulated unsharded by passes whose mini-batch never reached its reduce (an
+    out-of-memory error in between), and free the gathered parameters. A pass that raised leaves its
+    units in FSDP2's forward state, where a unit kept gathered after forward will not reshard: they are
+    set idle first, so every rank's units end sharded and the next gathers pair up across ranks."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    ctx = getattr(model._get_fsdp_state(), "_state_ctx", None)
+    if ctx is not None and hasattr(ctx, "iter_forward_root"):
+        ctx.iter_forward_root = None
     for u in units(model):
+        u._get_fsdp_state()._training_state = TrainingState.IDLE
+        for g in _param_groups(u):
+            g._training_state = TrainingState.IDLE
         for fp in unit_params(u):
             fp.unsharded_accumulated_grad = None
             unsharded = getattr(fp, "_unsharded_param", None)

@@ -130,8 +130,9 @@ class Actor:
         halved micro-batches (kept for later steps); at one prompt (one sequence) per pass it turns on
         activation checkpointing, and after that raises TrainOOM, with the weights and optimizer untouched
         when no optimizer step had been applied. Under a data-parallel placement the ranks back off
-        together from a `CollectiveOOM`; an out-of-memory error inside a pass with other ranks waiting in
-        its collectives cannot be retried and raises TrainOOM at once."""
+        together from a `CollectiveOOM` (also raised for an out-of-memory error inside a pass the
+        placement defers: `defer_oom`, `end_passes`); one inside a pass with other ranks waiting in its
+        collectives cannot be retried and raises TrainOOM at once."""
         cfg, model, pl = cfg or self.cfg, self.model, self.placement
         model.train()
         first_logp = torch.zeros(batch.responses.shape)
@@ -229,30 +230,38 @@ class Actor:
         self.optimizer.zero_grad()
         acc = torch.zeros(len(METRICS), device=model.inv_freq.device)
         for mb, idx in pl.passes(local, cfg.mode, plan):
-            n_all, n = mb.num_samples, idx.shape[0]
-            gidx = mini_idx[local_idx[idx]]  # the real samples' indices in the whole batch
-            logp, ent = pl.run(model, token_logprobs, model, mb, cfg.mode, plan.packed, cfg.temperature, entropy)
-            dev = logp.device
-            mask = to_device(mb.mask, dev)
-            if first_parts is not None:  # kept on the device until the update ends (no sync per micro-batch)
-                first_parts.append((gidx, logp[:n].detach() * mask[:n]))
-            old = logp.detach() if old_all is None else to_device(_rows(old_all, gidx, n_all), dev)
-            adv = to_device(_rows(advantages, gidx, n_all), dev)
-            pg, clipfrac, ppo_kl = ppo_policy_loss(logp, old, adv, mask, cfg.clip_ratio_low, cfg.clip_ratio_high,
-                                                   cfg.dual_clip, cfg.loss_agg_mode, denom)
-            loss = pg
-            w = float(mb.mask.sum()) / n_tok  # token share of this micro-batch, for metrics
-            kl = torch.zeros((), device=dev)
-            if use_kl:
-                kl = agg_loss(kl_penalty(logp, to_device(_rows(ref_logprobs, gidx, n_all), dev), cfg.kl_loss_type),
-                              mask, cfg.loss_agg_mode, denom)
-                loss = loss + cfg.kl_coef * kl
-            e = agg_loss(ent, mask, cfg.loss_agg_mode, denom)
-            if cfg.entropy_coeff > 0:
-                loss = loss - cfg.entropy_coeff * e
-            loss.backward()
-            acc += torch.stack([pg.detach(), kl.detach(), e.detach(), clipfrac.detach() * w,
-                                ppo_kl.detach() * w]).float()
+            try:
+                n_all, n = mb.num_samples, idx.shape[0]
+                gidx = mini_idx[local_idx[idx]]  # the real samples' indices in the whole batch
+                logp, ent = pl.run(model, token_logprobs, model, mb, cfg.mode, plan.packed, cfg.temperature,
+                                   entropy)
+                dev = logp.device
+                mask = to_device(mb.mask, dev)
+                if first_parts is not None:  # kept on the device until the update ends (no sync per micro-batch)
+                    first_parts.append((gidx, logp[:n].detach() * mask[:n]))
+                old = logp.detach() if old_all is None else to_device(_rows(old_all, gidx, n_all), dev)
+                adv = to_device(_rows(advantages, gidx, n_all), dev)
+                pg, clipfrac, ppo_kl = ppo_policy_loss(logp, old, adv, mask, cfg.clip_ratio_low,
+                                                       cfg.clip_ratio_high, cfg.dual_clip, cfg.loss_agg_mode, denom)
+                loss = pg
+                w = float(mb.mask.sum()) / n_tok  # token share of this micro-batch, for metrics
+                kl = torch.zeros((), device=dev)
+                if use_kl:
+                    ref = to_device(_rows(ref_logprobs, gidx, n_all), dev)
+                    kl = agg_loss(kl_penalty(logp, ref, cfg.kl_loss_type), mask, cfg.loss_agg_mode, denom)
+                    loss = loss + cfg.kl_coef * kl
+                e = agg_loss(ent, mask, cfg.loss_agg_mode, denom)
+                if cfg.entropy_coeff > 0:
+                    loss = loss - cfg.entropy_coeff * e
+                loss.backward()
+                acc += torch.stack([pg.detach(), kl.detach(), e.detach(), clipfrac.detach() * w,
+                                    ppo_kl.detach() * w]).float()
+            except Exception as err:  # noqa: BLE001 - only OOM is deferred
+                if not (_is_oom(err) and pl.defer_oom()):
+                    raise
+                break  # this rank's part of the mini-batch is lost: `end_passes` backs every rank off
+        # a placement whose passes accumulated gradients reduces them now (or raises CollectiveOOM)
+        pl.end_passes(model, lambda mb: token_logprobs(model, mb, cfg.mode, plan.packed, cfg.temperature)[0])
         return acc
 
     def state_dict(self) -> dict:

@@ -13,6 +13,11 @@ they are cut into passes, how a pass calls the model, and how per-process result
     clip_grad_norm_(params, m)  the gradients' global 2-norm, every gradient scaled so that it is at
                                 most m (torch's clip_grad_norm_ over the whole model)
     checkpointing / set_checkpointing   per-layer activation checkpointing of the model
+    defer_oom()                 called on an out-of-memory error inside a training pass: whether it can
+                                wait for `end_passes` (the passes run no collective), this process
+                                running no more passes of the mini-batch
+    end_passes(model, forward)  after a mini-batch's passes: reduce what they accumulated, or raise
+                                CollectiveOOM on every process when one deferred an OOM
     recoverable_oom()           whether an out-of-memory error inside a pass leaves every process able
                                 to retry it (one process: always); a `CollectiveOOM`, raised by every
                                 process at the same point before a pass, always does
@@ -60,6 +65,10 @@ class Placement(Protocol):
 
     def set_checkpointing(self, model: Qwen25VL, decoder: bool, vision: bool) -> None: ...
 
+    def defer_oom(self) -> bool: ...
+
+    def end_passes(self, model: Qwen25VL, forward) -> None: ...
+
     def recoverable_oom(self) -> bool: ...
 
 
@@ -89,6 +98,12 @@ class SingleProcess:
 
     def set_checkpointing(self, model: Qwen25VL, decoder: bool, vision: bool) -> None:
         set_activation_checkpointing(model, decoder, vision)
+
+    def defer_oom(self) -> bool:
+        return False
+
+    def end_passes(self, model: Qwen25VL, forward) -> None:
+        pass
 
     def recoverable_oom(self) -> bool:
         return True
