@@ -143,6 +143,8 @@ class DataParallel:
         self._kept: Qwen25VL | None = None  # a model whose units stay gathered through a scoring call's passes
         self._left = self._first = 0  # training passes of the current mini-batch: not yet run, in all
         self._accumulate = False  # the current mini-batch's passes reduce once, after its last
+        self._began = False  # its units are gathered and its passes accumulate
+        self._failed = False  # one of its passes ran out of memory here (deferred to `end_passes`)
         self._open = False  # a mini-batch's passes accumulate unsharded gradients
         self.group = mesh.get_group()
         self.rank, self.world = mesh.get_local_rank(), mesh.size()
