@@ -146,6 +146,10 @@ def worker(rank: int, world: int, init: str, tiny_dir, rows, cfg: RLConfig, roll
                 # and the reference's where it holds the reference whole
                 whole_ref = fsdp is not None and not fsdp.shard_reference
                 assert ("rollplex/prefix_ref_normal_phase_s" in g["metrics"]) == whole_ref, g["metrics"].keys()
+        # the default on CPU: every mini-batch of several passes (where there are any) reduced its gradients once
+        reduced = [g["metrics"]["perf/fsdp_reduced_once"] for g in got if "perf/fsdp_reduced_once" in g["metrics"]]
+        want_once = 0.0 if fsdp is not None and fsdp.reduce_every_pass else 1.0
+        assert all(r == want_once for r in reduced), reduced
         shares = rl.parallel.weights.report()  # the trainer's shards are windows of the policy
         assert shares["shared_bytes"] > 0 and (world > 1 or shares["separate_bytes"] == shares["rebuilt_bytes"] == 0)
         assert got[-1]["metrics"]["perf/weights_shared_gib"] == shares["shared_bytes"] / 2**30

@@ -146,6 +146,7 @@ class DataParallel:
         self._began = False  # its units are gathered and its passes accumulate
         self._failed = False  # one of its passes ran out of memory here (deferred to `end_passes`)
         self._open = False  # a mini-batch's passes accumulate unsharded gradients
+        self._reduces = [0, 0]  # multi-pass training mini-batches reduced once / after every pass
         self.group = mesh.get_group()
         self.rank, self.world = mesh.get_local_rank(), mesh.size()
         # where this group's collectives take their tensors (NCCL: the rank's GPU)
@@ -182,6 +183,8 @@ class DataParallel:
             raise CollectiveOOM("a data-parallel rank's micro-batch would not fit its device memory")
         every = self.fsdp.reduce_every_pass
         self._accumulate = grad and K > 1 and (every is False or (every is None and not no_accumulate))
+        if grad and K > 1:
+            self._reduces[0 if self._accumulate else 1] += 1
         flags = torch.zeros(K, dtype=torch.long)
         flags[: len(mbs)] = torch.tensor([uses_vision(mb, mode) for mb, _ in mbs], dtype=torch.long)
         flags = flags.to(self.device)
@@ -270,6 +273,13 @@ class DataParallel:
         (sharded_call(model, forward, dummy).sum() * 0.0).backward()
         fsdp_mod.keep_gathered(model, False, self.fsdp)  # each unit back to its own resharding, freed
         self._open = False
+
+    def take_metrics(self) -> dict[str, float]:
+        """The share of the training mini-batches of several passes since the last call whose gradients
+        were reduced once (`reduce_every_pass`), and the counters reset."""
+        once, every = self._reduces
+        self._reduces = [0, 0]
+        return {"perf/fsdp_reduced_once": once / (once + every)} if once + every else {}
 
     def _release_kept(self) -> None:
         if self._kept is not None:

@@ -349,6 +349,7 @@ class RLStep:
             with _timer(m, "sync_weights", self.device, tl):
                 self.parallel.sync_weights(self.actor.model, self.model)
             m.update(self.parallel.weight_metrics())
+            m.update(self.actor.placement.take_metrics())
         m.update(stats)
         if self.memory is not None:
             m.update(self.memory.take_metrics())
