@@ -72,10 +72,11 @@ class FSDPConfig:
     # and pass. FSDP2's hooks cost host time per unit, pass and direction; more layers per unit
     # means fewer, larger collectives and more gathered parameters resident at once
     layers_per_unit: int = 1
-    # False: the passes of a mini-batch accumulate unsharded gradients, reduce-scattered once after its
-    # last pass, and the units stay gathered from its first forward to its last backward (DDP's
-    # no_sync): one gather and one reduce per unit and mini-batch instead of per pass, at the cost of
-    # an unsharded copy of the parameters and of their gradients while the mini-batch runs. None:
+    # False: every unit is gathered before a mini-batch's first pass and stays gathered, its passes
+    # accumulate unsharded gradients, and one more pass (a one-token dummy, zero loss) reduce-scatters
+    # them after its last (DDP's no_sync): one gather and one reduce per unit and mini-batch instead of
+    # per pass, and passes that run no collective, at the cost of an unsharded copy of the parameters
+    # and of their gradients while the mini-batch runs. None:
     # False for a mini-batch when that copy and its largest pass fit every rank's free device memory
     # (the ranks agree before its first pass), True otherwise
     reduce_every_pass: bool | None = None
@@ -148,7 +149,7 @@ def units(model: nn.Module) -> list[FSDPModule]:
 
 def set_accumulating(model: nn.Module, on: bool, cfg: FSDPConfig) -> None:
     """Passes that follow keep the units gathered and their gradients unsharded (on) or reduce them
-    after backward and reshard as `cfg` says (off: the last pass of a mini-batch)."""
+    after backward and reshard as `cfg` says (off)."""
     model.set_requires_gradient_sync(not on)
     model.set_reshard_after_backward(not on)
     for u in units(model)[:-1]:  # (the root stays gathered through a pass either way)
