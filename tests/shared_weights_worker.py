@@ -1,6 +1,6 @@
 """One rank of the runtime weight-sharing test: the trainer sharded on the meta device, its FSDP2 shards
-adopted into the policy's tensors, one update, then what the policy (the engine's weights) holds before
-and after the rebuild."""
+adopted into the engine's tensors (the policy itself, or its tensor-parallel copy), one update, then what
+the engine's weights hold before and after the rebuild."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def worker(rank: int, world: int, init: str, tie: bool, want: dict) -> None:
         held: list[SharedWeights] = []
         actor = DataParallelActor(meta_copy(policy), RLConfig(lr=1e-2, micro_batch_prompts=1),
                                   init_device_mesh("cpu", (world,)),
-                                  adopt=lambda m: held.append(SharedWeights(m, policy, dist.group.WORLD)))
+                                  adopt=lambda m: held.append(SharedWeights(m, policy, policy, dist.group.WORLD)))
         shared = held[0]
         trainer = dict(actor.model.named_parameters())
         report = shared.report()
@@ -58,6 +58,67 @@ def worker(rank: int, world: int, init: str, tie: bool, want: dict) -> None:
             assert torch.equal(p, new[name]), name
             if name.startswith("visual."):
                 assert torch.equal(p, before[name]), name
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def tp_worker(rank: int, world: int, init: str, tp_size: int, tie: bool) -> None:
+    """The engine decodes a tensor-parallel copy over blocks of `tp_size` ranks and nothing holds the
+    policy whole after the build: shared shards alias the engine's storage (an update is visible to the
+    engine before any rebuild), the rest is rebuilt equal to the gathered truth's TP shards."""
+    from rollplex.parallel import shard_state_dict, tensor_parallel_copy
+    from rollplex.parallel.fsdp import local_tensor
+
+    init_group(rank, world, init)
+    try:
+        policy = tiny_model(tiny_cfg(tie))
+        cfg = policy.cfg
+        engine = tensor_parallel_copy(policy, None if tp_size == world else dist.new_subgroups(tp_size)[0])
+        tp = engine.model.tensor_parallel
+        held: list[SharedWeights] = []
+        actor = DataParallelActor(meta_copy(policy), RLConfig(lr=1e-2, micro_batch_prompts=1),
+                                  init_device_mesh("cpu", (world,)),
+                                  adopt=lambda m, whole=policy: held.append(SharedWeights(m, engine, whole,
+                                                                                          dist.group.WORLD)))
+        del policy  # the engine's copy and the trainer's shards are all that is left
+        shared = held[0]
+        trainer = dict(actor.model.named_parameters())
+        params = dict(engine.named_parameters())
+        before = {n: p.detach().clone() for n, p in params.items()}
+        # what the engine keeps whole (vision tower, norms) and the vocab shards (rows V/tp, lined up with
+        # FSDP's V/world at these sizes) are shared; a fused q/k/v or a row-parallel shard is not one window
+        assert {"visual.blocks.0.attn.qkv.weight", "model.norm.weight"} <= shared.shared
+        vocab, t = cfg.text.vocab_size, rank % tp_size  # this rank's FSDP rows inside its vocab shard's rows
+        lo, hi = rank * vocab // world, (rank + 1) * vocab // world
+        inside = t * vocab // tp_size <= lo < hi <= (t + 1) * vocab // tp_size
+        assert ("model.embed_tokens.weight" in shared.shared) == inside
+        # a row-parallel shard is a column window: never shared with FSDP's whole rows; a fused q/k/v shard
+        # [q_t; k_t; v_t] is not one window of a row chunk at TP = world (at TP 2 over 4 ranks, ranks 0 and
+        # 1's chunks are exactly q_0 and q_1, the heads of their shards: shared)
+        assert "model.layers.0.mlp.down_proj.weight" not in shared.shared
+        qkv = "model.layers.0.self_attn.qkv_proj.weight"
+        assert (qkv in shared.shared) == (tp_size < world and rank < 2), sorted(shared.shared)
+        for name in shared.shared:  # same storage, at the plan's offset
+            assert local_tensor(trainer[name]).untyped_storage().data_ptr() == params[name].untyped_storage().data_ptr()
+        report = shared.report()
+        assert report["separate_bytes"] > 0 and report["rebuilt_bytes"] > 0
+
+        batch, adv, ref = rollout_batch()
+        actor.update(batch, adv, ref, None)
+        new = {n: full_tensor(p.detach()) for n, p in trainer.items()}
+        want = shard_state_dict(new, cfg, tp.size, tp.rank)
+        for name in shared.shared:  # the update is in the engine's tensor already, no copy has run
+            plan = shared._plans[name, rank]
+            got = params[name].detach().reshape(plan.rollout.rows, -1)
+            lo = plan.share.train_offset // plan.train.width
+            rows = plan.train.rows
+            assert torch.equal(got[lo : lo + rows], local_tensor(trainer[name]).reshape(rows, -1)), name
+        moved = [n for n in params if n not in shared.shared and not torch.equal(want[n], before[n])]
+        assert moved and all(torch.equal(params[n], before[n]) for n in moved)  # not before the rebuild
+        shared.rebuild()
+        for name, p in params.items():  # the engine's shards of the gathered truth, bit for bit
+            assert torch.equal(p, want[name]), name
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -13,7 +13,8 @@ ROWS = shape_color.make_rows(5, seed=3)
 
 
 @pytest.mark.slow
-def test_data_parallel_checkpoint_resumes_the_same_run(tmp_path, tiny_dir):
+@pytest.mark.parametrize("rollout", ["data", "tensor"])  # per-rank engines, or one tensor-parallel engine
+def test_data_parallel_checkpoint_resumes_the_same_run(tmp_path, tiny_dir, rollout):
     cfg = RLConfig(n=4, max_new_tokens=6, lr=1e-4, kl_coef=0.05, micro_batch_prompts=2, temperature=1.0)
-    mp.spawn(checkpoint_worker, args=(2, f"file://{tmp_path}/store", tiny_dir, ROWS, cfg, str(tmp_path / "ck")),
-             nprocs=2, join=True)
+    mp.spawn(checkpoint_worker, args=(2, f"file://{tmp_path}/store", tiny_dir, ROWS, cfg, str(tmp_path / "ck"),
+                                      rollout), nprocs=2, join=True)

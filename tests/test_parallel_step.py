@@ -43,10 +43,16 @@ def test_data_parallel_step_equals_single_process(tmp_path, tiny_dir, world, rl,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rl", [dict(), dict(freeze_vision_tower=True), dict(cosched=True, ppo_mini_batches=2)])
-def test_tensor_parallel_rollout_step_equals_single_process(tmp_path, tiny_dir, rl):
+@pytest.mark.parametrize("rl,fsdp", [
+    (dict(), None),
     # frozen: every rank prefilled every prompt, so the engine's encodings stand in for both towers
-    _spawn(tmp_path, tiny_dir, 2, RLConfig(**{**BASE, **rl}), rollout="tensor")
+    (dict(freeze_vision_tower=True), None),
+    # no rank holds the policy whole: the old logprobs are scored data-parallel on the trainer's shards; a
+    # reference held whole is co-scheduled per rank beside the tensor-parallel decode
+    (dict(cosched=True, ppo_mini_batches=2), FSDPConfig(shard_reference=False)),
+])
+def test_tensor_parallel_rollout_step_equals_single_process(tmp_path, tiny_dir, rl, fsdp):
+    _spawn(tmp_path, tiny_dir, 2, RLConfig(**{**BASE, **rl}), rollout="tensor", fsdp=fsdp)
 
 
 @pytest.mark.slow

@@ -1,11 +1,12 @@
-"""The colocated trainer's FSDP2 shards live inside the policy's tensors (gloo, spawned ranks): an
-optimizer step is visible in the policy's rows with no copy, the rest is rebuilt equal to the gathered
-weights, and a padded FSDP2 chunk falls back to a separate shard that the rebuild copies."""
+"""The colocated trainer's FSDP2 shards live inside the engine's tensors (gloo, spawned ranks): an
+optimizer step is visible in the engine's weights with no copy, the rest is rebuilt equal to the
+gathered weights, and a padded FSDP2 chunk falls back to a separate shard that the rebuild copies.
+The engine decodes the policy itself, or its tensor-parallel copy (then nothing holds the policy whole)."""
 
 import pytest
 import torch.multiprocessing as mp
 from parallel_helpers import tiny_cfg
-from shared_weights_worker import worker
+from shared_weights_worker import tp_worker, worker
 
 from rollplex.models import Qwen25VL
 
@@ -41,3 +42,13 @@ def test_trainer_shards_live_in_the_policy(tmp_path, world, tie):
     if world == 3:
         assert want["shared"][0] and want["separate"][2] > 0  # both kinds occur
     mp.spawn(worker, args=(world, f"file://{tmp_path}/store", tie, want), nprocs=world, join=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,tp,tie", [
+    (2, 2, False),  # one engine over both ranks
+    (4, 4, True),  # tied embeddings; KV heads replicated over the TP ranks (2 of them, TP 4)
+    (4, 2, False),  # two rollout groups of 2 ranks
+])
+def test_trainer_shards_live_in_the_tensor_parallel_engine(tmp_path, world, tp, tie):
+    mp.spawn(tp_worker, args=(world, f"file://{tmp_path}/store", tp, tie), nprocs=world, join=True)

@@ -2,13 +2,15 @@
 
 `rl.step.RLStep(..., group=...)` builds one of these when it runs under torch.distributed. Per rank:
 
-    policy      `model`, the full weights, as on one process: what the engine decodes (per-rank
-                rollout), what `RLStep.model` shows, what checkpoints and comparisons read
+    policy      what the engine decodes (`RLStep.model`): the full weights, as on one process
+                (per-rank rollout), or this rank's tensor-parallel shard of them (a TP engine: the
+                whole policy the step was built from is not kept, so it is freed once the caller
+                drops it; the whole weights are then gathered from the trainer, `full_state`)
     trainer     the policy sharded by FSDP2 over the group (`DataParallelActor`: the single-process
-                `Actor` loop over the `DataParallel` placement), its shards windows of the policy's
-                own tensors where the sharing plan allows (`shared_weights`): an update writes this
-                rank's rows of the policy in place, and `sync_weights` rebuilds only the rows other
-                ranks own (and the tensor-parallel engine's shards, cut from the policy locally)
+                `Actor` loop over the `DataParallel` placement), its shards windows of the engine's
+                tensors where the sharing plan allows (`shared_weights`): an update writes those
+                elements of the engine's weights in place, and `sync_weights` rebuilds only the rest
+                (by local copies, and P2P for what other ranks' shards hold)
     reference   the frozen reference, sharded by FSDP2 the same way; each rank scores its share of
                 the prompt groups and the logprobs are summed to every rank (`rl.scoring.score`).
                 `FSDPConfig(shard_reference=False)` keeps it whole on every rank instead
@@ -30,13 +32,14 @@ engine over the whole group prefilled every prompt on every rank, and one rank a
 a rollout over several groups drops them at the gather (the scoring and training shares are dealt by cost after the
 rollout, not by who prefilled what), so the reference and the trainer run the frozen tower instead.
 
-The co-scheduler is per rank too (`cosched`): beside its decode, each rank computes the prefixes of
-the old policy (several updates per rollout) for its share of the prompts on the policy it holds
-whole, so the prefix work needs no collective and no other rank's pace; the rank then scores the old
-logprobs of that share itself (`share_logprobs`) and the shares are summed. A reference held whole
-on every rank is co-scheduled and scored the same way; a sharded one is not co-scheduled (its FSDP2
-collectives would have to run in step across every rank's decode loop): it runs data-parallel in its
-phase.
+The co-scheduler is per rank too (`cosched`): beside its decode, a rank with a per-rank engine
+computes the prefixes of the old policy (several updates per rollout) for its share of the prompts on
+the policy it holds whole, so the prefix work needs no collective and no other rank's pace; the rank
+then scores the old logprobs of that share itself (`share_logprobs`) and the shares are summed. A
+reference held whole on every rank is co-scheduled and scored the same way, under a TP engine too.
+A sharded model — the reference by default, the old policy under a TP engine (which holds only
+shards of it) — is not co-scheduled (its collectives would have to run in step across every rank's
+decode loop): it is scored data-parallel over the trainer's placement in its phase.
 
 The memory manager is per rank: each rank's engine, optimizer state, gradient buffers and reference
 shards live in its own regions (local shards, not whole tensors), and `RLStep`'s phases, the
@@ -55,9 +58,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..models import Qwen25VL
 from ..rl.config import RLConfig
 from .data_parallel import DataParallelActor, check_passes
-from .fsdp import FSDPConfig, apply_fsdp, local_tensor
+from .fsdp import FSDPConfig, apply_fsdp, full_tensor, local_tensor
 from .shared_weights import SharedWeights, meta_copy
-from .tp import shard_state_dict
 
 
 class Colocated:
@@ -82,16 +84,18 @@ class Colocated:
         # rollout groups: one engine each (a rank alone, or a tensor-parallel block of tp_size ranks)
         self.groups, self.rollout_group = self.world // self.tp_size, self.rank // self.tp_size
         self.engine = engine
+        # what the engine decodes, and RLStep.model: the policy itself or this rank's tensor-parallel copy
+        self.policy = engine.model if self.rollout == "tensor" else model
         self.weights: SharedWeights | None = None  # set when the trainer is built
 
     # ---- models -------------------------------------------------------------------------------
     def actor(self, model: Qwen25VL, cfg: RLConfig, memory, optimizer_offload: str) -> DataParallelActor:
-        """The trainer: the policy's structure sharded on the meta device, its shards then adopted into
-        the policy's tensors (`SharedWeights`): no second copy of the weights is allocated."""
+        """The trainer: the structure of `model` (the whole policy) sharded on the meta device, its shards
+        then adopted into the engine's tensors where the plan shares them and cut from `model` otherwise
+        (`SharedWeights`): no transient copy of the whole weights is allocated."""
         def adopt(sharded):
-            self.weights = SharedWeights(sharded, model, self.group, share=self.fsdp.share_policy_storage)
-
-        self._policy_params = list(model.parameters())
+            self.weights = SharedWeights(sharded, self.policy, model, self.group,
+                                         share=self.fsdp.share_policy_storage)
 
         return DataParallelActor(meta_copy(model), cfg, self.mesh, self.fsdp, memory, optimizer_offload, adopt=adopt)
 
@@ -115,7 +119,7 @@ class Colocated:
 
     def share(self, num_prompts: int) -> list[int]:
         """This rank's part of its rollout group's prompts (all of them with a per-rank engine): the
-        prompts whose old-policy logprobs it scores (`old_logprobs`) and whose prefixes its
+        prompts a model it holds whole scores here (`share_logprobs`) and whose prefixes its
         co-scheduler computes beside its decode — prompts its own engine prefilled."""
         return self.group_prompts(num_prompts)[self.tp_rank :: self.tp_size]
 
@@ -153,39 +157,39 @@ class Colocated:
         return [got[i] for i in range(len(prompts))]
 
     # ---- weights ------------------------------------------------------------------------------
+    @property
+    def holds_policy(self) -> bool:
+        """Whether this rank holds the policy whole (a per-rank engine decodes it)."""
+        return self.rollout == "data"
+
     @torch.no_grad()
-    def sync_weights(self, trainer: nn.Module, policy: nn.Module) -> None:
-        """After an update: the policy's rows other ranks' shards hold (this rank's are the trainer's
-        shards themselves), then the tensor-parallel engine's shards of every trained parameter, cut
-        from the policy locally. The engine's tensors and CUDA graphs stay valid."""
+    def sync_weights(self) -> None:
+        """After an update: the engine's elements that are not windows of this rank's trainer shards,
+        rebuilt from the shards that hold them. The engine's tensors and CUDA graphs stay valid."""
         self.weights.rebuild()
-        if self.rollout != "tensor":
-            return
-        tp_model = self.engine.model
-        tp_params = dict(tp_model.named_parameters())
-        tp = tp_model.model.tensor_parallel
-        trained = {n for n, p in trainer.named_parameters() if p.requires_grad}
-        for name, p in policy.named_parameters():
-            # a parameter the shard keeps whole, or a vocab shard, is (a view of) the policy's tensor
-            if name in trained and tp_params[name].untyped_storage().data_ptr() != p.untyped_storage().data_ptr():
-                tp_params[name].copy_(shard_state_dict({name: p.detach()}, self.model_cfg, tp.size, tp.rank)[name])
+
+    def full_state(self, trainer: nn.Module, keep: bool = True) -> dict[str, torch.Tensor] | None:
+        """{name: whole parameter} of the policy, gathered from the trainer's shards (a collective:
+        every rank calls it; only where `keep`, each tensor on the host)."""
+        out = {}
+        for name, p in trainer.named_parameters():
+            whole = full_tensor(p.detach())
+            if keep:
+                out[name] = whole.cpu()
+            del whole
+        return out if keep else None
 
     def weight_metrics(self) -> dict[str, float]:
-        """This rank's trainer shards shared with the policy, kept apart, and rebuilt after each update."""
+        """This rank's trainer shards shared with the engine's tensors, kept apart, and rebuilt after each
+        update."""
         r = self.weights.report()
         return {"perf/weights_shared_gib": r["shared_bytes"] / 2**30,
                 "perf/weights_separate_gib": r["separate_bytes"] / 2**30,
                 "perf/weights_rebuilt_gib": r["rebuilt_bytes"] / 2**30}
 
     def weight_bytes(self) -> int:
-        """Bytes the trainer's shards and the tensor-parallel engine's add to the policy's on this rank
-        (those not stored in the policy's tensors)."""
-        extra = self.weights.report()["separate_bytes"]
-        if self.rollout == "tensor":
-            own = {p.untyped_storage().data_ptr() for p in self._policy_params}
-            extra += sum(p.numel() * p.element_size() for p in self.engine.model.parameters()
-                         if p.untyped_storage().data_ptr() not in own)
-        return extra
+        """Bytes the trainer's shards add to the engine's weights on this rank (those not stored in them)."""
+        return self.weights.report()["separate_bytes"]
 
 
 def _consecutive_block(tp, group: dist.ProcessGroup, rank: int) -> bool:

@@ -1,25 +1,31 @@
-"""The trainer's FSDP2 shards inside the policy's weights: the sharing plan applied at run time.
+"""The trainer's FSDP2 shards inside the rollout engine's weights: the sharing plan applied at run time.
 
-A colocated rank holds the policy whole (the weights its engine decodes, and the source its
-tensor-parallel engine's shards are cut from) and the trainer's FSDP2 shard of every parameter. The
-plan of `rollplex.weights` for training layout FSDP(W) and rollout layout TP 1 finds that a rank's
-shard is a window of the whole tensor (dim-0 rows [r*c, (r+1)*c)): the trainer adopts that window as
-its shard's storage (`SharedWeights.adopt`, before the optimizer reads the shards), so the shard
-costs no memory of its own and every optimizer step writes the policy's rows in place — the engine
-decodes them with no copy. `rebuild`, after each optimizer step, fills only the rows the other ranks
-own, by the plan's copies (batched P2P per bucket of parameters); at world size 1 there is nothing
-to rebuild.
+A colocated rank holds the weights its engine decodes — the policy whole (per-rank rollout), or its
+tensor-parallel shard of the policy (a TP engine over a block of consecutive ranks) — and the
+trainer's FSDP2 shard of every parameter. `rollplex.weights` plans training layout FSDP(W) against
+rollout layout TP(N) (N = 1 for a per-rank engine; rollout slot g * N + t is rank g * N + t, the
+consecutive blocks the engines run on): where the rank's training shard lies inside its rollout
+tensor at a fixed offset, the trainer adopts that window as its shard's storage (`_adopt`, before the
+optimizer reads the shards), so the shard costs no memory of its own and every optimizer step writes
+the engine's weights in place — the engine decodes them with no copy. That is every parameter of a
+per-rank engine; under TP, the parameters the engine keeps whole (vision tower, norms) and the
+vocab-parallel shards (embedding, LM head) whose rows line up with FSDP's. `rebuild`, after each
+optimizer step, fills everything else of the rollout tensors by the plan's copies (local block copies
+first, batched P2P per bucket of parameters for what other ranks hold); at world size 1 there is
+nothing to rebuild.
 
-A share is realised only where the plan's buffer is the policy's tensor as it already is: the engine's
+A share is realised only where the plan's buffer is the engine's tensor as it already is: the engine's
 tensors and CUDA graphs keep their addresses. A rank whose FSDP2 chunk is padded (dim 0 not a
-multiple of the world size) keeps a separate shard, as does every parameter when the trainer's dtype
-differs from the policy's; `rebuild` copies those whole (the rank's own rows by a local copy).
+multiple of the world size), or a training shard that is not one window of the rollout tensor
+(column-parallel fused q/k/v and gate/up against FSDP's row chunks, row-parallel o/down), keeps a
+separate shard, as does every parameter when the trainer's dtype differs from the engine's.
 Parameters that do not train (a frozen vision tower) are never rebuilt: nothing changes them.
 
 The trainer is built on the meta device (`meta_copy`) and sharded there, so no transient second full
-copy of the model is ever allocated; `adopt` then gives every FSDP2 parameter its real local tensor
-(the policy's window, or a copy of the rank's chunk) through `FSDPParam.reset_sharded_param`, the
-path `load_state_dict(assign=True)` takes.
+copy of the model is ever allocated; `_adopt` then gives every FSDP2 parameter its real local tensor
+(the engine's window, or its chunk cut from the whole policy the step was built from) through
+`FSDPParam.reset_sharded_param`, the path `load_state_dict(assign=True)` takes. Nothing here keeps a
+reference to that whole policy: under a TP engine it is freed once the caller drops it.
 """
 
 from __future__ import annotations
@@ -69,67 +75,76 @@ class _Plan:
 
 
 class SharedWeights:
-    """This rank's trainer shards adopted into the policy's tensors, and their rebuild (module doc)."""
+    """This rank's trainer shards adopted into the engine's tensors, and their rebuild (module doc)."""
 
-    def __init__(self, trainer: nn.Module, policy: nn.Module, group: dist.ProcessGroup,
+    def __init__(self, trainer: nn.Module, rollout: nn.Module, source: nn.Module, group: dist.ProcessGroup,
                  bucket_bytes: int = BUCKET_BYTES, share: bool = True):
+        """rollout: the model the engine decodes (the policy itself, or this rank's tensor-parallel copy
+        of it); source: the whole policy, read once for the shards that are not windows of `rollout`."""
         self.group, self.rank, self.world = group, dist.get_rank(group), dist.get_world_size(group)
-        policy_params = dict(policy.named_parameters())
+        rollout_params = dict(rollout.named_parameters())
+        source_params = dict(source.named_parameters())
         fps = fsdp_params(trainer)
-        if set(fps) != set(policy_params):
+        if set(fps) != set(rollout_params) or set(fps) != set(source_params):
             raise ValueError("the trainer's FSDP parameters are not the policy's")
+        tp = getattr(rollout.model, "tensor_parallel", None)
+        self.tp = 1 if tp is None else tp.size
         trainer_dtype = next(iter(fps.values())).sharded_param.dtype
-        same_dtype = all(p.dtype == trainer_dtype for p in policy_params.values())
-        specs = model_specs(policy.cfg, [(n, tuple(p.shape)) for n, p in policy_params.items()])
-        self.plan = plan(specs, TrainLayout(fsdp=self.world), RolloutLayout(tp=1), share=share and same_dtype,
+        same_dtype = all(p.dtype == trainer_dtype for p in rollout_params.values())
+        specs = model_specs(source.cfg, [(n, tuple(p.shape)) for n, p in source_params.items()])
+        self.plan = plan(specs, TrainLayout(fsdp=self.world), RolloutLayout(tp=self.tp), share=share and same_dtype,
                          mapping=Mapping("identity", tuple(range(self.world)), None))
-        self.rollout: dict[str, torch.Tensor] = {}  # the policy's tensor as [rows, width]
+        self.rollout: dict[str, torch.Tensor] = {}  # the engine's tensor as [rows, width] of its region
         self.train: dict[str, torch.Tensor] = {}  # the FSDP2 shard's padded storage as [rows + pad, width]
-        self.shared: set[str] = set()  # names whose shard is a window of the policy's tensor here
+        self.shared: set[str] = set()  # names whose shard is a window of the engine's tensor here
         plans = {}
         for spec in specs:
             for r in range(self.world):
                 p = self.plan.param(spec.name, r)
-                if not self._in_place(p, policy_params[spec.name]):
+                # whether another rank realised its share is decided the same way on every rank: the
+                # engines' tensors are laid out alike, so its own tensor stands for theirs
+                if not self._in_place(p, rollout_params[spec.name]):
                     p = plan_param(p.rollout, p.train, [(q, self.plan.param(spec.name, q).train)
                                                         for q in _order(r, self.world)], share=False)
                 plans[spec.name, r] = p
         self._plans = plans
         with torch.no_grad():
             for spec in specs:
-                self._adopt(spec.name, fps[spec.name], policy_params[spec.name], plans[spec.name, self.rank])
+                self._adopt(spec.name, fps[spec.name], rollout_params[spec.name], source_params[spec.name],
+                            plans[spec.name, self.rank])
         trainable = [s for s in specs if fps[s.name].sharded_param.requires_grad]
         self.buckets: list[_Plan] = []
         cur, size = [], 0
         for s in trainable:
             cur.append(s)
-            size += policy_params[s.name].numel() * policy_params[s.name].element_size()
+            size += self.rollout[s.name].numel() * self.rollout[s.name].element_size()
             if size >= bucket_bytes:
                 self.buckets.append(_Plan(tuple(cur), self.world, plans))
                 cur, size = [], 0
         if cur:
             self.buckets.append(_Plan(tuple(cur), self.world, plans))
-        self.rebuilt_bytes = sum(c.numel * policy_params[s.name].element_size()
+        self.rebuilt_bytes = sum(c.numel * self.rollout[s.name].element_size()
                                  for s in trainable for c in plans[s.name, self.rank].copies)
 
     @staticmethod
-    def _in_place(p: ParamPlan, full: torch.Tensor) -> bool:
-        """The plan's shared buffer is the policy's tensor itself, with no padding to store."""
+    def _in_place(p: ParamPlan, rollout: torch.Tensor) -> bool:
+        """The plan's shared buffer is the engine's tensor itself, with no padding to store."""
         sh = p.share
-        return (sh is not None and p.train.pad == 0 and sh.rollout_offset == 0 and sh.buffer_numel == full.numel()
-                and full.is_contiguous())
+        return (sh is not None and p.train.pad == 0 and sh.rollout_offset == 0
+                and sh.buffer_numel == rollout.numel() and rollout.is_contiguous())
 
-    def _adopt(self, name: str, fp, full: torch.Tensor, p: ParamPlan) -> None:
-        t = p.train
+    def _adopt(self, name: str, fp, rollout: torch.Tensor, source: torch.Tensor, p: ParamPlan) -> None:
+        t, s = p.train, p.rollout
         padded = tuple(fp.padded_sharded_param_size)
         assert padded[0] == t.rows + t.pad and math.prod(padded[1:]) == t.width, (name, padded, t)
-        full = full.detach()
-        self.rollout[name] = full.view(full.shape[0], -1)
+        assert rollout.numel() == s.numel, (name, tuple(rollout.shape), s)
+        rollout = rollout.detach()
+        self.rollout[name] = rollout.view(s.rows, s.width)
         if p.share is not None:
             sh = p.share
-            local = full.view(-1)[sh.train_offset : sh.train_offset + sh.train_numel].view(padded)
+            local = rollout.view(-1)[sh.train_offset : sh.train_offset + sh.train_numel].view(padded)
         else:
-            local = cut(full, t).to(fp.sharded_param.dtype).view(padded)[: t.rows]
+            local = cut(source.detach(), t).to(fp.sharded_param.dtype).view(padded)[: t.rows]
         param = nn.Parameter(fp.to_sharded_dtensor(local), requires_grad=fp.sharded_param.requires_grad)
         mi = fp._module_info
         for mod, attr in [(mi.module, mi.param_name), *zip(mi.shared_modules, mi.shared_param_names)]:
@@ -144,7 +159,7 @@ class SharedWeights:
     # ---- after each optimizer step --------------------------------------------------------------
     @torch.no_grad()
     def rebuild(self) -> None:
-        """Fill the policy's rows this rank's shard does not hold, from the ranks that hold them (every
+        """Fill the engine's elements this rank's shard does not hold, from the shards that hold them (every
         rank calls it; nothing moves at world size 1 with every share realised)."""
         for b in self.buckets:
             if any(b.param(s.name, r).copies for s in b.specs for r in range(self.world)):
@@ -152,17 +167,17 @@ class SharedWeights:
                         {s.name: self.rollout[s.name] for s in b.specs}, self.group)
 
     @torch.no_grad()
-    def pull(self) -> None:
-        """Copy the policy's values into the shards that are not windows of it (after the policy was
-        loaded from a checkpoint); the shared ones already read the policy."""
+    def pull(self, full: dict[str, torch.Tensor]) -> None:
+        """Copy whole tensors `full` ({name: tensor}, a loaded checkpoint) into the shards that are not
+        windows of the engine's tensors; the shared ones read the engine's, loaded beside them."""
         for name, t in self.train.items():
             if name not in self.shared:
                 p = self._plans[name, self.rank]
-                t[: p.train.rows].copy_(cut(self.rollout[name], p.train)[: p.train.rows])
+                t[: p.train.rows].copy_(cut(full[name].to(t.device), p.train)[: p.train.rows])
 
     def report(self) -> dict[str, float]:
-        """Bytes on this rank: trainer shards shared with the policy, kept separately, and rebuilt after
-        each optimizer step."""
+        """Bytes on this rank: trainer shards shared with the engine's tensors, kept separately, and
+        rebuilt after each optimizer step."""
         def nbytes(names):
             return sum(self.train[n].numel() * self.train[n].element_size() for n in names)
 

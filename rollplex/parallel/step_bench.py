@@ -107,8 +107,9 @@ def check(proc: Process, args) -> dict:
         grads = capture_grads(path.rl) if path.rl is not None else None
         metrics, tokens = path.step(prompts, params, seed=3, device=proc.device)
         if path.rl is not None:  # a disaggregated rollout rank trains nothing: rank 0 (a trainer) compares
+            # the policy's whole weights (gathered from the trainer's shards under a tensor-parallel engine)
             out[label] = dict(metrics=metrics, tokens=tokens.cpu(), grads=grads,
-                              weights={n: p.detach().cpu() for n, p in m.named_parameters()})
+                              weights={n: p.cpu() for n, p in path.rl.policy_state().items()})
         del path, m
         free_memory()
     a = out.pop("single")
@@ -181,7 +182,7 @@ def bench(proc: Process, args) -> list[dict]:
             if proc.rank == 0:
                 print(json.dumps({"bench": "dp_step", **rows[-1]}), flush=True)
         if rl is not None:  # (a disaggregated rollout rank holds shards in the wire dtype)
-            finals[label] = {n: p.detach().to("cpu", copy=True) for n, p in policy.named_parameters()}
+            finals[label] = {n: p.to("cpu", copy=True) for n, p in rl.policy_state().items()}
         del rl, path, policy
         free_memory()
     if "single" in finals:

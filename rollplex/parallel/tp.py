@@ -117,19 +117,12 @@ def _tp_post_attention(tp: TensorParallel):
 
 def tensor_parallel_copy(model: Qwen25VL, group: dist.ProcessGroup | None = None) -> Qwen25VL:
     """This rank's tensor-parallel shard of `model` as a new model beside it. Every parameter the shard
-    keeps whole (the vision tower, the norms) is `model`'s own tensor, and a vocab-parallel shard (the
-    embedding, an untied LM head: a run of whole rows) is a view of `model`'s tensor: stored once, kept
-    current by whatever updates `model`, never copied by a weight sync. The other shards (q/k/v,
-    gate/up, o, down) are new tensors."""
+    keeps whole (the vision tower, the norms) is `model`'s own tensor: stored once, kept current by
+    whatever updates `model`. The text shards (q/k/v, o, gate/up, down, the vocab shards of the
+    embedding and LM head) are new tensors that own their storage, so the whole text decoder is freed
+    once the caller drops `model` (the data-parallel RL step keeps no reference to it)."""
     tp_model = copy.deepcopy(model, {id(p): p for p in model.parameters()})
-    tp = apply_tensor_parallel(tp_model, group)
-    full = dict(model.named_parameters())
-    rows = model.cfg.text.vocab_size // tp.size
-    with torch.no_grad():
-        for name, p in tp_model.named_parameters():
-            spec = full.get(name)
-            if spec is not None and p is not spec and name in ("model.embed_tokens.weight", "lm_head.weight"):
-                p.data = spec.detach()[tp.rank * rows : (tp.rank + 1) * rows]
+    apply_tensor_parallel(tp_model, group)
     return tp_model
 
 

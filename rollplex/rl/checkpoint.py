@@ -5,11 +5,12 @@ native engine, which reads the same tensors, keeps decoding with the restored po
 with its own copy of the policy (SGLang) gets the restored weights copied in.
 
 A data-parallel step (under a process group; every rank calls save / load together) writes the same HF
-directories from rank 0 (the policy is whole on every rank; the reference's shards are gathered), and
+directories from rank 0 (the policy whole as a per-rank engine holds it, or gathered from the trainer's
+shards under a tensor-parallel engine; the reference gathered from its shards), and
 per rank `trainer_state.rank{r}-of-{W}.pt`: that rank's optimizer shards (fp32 masters and moments,
 which restore the trainer's shards), its reference shards, the scheduler, step counter and its RNG
 states, as verl writes one file per rank. It loads into a group of the same size and layout; loading
-copies the trainer's restored weights into the policy and the rollout engine (`sync_weights`).
+rebuilds the engine's weights from the trainer's restored shards (`sync_weights`).
 """
 
 from __future__ import annotations
@@ -82,16 +83,18 @@ def _save(step: RLStep, path: Path, data_state: dict | None, tokenizer_dir) -> P
     par = step.parallel
     writer = par is None or par.rank == 0
     ref_state = _full_state(step.ref, writer) if step.ref is not None else None  # every rank gathers shards
+    # the policy: whole on this rank, or (a tensor-parallel engine's shards) gathered from the trainer's
+    policy_state = None if par is None or par.holds_policy else _full_state(step.actor.model, writer)
     err = None
-    if writer:  # the HF directories: the policy is whole on every rank
+    if writer:  # the HF directories
         try:
-            save_model(step.model, path, copy_tokenizer_from=tokenizer_dir)
+            save_model(step.model, path, copy_tokenizer_from=tokenizer_dir, state=policy_state)
             if step.ref is not None:
                 save_model(step.ref, path / "ref", state=ref_state)
             (path / "rollplex_step.json").write_text(json.dumps({"global_step": step.step_idx}) + "\n")
         except OSError as e:
             err = e
-    del ref_state
+    del ref_state, policy_state
     _agree(step, err)
     state = {
         "actor": step.actor.state_dict(),
@@ -117,8 +120,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _load_into(model, path: Path) -> None:
-    state = hf_to_rollplex(read_safetensors(path), model.cfg)
+def _load_into(model, path: Path) -> dict[str, torch.Tensor]:
+    """Copy the HF directory's weights into `model` (a tensor-parallel model: its shards of them);
+    returns the whole tensors read."""
+    full = state = hf_to_rollplex(read_safetensors(path), model.cfg)
+    tp = getattr(model.model, "tensor_parallel", None)
+    if tp is not None:
+        from ..parallel.tp import shard_state_dict
+
+        own_names = set(model.state_dict())
+        state = shard_state_dict({k: v for k, v in state.items() if k in own_names}, model.cfg, tp.size, tp.rank)
     with torch.no_grad():
         own = model.state_dict()
         missing = set(own) - set(state)
@@ -129,6 +140,7 @@ def _load_into(model, path: Path) -> None:
             raise ValueError(f"checkpoint {path} has other shapes for {wrong[:3]}")
         for k, v in own.items():
             v.copy_(state[k])
+    return full
 
 
 def load_checkpoint(step: RLStep, path: str | Path) -> dict:
@@ -153,9 +165,10 @@ def load_checkpoint(step: RLStep, path: str | Path) -> dict:
 
 def _load(step: RLStep, path: Path, state: dict) -> dict:
     par = step.parallel
-    _load_into(step.model, path)
-    if par is not None:  # the trainer's shards that are not windows of the policy read it too
-        par.weights.pull()
+    full = _load_into(step.model, path)
+    if par is not None:  # the trainer's shards that are not windows of the engine's tensors read it too
+        par.weights.pull(full)
+    del full
     if step.ref is not None:
         if not (path / "ref").exists():
             raise ValueError(f"{path} has no reference policy but this run uses one")
@@ -166,8 +179,8 @@ def _load(step: RLStep, path: Path, state: dict) -> dict:
                 for k, v in step.ref.state_dict().items():
                     _local(v).copy_(state["ref_shards"][k])
     step.actor.load_state_dict(state["actor"])  # its masters restore the trainer's weights (shards)
-    if par is not None:  # the policy and the engine's shards from the restored trainer, as after an update
-        par.sync_weights(step.actor.model, step.model)
+    if par is not None:  # the engine's weights from the restored trainer, as after an update
+        par.sync_weights()
     if step.backend is not None:
         step.backend.update_weights()
     step.step_idx = state["step_idx"]

@@ -26,9 +26,11 @@ Under torch.distributed (`group`: a process group, or by default the default gro
 more ranks is initialised) the step is data-parallel (rollplex.parallel.colocated): every rank calls it with the
 same rows, rolls out its share of the prompts (or all of them with a tensor-parallel engine), scores
 and trains its share of the prompt groups with FSDP2-sharded reference and trainer, and ends with the
-same metrics and weights as one process; the trainer's shards are windows of `model`'s own tensors,
-so an update writes this rank's rows in place and only the rows other ranks own are copied in after
-it (and the tensor-parallel engine's shards). Data-parallel runs need the native backend.
+same metrics and weights as one process; the trainer's shards are windows of the engine's own tensors
+where the sharing plan allows, so an update writes those in place and only the rest is rebuilt after
+it. With a tensor-parallel engine `RLStep.model` is this rank's shard of the policy (the engine's
+model): the step keeps no reference to the whole `model` it was built from, and `policy_state()`
+gathers the whole weights. Data-parallel runs need the native backend.
 """
 
 from __future__ import annotations
@@ -89,7 +91,9 @@ class RLStep:
         "auto" (default): the default group when torch.distributed is initialised with more than one rank;
         None: this process alone. Data-parallel, `model`
         holds the full weights on every rank and the engine decodes it, or this rank's tensor-parallel
-        shard of it over the same group. fsdp: the trainer's and reference's `parallel.FSDPConfig`."""
+        shard of it (`parallel.tensor_parallel_copy`) over the group or a block of consecutive ranks of it;
+        then `self.model` is that shard, and `model` is read only here (drop it to free the whole
+        weights). fsdp: the trainer's and reference's `parallel.FSDPConfig`."""
         if group == "auto":  # a group of one has nothing to split: the single-process step, without FSDP's copies
             group = (dist.group.WORLD if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
                      else None)
@@ -113,6 +117,7 @@ class RLStep:
             from ..parallel.colocated import Colocated
 
             self.parallel = Colocated(group, model, self.engine, cfg, fsdp)
+            self.model = self.parallel.policy  # what the engine decodes: the policy or its TP shard
         if cfg.freeze_vision_tower:  # before the optimizer is built: the vision tower has no trainable state
             model.visual.requires_grad_(False)
         self.reward_fn = reward_fn if callable(reward_fn) else get_reward_fn(reward_fn)
@@ -178,8 +183,8 @@ class RLStep:
         def local(t):
             return t.to_local() if isinstance(t, DTensor) else t
 
-        # a data-parallel rank holds its shards of the reference besides the full policy, and the
-        # trainer's shards that are not windows of the policy's tensors
+        # a data-parallel rank holds what its engine decodes (the full policy or its TP shard), its
+        # shards of the reference, and the trainer's shards that are not windows of the engine's tensors
         trainer = [local(p.detach()) for p in self.actor.model.parameters()]
         params = [t for t, p in zip(trainer, self.actor.model.parameters()) if p.requires_grad]
         ref = [local(p.detach()) for p in self.ref.parameters()] if self.ref is not None else []
@@ -280,7 +285,7 @@ class RLStep:
             return out
         per_job = self.cosched.config.job_prompts
         # under a group, each rank its share of the prompts (those its engine prefilled), on models it
-        # holds whole: the policy, and the reference unless it is sharded
+        # holds whole: the policy with a per-rank engine, the reference unless it is sharded
         only = self.parallel.share(len(prompts)) if self.parallel is not None else None
         whole_ref = self.parallel is None or not self.parallel.fsdp.shard_reference
         if whole_ref and self.ref is not None and cfg.kl_coef > 0 and (
@@ -289,7 +294,7 @@ class RLStep:
             shared = frozen and self._ref_same_vision
             ref_prompts = prompts if shared or not frozen else [replace(p, vision_embeds=None) for p in prompts]
             out["ref"] = PrefixRows.plan(self.ref, ref_prompts, per_job, "ref", external_vision=shared, only=only)
-        if cfg.num_updates > 1:
+        if cfg.num_updates > 1 and (self.parallel is None or self.parallel.holds_policy):
             out["old"] = PrefixRows.plan(self.model, prompts, per_job, "old", external_vision=frozen, only=only)
         return out
 
@@ -337,17 +342,17 @@ class RLStep:
         if old is None:
             with _timer(m, "old_log_prob", self.device, tl), self._phase("ref"):
                 self._complete_handover(batch, "old", m)
-                if self.parallel is not None and cfg.num_updates > 1:  # each rank its share, on the policy
-                    old = self.parallel.share_logprobs(self.model, batch, cfg, "old")
+                if self.parallel is not None and cfg.num_updates > 1 and self.parallel.holds_policy:
+                    old = self.parallel.share_logprobs(self.model, batch, cfg, "old")  # each rank its share
                 else:
                     old = self.actor.old_logprobs(batch, cfg)
         batch.prefix = {}  # the prefix states are consumed: free them before the update
         with _timer(m, "update_actor", self.device, tl), self._phase("update"):
             stats, first_lp = self.actor.update(batch, adv, ref_lp if cfg.use_kl_loss else None, old, self.step_idx,
                                                 cfg)
-        if self.parallel is not None:  # the trainer's new weights into the policy the engine decodes
+        if self.parallel is not None:  # the trainer's new weights into what the engine decodes
             with _timer(m, "sync_weights", self.device, tl):
-                self.parallel.sync_weights(self.actor.model, self.model)
+                self.parallel.sync_weights()
             m.update(self.parallel.weight_metrics())
             m.update(self.actor.placement.take_metrics())
         m.update(stats)
@@ -371,6 +376,14 @@ class RLStep:
         })
         self.step_idx += 1
         return m
+
+    def policy_state(self, keep: bool = True) -> dict[str, torch.Tensor] | None:
+        """{name: whole parameter} of the policy. Under a group whose engine holds tensor-parallel
+        shards they are gathered from the trainer's shards: a collective every rank calls, the result
+        (on the host) kept where `keep`. Otherwise the policy's own tensors (detached)."""
+        if self.parallel is None or self.parallel.holds_policy:
+            return {n: p.detach() for n, p in self.model.named_parameters()} if keep else None
+        return self.parallel.full_state(self.actor.model, keep)
 
     def _complete_handover(self, batch: RolloutBatch, key: str, m: dict) -> None:
         """Run the handed-over prefix work that was never admitted beside decode, standalone (its

@@ -17,6 +17,8 @@ commands on a gloo group of its own (`Commands`; `broadcast_object_list` of a tu
                                                                  rollout: every rank enters the step's
                                                                  collectives together and ends with the
                                                                  same weights and weights_version
+    ("checksum",)                                                `ServerState.checksum` under a tensor-parallel
+                                                                 group: every rank adds its shards' sums
     ("stop",)                                                    a barrier on every rank (none tears the
                                                                  groups down while another still reads),
                                                                  then the follower returns and exits 0
@@ -157,6 +159,9 @@ def follow(state, commands: Commands) -> None:
             groups = commands.world // state.cfg.engine.tensor_parallel
             log.info("rank %d: sampled %d of the rollout's %d prompts", commands.rank,
                      len(range(commands.rank // state.cfg.engine.tensor_parallel, len(inputs), groups)), len(inputs))
+            continue
+        if op == "checksum":  # the policy's fingerprint from every rank's shards (a tensor-parallel group)
+            state.checksum()
             continue
         if op in ("save", "load"):  # failures are agreed by every rank (rl/checkpoint.py): logged, not fatal
             try:

@@ -239,6 +239,9 @@ class ServerState:
                          memory_cfg=cfg.memory, fsdp=cfg.fsdp)
         log.info("startup: trainer in %.1fs (reference model: %s)", self._phase("trainer", t0),
                  "yes" if self.rl.ref is not None else "no")
+        # what the engine decodes: the policy, or this rank's tensor-parallel shard of it, in which case the
+        # whole policy loaded above is dropped here (the trainer's and the engine's shards replace it)
+        self.model = self.rl.model
         if self.memory is not None:
             log.info("memory (%s backend):\n%s", self.memory.backend.name,
                      self.memory.plan.table(self.rl.memory_sizes(), self.rl.activation_estimate()))
@@ -403,8 +406,22 @@ class ServerState:
                 "dropped_rollouts": dropped}
 
     def checksum(self) -> float:
+        """A fingerprint of the policy's weights: the sum of every element and of its square. Under a
+        tensor-parallel group no rank holds the whole policy: the trainer's shards partition it, so the
+        ranks' sums over them are added (a collective: rank 0 sends "checksum" to the followers)."""
+        par = self.rl.parallel
         with torch.no_grad():
-            return float(sum((p.double().sum() + p.double().square().sum()) for p in self.model.parameters()))
+            if par is None or par.holds_policy:
+                return float(sum((p.double().sum() + p.double().square().sum()) for p in self.model.parameters()))
+            if self.commands is not None:
+                self.commands.send("checksum")
+            from ..parallel.fsdp import local_tensor
+
+            shards = [local_tensor(p.detach()).double() for p in self.rl.actor.model.parameters()]
+            total = torch.tensor([float(sum(t.sum() + t.square().sum() for t in shards))], dtype=torch.float64,
+                                 device=self.rl.device)
+            dist.all_reduce(total, group=par.group)
+            return float(total)
 
     def ledger(self) -> dict:
         """Bytes per memory region (distinct storages), + torch.cuda allocator stats on GPU."""
