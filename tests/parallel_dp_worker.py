@@ -23,14 +23,21 @@ def worker(rank: int, world: int, init: str, rl: RLConfig, fsdp: FSDPConfig, tie
             actor.dp.fits = lambda mb, mode, extra=0: extra == 0
         accumulated = []  # per training mini-batch of several passes: reduced once after its last pass
         kept = []  # per scoring call of several passes: the units gathered once for all of them
+        hooked = [0]  # passes expected through FSDP2's hooks (module calls of a layer)
         passes = actor.dp.passes
 
         def recording(local, mode, plan):
             out = passes(local, mode, plan)
+            once = len(out) > 1 and (actor.dp._accumulate if torch.is_grad_enabled() else actor.dp._scoring_left > 0)
             if len(out) > 1:
-                (accumulated if torch.is_grad_enabled() else kept).append(
-                    actor.dp._accumulate if torch.is_grad_enabled() else actor.dp._scoring_left > 0)
+                (accumulated if torch.is_grad_enabled() else kept).append(once)
+            # with every unit gathered the passes skip the hooks; a reduce once per mini-batch runs one more
+            # pass through them (the dummy)
+            hooked[0] += (int(torch.is_grad_enabled()) if once else len(out))
             return out
+
+        module_calls = [0]
+        model.model.layers[0].register_forward_pre_hook(lambda *_: module_calls.__setitem__(0, module_calls[0] + 1))
 
         actor.dp.passes = recording
         grads = []
@@ -49,6 +56,7 @@ def worker(rank: int, world: int, init: str, rl: RLConfig, fsdp: FSDPConfig, tie
         assert accumulated and set(accumulated) == {fsdp.reduce_every_pass is not True and refuse_on is None}, \
             accumulated
         assert (len(kept) > 0) == (rl.num_updates > 1) and set(kept) <= {refuse_on is None}, kept
+        assert module_calls[0] == hooked[0], (module_calls, hooked)
         assert isinstance(model.model.layers[0].self_attn.qkv_proj.weight, torch.distributed.tensor.DTensor)
         for k, v in want["metrics"].items():
             assert abs(metrics[k] - v) <= 1e-5 * max(1.0, abs(v)), (k, metrics[k], v)

@@ -218,12 +218,15 @@ class DataParallel:
         return need <= free + cached
 
     def run(self, model: Qwen25VL, fn, *args):
+        direct = fsdp_mod.can_call_directly(self.fsdp)
         if self._scoring_left > 0 and not torch.is_grad_enabled():  # a scoring pass, units kept gathered
             if self._kept is None:
                 self._kept = model
                 fsdp_mod.keep_gathered(model, True, self.fsdp)
+                if direct:
+                    fsdp_mod.gather_all(model)
             self._scoring_left -= 1
-            out = sharded_call(model, fn, *args)
+            out = (fsdp_mod.direct_call if direct else sharded_call)(model, fn, *args)
             if self._scoring_left == 0:
                 self._release_kept()
             return out
@@ -240,6 +243,8 @@ class DataParallel:
                 self._open = True
                 fsdp_mod.gather_all(model)
                 self._began = True
+            if self._accumulate and direct:  # the units stay gathered: no hook has anything to do
+                return fsdp_mod.direct_call(model, fn, *args)
         return sharded_call(model, fn, *args)
 
     def defer_oom(self) -> bool:

@@ -103,8 +103,14 @@ def _route_through_modules(model: Qwen25VL) -> None:
         lyr.forward = functools.partial(layer_fn, i)
     for blk in vis.blocks:
         blk.forward = functools.partial(block_fn, blk)
-    text.layer = lambda i, *args: text.layers[i](*args)
-    vis.block = lambda blk, *args: blk(*args)
+    direct = _direct_flag(model)  # set: the module's own forward, past FSDP2's hooks (`direct_call`)
+    text.layer = lambda i, *args: (text.layers[i].forward if direct[0] else text.layers[i])(*args)
+    vis.block = lambda blk, *args: (blk.forward if direct[0] else blk)(*args)
+
+
+def _direct_flag(model: nn.Module) -> list[bool]:
+    """The model's one-element switch between module calls (FSDP2's hooks) and direct forwards."""
+    return vars(model).setdefault("_fsdp_direct", [False])
 
 
 def apply_fsdp(model: Qwen25VL, mesh: DeviceMesh, cfg: FSDPConfig | None = None) -> Qwen25VL:
@@ -244,6 +250,27 @@ def sharded_call(model: nn.Module, fn, *args):
     if isinstance(model, FSDPModule):
         return getattr(model, ROOT_METHOD)(fn, *args)
     return fn(*args)
+
+
+def can_call_directly(cfg: FSDPConfig) -> bool:
+    """Whether passes over gathered units may skip FSDP2's hooks (`direct_call`): not under a mixed
+    precision policy, whose hooks cast the inputs and keep the gradients in the reduce dtype."""
+    return cfg.param_dtype is None and cfg.reduce_dtype is None
+
+
+def direct_call(model: nn.Module, fn, *args):
+    """fn(*args) on the gathered parameters, past FSDP2's hooks: every unit must be gathered (`gather_all`)
+    and stay so until the passes end. The same math on the same tensors as through the hooks; their host
+    time per unit and pass (pre/post-forward, the autograd functions they insert, pre/post-backward) is
+    what keeps the device waiting at one rank. Autograd accumulates into the unsharded parameters'
+    `.grad`, which a later pass through the hooks with gradient sync on reduce-scatters (or scoring
+    needs none)."""
+    flag = _direct_flag(model)
+    flag[0] = True
+    try:
+        return fn(*args)
+    finally:
+        flag[0] = False
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
