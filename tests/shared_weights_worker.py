@@ -109,7 +109,7 @@ def tp_worker(rank: int, world: int, init: str, tp_size: int, tie: bool) -> None
         new = {n: full_tensor(p.detach()) for n, p in trainer.items()}
         want = shard_state_dict(new, cfg, tp.size, tp.rank)
         for name in shared.shared:  # the update is in the engine's tensor already, no copy has run
-            plan = shared._plans[name, rank]
+            plan = shared.plan.param(name, rank)
             got = params[name].detach().reshape(plan.rollout.rows, -1)
             lo = plan.share.train_offset // plan.train.width
             rows = plan.train.rows

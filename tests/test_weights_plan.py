@@ -190,9 +190,45 @@ def test_cli_prints_the_tables(capsys):
           "qwen2.5-vl-7b:8"])
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| FSDP 8 |")]
-    assert len(rows) == 3 + 2  # three sharing rows (TP 8: n/a, 28 heads), two footprint rows
+    assert len(rows) == 3 + 3 + 2  # three sharing rows (TP 8: n/a, 28 heads), three runtime, two footprint
     assert "n/a: model.layers.0.self_attn.qkv_proj.weight: 28 units" in rows[2]
+    # the runtime (identity mapping, window shares only): FSDP shard + what the TP-2 engine adds
+    assert "| FSDP 8 | 2 | 1.93 | 8.35 | 8.20 (9%) | 10.13 | 8.20 (7.93) |" in out
     assert "| TP 2 | 2 | 2 | t | 8.35 | 0.00 (100%) | 0.00 (0.00) | 0 |" in out
     main(["--explain", "qwen2.5-vl-7b,fsdp8,4"])
     out = capsys.readouterr().out
     assert "mapping gtt (optimal: True)" in out and "| model.layers.0.mlp.down_proj.weight (3584, 18944) | 28 |" in out
+
+
+def test_realised_plan_keeps_only_windows_of_the_rollout_tensor(tiny_specs):
+    """What the runtime runs: shares whose training shard is a window of the rollout tensor as an engine
+    allocates it stay; joint buffers and padded shards become copies, still an exact cover."""
+    from rollplex.weights import in_place, realised
+    from rollplex.weights.mapping import Mapping
+
+    for train, tp in [(TrainLayout(fsdp=2), 2), (TrainLayout(fsdp=4), 2), (TrainLayout(fsdp=6), 1),
+                      (TrainLayout(fsdp=4), 4)]:
+        full = plan(tiny_specs, train, RolloutLayout(tp), mapping=Mapping("identity", tuple(range(train.world)), None))
+        got = realised(full)
+        kept = dropped = 0
+        for s in tiny_specs:
+            for r in range(got.world):
+                q, before = got.param(s.name, r), full.param(s.name, r)
+                check_exact_cover(q, lambda k, s=s, p=got: p.train.region(s, k))
+                if before.share is not None and in_place(before):
+                    assert q == before
+                    kept += 1
+                else:
+                    assert q.share is None
+                    dropped += before.share is not None
+        assert kept > 0  # the norms and the (replicated) vision tower at least
+        if train.world == 6:  # 6 does not divide the tiny shapes: padded shards are never in place
+            assert dropped > 0
+    # one engine over the ranks, FSDP as wide: the vocab shards and whole tensors are windows, a fused
+    # q/k/v shard is not
+    got = realised(plan(tiny_specs, TrainLayout(fsdp=2), RolloutLayout(2),
+                        mapping=Mapping("identity", (0, 1), None)))
+    names = {s.name for s in tiny_specs}
+    qkv = next(n for n in names if n.endswith("layers.0.self_attn.qkv_proj.weight"))
+    assert all(got.param(qkv, r).share is None for r in range(2))
+    assert all(got.param("model.embed_tokens.weight", r).share is not None for r in range(2))

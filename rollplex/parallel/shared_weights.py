@@ -31,16 +31,15 @@ reference to that whole policy: under a TP engine it is freed once the caller dr
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..weights import ParamPlan, RolloutLayout, TrainLayout, model_specs, plan
+from ..weights import ModelPlan, ParamPlan, RolloutLayout, TrainLayout, model_specs, plan, realised
 from ..weights.mapping import Mapping
-from ..weights.share import plan_param
 from ..weights.storage import cut, rebuild
 from .fsdp import unit_params, units
 
@@ -61,19 +60,6 @@ def fsdp_params(model: nn.Module) -> dict[str, object]:
     return {n: by_id[id(p)] for n, p in model.named_parameters() if id(p) in by_id}
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """The duck type `weights.storage.rebuild` reads: the plan's specs of one bucket, with the
-    shares the runtime could not realise replaced by plans that copy everything."""
-
-    specs: tuple
-    world: int
-    plans: dict  # (name, rank) -> ParamPlan
-
-    def param(self, name: str, rank: int) -> ParamPlan:
-        return self.plans[name, rank]
-
-
 class SharedWeights:
     """This rank's trainer shards adopted into the engine's tensors, and their rebuild (module doc)."""
 
@@ -92,46 +78,31 @@ class SharedWeights:
         trainer_dtype = next(iter(fps.values())).sharded_param.dtype
         same_dtype = all(p.dtype == trainer_dtype for p in rollout_params.values())
         specs = model_specs(source.cfg, [(n, tuple(p.shape)) for n, p in source_params.items()])
-        self.plan = plan(specs, TrainLayout(fsdp=self.world), RolloutLayout(tp=self.tp), share=share and same_dtype,
-                         mapping=Mapping("identity", tuple(range(self.world)), None))
+        # only the shares that are windows of the engine's tensors as they are (`realised`); whether a
+        # rank realises its share is decided from the layouts alone, so every rank knows every rank's plan
+        self.plan = realised(plan(specs, TrainLayout(fsdp=self.world), RolloutLayout(tp=self.tp),
+                                  share=share and same_dtype, mapping=Mapping("identity", tuple(range(self.world)),
+                                                                              None)))
         self.rollout: dict[str, torch.Tensor] = {}  # the engine's tensor as [rows, width] of its region
         self.train: dict[str, torch.Tensor] = {}  # the FSDP2 shard's padded storage as [rows + pad, width]
         self.shared: set[str] = set()  # names whose shard is a window of the engine's tensor here
-        plans = {}
-        for spec in specs:
-            for r in range(self.world):
-                p = self.plan.param(spec.name, r)
-                # whether another rank realised its share is decided the same way on every rank: the
-                # engines' tensors are laid out alike, so its own tensor stands for theirs
-                if not self._in_place(p, rollout_params[spec.name]):
-                    p = plan_param(p.rollout, p.train, [(q, self.plan.param(spec.name, q).train)
-                                                        for q in _order(r, self.world)], share=False)
-                plans[spec.name, r] = p
-        self._plans = plans
         with torch.no_grad():
             for spec in specs:
                 self._adopt(spec.name, fps[spec.name], rollout_params[spec.name], source_params[spec.name],
-                            plans[spec.name, self.rank])
+                            self.plan.param(spec.name, self.rank))
         trainable = [s for s in specs if fps[s.name].sharded_param.requires_grad]
-        self.buckets: list[_Plan] = []
+        self.buckets: list[ModelPlan] = []  # the plan over buckets of parameters: one exchange each
         cur, size = [], 0
         for s in trainable:
             cur.append(s)
             size += self.rollout[s.name].numel() * self.rollout[s.name].element_size()
             if size >= bucket_bytes:
-                self.buckets.append(_Plan(tuple(cur), self.world, plans))
+                self.buckets.append(dataclasses.replace(self.plan, specs=tuple(cur)))
                 cur, size = [], 0
         if cur:
-            self.buckets.append(_Plan(tuple(cur), self.world, plans))
+            self.buckets.append(dataclasses.replace(self.plan, specs=tuple(cur)))
         self.rebuilt_bytes = sum(c.numel * self.rollout[s.name].element_size()
-                                 for s in trainable for c in plans[s.name, self.rank].copies)
-
-    @staticmethod
-    def _in_place(p: ParamPlan, rollout: torch.Tensor) -> bool:
-        """The plan's shared buffer is the engine's tensor itself, with no padding to store."""
-        sh = p.share
-        return (sh is not None and p.train.pad == 0 and sh.rollout_offset == 0
-                and sh.buffer_numel == rollout.numel() and rollout.is_contiguous())
+                                 for s in trainable for c in self.plan.param(s.name, self.rank).copies)
 
     def _adopt(self, name: str, fp, rollout: torch.Tensor, source: torch.Tensor, p: ParamPlan) -> None:
         t, s = p.train, p.rollout
@@ -140,7 +111,8 @@ class SharedWeights:
         assert rollout.numel() == s.numel, (name, tuple(rollout.shape), s)
         rollout = rollout.detach()
         self.rollout[name] = rollout.view(s.rows, s.width)
-        if p.share is not None:
+        if p.share is not None:  # a window of the engine's tensor (the plan kept only those)
+            assert rollout.is_contiguous(), name
             sh = p.share
             local = rollout.view(-1)[sh.train_offset : sh.train_offset + sh.train_numel].view(padded)
         else:
@@ -172,7 +144,7 @@ class SharedWeights:
         windows of the engine's tensors; the shared ones read the engine's, loaded beside them."""
         for name, t in self.train.items():
             if name not in self.shared:
-                p = self._plans[name, self.rank]
+                p = self.plan.param(name, self.rank)
                 t[: p.train.rows].copy_(cut(full[name].to(t.device), p.train)[: p.train.rows])
 
     def report(self) -> dict[str, float]:
@@ -183,8 +155,3 @@ class SharedWeights:
 
         return {"shared_bytes": nbytes(self.shared), "separate_bytes": nbytes(set(self.train) - self.shared),
                 "rebuilt_bytes": self.rebuilt_bytes}
-
-
-def _order(rank: int, world: int) -> list[int]:
-    """Sources of a rebuilt block, the rank's own shard first."""
-    return sorted(range(world), key=lambda q: (q != rank, abs(q - rank), q))

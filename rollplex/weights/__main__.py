@@ -1,8 +1,9 @@
 """`python -m rollplex.weights` (also `python -m rollplex.bench weights`): the weight-sharing tables.
 
 Plans every (model, training layout, rollout TP) cell on the models' real parameter shapes (CPU,
-no weights) and prints markdown: the sharing table per model, then the per-GPU footprint of the
-footprint model on its GPU count. `--explain MODEL,TRAIN,TP` prints one cell parameter by parameter.
+no weights) and prints markdown: the sharing table per model, what the colocated runtime realises
+of it (plain FSDP layouts), then the per-GPU footprint of the footprint model on its GPU count.
+`--explain MODEL,TRAIN,TP` prints one cell parameter by parameter.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from .layout import RolloutLayout
 from .planner import plan
 from .qwen import preset_specs
 from .report import Links
-from .tables import DEFAULT_TRAIN, footprint_table, make_cells, parse_train, sharing_table
+from .tables import DEFAULT_TRAIN, footprint_table, make_cells, parse_train, runtime_table, sharing_table
 
 
 def explain(model: str, train: str, tp: int, args) -> None:
@@ -69,6 +70,10 @@ def main(argv=None) -> None:
         cells = make_cells(model, preset_specs(model), trains, tps, args.vision_tp, links, args.gpus_per_node,
                            not args.no_shared_dtype)
         print(f"### {model}\n\n{sharing_table(cells)}\n")
+        runtime = runtime_table(preset_specs(model), trains, tps, links, args.gpus_per_node)
+        if runtime.count("\n") > 1:
+            print(f"### {model} in the runtime (FSDP over every rank, TP engines on consecutive ranks, window "
+                  f"shares only)\n\n{runtime}\n")
         if model == fp_model:
             fp = [c for c in cells if c.train.world == int(fp_gpus)]
             print(f"### {model} on {fp_gpus} GPUs: per-GPU footprint (GiB)\n\n{footprint_table(fp)}\n")

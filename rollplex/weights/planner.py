@@ -8,7 +8,7 @@ are ~30 signatures).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .layout import ParamSpec, RolloutLayout, TrainLayout
 from .mapping import Mapping, MappingChoice, choose_mapping
@@ -100,3 +100,23 @@ def plan(specs: Sequence[ParamSpec], train: TrainLayout, rollout: RolloutLayout,
             per_rank.append(plan_param(s, train_regions[sig][r], _sources(r, nodes, train_regions[sig]), share))
         plans[sig] = tuple(per_rank)
     return ModelPlan(tuple(specs), train, rollout, choice, nodes, share, signatures, counts, plans)
+
+
+def in_place(p: ParamPlan) -> bool:
+    """Whether a share lives in the rollout tensor as an engine allocates it: the (unpadded) training
+    shard is a window of the rollout tensor, and the buffer is nothing more. A runtime whose engine
+    holds its tensors before the trainer exists (CUDA graphs keep their addresses) realises only these."""
+    sh = p.share
+    return sh is not None and p.train.pad == 0 and sh.rollout_offset == 0 and sh.buffer_numel == p.rollout.numel
+
+
+def realised(model_plan: ModelPlan) -> ModelPlan:
+    """The plan with every share that is not `in_place` replaced by copies of the whole rollout tensor
+    (the rank's own elements by a local copy): the plan `rollplex.parallel.shared_weights` runs."""
+    plans = {}
+    for sig, per_rank in model_plan.plans.items():
+        trains = [p.train for p in per_rank]
+        plans[sig] = tuple(p if p.share is None or in_place(p) else
+                           plan_param(p.rollout, p.train, _sources(r, model_plan.nodes, trains), share=False)
+                           for r, p in enumerate(per_rank))
+    return replace(model_plan, plans=plans)

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .layout import ParamSpec, RolloutLayout, TrainLayout
-from .planner import plan
+from .mapping import Mapping
+from .planner import plan, realised
 from .report import Links, Summary
 
 DEFAULT_TRAIN = ("fsdp8", "fsdp16", "fsdp32", "fsdp4xrep8", "tp2", "tp4", "tp8", "tp2xfsdp16", "tp4xfsdp8", "tp8xfsdp4")
@@ -93,4 +94,30 @@ def footprint_table(cells: Sequence[Cell]) -> str:
                f"{f['total naive']:.1f}", f"{f['rollout extra']:.1f}", f"{f['total shared']:.1f}",
                f"{b['rollout extra']:.1f}", f"{b['total shared']:.1f}"]
         lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def runtime_table(specs: Sequence[ParamSpec], trains: Sequence[TrainLayout], rollout_tps: Sequence[int],
+                  links: Links | None = None, gpus_per_node: int = 8) -> str:
+    """What the colocated data-parallel step holds per GPU (rollplex.parallel.shared_weights): FSDP over
+    every rank, rollout engines of TP N on consecutive ranks (rollout slot = rank), and only the shares
+    that are windows of the engine's tensors (`realised`); the training layouts that are plain FSDP."""
+    head = ["training", "rollout TP", "FSDP shard", "rollout shard", "extra (saved)", "weights per GPU",
+            "rebuilt (remote)", "est. ms"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for tr in trains:
+        if tr.tp != 1 or tr.rep != 1 or tr.block != 1:
+            continue
+        for tp in rollout_tps:
+            row = [tr.label, str(tp)]
+            try:
+                p = realised(plan(specs, tr, RolloutLayout(tp), gpus_per_node,
+                                  mapping=Mapping("identity", tuple(range(tr.world)), None)))
+            except ValueError as e:
+                lines.append("| " + " | ".join(row + ["n/a: " + str(e)] + [""] * (len(head) - 3)) + " |")
+                continue
+            sm = Summary.of(p, links or Links())
+            row += [_gib(sm.max("train")), _gib(sm.max("rollout"))] + _cols(sm)[:1]
+            row += [_gib(max(b.train + b.extra for b in sm.ranks))] + _cols(sm)[1:]
+            lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
