@@ -28,7 +28,7 @@ def worker(rank: int, world: int, init: str, rl: RLConfig, fsdp: FSDPConfig, tie
 
         def recording(local, mode, plan):
             out = passes(local, mode, plan)
-            once = len(out) > 1 and (actor.dp._accumulate if torch.is_grad_enabled() else actor.dp._scoring_left > 0)
+            once = actor.dp._accumulate if torch.is_grad_enabled() else len(out) > 1 and actor.dp._scoring_left > 0
             if len(out) > 1:
                 (accumulated if torch.is_grad_enabled() else kept).append(once)
             # with every unit gathered the passes skip the hooks; a reduce once per mini-batch runs one more

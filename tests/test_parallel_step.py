@@ -73,14 +73,17 @@ def test_memory_manager_runs_per_rank(tmp_path, tiny_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,oom,fsdp", [(2, "predicted", None), (2, "in_pass_rank1", None),
-                                            (1, "in_pass", None), (1, "in_pass", FSDPConfig(reduce_every_pass=True))])
-def test_oom_backs_off_on_every_rank(tmp_path, tiny_dir, world, oom, fsdp):
+@pytest.mark.parametrize("world,oom,fsdp,rl", [
+    (2, "predicted", None, {}), (2, "in_pass_rank1", None, {}),
+    # a mini-batch of one pass per rank (4 prompts per pass): its gradients are reduced once too
+    (2, "in_pass_rank1", None, dict(micro_batch_prompts=4)),
+    (1, "in_pass", None, {}), (1, "in_pass", FSDPConfig(reduce_every_pass=True), {})])
+def test_oom_backs_off_on_every_rank(tmp_path, tiny_dir, world, oom, fsdp, rl):
     # a pass predicted not to fit on one rank backs every rank off together; so does an OOM inside a pass
     # on one rank when the passes accumulate gradients (the default on CPU: they run no collective, and the
     # ranks agree before the reduce). With one rank an OOM inside a pass is retried as on one process,
     # also with gradients reduced after every pass (through FSDP's hooks). Same step as without the OOM.
-    _spawn(tmp_path, tiny_dir, world, RLConfig(**BASE), steps=1, oom=oom, fsdp=fsdp)
+    _spawn(tmp_path, tiny_dir, world, RLConfig(**{**BASE, **rl}), steps=1, oom=oom, fsdp=fsdp)
 
 
 def test_what_a_process_group_refuses(tmp_path, tiny_dir):

@@ -182,7 +182,9 @@ class DataParallel:
         if misfit:
             raise CollectiveOOM("a data-parallel rank's micro-batch would not fit its device memory")
         every = self.fsdp.reduce_every_pass
-        self._accumulate = grad and K > 1 and (every is False or (every is None and not no_accumulate))
+        # a mini-batch of one pass too: its reduce then costs one dummy pass more, and an OOM inside its
+        # pass is deferred like any other's rather than fatal
+        self._accumulate = grad and K >= 1 and (every is False or (every is None and not no_accumulate))
         if grad and K > 1:
             self._reduces[0 if self._accumulate else 1] += 1
         flags = torch.zeros(K, dtype=torch.long)
