@@ -39,11 +39,18 @@ def build(tiny_dir, cfg: RLConfig, rollout: str = "data", memory_cfg=None, group
         mm = MemoryManager(PhasePlan.releases_only(), backend="accounting")
     ecfg = EngineConfig(max_num_seqs=64, max_model_len=256)
     roll = model
-    if rollout.startswith("tensor"):  # "tensor": one engine over the group; "tensor:N": blocks of N ranks
+    if rollout.startswith("tensor"):  # "tensor": one engine over the group; "tensor:N": blocks of N ranks;
+        # "tensor:N:strided": engines of every (world / N)-th rank
         from rollplex.parallel import tensor_parallel_copy
 
-        size = int(rollout.split(":")[1]) if ":" in rollout else dist.get_world_size()
-        roll = tensor_parallel_copy(model, None if size == dist.get_world_size() else dist.new_subgroups(size)[0])
+        world = dist.get_world_size()
+        size = int(rollout.split(":")[1]) if ":" in rollout else world
+        if rollout.endswith(":strided"):
+            engines = [[g + k * (world // size) for k in range(size)] for g in range(world // size)]
+            block = dist.new_subgroups_by_enumeration(engines)[0]
+        else:
+            block = None if size == world else dist.new_subgroups(size)[0]
+        roll = tensor_parallel_copy(model, block)
         ecfg = EngineConfig(max_num_seqs=64, max_model_len=256, tensor_parallel=size)
     engine = Engine(roll, proc, ecfg, memory=mm)
     return RLStep(model, engine, cfg, proc, reward_fn=parity_reward, memory=mm, memory_cfg=memory_cfg, group=group,

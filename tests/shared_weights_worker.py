@@ -63,24 +63,32 @@ def worker(rank: int, world: int, init: str, tie: bool, want: dict) -> None:
         dist.destroy_process_group()
 
 
-def tp_worker(rank: int, world: int, init: str, tp_size: int, tie: bool) -> None:
-    """The engine decodes a tensor-parallel copy over blocks of `tp_size` ranks and nothing holds the
-    policy whole after the build: shared shards alias the engine's storage (an update is visible to the
-    engine before any rebuild), the rest is rebuilt equal to the gathered truth's TP shards."""
-    from rollplex.parallel import shard_state_dict, tensor_parallel_copy
+def tp_worker(rank: int, world: int, init: str, tp_size: int, tie: bool, best: bool = False) -> None:
+    """The engine decodes a tensor-parallel copy over groups of `tp_size` ranks (consecutive blocks, or
+    `best`: the groups chosen for sharing) and nothing holds the policy whole after the build: shared
+    shards alias the engine's storage (an update is visible to the engine before any rebuild), the rest
+    is rebuilt equal to the gathered truth's TP shards."""
+    from rollplex.parallel import new_rollout_group, shard_state_dict, tensor_parallel_copy
     from rollplex.parallel.fsdp import local_tensor
+    from rollplex.parallel.rollout_groups import rollout_slots
 
     init_group(rank, world, init)
     try:
         policy = tiny_model(tiny_cfg(tie))
         cfg = policy.cfg
-        engine = tensor_parallel_copy(policy, None if tp_size == world else dist.new_subgroups(tp_size)[0])
+        group = (new_rollout_group(cfg, tp_size) if best else
+                 None if tp_size == world else dist.new_subgroups(tp_size)[0])
+        engine = tensor_parallel_copy(policy, group)
         tp = engine.model.tensor_parallel
+        slot_of = rollout_slots(tp.group, tp.rank, tp.size, dist.group.WORLD)
+        if best:  # tiny shapes at TP 2 over 4 ranks: strided engines share more than consecutive ones
+            assert slot_of == (0, 2, 1, 3), slot_of
         held: list[SharedWeights] = []
         actor = DataParallelActor(meta_copy(policy), RLConfig(lr=1e-2, micro_batch_prompts=1),
                                   init_device_mesh("cpu", (world,)),
                                   adopt=lambda m, whole=policy: held.append(SharedWeights(m, engine, whole,
-                                                                                          dist.group.WORLD)))
+                                                                                          dist.group.WORLD,
+                                                                                          slot_of=slot_of)))
         del policy  # the engine's copy and the trainer's shards are all that is left
         shared = held[0]
         trainer = dict(actor.model.named_parameters())
@@ -89,16 +97,17 @@ def tp_worker(rank: int, world: int, init: str, tp_size: int, tie: bool) -> None
         # what the engine keeps whole (vision tower, norms) and the vocab shards (rows V/tp, lined up with
         # FSDP's V/world at these sizes) are shared; a fused q/k/v or a row-parallel shard is not one window
         assert {"visual.blocks.0.attn.qkv.weight", "model.norm.weight"} <= shared.shared
-        vocab, t = cfg.text.vocab_size, rank % tp_size  # this rank's FSDP rows inside its vocab shard's rows
+        vocab, t = cfg.text.vocab_size, tp.rank  # this rank's FSDP rows inside its vocab shard's rows
         lo, hi = rank * vocab // world, (rank + 1) * vocab // world
         inside = t * vocab // tp_size <= lo < hi <= (t + 1) * vocab // tp_size
         assert ("model.embed_tokens.weight" in shared.shared) == inside
         # a row-parallel shard is a column window: never shared with FSDP's whole rows; a fused q/k/v shard
-        # [q_t; k_t; v_t] is not one window of a row chunk at TP = world (at TP 2 over 4 ranks, ranks 0 and
-        # 1's chunks are exactly q_0 and q_1, the heads of their shards: shared)
+        # [q_t; k_t; v_t] is not one window of a row chunk at TP = world (at TP 2 over 4 consecutive ranks,
+        # ranks 0 and 1's chunks are exactly q_0 and q_1, the heads of their shards: shared)
         assert "model.layers.0.mlp.down_proj.weight" not in shared.shared
+        # (strided engines: only rank 0's chunk q_0 heads its shard; rank 1 holds q_1 as TP rank 0)
         qkv = "model.layers.0.self_attn.qkv_proj.weight"
-        assert (qkv in shared.shared) == (tp_size < world and rank < 2), sorted(shared.shared)
+        assert (qkv in shared.shared) == (tp_size < world and rank < (1 if best else 2)), sorted(shared.shared)
         for name in shared.shared:  # same storage, at the plan's offset
             assert local_tensor(trainer[name]).untyped_storage().data_ptr() == params[name].untyped_storage().data_ptr()
         report = shared.report()

@@ -56,11 +56,14 @@ def test_tensor_parallel_rollout_step_equals_single_process(tmp_path, tiny_dir, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rl", [dict(ppo_mini_batches=2), dict(freeze_vision_tower=True)])
-def test_rollout_groups_of_tensor_parallel_engines(tmp_path, tiny_dir, rl):
-    # 4 ranks, two rollout groups of 2: each block's engines decode half the prompts with their shards
-    # (frozen: the encodings of the other group's prompts are not on this rank, so the towers run)
-    _spawn(tmp_path, tiny_dir, 4, RLConfig(**{**BASE, **rl}), rollout="tensor:2")
+@pytest.mark.parametrize("rollout,rl", [("tensor:2", dict(ppo_mini_batches=2)),
+                                        ("tensor:2", dict(freeze_vision_tower=True)),
+                                        ("tensor:2:strided", dict(ppo_mini_batches=2))])
+def test_rollout_groups_of_tensor_parallel_engines(tmp_path, tiny_dir, rollout, rl):
+    # 4 ranks, two rollout groups of 2: each group's engines decode half the prompts with their shards
+    # (frozen: the encodings of the other group's prompts are not on this rank, so the towers run); the
+    # groups are consecutive blocks or strided ({0, 2}, {1, 3}: rank 1 is the second engine's TP rank 0)
+    _spawn(tmp_path, tiny_dir, 4, RLConfig(**{**BASE, **rl}), rollout=rollout)
 
 
 @pytest.mark.slow

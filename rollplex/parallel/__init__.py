@@ -3,7 +3,8 @@
     fsdp.py            FSDP2 units (decoder layers, vision blocks, root) for the trainer
     data_parallel.py   the data-parallel placement of scoring and the actor update (prompts dealt over ranks)
     colocated.py       the data-parallel RL step (`RLStep(..., group=...)`): FSDP trainer and reference,
-                       per-rank or tensor-parallel rollout, weight sync into the policy
+                       per-rank or tensor-parallel rollout, weight sync into the engine's tensors
+    rollout_groups.py  which ranks form each tensor-parallel rollout engine (chosen for weight sharing)
     step_bench.py      the `step` command: the data-parallel step checked and timed against one process
     step_paths.py      its paths: one process, colocated (rollplex or serial mode), disaggregated
     tp.py              tensor-parallel text decoder for rollout (column/row-parallel, vocab-parallel head)
@@ -11,7 +12,7 @@
     disaggregated.py   the disaggregated layout: trainer ranks, rollout engines, their groups
     disaggregated_step.py  the RL step in that layout (the baseline): rollout ranks generate, trainer
                        ranks run `RLStep.train`, the weights are broadcast to the rollout ranks
-    shared_weights.py  the colocated trainer's FSDP2 shards inside the policy's tensors, and their rebuild
+    shared_weights.py  the colocated trainer's FSDP2 shards inside the engine's tensors, and their rebuild
 """
 
 from .broadcast import bucket_plan, receive_weights, send_weights
@@ -20,12 +21,13 @@ from .data_parallel import DataParallel, DataParallelActor, assign_prompts, dp_s
 from .disaggregated import Disaggregated, DisaggregatedLayout, init_disaggregated
 from .disaggregated_step import DisaggregatedStep
 from .fsdp import FSDPConfig, apply_fsdp, full_state_dict, full_tensor, sharded_call
+from .rollout_groups import best_rollout_groups, new_rollout_group
 from .tp import TensorParallel, VocabParallelEmbedding, apply_tensor_parallel, shard_state_dict, tensor_parallel_copy
 
 __all__ = [
     "Colocated", "DataParallel", "DataParallelActor", "Disaggregated", "DisaggregatedLayout", "DisaggregatedStep",
-    "FSDPConfig",
-    "TensorParallel", "VocabParallelEmbedding", "apply_fsdp", "apply_tensor_parallel", "assign_prompts",
-    "bucket_plan", "dp_score", "full_state_dict", "full_tensor", "init_disaggregated", "receive_weights",
-    "send_weights", "shard_state_dict", "sharded_call", "tensor_parallel_copy",
+    "FSDPConfig", "TensorParallel", "VocabParallelEmbedding", "apply_fsdp", "apply_tensor_parallel",
+    "assign_prompts", "best_rollout_groups", "bucket_plan", "dp_score", "full_state_dict", "full_tensor",
+    "init_disaggregated", "new_rollout_group", "receive_weights", "send_weights", "shard_state_dict",
+    "sharded_call", "tensor_parallel_copy",
 ]

@@ -17,10 +17,10 @@
     rollout     data-parallel over rollout groups: the prompts are dealt round-robin over the groups,
                 each group's engine generates its share, and the outputs are gathered so every rank
                 holds the whole batch. A group is one rank whose engine decodes the policy itself
-                (`rollout="data"`), or a block of consecutive ranks whose engines decode their
-                tensor-parallel shards of it together (`rollout="tensor"`: `tensor_parallel_copy` over
-                the block's group, the whole group being one block); the ranks of a block generate the
-                same samples
+                (`rollout="data"`), or a group of ranks whose engines decode their tensor-parallel
+                shards of it together (`rollout="tensor"`: `tensor_parallel_copy` over the engine's
+                group: the whole group, consecutive blocks, or the groups `new_rollout_group` picks
+                for weight sharing); the ranks of an engine generate the same samples
 
 Sampling is seeded per prompt and sample (`RLStep.rollout`), and the sampler's noise depends only on
 (seed, step, token) (engine/sampler.py), so a prompt's samples do not depend on which rank, or which
@@ -59,6 +59,7 @@ from ..models import Qwen25VL
 from ..rl.config import RLConfig
 from .data_parallel import DataParallelActor, check_passes
 from .fsdp import FSDPConfig, apply_fsdp, full_tensor, local_tensor
+from .rollout_groups import rollout_slots
 from .shared_weights import SharedWeights, meta_copy
 
 
@@ -74,15 +75,18 @@ class Colocated:
         self.mesh = DeviceMesh.from_group(group, device.type)
         self.fsdp = fsdp or FSDPConfig()
         self.rollout, self.tp_size, self.tp_rank = "data", 1, 0
+        # every rank's rollout slot g * tp_size + t (rank -> slot): which shard of which engine it holds
+        self.slot_of = tuple(range(self.world))
         if engine is not None and engine.model is not model:
             tp = getattr(engine.model.model, "tensor_parallel", None)
-            if tp is None or not _consecutive_block(tp, group, self.rank):
+            if tp is None:
                 raise ValueError("under data parallelism the engine decodes the policy itself (per-rank rollout) "
-                                 "or its tensor-parallel shard (tensor_parallel_copy) over the whole group or over "
-                                 "a block of consecutive ranks of it (dist.new_subgroups)")
+                                 "or its tensor-parallel shard (tensor_parallel_copy) over the whole group or "
+                                 "over groups of ranks that partition it (parallel.new_rollout_group)")
             self.rollout, self.tp_size, self.tp_rank = "tensor", tp.size, tp.rank
-        # rollout groups: one engine each (a rank alone, or a tensor-parallel block of tp_size ranks)
-        self.groups, self.rollout_group = self.world // self.tp_size, self.rank // self.tp_size
+            self.slot_of = rollout_slots(tp.group, tp.rank, tp.size, group)
+        # rollout groups: one engine each (a rank alone, or a tensor-parallel group of tp_size ranks)
+        self.groups, self.rollout_group = self.world // self.tp_size, self.slot_of[self.rank] // self.tp_size
         self.engine = engine
         # what the engine decodes, and RLStep.model: the policy itself or this rank's tensor-parallel copy
         self.policy = engine.model if self.rollout == "tensor" else model
@@ -95,7 +99,7 @@ class Colocated:
         (`SharedWeights`): no transient copy of the whole weights is allocated."""
         def adopt(sharded):
             self.weights = SharedWeights(sharded, self.policy, model, self.group,
-                                         share=self.fsdp.share_policy_storage)
+                                         share=self.fsdp.share_policy_storage, slot_of=self.slot_of)
 
         return DataParallelActor(meta_copy(model), cfg, self.mesh, self.fsdp, memory, optimizer_offload, adopt=adopt)
 
@@ -190,12 +194,3 @@ class Colocated:
     def weight_bytes(self) -> int:
         """Bytes the trainer's shards add to the engine's weights on this rank (those not stored in them)."""
         return self.weights.report()["separate_bytes"]
-
-
-def _consecutive_block(tp, group: dist.ProcessGroup, rank: int) -> bool:
-    """The TP group is the block of tp.size consecutive ranks of `group` that holds `rank`."""
-    if dist.get_world_size(group) % tp.size:
-        return False
-    first = rank - rank % tp.size
-    want = [dist.get_global_rank(group, r) for r in range(first, first + tp.size)]
-    return dist.get_process_group_ranks(tp.group) == want and tp.rank == rank % tp.size

@@ -1,10 +1,10 @@
 """The trainer's FSDP2 shards inside the rollout engine's weights: the sharing plan applied at run time.
 
 A colocated rank holds the weights its engine decodes — the policy whole (per-rank rollout), or its
-tensor-parallel shard of the policy (a TP engine over a block of consecutive ranks) — and the
+tensor-parallel shard of the policy (a TP engine over a group of ranks) — and the
 trainer's FSDP2 shard of every parameter. `rollplex.weights` plans training layout FSDP(W) against
-rollout layout TP(N) (N = 1 for a per-rank engine; rollout slot g * N + t is rank g * N + t, the
-consecutive blocks the engines run on): where the rank's training shard lies inside its rollout
+rollout layout TP(N) (N = 1 for a per-rank engine) with each rank at the rollout slot its engine's
+group gives it (`rollout_groups`): where the rank's training shard lies inside its rollout
 tensor at a fixed offset, the trainer adopts that window as its shard's storage (`_adopt`, before the
 optimizer reads the shards), so the shard costs no memory of its own and every optimizer step writes
 the engine's weights in place — the engine decodes them with no copy. That is every parameter of a
@@ -64,9 +64,10 @@ class SharedWeights:
     """This rank's trainer shards adopted into the engine's tensors, and their rebuild (module doc)."""
 
     def __init__(self, trainer: nn.Module, rollout: nn.Module, source: nn.Module, group: dist.ProcessGroup,
-                 bucket_bytes: int = BUCKET_BYTES, share: bool = True):
+                 bucket_bytes: int = BUCKET_BYTES, share: bool = True, slot_of: tuple[int, ...] | None = None):
         """rollout: the model the engine decodes (the policy itself, or this rank's tensor-parallel copy
-        of it); source: the whole policy, read once for the shards that are not windows of `rollout`."""
+        of it); source: the whole policy, read once for the shards that are not windows of `rollout`;
+        slot_of: every rank's rollout slot g * N + t (default: rank r is slot r, consecutive engines)."""
         self.group, self.rank, self.world = group, dist.get_rank(group), dist.get_world_size(group)
         rollout_params = dict(rollout.named_parameters())
         source_params = dict(source.named_parameters())
@@ -80,9 +81,9 @@ class SharedWeights:
         specs = model_specs(source.cfg, [(n, tuple(p.shape)) for n, p in source_params.items()])
         # only the shares that are windows of the engine's tensors as they are (`realised`); whether a
         # rank realises its share is decided from the layouts alone, so every rank knows every rank's plan
+        slots = tuple(range(self.world)) if slot_of is None else tuple(slot_of)
         self.plan = realised(plan(specs, TrainLayout(fsdp=self.world), RolloutLayout(tp=self.tp),
-                                  share=share and same_dtype, mapping=Mapping("identity", tuple(range(self.world)),
-                                                                              None)))
+                                  share=share and same_dtype, mapping=Mapping("engines", slots, None)))
         self.rollout: dict[str, torch.Tensor] = {}  # the engine's tensor as [rows, width] of its region
         self.train: dict[str, torch.Tensor] = {}  # the FSDP2 shard's padded storage as [rows + pad, width]
         self.shared: set[str] = set()  # names whose shard is a window of the engine's tensor here

@@ -24,8 +24,8 @@ step through `RLStep`'s data-parallel path (parallel/colocated.py) against the s
           weights broadcast after each update; its sync column is the broadcast).
           A data-parallel path may carry FSDPConfig fields after a colon, `;`-separated
           (`parallel:layers_per_unit=4`): the same step with other FSDP2 settings, side by side.
---rollout-tp N   the data-parallel paths roll out with tensor-parallel engines over blocks of N
-          consecutive ranks (data-parallel rollout groups; N = the world size: one engine).
+--rollout-tp N   the data-parallel paths roll out with tensor-parallel engines of N ranks, grouped for
+          weight sharing (`new_rollout_group`; data-parallel rollout groups; N = the world size: one engine).
 
 On CPU (`--device cpu`) everything runs over gloo in fp32 with the same code, for tiny shapes:
 `--preset tiny` (the embedded tiny checkpoint's shapes) or a checkpoint directory. Rewards are random

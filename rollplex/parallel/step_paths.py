@@ -180,13 +180,14 @@ class EngineFactory:
 
 def path_engine(model: Qwen25VL, args, max_len: int, compile_decode: bool, group) -> Engine:
     """The engine a path rolls out with: the policy itself, or under a group with `--rollout-tp` N > 1 this
-    rank's tensor-parallel copy of it over its block of N consecutive ranks (a data-parallel rollout group)."""
+    rank's tensor-parallel copy of it over its engine's N ranks (`new_rollout_group`: a data-parallel
+    rollout group)."""
     if group is None or args.rollout_tp == 1:
         return policy_engine(model, args, max_len, compile_decode)
+    from .rollout_groups import new_rollout_group
     from .tp import tensor_parallel_copy
 
-    world = dist.get_world_size()
-    tp_model = tensor_parallel_copy(model, None if args.rollout_tp == world else dist.new_subgroups(args.rollout_tp)[0])
+    tp_model = tensor_parallel_copy(model, new_rollout_group(model.cfg, args.rollout_tp))
     if compile_decode:
         tp_model.compile()
     return Engine(tp_model, None, EngineConfig(max_num_seqs=256, max_model_len=max_len,

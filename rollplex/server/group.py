@@ -41,9 +41,11 @@ synced after every update.
 
 A frozen vision tower trains nothing in the tower on every rank; rank 0 keeps no prefill encodings for
 it (the other ranks never saw those prompts), so every rank runs the frozen tower when scoring and
-training. With `--tensor-parallel N` (N dividing the group's size) every block of N consecutive ranks
-is one rollout engine: each rank's engine holds its tensor-parallel shard of the policy and decodes its
-block's prompts of a `/rollout` with the others (the weight sync writes the shards after each update);
+training. With `--tensor-parallel N` (N dividing the group's size) the ranks form rollout engines of N
+(`parallel.new_rollout_group`: the grouping whose shards the trainer shares most, consecutive blocks on
+a tie): each rank's engine holds its tensor-parallel shard of the policy and decodes its engine's
+prompts of a `/rollout` with the others (the weight sync rebuilds the shards after each update), and no
+rank holds the policy whole;
 `/generate` is then a 400, since its continuous batching steps rank 0's engine alone.
 
 /save and /load run on every rank (rl/checkpoint.py: rank 0 writes the HF directories, every rank its
@@ -84,7 +86,7 @@ def check_config(cfg, world: int) -> None:
                          "yet: every rank's native engine samples the rollouts (leave --rollout-backend at native)")
     if world % cfg.engine.tensor_parallel:
         raise ValueError(f"--tensor-parallel {cfg.engine.tensor_parallel} over {world} ranks: a tensor-parallel "
-                         f"engine spans a block of consecutive ranks, so its degree must divide {world} (1: each "
+                         f"engine spans a share of the group's ranks, so its degree must divide {world} (1: each "
                          "rank's engine decodes the full policy)")
     check_passes(cfg.rl.mode, cfg.rl.packed)
 
@@ -156,9 +158,8 @@ def follow(state, commands: Commands) -> None:
         if op == "rollout":  # this rank's share of the prompts; the outputs are gathered to every rank
             inputs, params = args
             state.sample(inputs, params, keep_vision=False)
-            groups = commands.world // state.cfg.engine.tensor_parallel
             log.info("rank %d: sampled %d of the rollout's %d prompts", commands.rank,
-                     len(range(commands.rank // state.cfg.engine.tensor_parallel, len(inputs), groups)), len(inputs))
+                     len(state.rl.parallel.group_prompts(len(inputs))), len(inputs))
             continue
         if op == "checksum":  # the policy's fingerprint from every rank's shards (a tensor-parallel group)
             state.checksum()

@@ -201,12 +201,11 @@ class ServerState:
             if self.world_size % tp:
                 raise ValueError(f"--tensor-parallel {tp} needs a torchrun group of a multiple of as many ranks "
                                  f"(this one has {self.world_size})")
-            from ..parallel import tensor_parallel_copy
+            from ..parallel import new_rollout_group, tensor_parallel_copy
 
-            # blocks of tp consecutive ranks (every rank creates every block's group, in the same order);
-            # the weight sync rewrites the shards, the vision tower is the policy's
-            block = None if tp == self.world_size else dist.new_subgroups(tp)[0]
-            decoded = tensor_parallel_copy(self.model, block)
+            # engines of tp ranks, grouped for weight sharing (every rank creates every engine's group, in
+            # the same order); the weight sync rewrites the shards, the vision tower is the policy's
+            decoded = tensor_parallel_copy(self.model, new_rollout_group(self.model.cfg, tp))
         if self.model.inv_freq.is_cuda:  # the server owns the model: its training and prefill run compiled
             self.model.compile()  # lazy: the engine's warm-up prefill below compiles
             if decoded is not self.model:

@@ -29,13 +29,13 @@ process groups (training ranks in TP-rank order).
 
 from .layout import ParamSpec, Part, RolloutLayout, TrainLayout
 from .mapping import Mapping, MappingChoice
-from .planner import ModelPlan, in_place, plan, realised
+from .planner import ModelPlan, engine_mapping, in_place, plan, realised
 from .qwen import model_specs, preset_specs
 from .report import Links, RankBytes, Summary
 from .share import Copy, ParamPlan, Share
 
 __all__ = [
-    "in_place", "realised",
+    "engine_mapping", "in_place", "realised",
     "Copy", "Links", "Mapping", "MappingChoice", "ModelPlan", "ParamPlan", "ParamSpec", "Part", "RankBytes",
     "RolloutLayout", "Share", "Summary", "TrainLayout", "model_specs", "plan", "preset_specs",
 ]

@@ -72,7 +72,7 @@ def main(argv=None) -> None:
         print(f"### {model}\n\n{sharing_table(cells)}\n")
         runtime = runtime_table(preset_specs(model), trains, tps, links, args.gpus_per_node)
         if runtime.count("\n") > 1:
-            print(f"### {model} in the runtime (FSDP over every rank, TP engines on consecutive ranks, window "
+            print(f"### {model} in the runtime (FSDP over every rank, TP engines grouped for sharing, window "
                   f"shares only)\n\n{runtime}\n")
         if model == fp_model:
             fp = [c for c in cells if c.train.world == int(fp_gpus)]

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from .layout import ParamSpec, RolloutLayout, TrainLayout
-from .mapping import Mapping, MappingChoice, choose_mapping
+from .mapping import Mapping, MappingChoice, choose_mapping, interleavings
 from .regions import Region, intersect_numel
 from .share import ParamPlan, find_share, plan_param
 
@@ -120,3 +120,18 @@ def realised(model_plan: ModelPlan) -> ModelPlan:
                            plan_param(p.rollout, p.train, _sources(r, model_plan.nodes, trains), share=False)
                            for r, p in enumerate(per_rank))
     return replace(model_plan, plans=plans)
+
+
+def engine_mapping(specs: Sequence[ParamSpec], world: int, tp: int, share: bool = True) -> Mapping:
+    """The rank mapping a colocated runtime can realise with FSDP over every rank (rank r holds chunk r)
+    and rollout engines of `tp` ranks it may group freely (a rank's TP rank is its position in its
+    engine's group): the digit interleaving of (g, t) into the rank that shares the most under
+    `realised`, consecutive engines on a tie."""
+    best, best_shared = None, -1
+    for name, slot_of in interleavings(world, tp):  # consecutive engines first
+        m = Mapping(name, slot_of, None)
+        p = realised(plan(specs, TrainLayout(fsdp=world), RolloutLayout(tp), share=share, mapping=m))
+        shared = sum(p.counts[sig] * q.shared_numel for sig, per_rank in p.plans.items() for q in per_rank)
+        if shared > best_shared:
+            best, best_shared = m, shared
+    return best

@@ -8,8 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .layout import ParamSpec, RolloutLayout, TrainLayout
-from .mapping import Mapping
-from .planner import plan, realised
+from .planner import engine_mapping, plan, realised
 from .report import Links, Summary
 
 DEFAULT_TRAIN = ("fsdp8", "fsdp16", "fsdp32", "fsdp4xrep8", "tp2", "tp4", "tp8", "tp2xfsdp16", "tp4xfsdp8", "tp8xfsdp4")
@@ -100,9 +99,9 @@ def footprint_table(cells: Sequence[Cell]) -> str:
 def runtime_table(specs: Sequence[ParamSpec], trains: Sequence[TrainLayout], rollout_tps: Sequence[int],
                   links: Links | None = None, gpus_per_node: int = 8) -> str:
     """What the colocated data-parallel step holds per GPU (rollplex.parallel.shared_weights): FSDP over
-    every rank, rollout engines of TP N on consecutive ranks (rollout slot = rank), and only the shares
-    that are windows of the engine's tensors (`realised`); the training layouts that are plain FSDP."""
-    head = ["training", "rollout TP", "FSDP shard", "rollout shard", "extra (saved)", "weights per GPU",
+    every rank, rollout engines of TP N grouped by `engine_mapping`, and only the shares that are windows
+    of the engine's tensors (`realised`); the training layouts that are plain FSDP."""
+    head = ["training", "rollout TP", "engines", "FSDP shard", "rollout shard", "extra (saved)", "weights per GPU",
             "rebuilt (remote)", "est. ms"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for tr in trains:
@@ -111,13 +110,13 @@ def runtime_table(specs: Sequence[ParamSpec], trains: Sequence[TrainLayout], rol
         for tp in rollout_tps:
             row = [tr.label, str(tp)]
             try:
-                p = realised(plan(specs, tr, RolloutLayout(tp), gpus_per_node,
-                                  mapping=Mapping("identity", tuple(range(tr.world)), None)))
+                m = engine_mapping(specs, tr.world, tp)
+                p = realised(plan(specs, tr, RolloutLayout(tp), gpus_per_node, mapping=m))
             except ValueError as e:
                 lines.append("| " + " | ".join(row + ["n/a: " + str(e)] + [""] * (len(head) - 3)) + " |")
                 continue
             sm = Summary.of(p, links or Links())
-            row += [_gib(sm.max("train")), _gib(sm.max("rollout"))] + _cols(sm)[:1]
+            row += [m.name, _gib(sm.max("train")), _gib(sm.max("rollout"))] + _cols(sm)[:1]
             row += [_gib(max(b.train + b.extra for b in sm.ranks))] + _cols(sm)[1:]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
