@@ -67,12 +67,14 @@ def test_rollout_groups_of_tensor_parallel_engines(tmp_path, tiny_dir, rollout, 
 
 
 @pytest.mark.slow
-def test_memory_manager_runs_per_rank(tmp_path, tiny_dir):
+@pytest.mark.parametrize("rollout", ["data", "tensor"])
+def test_memory_manager_runs_per_rank(tmp_path, tiny_dir, rollout):
     # every idle region moves (released regions read as garbage with the accounting backend), the
-    # optimizer pages its moments, layers are checkpointed: same step as one process without any of it
+    # optimizer pages its moments, layers are checkpointed: same step as one process without any of it;
+    # per-rank engines, or one tensor-parallel engine whose KV cache holds each rank's KV heads
     mem = MemoryConfig(memory_plan="release", memory_overrides="ref_weights:*=offloaded,optimizer:*=offloaded",
                        optimizer_offload="moments")
-    _spawn(tmp_path, tiny_dir, 2, RLConfig(**BASE, gradient_checkpointing=True), memory_cfg=mem)
+    _spawn(tmp_path, tiny_dir, 2, RLConfig(**BASE, gradient_checkpointing=True), rollout=rollout, memory_cfg=mem)
 
 
 @pytest.mark.slow
