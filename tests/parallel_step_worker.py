@@ -3,6 +3,9 @@ update, weight sync) under RLStep's distributed path over gloo, against the sing
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
 import torch.distributed as dist
 from parallel_helpers import init_group
@@ -53,8 +56,12 @@ def build(tiny_dir, cfg: RLConfig, rollout: str = "data", memory_cfg=None, group
         roll = tensor_parallel_copy(model, block)
         ecfg = EngineConfig(max_num_seqs=64, max_model_len=256, tensor_parallel=size)
     engine = Engine(roll, proc, ecfg, memory=mm)
-    return RLStep(model, engine, cfg, proc, reward_fn=parity_reward, memory=mm, memory_cfg=memory_cfg, group=group,
-                  cosched=EAGER if cfg.cosched else None, fsdp=fsdp)
+    rl = RLStep(model, engine, cfg, proc, reward_fn=parity_reward, memory=mm, memory_cfg=memory_cfg, group=group,
+                cosched=EAGER if cfg.cosched else None, fsdp=fsdp)
+    # what outlives `model` once this returns: under a tensor-parallel engine, none of its text weights
+    rl.whole_text_weights = [weakref.ref(model.model.layers[0].mlp.down_proj.weight),
+                             weakref.ref(model.model.embed_tokens.weight)]
+    return rl
 
 
 def capture_grads(rl: RLStep) -> list[dict]:
@@ -178,6 +185,8 @@ def worker(rank: int, world: int, init: str, tiny_dir, rows, cfg: RLConfig, roll
 
             tp = rl.engine.model.model.tensor_parallel
             assert rl.model is rl.engine.model
+            gc.collect()  # the whole policy the step was built from is gone: no rank holds it
+            assert all(ref() is None for ref in rl.whole_text_weights)
             engine_params = dict(rl.engine.model.named_parameters())
             full = rl.policy_state()
             for n, t in shard_state_dict(full, rl.model.cfg, tp.size, tp.rank).items():
