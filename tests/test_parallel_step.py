@@ -67,14 +67,21 @@ def test_rollout_groups_of_tensor_parallel_engines(tmp_path, tiny_dir, rollout, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rollout", ["data", "tensor"])
-def test_memory_manager_runs_per_rank(tmp_path, tiny_dir, rollout):
+@pytest.mark.parametrize("rollout,overrides,rl,fsdp", [
+    ("data", "ref_weights:*=offloaded,optimizer:*=offloaded", {}, None),
+    ("tensor", "ref_weights:*=offloaded,optimizer:*=offloaded", {}, None),
+    # a whole reference per rank, resident while its prefixes run beside decode and off the device for the
+    # update: the phase-aware way to co-schedule it
+    ("data", "ref_weights:update=offloaded,optimizer:*=offloaded", dict(cosched=True, ppo_mini_batches=2),
+     FSDPConfig(shard_reference=False)),
+])
+def test_memory_manager_runs_per_rank(tmp_path, tiny_dir, rollout, overrides, rl, fsdp):
     # every idle region moves (released regions read as garbage with the accounting backend), the
     # optimizer pages its moments, layers are checkpointed: same step as one process without any of it;
     # per-rank engines, or one tensor-parallel engine whose KV cache holds each rank's KV heads
-    mem = MemoryConfig(memory_plan="release", memory_overrides="ref_weights:*=offloaded,optimizer:*=offloaded",
-                       optimizer_offload="moments")
-    _spawn(tmp_path, tiny_dir, 2, RLConfig(**BASE, gradient_checkpointing=True), rollout=rollout, memory_cfg=mem)
+    mem = MemoryConfig(memory_plan="release", memory_overrides=overrides, optimizer_offload="moments")
+    _spawn(tmp_path, tiny_dir, 2, RLConfig(**BASE, gradient_checkpointing=True, **rl), rollout=rollout,
+           memory_cfg=mem, fsdp=fsdp)
 
 
 @pytest.mark.slow
