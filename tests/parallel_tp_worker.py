@@ -14,9 +14,11 @@ ENGINE = dict(max_num_seqs=8, max_model_len=128, kv_cache_tokens=1024)
 
 
 def sampling() -> list[SamplingParams]:
-    """Greedy with the prompt's logprobs; seeded sampling with top-k truncation, two samples."""
+    """Greedy with the prompt's logprobs; seeded sampling with top-k truncation (decode gathers the
+    logits), and without (decode draws from each rank's vocabulary shard), two samples each."""
     return [SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, logprob_start_len=0),
-            SamplingParams(max_new_tokens=8, temperature=1.0, top_k=40, n=2, seed=7, ignore_eos=True)]
+            SamplingParams(max_new_tokens=8, temperature=1.0, top_k=40, n=2, seed=7, ignore_eos=True),
+            SamplingParams(max_new_tokens=8, temperature=0.8, n=2, seed=11, ignore_eos=True)]
 
 
 def run(model, prompts, tp: int = 1) -> dict:
@@ -46,6 +48,7 @@ def worker(rank: int, world: int, init: str, tie: bool, prompts, want: dict) -> 
         assert model.model.layers[0].mlp.down_proj.weight.shape == (t.hidden_size, t.intermediate_size // world)
         assert model.head_weight.shape == (t.vocab_size // world, t.hidden_size) and tp.size == world
         got = run(model, prompts, tp=world)
+        check_vocab_parallel_sampler(model, tp)
         for b, n in enumerate(want["lens"]):
             err = (got["logits"][b, :n] - want["logits"][b, :n]).abs().max().item()
             assert err <= 1e-5, (b, err)
@@ -58,3 +61,27 @@ def worker(rank: int, world: int, init: str, tie: bool, prompts, want: dict) -> 
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def check_vocab_parallel_sampler(model, tp) -> None:
+    """The shard-wise draw equals the draw from the gathered logits: greedy, sampled and mixed rows, and
+    rows whose best scores tie across shards (the lower token id wins, as in a whole-vocabulary argmax)."""
+    from rollplex.engine.sampler import Sampler, SamplingTensors
+    from rollplex.parallel.tp_sampler import VocabParallelSampler
+
+    V = model.cfg.text.vocab_size
+    g = torch.Generator().manual_seed(5)
+    full = torch.randn(6, V, generator=g) * 3
+    full[4] = 0.0  # every token ties: greedy picks token 0
+    full[5] = full[5].clamp(max=5.0)
+    full[5, 1], full[5, V - 1] = 9.0, 9.0  # a tie across the first and the last shard
+    rows = [(0.0, -1, 1.0, 0.0, 1, 0), (1.0, -1, 1.0, 0.0, 2, 3), (0.7, -1, 1.0, 0.0, 3, 1),
+            (1.3, -1, 1.0, 0.0, 4, 9), (0.0, -1, 1.0, 0.0, 5, 0), (0.0, -1, 1.0, 0.0, 6, 0)]
+    st = SamplingTensors.build(rows, V, "cpu")
+    want_tok, want_lp = Sampler()(full, st)
+    vp = VocabParallelSampler(tp, V, Sampler())
+    rows_per = V // tp.size
+    tok, lp = vp(full[:, tp.rank * rows_per : (tp.rank + 1) * rows_per].contiguous(), st)
+    assert torch.equal(tok, want_tok), (tok, want_tok)
+    assert (lp - want_lp).abs().max() <= 1e-5
+    assert tok[4] == 0 and tok[5] == 1

@@ -50,8 +50,12 @@ class EngineConfig:
     # tensor-parallel degree of the model (1: off). >1: the model's text decoder was split over that
     # many ranks by rollplex.parallel.apply_tensor_parallel; every rank runs an engine with the same
     # requests in the same order, decode all-reduces the row-parallel outputs, and all ranks sample
-    # the same tokens from the gathered logits
+    # the same tokens
     tensor_parallel: int = 1
+    # tensor-parallel decode draws from each rank's vocabulary shard (parallel/tp_sampler.py: two
+    # all-reduces of [B] and an all-gather of [3, B]) instead of gathering the [B, V] logits; a batch
+    # with top-k / top-p / min-p rows gathers them anyway. False: always gather
+    vocab_parallel_sampling: bool = True
 
     def __post_init__(self):
         if self.tensor_parallel < 1:

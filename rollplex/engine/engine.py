@@ -85,6 +85,12 @@ class Engine:
         on_gpu = self.runner.device.type == "cuda"
         self.stream = torch.cuda.current_stream(self.runner.device) if on_gpu else None
         self.sampler = Sampler(compile=on_gpu)
+        # what draws a decode step's tokens: under tensor parallelism from each rank's vocabulary shard
+        self.decode_sampler = self.sampler
+        if self.runner.vocab_parallel:
+            from ..parallel.tp_sampler import VocabParallelSampler
+
+            self.decode_sampler = VocabParallelSampler(self.runner.tp, model.cfg.text.vocab_size, self.sampler)
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32, config: EngineConfig | None = None, **kw):
@@ -297,7 +303,7 @@ class Engine:
             src=src,
             table_keys=[(s.seq_id, s.num_preemptions) for s in seqs],  # a re-prefilled sequence has a new table
         )
-        tokens, logprobs = self.sampler(logits, st)
+        tokens, logprobs = self.decode_sampler(logits, st)
         host = None
         if tokens.is_cuda:
             host = (torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True),

@@ -67,6 +67,8 @@ class ModelRunner:
         self.dtype = model.model.embed_tokens.weight.dtype
         t = model.cfg.text
         self.tp = _tensor_parallel(model, cfg)
+        # decode returns this rank's vocabulary rows of the logits, sampled without a gather (tp_sampler.py)
+        self.vocab_parallel = self.tp is not None and cfg.vocab_parallel_sampling
         # this rank's KV heads: a share of them when the model is tensor-parallel
         self.num_layers, self.num_kv_heads, self.head_dim = t.num_hidden_layers, self._attn().num_kv_heads, t.head_dim
         self.block_size = cfg.block_size
@@ -203,13 +205,14 @@ class ModelRunner:
         hidden = self.decoder(m.model.embed_tokens(ids)[:, None], positions, attend, gemms)
         # in the weights' dtype: the sampler upcasts inside its fused kernels (same values), so the graph
         # does not write a [B, V] fp32 copy (156 MB at B = 256)
-        return m.logits(hidden[:, 0])
+        return (m.local_logits if self.vocab_parallel else m.logits)(hidden[:, 0])
 
     @torch.no_grad()
     def decode(self, ids: list[int], positions: list[int], tables: list[list[int]], seq_lens: list[int],
                slots: list[int], prev_tokens: torch.Tensor | None = None, src: list[int] | None = None,
                table_keys: list | None = None) -> torch.Tensor:
-        """One token per sequence -> logits [B, V] (weights' dtype). With prev_tokens (a step still in flight, on
+        """One token per sequence -> logits [B, V] (weights' dtype; this rank's [B, V/tp] when
+        `vocab_parallel`). With prev_tokens (a step still in flight, on
         the device) and src, row i's input token is prev_tokens[src[i]] where src[i] >= 0.
         table_keys (a stable id per sequence) lets the block table be updated row by row instead
         of rebuilt from lists every step."""

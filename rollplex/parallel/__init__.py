@@ -8,6 +8,7 @@
     step_bench.py      the `step` command: the data-parallel step checked and timed against one process
     step_paths.py      its paths: one process, colocated (rollplex or serial mode), disaggregated
     tp.py              tensor-parallel text decoder for rollout (column/row-parallel, vocab-parallel head)
+    tp_sampler.py      the decode step's draw from each rank's vocabulary shard (no [B, V] logits gather)
     broadcast.py       trainer -> rollout weight broadcast in buckets
     disaggregated.py   the disaggregated layout: trainer ranks, rollout engines, their groups
     disaggregated_step.py  the RL step in that layout (the baseline): rollout ranks generate, trainer

@@ -8,7 +8,8 @@
     gate_up_proj    column-parallel: the rank's gate and up features ([gate_t; up_t])
     down_proj       row-parallel -> all-reduce before the residual add
     embed_tokens    vocab-parallel (`VocabParallelEmbedding`: the rank's rows, all-reduce of the lookup)
-    lm_head         vocab-parallel; `model.logits` all-gathers the rank's logits into the full vocabulary
+    lm_head         vocab-parallel; `model.logits` all-gathers the rank's logits into the full vocabulary,
+                    `model.local_logits` keeps the rank's rows (tp_sampler.py samples from them)
     norms, vision   replicated (the vision tower runs whole on every rank)
 
 The cut is `rollplex.weights`' rollout layout (`RolloutLayout`, Megatron order), so a TP shard is
@@ -159,5 +160,6 @@ def apply_tensor_parallel(model: Qwen25VL, group: dist.ProcessGroup | None = Non
     text.compile = compile_keeping_tp
     head = model.logits
     model.logits = lambda hidden: tp.gather_last(head(hidden))
+    model.local_logits = head  # this rank's vocabulary rows only (a vocab-parallel sampler's input)
     text.tensor_parallel = tp  # what the engine reads to all-reduce its own decode layer's outputs
     return tp
