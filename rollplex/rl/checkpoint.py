@@ -88,7 +88,9 @@ def _save(step: RLStep, path: Path, data_state: dict | None, tokenizer_dir) -> P
     err = None
     if writer:  # the HF directories
         try:
-            save_model(step.model, path, copy_tokenizer_from=tokenizer_dir, state=policy_state)
+            # in the engine's dtype: the trainer's shards may be fp32 masters under a mixed-precision policy
+            save_model(step.model, path, copy_tokenizer_from=tokenizer_dir, state=policy_state,
+                       dtype=next(step.model.parameters()).dtype)
             if step.ref is not None:
                 save_model(step.ref, path / "ref", state=ref_state)
             (path / "rollplex_step.json").write_text(json.dumps({"global_step": step.step_idx}) + "\n")
