@@ -43,7 +43,7 @@ def build(tiny_dir, cfg: RLConfig, rollout: str = "data", memory_cfg=None, group
     ecfg = EngineConfig(max_num_seqs=64, max_model_len=256)
     roll = model
     if rollout.startswith("tensor"):  # "tensor": one engine over the group; "tensor:N": blocks of N ranks;
-        # "tensor:N:strided": engines of every (world / N)-th rank
+        # "tensor:N:strided": engines of every (world / N)-th rank; "tensor+vision": the tower's blocks split too
         from rollplex.parallel import tensor_parallel_copy
 
         world = dist.get_world_size()
@@ -53,7 +53,7 @@ def build(tiny_dir, cfg: RLConfig, rollout: str = "data", memory_cfg=None, group
             block = dist.new_subgroups_by_enumeration(engines)[0]
         else:
             block = None if size == world else dist.new_subgroups(size)[0]
-        roll = tensor_parallel_copy(model, block)
+        roll = tensor_parallel_copy(model, block, vision=rollout.startswith("tensor+vision"))
         ecfg = EngineConfig(max_num_seqs=64, max_model_len=256, tensor_parallel=size)
     engine = Engine(roll, proc, ecfg, memory=mm)
     rl = RLStep(model, engine, cfg, proc, reward_fn=parity_reward, memory=mm, memory_cfg=memory_cfg, group=group,
@@ -189,13 +189,18 @@ def worker(rank: int, world: int, init: str, tiny_dir, rows, cfg: RLConfig, roll
             assert all(ref() is None for ref in rl.whole_text_weights)
             engine_params = dict(rl.engine.model.named_parameters())
             full = rl.policy_state()
-            for n, t in shard_state_dict(full, rl.model.cfg, tp.size, tp.rank).items():
+            vision_tp = rollout.startswith("tensor+vision")
+            for n, t in shard_state_dict(full, rl.model.cfg, tp.size, tp.rank, vision_tp).items():
                 assert torch.equal(engine_params[n], t), n
             # the shared trainer shards are windows of the engine's tensors: what the vision tower (whole in
             # the engine) holds, and with one engine over the group the vocab-parallel embedding shard
             trainer = dict(rl.actor.model.named_parameters())
             one_engine = tp.size == world
-            for n in ("model.embed_tokens.weight", "visual.blocks.0.attn.qkv.weight")[0 if one_engine else 1:]:
+            shared = ["model.embed_tokens.weight"] if one_engine else []
+            shared.append("visual.blocks.0.norm1.weight" if vision_tp else "visual.blocks.0.attn.qkv.weight")
+            if vision_tp:  # a split vision qkv is [q_t; k_t; v_t]: not one window of an FSDP row chunk
+                assert "visual.blocks.0.attn.qkv.weight" not in rl.parallel.weights.shared
+            for n in shared:
                 assert n in rl.parallel.weights.shared, n
                 storage = engine_params[n].untyped_storage()
                 assert local_tensor(trainer[n]).untyped_storage().data_ptr() == storage.data_ptr(), n

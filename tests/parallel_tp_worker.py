@@ -34,12 +34,20 @@ def run(model, prompts, tp: int = 1) -> dict:
     return dict(logits=logits, lens=[len(p.input_ids) for p in prompts], outs=outs)
 
 
-def worker(rank: int, world: int, init: str, tie: bool, prompts, want: dict) -> None:
+def worker(rank: int, world: int, init: str, tie: bool, prompts, want: dict, vision: bool = False) -> None:
     init_group(rank, world, init)
     try:
         cfg = tiny_cfg(tie)
         model = tiny_model(cfg)
-        tp = apply_tensor_parallel(model)
+        tp = apply_tensor_parallel(model, vision=vision)
+        v, blk = cfg.vision, model.visual.blocks[0]
+        if vision:  # the tower's blocks split too: heads, MLP, biases of the column-parallel parts
+            assert blk.attn.num_heads == v.num_heads // world and model.visual._whole is None
+            assert blk.attn.qkv.weight.shape == (3 * v.hidden_size // world, v.hidden_size)
+            assert blk.mlp.down_proj.weight.shape == (v.hidden_size, v.intermediate_size // world)
+            assert blk.attn.proj.bias.shape == (v.hidden_size,)
+        else:
+            assert blk.attn.qkv.weight.shape == (3 * v.hidden_size, v.hidden_size)
         t = cfg.text
         a = model.model.layers[0].self_attn
         kv = max(t.num_key_value_heads // world, 1)

@@ -50,9 +50,13 @@ def test_data_parallel_step_equals_single_process(tmp_path, tiny_dir, world, rl,
     # no rank holds the policy whole: the old logprobs are scored data-parallel on the trainer's shards; a
     # reference held whole is co-scheduled per rank beside the tensor-parallel decode
     (dict(cosched=True, ppo_mini_batches=2), FSDPConfig(shard_reference=False)),
+    # the vision tower's blocks split over the engine's ranks too, its shards rebuilt after each update
+    (dict(vision_tp=True), None),
 ])
 def test_tensor_parallel_rollout_step_equals_single_process(tmp_path, tiny_dir, rl, fsdp):
-    _spawn(tmp_path, tiny_dir, 2, RLConfig(**{**BASE, **rl}), rollout="tensor", fsdp=fsdp)
+    rl = dict(rl)
+    rollout = "tensor+vision" if rl.pop("vision_tp", False) else "tensor"
+    _spawn(tmp_path, tiny_dir, 2, RLConfig(**{**BASE, **rl}), rollout=rollout, fsdp=fsdp)
 
 
 @pytest.mark.slow

@@ -19,11 +19,12 @@ def _prompts():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,tie", [(2, False), (4, True)])
-def test_tp_decode_equals_single_process(tmp_path, world, tie):
+@pytest.mark.parametrize("world,tie,vision", [(2, False, False), (4, True, False),
+                                             (2, False, True)])  # the vision tower's blocks split too
+def test_tp_decode_equals_single_process(tmp_path, world, tie, vision):
     prompts = _prompts()
     want = run(tiny_model(tiny_cfg(tie)), prompts)
-    mp.spawn(worker, args=(world, f"file://{tmp_path}/store", tie, prompts, want), nprocs=world, join=True)
+    mp.spawn(worker, args=(world, f"file://{tmp_path}/store", tie, prompts, want, vision), nprocs=world, join=True)
 
 
 def test_shard_state_dict_cuts_megatron_shards():
@@ -77,11 +78,11 @@ def test_one_rank_group_and_a_later_compile(tmp_path):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_sharing_plan_rollout_regions_are_the_engines_shards(tie):
+@pytest.mark.parametrize("tie,vision", [(False, False), (True, False), (False, True)])
+def test_sharing_plan_rollout_regions_are_the_engines_shards(tie, vision):
     # what the sharing plan (rollplex.weights) calls a rank's rollout shard, and so what its memory
     # tables count, is the tensor the tensor-parallel engine holds: every parameter, TP 2 and 4 (4 ranks
-    # replicate each KV head twice), the vision tower whole
+    # replicate each KV head twice), the vision tower whole or (TP 2: its 2 heads) split
     from rollplex.weights import RolloutLayout, model_specs
     from rollplex.weights.storage import cut
 
@@ -89,11 +90,11 @@ def test_sharing_plan_rollout_regions_are_the_engines_shards(tie):
     full = {n: p.detach() for n, p in tiny_model(cfg).named_parameters()}
     specs = model_specs(cfg)
     assert {s.name for s in specs} == set(full)
-    for tp in (2, 4):
+    for tp in (2,) if vision else (2, 4):
         for rank in range(tp):
-            engine = shard_state_dict(full, cfg, tp, rank)
+            engine = shard_state_dict(full, cfg, tp, rank, vision)
             for s in specs:
-                region = RolloutLayout(tp).region(s, rank)
+                region = RolloutLayout(tp, vision_tp=vision).region(s, rank)
                 want = cut(full[s.name], region)[: region.rows]
                 assert engine[s.name].numel() == want.numel(), (tp, rank, s.name)
                 assert torch.equal(engine[s.name].reshape(want.shape), want), (tp, rank, s.name)

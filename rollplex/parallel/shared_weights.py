@@ -76,13 +76,14 @@ class SharedWeights:
             raise ValueError("the trainer's FSDP parameters are not the policy's")
         tp = getattr(rollout.model, "tensor_parallel", None)
         self.tp = 1 if tp is None else tp.size
+        vision_tp = getattr(rollout.visual, "tensor_parallel", None) is not None  # the tower's blocks sharded
         trainer_dtype = next(iter(fps.values())).sharded_param.dtype
         same_dtype = all(p.dtype == trainer_dtype for p in rollout_params.values())
         specs = model_specs(source.cfg, [(n, tuple(p.shape)) for n, p in source_params.items()])
         # only the shares that are windows of the engine's tensors as they are (`realised`); whether a
         # rank realises its share is decided from the layouts alone, so every rank knows every rank's plan
         slots = tuple(range(self.world)) if slot_of is None else tuple(slot_of)
-        self.plan = realised(plan(specs, TrainLayout(fsdp=self.world), RolloutLayout(tp=self.tp),
+        self.plan = realised(plan(specs, TrainLayout(fsdp=self.world), RolloutLayout(self.tp, vision_tp),
                                   share=share and same_dtype, mapping=Mapping("engines", slots, None)))
         self.rollout: dict[str, torch.Tensor] = {}  # the engine's tensor as [rows, width] of its region
         self.train: dict[str, torch.Tensor] = {}  # the FSDP2 shard's padded storage as [rows + pad, width]

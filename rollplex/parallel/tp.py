@@ -10,7 +10,9 @@
     embed_tokens    vocab-parallel (`VocabParallelEmbedding`: the rank's rows, all-reduce of the lookup)
     lm_head         vocab-parallel; `model.logits` all-gathers the rank's logits into the full vocabulary,
                     `model.local_logits` keeps the rank's rows (tp_sampler.py samples from them)
-    norms, vision   replicated (the vision tower runs whole on every rank)
+    norms, vision   replicated (the vision tower runs whole on every rank); with `vision=True` the
+                    vision blocks are split the same way (qkv and gate_up column-, proj and down
+                    row-parallel, their biases added after the all-reduce)
 
 The cut is `rollplex.weights`' rollout layout (`RolloutLayout`, Megatron order), so a TP shard is
 exactly the tensor the weight-sharing planner plans for; `shard_state_dict` is the state-dict
@@ -68,15 +70,17 @@ class TensorParallel:
         return torch.cat(parts, dim=-1)
 
 
-def shard_state_dict(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, rank: int) -> dict[str, torch.Tensor]:
+def shard_state_dict(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, rank: int,
+                     vision: bool = False) -> dict[str, torch.Tensor]:
     """This TP rank's tensor of every parameter in `full` (names as in `Qwen25VL.named_parameters`):
-    the rollout layout's shard, shaped like the parameter with its split dim cut."""
-    layout = RolloutLayout(tp)
+    the rollout layout's shard, shaped like the parameter with its split dim cut; the vision tower's
+    blocks too when `vision`."""
+    layout = RolloutLayout(tp, vision_tp=vision)
     specs = {s.name: s for s in model_specs(cfg)}
     out = {}
     for name, t in full.items():
         spec = specs[name]
-        if spec.tp_dim is None or tp == 1 or spec.tower == "vision":  # whole on every rank
+        if spec.tp_dim is None or tp == 1 or (spec.tower == "vision" and not vision):  # whole on every rank
             out[name] = t
             continue
         region = layout.region(spec, rank)
@@ -116,28 +120,31 @@ def _tp_post_attention(tp: TensorParallel):
     return post
 
 
-def tensor_parallel_copy(model: Qwen25VL, group: dist.ProcessGroup | None = None) -> Qwen25VL:
+def tensor_parallel_copy(model: Qwen25VL, group: dist.ProcessGroup | None = None, vision: bool = False) -> Qwen25VL:
     """This rank's tensor-parallel shard of `model` as a new model beside it. Every parameter the shard
-    keeps whole (the vision tower, the norms) is `model`'s own tensor: stored once, kept current by
-    whatever updates `model`. The text shards (q/k/v, o, gate/up, down, the vocab shards of the
-    embedding and LM head) are new tensors that own their storage, so the whole text decoder is freed
-    once the caller drops `model` (the data-parallel RL step keeps no reference to it)."""
+    keeps whole (the norms; the vision tower unless `vision`) is `model`'s own tensor: stored once, kept
+    current by whatever updates `model`. The shards (q/k/v, o, gate/up, down, the vocab shards of the
+    embedding and LM head; with `vision` the vision blocks' too) are new tensors that own their storage,
+    so they are freed once the caller drops `model` (the data-parallel RL step keeps no reference to it)."""
     tp_model = copy.deepcopy(model, {id(p): p for p in model.parameters()})
-    apply_tensor_parallel(tp_model, group)
+    apply_tensor_parallel(tp_model, group, vision)
     return tp_model
 
 
-def apply_tensor_parallel(model: Qwen25VL, group: dist.ProcessGroup | None = None) -> TensorParallel:
-    """Shard the text decoder of `model` (the same full weights on every rank of `group`) in place;
-    returns the TP group description. The model then runs its usual methods (prefix, forward, the
-    engine's prefill and decode) with collectives inside and full logits out."""
+def apply_tensor_parallel(model: Qwen25VL, group: dist.ProcessGroup | None = None,
+                          vision: bool = False) -> TensorParallel:
+    """Shard the text decoder of `model` (the same full weights on every rank of `group`) in place, and
+    with `vision` the vision tower's blocks (heads and MLP split as in the decoder; patch embed, norms,
+    merger and the proj / down biases whole); returns the TP group description. The model then runs
+    its usual methods (prefix, forward, the engine's prefill and decode) with collectives inside and
+    full logits out."""
     tp = TensorParallel.of(group)
     text, cfg = model.model, model.cfg.text
     if getattr(text, "tensor_parallel", None) is not None:
         raise ValueError("the model is already tensor-parallel")
-    names = [n for n, p in model.named_parameters() if not n.startswith("visual.")]
+    names = [n for n, p in model.named_parameters() if vision or not n.startswith("visual.")]
     params = dict(model.named_parameters())
-    local = shard_state_dict({n: params[n].detach() for n in names}, model.cfg, tp.size, tp.rank)
+    local = shard_state_dict({n: params[n].detach() for n in names}, model.cfg, tp.size, tp.rank, vision)
     for name, t in local.items():
         if name == "model.embed_tokens.weight" or t.shape == params[name].shape:
             continue  # a replicated parameter (a norm) stays the tensor it is
@@ -162,4 +169,36 @@ def apply_tensor_parallel(model: Qwen25VL, group: dist.ProcessGroup | None = Non
     model.logits = lambda hidden: tp.gather_last(head(hidden))
     model.local_logits = head  # this rank's vocabulary rows only (a vocab-parallel sampler's input)
     text.tensor_parallel = tp  # what the engine reads to all-reduce its own decode layer's outputs
+    if vision:
+        _shard_vision_blocks(model.visual, model.cfg.vision.num_heads, tp)
     return tp
+
+
+def _tp_vision_post(tp: TensorParallel):
+    """`models.vision._post_attention` over row-parallel proj / down shards: each output is all-reduced,
+    then its (whole) bias added, before it joins the residual stream."""
+
+    def post(x, attn, proj_w, proj_b, norm_w, gate_up_w, gate_up_b, down_w, down_b):
+        x = x + tp.reduce(F.linear(attn.flatten(1), proj_w)) + proj_b
+        gate, up = F.linear(rms_norm(x, norm_w, 1e-6), gate_up_w, gate_up_b).chunk(2, dim=-1)
+        return x + tp.reduce(F.linear(F.silu(gate) * up, down_w)) + down_b
+
+    return post
+
+
+def _shard_vision_blocks(vis, num_heads: int, tp: TensorParallel) -> None:
+    """The vision tower runs its blocks over this rank's heads and MLP shard: the attention modules get
+    the rank's head count, the tower's `_post` slot the reducing math, and the fused whole-block slot is
+    off (its graph has no collective); a later `compile()` keeps both."""
+    for blk in vis.blocks:
+        blk.attn.num_heads = num_heads // tp.size
+    post = vis._post = _tp_vision_post(tp)
+    vis._whole = None
+
+    def compile_keeping_tp(**kwargs):
+        type(vis).compile(vis, **kwargs)
+        vis._post, vis._whole = post, None
+        return vis
+
+    vis.compile = compile_keeping_tp
+    vis.tensor_parallel = tp  # the tower's blocks are sharded (the weight-sharing plan reads it)

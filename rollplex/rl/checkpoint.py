@@ -131,7 +131,9 @@ def _load_into(model, path: Path) -> dict[str, torch.Tensor]:
         from ..parallel.tp import shard_state_dict
 
         own_names = set(model.state_dict())
-        state = shard_state_dict({k: v for k, v in state.items() if k in own_names}, model.cfg, tp.size, tp.rank)
+        vision = getattr(model.visual, "tensor_parallel", None) is not None
+        state = shard_state_dict({k: v for k, v in state.items() if k in own_names}, model.cfg, tp.size, tp.rank,
+                                 vision)
     with torch.no_grad():
         own = model.state_dict()
         missing = set(own) - set(state)

@@ -92,8 +92,9 @@ class RLStep:
         None: this process alone. Data-parallel, `model`
         holds the full weights on every rank and the engine decodes it, or this rank's tensor-parallel
         shard of it (`parallel.tensor_parallel_copy`) over the group or over engine groups that partition
-        it (`parallel.new_rollout_group`); then `self.model` is that shard, and `model` is read only here (drop it to free the whole
-        weights). fsdp: the trainer's and reference's `parallel.FSDPConfig`."""
+        it (`parallel.new_rollout_group`); then `self.model` is that shard, and `model` is read only
+        here (drop it to free the whole weights). fsdp: the trainer's and reference's
+        `parallel.FSDPConfig`."""
         if group == "auto":  # a group of one has nothing to split: the single-process step, without FSDP's copies
             group = (dist.group.WORLD if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
                      else None)
