@@ -54,7 +54,8 @@ def build(tiny_dir, cfg: RLConfig, rollout: str = "data", memory_cfg=None, group
         else:
             block = None if size == world else dist.new_subgroups(size)[0]
         roll = tensor_parallel_copy(model, block, vision=rollout.startswith("tensor+vision"))
-        ecfg = EngineConfig(max_num_seqs=64, max_model_len=256, tensor_parallel=size)
+        ecfg = EngineConfig(max_num_seqs=64, max_model_len=256, tensor_parallel=size,
+                            tensor_parallel_vision=rollout.startswith("tensor+vision"))
     engine = Engine(roll, proc, ecfg, memory=mm)
     rl = RLStep(model, engine, cfg, proc, reward_fn=parity_reward, memory=mm, memory_cfg=memory_cfg, group=group,
                 cosched=EAGER if cfg.cosched else None, fsdp=fsdp)

@@ -21,11 +21,11 @@ def sampling() -> list[SamplingParams]:
             SamplingParams(max_new_tokens=8, temperature=0.8, n=2, seed=11, ignore_eos=True)]
 
 
-def run(model, prompts, tp: int = 1) -> dict:
-    """Prefill logits of the prompts and the engine's outputs under both sampling settings."""
+def run(model, prompts, tp: int = 1, vision: bool = False) -> dict:
+    """Prefill logits of the prompts and the engine's outputs under every sampling setting."""
     with torch.no_grad():
         logits = model(prompts)
-    engine = Engine(model, None, EngineConfig(tensor_parallel=tp, **ENGINE))
+    engine = Engine(model, None, EngineConfig(tensor_parallel=tp, tensor_parallel_vision=vision, **ENGINE))
     outs = {}
     for i, sp in enumerate(sampling()):
         res = engine.generate(prompts, sp)
@@ -55,7 +55,7 @@ def worker(rank: int, world: int, init: str, tie: bool, prompts, want: dict, vis
         assert a.qkv_proj.weight.shape == ((a.num_heads + 2 * kv) * t.head_dim, t.hidden_size)
         assert model.model.layers[0].mlp.down_proj.weight.shape == (t.hidden_size, t.intermediate_size // world)
         assert model.head_weight.shape == (t.vocab_size // world, t.hidden_size) and tp.size == world
-        got = run(model, prompts, tp=world)
+        got = run(model, prompts, tp=world, vision=vision)
         check_vocab_parallel_sampler(model, tp)
         for b, n in enumerate(want["lens"]):
             err = (got["logits"][b, :n] - want["logits"][b, :n]).abs().max().item()

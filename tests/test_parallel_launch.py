@@ -75,9 +75,10 @@ def test_torchrun_step_check_and_bench_on_cpu(tiny_dir):
 
 @pytest.mark.slow
 def test_torchrun_step_check_with_tensor_parallel_rollout_groups(tiny_dir):
-    # 2 ranks, one 2-rank tensor-parallel engine for the data-parallel paths, both trainer layouts
+    # 2 ranks, one 2-rank tensor-parallel engine (its vision tower split too) for the data-parallel paths,
+    # both trainer layouts
     out = _run(2, "step", "--check", "--device", "cpu", "--preset", str(tiny_dir), "--check-tokens", "8",
-               "--image-size", "56", "--text-tokens", "16", "--rollout-tp", "2",
+               "--image-size", "56", "--text-tokens", "16", "--rollout-tp", "2", "--vision-tp",
                "--paths", "single,parallel,parallel-copy")
     check = next(json.loads(x) for x in out.splitlines() if x.startswith('{"bench": "dp_step_check"'))
     assert check["paths"] == ["parallel", "parallel-copy"] and check["passed"] and check["tokens_equal"], check

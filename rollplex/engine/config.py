@@ -56,10 +56,15 @@ class EngineConfig:
     # all-reduces of [B] and an all-gather of [3, B]) instead of gathering the [B, V] logits; a batch
     # with top-k / top-p / min-p rows gathers them anyway. False: always gather
     vocab_parallel_sampling: bool = True
+    # the model's vision tower blocks are split over the tensor-parallel ranks too
+    # (apply_tensor_parallel(vision=True)); False: the tower runs whole on every rank
+    tensor_parallel_vision: bool = False
 
     def __post_init__(self):
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if self.tensor_parallel_vision and self.tensor_parallel == 1:
+            raise ValueError("tensor_parallel_vision needs tensor_parallel > 1")
         if self.block_size not in (None, 16, 32, 64):
             raise ValueError("block_size must be 16, 32, 64 or None (chosen per device)")
         if not 0.05 <= self.gpu_memory_utilization <= 0.98:

@@ -50,6 +50,10 @@ def _tensor_parallel(model: Qwen25VL, cfg: EngineConfig):
     if size != cfg.tensor_parallel:
         raise ValueError(f"EngineConfig.tensor_parallel={cfg.tensor_parallel}, but the model is split over {size} "
                          "rank(s) (rollplex.parallel.apply_tensor_parallel)")
+    vision = getattr(model.visual, "tensor_parallel", None) is not None
+    if vision != cfg.tensor_parallel_vision:
+        raise ValueError(f"EngineConfig.tensor_parallel_vision={cfg.tensor_parallel_vision}, but the model's vision "
+                         f"tower is {'split' if vision else 'whole'} (apply_tensor_parallel(vision=...))")
     return tp
 
 

@@ -20,7 +20,7 @@ from ..models import ModelConfig
 from ..weights import engine_mapping, model_specs
 
 
-def best_rollout_groups(cfg: ModelConfig, world: int, tp: int) -> list[list[int]]:
+def best_rollout_groups(cfg: ModelConfig, world: int, tp: int, vision: bool = False) -> list[list[int]]:
     """The ranks of each rollout engine of `tp` ranks over `world` ranks, each group in TP-rank order,
     that let the trainer's FSDP2 shards share the most of the engines' tensors (torch-free planning on
     the model's shapes: `weights.engine_mapping`)."""
@@ -28,7 +28,7 @@ def best_rollout_groups(cfg: ModelConfig, world: int, tp: int) -> list[list[int]
         raise ValueError(f"rollout TP {tp} does not divide the world size {world}")
     if tp in (1, world):  # one engine per rank, or one over all ranks: nothing to choose
         return [list(range(g * tp, (g + 1) * tp)) for g in range(world // tp)]
-    return groups_of(engine_mapping(model_specs(cfg), world, tp).slot_of, tp)
+    return groups_of(engine_mapping(model_specs(cfg), world, tp, vision_tp=vision).slot_of, tp)
 
 
 def groups_of(slot_of: tuple[int, ...], tp: int) -> list[list[int]]:
@@ -39,15 +39,17 @@ def groups_of(slot_of: tuple[int, ...], tp: int) -> list[list[int]]:
     return out
 
 
-def new_rollout_group(cfg: ModelConfig, tp: int, group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
+def new_rollout_group(cfg: ModelConfig, tp: int, group: dist.ProcessGroup | None = None,
+                      vision: bool = False) -> dist.ProcessGroup | None:
     """This rank's engine group of `tp` ranks over `group` (default: the default group), formed by
-    `best_rollout_groups`; None when one engine spans the whole group (pass it as is). A collective:
-    every rank of the default group calls it (torch creates every group on every rank)."""
+    `best_rollout_groups` (`vision`: the engines split the vision tower's blocks too); None when one
+    engine spans the whole group (pass it as is). A collective: every rank of the default group calls
+    it (torch creates every group on every rank)."""
     world = dist.get_world_size(group)
     if tp == world:
         return None
     ranks = [[dist.get_global_rank(group, r) if group is not None else r for r in g]
-             for g in best_rollout_groups(cfg, world, tp)]
+             for g in best_rollout_groups(cfg, world, tp, vision)]
     mine, _ = dist.new_subgroups_by_enumeration(ranks)
     return mine
 

@@ -25,7 +25,8 @@ step through `RLStep`'s data-parallel path (parallel/colocated.py) against the s
           A data-parallel path may carry FSDPConfig fields after a colon, `;`-separated
           (`parallel:layers_per_unit=4`): the same step with other FSDP2 settings, side by side.
 --rollout-tp N   the data-parallel paths roll out with tensor-parallel engines of N ranks, grouped for
-          weight sharing (`new_rollout_group`; data-parallel rollout groups; N = the world size: one engine).
+          weight sharing (`new_rollout_group`; data-parallel rollout groups; N = the world size: one engine);
+          `--vision-tp` splits the vision tower's blocks over them too.
 
 On CPU (`--device cpu`) everything runs over gloo in fp32 with the same code, for tiny shapes:
 `--preset tiny` (the embedded tiny checkpoint's shapes) or a checkpoint directory. Rewards are random
@@ -281,7 +282,9 @@ def main(argv=None) -> None:
     ap.add_argument("--train-ranks", type=int, default=0,
                     help="disaggregated path: trainer ranks (default: half the world); the rest roll out")
     ap.add_argument("--rollout-tp", type=int, default=1,
-                    help="data-parallel paths roll out with tensor-parallel engines over blocks of this many ranks")
+                    help="data-parallel paths roll out with tensor-parallel engines of this many ranks")
+    ap.add_argument("--vision-tp", action="store_true",
+                    help="with --rollout-tp > 1: the engines split the vision tower's blocks too")
     ap.add_argument("--profile", action="store_true",
                     help="one more, untimed step per path with its update profiled (GPU time by kernel family)")
     ap.add_argument("--check-layers", type=int, default=2, help="decoder layers and vision blocks of the check")

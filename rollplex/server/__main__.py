@@ -66,6 +66,8 @@ HELP = {
     "share_policy_storage": "the trainer's shards are windows of the policy's tensors (no second copy)",
     "shard_reference": "the frozen reference sharded by FSDP2; --no-shard-reference keeps it whole on every rank",
     "layers_per_unit": "decoder layers / vision blocks per FSDP unit: fewer, larger gathers and less hook time",
+    "tensor_parallel_vision": "under --tensor-parallel, split the vision tower's blocks over the engine's ranks too "
+                              "(default: the tower runs whole on every rank)",
     "vocab_parallel_sampling": "under --tensor-parallel, decode draws from each rank's vocabulary shard instead of "
                                "gathering the [B, V] logits (batches with top-k/top-p/min-p gather them anyway)",
     "reduce_every_pass": "reduce-scatter gradients after every micro-batch; --no-reduce-every-pass: once per "

@@ -205,7 +205,8 @@ class ServerState:
 
             # engines of tp ranks, grouped for weight sharing (every rank creates every engine's group, in
             # the same order); the weight sync rewrites the shards, the vision tower is the policy's
-            decoded = tensor_parallel_copy(self.model, new_rollout_group(self.model.cfg, tp))
+            vision = cfg.engine.tensor_parallel_vision
+            decoded = tensor_parallel_copy(self.model, new_rollout_group(self.model.cfg, tp, vision=vision), vision)
         if self.model.inv_freq.is_cuda:  # the server owns the model: its training and prefill run compiled
             self.model.compile()  # lazy: the engine's warm-up prefill below compiles
             if decoded is not self.model:

@@ -122,7 +122,8 @@ def realised(model_plan: ModelPlan) -> ModelPlan:
     return replace(model_plan, plans=plans)
 
 
-def engine_mapping(specs: Sequence[ParamSpec], world: int, tp: int, share: bool = True) -> Mapping:
+def engine_mapping(specs: Sequence[ParamSpec], world: int, tp: int, share: bool = True,
+                   vision_tp: bool = False) -> Mapping:
     """The rank mapping a colocated runtime can realise with FSDP over every rank (rank r holds chunk r)
     and rollout engines of `tp` ranks it may group freely (a rank's TP rank is its position in its
     engine's group): the digit interleaving of (g, t) into the rank that shares the most under
@@ -130,7 +131,7 @@ def engine_mapping(specs: Sequence[ParamSpec], world: int, tp: int, share: bool 
     best, best_shared = None, -1
     for name, slot_of in interleavings(world, tp):  # consecutive engines first
         m = Mapping(name, slot_of, None)
-        p = realised(plan(specs, TrainLayout(fsdp=world), RolloutLayout(tp), share=share, mapping=m))
+        p = realised(plan(specs, TrainLayout(fsdp=world), RolloutLayout(tp, vision_tp), share=share, mapping=m))
         shared = sum(p.counts[sig] * q.shared_numel for sig, per_rank in p.plans.items() for q in per_rank)
         if shared > best_shared:
             best, best_shared = m, shared
