@@ -55,18 +55,19 @@ def test_data_parallel_step_equals_single_process(tmp_path, tiny_dir, world, rl,
 ])
 def test_tensor_parallel_rollout_step_equals_single_process(tmp_path, tiny_dir, rl, fsdp):
     rl = dict(rl)
-    rollout = "tensor+vision" if rl.pop("vision_tp", False) else "tensor"
-    _spawn(tmp_path, tiny_dir, 2, RLConfig(**{**BASE, **rl}), rollout=rollout, fsdp=fsdp)
+    vision = rl.pop("vision_tp", False)
+    _spawn(tmp_path, tiny_dir, 2, RLConfig(**{**BASE, **rl}), rollout="tensor+vision" if vision else "tensor",
+           steps=1 if vision else 2, fsdp=fsdp)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rollout,rl", [("tensor:2", dict(ppo_mini_batches=2)),
-                                        ("tensor:2", dict(freeze_vision_tower=True)),
+@pytest.mark.parametrize("rollout,rl", [("tensor:2", dict(freeze_vision_tower=True)),
                                         ("tensor:2:strided", dict(ppo_mini_batches=2))])
 def test_rollout_groups_of_tensor_parallel_engines(tmp_path, tiny_dir, rollout, rl):
     # 4 ranks, two rollout groups of 2: each group's engines decode half the prompts with their shards
     # (frozen: the encodings of the other group's prompts are not on this rank, so the towers run); the
-    # groups are consecutive blocks or strided ({0, 2}, {1, 3}: rank 1 is the second engine's TP rank 0)
+    # groups are consecutive blocks or strided ({0, 2}, {1, 3}: rank 1 is the second engine's TP rank 0;
+    # with two mini-batches)
     _spawn(tmp_path, tiny_dir, 4, RLConfig(**{**BASE, **rl}), rollout=rollout)
 
 

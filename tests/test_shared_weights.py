@@ -48,8 +48,7 @@ def test_trainer_shards_live_in_the_policy(tmp_path, world, tie):
 @pytest.mark.parametrize("world,tp,tie,best", [
     (2, 2, False, False),  # one engine over both ranks
     (4, 4, True, False),  # tied embeddings; KV heads replicated over the TP ranks (2 of them, TP 4)
-    (4, 2, False, False),  # two rollout engines of 2 consecutive ranks
-    (4, 2, False, True),  # the engines chosen for sharing: ranks {0, 2} and {1, 3}
+    (4, 2, False, True),  # two engines of 2, chosen for sharing: ranks {0, 2} and {1, 3}
 ])
 def test_trainer_shards_live_in_the_tensor_parallel_engine(tmp_path, world, tp, tie, best):
     mp.spawn(tp_worker, args=(world, f"file://{tmp_path}/store", tp, tie, best), nprocs=world, join=True)
