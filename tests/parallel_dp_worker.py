@@ -9,6 +9,7 @@ from parallel_helpers import init_group, rollout_batch, tiny_cfg, tiny_model
 from torch.distributed.device_mesh import init_device_mesh
 
 from rollplex.parallel import DataParallelActor, FSDPConfig, full_state_dict, full_tensor
+from rollplex.parallel.fsdp import can_call_directly
 from rollplex.rl.config import RLConfig
 
 
@@ -26,14 +27,15 @@ def worker(rank: int, world: int, init: str, rl: RLConfig, fsdp: FSDPConfig, tie
         hooked = [0]  # passes expected through FSDP2's hooks (module calls of a layer)
         passes = actor.dp.passes
 
-        def recording(local, mode, plan):
-            out = passes(local, mode, plan)
+        def recording(local, mode, plan, **kw):
+            out = passes(local, mode, plan, **kw)
             once = actor.dp._accumulate if torch.is_grad_enabled() else len(out) > 1 and actor.dp._scoring_left > 0
             if len(out) > 1:
                 (accumulated if torch.is_grad_enabled() else kept).append(once)
-            # with every unit gathered the passes skip the hooks; a reduce once per mini-batch runs one more
-            # pass through them (the dummy)
-            hooked[0] += (int(torch.is_grad_enabled()) if once else len(out))
+            # with every unit gathered the passes skip the hooks, and a reduce once per mini-batch reduce-scatters
+            # without them; under a mixed-precision policy the passes and that reduce (one more, dummy pass) use them
+            through = not can_call_directly(fsdp)
+            hooked[0] += (len(out) + int(torch.is_grad_enabled()) if through else 0) if once else len(out)
             return out
 
         module_calls = [0]
@@ -58,18 +60,18 @@ def worker(rank: int, world: int, init: str, rl: RLConfig, fsdp: FSDPConfig, tie
         assert (len(kept) > 0) == (rl.num_updates > 1) and set(kept) <= {refuse_on is None}, kept
         assert module_calls[0] == hooked[0], (module_calls, hooked)
         assert isinstance(model.model.layers[0].self_attn.qkv_proj.weight, torch.distributed.tensor.DTensor)
-        for k, v in want["metrics"].items():
-            assert abs(metrics[k] - v) <= 1e-5 * max(1.0, abs(v)), (k, metrics[k], v)
-        assert (first - want["first"]).abs().max() <= 1e-5
         assert len(grads) == len(want["grads"])
         for mine, ref_g in zip(grads, want["grads"]):
             assert mine.keys() == ref_g.keys()
             for n, g in ref_g.items():
                 rel = ((mine[n] - g).norm() / g.norm().clamp_min(1e-12)).item()
                 assert rel <= 1e-5, (n, rel)
+        assert (first - want["first"]).abs().max() <= 1e-5
         for n, w in want["weights"].items():
             err = (weights[n] - w).abs().max().item()
             assert err <= 1e-5, (n, err)
+        for k, v in want["metrics"].items():
+            assert abs(metrics[k] - v) <= 1e-5 * max(1.0, abs(v)), (k, metrics[k], v)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -27,7 +27,7 @@ largest pass fits its device (`DataParallel.fits`: the activation estimate of th
 against free memory); if one does not, every rank raises `CollectiveOOM` at that point and the
 update's OOM ladder halves the micro-batches on all ranks together. When a mini-batch's gradients
 are reduced once (`FSDPConfig.reduce_every_pass`), its units are gathered before its first pass and
-reduced by one more dummy pass after its last, so its passes run no collective: an OOM inside one is
+reduced after its last (`end_passes`), so its passes run no collective: an OOM inside one is
 deferred (`defer_oom`), the ranks agree before the reduce (`end_passes`) and all raise CollectiveOOM.
 Where gradients are reduced after every pass, an OOM inside a pass cannot be retried with more than
 one rank (the others wait in the pass's collectives): the update raises TrainOOM on that rank. With
@@ -182,8 +182,8 @@ class DataParallel:
         if misfit:
             raise CollectiveOOM("a data-parallel rank's micro-batch would not fit its device memory")
         every = self.fsdp.reduce_every_pass
-        # a mini-batch of one pass too: its reduce then costs one dummy pass more, and an OOM inside its
-        # pass is deferred like any other's rather than fatal
+        # a mini-batch of one pass too: an OOM inside its pass is then deferred like any other's rather
+        # than fatal
         self._accumulate = grad and K >= 1 and (every is False or (every is None and not no_accumulate))
         if grad and K > 1:
             self._reduces[0 if self._accumulate else 1] += 1
@@ -262,22 +262,31 @@ class DataParallel:
         """After a mini-batch's passes: where they accumulated unsharded gradients, every rank learns
         whether some rank's pass ran out of memory (one all-reduce). If one did, every rank drops its
         gradients and raises CollectiveOOM, so all back off together; otherwise the gradients are
-        reduce-scattered by one more pass, over a one-token dummy prompt with a zero loss (`forward(mb)`
-        returns its logprobs): its backward adds exact zeros and reduces every unit."""
+        reduce-scattered into the shards: past FSDP2's hooks where the passes were (`reduce_gathered`),
+        or by one more pass through them, over a one-token dummy prompt with a zero loss (`forward(mb)`
+        returns its logprobs), whose backward adds exact zeros and reduces every unit."""
         if not (self._accumulate and self._began):
             return
-        failed = torch.tensor([int(self._failed)], device=self.device)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
+        direct = fsdp_mod.can_call_directly(self.fsdp)
+        # with the passes past the hooks, which gradients exist on some rank rides on the same collective
+        present = [g is not None for g in fsdp_mod.gathered_grads(model)] if direct else []
+        flags = torch.tensor([int(self._failed), *present], dtype=torch.uint8, device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        flags = flags.tolist()
         self._began = False
-        if failed.item():
+        if flags[0]:
             fsdp_mod.drop_unsharded_grads(model)
             fsdp_mod.set_accumulating(model, False, self.fsdp)
             self._open = False
             raise CollectiveOOM("a data-parallel rank ran out of device memory inside a pass of the mini-batch")
-        model.set_requires_gradient_sync(True)
-        model.set_reshard_after_backward(True)
-        dummy = with_dummy(None, dummy_prompt(self.model_cfg, False))
-        (sharded_call(model, forward, dummy).sum() * 0.0).backward()
+        if direct:  # reduce-scattered directly, one collective per unit
+            fsdp_mod.reduce_gathered(model, [bool(x) for x in flags[1:]], self.group)
+            fsdp_mod.set_accumulating(model, False, self.fsdp)
+        else:  # the hooks hold the gradients (in the reduce dtype): their own reduce, in one more pass
+            model.set_requires_gradient_sync(True)
+            model.set_reshard_after_backward(True)
+            dummy = with_dummy(None, dummy_prompt(self.model_cfg, False))
+            (sharded_call(model, forward, dummy).sum() * 0.0).backward()
         fsdp_mod.keep_gathered(model, False, self.fsdp)  # each unit back to its own resharding, freed
         self._open = False
 

@@ -36,6 +36,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
@@ -73,8 +74,8 @@ class FSDPConfig:
     # means fewer, larger collectives and more gathered parameters resident at once
     layers_per_unit: int = 1
     # False: every unit is gathered before a mini-batch's first pass and stays gathered, its passes
-    # accumulate unsharded gradients, and one more pass (a one-token dummy, zero loss) reduce-scatters
-    # them after its last (DDP's no_sync): one gather and one reduce per unit and mini-batch instead of
+    # accumulate unsharded gradients, and they are reduce-scattered after its last (DDP's no_sync;
+    # `reduce_gathered`): one gather and one reduce per unit and mini-batch instead of
     # per pass, and passes that run no collective, at the cost of an unsharded copy of the parameters
     # and of their gradients while the mini-batch runs. None:
     # False for a mini-batch when that copy and its largest pass fit every rank's free device memory
@@ -216,6 +217,61 @@ def drop_unsharded_grads(model: nn.Module) -> None:
             if unsharded is not None:
                 unsharded.grad = None
         u.reshard()
+
+
+def gathered_grads(model: nn.Module) -> list[torch.Tensor | None]:
+    """The gradients passes past the hooks accumulated into the gathered parameters, one entry per
+    parameter of every unit (units in order, the root last; None: no pass touched it here)."""
+    return [fp._unsharded_param.grad for u in units(model) for fp in unit_params(u)]
+
+
+def reduce_gathered(model: nn.Module, present: list[bool], group) -> None:
+    """Reduce-scatter what `gathered_grads` holds into the sharded parameters' gradients (summed over the
+    ranks; a sharded gradient already there is added to) and free it: one collective per unit and dtype
+    instead of a pass through FSDP2's hooks. `present[i]`: whether some rank has gradient i (every rank
+    passes the same list, agreed beforehand); where this rank has none, it sends zeros. The shards are
+    FSDP2's (`Shard(0)`, chunks of ceil(rows / world) rows), laid out as its own reduce-scatter lays them
+    (`torch._chunk_cat`). One rank: the sum over one rank is the gradient itself, kept as the shard."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    i = 0
+    for u in units(model):
+        todo: dict[torch.dtype, list] = {}
+        for fp in unit_params(u):
+            if present[i]:
+                full = fp._unsharded_param
+                g = full.grad if full.grad is not None else torch.zeros_like(full)
+                todo.setdefault(g.dtype, []).append((fp, g))
+            i += 1
+        for dtype in sorted(todo, key=str):  # the same collectives in the same order on every rank
+            pairs = todo[dtype]
+            if world == 1:
+                locals_ = [g for _, g in pairs]
+            else:
+                inp = torch._chunk_cat([g for _, g in pairs], 0, world)  # [world, sum of padded chunks]
+                out = torch.empty(inp.shape[1], dtype=dtype, device=inp.device)
+                dist.reduce_scatter_tensor(out, inp.view(-1), group=group)
+                locals_, off = [], 0
+                for _, g in pairs:
+                    rows = g.shape[0]
+                    chunk = -(-rows // world)
+                    n = chunk * (g.numel() // rows if rows else 0)
+                    mine = max(0, min(chunk, rows - rank * chunk))
+                    locals_.append(out[off : off + n].view(chunk, *g.shape[1:])[:mine])
+                    off += n
+            for (fp, _), local in zip(pairs, locals_):
+                sp = fp.sharded_param
+                grad = DTensor.from_local(local, sp.device_mesh, sp.placements, run_check=False, shape=sp.shape,
+                                          stride=sp.stride())
+                if sp.grad is None:
+                    sp.grad = grad
+                else:
+                    sp.grad += grad
+                # what autograd (and FSDP2's own reduce) runs once a parameter's gradient is accumulated: the
+                # optimizer learns which parameters a mini-batch touched from these
+                for hook in (getattr(sp, "_post_accumulate_grad_hooks", None) or {}).values():
+                    hook(sp)
+                fp._unsharded_param.grad = None
+    assert i == len(present), "one presence flag per parameter of the units"
 
 
 def set_checkpointing(model: Qwen25VL, decoder: bool, vision: bool) -> None:
