@@ -76,13 +76,15 @@ def test_torchrun_step_check_and_bench_on_cpu(tiny_dir):
 @pytest.mark.slow
 def test_torchrun_step_check_with_tensor_parallel_rollout_groups(tiny_dir):
     # 2 ranks, one 2-rank tensor-parallel engine (its vision tower split too) for the data-parallel paths,
-    # both trainer layouts
+    # both trainer layouts; the reference's prefixes co-scheduled (the sharded reference's as a lockstep sweep)
     out = _run(2, "step", "--check", "--device", "cpu", "--preset", str(tiny_dir), "--check-tokens", "8",
-               "--image-size", "56", "--text-tokens", "16", "--rollout-tp", "2", "--vision-tp",
+               "--image-size", "56", "--text-tokens", "16", "--rollout-tp", "2", "--vision-tp", "--cosched",
                "--paths", "single,parallel,parallel-copy")
     check = next(json.loads(x) for x in out.splitlines() if x.startswith('{"bench": "dp_step_check"'))
     assert check["paths"] == ["parallel", "parallel-copy"] and check["passed"] and check["tokens_equal"], check
     assert check["weights_moved"] and check["max_rel_grad_diff"] <= 1e-5, check
+    assert all(c["hidden_s"] > 0 for c in check["cosched"].values()), check
+    assert [label for label, c in check["cosched"].items() if c["sweep"]] == ["parallel", "parallel-copy"], check
 
 
 @pytest.mark.slow

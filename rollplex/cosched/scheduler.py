@@ -14,7 +14,8 @@ group, ...). It is registered as an engine hook and, per decode step:
 Exactness: a job runs the same ops as its normal-phase counterpart, unit by unit, so where it runs
 never changes what it computes. OOM while launching a chunk hands the unfinished units back to the
 queue and the controller backs off; `finish()` leaves whatever was never admitted to the phase that
-normally runs it (`PrefixRows.gather` completes it there), joins the streams, and returns metrics.
+normally runs it (`PrefixRows.gather` completes it there) — except a sharded model's sweep, whose rest
+runs at once on every rank (sharded.py) — joins the streams, and returns metrics.
 
 Costs are FLOP estimates over a throughput (TFLOP/s) calibrated from standalone runs of the same
 work (`calibrate`), so the controller's budgets are in standalone milliseconds. On CPU there is no
@@ -82,7 +83,7 @@ class CoScheduler:
         self.ctrl = AdmissionController(self.config, self.queue)
         self.timeline = timeline
         self.jobs: dict[str, PrefixJob] = {}
-        self._waiting: dict[int, list[tuple[PrefixJob, int]]] = {}  # id(prompt) -> (job, row)
+        self._waiting: dict[int, list[tuple[PrefixJob, int, object]]] = {}  # id(prompt) -> (job, row, what runs it)
         self._pending_jobs: dict[str, tuple[PrefixJob, int, int]] = {}  # key -> (job, priority, rows left)
         self._ready_event: dict[str, object] = {}
         self._inflight: list[tuple[Chunk, PrefixJob, object, object]] = []  # chunk, job, start mark, end mark
@@ -92,12 +93,14 @@ class CoScheduler:
         engine_prompts = {id(p) for p in prefilled}
         for job, prio in jobs:
             self.jobs[job.key] = job
-            need = [r for r, p in enumerate(job.prompts)
-                    if id(p) in engine_prompts and p.has_vision and p.vision_embeds is None]
-            if need:
-                for r in need:
-                    self._waiting.setdefault(id(job.prompts[r]), []).append((job, r))
-                self._pending_jobs[job.key] = (job, prio, len(need))
+            waits = 0
+            for member in getattr(job, "members", [job]):  # a sweep's prompts are its jobs'
+                for r, p in enumerate(member.prompts):
+                    if id(p) in engine_prompts and p.has_vision and p.vision_embeds is None:
+                        self._waiting.setdefault(id(p), []).append((member, r, job))
+                        waits += 1
+            if waits:
+                self._pending_jobs[job.key] = (job, prio, waits)
             else:
                 self._enqueue(job, prio)
         self._active = True
@@ -127,10 +130,10 @@ class CoScheduler:
         if not self._active or not self._waiting:
             return
         for req in requests:
-            for job, r in self._waiting.pop(id(req.inputs), []):
+            for member, r, job in self._waiting.pop(id(req.inputs), []):
                 if req.vision_embeds is None:
                     raise RuntimeError("the engine kept no vision encodings (add_request(keep_vision=True))")
-                job.prompts[r] = replace(job.prompts[r], vision_embeds=req.vision_embeds)
+                member.prompts[r] = replace(member.prompts[r], vision_embeds=req.vision_embeds)
                 j, prio, left = self._pending_jobs[job.key]
                 if left == 1:
                     del self._pending_jobs[job.key]
@@ -223,6 +226,7 @@ class CoScheduler:
         if not self._active:
             return {}
         self._active = False
+        lockstep_s = self._complete_lockstep()
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
             main = torch.cuda.current_stream(self.device)
@@ -241,8 +245,38 @@ class CoScheduler:
                                               admitted_ms=round(adm, 3))
         m = self.ctrl.metrics()
         m["rollplex/cosched_launch_host_s"] = self._launch_s
+        if lockstep_s is not None:
+            m["rollplex/prefix_sweep_rollout_end_s"] = lockstep_s
         m["rollplex/cosched_jobs_waiting"] = float(len(self._pending_jobs))
         return m
+
+    def _complete_lockstep(self) -> float | None:
+        """Run what is left of every sweep of a sharded model (cosched/sharded.py) now, on every rank:
+        its gathers must all be issued before the step's next collective, which could otherwise wait on
+        a rank whose side stream waits for a gather another rank issues only later. Standalone, so its
+        time calibrates the cost estimates. None when there is no sweep."""
+        sweeps = [j for j in self.jobs.values() if getattr(j, "lockstep", False)]
+        if not sweeps:
+            return None
+        ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        flops = sum(j.left_flops() for j in sweeps)
+        t0 = time.perf_counter()
+        region = self.memory.region("prefix_states") if self.memory is not None else contextlib.nullcontext()
+        with ctx, region, torch.no_grad():
+            if any(j.key in self._pending_jobs for j in sweeps):
+                raise RuntimeError("a sweep's prompts were never prefilled by the engine (no vision encodings)")
+            for j in sweeps:
+                if self.cuda and j.key in self._ready_event:
+                    self.stream.wait_event(self._ready_event.pop(j.key))
+                j.complete()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        if flops > 0:
+            self.calibrate(flops, dt)
+        return dt
 
     def calibrate(self, flops: float, seconds: float) -> None:
         """Refine the throughput estimate from a standalone run of `flops` of prefix work."""

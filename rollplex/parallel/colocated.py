@@ -32,14 +32,17 @@ engine over the whole group prefilled every prompt on every rank, and one rank a
 a rollout over several groups drops them at the gather (the scoring and training shares are dealt by cost after the
 rollout, not by who prefilled what), so the reference and the trainer run the frozen tower instead.
 
-The co-scheduler is per rank too (`cosched`): beside its decode, a rank with a per-rank engine
-computes the prefixes of the old policy (several updates per rollout) for its share of the prompts on
-the policy it holds whole, so the prefix work needs no collective and no other rank's pace; the rank
-then scores the old logprobs of that share itself (`share_logprobs`) and the shares are summed. A
-reference held whole on every rank is co-scheduled and scored the same way, under a TP engine too.
-A sharded model — the reference by default, the old policy under a TP engine (which holds only
-shards of it) — is not co-scheduled (its collectives would have to run in step across every rank's
-decode loop): it is scored data-parallel over the trainer's placement in its phase.
+The co-scheduler is per rank too (`cosched`): beside its decode, each rank computes the prefixes of
+its share of the prompts (`share`: those its engine prefilled). On a model the rank holds whole — the
+old policy (several updates per rollout) with a per-rank engine, a reference not sharded — the work
+needs no collective and no other rank's pace; the rank then scores that share itself
+(`share_logprobs`) and the shares are summed. A sharded model — the reference by default, the old
+policy under a TP engine (which holds only shards of it) — runs its share as one sweep of its units
+in lockstep with the other ranks' (cosched/sharded.py): every rank issues the same gathers of whole
+units in the same order on a process group of their own (`sweep_gather`), each at its decode's pace,
+and the rest of the sweep runs at the end of the rollout on every rank. Scoring then runs
+data-parallel over the trainer's placement with each rank scoring the prompts whose prefix states it
+holds (rl/scoring.py).
 
 The memory manager is per rank: each rank's engine, optimizer state, gradient buffers and reference
 shards live in its own regions (local shards, not whole tensors), and `RLStep`'s phases, the
@@ -59,6 +62,7 @@ from ..models import Qwen25VL
 from ..rl.config import RLConfig
 from .data_parallel import DataParallelActor, check_passes
 from .fsdp import FSDPConfig, apply_fsdp, full_tensor, local_tensor
+from .lockstep import ShardGather
 from .rollout_groups import rollout_slots
 from .shared_weights import SharedWeights, meta_copy
 
@@ -91,6 +95,7 @@ class Colocated:
         # what the engine decodes, and RLStep.model: the policy itself or this rank's tensor-parallel copy
         self.policy = engine.model if self.rollout == "tensor" else model
         self.weights: SharedWeights | None = None  # set when the trainer is built
+        self._sweep_group: dist.ProcessGroup | None = None  # the co-scheduled gathers' own group
 
     # ---- models -------------------------------------------------------------------------------
     def actor(self, model: Qwen25VL, cfg: RLConfig, memory, optimizer_offload: str) -> DataParallelActor:
@@ -115,6 +120,15 @@ class Colocated:
     def local_tensors(model: nn.Module) -> list[torch.Tensor]:
         """The tensors a sharded model holds on this rank (what its memory region keeps)."""
         return [local_tensor(t.detach()) for t in (*model.parameters(), *model.buffers())]
+
+    def sweep_gather(self, model: Qwen25VL):
+        """The gather a co-scheduled sweep of `model` (sharded over this group) runs its units on
+        (parallel/lockstep.py): on a process group of this group's ranks that nothing else uses, made on
+        first use (every rank plans its sweeps in the same rollout)."""
+        if self._sweep_group is None:
+            self._sweep_group = dist.new_group(dist.get_process_group_ranks(self.group), use_local_synchronization=True)
+            assert dist.get_rank(self._sweep_group) == self.rank, "the sweep group orders the ranks like the mesh"
+        return ShardGather(model, self._sweep_group).gather
 
     # ---- rollout ------------------------------------------------------------------------------
     def group_prompts(self, num_prompts: int) -> list[int]:

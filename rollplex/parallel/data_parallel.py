@@ -158,11 +158,13 @@ class DataParallel:
         """This rank's prompts of `batch` with all their samples, and the samples' indices in `batch`."""
         return batch.select_prompts(assign_prompts(prompt_costs(batch, mode), self.world)[self.rank])
 
-    def passes(self, local: RolloutBatch, mode: str, plan: MicroBatching) -> list[tuple[RolloutBatch, torch.Tensor]]:
+    def passes(self, local: RolloutBatch, mode: str, plan: MicroBatching,
+               prefix: bool = False) -> list[tuple[RolloutBatch, torch.Tensor]]:
         """This rank's micro-batches (samples indexed into `local`), padded with dummies so that every
         rank runs the same number of passes and the vision tower in the same ones. A collective; in
         training (autograd on) it raises CollectiveOOM on every rank when some rank's passes would not
-        fit its device."""
+        fit its device. prefix: the passes read the rollout's prefix states, so none runs the tower
+        (the dummies, which have none, run a one-token text prompt through the same units)."""
         check_passes(mode, plan.packed)
         mbs = list(micro_batches(local, mode, plan)) if local.num_samples else []
         grad = torch.is_grad_enabled()
@@ -174,11 +176,16 @@ class DataParallel:
             self.fits(mb, mode, int(copy)) for mb, _ in mbs)
         # scoring: the units stay gathered from the first pass to the last when a gathered copy fits
         no_keep = not grad and not all(self.fits(mb, mode, int(self.gathered_bytes * 1.25)) for mb, _ in mbs)
-        head = torch.tensor([len(mbs), int(misfit), int(no_accumulate), int(no_keep)], device=self.device)
+        # a pass over prefix states whose responses are all one token runs no layer: with units gathered per
+        # pass that would leave its rank's collectives a pass behind the others', so such a call keeps them
+        one_token = prefix and any(max(mb.response_lengths()) <= 1 for mb, _ in mbs)
+        head = torch.tensor([len(mbs), int(misfit), int(no_accumulate), int(no_keep), int(one_token)],
+                            device=self.device)
         dist.all_reduce(head, op=dist.ReduceOp.MAX, group=self.group)
-        K, misfit, no_accumulate, no_keep = head.tolist()
+        K, misfit, no_accumulate, no_keep, one_token = head.tolist()
+        no_keep = no_keep and not one_token
         self._release_kept()  # a scoring call that stopped short of its last pass
-        self._scoring_left = 0 if grad or K < 2 or no_keep else K
+        self._scoring_left = 0 if grad or no_keep or (K < 2 and not one_token) else K
         if misfit:
             raise CollectiveOOM("a data-parallel rank's micro-batch would not fit its device memory")
         every = self.fsdp.reduce_every_pass
@@ -188,7 +195,7 @@ class DataParallel:
         if grad and K > 1:
             self._reduces[0 if self._accumulate else 1] += 1
         flags = torch.zeros(K, dtype=torch.long)
-        flags[: len(mbs)] = torch.tensor([uses_vision(mb, mode) for mb, _ in mbs], dtype=torch.long)
+        flags[: len(mbs)] = torch.tensor([not prefix and uses_vision(mb, mode) for mb, _ in mbs], dtype=torch.long)
         flags = flags.to(self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         flags = flags.cpu()

@@ -97,7 +97,7 @@ def check(proc: Process, args) -> dict:
     # lr 1e-6: Adam's first step is ~lr * sign(grad), so rounding noise in a near-zero gradient moves a weight
     # by at most 2 lr, under the tolerance; the gradients are the sharper comparison
     rl_cfg = RLConfig(n=args.check_samples, kl_coef=0.01, lr=1e-6, micro_batch_prompts=2,
-                      max_new_tokens=args.check_tokens)
+                      max_new_tokens=args.check_tokens, cosched=args.cosched)
     params = sampling_params(len(prompts), args.check_samples, args.check_tokens, seed=3)
     max_len = len(prompts[0].input_ids) + args.check_tokens + 16
     out = {}
@@ -113,6 +113,8 @@ def check(proc: Process, args) -> dict:
                               weights={n: p.cpu() for n, p in path.rl.policy_state().items()})
         del path, m
         free_memory()
+    cosched = {label: {"hidden_s": o["metrics"].get("rollplex/prefix_hidden_s", 0.0),
+                       "sweep": "rollplex/prefix_sweep_rollout_end_s" in o["metrics"]} for label, o in out.items()}
     a = out.pop("single")
     keys = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm")
     res = {"paths": sorted(out), "tokens_equal": all(torch.equal(a["tokens"], b["tokens"]) for b in out.values()),
@@ -124,6 +126,8 @@ def check(proc: Process, args) -> dict:
                                       for b in out.values() for n, w in b["weights"].items()),
            "weights_moved": any(not torch.equal(a["weights"][n], w.detach().cpu())
                                 for n, w in model.named_parameters())}
+    if args.cosched:  # per path: prefix work hidden beside decode, and whether a sharded model's ran as a sweep
+        res["cosched"] = cosched
     res["passed"] = bool(res["tokens_equal"] and res["weights_moved"] and
                          max(res["max_rel_grad_diff"], res["max_rel_metric_diff"], res["max_abs_weight_diff"])
                          <= args.tol)
@@ -143,7 +147,7 @@ def bench(proc: Process, args) -> list[dict]:
     engine_fn(None)  # the policy's engine, built (and its decode compiled) before any path is timed
     init = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     rl_cfg = RLConfig(n=args.samples, kl_coef=0.01, lr=1e-6, micro_batch_prompts=args.micro_prompts,
-                      max_new_tokens=args.new_tokens)
+                      max_new_tokens=args.new_tokens, cosched=args.cosched)
     rows, finals = [], {}
     for label, group, fsdp in bench_paths(args):
         with torch.no_grad():  # every path starts from the same weights (the reference is copied from them)
@@ -179,7 +183,10 @@ def bench(proc: Process, args) -> list[dict]:
                                            if cuda else 0),
                          "peak_gib": round(torch.cuda.max_memory_allocated(proc.device) / 2**30, 1) if cuda else 0.0,
                          "oom_backoff": None if backoff is None else f"{backoff.prompts}x{backoff.samples}",
-                         "checkpointing": rl is not None and any(rl.actor.placement.checkpointing(rl.actor.model))})
+                         "checkpointing": rl is not None and any(rl.actor.placement.checkpointing(rl.actor.model)),
+                         # co-scheduled prefix work: hidden beside decode; a sharded model's rest at the rollout's end
+                         "hidden_s": round(m.get("rollplex/prefix_hidden_s", 0.0), 3),
+                         "sweep_end_s": round(m.get("rollplex/prefix_sweep_rollout_end_s", 0.0), 3)})
             if proc.rank == 0:
                 print(json.dumps({"bench": "dp_step", **rows[-1]}), flush=True)
         if rl is not None:  # (a disaggregated rollout rank holds shards in the wire dtype)
@@ -232,8 +239,10 @@ def _profile_update(rl: RLStep) -> dict:
 
 def table(rows: list[dict]) -> str:
     timed: dict[str, list[float]] = {}
+    cosched = any(r.get("hidden_s") for r in rows)
     lines = ["| path | step | ranks | gen s | ref s | update s | sync s | step s | graphs compiled | peak GiB | "
-             "alloc retries | OOM back-off |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "alloc retries | OOM back-off |" + (" prefix hidden s | sweep at end s |" if cosched else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if cosched else "")]
     for r in rows:
         if "step" in r:
             if r["step"] == "timed":
@@ -241,7 +250,8 @@ def table(rows: list[dict]) -> str:
             lines.append(f"| {r['path']} | {r['step']} | {r['world']} | {r['gen_s']:.2f} | {r['ref_s']:.2f} | "
                          f"{r['update_s']:.2f} | {r['sync_s']:.3f} | {r['total_s']:.2f} | {r['graphs_compiled']} | "
                          f"{r['peak_gib']} | {r['alloc_retries']} | {r['oom_backoff'] or '-'}"
-                         f"{' +ckpt' if r['checkpointing'] else ''} |")
+                         f"{' +ckpt' if r['checkpointing'] else ''} |"
+                         + (f" {r['hidden_s']:.2f} | {r['sweep_end_s']:.2f} |" if cosched else ""))
     for label in timed:
         if label != "single" and "single" in timed:
             over = statistics.median(timed[label]) / statistics.median(timed["single"]) - 1
@@ -287,6 +297,9 @@ def main(argv=None) -> None:
                     help="with --rollout-tp > 1: the engines split the vision tower's blocks too")
     ap.add_argument("--profile", action="store_true",
                     help="one more, untimed step per path with its update profiled (GPU time by kernel family)")
+    ap.add_argument("--cosched", action="store_true",
+                    help="co-schedule the reference's prefixes beside decode on every path (a sharded reference "
+                         "as a sweep in lockstep over the ranks)")
     ap.add_argument("--check-layers", type=int, default=2, help="decoder layers and vision blocks of the check")
     ap.add_argument("--check-prompts", type=int, default=4)
     ap.add_argument("--check-samples", type=int, default=4)

@@ -69,6 +69,7 @@ def one_step(rl: RLStep, prompts, params, seed: int, device: torch.device) -> tu
     gen_s = time.perf_counter() - t0
     batch.rewards = bench_rewards(batch.num_samples, seed)
     m = rl.train(batch)
+    m.update(rl.rollout_metrics)
     sync_device(device)
     m["timing_s/gen"] = gen_s
     m["timing_s/step"] = time.perf_counter() - t0

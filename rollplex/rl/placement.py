@@ -5,9 +5,10 @@ small interface below; the placement decides which of a batch's samples this pro
 they are cut into passes, how a pass calls the model, and how per-process results are combined:
 
     share(batch, mode)          this process's prompts (each with all its samples) and their indices
-    passes(local, mode, plan)   (micro-batch, sample indices into `local`) per forward/backward;
-                                a data-parallel placement may append masked-out dummy samples
-                                (rows past the indices), so every rank runs the same passes
+    passes(local, mode, plan, prefix)   (micro-batch, sample indices into `local`) per forward/
+                                backward; a data-parallel placement may append masked-out dummy
+                                samples (rows past the indices), so every rank runs the same passes;
+                                prefix: the passes read the rollout's prefix states (no vision tower)
     run(model, fn, *args)       fn(*args): one pass over the model (a sharded model gathers around it)
     sum_(t)                     t summed over the processes, in place
     clip_grad_norm_(params, m)  the gradients' global 2-norm, every gradient scaled so that it is at
@@ -52,8 +53,8 @@ class Placement(Protocol):
 
     def share(self, batch: RolloutBatch, mode: str) -> tuple[RolloutBatch, torch.Tensor]: ...
 
-    def passes(self, local: RolloutBatch, mode: str,
-               plan: MicroBatching) -> Iterable[tuple[RolloutBatch, torch.Tensor]]: ...
+    def passes(self, local: RolloutBatch, mode: str, plan: MicroBatching,
+               prefix: bool = False) -> Iterable[tuple[RolloutBatch, torch.Tensor]]: ...
 
     def run(self, model: Qwen25VL, fn, *args): ...
 
@@ -80,8 +81,8 @@ class SingleProcess:
     def share(self, batch: RolloutBatch, mode: str) -> tuple[RolloutBatch, torch.Tensor]:
         return batch, torch.arange(batch.num_samples)
 
-    def passes(self, local: RolloutBatch, mode: str,
-               plan: MicroBatching) -> Iterable[tuple[RolloutBatch, torch.Tensor]]:
+    def passes(self, local: RolloutBatch, mode: str, plan: MicroBatching,
+               prefix: bool = False) -> Iterable[tuple[RolloutBatch, torch.Tensor]]:
         return micro_batches(local, mode, plan)
 
     def run(self, model: Qwen25VL, fn, *args):

@@ -37,7 +37,8 @@ def response_hidden(model: Qwen25VL, mb: RolloutBatch, mode: str, packed: bool,
     dev = model.inv_freq.device
     R = mb.responses.shape[1]
     lens = mb.response_lengths()  # the mask keeps a prefix of each response: tokens up to EOS
-    if mode == "rollplex" and prefix_key is not None:  # the rollout computed the prefix: responses only
+    # the rollout computed the prefix: responses only (a placement's dummy samples have no prefix state)
+    if mode == "rollplex" and prefix_key is not None and prefix_key in mb.prefix:
         prefix = mb.prefix[prefix_key].gather()
         if packed:
             return model.prefix_group_hidden(prefix, mb.responses, lens, mb.group.tolist())
@@ -84,8 +85,12 @@ def score(model: Qwen25VL, batch: RolloutBatch, mode: str, plan: MicroBatching,
     out = torch.zeros(batch.responses.shape, dtype=torch.float32, device=model.inv_freq.device)
     if prefix_key is not None and (mode != "rollplex" or prefix_key not in batch.prefix):
         prefix_key = None
-    local, local_idx = pl.share(batch, mode)
-    for mb, idx in pl.passes(local, mode, plan):
+    rows = batch.prefix[prefix_key] if prefix_key is not None else None
+    if rows is not None and pl.world > 1:  # each process scores the prompts whose prefix states it holds
+        local, local_idx = batch.select_prompts(rows.planned())
+    else:
+        local, local_idx = pl.share(batch, mode)
+    for mb, idx in pl.passes(local, mode, plan, prefix=prefix_key is not None):
         lp, _ = pl.run(model, token_logprobs, model, mb, mode, plan.packed, temperature, "none", prefix_key)
         n = idx.shape[0]  # rows past n: a placement's masked-out dummies
         # stays on the device: no sync per micro-batch

@@ -285,18 +285,24 @@ class RLStep:
         if not cfg.cosched or self.engine is None:
             return out
         per_job = self.cosched.config.job_prompts
-        # under a group, each rank its share of the prompts (those its engine prefilled), on models it
-        # holds whole: the policy with a per-rank engine, the reference unless it is sharded
-        only = self.parallel.share(len(prompts)) if self.parallel is not None else None
-        whole_ref = self.parallel is None or not self.parallel.fsdp.shard_reference
-        if whole_ref and self.ref is not None and cfg.kl_coef > 0 and (
+        # under a group, each rank its share of the prompts (those its engine prefilled): on a model it
+        # holds whole alone, on a sharded one as a sweep in lockstep with the other ranks' (`gather`)
+        par = self.parallel
+        only = par.share(len(prompts)) if par is not None else None
+        if self.ref is not None and cfg.kl_coef > 0 and (
                 self.memory is None or self.memory.plan.get("rollout", "ref_weights") == "resident"):
             # a frozen tower's encodings come from the engine's prefill, unless the reference's tower differs
             shared = frozen and self._ref_same_vision
             ref_prompts = prompts if shared or not frozen else [replace(p, vision_embeds=None) for p in prompts]
-            out["ref"] = PrefixRows.plan(self.ref, ref_prompts, per_job, "ref", external_vision=shared, only=only)
-        if cfg.num_updates > 1 and (self.parallel is None or self.parallel.holds_policy):
-            out["old"] = PrefixRows.plan(self.model, prompts, per_job, "old", external_vision=frozen, only=only)
+            gather = par.sweep_gather(self.ref) if par is not None and par.fsdp.shard_reference else None
+            out["ref"] = PrefixRows.plan(self.ref, ref_prompts, per_job, "ref", external_vision=shared, only=only,
+                                         gather=gather)
+        if cfg.num_updates > 1:
+            if par is None or par.holds_policy:
+                out["old"] = PrefixRows.plan(self.model, prompts, per_job, "old", external_vision=frozen, only=only)
+            else:  # the trainer's shards: a tensor-parallel engine holds only its own
+                out["old"] = PrefixRows.plan(self.actor.model, prompts, per_job, "old", external_vision=frozen,
+                                             only=only, gather=par.sweep_gather(self.actor.model))
         return out
 
     def compute_rewards(self, batch: RolloutBatch, reward: RewardFn | str | None = None) -> tuple[torch.Tensor, dict]:
