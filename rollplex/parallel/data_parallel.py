@@ -179,10 +179,8 @@ class DataParallel:
         # a pass over prefix states whose responses are all one token runs no layer: with units gathered per
         # pass that would leave its rank's collectives a pass behind the others', so such a call keeps them
         one_token = prefix and any(max(mb.response_lengths()) <= 1 for mb, _ in mbs)
-        head = torch.tensor([len(mbs), int(misfit), int(no_accumulate), int(no_keep), int(one_token)],
-                            device=self.device)
-        dist.all_reduce(head, op=dist.ReduceOp.MAX, group=self.group)
-        K, misfit, no_accumulate, no_keep, one_token = head.tolist()
+        K, misfit, no_accumulate, no_keep, one_token = self._max_over_ranks(
+            [len(mbs), int(misfit), int(no_accumulate), int(no_keep), int(one_token)])
         no_keep = no_keep and not one_token
         self._release_kept()  # a scoring call that stopped short of its last pass
         self._scoring_left = 0 if grad or no_keep or (K < 2 and not one_token) else K
@@ -194,11 +192,8 @@ class DataParallel:
         self._accumulate = grad and K >= 1 and (every is False or (every is None and not no_accumulate))
         if grad and K > 1:
             self._reduces[0 if self._accumulate else 1] += 1
-        flags = torch.zeros(K, dtype=torch.long)
-        flags[: len(mbs)] = torch.tensor([not prefix and uses_vision(mb, mode) for mb, _ in mbs], dtype=torch.long)
-        flags = flags.to(self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        flags = flags.cpu()
+        flags = [int(not prefix and uses_vision(mb, mode)) for mb, _ in mbs] + [0] * (K - len(mbs))
+        flags = self._max_over_ranks(flags) if K else []
         out = []
         for k in range(K):
             need = bool(flags[k])
@@ -276,10 +271,8 @@ class DataParallel:
             return
         direct = fsdp_mod.can_call_directly(self.fsdp)
         # with the passes past the hooks, which gradients exist on some rank rides on the same collective
-        present = [g is not None for g in fsdp_mod.gathered_grads(model)] if direct else []
-        flags = torch.tensor([int(self._failed), *present], dtype=torch.uint8, device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        flags = flags.tolist()
+        present = [int(g is not None) for g in fsdp_mod.gathered_grads(model)] if direct else []
+        flags = self._max_over_ranks([int(self._failed), *present], torch.uint8)
         self._began = False
         if flags[0]:
             fsdp_mod.drop_unsharded_grads(model)
@@ -297,6 +290,16 @@ class DataParallel:
         fsdp_mod.keep_gathered(model, False, self.fsdp)  # each unit back to its own resharding, freed
         self._open = False
 
+    def _max_over_ranks(self, values: list[int], dtype: torch.dtype = torch.long) -> list[int]:
+        """Each value's maximum over the ranks: one all-reduce, and a host sync to read it. A group of one
+        has nothing to agree on: no collective and no sync, so the host runs ahead of the device there
+        as on one process."""
+        if self.world == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=dtype, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.tolist()
+
     def take_metrics(self) -> dict[str, float]:
         """The share of the training mini-batches of several passes since the last call whose gradients
         were reduced once (`reduce_every_pass`), and the counters reset."""
@@ -311,6 +314,8 @@ class DataParallel:
 
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
         """t summed over the ranks, in place (through the collective's device when t is elsewhere)."""
+        if self.world == 1:
+            return t
         x = t.to(self.device)
         dist.all_reduce(x, group=self.group)
         if x is not t:
@@ -327,7 +332,8 @@ class DataParallel:
         if grads:
             norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
             sq = torch.stack(norms).square().sum().to(self.device)
-        dist.all_reduce(sq, group=self.group)
+        if self.world > 1:
+            dist.all_reduce(sq, group=self.group)
         total = sq.sqrt()
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
