@@ -258,21 +258,22 @@ class CoScheduler:
         sweeps = [j for j in self.jobs.values() if getattr(j, "lockstep", False)]
         if not sweeps:
             return None
-        ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
-        if self.cuda:
+        if self.cuda:  # decode is over: the rest runs on the main stream, after what the side stream holds
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
             torch.cuda.synchronize(self.device)
         flops = sum(j.left_flops() for j in sweeps)
         t0 = time.perf_counter()
         region = self.memory.region("prefix_states") if self.memory is not None else contextlib.nullcontext()
-        with ctx, region, torch.no_grad():
+        with region, torch.no_grad():
             if any(j.key in self._pending_jobs for j in sweeps):
                 raise RuntimeError("a sweep's prompts were never prefilled by the engine (no vision encodings)")
             for j in sweeps:
-                if self.cuda and j.key in self._ready_event:
-                    self.stream.wait_event(self._ready_event.pop(j.key))
                 j.complete()
         if self.cuda:
             torch.cuda.synchronize(self.device)
+            # the gathered units' blocks cached for the side stream would stay out of reach of the phases
+            # that follow on the main stream (the update's activations): back to the device with them
+            torch.cuda.empty_cache()
         dt = time.perf_counter() - t0
         if flops > 0:
             self.calibrate(flops, dt)

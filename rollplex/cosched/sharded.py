@@ -102,31 +102,38 @@ class ShardedPrefix:
         return [m.model.layers[i]] + ([m.model.norm] if i == self.num_layers - 1 else [])
 
     def run(self, start: int, stop: int) -> None:
-        """Issue the gathers of units [start, stop) (start: the next unit to issue), and run every issued
-        unit whose gather is in."""
+        """Issue the gathers of units [start, stop) (start: the next unit to issue), each unit run as soon
+        as its gather is in (on a GPU at once, so one unit's whole parameters are freed for the next's
+        before it is gathered)."""
         if start != self.issued or not start <= stop <= self.units:
             raise ValueError(f"sweep {self.key}: units [{start}, {stop}) but the next unit is {self.issued}")
         for u in range(start, stop):
             self._pending.append((u, self._gather(self.modules(u))))
             self.issued = u + 1
-        self._run_ready(wait=False)
+            while self._pending and self._pending[0][1].ready():
+                self._run_first()
 
     def complete(self) -> None:
-        """Issue every unit left and run them all (waiting for the other ranks' shards)."""
-        self.run(self.issued, self.units)
-        self._run_ready(wait=True)
+        """Issue every unit left and run them all, waiting for the other ranks' shards: one gather ahead
+        of the unit that runs, so at most two units are whole at once."""
+        while self.issued < self.units:
+            self._pending.append((self.issued, self._gather(self.modules(self.issued))))
+            self.issued += 1
+            while len(self._pending) > 1:
+                self._run_first()
+        while self._pending:
+            self._run_first()
 
-    def _run_ready(self, wait: bool) -> None:
-        while self._pending and (wait or self._pending[0][1].ready()):
-            u, g = self._pending[0]
-            with g.swapped():
-                for job in self.jobs:
-                    ju = self._job_unit(job, u)
-                    if ju is not None and job.next_unit == ju:  # (a unit that ran before an OOM stays done)
-                        job.run(ju, ju + 1)
-            g.release()
-            self._pending.popleft()
-            self.computed = u + 1
+    def _run_first(self) -> None:
+        u, g = self._pending[0]
+        with g.swapped():
+            for job in self.jobs:
+                ju = self._job_unit(job, u)
+                if ju is not None and job.next_unit == ju:  # (a unit that ran before an OOM stays done)
+                    job.run(ju, ju + 1)
+        g.release()
+        self._pending.popleft()
+        self.computed = u + 1
 
     def _job_unit(self, job: PrefixJob, u: int) -> int | None:
         """The job's own unit for the sweep's unit u (None: a vision unit of a job without images)."""
