@@ -89,16 +89,18 @@ def test_torchrun_step_check_with_tensor_parallel_rollout_groups(tiny_dir):
 
 @pytest.mark.slow
 def test_torchrun_step_check_and_bench_against_disaggregated(tiny_dir):
-    # 2 ranks: colocated over both (rollplex and serial mode), then one trainer rank and one rollout
-    # rank; all checked against one process, then timed
+    # 2 ranks: colocated over both (rollplex mode with the co-scheduler, and serial mode without), then one
+    # trainer rank and one rollout rank; all checked against one process, then timed: the multi-GPU
+    # comparison's command shape
     out = _run(2, "step", "--check", "--bench", "--device", "cpu", "--preset", str(tiny_dir), "--check-tokens", "8",
                "--image-size", "56", "--text-tokens", "16", "--prompts", "4", "--samples", "2", "--new-tokens", "8",
-               "--micro-prompts", "2", "--warmup-steps", "1", "--timed-steps", "1",
+               "--micro-prompts", "2", "--warmup-steps", "1", "--timed-steps", "1", "--cosched",
                "--paths", "disaggregated,single,parallel,parallel-serial")
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     check = next(x for x in lines if x["bench"] == "dp_step_check")
     assert check["paths"] == ["disaggregated", "parallel", "parallel-serial"], check
     assert check["passed"] and check["weights_moved"], check
+    assert [label for label, c in check["cosched"].items() if c["sweep"]] == ["parallel"], check
     steps = [(x["path"], x["step"]) for x in lines if x["bench"] == "dp_step"]
     assert steps == [(p, s) for p in ("single", "parallel", "parallel-serial", "disaggregated")
                      for s in ("warm-up", "timed")]

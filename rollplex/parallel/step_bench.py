@@ -298,8 +298,9 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", action="store_true",
                     help="one more, untimed step per path with its update profiled (GPU time by kernel family)")
     ap.add_argument("--cosched", action="store_true",
-                    help="co-schedule the reference's prefixes beside decode on every path (a sharded reference "
-                         "as a sweep in lockstep over the ranks)")
+                    help="co-schedule the reference's prefixes beside decode on the rollplex-mode colocated paths "
+                         "(a sharded reference as a sweep in lockstep over the ranks; the serial and disaggregated "
+                         "baselines run their phases in turn)")
     ap.add_argument("--check-layers", type=int, default=2, help="decoder layers and vision blocks of the check")
     ap.add_argument("--check-prompts", type=int, default=4)
     ap.add_argument("--check-samples", type=int, default=4)

@@ -135,11 +135,13 @@ class BenchPath:
     def __init__(self, label: str, model: Qwen25VL, engine_fn, rl_cfg: RLConfig, group, fsdp, args, wire_dtype: str):
         self.ds = None
         if base(label) == "parallel-serial":  # serial colocation: every sample its own sequence, no prefix sharing
-            rl_cfg = dataclasses.replace(rl_cfg, mode="serial", micro_batch_prompts=1,
+            # (and nothing to co-schedule: the baseline runs its phases in turn)
+            rl_cfg = dataclasses.replace(rl_cfg, mode="serial", cosched=False, micro_batch_prompts=1,
                                          micro_batch_samples=args.serial_samples)
         if base(label) == "disaggregated":
             from .disaggregated_step import DisaggregatedStep
 
+            rl_cfg = dataclasses.replace(rl_cfg, cosched=False)  # its trainer ranks never decode
             ecfg = EngineConfig(max_num_seqs=256, max_model_len=engine_fn.max_len,
                                 gpu_memory_utilization=args.kv_memory, max_num_batched_tokens=40000,
                                 compile_decode=None if engine_fn.compile_decode else False)
