@@ -200,10 +200,11 @@ def worker(rank: int, world: int, init: str, tiny_dir, rows, cfg: RLConfig, roll
             for n, t in shard_state_dict(full, rl.model.cfg, tp.size, tp.rank, vision_tp).items():
                 assert torch.equal(engine_params[n], t), n
             # the shared trainer shards are windows of the engine's tensors: what the vision tower (whole in
-            # the engine) holds, and with one engine over the group the vocab-parallel embedding shard
+            # the engine) holds, and with one engine over the group the vocab-parallel embedding shard and the
+            # row-parallel o / down shards (the trainer shards those by columns there)
             trainer = dict(rl.actor.model.named_parameters())
             one_engine = tp.size == world
-            shared = ["model.embed_tokens.weight"] if one_engine else []
+            shared = ["model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight"] if one_engine else []
             shared.append("visual.blocks.0.norm1.weight" if vision_tp else "visual.blocks.0.attn.qkv.weight")
             if vision_tp:  # a split vision qkv is [q_t; k_t; v_t]: not one window of an FSDP row chunk
                 assert "visual.blocks.0.attn.qkv.weight" not in rl.parallel.weights.shared
@@ -211,8 +212,8 @@ def worker(rank: int, world: int, init: str, tiny_dir, rows, cfg: RLConfig, roll
                 assert n in rl.parallel.weights.shared, n
                 storage = engine_params[n].untyped_storage()
                 assert local_tensor(trainer[n]).untyped_storage().data_ptr() == storage.data_ptr(), n
-            # a row-parallel shard is a column window of FSDP's whole rows: kept apart and rebuilt
-            assert "model.layers.0.mlp.down_proj.weight" not in rl.parallel.weights.shared
+            # under several engines a row-parallel shard is a column window of FSDP's whole rows: kept apart
+            assert ("model.layers.0.mlp.down_proj.weight" in rl.parallel.weights.shared) == one_engine
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -71,6 +71,7 @@ def tp_worker(rank: int, world: int, init: str, tp_size: int, tie: bool, best: b
     from rollplex.parallel import new_rollout_group, shard_state_dict, tensor_parallel_copy
     from rollplex.parallel.fsdp import local_tensor
     from rollplex.parallel.rollout_groups import rollout_slots
+    from rollplex.parallel.shared_weights import column_sharded
 
     init_group(rank, world, init)
     try:
@@ -88,7 +89,8 @@ def tp_worker(rank: int, world: int, init: str, tp_size: int, tie: bool, best: b
                                   init_device_mesh("cpu", (world,)),
                                   adopt=lambda m, whole=policy: held.append(SharedWeights(m, engine, whole,
                                                                                           dist.group.WORLD,
-                                                                                          slot_of=slot_of)))
+                                                                                          slot_of=slot_of)),
+                                  column_sharded=column_sharded(policy, world, tp_size))
         del policy  # the engine's copy and the trainer's shards are all that is left
         shared = held[0]
         trainer = dict(actor.model.named_parameters())
@@ -101,10 +103,14 @@ def tp_worker(rank: int, world: int, init: str, tp_size: int, tie: bool, best: b
         lo, hi = rank * vocab // world, (rank + 1) * vocab // world
         inside = t * vocab // tp_size <= lo < hi <= (t + 1) * vocab // tp_size
         assert ("model.embed_tokens.weight" in shared.shared) == inside
-        # a row-parallel shard is a column window: never shared with FSDP's whole rows; a fused q/k/v shard
-        # [q_t; k_t; v_t] is not one window of a row chunk at TP = world (at TP 2 over 4 consecutive ranks,
-        # ranks 0 and 1's chunks are exactly q_0 and q_1, the heads of their shards: shared)
-        assert "model.layers.0.mlp.down_proj.weight" not in shared.shared
+        # a row-parallel shard is a column window: with one engine over every rank the trainer shards o / down
+        # by columns, and its shard is the engine's; under several engines FSDP's windows are narrower
+        # (rows there). A fused q/k/v shard [q_t; k_t; v_t] is not one window of a row chunk at TP = world
+        # (at TP 2 over 4 consecutive ranks, ranks 0 and 1's chunks are exactly q_0 and q_1, the heads of
+        # their shards: shared)
+        for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.o_proj.weight"):
+            assert (name in shared.shared) == (tp_size == world), (name, sorted(shared.shared))
+            assert trainer[name].placements[0].dim == (1 if tp_size == world else 0)
         # (strided engines: only rank 0's chunk q_0 heads its shard; rank 1 holds q_1 as TP rank 0)
         qkv = "model.layers.0.self_attn.qkv_proj.weight"
         assert (qkv in shared.shared) == (tp_size < world and rank < (1 if best else 2)), sorted(shared.shared)

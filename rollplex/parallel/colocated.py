@@ -64,7 +64,7 @@ from .data_parallel import DataParallelActor, check_passes
 from .fsdp import FSDPConfig, apply_fsdp, full_tensor, local_tensor
 from .lockstep import ShardGather
 from .rollout_groups import rollout_slots
-from .shared_weights import SharedWeights, meta_copy
+from .shared_weights import SharedWeights, column_sharded, meta_copy
 
 
 class Colocated:
@@ -106,7 +106,9 @@ class Colocated:
             self.weights = SharedWeights(sharded, self.policy, model, self.group,
                                          share=self.fsdp.share_policy_storage, slot_of=self.slot_of)
 
-        return DataParallelActor(meta_copy(model), cfg, self.mesh, self.fsdp, memory, optimizer_offload, adopt=adopt)
+        columns = column_sharded(model, self.world, self.tp_size)
+        return DataParallelActor(meta_copy(model), cfg, self.mesh, self.fsdp, memory, optimizer_offload, adopt=adopt,
+                                 column_sharded=columns)
 
     def shard_reference(self, ref: Qwen25VL) -> Qwen25VL:
         """The frozen reference sharded like the trainer (no checkpointing: it only scores), or whole

@@ -365,10 +365,11 @@ class DataParallelActor(Actor):
     ranks (the `DataParallel` placement): same loss, mini-batches, clipping, schedule, metrics, OOM
     ladder and returned logprobs. Activation checkpointing is on where `cfg` or `fsdp` asks for it.
     `adopt(sharded_model)` runs after sharding and before the optimizer reads the shards: where the
-    shards get their storage when `model` was sharded on the meta device (`shared_weights`)."""
+    shards get their storage when `model` was sharded on the meta device (`shared_weights`);
+    `column_sharded`: parameters sharded by columns (`apply_fsdp`)."""
 
     def __init__(self, model: Qwen25VL, cfg: RLConfig, mesh: DeviceMesh, fsdp: FSDPConfig | None = None,
-                 memory=None, optimizer_offload: str = "none", adopt=None):
+                 memory=None, optimizer_offload: str = "none", adopt=None, column_sharded=()):
         check_passes(cfg.mode, cfg.packed)
         fsdp = fsdp or FSDPConfig()
         cfg = dataclasses.replace(
@@ -378,7 +379,7 @@ class DataParallelActor(Actor):
                                    vision_activation_checkpointing=cfg.vision_gradient_checkpointing)
         dtype = fsdp_mod.DTYPES.get(fsdp.param_dtype) or next(model.parameters()).dtype
         self.dp = DataParallel(mesh, model.cfg, torch.empty((), dtype=dtype).element_size(), fsdp)
-        model = apply_fsdp(model, mesh, fsdp)
+        model = apply_fsdp(model, mesh, fsdp, column_sharded)
         # what reducing once per mini-batch holds: every parameter gathered, every trained one's gradient
         # unsharded (in the reduce dtype where one is set)
         grad_bytes = torch.empty((), dtype=fsdp_mod.DTYPES.get(fsdp.reduce_dtype) or dtype).element_size()

@@ -33,6 +33,7 @@ collectives pair up by order): the caller keeps the micro-batch structure equal 
 from __future__ import annotations
 
 import functools
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from ..models import Qwen25VL
 from ..rl.checkpointing import set_activation_checkpointing
@@ -114,9 +115,13 @@ def _direct_flag(model: nn.Module) -> list[bool]:
     return vars(model).setdefault("_fsdp_direct", [False])
 
 
-def apply_fsdp(model: Qwen25VL, mesh: DeviceMesh, cfg: FSDPConfig | None = None) -> Qwen25VL:
+def apply_fsdp(model: Qwen25VL, mesh: DeviceMesh, cfg: FSDPConfig | None = None,
+               column_sharded: Collection[str] = ()) -> Qwen25VL:
     """Shard `model` in place over the 1-D data-parallel `mesh` (every rank calls this with the same
-    full weights). Returns the model, now an FSDPModule whose parameters are DTensor shards."""
+    full weights). Returns the model, now an FSDPModule whose parameters are DTensor shards: `Shard(0)`
+    (row chunks), or `Shard(1)` (column windows, evenly split) for the parameters named in
+    `column_sharded` — the layout in which a tensor-parallel engine's row-parallel shards are a rank's
+    FSDP shards (parallel/shared_weights.py)."""
     cfg = cfg or FSDPConfig()
     if mesh.ndim != 1:
         raise ValueError(f"FSDP needs a 1-D data-parallel mesh, got {mesh.ndim} dims")
@@ -125,6 +130,9 @@ def apply_fsdp(model: Qwen25VL, mesh: DeviceMesh, cfg: FSDPConfig | None = None)
     set_activation_checkpointing(model, cfg.activation_checkpointing, cfg.vision_activation_checkpointing)
     _route_through_modules(model)
     kw = dict(mesh=mesh, mp_policy=cfg.mp_policy())
+    by_columns = {id(p) for n, p in model.named_parameters() if n in set(column_sharded)}
+    if by_columns:
+        kw["shard_placement_fn"] = lambda p: Shard(1) if id(p) in by_columns else None
     k = cfg.layers_per_unit
     for mods in (list(model.visual.blocks), list(model.model.layers)):
         for i in range(0, len(mods), k):
@@ -230,8 +238,9 @@ def reduce_gathered(model: nn.Module, present: list[bool], group) -> None:
     ranks; a sharded gradient already there is added to) and free it: one collective per unit and dtype
     instead of a pass through FSDP2's hooks. `present[i]`: whether some rank has gradient i (every rank
     passes the same list, agreed beforehand); where this rank has none, it sends zeros. The shards are
-    FSDP2's (`Shard(0)`, chunks of ceil(rows / world) rows), laid out as its own reduce-scatter lays them
-    (`torch._chunk_cat`). One rank: the sum over one rank is the gradient itself, kept as the shard."""
+    FSDP2's (`Shard(0)`, chunks of ceil(rows / world) rows, laid out as its own reduce-scatter lays them,
+    `torch._chunk_cat`; or `Shard(1)`, even column windows). One rank: the sum over one rank is the
+    gradient itself, kept as the shard."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     i = 0
     for u in units(model):
@@ -243,20 +252,29 @@ def reduce_gathered(model: nn.Module, present: list[bool], group) -> None:
                 todo.setdefault(g.dtype, []).append((fp, g))
             i += 1
         for dtype in sorted(todo, key=str):  # the same collectives in the same order on every rank
-            pairs = todo[dtype]
+            # row chunks first, then column windows (`Shard(1)`, even): each rank's part of both, in order
+            pairs = sorted(todo[dtype], key=lambda x: x[0].fsdp_placement.dim)
             if world == 1:
                 locals_ = [g for _, g in pairs]
             else:
-                inp = torch._chunk_cat([g for _, g in pairs], 0, world)  # [world, sum of padded chunks]
+                rows_ = [g for fp, g in pairs if fp.fsdp_placement.dim == 0]
+                cols_ = [g.view(g.shape[0], world, -1).transpose(0, 1).reshape(world, -1)
+                         for fp, g in pairs if fp.fsdp_placement.dim == 1]
+                parts = ([torch._chunk_cat(rows_, 0, world)] if rows_ else []) + cols_  # [world, chunks]
+                inp = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
                 out = torch.empty(inp.shape[1], dtype=dtype, device=inp.device)
-                dist.reduce_scatter_tensor(out, inp.view(-1), group=group)
+                dist.reduce_scatter_tensor(out, inp.reshape(-1), group=group)
                 locals_, off = [], 0
-                for _, g in pairs:
-                    rows = g.shape[0]
-                    chunk = -(-rows // world)
-                    n = chunk * (g.numel() // rows if rows else 0)
-                    mine = max(0, min(chunk, rows - rank * chunk))
-                    locals_.append(out[off : off + n].view(chunk, *g.shape[1:])[:mine])
+                for fp, g in pairs:
+                    if fp.fsdp_placement.dim == 1:
+                        n = g.numel() // world
+                        locals_.append(out[off : off + n].view(g.shape[0], -1))
+                    else:
+                        rows = g.shape[0]
+                        chunk = -(-rows // world)
+                        n = chunk * (g.numel() // rows if rows else 0)
+                        mine = max(0, min(chunk, rows - rank * chunk))
+                        locals_.append(out[off : off + n].view(chunk, *g.shape[1:])[:mine])
                     off += n
             for (fp, _), local in zip(pairs, locals_):
                 sp = fp.sharded_param

@@ -12,7 +12,8 @@ queued after a gather runs when every rank's shard has arrived); on CPU (gloo) `
 the caller runs a piece once its gather completed.
 
 A gather is one all-gather per dtype of the modules' local shards, packed in FSDP2's layout
-(`Shard(0)`, rows split in chunks of ceil(rows / world), the last ranks' chunks short or empty), so
+(`Shard(0)`, rows split in chunks of ceil(rows / world), the last ranks' chunks short or empty; or
+`Shard(1)`, even column windows), so
 the whole tensors are the same bytes FSDP2's unshard produces: running a piece on them computes what
 the model computes in its scoring passes. `Gathered.swapped()` puts them in the modules for the call
 (and routes the model's layer slots past FSDP2's hooks), then puts the shards back.
@@ -64,8 +65,13 @@ class Gathered:
             self._outs.append((idx, out, sizes))
 
     def _chunk_numel(self, p: DTensor) -> int:
+        """Elements of every rank's (padded) chunk: ceil(rows / world) whole rows, or (`Shard(1)`, even
+        only) all rows of a column window."""
+        if tuple(p.placements) == (Shard(1),) and p.ndim == 2 and p.shape[1] % self.world == 0:
+            return p.numel() // self.world
         if tuple(p.placements) != (Shard(0),):
-            raise ValueError(f"a lockstep gather reads FSDP2's Shard(0) parameters, got {p.placements}")
+            raise ValueError(f"a lockstep gather reads FSDP2's Shard(0) or even Shard(1) parameters, got "
+                             f"{p.placements} of {tuple(p.shape)}")
         rows = p.shape[0]
         return math.ceil(rows / self.world) * (p.numel() // rows if rows else 0)
 
@@ -84,8 +90,12 @@ class Gathered:
             off = 0
             for i, n in zip(idx, sizes):
                 p = self.slots[i][2]
-                chunk = per_rank[:, off : off + n]  # [world, rows_per_rank * row]
-                self.full[i] = chunk.reshape(-1, *p.shape[1:])[: p.shape[0]]
+                chunk = per_rank[:, off : off + n]  # [world, one rank's chunk]
+                if p.placements[0].dim == 1:  # column windows side by side
+                    rows = p.shape[0]
+                    self.full[i] = chunk.view(self.world, rows, -1).transpose(0, 1).reshape(p.shape)
+                else:
+                    self.full[i] = chunk.reshape(-1, *p.shape[1:])[: p.shape[0]]
                 off += n
         self._outs = []
 

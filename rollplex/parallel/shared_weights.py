@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..weights import ModelPlan, ParamPlan, RolloutLayout, TrainLayout, model_specs, plan, realised
+from ..weights import ModelPlan, ParamPlan, RolloutLayout, model_specs, plan, realised, runtime_train_layout
 from ..weights.mapping import Mapping
 from ..weights.storage import cut, rebuild
 from .fsdp import unit_params, units
@@ -51,6 +51,14 @@ def meta_copy(model: nn.Module) -> nn.Module:
     memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
             for p in model.parameters()}
     return copy.deepcopy(model, memo)
+
+
+def column_sharded(model: nn.Module, world: int, rollout_tp: int) -> set[str]:
+    """The parameters the colocated trainer shards by columns (`Shard(1)`) under the runtime layout
+    (`weights.runtime_train_layout`): o / down when one tensor-parallel engine spans the `world` ranks."""
+    layout = runtime_train_layout(world, rollout_tp)
+    specs = model_specs(model.cfg, [(n, tuple(p.shape)) for n, p in model.named_parameters()])
+    return {s.name for s in specs if layout.column_sharded(s)}
 
 
 def fsdp_params(model: nn.Module) -> dict[str, object]:
@@ -83,8 +91,14 @@ class SharedWeights:
         # only the shares that are windows of the engine's tensors as they are (`realised`); whether a
         # rank realises its share is decided from the layouts alone, so every rank knows every rank's plan
         slots = tuple(range(self.world)) if slot_of is None else tuple(slot_of)
-        self.plan = realised(plan(specs, TrainLayout(fsdp=self.world), RolloutLayout(self.tp, vision_tp),
+        layout = runtime_train_layout(self.world, self.tp)
+        self.plan = realised(plan(specs, layout, RolloutLayout(self.tp, vision_tp),
                                   share=share and same_dtype, mapping=Mapping("engines", slots, None)))
+        for spec in specs:  # the trainer was sharded with the layout's placement (`column_sharded`)
+            dim = 1 if layout.column_sharded(spec) else 0
+            if fps[spec.name].fsdp_placement.dim != dim:
+                raise ValueError(f"{spec.name}: the trainer shards dim {fps[spec.name].fsdp_placement.dim}, the "
+                                 f"runtime layout dim {dim} (shard it with `column_sharded`)")
         self.rollout: dict[str, torch.Tensor] = {}  # the engine's tensor as [rows, width] of its region
         self.train: dict[str, torch.Tensor] = {}  # the FSDP2 shard's padded storage as [rows + pad, width]
         self.shared: set[str] = set()  # names whose shard is a window of the engine's tensor here

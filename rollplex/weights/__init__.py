@@ -6,8 +6,9 @@ KV cache needs; most of it is avoidable, because a rank's rollout shard and its 
 hold the same elements. The planner finds them and lays the storage out so they exist once:
 
     layout.py    where each parameter lives: Megatron TP roles (`ParamSpec`), FSDP2's dim-0
-                 chunking with padding, training meshes [rep, fsdp, tp] (`TrainLayout`, optionally
-                 with the parameters in blocked storage order), the rollout TP layout
+                 chunking with padding (or dim-1 for the row-parallel weights), training meshes
+                 [rep, fsdp, tp] (`TrainLayout`, optionally with the parameters in blocked storage
+                 order), the rollout TP layout
     regions.py   a rank's local tensor as stacked rectangles of the parameter's 2-D matrix
     share.py     per rank and parameter: the largest run of rollout rows stored identically in the
                  training shard (a view, the training shard inside the rollout buffer, or a joint
@@ -27,7 +28,7 @@ gives the rollout shard (`rollout` region: the TP shard in Megatron order), the 
 process groups (training ranks in TP-rank order).
 """
 
-from .layout import ParamSpec, Part, RolloutLayout, TrainLayout
+from .layout import ParamSpec, Part, RolloutLayout, TrainLayout, runtime_train_layout
 from .mapping import Mapping, MappingChoice
 from .planner import ModelPlan, engine_mapping, in_place, plan, realised
 from .qwen import model_specs, preset_specs
@@ -37,5 +38,5 @@ from .share import Copy, ParamPlan, Share
 __all__ = [
     "engine_mapping", "in_place", "realised",
     "Copy", "Links", "Mapping", "MappingChoice", "ModelPlan", "ParamPlan", "ParamSpec", "Part", "RankBytes",
-    "RolloutLayout", "Share", "Summary", "TrainLayout", "model_specs", "plan", "preset_specs",
+    "RolloutLayout", "Share", "Summary", "TrainLayout", "model_specs", "plan", "preset_specs", "runtime_train_layout",
 ]

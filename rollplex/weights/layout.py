@@ -150,6 +150,10 @@ class TrainLayout:
     block: int = 1
     vision_tp: bool = False
     block_vision: bool = False  # blocked order for the vision tower too (when rollout shards it)
+    # FSDP shards the row-parallel weights (o, down) by columns, `Shard(1)`, where they split evenly and
+    # training has no TP: rank s holds all rows x column window s, contiguous, which is exactly the TP
+    # shard of a rollout engine of the same degree (`column_sharded`)
+    column_shard: bool = False
 
     def __post_init__(self):
         if min(self.tp, self.fsdp, self.rep, self.block) < 1:
@@ -178,12 +182,28 @@ class TrainLayout:
         base = rank - rank % self.tp
         return tuple(range(base, base + self.tp))
 
+    def column_sharded(self, spec: ParamSpec) -> bool:
+        """Whether FSDP shards this parameter by columns (`column_shard`)."""
+        return (self.column_shard and self.tp == 1 and self.block == 1 and spec.tp_dim == 1
+                and _shard_vision(spec, self.vision_tp) and spec.cols % self.fsdp == 0)
+
     def region(self, spec: ParamSpec, rank: int) -> Region:
         _, s, u = self.coords(rank)
+        if self.column_sharded(spec):
+            c = spec.cols // self.fsdp
+            return Region.of([Rect(0, spec.rows, s * c, (s + 1) * c)], c)
         tp = self.tp if _shard_vision(spec, self.vision_tp) else 1
         block = self.block if _shard_vision(spec, self.block_vision) else 1
         local = storage_region(spec, tp, u if tp > 1 else 0, max(block, tp))
         return fsdp_chunk(local, self.fsdp, s)
+
+
+def runtime_train_layout(world: int, rollout_tp: int) -> TrainLayout:
+    """The training layout the colocated runtime uses (rollplex.parallel): FSDP over every rank, the
+    row-parallel weights sharded by columns when one tensor-parallel engine spans the ranks (its TP shard
+    of o / down is then a rank's FSDP shard, byte for byte), by rows otherwise (several engines split
+    the columns coarser than FSDP does, and a per-rank engine's whole tensor holds the row chunks)."""
+    return TrainLayout(fsdp=world, column_shard=1 < rollout_tp == world)
 
 
 @dataclass(frozen=True)

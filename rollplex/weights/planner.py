@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from .layout import ParamSpec, RolloutLayout, TrainLayout
+from .layout import ParamSpec, RolloutLayout, TrainLayout, runtime_train_layout
 from .mapping import Mapping, MappingChoice, choose_mapping, interleavings
 from .regions import Region, intersect_numel
 from .share import ParamPlan, find_share, plan_param
@@ -131,7 +131,8 @@ def engine_mapping(specs: Sequence[ParamSpec], world: int, tp: int, share: bool 
     best, best_shared = None, -1
     for name, slot_of in interleavings(world, tp):  # consecutive engines first
         m = Mapping(name, slot_of, None)
-        p = realised(plan(specs, TrainLayout(fsdp=world), RolloutLayout(tp, vision_tp), share=share, mapping=m))
+        p = realised(plan(specs, runtime_train_layout(world, tp), RolloutLayout(tp, vision_tp), share=share,
+                          mapping=m))
         shared = sum(p.counts[sig] * q.shared_numel for sig, per_rank in p.plans.items() for q in per_rank)
         if shared > best_shared:
             best, best_shared = m, shared

@@ -7,7 +7,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .layout import ParamSpec, RolloutLayout, TrainLayout
+from .layout import ParamSpec, RolloutLayout, TrainLayout, runtime_train_layout
 from .planner import engine_mapping, plan, realised
 from .report import Links, Summary
 
@@ -99,8 +99,9 @@ def footprint_table(cells: Sequence[Cell]) -> str:
 def runtime_table(specs: Sequence[ParamSpec], trains: Sequence[TrainLayout], rollout_tps: Sequence[int],
                   links: Links | None = None, gpus_per_node: int = 8) -> str:
     """What the colocated data-parallel step holds per GPU (rollplex.parallel.shared_weights): FSDP over
-    every rank, rollout engines of TP N grouped by `engine_mapping`, and only the shares that are windows
-    of the engine's tensors (`realised`); the training layouts that are plain FSDP."""
+    every rank (`runtime_train_layout`: o / down sharded by columns under one engine over every rank),
+    rollout engines of TP N grouped by `engine_mapping`, and only the shares that are windows of the
+    engine's tensors (`realised`); the training layouts that are plain FSDP."""
     head = ["training", "rollout TP", "engines", "FSDP shard", "rollout shard", "extra (saved)", "weights per GPU",
             "rebuilt (remote)", "est. ms"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -111,7 +112,8 @@ def runtime_table(specs: Sequence[ParamSpec], trains: Sequence[TrainLayout], rol
             row = [tr.label, str(tp)]
             try:
                 m = engine_mapping(specs, tr.world, tp)
-                p = realised(plan(specs, tr, RolloutLayout(tp), gpus_per_node, mapping=m))
+                p = realised(plan(specs, runtime_train_layout(tr.world, tp), RolloutLayout(tp), gpus_per_node,
+                                  mapping=m))
             except ValueError as e:
                 lines.append("| " + " | ".join(row + ["n/a: " + str(e)] + [""] * (len(head) - 3)) + " |")
                 continue
