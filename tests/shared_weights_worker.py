@@ -103,25 +103,38 @@ def tp_worker(rank: int, world: int, init: str, tp_size: int, tie: bool, best: b
         lo, hi = rank * vocab // world, (rank + 1) * vocab // world
         inside = t * vocab // tp_size <= lo < hi <= (t + 1) * vocab // tp_size
         assert ("model.embed_tokens.weight" in shared.shared) == inside
-        # a row-parallel shard is a column window: with one engine over every rank the trainer shards o / down
-        # by columns, and its shard is the engine's; under several engines FSDP's windows are narrower
-        # (rows there). A fused q/k/v shard [q_t; k_t; v_t] is not one window of a row chunk at TP = world
-        # (at TP 2 over 4 consecutive ranks, ranks 0 and 1's chunks are exactly q_0 and q_1, the heads of
-        # their shards: shared)
+        # with one engine over every rank the trainer shards o / down by columns and stores q/k/v and gate/up
+        # in blocked order (rows grouped by TP shard): each is the rank's engine shard, shared (q/k/v where no
+        # KV head is replicated over ranks: a replicated head is stored once). Under several engines FSDP
+        # chunks the rows as they are: a row-parallel shard (a column window) is never one chunk, a fused
+        # [q_t; k_t; v_t] only where the chunk is q_t alone (at TP 2 over 4 consecutive ranks, ranks 0
+        # and 1; strided engines: rank 0 only, rank 1 holding q_1 as TP rank 0)
+        one = tp_size == world
         for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.o_proj.weight"):
-            assert (name in shared.shared) == (tp_size == world), (name, sorted(shared.shared))
-            assert trainer[name].placements[0].dim == (1 if tp_size == world else 0)
-        # (strided engines: only rank 0's chunk q_0 heads its shard; rank 1 holds q_1 as TP rank 0)
+            assert (name in shared.shared) == one, (name, sorted(shared.shared))
+        assert not one or "model.layers.0.mlp.gate_up_proj.weight" in shared.shared
+        assert trainer["model.layers.0.mlp.down_proj.weight"].placements[0].dim == (1 if one else 0)
         qkv = "model.layers.0.self_attn.qkv_proj.weight"
-        assert (qkv in shared.shared) == (tp_size < world and rank < (1 if best else 2)), sorted(shared.shared)
+        if one and tp_size <= cfg.text.num_key_value_heads:
+            assert qkv in shared.shared and (qkv in shared.rows) and actor.model.model.row_order is not None
+        elif not one:
+            assert (qkv in shared.shared) == (rank < (1 if best else 2)), sorted(shared.shared)
+            assert not shared.rows and actor.model.model.row_order is None
         for name in shared.shared:  # same storage, at the plan's offset
             assert local_tensor(trainer[name]).untyped_storage().data_ptr() == params[name].untyped_storage().data_ptr()
         report = shared.report()
-        assert report["separate_bytes"] > 0 and report["rebuilt_bytes"] > 0
+        # one engine: every trainer shard lies in an engine tensor (nothing separate); what the engine
+        # replicates (the vision tower, norms, a KV head over two ranks) still takes other ranks' rows
+        whole = one and tp_size <= cfg.text.num_key_value_heads
+        assert report["rebuilt_bytes"] > 0, report
+        if whole:
+            assert report["separate_bytes"] == 0 and shared.shared == set(params), report
+        elif not one:
+            assert report["separate_bytes"] > 0, report
 
         batch, adv, ref = rollout_batch()
         actor.update(batch, adv, ref, None)
-        new = {n: full_tensor(p.detach()) for n, p in trainer.items()}
+        new = {n: shared.natural(n, full_tensor(p.detach())) for n, p in trainer.items()}
         want = shard_state_dict(new, cfg, tp.size, tp.rank)
         for name in shared.shared:  # the update is in the engine's tensor already, no copy has run
             plan = shared.plan.param(name, rank)
@@ -130,7 +143,8 @@ def tp_worker(rank: int, world: int, init: str, tp_size: int, tie: bool, best: b
             rows = plan.train.rows
             assert torch.equal(got[lo : lo + rows], local_tensor(trainer[name]).reshape(rows, -1)), name
         moved = [n for n in params if n not in shared.shared and not torch.equal(want[n], before[n])]
-        assert moved and all(torch.equal(params[n], before[n]) for n in moved)  # not before the rebuild
+        assert set(moved) == set(params) - shared.shared  # every unshared engine tensor: not before the rebuild
+        assert all(torch.equal(params[n], before[n]) for n in moved)
         shared.rebuild()
         for name, p in params.items():  # the engine's shards of the gathered truth, bit for bit
             assert torch.equal(p, want[name]), name

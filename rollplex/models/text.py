@@ -85,6 +85,10 @@ class TextDecoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self._pre, self._post, self._final = _pre_attention, _post_attention, _final_norm
+        # (qkv, gate_up) row indices that put the fused projections' rows back in order when they are
+        # stored permuted (a trainer whose shards are a tensor-parallel engine's: parallel/shared_weights.py);
+        # None: stored in order
+        self.row_order: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def compile(self, **kwargs) -> TextDecoder:
         """Fuse norms, rotary, residuals and SwiGLU with torch.compile (GPU): ~4x fewer kernels per
@@ -100,10 +104,14 @@ class TextDecoder(nn.Module):
         -> (residual after attention, this layer's MLP output)."""
         lyr = self.layers[i]
         a, m, eps = lyr.self_attn, lyr.mlp, self.cfg.rms_norm_eps
-        q, k, v, x = self._pre(x, delta, lyr.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, cos, sin,
-                               eps, a.num_heads, a.num_kv_heads)
+        qkv_w, qkv_b, gate_up_w = a.qkv_proj.weight, a.qkv_proj.bias, m.gate_up_proj.weight
+        if self.row_order is not None:  # one gather of each fused weight per use; its backward scatters back
+            qkv_rows, gate_up_rows = self.row_order
+            qkv_w, qkv_b, gate_up_w = qkv_w[qkv_rows], qkv_b[qkv_rows], gate_up_w[gate_up_rows]
+        q, k, v, x = self._pre(x, delta, lyr.input_layernorm.weight, qkv_w, qkv_b, cos, sin, eps, a.num_heads,
+                               a.num_kv_heads)
         out = attend(i, q, k, v)  # [B, H, L, D]
-        return self._post(x, out, a.o_proj.weight, lyr.post_attention_layernorm.weight, m.gate_up_proj.weight,
+        return self._post(x, out, a.o_proj.weight, lyr.post_attention_layernorm.weight, gate_up_w,
                           m.down_proj.weight, eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:

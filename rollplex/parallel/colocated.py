@@ -195,7 +195,7 @@ class Colocated:
         for name, p in trainer.named_parameters():
             whole = full_tensor(p.detach())
             if keep:
-                out[name] = whole.cpu()
+                out[name] = self.weights.natural(name, whole).cpu()
             del whole
         return out if keep else None
 

@@ -2,7 +2,11 @@
 
 A colocated rank holds the weights its engine decodes — the policy whole (per-rank rollout), or its
 tensor-parallel shard of the policy (a TP engine over a group of ranks) — and the
-trainer's FSDP2 shard of every parameter. `rollplex.weights` plans training layout FSDP(W) against
+trainer's FSDP2 shard of every parameter. The training layout is `weights.runtime_train_layout`: with
+one TP engine over every rank, o / down are sharded by columns and the fused q/k/v and gate/up stored
+in blocked order (rows grouped by TP shard; the trainer's layers read them back in order through
+`TextDecoder.row_order`, and `natural` restores the order of anything gathered whole), so each of the
+engine's text shards is the rank's FSDP2 shard. `rollplex.weights` plans training layout FSDP(W) against
 rollout layout TP(N) (N = 1 for a per-rank engine) with each rank at the rollout slot its engine's
 group gives it (`rollout_groups`): where the rank's training shard lies inside its rollout
 tensor at a fixed offset, the trainer adopts that window as its shard's storage (`_adopt`, before the
@@ -106,6 +110,16 @@ class SharedWeights:
             for spec in specs:
                 self._adopt(spec.name, fps[spec.name], rollout_params[spec.name], source_params[spec.name],
                             self.plan.param(spec.name, self.rank))
+        # parameters stored in another row order (blocked: the engine's TP shards contiguous): each stored
+        # row's parameter row, and the trainer's layers told how to read them back in order
+        self.rows = {s.name: torch.tensor(r) for s in specs if (r := layout.storage_rows(s)) is not None}
+        if self.rows:
+            dev = next(iter(rollout_params.values())).device
+            order = []
+            for kind in ("layers.0.self_attn.qkv_proj.weight", "layers.0.mlp.gate_up_proj.weight"):
+                name = next(n for n in self.rows if n.endswith(kind))
+                order.append(torch.argsort(self.rows[name]).to(dev))
+            trainer.model.row_order = tuple(order)
         trainable = [s for s in specs if fps[s.name].sharded_param.requires_grad]
         self.buckets: list[ModelPlan] = []  # the plan over buckets of parameters: one exchange each
         cur, size = [], 0
@@ -162,6 +176,16 @@ class SharedWeights:
             if name not in self.shared:
                 p = self.plan.param(name, self.rank)
                 t[: p.train.rows].copy_(cut(full[name].to(t.device), p.train)[: p.train.rows])
+
+    def natural(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        """A whole trainer tensor (parameter or gradient, gathered from the shards) in the parameter's own
+        row order."""
+        rows = self.rows.get(name)
+        if rows is None:
+            return whole
+        out = torch.empty_like(whole)
+        out[rows.to(whole.device)] = whole
+        return out
 
     def report(self) -> dict[str, float]:
         """Bytes on this rank: trainer shards shared with the engine's tensors, kept separately, and

@@ -52,7 +52,8 @@ def capture_grads(rl: RLStep) -> list[dict]:
     step = rl.actor.optimizer.step
 
     def capture():
-        grads.append({n: full_tensor(p.grad).float().clone() for n, p in rl.actor.model.named_parameters()
+        order = rl.parallel.weights.natural if rl.parallel is not None else (lambda n, t: t)
+        grads.append({n: order(n, full_tensor(p.grad)).float().clone() for n, p in rl.actor.model.named_parameters()
                       if p.grad is not None})
         step()
 

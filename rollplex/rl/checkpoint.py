@@ -84,7 +84,7 @@ def _save(step: RLStep, path: Path, data_state: dict | None, tokenizer_dir) -> P
     writer = par is None or par.rank == 0
     ref_state = _full_state(step.ref, writer) if step.ref is not None else None  # every rank gathers shards
     # the policy: whole on this rank, or (a tensor-parallel engine's shards) gathered from the trainer's
-    policy_state = None if par is None or par.holds_policy else _full_state(step.actor.model, writer)
+    policy_state = None if par is None or par.holds_policy else par.full_state(step.actor.model, writer)
     err = None
     if writer:  # the HF directories
         try:

@@ -184,8 +184,17 @@ class TrainLayout:
 
     def column_sharded(self, spec: ParamSpec) -> bool:
         """Whether FSDP shards this parameter by columns (`column_shard`)."""
-        return (self.column_shard and self.tp == 1 and self.block == 1 and spec.tp_dim == 1
-                and _shard_vision(spec, self.vision_tp) and spec.cols % self.fsdp == 0)
+        return (self.column_shard and self.tp == 1 and spec.tp_dim == 1 and _shard_vision(spec, self.vision_tp)
+                and spec.cols % self.fsdp == 0)
+
+    def storage_rows(self, spec: ParamSpec) -> list[int] | None:
+        """The parameter's row of each stored row, where training stores it whole in another row order
+        (blocked order, training TP 1); None where the stored order is the parameter's."""
+        if self.tp != 1 or self.column_sharded(spec) or spec.tp_dim != 0:
+            return None
+        block = self.block if _shard_vision(spec, self.block_vision) else 1
+        rows = [i for r in storage_region(spec, 1, 0, block).rects for i in range(r.r0, r.r1)]
+        return None if rows == list(range(spec.rows)) else rows
 
     def region(self, spec: ParamSpec, rank: int) -> Region:
         _, s, u = self.coords(rank)
@@ -199,11 +208,14 @@ class TrainLayout:
 
 
 def runtime_train_layout(world: int, rollout_tp: int) -> TrainLayout:
-    """The training layout the colocated runtime uses (rollplex.parallel): FSDP over every rank, the
-    row-parallel weights sharded by columns when one tensor-parallel engine spans the ranks (its TP shard
-    of o / down is then a rank's FSDP shard, byte for byte), by rows otherwise (several engines split
-    the columns coarser than FSDP does, and a per-rank engine's whole tensor holds the row chunks)."""
-    return TrainLayout(fsdp=world, column_shard=1 < rollout_tp == world)
+    """The training layout the colocated runtime uses (rollplex.parallel): FSDP over every rank. When one
+    tensor-parallel engine spans the ranks, the row-parallel weights are sharded by columns and the other
+    text weights stored in blocked order of the engine's degree (the fused q/k/v and gate/up rows grouped
+    by TP shard: `storage_rows`), so every text TP shard of the engine is a rank's FSDP shard, byte for
+    byte. Otherwise FSDP's row chunks of the weights as they are (several engines split coarser than FSDP
+    does, and a per-rank engine's whole tensor holds the row chunks)."""
+    one = 1 < rollout_tp == world
+    return TrainLayout(fsdp=world, column_shard=one, block=rollout_tp if one else 1)
 
 
 @dataclass(frozen=True)
