@@ -275,8 +275,7 @@ class CoScheduler:
             # that follow on the main stream (the update's activations): back to the device with them
             torch.cuda.empty_cache()
         dt = time.perf_counter() - t0
-        if flops > 0:
-            self.calibrate(flops, dt)
+        self.calibrate(flops, dt)
         return dt
 
     def calibrate(self, flops: float, seconds: float) -> None:

@@ -51,11 +51,8 @@ class ShardedPrefix:
         self._pending: deque = deque()  # (unit, gather handle), issued, not yet run
 
     @property
-    def prompts(self) -> list:
-        return [p for job in self.jobs for p in job.prompts]
-
-    @property
     def members(self) -> list[PrefixJob]:
+        """The jobs whose prompts the co-scheduler fills with the engine's vision encodings."""
         return self.jobs
 
     @property
