@@ -7,7 +7,8 @@
         --val-data test.parquet --eval-every 10 --logger jsonl,tensorboard --experiment geo3k
 
 Per step:  POST /rollout   (a batch of verl rows x n samples; the server retains the rollout)
-           POST /train_step (rewards scored server-side by `--reward`, default: dispatch on data_source)
+           POST /train_step (rewards scored server-side by `--reward`, default: dispatch on data_source;
+                            a server scores only rewards registered when it started)
 and every K steps POST /save (the driver's data position rides along as `data_state`; --resume
 loads it back; the server writes checkpoints only under its --checkpoint-root). Without --server
 the driver starts `rollplex.server` in a background thread on a free loopback port and talks HTTP
@@ -89,7 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=None, help="default: 1e-3 for the demo, else the server's")
     ap.add_argument("--kl-coef", type=float, default=None, help="KL coefficient (default: the server's)")
     ap.add_argument("--reward", default="default", help="reward name or module:function (scored by the server in "
-                    "training, by this driver in validation)")
+                    "training, by this driver in validation); the in-process server registers it, a --server must "
+                    "have it registered (its --reward or --reward-module)")
     ap.add_argument("--format-warmup-steps", type=int, default=None, help="in-process server; default: 30 for the"
                     " demo task, else 0")
     ap.add_argument("--target-reward", type=float, default=None, help="stop when the mean reward of the last 3"
@@ -252,7 +254,7 @@ def start_server(args):
     root = args.save_dir or (str(Path(args.resume).resolve().parent) if args.resume else None)
     backend = BackendConfig(rollout_backend=args.rollout_backend or "native")
     try:  # a missing SGLang (--rollout-backend sglang) fails here, before a model is loaded
-        cfg = ServerConfig(model=args.model, device=args.device, api_key=args.api_key,
+        cfg = ServerConfig(model=args.model, device=args.device, api_key=args.api_key, reward=args.reward,
                            format_warmup_steps=args.format_warmup_steps, rl=rl, engine=EngineConfig(seed=args.seed),
                            checkpoint_root=root, backend=backend)
         return serve_in_thread(cfg)

@@ -94,11 +94,20 @@ def default_compute_score(data_source, solution_str, ground_truth, extra_info=No
 
 
 def get_reward_fn(name: str | None) -> RewardFn:
-    """A registered name, a `module:function` / `path/to/file.py:function` path, or None (dispatch)."""
+    """A registered name, a `module:function` / `path/to/file.py:function` path, or None (dispatch).
+    A path imports (runs) that code: for the caller's own names, never a remote client's (the server
+    keeps its own registry: rollplex/server/rewards.py)."""
     if name is None or name == "default":
         return default_compute_score
     if name in REGISTRY:
         return REGISTRY[name]
+    if ":" in name:
+        return load_reward(name)
+    raise ValueError(f"unknown reward {name!r}; known: {sorted(REGISTRY)} or module:function")
+
+
+def load_reward(name: str) -> RewardFn:
+    """The function a `module:function` / `path/to/file.py:function` path names (imports or executes it)."""
     if ":" in name:
         mod_name, fn_name = name.rsplit(":", 1)
         try:
@@ -114,7 +123,7 @@ def get_reward_fn(name: str | None) -> RewardFn:
         if not callable(fn):
             raise ValueError(f"{name!r} is not callable")
         return fn
-    raise ValueError(f"unknown reward {name!r}; known: {sorted(REGISTRY)} or module:function")
+    raise ValueError(f"{name!r} is not a module:function or file.py:function path")
 
 
 def score(fn: RewardFn, data_source, solution_str, ground_truth, extra_info=None) -> tuple[float, dict]:

@@ -73,6 +73,8 @@ HELP = {
     "reduce_every_pass": "reduce-scatter gradients after every micro-batch; --no-reduce-every-pass: once per "
                          "mini-batch, the units kept gathered between its passes (faster, more memory); default: "
                          "once per mini-batch when that fits every rank's free memory",
+    "max_prompt_chars": "characters of one text prompt, checked before tokenising; default: 32 x --max-model-len",
+    "max_image_pixels": "width x height of one image or video frame, read from its header before decoding",
     "sglang_args": "further SGLang server arguments as a JSON object, e.g. '{\"attention_backend\": \"fa3\"}'",
 }
 
@@ -141,7 +143,18 @@ def parser() -> argparse.ArgumentParser:
                     help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--api-key", default=None,  # read after parsing: a default would print the key in --help
                     help="require 'Authorization: Bearer KEY' (default: $ROLLPLEX_API_KEY)")
-    ap.add_argument("--reward", default="default", help="reward for /train_step without rewards (name or module:fn)")
+    ap.add_argument("--reward", default="default", help="reward for /train_step without rewards (a built-in name, "
+                    "module:function or FILE.py:function, imported at startup)")
+    ap.add_argument("--reward-module", action="append", default=[], metavar="[NAME=]MODULE:FN",
+                    help="register another reward /train_step requests may name (module:function or "
+                    "FILE.py:function, imported at startup; under NAME when given); repeatable")
+    ap.add_argument("--allow-client-reward-code", action="store_true",
+                    help="let /train_step requests name module:function / FILE.py:function rewards, which the "
+                    "server then imports and runs: only where every client may run code on this host")
+    ap.add_argument("--media-root", default=None, help="requests may name local image / video files under this "
+                    "folder (default: none; images come as base64 or data URLs)")
+    ap.add_argument("--intake-threads", type=int, default=4,
+                    help="threads that tokenise prompts and decode images, each with its own processor")
     ap.add_argument("--format-warmup-steps", type=int, default=0,
                     help="supervised answer-format steps on the shape-colour task at startup (tiny demo)")
     ap.add_argument("--rollout-ttl", type=float, default=600.0, help="seconds a training rollout is retained")
@@ -161,7 +174,8 @@ def parser() -> argparse.ArgumentParser:
                "fsdp": {"param_dtype": tuple(DTYPES), "reduce_dtype": tuple(DTYPES)}}
     titles = {"rl": "RL defaults (RLConfig; /train_step may override them per step)", "engine": "engine (EngineConfig)",
               "memory": "phase-aware memory (MemoryConfig)", "backend": "rollout backend (BackendConfig)",
-              "fsdp": "FSDP2 training over a torchrun group (FSDPConfig; one process ignores it)"}
+              "fsdp": "FSDP2 training over a torchrun group (FSDPConfig; one process ignores it)",
+              "limits": "request limits (ServerLimits): over them a request is 413 (body) or 400"}
     for section, cls, default in nested:
         _config_flags(ap.add_argument_group(titles.get(section, section)), section, cls, default,
                       choices.get(section, {}))
@@ -182,7 +196,9 @@ def config_from_args(args):
         nested[section] = cls(**kw)
     api_key = args.api_key if args.api_key is not None else os.environ.get("ROLLPLEX_API_KEY")
     return ServerConfig(model=args.model, device=args.device, dtype=args.dtype, api_key=api_key,
-                        reward=args.reward, format_warmup_steps=args.format_warmup_steps,
+                        reward=args.reward, reward_modules=tuple(args.reward_module),
+                        allow_client_reward_code=args.allow_client_reward_code, media_root=args.media_root,
+                        intake_threads=args.intake_threads, format_warmup_steps=args.format_warmup_steps,
                         rollout_ttl_s=args.rollout_ttl, max_rollouts=args.max_rollouts,
                         checkpoint_root=args.checkpoint_root, **nested)
 

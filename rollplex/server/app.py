@@ -16,8 +16,9 @@ Auth: with an API key, every route except /health and /metrics needs `Authorizat
 every bad request is 400, as with SGLang — malformed JSON, schema violations (wrong types, missing
 or unknown fields) and values the runtime rejects alike; unknown rollouts 404; a concurrent train
 step or a rollout sampled from older weights 409; a train step that does not fit in device memory 507
-(weights and optimizer unchanged). Nothing a client sends reaches the engine unvalidated, and a
-failing request never touches retained rollouts or in-flight work.
+(weights and optimizer unchanged); a body over --max-body-bytes 413 (before it is parsed). Nothing a
+client sends reaches the engine unvalidated, and a failing request never touches retained rollouts or
+in-flight work.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import routes_generate, routes_rl
+from .limits import flag
 from .state import ServerState
 
 log = logging.getLogger("rollplex.server")
@@ -46,12 +48,16 @@ def error(code: int, message: str, headers: dict | None = None) -> JSONResponse:
 
 
 class AuthAndCount:
-    """Pure ASGI middleware (streaming- and disconnect-safe): bearer auth + per-route request counters."""
+    """Pure ASGI middleware (streaming- and disconnect-safe): bearer auth, the body-size limit, and per-route
+    request counters. The body is read here, after auth and before anything parses it: a Content-Length
+    over the limit is answered 413 at once, a streamed (chunked) body as soon as it passes the limit, and
+    the app then receives the whole body as one message (its later receives, for disconnects, pass through)."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
         key = state.cfg.api_key
         self.key = key.encode() if key else None
+        self.max_body = state.cfg.limits.max_body_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -73,10 +79,41 @@ class AuthAndCount:
                     resp = error(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
                                  {"WWW-Authenticate": "Bearer"})
                     return await resp(scope, receive, send_counted)
-            await self.app(scope, receive, send_counted)
+            replay = await self._read_body(scope, receive)
+            if replay is None:
+                resp = error(413, f"request body is over the server's limit of {self.max_body} bytes "
+                                  f"({flag('max_body_bytes')})", {"Connection": "close"})
+                return await resp(scope, receive, send_counted)
+            await self.app(scope, replay, send_counted)
         finally:
             self.state.metrics.inc("rollplex_http_requests_total", route=route, method=scope["method"],
                                    status=status[0])
+
+
+    async def _read_body(self, scope, receive):
+        """A receive channel that first gives the whole body; None when it is over the limit."""
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            return None
+        chunks, size, first = [], 0, None
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: the app sees that
+                first = message
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body:
+                return None
+            if not message.get("more_body", False):
+                first = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                break
+        pending = [first]
+
+        async def replay():
+            return pending.pop() if pending else await receive()
+
+        return replay
 
 
 def _validation_message(exc: RequestValidationError) -> str:

@@ -3,9 +3,10 @@
     tickets, inputs = await submit(state, encoders, params, stream=...)   # HTTP 400 if any prompt is bad
     results = await collect(state, tickets, request)                      # {index: (RequestOutput, extra)}
 
-`submit` prepares every prompt of the HTTP request off the engine thread: encoders run on the
-server's intake thread with its own processor (token-id prompts, which need no processor, are
-prepared right here), and `Engine.prepare` validates each result. If one prompt is bad
+`submit` prepares every prompt of the HTTP request off the engine thread: encoders run on one of the
+server's intake threads, each with its own processor, so a heavy request (a long prompt, large
+images) occupies one thread while other requests are prepared on the others (token-id prompts,
+which need no processor, are prepared right here), and `Engine.prepare` validates each result. If one prompt is bad
 (undecodable image, too long, placeholder mismatch, prompt + max_new_tokens over max_model_len) the
 whole request fails with 400 and nothing reaches the engine. The prepared requests are then queued
 as one worker job, which adds them between two engine steps and records the weights version they
@@ -40,8 +41,8 @@ async def submit(state, encoders: list[Callable[[], object]], params: list, stre
                  inline: bool = False, keep_vision: bool = False) -> tuple[list[Ticket], list]:
     """Prepare and queue one engine request per prompt; returns (tickets, encoded inputs).
 
-    encoders: one call per prompt returning its ModelInputs, run on the intake thread (they may use
-    `state.intake_processor`); inline: run them on the event loop instead (token-id prompts: nothing
+    encoders: one call per prompt returning its ModelInputs, run on an intake thread (they may use
+    `state.intake_processor`, that thread's own); inline: run them on the event loop instead (token-id prompts: nothing
     to tokenize, a thread hop would cost more than the work); keep_vision: the outputs carry the
     prefill's vision encodings (a frozen-vision trainer reuses them)."""
     engine, max_len = state.engine, state.cfg.engine.max_model_len

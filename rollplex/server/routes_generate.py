@@ -18,7 +18,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from . import sglang
+from . import limits, sglang
 from .errors import bad_request
 from .inflight import ClientGone, abort_unfinished, collect, next_event, release, submit
 from .schemas import GenerateRequest
@@ -60,9 +60,10 @@ def router(state) -> APIRouter:
                               "0's engine alone, and every rank's shard must run each step; use /rollout (with "
                               "for_training false for evaluation), which every rank decodes together")
         t0 = time.perf_counter()
+        check_sizes(state, req)
         specs, batched = sglang.expand(req, defaults, state.cfg.engine.max_num_seqs)
         fins = [_finalizer(state, s) if (req.return_text_in_logprobs and s.return_logprob) else None for s in specs]
-        encoders = [(lambda p=s.prompt: state.engine.encode(p, state.intake_processor)) for s in specs]
+        encoders = [(lambda p=s.prompt: state.encode_generate(p)) for s in specs]
         tickets, _ = await submit(state, encoders, [s.params for s in specs], stream=req.stream, finalize=fins,
                                   inline=req.input_ids is not None)
         offsets = [0]
@@ -80,6 +81,22 @@ def router(state) -> APIRouter:
         return items[0] if not batched and len(items) == 1 else items
 
     return r
+
+
+def check_sizes(state, req: GenerateRequest) -> None:
+    """400 for a batch with too many prompts or a prompt too long to tokenise (limits.py), before any work."""
+    max_len = state.cfg.engine.max_model_len
+    prompts = req.text if req.text is not None else req.input_ids
+    batch = prompts if isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list)) else [prompts]
+    try:
+        limits.check_count(state.cfg.limits, len(batch), "prompts")
+        for i, p in enumerate(batch):
+            if isinstance(p, str):
+                limits.check_text(state.cfg.limits, max_len, len(p), f"prompt[{i}]")
+            else:
+                limits.check_ids(max_len, len(p), f"prompt[{i}]")
+    except ValueError as e:
+        raise bad_request(str(e)) from None
 
 
 async def _stream(state, specs, tickets, offsets, request, sample_items, t0):

@@ -6,9 +6,10 @@
            form. With for_training (default) the RolloutBatch is retained under rollout_id (TTL + cap,
            store.py) with the weights version it was sampled from. Temperature must be > 0 for
            training rollouts.
-/train_step rollout_id + `rewards` (one per sample, prompt-major as returned) or `reward` (a registered
-           name or module:function, scored against the rows' ground truths; default: the server's
-           --reward) + per-step overrides -> the step's verl-named metrics. One step at a time: a
+/train_step rollout_id + `rewards` (one per sample, prompt-major as returned) or `reward` (a name
+           registered at startup, rewards.py: nothing a request names is imported; scored against the
+           rows' ground truths; default: the server's --reward) + per-step overrides -> the step's
+           verl-named metrics. One step at a time: a
            second concurrent call gets 409 (it is not queued). Unknown / expired id -> 404. A request
            rejected before training (bad rewards, bad overrides, failing reward function) leaves the
            rollout retained; it is consumed only by a successful step. On-policy by default: a
@@ -20,7 +21,8 @@
 Training, save and load are `drain` jobs: they start once in-flight engine requests have finished.
 With a rollout backend outside the engine loop (`--rollout-backend sglang`), or over a process group
 (every rank's engine samples a share; group.py), a /rollout is one worker job: its prompts are encoded
-on the intake thread, then sampled all at once.
+on an intake thread, then sampled all at once. Prompt counts and sizes are checked (limits.py)
+before anything is tokenised, and images and videos are read under the media policy (media.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from fastapi.responses import Response
 
 from ..rl.actor import TrainOOM
 from ..rl.batch import RolloutBatch
+from . import limits
 from .errors import bad_request
 from .inflight import ClientGone, collect, submit
 from .schemas import LoadRequest, RolloutRequest, SaveRequest, TrainStepRequest
@@ -63,6 +66,16 @@ def router(state) -> APIRouter:
         if req.for_training and sp.temperature <= 0:
             raise bad_request("training rollouts need temperature > 0 (the trainer scores that distribution)")
         params = [sp if sp.seed is None else replace(sp, seed=sp.seed + i * n) for i in range(len(req.prompts))]
+        try:  # before any prompt is tokenised (limits.py)
+            limits.check_count(cfg.limits, len(req.prompts), "prompts")
+            for i, p in enumerate(req.prompts):
+                if p.input_ids is not None:
+                    limits.check_ids(cfg.engine.max_model_len, len(p.input_ids), f"prompts[{i}]")
+                else:
+                    limits.check_text(cfg.limits, cfg.engine.max_model_len, limits.chat_chars(p.chat()),
+                                      f"prompts[{i}]")
+        except ValueError as e:
+            raise bad_request(str(e)) from None
         encoders = [(lambda p=p: state.encode_prompt(p)) for p in req.prompts]
         # a frozen vision tower's encodings from the prefill stand in for the trainer's vision passes; under a
         # process group the other ranks never prefilled these prompts, so every rank runs the frozen tower
@@ -119,8 +132,7 @@ def router(state) -> APIRouter:
             else:
                 t0 = time.perf_counter()
                 try:  # the RL step's reward loop, off the engine thread (it touches no model state)
-                    rewards, extra = await asyncio.to_thread(state.rl.compute_rewards, entry.batch,
-                                                             req.reward or cfg.reward)
+                    rewards, extra = await asyncio.to_thread(_score, state, entry.batch, req.reward)
                 except ValueError as e:
                     raise bad_request(str(e)) from None
                 reward_s = time.perf_counter() - t0
@@ -156,6 +168,12 @@ def router(state) -> APIRouter:
             raise bad_request(f"cannot load {req.path!r}: {e}") from None
 
     return r
+
+
+def _score(state, batch: RolloutBatch, reward: str | None):
+    """(rewards, metrics) by a reward registered at startup (rewards.py; None: the server's --reward)."""
+    fn = state.rewards.default if reward is None else state.rewards.get(reward)
+    return state.rl.compute_rewards(batch, fn)
 
 
 async def _backend_rollout(state, encoders: list, params: list, keep_vision: bool) -> tuple[list, list, int]:

@@ -182,7 +182,7 @@ class RolloutPrompt(BaseModel):
 
 class RolloutRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    prompts: list[RolloutPrompt] = Field(min_length=1, max_length=4096)
+    prompts: list[RolloutPrompt] = Field(min_length=1)  # at most --max-prompts (limits.py)
     n: int | None = Field(None, ge=1)
     sampling_params: dict | None = None
     for_training: bool = True

@@ -8,22 +8,28 @@
                                    started on the checkpoint, the rollout backend of the RL step
                        rl     <- RLStep(model, engine | backend, cfg.rl)  ref = frozen copy when kl_coef > 0
                        store  <- RolloutStore(ttl, cap);  worker <- EngineWorker(engine)
-                       intake <- one thread + its own copy of the processor: encodes prompts
+                       rewards <- RewardRegistry: built-ins + --reward / --reward-module (rewards.py)
+                       intake <- a few threads, each with its own copy of the processor: encode prompts,
+                                 their images read and decoded by `media` (MediaPolicy, media.py)
 
 ServerConfig holds the server's own settings and the configs it hosts, nested: `engine`
 (EngineConfig), `rl` (RLConfig, whose n / temperature / top_p / max_new_tokens are also the
 defaults of /rollout, max_new_tokens that of /generate), `memory` (MemoryConfig) and `backend`
-(BackendConfig: the rollout backend). `rl.seed` seeds the model init and warm-up.
+(BackendConfig: the rollout backend), `limits` (ServerLimits). `rl.seed` seeds the model init and
+warm-up. Rewards a request may name, and local media files it may read, are the operator's to open
+(`reward_modules`, `allow_client_reward_code`, `media_root`): by default none beyond the built-ins.
 
 With the SGLang backend /rollout runs as one worker job through the RL step's backend (SGLang batches
 it), /train_step as with the native engine, and /generate is not served (it streams from the native
 engine's loop); `engine` is None.
 
-Every method below except `describe` and `encode_prompt` runs on the engine thread (through
+Every method below except `describe`, `encode_prompt` and `encode_generate` runs on the engine thread (through
 `worker.run`): the engine, the model, the optimizer and the engine's processor are touched by that
-one thread only. Prompts are encoded on the intake thread (`encode_prompt`, `intake_processor`: a
-tokenizer is not safe to share between threads), so tokenizing and image preprocessing never hold
-up a decode step (inflight.py).
+one thread only. Prompts are encoded on the intake threads (`encode_prompt`, `encode_generate`,
+`intake_processor`: each thread's own copy, as a tokenizer is not safe to share between threads),
+so tokenizing and image preprocessing never hold up a decode step, and one heavy prompt does not
+queue every other client's behind it (inflight.py). Request sizes are bounded by `cfg.limits`
+(limits.py) before any of that work starts.
 Train-step overrides apply to that step only: the step runs with `dataclasses.replace(rl.cfg, ...)`
 (validated; temperature = the rollout's, so the trainer scores the distribution that was sampled).
 `weights_version` counts weight changes (train steps, loads); a rollout sampled at another version
@@ -41,6 +47,7 @@ import logging
 import math
 import os
 import random
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -58,7 +65,10 @@ from ..rl.actor import TrainOOM
 from ..rl.config import RLConfig
 from ..rl.step import RLStep
 from .group import collective_oom
+from .limits import ServerLimits
+from .media import MediaPolicy
 from .metrics import Metrics
+from .rewards import RewardRegistry
 from .store import RetainedRollout, RolloutStore, StaleRollout, tensor_bytes
 from .worker import EngineWorker
 
@@ -78,6 +88,13 @@ class ServerConfig:
     dtype: str | None = None  # default: bfloat16 on cuda, float32 on cpu
     api_key: str | None = None
     reward: str = "default"  # /train_step's reward for requests without rewards (name or module:function)
+    # more rewards requests may name: [NAME=]module:function or FILE.py:function, imported at startup
+    reward_modules: tuple[str, ...] = ()
+    # requests may name module:function / FILE.py:function rewards, which the server then imports and runs
+    allow_client_reward_code: bool = False
+    # local image / video files a request names are read only under this folder; None: none are read
+    media_root: str | None = None
+    intake_threads: int = 4  # threads that tokenise prompts and decode images, each with its own processor
     format_warmup_steps: int = 0  # supervised answer-format steps on the shape-colour task at startup
     rollout_ttl_s: float = 600.0  # seconds a training rollout is retained
     max_rollouts: int = 16  # retained rollouts (oldest evicted)
@@ -86,6 +103,7 @@ class ServerConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)  # which regions are resident in which phase
     backend: BackendConfig = field(default_factory=BackendConfig)  # the rollout backend: native | sglang
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)  # the trainer's and reference's FSDP2 under torchrun
+    limits: ServerLimits = field(default_factory=ServerLimits)  # request sizes (limits.py)
     # /save and /load read and write only under this folder (created on the first save);
     # None: `checkpoints` under the working directory
     checkpoint_root: str | None = None
@@ -97,6 +115,13 @@ class ServerConfig:
             raise ValueError("checkpoint_root must be a folder path")
         # resolved once, so a later chdir does not move it
         self.checkpoint_root = str(Path(self.checkpoint_root).expanduser().resolve())
+        if self.media_root is not None:
+            if not self.media_root or not Path(self.media_root).expanduser().is_dir():
+                raise ValueError(f"media_root {self.media_root!r} is not a folder")
+            self.media_root = str(Path(self.media_root).expanduser().resolve())
+        self.reward_modules = tuple(self.reward_modules)
+        if self.intake_threads < 1:
+            raise ValueError("intake_threads must be >= 1")
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in ("cuda", "cpu") and not self.device.startswith("cuda:"):
@@ -235,8 +260,9 @@ class ServerState:
                      runner.startup_s["tuning"], runner.startup_s["capture"], self.engine.blocks.num_blocks,
                      self.engine.cfg.block_size)
         t0 = time.perf_counter()
-        self.rl = RLStep(self.model, rollout, cfg.rl, self.processor, reward_fn=cfg.reward, memory=self.memory,
-                         memory_cfg=cfg.memory, fsdp=cfg.fsdp)
+        self.rewards = RewardRegistry(cfg.reward, cfg.reward_modules, cfg.allow_client_reward_code)
+        self.rl = RLStep(self.model, rollout, cfg.rl, self.processor, reward_fn=self.rewards.default,
+                         memory=self.memory, memory_cfg=cfg.memory, fsdp=cfg.fsdp)
         log.info("startup: trainer in %.1fs (reference model: %s)", self._phase("trainer", t0),
                  "yes" if self.rl.ref is not None else "no")
         # what the engine decodes: the policy, or this rank's tensor-parallel shard of it, in which case the
@@ -246,8 +272,13 @@ class ServerState:
             log.info("memory (%s backend):\n%s", self.memory.backend.name,
                      self.memory.plan.table(self.rl.memory_sizes(), self.rl.activation_estimate()))
         self.store = RolloutStore(cfg.rollout_ttl_s, cfg.max_rollouts)
-        self.intake = ThreadPoolExecutor(1, thread_name_prefix="rollplex-intake")
-        self.intake_processor = copy.deepcopy(self.processor)
+        self.media = MediaPolicy(cfg.limits, cfg.media_root)
+        self.intake = ThreadPoolExecutor(cfg.intake_threads, thread_name_prefix="rollplex-intake")
+        # each intake thread copies this one on its first prompt (a tokenizer is not safe to share between
+        # threads); it is touched only under the lock, to be copied
+        self._intake_template = copy.deepcopy(self.processor)
+        self._intake_lock = threading.Lock()
+        self._intake_local = threading.local()
         self.worker = EngineWorker(self.engine, decode=self._decode if self.processor is not None else None,
                                    before_step=self.enter_rollout)
         self.metrics = Metrics()
@@ -255,6 +286,15 @@ class ServerState:
         self.commands = None  # rank 0 of a process group: group.Commands (set by the CLI)
         self.last_train: dict = {}
         self.started = time.time()
+
+    @property
+    def intake_processor(self):
+        """This thread's own copy of the processor (None without a tokenizer)."""
+        proc = getattr(self._intake_local, "processor", None)
+        if proc is None and self._intake_template is not None:
+            with self._intake_lock:
+                proc = self._intake_local.processor = copy.deepcopy(self._intake_template)
+        return proc
 
     def _phase(self, name: str, t0: float) -> float:
         self.startup_s[name] = time.perf_counter() - t0
@@ -302,14 +342,25 @@ class ServerState:
             self.memory.enter("rollout")
 
     def encode_prompt(self, p) -> ModelInputs:
-        """ModelInputs for a RolloutPrompt (chat messages / verl row / ids); runs on the intake thread."""
+        """ModelInputs for a RolloutPrompt (chat messages / verl row / ids); runs on an intake thread. Its
+        images and videos are read and decoded under the media policy first (media.py)."""
         from ..data import row_to_inputs
 
         if p.input_ids is not None:
             return ModelInputs(input_ids=list(p.input_ids))
         if self.intake_processor is None:
             raise ValueError("this server has no tokenizer (a preset model): send `input_ids` prompts")
-        return row_to_inputs(self.intake_processor, {"prompt": p.chat(), "images": p.images, "videos": p.videos})
+        budget = self.media.budget()
+        messages = self.media.chat(p.chat(), budget)
+        images, videos = self.media.prompt(p.images, p.videos, budget)
+        return row_to_inputs(self.intake_processor, {"prompt": messages, "images": images, "videos": videos})
+
+    def encode_generate(self, prompt) -> ModelInputs:
+        """ModelInputs for a /generate prompt (templated text, {"text", "images"}, or token ids); runs on an
+        intake thread, its images decoded under the media policy first."""
+        if isinstance(prompt, dict):
+            prompt = {**prompt, "images": self.media.images(prompt.get("images"))}
+        return self.engine.encode(prompt, self.intake_processor)
 
     def sample(self, inputs: list[ModelInputs], params: list, keep_vision: bool) -> tuple[list, int]:
         """(one RequestOutput per prompt, the weights version they were sampled from) through the RL
