@@ -358,6 +358,8 @@ class ServerState:
     def encode_generate(self, prompt) -> ModelInputs:
         """ModelInputs for a /generate prompt (templated text, {"text", "images"}, or token ids); runs on an
         intake thread, its images decoded under the media policy first."""
+        if isinstance(prompt, list):  # token ids (prepared on the event loop): no processor copy for it
+            return self.engine.encode(prompt)
         if isinstance(prompt, dict):
             prompt = {**prompt, "images": self.media.images(prompt.get("images"))}
         return self.engine.encode(prompt, self.intake_processor)
