@@ -166,6 +166,8 @@ def test_local_media_paths_are_refused_without_reading(client, server, retained,
                                                            {"type": "text", "text": "Color?"}]}]},
                 {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "/etc/passwd"}},
                                                            {"type": "text", "text": "Color?"}]}]},
+                {"messages": [{"role": "user", "content": [{"type": "image", "image": ""},
+                                                           {"type": "text", "text": "Color?"}]}]},
                 {"messages": [{"role": "user", "content": "<video>What moves?"}], "videos": [[str(real)]]}]
     for prompt in rollouts:
         r = client.post("/rollout", json={"prompts": [prompt], "n": 2})

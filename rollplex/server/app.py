@@ -89,7 +89,6 @@ class AuthAndCount:
             self.state.metrics.inc("rollplex_http_requests_total", route=route, method=scope["method"],
                                    status=status[0])
 
-
     async def _read_body(self, scope, receive):
         """A receive channel that first gives the whole body; None when it is over the limit."""
         length = dict(scope["headers"]).get(b"content-length")

@@ -147,8 +147,9 @@ class MediaPolicy:
                     item = dict(item)
                     try:
                         if item.get("image") is not None or item.get("image_url") is not None:
-                            item["image"] = self.image(item.pop("image", None) or item.pop("image_url"), budget)
+                            payload = item.pop("image") if item.get("image") is not None else item["image_url"]
                             item.pop("image_url", None)
+                            item["image"] = self.image(payload, budget)
                         elif item.get("video") is not None:
                             item["video"] = self.video(item["video"], budget)
                     except ValueError as e:

@@ -17,11 +17,13 @@ request's `module:function` / `FILE.py:function` is imported when it is named.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 
 from ..rl.rewards import REGISTRY, RewardFn, default_compute_score, load_reward
 
 log = logging.getLogger("rollplex.server")
+_NAME = re.compile(r"[\w.-]+")
 
 
 class RewardRegistry:
@@ -40,7 +42,7 @@ class RewardRegistry:
     def register(self, spec: str) -> RewardFn:
         """`NAME=PATH`, `PATH` (module:function or FILE.py:function) or a registered name; the function."""
         name, sep, path = spec.partition("=")
-        if not sep or ":" not in path or ":" in name:  # no NAME= prefix
+        if not sep or ":" not in path or not _NAME.fullmatch(name):  # no NAME= prefix ('=' inside a path)
             name, path = spec, spec
         if path in self.fns:
             fn = self.fns[path]

@@ -1,5 +1,8 @@
 """POST /generate: SGLang's request/response schema over the shared continuous batch (see sglang.py).
 
+The batch size and each prompt's length are checked before anything is tokenised (limits.py), and
+`image_data` is read and decoded under the server's media policy on an intake thread (media.py).
+
 Served by the native engine only: with another rollout backend (`--rollout-backend sglang`), or by a
 tensor-parallel process group (`--tensor-parallel` > 1 under torchrun), it is a 400.
 
