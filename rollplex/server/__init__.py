@@ -9,13 +9,16 @@ Modules, one job each:
     sglang.py    SGLang request <-> rollplex SamplingParams / response dicts
     worker.py    the engine thread: continuous batching over all HTTP requests + exclusive jobs
     store.py     retained rollouts (TTL + cap) waiting for their /train_step
-    state.py     ServerConfig (nesting RLConfig, EngineConfig, MemoryConfig, BackendConfig) and the hosted
-                 runtime (model, processor, engine or SGLang, RLStep, store, worker) + /memory ledger
+    state.py     ServerConfig (nesting RLConfig, EngineConfig, MemoryConfig, BackendConfig, ServerLimits) and
+                 the hosted runtime (model, processor, engine or SGLang, RLStep, store, worker) + /memory ledger
+    limits.py    ServerLimits: request body, prompt count and length, image and video sizes
+    media.py     images and frames a request names -> decoded images (no local files without --media-root)
+    rewards.py   the rewards a request may name: those registered at startup
     metrics.py   Prometheus counters and gauges for /metrics
     inflight.py  the async side of engine requests: submit, collect, abort on disconnect
     routes_generate.py   POST /generate (SGLang)
     routes_rl.py         POST /rollout, /train_step, /save, /load
-    app.py       the FastAPI app: info routes, auth, request counters, error mapping
+    app.py       the FastAPI app: info routes, auth, the body limit, request counters, error mapping
     embedded.py  run a real uvicorn server in a background thread (driver, tests)
     group.py     under torchrun: rank 0's commands to the other ranks (the data-parallel train step)
     __main__.py  the CLI: flags generated from ServerConfig and its nested configs
@@ -23,7 +26,8 @@ Modules, one job each:
 
 from importlib import import_module
 
-_EXPORTS = {"ServerConfig": "state", "ServerState": "state", "create_app": "app", "serve_in_thread": "embedded"}
+_EXPORTS = {"ServerConfig": "state", "ServerState": "state", "ServerLimits": "limits", "create_app": "app",
+            "serve_in_thread": "embedded"}
 __all__ = sorted(_EXPORTS)
 
 
