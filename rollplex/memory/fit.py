@@ -12,7 +12,7 @@ update — costs nothing and is always part of the `auto` plan. While a phase is
 | activation checkpointing | (vision_)gradient_checkpointing | one more forward: update 6.65 -> 7.44 s |
 | optimizer_offload=moments | AdamW moments paged from host memory | 16 bytes per parameter over the bus: +1.1 s |
 | optimizer_offload=all | the fp32 masters paged too | 24 bytes per parameter: about +1.6 s (by the bytes) |
-| optimizer offloaded | the optimizer region offloaded outside `update` | 42 GiB out and back: 4.5 s |
+| optimizer offloaded | the optimizer region offloaded outside `update` | 42 GiB out and back: ~4.5 s at 20 GB/s |
 
 The last one only moves what `optimizer_offload` left on the device (a user's `none` or `moments`).
 `optimizer_offload=cpu` is never chosen: it frees no more device memory than `all`, for an AdamW

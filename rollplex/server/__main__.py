@@ -48,7 +48,8 @@ HELP = {
                          "moments or all to fit the device",
     "gradient_checkpointing": "per-layer activation checkpointing of the decoder (default: on only when the memory "
                               "plan needs it to fit the device)",
-    "vision_gradient_checkpointing": "the same for the vision blocks (default: with --gradient-checkpointing's choice)",
+    "vision_gradient_checkpointing": "the same for the vision blocks (default: on when the memory plan turns "
+                                     "checkpointing on)",
     "device_capacity_gib": "device memory the memory plan fits the step into (default: the GPU's total memory; "
                            "unchecked on CPU)",
     "decode_split_k": "S_o S_down K slices of the graphed decode's o/down projections; default: timed per bucket",
