@@ -82,6 +82,10 @@ def test_memory_bench_runs_steps_under_the_manager(capsys):
     rows = _rows(capsys)
     steps = [r for r in rows if r.get("micro_batch_prompts") is not None]
     assert steps and all(r["micro_batch_prompts"] == 1 for r in steps)
+    setup = next(r for r in rows if r.get("bench") == "memory_setup")
+    assert setup["fit"]["measures"] == [] and setup["fit"]["budget_gib"] is None  # CPU: nothing to fit
+    with pytest.raises(SystemExit, match="does not fit the device"):  # a device too small: the plan's reasons
+        memory.main(["--workloads", "tiny", "--device", "cpu", "--no-compile", "--device-capacity-gib", "0.001"])
 
 
 # ---- serve --load ---------------------------------------------------------------------------------

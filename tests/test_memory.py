@@ -1,5 +1,7 @@
 """Phase plan and memory manager on the accounting backend (same semantics as torch-memory-saver)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -32,21 +34,32 @@ def test_plan_overrides_and_table():
     assert ("optimizer", "offloaded", "resident") in plan.transitions("ref", "update")
 
 
+def _fixed(sizes, acts):
+    """An estimate that no trainer setting changes: only residency moves can lower a peak."""
+    return lambda checkpointing, optimizer_offload: (sizes, acts)
+
+
 def test_auto_plan_offloads_cheapest_first():
+    from rollplex.memory.fit import fit
+
     sizes = {"weights": 8 * GiB, "ref_weights": 8 * GiB, "kv_cache": 40 * GiB, "optimizer": 45 * GiB,
              "grads": 8 * GiB}
     acts = {"rollout": 2 * GiB, "ref": 4 * GiB, "update": 20 * GiB}
-    roomy = PhasePlan.auto(sizes, acts, budget=140 * GiB)
-    assert roomy.get("update", "kv_cache") == "released" and roomy.get("rollout", "ref_weights") == "resident"
+    roomy = fit(_fixed(sizes, acts), 140 * GiB, memory_budget=1.0).plan
+    assert roomy.name == "auto" and roomy.get("update", "kv_cache") == "released"
+    assert roomy.get("rollout", "ref_weights") == "resident"
     # ref weights (frozen: one copy per resume) go before the optimizer (copied out and back)
-    mid = PhasePlan.auto(sizes, acts, budget=100 * GiB)
-    assert mid.get("update", "ref_weights") == "offloaded" and mid.get("rollout", "optimizer") == "resident"
-    tight = PhasePlan.auto(sizes, acts, budget=85 * GiB)
-    assert tight.get("rollout", "optimizer") == "offloaded" and tight.fits(sizes, acts, 85 * GiB)
-    over = PhasePlan.auto(sizes, acts, budget=70 * GiB)  # regions fit, activations do not: best effort
-    assert over.name.startswith("auto (activations") and over.get("rollout", "optimizer") == "offloaded"
-    with pytest.raises(ValueError, match="do not fit"):
-        PhasePlan.auto(sizes, acts, budget=50 * GiB)
+    mid = fit(_fixed(sizes, acts), 100 * GiB, memory_budget=1.0)
+    assert mid.measures == ("reference offloaded",)
+    assert mid.plan.get("update", "ref_weights") == "offloaded" and mid.plan.get("rollout", "optimizer") == "resident"
+    tight = fit(_fixed(sizes, acts), 85 * GiB, memory_budget=1.0)
+    assert tight.plan.get("rollout", "optimizer") == "offloaded" and tight.plan.fits(sizes, acts, 85 * GiB)
+    # the regions fit, the activations do not: nothing left to take, so no plan (never a crash mid-step)
+    with pytest.raises(ValueError, match="the activations need 20.0 GiB, 9.0 GiB is left") as e:
+        fit(_fixed(sizes, acts), 70 * GiB, memory_budget=1.0)
+    assert "optimizer offloaded" in str(e.value) and "micro_batch_prompts" in str(e.value)
+    with pytest.raises(ValueError, match="the resident regions alone need"):
+        fit(_fixed(sizes, acts), 50 * GiB, memory_budget=1.0)
 
 
 def _setup(plan=None, capacity=None):
@@ -138,13 +151,109 @@ def test_memory_config_builds_plans():
     sizes = {"weights": 8 * GiB, "kv_cache": 60 * GiB, "optimizer": 45 * GiB, "grads": 8 * GiB}
     acts = {"update": activation_bytes(2048, 36, 8192, 2, checkpointing=False)}
     assert activation_bytes(2048, 36, 8192, 2, checkpointing=True) < acts["update"] / 10
-    resident = MemoryConfig(memory_plan="resident").build_plan(sizes, acts, 140 * GiB)
+    resident = MemoryConfig(memory_plan="resident").fit(_fixed(sizes, acts), 160 * GiB).plan
     assert resident.get("update", "kv_cache") == "resident"
-    auto = MemoryConfig().build_plan(sizes, acts, 140 * GiB)
+    auto = MemoryConfig().fit(_fixed(sizes, acts), 140 * GiB).plan
     assert auto.get("update", "kv_cache") == "released" and auto.name == "auto"
-    custom = MemoryConfig(memory_overrides="optimizer:rollout=offloaded").build_plan(sizes, acts, 140 * GiB)
+    custom = MemoryConfig(memory_overrides="optimizer:rollout=offloaded").fit(_fixed(sizes, acts), 140 * GiB).plan
     assert custom.get("rollout", "optimizer") == "offloaded" and custom.get("ref", "optimizer") == "resident"
+    unchecked = MemoryConfig().fit(_fixed(sizes, acts), None)  # CPU: no capacity, nothing taken
+    assert unchecked.budget is None and unchecked.measures == () and unchecked.optimizer_offload == "none"
     with pytest.raises(ValueError):
         MemoryConfig(memory_overrides="optimizer:rollout=gone")
     with pytest.raises(ValueError):
         MemoryConfig(memory_plan="fancy")
+    with pytest.raises(ValueError, match="device_capacity_gib"):
+        MemoryConfig(device_capacity_gib=0)
+
+
+# ---- fitting the RL step to one H200, with the presets' real shapes (nothing allocated) ------------------------
+H200 = 139 * GiB  # what torch reports of the H200's 141 GB, about
+
+
+def _preset_fit(name: str, workload: dict, capacity: int = H200, memory=None, kv_capacity: int = H200):
+    """fit_memory, as RLStep runs it, for `name`'s shapes with random bf16 weights, a reference, and the KV
+    cache the engine sizes at gpu_memory_utilization 0.5 on a device of `kv_capacity` bytes (half of it, less
+    the weights and its warm-up prefill: 53.5 GiB for 7B and 62.3 GiB for 3B on the H200 measured)."""
+    from rollplex.memory import Footprint, MemoryConfig
+    from rollplex.models import Qwen25VL
+    from rollplex.presets import preset
+    from rollplex.rl.config import RLConfig
+    from rollplex.rl.step import fit_memory
+
+    cfg = preset(name)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in Qwen25VL(cfg).parameters())
+    weights = 2 * n
+    footprint = Footprint(weights, weights, kv_capacity // 2 - weights - GiB, n, 2)
+    rl = workload if isinstance(workload, RLConfig) else RLConfig(kl_coef=0.001, **workload)
+    return fit_memory(cfg, rl, memory or MemoryConfig(), footprint, capacity)
+
+
+def _workload(label: str) -> dict:
+    from rollplex.bench.memory import WORKLOADS
+
+    _, _, n, new_tokens, micro = WORKLOADS[label]
+    return {"n": n, "max_new_tokens": new_tokens, "micro_batch_prompts": micro}
+
+
+def _fits(fit) -> bool:
+    return all(v <= fit.budget for v in fit.peaks().values())
+
+
+@pytest.mark.parametrize("capacity_gib", [139, 140.4])  # 140.4: nvidia-smi's 143,771 MiB
+def test_w7b_defaults_take_offload_checkpointing_and_paged_moments(capacity_gib):
+    fit = _preset_fit("qwen2.5-vl-7b", _workload("w7b"), int(capacity_gib * GiB))
+    assert fit.measures == ("reference offloaded", "activation checkpointing", "optimizer_offload=moments")
+    assert fit.gradient_checkpointing and fit.vision_gradient_checkpointing and fit.optimizer_offload == "moments"
+    assert fit.plan.get("update", "ref_weights") == "offloaded" and fit.plan.get("update", "kv_cache") == "released"
+    assert _fits(fit) and fit.plan.name.startswith("auto (reference offloaded")
+    assert fit.sizes["optimizer"] == 2 * fit.sizes["grads"]  # fp32 masters only: 4 of the 12 bytes per parameter
+    # the rungs before the moments do not fit, and a user's optimizer_offload is never changed
+    with pytest.raises(ValueError, match="update .* over") as e:
+        from rollplex.memory import MemoryConfig
+
+        _preset_fit("qwen2.5-vl-7b", _workload("w7b"), int(capacity_gib * GiB), MemoryConfig(optimizer_offload="none"))
+    assert "kept as given: optimizer_offload=none" in str(e.value)
+    assert "measures taken: reference offloaded, activation checkpointing" in str(e.value)
+
+
+def test_3b_defaults_keep_every_region_resident():
+    from rollplex.server.state import server_rl_config
+
+    for rl in (_workload("w3b"), replace(server_rl_config(), kl_coef=0.001)):
+        fit = _preset_fit("qwen2.5-vl-3b", rl)
+        assert fit.measures == () and fit.plan.name == "auto" and _fits(fit)
+        assert not fit.gradient_checkpointing and fit.optimizer_offload == "none"
+        assert fit.plan.get("update", "ref_weights") == "resident"
+    # 6x the response tokens: the cheapest two measures are enough
+    fit = _preset_fit("qwen2.5-vl-3b", _workload("w3b-long"))
+    assert fit.measures == ("reference offloaded", "activation checkpointing") and fit.optimizer_offload == "none"
+
+
+def test_explicit_choices_are_kept():
+    from rollplex.memory import MemoryConfig
+
+    # without checkpointing the 7B update fits only once the moments are paged too
+    fit = _preset_fit("qwen2.5-vl-7b", {**_workload("w7b"), "gradient_checkpointing": False})
+    assert not fit.gradient_checkpointing and fit.measures == ("reference offloaded", "optimizer_offload=moments")
+    assert _fits(fit)
+    # an explicit plan gets no offloads: the 7B's paged moments and checkpointing fit it without them
+    fit = _preset_fit("qwen2.5-vl-7b", _workload("w7b"), memory=MemoryConfig(memory_plan="release"))
+    assert fit.plan.get("update", "ref_weights") == "resident" and "reference offloaded" not in fit.measures
+    assert fit.optimizer_offload == "moments" and _fits(fit)
+    fit = _preset_fit("qwen2.5-vl-7b", _workload("w7b"), memory=MemoryConfig(optimizer_offload="all"))
+    assert fit.optimizer_offload == "all" and not any(m.startswith("optimizer_offload") for m in fit.measures)
+
+
+def test_a_step_that_cannot_fit_names_what_was_tried():
+    with pytest.raises(ValueError) as e:
+        _preset_fit("qwen2.5-vl-7b", _workload("w7b"), capacity=10 * GiB)
+    msg = str(e.value)
+    assert "does not fit the device" in msg and "against a budget of 9.2 GiB" in msg
+    assert ("measures taken: reference offloaded, activation checkpointing, optimizer_offload=moments, "
+            "optimizer_offload=all") in msg
+    assert "the resident regions alone need" in msg and "gpu_memory_utilization" in msg and "more GPUs" in msg
+    # regions that fit but activations that do not: the tokens per micro-batch are named
+    with pytest.raises(ValueError, match="micro_batch_prompts=2, micro_batch_max_tokens=None, n=64"):
+        _preset_fit("qwen2.5-vl-7b", {**_workload("w7b"), "n": 64, "max_new_tokens": 4096})

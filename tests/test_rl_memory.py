@@ -27,10 +27,11 @@ def _parity_reward(data_source, solution_str, ground_truth, extra_info=None) -> 
     return float(sum(map(ord, solution_str)) % 2)
 
 
-def _step(tiny_dir, proc, memory_cfg: MemoryConfig | None, **cfg):
+def _step(tiny_dir, proc, memory_cfg: MemoryConfig | None, kv_cache_tokens: int | None = None, **cfg):
     model = load_model(tiny_dir)
     mm = MemoryManager(PhasePlan.releases_only(), backend="accounting") if memory_cfg is not None else None
-    engine = Engine(model, proc, EngineConfig(max_num_seqs=64, max_model_len=256), memory=mm)
+    engine = Engine(model, proc, EngineConfig(max_num_seqs=64, max_model_len=256, kv_cache_tokens=kv_cache_tokens),
+                    memory=mm)
     base = dict(n=4, max_new_tokens=6, lr=1e-3, kl_coef=0.05, micro_batch_prompts=2)
     return RLStep(model, engine, RLConfig(**{**base, **cfg}), proc, reward_fn=_parity_reward, memory=mm,
                   memory_cfg=memory_cfg)
@@ -89,6 +90,40 @@ def test_auto_plan_and_checkpointing(tiny_dir, proc):
     plain.step(ROWS)
     for (n, a), b in zip(_weights(plain).items(), _weights(rl).values()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_a_step_too_large_for_the_device_takes_the_measures_it_needs(tiny_dir, proc):
+    """A device between the update's planned peak with the AdamW moments on it and with them paged: the step
+    is built with the reference offloaded, checkpointing on and the moments paged (memory/fit.py's choice
+    from the planned sizes), reports it, and trains as the unmanaged step does."""
+    plain = _step(tiny_dir, proc, None, kv_cache_tokens=1024)  # a KV cache smaller than the update's needs
+    on_device, paged = plain.memory_sizes("none"), plain.memory_sizes("moments")
+    acts = plain.activation_estimate(checkpointing=True)["update"]
+    # the update with the reference offloaded and checkpointing on; the rollout and ref phases stay below
+    need = [s["weights"] + s["optimizer"] + s["grads"] + acts for s in (on_device, paged)]
+    budget = (need[0] + need[1]) / 2
+    rl = _step(tiny_dir, proc, MemoryConfig(device_capacity_gib=budget / MemoryConfig().memory_budget / 2**30),
+               kv_cache_tokens=1024)
+    taken = ("reference offloaded", "activation checkpointing", "optimizer_offload=moments")
+    assert rl.memory_fit.measures == taken and rl.memory.report()["fit"]["measures"] == list(taken)
+    assert rl.cfg.gradient_checkpointing and activation_checkpointing(rl.model) == (True, True)
+    assert rl.memory_cfg.optimizer_offload == "moments" and rl.actor.optimizer.offload
+    assert not rl.actor.optimizer._page_masters
+    assert rl.memory.plan.get("update", "ref_weights") == "offloaded"
+    assert rl.memory.plan.fits(rl.memory_sizes(), rl.activation_estimate(), rl.memory_fit.budget)
+    assert not plain.cfg.gradient_checkpointing and not plain.actor.optimizer.offload  # no manager: all left off
+    plain.step(ROWS)
+    rl.step(ROWS)
+    for (n, a), b in zip(_weights(plain).items(), _weights(rl).values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_a_step_that_cannot_fit_fails_when_built(tiny_dir, proc):
+    with pytest.raises(ValueError, match="does not fit the device") as e:
+        _step(tiny_dir, proc, MemoryConfig(device_capacity_gib=1e-3), gradient_checkpointing=False)
+    msg = str(e.value)
+    assert "kept as given: gradient_checkpointing=False" in msg and "optimizer_offload=moments" in msg
+    assert "the resident regions alone need" in msg
 
 
 def _oom_when(pred):

@@ -110,3 +110,19 @@ def test_a_restarted_server_times_nothing(tiny_dir, tmp_path, monkeypatch, caplo
         assert second.startup_s["tuning"] < 1.0
     finally:
         second.close()
+
+
+def test_a_server_that_cannot_fit_its_device_exits_with_the_reason(tiny_dir, caplog):
+    """The memory plan's check runs when the server is built: a step too large for the device ends the start
+    with the plan's reasons (what it tried, what would be needed), never a failure mid-step."""
+    from rollplex.server.__main__ import main
+
+    args = ["--model", str(tiny_dir), "--device", "cpu", "--max-model-len", "256", "--kv-cache-tokens", "4096",
+            "--max-num-seqs", "8", "--kl-coef", "0.05", "--device-capacity-gib", "0.001"]
+    with caplog.at_level(logging.INFO, logger="rollplex.server"), pytest.raises(SystemExit) as e:
+        main(args + ["--no-gradient-checkpointing"])
+    msg = str(e.value)
+    assert msg.startswith("rollplex.server: the RL step does not fit the device")
+    assert "measures taken: reference offloaded, optimizer_offload=moments" in msg
+    assert "kept as given: gradient_checkpointing=False" in msg and "peak GiB" in msg
+    assert not any(r.getMessage().startswith("startup: ready") for r in caplog.records)

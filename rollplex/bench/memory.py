@@ -2,7 +2,9 @@
 
 Each workload builds the policy (a preset's real shapes, random bf16 weights), the engine with its KV
 cache in the manager's `kv_cache` region, and an RLStep (reference model, AdamW with fp32 masters),
-prints the plan the manager chose with the all-resident footprint next to it, then runs a warm-up
+prints the plan the manager chose with the all-resident footprint next to it and the measures it took
+to fit the device (memory/fit.py: reference offloaded, activation checkpointing, paged AdamW state;
+flags given here are kept as given), then runs a warm-up
 step and `--steps` timed steps (rollout in `rollplex` mode, reference scoring, actor update) and
 reports per phase: seconds, peak GiB, resident GiB, and what the transitions cost.
 
@@ -13,7 +15,8 @@ Workloads: w3b (3B shapes, 32 prompts x 8 x 512 tokens, one 448^2 image each), w
 of 1,536 tokens per prompt: 6x W3B's response tokens), w7b (7B shapes, as w3b).
 
     python -m rollplex.bench memory --workloads w3b,w3b-long
-    python -m rollplex.bench memory --workloads w7b --optimizer-offload moments
+    python -m rollplex.bench memory --workloads w7b
+    python -m rollplex.bench memory --workloads w7b --optimizer-offload moments --gradient-checkpointing
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 
 from ..engine import Engine, EngineConfig, SamplingParams
 from ..memory import PHASES, MemoryConfig, MemoryManager, PhasePlan
+from ..memory.fit import OPTIMIZER_OFFLOADS
 from ..models import Qwen25VL, init_weights
 from ..presets import preset
 from ..rl.batch import RolloutBatch
@@ -93,7 +97,7 @@ def run(label: str, args) -> list[dict]:
     if cuda and not args.no_compile:
         model.compile()
     mem_cfg = MemoryConfig(memory_plan=args.memory_plan, memory_overrides=args.memory_overrides,
-                           optimizer_offload=args.optimizer_offload)
+                           optimizer_offload=args.optimizer_offload, device_capacity_gib=args.device_capacity_gib)
     mm = MemoryManager(PhasePlan.releases_only(), dev, backend="tms" if cuda else "accounting")
     eng = Engine(model, None, EngineConfig(max_num_seqs=256, max_model_len=2048,
                                            gpu_memory_utilization=args.gpu_memory_utilization,
@@ -105,13 +109,16 @@ def run(label: str, args) -> list[dict]:
     rl = RLStep(model, eng, rl_cfg, reward_fn="exact", memory=mm, memory_cfg=mem_cfg)
     sizes, acts = rl.memory_sizes(), rl.activation_estimate()
     resident = PhasePlan.all_resident()
+    # what every region resident in every phase would need, without the fit's measures (optimizer state on
+    # the device, no checkpointing): regions, plus the update's activations
+    bare, bare_acts = rl.memory_sizes("none"), rl.activation_estimate(checkpointing=False)
     setup = {"bench": "memory_setup", "workload": label, "plan": mm.plan.to_dict()["phases"],
              "sizes_gib": {k: round(v / GiB, 2) for k, v in sizes.items()},
-             # what every region resident in every phase would need: regions, plus the update's activations
-             "all_resident_regions_gib": round(resident.resident_bytes("update", sizes) / GiB, 1),
-             "all_resident_update_peak_gib": round(resident.peak("update", sizes, acts) / GiB, 1),
+             "all_resident_regions_gib": round(resident.resident_bytes("update", bare) / GiB, 1),
+             "all_resident_update_peak_gib": round(resident.peak("update", bare, bare_acts) / GiB, 1),
              "planned_peak_gib": {p: round(mm.plan.peak(p, sizes, acts) / GiB, 1) for p in PHASES},
-             "kv_blocks": eng.runner.num_blocks}
+             # what the plan chose to fit the device (memory/fit.py), and from what
+             "fit": rl.memory_fit.to_dict(), "kv_blocks": eng.runner.num_blocks}
     print(json.dumps(setup), flush=True)
     print(mm.plan.table(sizes, acts), flush=True)
     prompts, _ = make_prompts(cfg, n_prompts, 1, size=448 if cuda else 56, text=96 if cuda else 8, device=dev,
@@ -158,8 +165,12 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=1, help="timed steps after the warm-up step")
     ap.add_argument("--memory-plan", default="auto", choices=["auto", "release", "resident"])
     ap.add_argument("--memory-overrides", default=None)
-    ap.add_argument("--optimizer-offload", default="none", choices=["none", "moments", "all", "cpu"])
-    ap.add_argument("--gradient-checkpointing", action="store_true")
+    ap.add_argument("--optimizer-offload", default="auto", choices=OPTIMIZER_OFFLOADS,
+                    help="auto: none, unless the memory plan needs moments or all to fit the device")
+    ap.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                    help="default: on only when the memory plan needs it to fit the device")
+    ap.add_argument("--device-capacity-gib", type=float, default=None,
+                    help="device memory the plan fits the step into (default: the GPU's total memory)")
     ap.add_argument("--micro-prompts", type=int, default=None,
                     help="prompts (x n samples) per forward/backward of the update (default: the workload's)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="the engine's share (the server default)")
@@ -169,7 +180,10 @@ def main(argv=None) -> None:
     print(json.dumps({"bench": "memory_env", **env_info()}), flush=True)
     rows = []
     for label in args.workloads.split(","):
-        rows += run(label, args)
+        try:
+            rows += run(label, args)
+        except ValueError as e:  # the memory plan found no way to fit the step: its reasons, not a traceback
+            raise SystemExit(f"bench memory {label}: {e}") from None
     print("\n| workload | step | rollout tok/s | gen s | ref s | update s | step s | transitions s (share) | "
           "peak GiB rollout / ref / update | micro-batch prompts |")
     print("|---|---|---|---|---|---|---|---|---|---|")

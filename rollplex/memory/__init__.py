@@ -2,9 +2,11 @@
 
 from .backend import AccountingBackend, TorchMemorySaverBackend, make_backend
 from .config import MemoryConfig, activation_bytes
+from .fit import Footprint, MemoryFit, optimizer_bytes
 from .ledger import Ledger
-from .manager import MemoryManager, MemoryRegionError
+from .manager import MemoryManager, MemoryRegionError, device_capacity
 from .plan import PHASES, TAGS, PhasePlan
 
-__all__ = ["AccountingBackend", "Ledger", "MemoryConfig", "MemoryManager", "MemoryRegionError", "PHASES", "PhasePlan",
-           "TAGS", "TorchMemorySaverBackend", "activation_bytes", "make_backend"]
+__all__ = ["AccountingBackend", "Footprint", "Ledger", "MemoryConfig", "MemoryFit", "MemoryManager",
+           "MemoryRegionError", "PHASES", "PhasePlan", "TAGS", "TorchMemorySaverBackend", "activation_bytes",
+           "device_capacity", "make_backend", "optimizer_bytes"]

@@ -10,6 +10,10 @@ Offloads are the manager's own, not the backend's: a pinned CPU buffer per prese
 allocated once and reused; a frozen tag (reference weights) is copied out once and every later pause
 is free. A region whose contents are dropped can register `on_resume` (gradients are zeroed).
 
+`device_capacity` is where the plan's device size comes from (one place: an explicit size, the CUDA
+device's total memory, or the capacity an accounting backend plays). `set_plan` may carry the
+`MemoryFit` it came from (fit.py), which `report()` includes.
+
 Every misuse is a `MemoryRegionError` raised before the backend is touched (torch-memory-saver ends
 the process on a double pause or a resume of an active region): pausing a paused region, resuming a
 resident one, allocating into a paused one, resuming without enough free memory.
@@ -45,6 +49,7 @@ class MemoryManager:
         self._preserve: dict[str, Callable[[], Iterable[torch.Tensor]]] = {}
         self._on_resume: dict[str, Callable[[], None]] = {}
         self._copies: dict[str, tuple[tuple, list[torch.Tensor]]] = {}  # tag -> (key of the sources, cpu buffers)
+        self.fit: dict | None = None  # how the plan was chosen (MemoryFit.to_dict), when set_plan was given one
 
     # ---- allocation ---------------------------------------------------------------------------
     def _check_tag(self, tag: str) -> None:
@@ -170,8 +175,9 @@ class MemoryManager:
             for t in back:
                 self.pause(t, offload=self.current is not None and self.plan.get(self.current, t) == "offloaded")
 
-    def set_plan(self, plan: PhasePlan) -> None:
+    def set_plan(self, plan: PhasePlan, fit: dict | None = None) -> None:
         self.plan = plan
+        self.fit = fit
         if self.current is not None:
             self.enter(self.current)
 
@@ -215,7 +221,7 @@ class MemoryManager:
 
     # ---- reporting ----------------------------------------------------------------------------
     def report(self) -> dict:
-        return {"backend": self.backend.name, "phase": self.current, "plan": self.plan.to_dict(),
+        return {"backend": self.backend.name, "phase": self.current, "plan": self.plan.to_dict(), "fit": self.fit,
                 "state": dict(self.state),
                 "region_bytes": {t: self.backend.region_bytes(t) for t in TAGS},
                 "phases": self.ledger.to_dict()}
@@ -223,6 +229,18 @@ class MemoryManager:
     def table(self) -> str:
         sizes = {t: self.backend.region_bytes(t) for t in TAGS}
         return self.plan.table(sizes) + "\n" + self.ledger.table(TAGS)
+
+
+def device_capacity(device: torch.device | str, backend=None, override_gib: float | None = None) -> int | None:
+    """Bytes of device memory a memory plan is sized against: `override_gib` when given (tests; or a
+    share of the device left to something else); a CUDA device's total memory; else the capacity the
+    memory backend plays (the accounting backend's), or None: unlimited, nothing is checked."""
+    if override_gib is not None:
+        return int(override_gib * 2**30)
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return getattr(backend, "capacity", None)
 
 
 def _host_buffers(like: list[torch.Tensor], pin: bool) -> list[torch.Tensor]:

@@ -17,9 +17,10 @@ In each phase a region is `resident`, `released` (its physical memory returned, 
 free to do, nothing to copy back) or `offloaded` (a pinned CPU copy kept, contents restored on
 resume). Activations are transient and not a region: the plan budgets them per phase.
 
-The plan is data: `PhasePlan.auto` picks the cheapest plan that fits a device budget (releases
-first, since they cost nothing; then offloads, cheapest copy first), `table()` prints it, and
-`with_overrides` applies a user's `tag:phase=residency` list. This module is torch-free.
+The plan is data: fit.py picks the cheapest plan (and trainer settings) that fits a device budget
+(releases first, since they cost nothing; then offloads and the trainer's measures by cost),
+`table()` prints it, and `with_overrides` applies a user's `tag:phase=residency` list. This module
+is torch-free.
 """
 
 from __future__ import annotations
@@ -114,33 +115,6 @@ class PhasePlan:
             phases = None if phase == "*" else [phase]
             plan = plan.with_residency(tag, residency, phases, name="custom")
         return plan
-
-    @classmethod
-    def auto(cls, sizes: dict[str, int], activations: dict[str, int], budget: int,
-             copy_bytes_per_s: float = 20e9) -> PhasePlan:
-        """The cheapest plan whose per-phase peak fits `budget` bytes.
-
-        sizes: bytes per tag; activations: transient bytes per phase. Releasing is free, so it is always
-        done; offloads are added in order of their per-step copy cost (a frozen tag copies once per resume,
-        a mutable one out and back). Raises ValueError (with the per-phase table) when nothing fits."""
-        plan = cls.releases_only()
-        moves = []
-        for tag in ("ref_weights", "optimizer"):
-            if sizes.get(tag, 0):
-                per_step = sizes[tag] * (1 if tag in FROZEN else 2) / copy_bytes_per_s
-                moves.append((per_step, tag))
-        for _, tag in sorted(moves):
-            if plan.fits(sizes, activations, budget):
-                break
-            plan = plan.with_residency(tag, "offloaded")
-        if plan.fits(sizes, activations, budget):
-            return PhasePlan(plan.residency, name="auto")
-        if not plan.fits(sizes, {}, budget):
-            raise ValueError(f"the RL step's regions do not fit {_fmt_gib(budget)} GiB even with every idle region "
-                             "offloaded; lower the KV cache budget, offload the optimizer (optimizer_offload), or "
-                             "use a smaller model.\n" + plan.table(sizes, activations))
-        # the regions fit but the activation estimate does not: the actor backs off its micro-batches
-        return PhasePlan(plan.residency, name="auto (activations over budget)")
 
     # ---- accounting ---------------------------------------------------------------------------
     def resident_bytes(self, phase: str, sizes: dict[str, int]) -> int:

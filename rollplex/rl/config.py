@@ -56,9 +56,11 @@ class RLConfig:
     # what lets 4 prompts x 8 samples fit a micro-batch on one GPU (docs/BENCHMARKS.md).
     packed: bool = True
     # per-layer activation checkpointing of the decoder / the vision tower in the actor's forward/backward
-    # (verl: enable_gradient_checkpointing): activations stop growing with depth for about one extra forward
-    gradient_checkpointing: bool = False
-    vision_gradient_checkpointing: bool = False
+    # (verl: enable_gradient_checkpointing): activations stop growing with depth for about one extra forward.
+    # None: the memory plan's choice (on only when the step would not fit the device without it; off without
+    # a memory manager); RLStep.cfg holds what was chosen
+    gradient_checkpointing: bool | None = None
+    vision_gradient_checkpointing: bool | None = None
     # the vision tower gets no gradient (verl/EasyR1 freeze_vision_tower): in rollplex mode the engine's
     # prefill encodings then stand in for the reference's and the actor's vision passes (one vision pass
     # per prompt per step); serial mode re-encodes per sample, as verl does

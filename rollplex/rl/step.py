@@ -22,6 +22,10 @@ backend's outputs are the native engine's RequestOutputs. The reference model is
 initial policy. `train(batch, cfg)` takes an optional config for that step alone (the server's
 per-request overrides), derived from `self.cfg` with `dataclasses.replace`; `self.cfg` never changes.
 
+Under a memory manager the step is fitted to its device when built (`fit_memory`, memory/fit.py):
+the residency plan, and the activation checkpointing and optimizer offload the user left unset,
+chosen from the planned region sizes and `update_activations`; a ValueError when nothing fits.
+
 Under torch.distributed (`group`: a process group, or by default the default group when one of two or
 more ranks is initialised) the step is data-parallel (rollplex.parallel.colocated): every rank calls it with the
 same rows, rolls out its share of the prompts (or all of them with a tensor-parallel engine), scores
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import time
 from contextlib import contextmanager
 from dataclasses import replace
@@ -48,8 +53,8 @@ from torch.distributed.tensor import DTensor
 
 from ..cosched import CoschedConfig, CoScheduler, PrefixRows, Timeline
 from ..engine import Engine, SamplingParams
-from ..memory import MemoryConfig, MemoryManager, activation_bytes
-from ..models import Qwen25VL
+from ..memory import Footprint, MemoryConfig, MemoryFit, MemoryManager, activation_bytes, device_capacity
+from ..models import ModelConfig, Qwen25VL
 from .actor import Actor
 from .algos import grpo_advantages, kl_penalty
 from .batch import RolloutBatch
@@ -60,6 +65,8 @@ from .scoring import score as score_logprobs
 
 if TYPE_CHECKING:
     from ..parallel.fsdp import FSDPConfig
+
+log = logging.getLogger("rollplex.rl")
 
 
 @contextmanager
@@ -85,7 +92,10 @@ class RLStep:
         """engine: the rollout backend — a rollplex Engine over `model` (the native backend), a
         RolloutBackend (the SGLang one), or None (train() on given rollouts only).
         memory: the phase-aware memory manager the engine's KV cache was allocated under (None: every
-        tensor stays resident); its plan is chosen here from the sizes of the regions and `memory_cfg`.
+        tensor stays resident); its plan is chosen here from the sizes of the regions and `memory_cfg`,
+        together with what `cfg` and `memory_cfg` leave to it (gradient_checkpointing None,
+        optimizer_offload auto) so that the step fits the device (`memory_fit`, memory/fit.py); a
+        ValueError when nothing does. `self.cfg` / `self.memory_cfg` hold the settings chosen.
         cosched: the co-scheduler's configuration (used when `cfg.cosched`).
         group: a torch.distributed process group to run data-parallel over (a group of one rank included);
         "auto" (default): the default group when torch.distributed is initialised with more than one rank;
@@ -140,6 +150,16 @@ class RLStep:
                 ref, par = self.ref, self.parallel
                 memory.preserve("ref_weights", lambda: [*ref.parameters(), *ref.buffers()] if par is None
                                 else par.local_tensors(ref))
+        # before the trainer is built: what fits the device decides its checkpointing and where its optimizer
+        # state lives (memory/fit.py); without a memory manager what is left to the plan stays off
+        self.memory_fit = fit = self._fit_memory(model) if memory is not None else None
+        offload = self.memory_cfg.optimizer_offload
+        self.cfg = cfg = replace(
+            cfg, gradient_checkpointing=fit.gradient_checkpointing if fit else bool(cfg.gradient_checkpointing),
+            vision_gradient_checkpointing=fit.vision_gradient_checkpointing if fit
+            else bool(cfg.vision_gradient_checkpointing))
+        self.memory_cfg = replace(self.memory_cfg, optimizer_offload=fit.optimizer_offload if fit
+                                  else "none" if offload == "auto" else offload)
         if self.parallel is not None:
             self.actor = self.parallel.actor(model, cfg, memory, self.memory_cfg.optimizer_offload)
         else:
@@ -150,8 +170,14 @@ class RLStep:
         self.timeline: Timeline | None = None  # set one to record phases and co-scheduled work
         self.rollout_metrics: dict = {}  # the last rollout's co-scheduling metrics
         if memory is not None:
-            memory.set_plan(self.memory_cfg.build_plan(self.memory_sizes(), self.activation_estimate(),
-                                                       _capacity(self.device, memory)))
+            fit = self.memory_fit
+            memory.set_plan(fit.plan, fit.to_dict())
+            log.info("memory: %s", fit.summary())
+            sizes, acts = self.memory_sizes(), self.activation_estimate()
+            if fit.budget is not None and not fit.plan.fits(sizes, acts, fit.budget):
+                # a data-parallel trainer's shards are planned from the whole model's share before they exist
+                log.warning("memory: the trainer as built exceeds the plan's budget of %.1f GiB:\n%s",
+                            fit.budget / 2**30, fit.plan.table(sizes, acts))
         self.refresh_vision_check()
 
     # ---- memory -------------------------------------------------------------------------------
@@ -176,44 +202,46 @@ class RLStep:
         """The rollout backend's name ("native", "sglang"); None without one."""
         return self.backend.name if self.backend is not None else None
 
-    def memory_sizes(self) -> dict[str, int]:
-        """Bytes per memory tag at steady state (the optimizer's moments exist only after its first step)."""
-        def nbytes(ts):
-            return sum(t.numel() * t.element_size() for t in ts)
-
-        def local(t):
-            return t.to_local() if isinstance(t, DTensor) else t
-
+    def memory_sizes(self, optimizer_offload: str | None = None) -> dict[str, int]:
+        """Bytes per memory tag at steady state (the optimizer's moments exist only after its first step);
+        optimizer_offload: the optimizer region's under that mode (default: the trainer's)."""
         # a data-parallel rank holds what its engine decodes (the full policy or its TP shard), its
         # shards of the reference, and the trainer's shards that are not windows of the engine's tensors
-        trainer = [local(p.detach()) for p in self.actor.model.parameters()]
+        trainer = [_local(p.detach()) for p in self.actor.model.parameters()]
         params = [t for t, p in zip(trainer, self.actor.model.parameters()) if p.requires_grad]
-        ref = [local(p.detach()) for p in self.ref.parameters()] if self.ref is not None else []
-        n = sum(p.numel() for p in params)
-        fp32 = params[0].dtype == torch.float32
-        return {
-            "weights": nbytes(self.model.parameters()) + (self.parallel.weight_bytes() if self.parallel else 0),
-            "ref_weights": nbytes(ref),
-            "kv_cache": self.backend.kv_cache_bytes() if self.backend is not None else 0,
-            "optimizer": {"none": (8 if fp32 else 12) * n, "moments": 0 if fp32 else 4 * n,
-                          "all": 0, "cpu": 0}[self.memory_cfg.optimizer_offload],
-            "grads": nbytes(params),
-        }
+        return Footprint(
+            weights=_nbytes(self.model.parameters()) + (self.parallel.weight_bytes() if self.parallel else 0),
+            ref_weights=self._ref_bytes(), kv_cache=self.backend.kv_cache_bytes() if self.backend is not None else 0,
+            trainable=sum(p.numel() for p in params), param_bytes=params[0].element_size(),
+        ).sizes(optimizer_offload or self.memory_cfg.optimizer_offload)
 
-    def activation_estimate(self) -> dict[str, int]:
-        """Transient bytes per phase for the plan: one micro-batch of the update (the largest by far)."""
-        cfg, t = self.cfg, self.model.cfg.text
-        mb = cfg.micro_batching
-        prompt_guess = 512
-        if mb.max_tokens is not None:
-            tokens = mb.max_tokens
-        elif cfg.mode == "rollplex":
-            tokens = mb.prompts * (prompt_guess + cfg.n * cfg.max_new_tokens)
-        else:
-            tokens = mb.samples * (prompt_guess + cfg.max_new_tokens)
-        dtype_bytes = next(self.model.parameters()).element_size()
-        upd = activation_bytes(t.hidden_size, t.num_hidden_layers, tokens, dtype_bytes, cfg.gradient_checkpointing)
-        return {"rollout": 0, "ref": upd // 3, "update": upd}
+    def _ref_bytes(self) -> int:
+        return _nbytes(_local(p.detach()) for p in self.ref.parameters()) if self.ref is not None else 0
+
+    def _fit_memory(self, model: Qwen25VL) -> MemoryFit:
+        """The plan and trainer settings for this device (memory/fit.py), before the trainer is built: its
+        parameters are `model`'s trainable ones (a data-parallel rank's shards: its share of them)."""
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        n, param_bytes = sum(p.numel() for p in trainable), trainable[0].element_size()
+        weights = _nbytes(self.model.parameters())
+        decoder, vision = self.cfg.gradient_checkpointing, self.cfg.vision_gradient_checkpointing
+        if self.parallel is not None:
+            n = -(-n // self.parallel.world)
+            weights += 0 if self.parallel.fsdp.share_policy_storage else n * param_bytes
+            # FSDP's own checkpointing flags are choices given too
+            decoder = True if self.parallel.fsdp.activation_checkpointing else decoder
+            vision = True if self.parallel.fsdp.vision_activation_checkpointing else vision
+        footprint = Footprint(weights, self._ref_bytes(),
+                              self.backend.kv_cache_bytes() if self.backend is not None else 0, n, param_bytes)
+        capacity = device_capacity(model.inv_freq.device, self.memory.backend, self.memory_cfg.device_capacity_gib)
+        return fit_memory(model.cfg, replace(self.cfg, gradient_checkpointing=decoder,
+                                             vision_gradient_checkpointing=vision),
+                          self.memory_cfg, footprint, capacity)
+
+    def activation_estimate(self, checkpointing: bool | None = None) -> dict[str, int]:
+        """Transient bytes per phase for the plan (`update_activations`); checkpointing: default the trainer's."""
+        ckpt = self.cfg.gradient_checkpointing if checkpointing is None else checkpointing
+        return update_activations(self.model.cfg, self.cfg, next(self.model.parameters()).element_size(), ckpt)
 
     def refresh_vision_check(self) -> None:
         """Whether the reference's vision tower equals the actor's (a frozen tower never moved from the
@@ -445,8 +473,47 @@ def rollout_requests(processor, rows: list[dict], cfg: RLConfig, step_idx: int) 
                                  extra_infos=[r.get("extra_info") for r in rows])
 
 
-def _capacity(device: torch.device, memory: MemoryManager) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    cap = getattr(memory.backend, "capacity", None)
-    return cap if cap is not None else 1 << 50
+def update_tokens(cfg: RLConfig, prompt_guess: int = 512) -> int:
+    """Tokens of one update micro-batch, for the plan: rollplex mode computes each prompt once."""
+    mb = cfg.micro_batching
+    if mb.max_tokens is not None:
+        return mb.max_tokens
+    if cfg.mode == "rollplex":
+        return mb.prompts * (prompt_guess + cfg.n * cfg.max_new_tokens)
+    return mb.samples * (prompt_guess + cfg.max_new_tokens)
+
+
+def update_activations(model_cfg: ModelConfig, cfg: RLConfig, dtype_bytes: int, checkpointing: bool,
+                       logprob_chunk: int = 1024) -> dict[str, int]:
+    """Transient bytes per phase for the plan: one micro-batch of the update (the largest by far), and a
+    no-grad scoring pass of the same tokens in `ref` (one layer's intermediates at a time). Both add the
+    chunked logprob pass (rl/logprob.py): a [chunk, V] block of logits and their fp32 softmax; the
+    update also the head's fp32 gradient accumulator [V, H]."""
+    t, tokens = model_cfg.text, update_tokens(cfg)
+    chunk = min(tokens, logprob_chunk) * t.vocab_size * (dtype_bytes + 8)
+    update = activation_bytes(t.hidden_size, t.num_hidden_layers, tokens, dtype_bytes, checkpointing,
+                              t.intermediate_size) + chunk + 4 * t.vocab_size * t.hidden_size
+    ref = activation_bytes(t.hidden_size, 1, tokens, dtype_bytes, False, t.intermediate_size) + chunk
+    return {"rollout": 0, "ref": ref, "update": update}
+
+
+def fit_memory(model_cfg: ModelConfig, cfg: RLConfig, memory_cfg: MemoryConfig, footprint: Footprint,
+               capacity: int | None) -> MemoryFit:
+    """`memory_cfg.fit` for an RL step of `cfg` on a model of `model_cfg` with `footprint`'s regions: the
+    plan, checkpointing and optimizer offload that fit `capacity` bytes (None: unchecked). cfg's
+    checkpointing flags and memory_cfg's optimizer_offload as the user gave them (None / auto: the plan's)."""
+    def estimate(checkpointing: bool, optimizer_offload: str):
+        return (footprint.sizes(optimizer_offload),
+                update_activations(model_cfg, cfg, footprint.param_bytes, checkpointing))
+
+    detail = (f"{update_tokens(cfg)} tokens per update micro-batch: micro_batch_prompts={cfg.micro_batch_prompts}, "
+              f"micro_batch_max_tokens={cfg.micro_batch_max_tokens}, n={cfg.n}, max_new_tokens={cfg.max_new_tokens}")
+    return memory_cfg.fit(estimate, capacity, cfg.gradient_checkpointing, cfg.vision_gradient_checkpointing, detail)
+
+
+def _nbytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -44,7 +44,14 @@ HELP = {
                    "resident: nothing moves",
     "memory_overrides": "tag:phase=residency,... on top of the plan, e.g. ref_weights:*=offloaded",
     "optimizer_offload": "AdamW state in pinned host memory: paged through the GPU in the optimizer step "
-                         "(moments, all) or stepped on the CPU (cpu)",
+                         "(moments, all) or stepped on the CPU (cpu); auto: none, unless the memory plan needs "
+                         "moments or all to fit the device",
+    "gradient_checkpointing": "per-layer activation checkpointing of the decoder (default: on only when the memory "
+                              "plan needs it to fit the device)",
+    "vision_gradient_checkpointing": "the same for the vision blocks (default: on when the memory plan turns "
+                                     "checkpointing on)",
+    "device_capacity_gib": "device memory the memory plan fits the step into (default: the GPU's total memory; "
+                           "unchecked on CPU)",
     "decode_split_k": "S_o S_down K slices of the graphed decode's o/down projections; default: timed per bucket",
     "tuning_cache_dir": "keeps the decode-kernel tuning between starts; auto: $ROLLPLEX_CACHE_DIR/tuning or "
                         "~/.cache/rollplex/tuning; '' turns it off",
@@ -128,6 +135,7 @@ def _config_flags(group, section: str, cls, default, choices: dict) -> None:
 def parser() -> argparse.ArgumentParser:
     from ..backends import ROLLOUT_BACKENDS
     from ..memory.config import PLANS
+    from ..memory.fit import OPTIMIZER_OFFLOADS
     from ..parallel.fsdp import DTYPES
     from ..rl.algos import AGG_MODES, KL_KINDS
     from ..rl.config import ADV_ESTIMATORS, LR_SCHEDULES, MODES
@@ -169,7 +177,7 @@ def parser() -> argparse.ArgumentParser:
     choices = {"rl": {"mode": MODES, "adv_estimator": ADV_ESTIMATORS, "loss_agg_mode": AGG_MODES,
                       "kl_loss_type": KL_KINDS, "lr_schedule": LR_SCHEDULES},
                "memory": {"memory_plan": PLANS, "memory_backend": ("auto", "tms", "accounting"),
-                          "optimizer_offload": ("none", "moments", "all", "cpu")},
+                          "optimizer_offload": OPTIMIZER_OFFLOADS},
                "backend": {"rollout_backend": ROLLOUT_BACKENDS},
                "fsdp": {"param_dtype": tuple(DTYPES), "reduce_dtype": tuple(DTYPES)}}
     titles = {"rl": "RL defaults (RLConfig; /train_step may override them per step)", "engine": "engine (EngineConfig)",
