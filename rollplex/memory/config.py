@@ -43,14 +43,15 @@ class MemoryConfig:
             PhasePlan.releases_only().with_overrides(self.memory_overrides)  # validates the spec
 
     def fit(self, estimate: Estimate, capacity: int | None, gradient_checkpointing: bool | None = None,
-            vision_gradient_checkpointing: bool | None = None, detail: str = "") -> MemoryFit:
+            vision_gradient_checkpointing: bool | None = None, detail: str = "",
+            host_capacity: int | None = None) -> MemoryFit:
         """The plan and trainer settings for a device of `capacity` bytes (None: unchecked), from `estimate`
         (checkpointing, optimizer_offload) -> (bytes per tag, activations per phase); the checkpointing
         flags as the user gave them (None: the plan's to choose). See fit.py; ValueError when nothing fits."""
         return fit(estimate, capacity, memory_plan=self.memory_plan, memory_overrides=self.memory_overrides,
                    memory_budget=self.memory_budget, gradient_checkpointing=gradient_checkpointing,
                    vision_gradient_checkpointing=vision_gradient_checkpointing,
-                   optimizer_offload=self.optimizer_offload, detail=detail)
+                   optimizer_offload=self.optimizer_offload, detail=detail, host_capacity=host_capacity)
 
     @property
     def managed(self) -> bool:

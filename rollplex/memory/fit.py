@@ -16,7 +16,12 @@ update — costs nothing and is always part of the `auto` plan. While a phase is
 
 The last one only moves what `optimizer_offload` left on the device (a user's `none` or `moments`).
 `optimizer_offload=cpu` is never chosen: it frees no more device memory than `all`, for an AdamW
-step on the host that costs 8.3 s per step. Each measure is kept once taken (the ladder is cumulative).
+step on the host that costs 8.3 s per step. Once the step fits, the reference's offload, when taken
+before the last measure, is dropped again if the step still fits without it (the 7B preset:
+checkpointing and paged moments make it unneeded; with it, 77 GiB pinned, the process was killed on
+the H200 machine's 128 GiB host). The host memory it all pins (offloaded regions and
+paged optimizer state) must stay within `host_budget` of the host's RAM: PyTorch's pinned allocator rounds
+allocations up, so the share is kept well below one.
 
 A choice made by the user is never changed: a gradient_checkpointing flag given (True or False),
 an optimizer_offload other than `auto`, a memory_plan other than `auto` (no offload is added to it),
@@ -34,6 +39,10 @@ from dataclasses import dataclass, field, replace
 from .plan import PHASES, PhasePlan
 
 GiB = 2**30
+# measures that only move a region to host memory: dropped again once a later measure makes them unneeded.
+# Checkpointing is never dropped for a later one: the activation estimate is the plan's least certain
+# number (the 7B update planned 83.9 GiB and measured 90.5 with checkpointing and paged moments).
+HOST_ONLY = ("reference offloaded",)
 OPTIMIZER_OFFLOADS = ("auto", "none", "moments", "all", "cpu")
 
 # (checkpointing, optimizer_offload) -> (bytes per tag, transient bytes per phase)
@@ -110,10 +119,11 @@ class _State:
 def fit(estimate: Estimate, capacity: int | None, *, memory_plan: str = "auto", memory_overrides: str | None = None,
         memory_budget: float = 0.92, gradient_checkpointing: bool | None = None,
         vision_gradient_checkpointing: bool | None = None, optimizer_offload: str = "auto",
-        detail: str = "") -> MemoryFit:
+        detail: str = "", host_capacity: int | None = None, host_budget: float = 0.6) -> MemoryFit:
     """The cheapest plan and trainer settings whose planned peaks fit `memory_budget` x `capacity` bytes
     (see the module docstring). None arguments and `auto` are the plan's to choose; `detail` (what the
-    activation estimate was made from) goes into the error. ValueError when nothing fits."""
+    activation estimate was made from) goes into the error. ValueError when nothing fits, or when what fits
+    needs more than `host_budget` x `host_capacity` bytes (None: unchecked) of pinned host memory."""
     if optimizer_offload not in OPTIMIZER_OFFLOADS:
         raise ValueError(f"optimizer_offload must be one of {OPTIMIZER_OFFLOADS}, got {optimizer_offload!r}")
     base = {"auto": PhasePlan.releases_only(), "release": PhasePlan.releases_only(),
@@ -151,6 +161,7 @@ def fit(estimate: Estimate, capacity: int | None, *, memory_plan: str = "auto", 
          if offloads else None),
     ]
     taken: list[str] = []
+    state0 = state
     plan, sizes, acts = evaluate(state)
     for name, measure in ladder:
         over = [p for p in PHASES if plan.peak(p, sizes, acts) > budget]
@@ -164,6 +175,32 @@ def fit(estimate: Estimate, capacity: int | None, *, memory_plan: str = "auto", 
             state, plan, sizes, acts = nxt, nplan, nsizes, nacts
             taken.append(name)
     over = {p: plan.peak(p, sizes, acts) for p in PHASES if plan.peak(p, sizes, acts) > budget}
+    if not over and len(taken) > 1:  # drop an offload a later measure made unneeded (host memory, copies)
+        steps = dict(ladder)
+
+        def replay(names: list[str]) -> _State:
+            s = _State(PhasePlan(base.residency, name=memory_plan), state0.checkpointing,
+                       state0.vision_checkpointing, state0.optimizer_offload)
+            for n in names:
+                s = steps[n](s)
+            return s
+
+        for name in [n for n in taken[:-1] if n in HOST_ONLY]:
+            keep = [n for n in taken if n != name]
+            s = replay(keep)
+            nplan, nsizes, nacts = evaluate(s)
+            if all(nplan.peak(p, nsizes, nacts) <= budget for p in PHASES):
+                state, plan, sizes, acts, taken = s, nplan, nsizes, nacts, keep
+    if not over and host_capacity is not None:
+        # pinned host memory: the optimizer state `optimizer_offload` keeps there, and every region offloaded
+        host = estimate(state.checkpointing, "none")[0]["optimizer"] - sizes["optimizer"] + sum(
+            n for tag, n in sizes.items() if any(plan.get(p, tag) == "offloaded" for p in PHASES))
+        if host > host_capacity * host_budget:
+            raise ValueError(
+                f"the RL step fits the device only with {host / GiB:.1f} GiB of it in pinned host memory "
+                f"({', '.join(taken) or 'as given'}), over {host_budget} x the host's {host_capacity / GiB:.1f} GiB "
+                "(pinned allocations round up): fewer tokens per update micro-batch, a smaller KV cache "
+                "(gpu_memory_utilization, kv_cache_tokens), or more GPUs (torchrun, FSDP)")
     if over:
         raise ValueError(_no_fit(over, plan, sizes, acts, capacity, budget, memory_budget, taken, detail, {
             "gradient_checkpointing": gradient_checkpointing,

@@ -22,6 +22,7 @@ resident one, allocating into a paused one, resuming without enough free memory.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterable
 
@@ -241,6 +242,15 @@ def device_capacity(device: torch.device | str, backend=None, override_gib: floa
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[1]
     return getattr(backend, "capacity", None)
+
+
+def host_memory() -> int | None:
+    """Bytes of the host's physical memory (None where the platform does not say): what pinned offloads
+    share with the process's own host memory."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _host_buffers(like: list[torch.Tensor], pin: bool) -> list[torch.Tensor]:

@@ -53,7 +53,7 @@ from torch.distributed.tensor import DTensor
 
 from ..cosched import CoschedConfig, CoScheduler, PrefixRows, Timeline
 from ..engine import Engine, SamplingParams
-from ..memory import Footprint, MemoryConfig, MemoryFit, MemoryManager, activation_bytes, device_capacity
+from ..memory import Footprint, MemoryConfig, MemoryFit, MemoryManager, activation_bytes, device_capacity, host_memory
 from ..models import ModelConfig, Qwen25VL
 from .actor import Actor
 from .algos import grpo_advantages, kl_penalty
@@ -236,7 +236,8 @@ class RLStep:
         capacity = device_capacity(model.inv_freq.device, self.memory.backend, self.memory_cfg.device_capacity_gib)
         return fit_memory(model.cfg, replace(self.cfg, gradient_checkpointing=decoder,
                                              vision_gradient_checkpointing=vision),
-                          self.memory_cfg, footprint, capacity)
+                          self.memory_cfg, footprint, capacity,
+                          host_memory() if model.inv_freq.is_cuda and capacity is not None else None)
 
     def activation_estimate(self, checkpointing: bool | None = None) -> dict[str, int]:
         """Transient bytes per phase for the plan (`update_activations`); checkpointing: default the trainer's."""
@@ -498,17 +499,19 @@ def update_activations(model_cfg: ModelConfig, cfg: RLConfig, dtype_bytes: int, 
 
 
 def fit_memory(model_cfg: ModelConfig, cfg: RLConfig, memory_cfg: MemoryConfig, footprint: Footprint,
-               capacity: int | None) -> MemoryFit:
+               capacity: int | None, host_capacity: int | None = None) -> MemoryFit:
     """`memory_cfg.fit` for an RL step of `cfg` on a model of `model_cfg` with `footprint`'s regions: the
     plan, checkpointing and optimizer offload that fit `capacity` bytes (None: unchecked). cfg's
-    checkpointing flags and memory_cfg's optimizer_offload as the user gave them (None / auto: the plan's)."""
+    checkpointing flags and memory_cfg's optimizer_offload as the user gave them (None / auto: the plan's);
+    host_capacity: bytes of host RAM the pinned offloads must fit (None: unchecked)."""
     def estimate(checkpointing: bool, optimizer_offload: str):
         return (footprint.sizes(optimizer_offload),
                 update_activations(model_cfg, cfg, footprint.param_bytes, checkpointing))
 
     detail = (f"{update_tokens(cfg)} tokens per update micro-batch: micro_batch_prompts={cfg.micro_batch_prompts}, "
               f"micro_batch_max_tokens={cfg.micro_batch_max_tokens}, n={cfg.n}, max_new_tokens={cfg.max_new_tokens}")
-    return memory_cfg.fit(estimate, capacity, cfg.gradient_checkpointing, cfg.vision_gradient_checkpointing, detail)
+    return memory_cfg.fit(estimate, capacity, cfg.gradient_checkpointing, cfg.vision_gradient_checkpointing, detail,
+                          host_capacity)
 
 
 def _nbytes(ts) -> int:
