@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from helpers import assert_fp32_close, assert_weights_close
 from parallel_helpers import init_group
 from parallel_step_worker import parity_reward
 
@@ -24,15 +25,14 @@ def worker(rank: int, world: int, init: str, tiny_dir, rows, cfg, layout, want: 
             if step.role == "train":  # the same rollout, metrics and updated policy as one process
                 assert torch.equal(step.last_batch.responses, w["tokens"]), "the rollouts differ"
                 for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean"):
-                    assert abs(m[k] - w["metrics"][k]) <= 1e-5 * max(1.0, abs(w["metrics"][k])), (k, m[k])
+                    assert_fp32_close(m[k], w["metrics"][k], k, scale=1.0)
                 got = dict(step.model.named_parameters())
             else:  # the engine's shards hold the broadcast weights
                 tp = step.model.model.tensor_parallel
                 got = dict(step.model.named_parameters())
                 w = dict(w, weights=shard_state_dict(w["weights"], step.model.cfg, tp.size, tp.rank))
             for n, t in w["weights"].items():
-                err = (got[n].detach().float() - t).abs().max().item()
-                assert err <= 1e-5, (n, err)
+                assert_weights_close(got[n].detach().float(), t, f"weight {n}")
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -8,7 +8,7 @@ import faulthandler
 
 import torch
 import torch.distributed as dist
-from helpers import IMG, VE, VID, VS, make_prompt
+from helpers import IMG, VE, VID, VS, make_prompt, random_text_ids
 
 from rollplex.models import ModelConfig, Qwen25VL, TextConfig, VisionConfig, init_weights
 from rollplex.rl.algos import grpo_advantages
@@ -39,7 +39,7 @@ def rollout_batch(seed: int = 0, prompts: int = 5, n: int = 2,
     vision = {0: dict(images=[(1, 4, 4)]), 2: dict(videos=[(2, 4, 4)]), 3: dict(images=[(1, 4, 8)])}
     ps = [make_prompt(g, text_len=(3 + i, 2 + i % 3), **vision.get(i, {})) for i in range(prompts)]
     group = [i for i in range(prompts) for _ in range(n)]
-    responses = [torch.randint(3, 290, (int(torch.randint(2, R + 1, (1,), generator=g)),), generator=g).tolist()
+    responses = [random_text_ids(int(torch.randint(2, R + 1, (1,), generator=g)), g, vocab=290).tolist()
                  for _ in group]
     rewards = torch.rand(len(group), generator=g)
     batch = RolloutBatch.from_samples(ps, group, responses, pad_id=0, rewards=rewards.tolist())

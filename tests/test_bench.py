@@ -98,8 +98,9 @@ def _free_port() -> int:
 
 
 def test_serve_load_runs_end_to_end(tiny_dir, capsys, tmp_path, monkeypatch):
-    """Cold start, check, the three measurements, warm start, table: the server a subprocess (the CLI), this
-    process the client."""
+    """Cold start, check, the measurements (batched, raw-socket, httpx with a pool of N and the default one,
+    the client ceiling against the canned endpoint, streamed), warm start, tables: the server a subprocess
+    (the CLI), this process the client."""
     import os
     from pathlib import Path
 
@@ -108,7 +109,8 @@ def test_serve_load_runs_end_to_end(tiny_dir, capsys, tmp_path, monkeypatch):
     root = str(Path(__file__).resolve().parents[1])
     monkeypatch.setenv("PYTHONPATH", root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     log = tmp_path / "server.log"
-    serve.main(["--load", "--model", str(tiny_dir), "--port", str(_free_port()), "--prompts", "8", "--prompt-len", "16",
+    serve.main(["--load", "--model", str(tiny_dir), "--port", str(_free_port()), "--canned-port", str(_free_port()),
+                "--prompts", "8", "--prompt-len", "16",
                 "--max-new-tokens", "8", "--check-tokens", "4", "--repeats", "1", "--token-range", "10,400",
                 "--cache-root", str(tmp_path / "caches"), "--log", str(log),
                 "--server-args", "--device cpu --max-num-seqs 8 --kv-cache-tokens 4096 --max-model-len 256"])
@@ -116,8 +118,17 @@ def test_serve_load_runs_end_to_end(tiny_dir, capsys, tmp_path, monkeypatch):
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert [(r["measure"], r.get("start")) for r in rows] == [
         ("ready", "cold"), ("first_request", "cold"), ("check", None), ("batched", None), ("concurrent", None),
-        ("streamed", None), ("ready", "warm"), ("first_request", "warm")]
+        ("httpx", None), ("httpx", None), ("client_ceiling", None), ("streamed", None), ("ready", "warm"),
+        ("first_request", "warm")]
     by = {(r["measure"], r.get("start")): r for r in rows}
+    pools = [r for r in rows if r["measure"] == "httpx"]
+    assert [r["pool"] for r in pools] == [8, "default"]
+    for r in pools + [by[("concurrent", None)], by[("client_ceiling", None)]]:
+        assert r["requests"] == 8 and r["tok_s"] > 0 and r["ratio_to_batched"] > 0
+        assert 0 < r["latency_p50_ms"] <= r["latency_p99_ms"] <= r["wall_s"] * 1e3 + 1  # (wall: whole ms)
+    # the canned endpoint answers with one real /generate answer: same bytes, no engine work
+    ceiling = by[("client_ceiling", None)]
+    assert ceiling["answer_bytes"] > 8 * 2 and ceiling["tok_s"] > by[("httpx", None)]["tok_s"]
     for start in ("cold", "warm"):
         ready = by[("ready", start)]
         phases = ready["server_phases_s"]
@@ -132,6 +143,10 @@ def test_serve_load_runs_end_to_end(tiny_dir, capsys, tmp_path, monkeypatch):
     assert by[("concurrent", None)]["ratio_to_batched"] > 0
     assert by[("first_request", "warm")]["same_tokens_as_cold"] == 8  # fp32 on CPU: the same greedy tokens
     assert "time to ready, warm (s)" in out and "TTFT p50 / p99 (ms)" in out
+    table = out[out.index("client "):].splitlines()  # the client table is printed last
+    assert [line.split("  ")[0] for line in table[1:]] == [
+        "one batched /generate (raw socket)", "raw socket, a connection per request", "httpx.AsyncClient, pool 8",
+        "httpx.AsyncClient, default pool (100)", "client ceiling: httpx, pool N, canned answer"]
     text = log.read_text()
     assert text.count("startup: ready in") == 2 and "startup: weights loaded in" in text
 

@@ -6,7 +6,7 @@ the same as on the GPU."""
 
 import pytest
 import torch
-from helpers import make_prompt, tiny_model
+from helpers import FORWARD_TERMS, assert_fp32_close, make_prompt, random_text_ids, tiny_model
 
 # inductor builds C++ kernels for every graph and shape here: minutes on two cores with a cold compile cache
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
@@ -33,12 +33,13 @@ def _pass(model, prompts, resp, lens):
 def test_compiled_glue_matches_eager_across_shapes(dynamic):
     g = torch.Generator().manual_seed(3)
     prompts = [make_prompt(g, images=[(1, 6, 10)]), make_prompt(g, text_len=(9, 3))]
-    resp = torch.randint(3, 290, (5, 11), generator=g)
+    resp = random_text_ids((5, 11), g, vocab=290)
     eager, compiled = tiny_model(seed=4), tiny_model(seed=4).compile(dynamic=dynamic)
     for lens in ([11, 1, 4, 11, 7], [5, 3, 4, 11, 2]):  # the second shape recompiles (None) or reuses (True)
         (h0, g0), (h1, g1) = _pass(eager, prompts, resp, lens), _pass(compiled, prompts, resp, lens)
-        assert (h0 - h1).abs().max() < 1e-4
-        assert (g0 - g1).norm() / g0.norm() < 1e-5
+        # Inductor fuses and reorders the reductions: equal up to fp32 summation order (helpers.fp32_rtol)
+        assert_fp32_close(h1, h0, "hidden states", FORWARD_TERMS)
+        assert_fp32_close(g1, g0, "qkv weight grad")
 
 
 def test_compiled_sampler_matches_eager_across_batches_and_modes():

@@ -1,7 +1,6 @@
 """The rollout engine on the tiny model (CPU, fp32): parity with transformers and with our own
 full forward, shared-prompt forking, stop conditions, preemption, live weights, the decode hook."""
 
-import dataclasses
 
 import pytest
 import torch
@@ -30,7 +29,7 @@ def _prompts(proc):
 
 
 def _full_logprobs(model, prompt, out_ids, temperature):
-    full = dataclasses.replace(prompt, input_ids=prompt.input_ids + out_ids)
+    full = prompt.with_response(out_ids)  # sampled vision placeholder ids are text in a response
     with torch.no_grad():
         logits = model([full])[0]
     P = len(prompt.input_ids)

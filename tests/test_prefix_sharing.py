@@ -6,7 +6,7 @@ same logits, and with a loss summed over the n responses, the same gradient for 
 
 import pytest
 import torch
-from helpers import IMG, VID, make_prompt, tiny_model
+from helpers import FORWARD_TERMS, IMG, VID, assert_fp32_close, make_prompt, random_text_ids, tiny_model
 
 N_SAMPLES = 3
 
@@ -21,7 +21,7 @@ def _group(seed=0):
     # n responses per prompt, different (right-padded) lengths
     lens = [[5, 3, 7], [1, 6, 4], [7, 7, 2]]
     R = 7
-    resp = torch.randint(3, 290, (len(prompts) * N_SAMPLES, R), generator=g)
+    resp = random_text_ids((len(prompts) * N_SAMPLES, R), g, vocab=290)
     resp[1, 2], resp[4, 0] = IMG, VID  # a model can emit placeholder ids: they are plain text in a response
     resp_lens = torch.tensor([x for row in lens for x in row])
     index = torch.arange(len(prompts)).repeat_interleave(N_SAMPLES)
@@ -63,7 +63,7 @@ def test_shared_prefix_logits_equal_full_forwards(path):
         else:
             shared = _shared_logits(model, prompts, resp, index)
     for i, ref in enumerate(full):
-        assert (shared[i, : ref.shape[0]] - ref).abs().max().item() <= 1e-5
+        assert_fp32_close(shared[i, : ref.shape[0]], ref, f"logits of sample {i}", FORWARD_TERMS)
 
 
 def _loss(logits_rows, resp, resp_lens):
@@ -94,9 +94,7 @@ def test_shared_prefix_gradients_equal_full_forwards(path):
     ref, got = grads
     assert ref.keys() == got.keys()
     for name in ref:
-        denom = ref[name].norm().clamp_min(1e-12)
-        rel = ((got[name] - ref[name]).norm() / denom).item()
-        assert rel <= 1e-5, f"{name}: relative grad diff {rel:.2e}"
+        assert_fp32_close(got[name], ref[name], f"grad {name}")
     assert any(n.startswith("visual.") and ref[n].abs().sum() > 0 for n in ref)  # vision got gradient
 
 
@@ -119,3 +117,26 @@ def test_prefix_index_validation():
         assert "prefix_index" in str(e)
     else:
         raise AssertionError("expected ValueError")
+
+
+def test_fp32_bound_passes_reordering_and_fails_bugs():
+    """The suite's equality bound (helpers.fp32_rtol) holds for a gradient summed in another order and
+    fails the differences real bugs make: a dropped sample, a normaliser off by 1e-3."""
+    prompts, resp, resp_lens, index = _group(1)
+    model = tiny_model(seed=3)
+    params = [p for p in model.parameters()]
+    rows = _full_logits(model, prompts, resp, resp_lens, index)
+    losses = [_loss([r], resp[i : i + 1], resp_lens[i : i + 1]) for i, r in enumerate(rows)]
+
+    def flat(loss):
+        gs = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+        return torch.cat([(g if g is not None else torch.zeros_like(p)).flatten() for g, p in zip(gs, params)])
+
+    per_sample = [flat(x) for x in losses]
+    packed = _packed_logits(model, prompts, resp, resp_lens, index)
+    whole = flat(_loss([packed[i] for i in range(packed.shape[0])], resp, resp_lens))  # one packed pass
+    reordered = torch.stack(per_sample[::-1]).sum(0)  # per-sample full forwards, added last to first
+    assert 0 < assert_fp32_close(reordered, whole, "reordered gradient")
+    for bug, got in (("a dropped sample", whole - per_sample[4]), ("normaliser off by 1e-3", whole * (1 + 1e-3))):
+        with pytest.raises(AssertionError, match="relative difference"):
+            assert_fp32_close(got, whole, bug)

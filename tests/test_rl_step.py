@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import assert_fp32_close, assert_weights_close
 
 from rollplex.demo import shape_color
 from rollplex.engine import Engine, EngineConfig
@@ -55,25 +56,21 @@ def test_serial_and_rollplex_compute_the_same_update(tiny_dir, proc, updates):
         metrics = rl.train(copy.deepcopy(batch))
         results[key] = (metrics, grads, {n: p.detach().clone() for n, p in rl.model.named_parameters()})
     for key in ("rollplex", "prefix_state", "rollplex_budget"):
-        _assert_same_update(ref, *results[key], *results["serial"], updates)
-    _assert_same_update(ref, *results["serial_budget"], *results["serial"], updates, dedup=1)
+        _assert_same_update(*results[key], *results["serial"], updates)
+    _assert_same_update(*results["serial_budget"], *results["serial"], updates, dedup=1)
 
 
-def _assert_same_update(ref, m1, g1, w1, m2, g2, w2, updates, dedup=4):
+def _assert_same_update(m1, g1, w1, m2, g2, w2, updates, dedup=4):
+    """Equal up to fp32 summation order (helpers.fp32_rtol): the paths pack, batch and accumulate the
+    same terms differently."""
     for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "training/rollout_probs_diff_mean"):
-        assert m1[k] == pytest.approx(m2[k], rel=1e-5, abs=1e-7), k
+        assert_fp32_close(m1[k], m2[k], k, scale=1.0)  # means of O(1) terms that may cancel: relative to 1
     assert len(g1) == len(g2) == updates.get("ppo_mini_batches", 1)
     for a, b in zip(g1, g2):
         for name in a:
-            rel = ((a[name] - b[name]).norm() / b[name].norm().clamp_min(1e-12)).item()
-            assert rel <= 1e-5, f"{name}: {rel:.2e}"
-    w0 = {n: p.detach() for n, p in ref.model.named_parameters()}  # untouched initial weights
+            assert_fp32_close(a[name], b[name], f"grad {name}")
     for name in w1:
-        diff = (w1[name] - w2[name]).norm()
-        if w0[name].norm() > 0:  # relative to the weights
-            assert (diff / w2[name].norm()).item() <= 1e-5, name
-        else:  # zero-initialised biases: relative to the update they received
-            assert (diff / (w2[name] - w0[name]).norm().clamp_min(1e-12)).item() <= 1e-3, name
+        assert_weights_close(w1[name], w2[name], f"weight {name}")
     assert m1["rollplex/prefix_dedup_ratio"] == dedup and m2["rollplex/prefix_dedup_ratio"] == 1
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from helpers import FORWARD_TERMS, assert_fp32_close, assert_weights_close
 from server_helpers import wire_rows
 
 from engine_patches.sglang import contract
@@ -155,7 +156,7 @@ def test_sglang_backend_takes_the_native_steps(fake_sglang, tiny_dir, proc):
             assert all(torch.equal(p, q) for p, q in zip(runtime.model.parameters(), sgl.model.parameters()))
             assert torch.equal(a.responses, b.responses) and torch.equal(a.mask, b.mask)
             assert torch.equal(a.group, b.group) and a.num_samples == 12
-            torch.testing.assert_close(b.rollout_logprobs, a.rollout_logprobs, rtol=0, atol=1e-5)
+            assert_fp32_close(b.rollout_logprobs, a.rollout_logprobs, "rollout logprobs", FORWARD_TERMS)
             assert b.extras["texts"] == a.extras["texts"]
             assert b.extras["finish_reasons"] == a.extras["finish_reasons"]
             rewards = torch.tensor([float((i + step) % 3 == 0) for i in range(a.num_samples)])
@@ -163,12 +164,12 @@ def test_sglang_backend_takes_the_native_steps(fake_sglang, tiny_dir, proc):
             w0 = _weights(native.model)
             ma, mb = native.train(a), sgl.train(b)
             for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/advantages/mean"):
-                assert mb[k] == pytest.approx(ma[k], rel=1e-5, abs=1e-7), k
+                assert_fp32_close(mb[k], ma[k], k, scale=1.0)  # means of O(1) terms that may cancel
             assert ma["actor/grad_norm"] > 0
             moved = 0.0
             for (name, wa), wb in zip(_weights(native.model).items(), _weights(sgl.model).values()):
                 moved = max(moved, float((wa - w0[name]).abs().max()))
-                assert float((wa - wb).norm() / wa.norm().clamp_min(1e-12)) <= 1e-5, name
+                assert_weights_close(wb, wa, name)
             assert moved > 1e-4  # the step changed the policy, so step 2 samples from other weights
         assert be.weight_pushes == 2  # before the first rollout, and once after the first update
         kinds = [c[0] for c in be.engine.memory_calls]

@@ -100,7 +100,7 @@ def main(argv=None) -> None:
     diffs = []
     for p, o in zip(prompts[:2], sampled):
         s = o.samples[0]
-        full = ModelInputs(p.input_ids + s.token_ids, p.pixel_values, p.image_grid_thw)
+        full = p.with_response(s.token_ids)  # a sampled vision placeholder id is text in a response
         with torch.no_grad():
             logits = model([full])[0].float()
         P = len(p.input_ids)

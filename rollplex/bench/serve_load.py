@@ -17,16 +17,22 @@ decodes exactly --max-new-tokens (ignore_eos); tok/s = generated tokens / wall t
    --temperature: (a) engine speed, all N prompts in one /generate; (b) the same
    prompts as N separate concurrent /generate calls, their tok/s and its ratio to (a) (goal >= 0.80);
    (c) the same as N streaming calls: time to first token (first SSE chunk holding a token, from the
-   request's own start) p50 / p99, and streamed tok/s.
+   request's own start) p50 / p99, and streamed tok/s; (d) the same N calls from one `httpx.AsyncClient`
+   (what Python RL drivers use: `json=` bodies, `.json()` answers) whose pool holds N connections, and
+   (e) from one with httpx's default pool (100 connections: beyond that, requests queue in the client);
+   (f) the client's ceiling: (d)'s client against a canned endpoint (a bare asyncio HTTP server in a
+   subprocess answering every POST at once with one real /generate answer's bytes), no engine work.
+   Where (f)'s tok/s is not well above (a), the client bounds (d); where it is, the server does.
 4. Warm start: the server stopped and started again on the same caches: seconds to ready, its phases,
    its first request, and whether that request's greedy tokens equal the cold server's.
 
-The client speaks HTTP/1.1 over `asyncio.open_connection`, one connection per request opened when the
-request starts and closed after its answer, as N independent clients would: a pooled client queues
-requests beyond its pool size and times itself instead of the server. Request bodies are encoded
-before the clock starts; streamed chunks are parsed only up to the first token and for the last event.
+The raw client speaks HTTP/1.1 over `asyncio.open_connection`, one connection per request opened when
+the request starts and closed after its answer, as N independent clients would. Its request bodies are
+encoded before the clock starts; streamed chunks are parsed only up to the first token and for the last
+event. The httpx client keeps its connections between rounds (opened by the warm-up), as a driver does.
 
-Prints one JSON line per measurement and a table last; exits 1 if a request fails or the check does.
+Prints one JSON line per measurement and two tables last (the run; per client: requests, tok/s, ratio
+to the batched call, latency p50 / p99); exits 1 if a request fails or the check does.
 
     python -m rollplex.bench serve --load --model qwen2.5-vl-3b
 """
@@ -35,12 +41,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import math
 import os
 import random
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -173,6 +182,90 @@ def outputs_of(replies: list[Reply], max_new_tokens: int) -> list[list[int]]:
     return [_output(json.loads(r.body), max_new_tokens, f"output {i}") for i, r in enumerate(replies)]
 
 
+# ---- httpx.AsyncClient: what Python RL drivers use ----------------------------------------------------
+def httpx_client(pool: int | None):
+    """One AsyncClient as a driver makes it: `pool` connections kept alive (None: httpx's defaults, 100
+    connections and 20 kept alive), no timeout (a long generation is not an error)."""
+    import httpx
+
+    limits = httpx.Limits() if pool is None else httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
+    return httpx.AsyncClient(limits=limits, timeout=None)
+
+
+async def httpx_concurrent(client, url: str, prompts: list[list[int]], sp: dict) -> tuple[float, list[Reply]]:
+    """(wall s, replies) of one /generate per prompt from `client`, all at once; each request's time includes
+    the client's encoding of its JSON body and decoding of the answer (`.json()`), as a driver's does."""
+    async def one(p):
+        start = time.perf_counter()
+        r = await client.post(f"{url}/generate", json={"input_ids": p, "sampling_params": sp})
+        r.json()
+        return Reply(r.status_code, r.content, start, time.perf_counter())
+
+    t0 = time.perf_counter()
+    replies = await asyncio.gather(*(one(p) for p in prompts))
+    for i, r in enumerate(replies):
+        _ok(r, f"httpx /generate {i}")
+    return max(r.end for r in replies) - t0, replies
+
+
+async def httpx_rounds(url: str, prompts: list[list[int]], pool: int | None, warm: dict,
+                       sp: dict) -> tuple[float, list[Reply]]:
+    """A new client: one warm-up round (`warm`: opens its connections), then the timed round (`sp`)."""
+    async with httpx_client(pool) as client:
+        await httpx_concurrent(client, url, prompts, warm)
+        return await httpx_concurrent(client, url, prompts, sp)
+
+
+async def _canned(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, answer: bytes) -> None:
+    try:
+        while await reader.readline() not in (b"", b"\r\n"):  # the request line
+            length = 0
+            while (h := await reader.readline()) not in (b"\r\n", b""):
+                name, _, value = h.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            await reader.readexactly(length)
+            writer.write(answer)
+            await writer.drain()
+    except (ConnectionError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        writer.close()
+
+
+def canned_server(port: int, body_file: str) -> None:
+    """Answer every POST on 127.0.0.1:`port` at once with the JSON in `body_file` (keep-alive HTTP/1.1):
+    the client ceiling's endpoint, run in its own process so that it takes no time from the client's."""
+    body = Path(body_file).read_bytes()
+    answer = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)) + body
+
+    async def main():
+        server = await asyncio.start_server(lambda r, w: _canned(r, w, answer), "127.0.0.1", port, backlog=4096)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
+def start_canned(port: int, body: bytes, workdir: str, timeout: float = 30.0) -> subprocess.Popen:
+    path = os.path.join(workdir, "canned.json")
+    Path(path).write_bytes(body)
+    proc = subprocess.Popen([sys.executable, "-c", f"from rollplex.bench.serve_load import canned_server; "
+                             f"canned_server({port}, {path!r})"])
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:  # ready when it accepts a connection
+        if proc.poll() is not None:
+            raise BenchError(f"the canned endpoint exited with code {proc.returncode}")
+        try:
+            reply = asyncio.run(post("127.0.0.1", port, "/generate", b"{}"))
+            if reply.status == 200 and reply.body == body:
+                return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise BenchError(f"the canned endpoint on port {port} did not answer within {timeout:.0f} s")
+
+
 # ---- correctness ----------------------------------------------------------------------------------------
 def divergences(batched_out: list[list[int]], concurrent_out: list[list[int]], tokens: int) -> list[tuple[int, int]]:
     """(prompt, first differing position) of each prompt whose two outputs differ; OutputMismatch if the
@@ -279,13 +372,24 @@ def _start(cmd, url, env, log, append, timeout, rows, label, cache_dir: Path):
     proc = start_server(cmd, log, env, append=append)
     ready_s = wait_ready(proc, url, timeout)
     phases = _health(url).get("startup_s", {})
+    # uvicorn's defaults take httptools and uvloop where installed (per request: C parsing instead of h11's)
+    have = {m: importlib.util.find_spec(m) is not None for m in ("httptools", "uvloop")}
     _emit(rows, {"measure": "ready", "start": label, "ready_s": round(ready_s, 2), "tuning_files_before": files,
-                 "server_phases_s": {k: round(v, 2) for k, v in phases.items()}})
+                 "server_phases_s": {k: round(v, 2) for k, v in phases.items()},
+                 "uvicorn_http": "httptools" if have["httptools"] else "h11",
+                 "uvicorn_loop": "uvloop" if have["uvloop"] else "asyncio"})
     return proc
 
 
-def measure(url: str, cfg: LoadConfig, rows: list[dict]) -> list[list[int]]:
-    """Steps 2 and 3 against the server at `url`; returns the first (greedy, batched) call's outputs."""
+def _latencies(replies: list[Reply]) -> dict:
+    ms = [(r.end - r.start) * 1e3 for r in replies]
+    return {"latency_p50_ms": round(percentile(ms, 50), 1), "latency_p99_ms": round(percentile(ms, 99), 1)}
+
+
+def measure(url: str, cfg: LoadConfig, rows: list[dict], canned_port: int | None = None,
+            workdir: str | None = None) -> list[list[int]]:
+    """Steps 2 and 3 against the server at `url`; returns the first (greedy, batched) call's outputs.
+    canned_port: where the client ceiling's endpoint listens (None: not measured)."""
     prompts = cfg.make_prompts()
     greedy = cfg.sampling(0.0, cfg.check_tokens)
     first_s, ref = asyncio.run(batched(url, prompts, greedy))
@@ -303,23 +407,49 @@ def measure(url: str, cfg: LoadConfig, rows: list[dict]) -> list[list[int]]:
     asyncio.run(concurrent(url, prompts, short))
     asyncio.run(concurrent(url, prompts, short, stream=True))
     n_tok = cfg.prompts * cfg.max_new_tokens
-    for rep in range(cfg.repeats):
-        engine_wall, _ = asyncio.run(batched(url, prompts, sp))
-        _emit(rows, {"measure": "batched", "repeat": rep, "tokens": n_tok, "wall_s": round(engine_wall, 3),
-                     "tok_s": round(n_tok / engine_wall, 1)})
-        wall, replies = asyncio.run(concurrent(url, prompts, sp))
-        outputs_of(replies, cfg.max_new_tokens)
-        _emit(rows, {"measure": "concurrent", "repeat": rep, "requests": cfg.prompts, "tokens": n_tok,
-                     "wall_s": round(wall, 3), "tok_s": round(n_tok / wall, 1),
-                     "ratio_to_batched": round(engine_wall / wall, 3)})
-        wall, replies = asyncio.run(concurrent(url, prompts, sp, stream=True))
-        outputs_of(replies, cfg.max_new_tokens)
-        ttft = [(r.first_token - r.start) * 1e3 for r in replies]
-        _emit(rows, {"measure": "streamed", "repeat": rep, "requests": cfg.prompts, "tokens": n_tok,
-                     "wall_s": round(wall, 3), "tok_s": round(n_tok / wall, 1),
-                     "ttft_p50_ms": round(percentile(ttft, 50), 1), "ttft_p99_ms": round(percentile(ttft, 99), 1),
-                     "ttft_max_ms": round(max(ttft), 1)})
+    canned = None
+    try:
+        for rep in range(cfg.repeats):
+            engine_wall, _ = asyncio.run(batched(url, prompts, sp))
+            _emit(rows, {"measure": "batched", "repeat": rep, "tokens": n_tok, "wall_s": round(engine_wall, 3),
+                         "tok_s": round(n_tok / engine_wall, 1)})
+            wall, replies = asyncio.run(concurrent(url, prompts, sp))
+            outputs_of(replies, cfg.max_new_tokens)
+            _emit(rows, {"measure": "concurrent", "repeat": rep, "requests": cfg.prompts, "tokens": n_tok,
+                         "wall_s": round(wall, 3), "tok_s": round(n_tok / wall, 1),
+                         "ratio_to_batched": round(engine_wall / wall, 3), **_latencies(replies)})
+            for pool in (cfg.prompts, None):
+                wall, replies = asyncio.run(httpx_rounds(url, prompts, pool, short, sp))
+                outputs_of(replies, cfg.max_new_tokens)
+                _emit(rows, {"measure": "httpx", "repeat": rep, "pool": pool or "default", "requests": cfg.prompts,
+                             "tokens": n_tok, "wall_s": round(wall, 3), "tok_s": round(n_tok / wall, 1),
+                             "ratio_to_batched": round(engine_wall / wall, 3), **_latencies(replies)})
+            if canned_port is not None:
+                if canned is None:  # one real answer of this run, byte for byte
+                    canned = start_canned(canned_port, replies[0].body, workdir or tempfile.gettempdir())
+                wall, ceiling = asyncio.run(httpx_rounds(f"http://127.0.0.1:{canned_port}", prompts, cfg.prompts,
+                                                         short, sp))
+                _emit(rows, {"measure": "client_ceiling", "repeat": rep, "pool": cfg.prompts,
+                             "requests": cfg.prompts, "answer_bytes": len(ceiling[0].body),
+                             "wall_s": round(wall, 4), "requests_s": round(cfg.prompts / wall, 1),
+                             "tok_s": round(n_tok / wall, 1), "ratio_to_batched": round(engine_wall / wall, 3),
+                             **_latencies(ceiling)})
+            _stream_round(url, prompts, sp, cfg, rows, rep, n_tok)
+    finally:
+        if canned is not None:
+            stop_server(canned)
     return ref
+
+
+def _stream_round(url, prompts, sp, cfg, rows, rep, n_tok) -> None:
+    """(c): N streaming calls, time to first token and streamed tok/s."""
+    wall, replies = asyncio.run(concurrent(url, prompts, sp, stream=True))
+    outputs_of(replies, cfg.max_new_tokens)
+    ttft = [(r.first_token - r.start) * 1e3 for r in replies]
+    _emit(rows, {"measure": "streamed", "repeat": rep, "requests": cfg.prompts, "tokens": n_tok,
+                 "wall_s": round(wall, 3), "tok_s": round(n_tok / wall, 1),
+                 "ttft_p50_ms": round(percentile(ttft, 50), 1), "ttft_p99_ms": round(percentile(ttft, 99), 1),
+                 "ttft_max_ms": round(max(ttft), 1)})
 
 
 def _median(rows, measure, key):
@@ -355,12 +485,41 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def client_table(rows: list[dict]) -> str:
+    """Per client, medians over the repeats: requests per round, tok/s, ratio to the one batched call (the
+    median of the repeats' own ratios), latency of a request p50 / p99 (batched: the call's)."""
+    def pick(measure, **match):
+        return [r for r in rows if r.get("measure") == measure and all(r.get(k) == v for k, v in match.items())]
+
+    def med(rs, key):
+        return statistics.median(r[key] for r in rs) if rs else float("nan")
+
+    lines = [f"{'client':<44} {'requests':>8} {'tok/s':>9} {'ratio':>6} {'p50 ms':>8} {'p99 ms':>8}"]
+
+    def add(name, rs, ratio, p50, p99):
+        if rs:
+            lines.append(f"{name:<44} {rs[0].get('requests', 1):>8} {med(rs, 'tok_s'):>9,.0f} {ratio:>6.2f} "
+                         f"{p50:>8.0f} {p99:>8.0f}")
+
+    b = pick("batched")
+    add("one batched /generate (raw socket)", b, 1.0, med(b, "wall_s") * 1e3, med(b, "wall_s") * 1e3)
+    n = next((r["requests"] for r in rows if r.get("measure") == "concurrent"), 0)
+    for name, rs in (("raw socket, a connection per request", pick("concurrent")),
+                     (f"httpx.AsyncClient, pool {n}", pick("httpx", pool=n)),
+                     ("httpx.AsyncClient, default pool (100)", pick("httpx", pool="default")),
+                     ("client ceiling: httpx, pool N, canned answer", pick("client_ceiling"))):
+        add(name, rs, med(rs, "ratio_to_batched"), med(rs, "latency_p50_ms"), med(rs, "latency_p99_ms"))
+    return "\n".join(lines)
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m rollplex.bench serve --load", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", default=None, help="HF dir or preset (default: the embedded tiny model)")
     ap.add_argument("--server-args", default="", help="extra flags for python -m rollplex.server")
     ap.add_argument("--port", type=int, default=30123)
+    ap.add_argument("--canned-port", type=int, default=None,
+                    help="port of the client ceiling's canned endpoint (default: --port + 1); 0 skips it")
     ap.add_argument("--prompts", type=int, default=256, help="N: prompts, and concurrent requests")
     ap.add_argument("--prompt-len", type=int, default=352)
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -396,7 +555,8 @@ def main(argv=None) -> None:
     proc = None
     try:
         proc = _start(cmd, url, env, args.log, False, args.ready_timeout, rows, "cold", Path(tuning))
-        ref = measure(url, cfg, rows)
+        canned_port = args.port + 1 if args.canned_port is None else args.canned_port or None
+        ref = measure(url, cfg, rows, canned_port, root)
         stop_server(proc)
         proc = None
         if not args.no_warm_start:
@@ -412,7 +572,7 @@ def main(argv=None) -> None:
             stop_server(proc)
         if args.cache_root is None:
             shutil.rmtree(root, ignore_errors=True)
-    print("\n" + table(rows))
+    print("\n" + table(rows) + "\n\n" + client_table(rows))
 
 
 if __name__ == "__main__":

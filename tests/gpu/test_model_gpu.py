@@ -4,7 +4,7 @@ our bf16 model stays within bf16 noise of its own fp32 copy."""
 
 import pytest
 import torch
-from helpers import make_prompt, tiny_model
+from helpers import make_prompt, random_text_ids, tiny_model
 
 pytestmark = pytest.mark.gpu
 
@@ -67,7 +67,7 @@ def test_shared_prefix_varlen_path_matches_masked_sdpa(monkeypatch):
     for p in prompts:
         if p.pixel_values is not None:
             p.pixel_values = p.pixel_values.cuda()
-    resp = torch.randint(3, 290, (5, 11), generator=g).cuda()
+    resp = random_text_ids((5, 11), g, vocab=290).cuda()
     index = torch.tensor([0, 0, 1, 1, 1]).cuda()
     assert att.varlen_bottom_right_ok("cuda:0", torch.bfloat16)
     outs = []
@@ -89,7 +89,7 @@ def test_packed_varlen_path_matches_dense_mask(monkeypatch):
     for p in prompts:
         if p.pixel_values is not None:
             p.pixel_values = p.pixel_values.cuda().to(torch.bfloat16)
-    resp = torch.randint(3, 290, (5, 11), generator=g).cuda()
+    resp = random_text_ids((5, 11), g, vocab=290).cuda()
     lens, group = [11, 1, 4, 11, 7], [0, 1, 0, 1, 1]
     print("native GQA in varlen:", att.varlen_native_gqa_ok("cuda:0", torch.bfloat16))
     outs, grads = [], []
