@@ -138,40 +138,102 @@ class MasterAdamW:
         live = [_local(g) if i in self.touched else None for i, g in enumerate(grads)]
         for m in self.master:
             m.grad = None  # AdamW steps only the parameters that have one: the current chunk's
-        for chunk in self.chunks:
-            if not any(live[i] is not None for i in chunk):
-                continue
+        chunks = [c for c in self.chunks if any(live[i] is not None for i in c)]
+        written = 0
+        try:
+            for chunk in chunks:
+                self._step_chunk(chunk, live)
+                written += 1
+        except _TornChunk as e:
+            raise OptimizerStepOOM(written, len(chunks), e.torn) from e.__cause__
+        finally:
+            for p, g in zip(self.params, grads):
+                p.grad = g  # the persistent buffers (the masters of fp32 parameters are the parameters)
+        if self._cpu_step and self._pin:  # the next step writes the host masters the uploads read
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _step_chunk(self, chunk: list[int], live: list) -> None:
+        """One chunk's AdamW step. What can run out of memory before the update (paging in, the fp32
+        gradients) is allocated before anything is written; an out-of-memory error raises _TornChunk,
+        saying whether the chunk may hold part of an update (AdamW's own temporaries, or paging out)."""
+        phase, paged = "prepare", None
+        # the chunk's step counters (scalars): put back when a paged chunk fails before its update is kept
+        counters = {i: self.opt.state[self.master[i]].get("step") if self.master[i] in self.opt.state else None
+                    for i in chunk}
+        counters = {i: (None if c is None else c.clone()) for i, c in counters.items()}
+        try:
             paged = self._page_in(chunk) if self.offload else None
             for i in chunk:
                 g, m = live[i], self.master[i]
                 # a device -> host copy is blocking: the CPU step reads it next
                 m.grad = None if g is None else (g if g.dtype == m.dtype and g.device == m.device
                                                  else g.to(device=m.device, dtype=m.dtype))
+            phase = "step"
             self.opt.step()
             for i in chunk:
                 if self.master[i] is not self.local[i]:
                     self.local[i].copy_(self.master[i], non_blocking=self._pin)
                 self.master[i].grad = None
+            phase = "page_out"
             if paged is not None:
                 self._page_out(chunk, paged)
-        for p, g in zip(self.params, grads):
-            p.grad = g  # the persistent buffers (the masters of fp32 parameters are the parameters)
-        if self._cpu_step and self._pin:  # the next step writes the host masters the uploads read
-            torch.cuda.current_stream(self.device).synchronize()
+        except BaseException as e:
+            for i in chunk:
+                self.master[i].grad = None
+            # before the update, or with masters and moments paged (their host copies are untouched until the
+            # page-out): the chunk is as it was
+            exact = phase == "prepare" or (phase == "step" and self._page_masters)
+            if paged is not None and phase != "page_out":
+                self._restore(chunk, paged, counters if exact else None)
+            if not exact:
+                with torch.no_grad():  # the weights show what the masters hold
+                    for i in chunk:
+                        if self.master[i] is not self.local[i]:
+                            self.local[i].copy_(self.master[i])
+            if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
+                raise _TornChunk(not exact) from e
+            raise
 
     def _page_in(self, chunk: list[int]) -> dict:
-        """Point the chunk's masters and moments at device copies; returns the host tensors to restore."""
+        """Point the chunk's masters and moments at device copies; returns the host tensors to restore.
+        Every copy is made before any tensor is repointed, so running out of memory here changes nothing."""
         nb = self._pin
-        host = {}
+        host, dev = {}, {}
         for i in chunk:
             m = self.master[i]
             st = self.opt.state.get(m, {})
             host[i] = (m.data, {k: st[k] for k in MOMENTS if k in st})
+            dev[i] = (m.data.to(self.device, non_blocking=nb) if self._page_masters else None,
+                      {k: t.to(self.device, non_blocking=nb) for k, t in host[i][1].items()})
+        for i in chunk:
+            m = self.master[i]
             if self._page_masters:
-                m.data = m.data.to(self.device, non_blocking=nb)
-            for k, t in host[i][1].items():
-                st[k] = t.to(self.device, non_blocking=nb)
+                m.data = dev[i][0]
+            if dev[i][1]:
+                self.opt.state[m].update(dev[i][1])
         return host
+
+    def _restore(self, chunk: list[int], host: dict, counters: dict | None) -> None:
+        """A chunk whose step failed before its page-out: masters and moments back on their host tensors
+        (the device copies dropped); with `counters`, AdamW's step counts too (state it made is dropped)."""
+        for i in chunk:
+            m = self.master[i]
+            hm, hmom = host[i]
+            if self._page_masters:
+                m.data = hm
+            st = self.opt.state.get(m)
+            if st is None:
+                continue
+            if counters is not None and counters[i] is None:
+                del self.opt.state[m]  # its first step: no state before it
+                continue
+            for k in MOMENTS:
+                if k in hmom:
+                    st[k] = hmom[k]
+                elif counters is not None:
+                    st.pop(k, None)
+            if counters is not None and counters[i] is not None:
+                st["step"] = counters[i]
 
     def _page_out(self, chunk: list[int], host: dict) -> None:
         nb = self._pin
@@ -210,6 +272,26 @@ class MasterAdamW:
                     for k in MOMENTS:
                         if k in st and (self._pin and not st[k].is_pinned()):
                             st[k] = self._host_copy(st[k])
+
+
+class OptimizerStepOOM(torch.OutOfMemoryError):
+    """Out of memory inside `MasterAdamW.step` after `written` of its `total` parameter chunks were
+    updated; `torn`: the next chunk may hold part of its update (otherwise it is as before the step)."""
+
+    def __init__(self, written: int, total: int, torn: bool):
+        super().__init__(f"out of device memory in the optimizer step after {written} of {total} parameter chunks"
+                         + (" (the next one possibly updated in part)" if torn else ""))
+        self.written, self.total, self.torn = written, total, torn
+
+    @property
+    def changed(self) -> bool:
+        return self.written > 0 or self.torn
+
+
+class _TornChunk(Exception):
+    def __init__(self, torn: bool):
+        super().__init__("a chunk's step ran out of memory")
+        self.torn = torn
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
