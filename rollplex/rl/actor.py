@@ -303,12 +303,29 @@ class Actor:
         pl.end_passes(model, lambda mb: token_logprobs(model, mb, cfg.mode, plan.packed, cfg.temperature)[0])
         return acc
 
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+    def state_dict(self, masters: bool = True) -> dict:
+        """Optimizer (with its fp32 masters unless `masters` is False) and LR schedule."""
+        return {"optimizer": self.optimizer.state_dict(masters), "scheduler": self.scheduler.state_dict()}
 
-    def load_state_dict(self, sd: dict) -> None:
-        self.optimizer.load_state_dict(sd["optimizer"])
+    def check_state_dict(self, sd) -> None:
+        """ValueError unless `sd` is a state_dict this actor can load (changes nothing)."""
+        if not isinstance(sd, dict) or not {"optimizer", "scheduler"} <= set(sd):
+            raise ValueError("the trainer state has no optimizer / scheduler state")
+        self.optimizer.check_state_dict(sd["optimizer"])
+        sched = sd["scheduler"]
+        base = sched.get("base_lrs") if isinstance(sched, dict) else None
+        if (not isinstance(sched.get("last_epoch") if isinstance(sched, dict) else None, int)
+                or sched["last_epoch"] < -1 or not isinstance(base, list)
+                or len(base) != len(self.optimizer.param_groups)
+                or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in base)):
+            raise ValueError("the LR scheduler state is not this run's (last_epoch, base_lrs)")
+
+    def load_state_dict(self, sd: dict, weights_dtype: torch.dtype | None = None) -> int:
+        """Restore optimizer and LR schedule (the parameters already hold the checkpoint's weights); returns
+        how many saved masters were rebuilt from the weights (MasterAdamW.load_state_dict)."""
+        rebuilt = self.optimizer.load_state_dict(sd["optimizer"], weights_dtype)
         self.scheduler.load_state_dict(sd["scheduler"])
+        return rebuilt
 
 
 def _rows(t: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:

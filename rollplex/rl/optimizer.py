@@ -23,6 +23,7 @@ equals stepping the whole tensors), which is also what a memory region holds and
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -255,23 +256,74 @@ class MasterAdamW:
         if nb:
             torch.cuda.current_stream(self.device).synchronize()
 
-    def state_dict(self) -> dict:
-        return {"opt": self.opt.state_dict(), "master": [m.detach().cpu() for m in self.master]}
+    def state_dict(self, masters: bool = True) -> dict:
+        """AdamW's state and the fp32 masters; `masters=False` leaves the masters out (None each): where the
+        weights are stored elsewhere in fp32, the masters would store them twice."""
+        return {"opt": self.opt.state_dict(),
+                "master": [m.detach().cpu() if masters else None for m in self.master]}
 
-    def load_state_dict(self, sd: dict) -> None:
+    def check_state_dict(self, sd: dict) -> None:
+        """ValueError unless `sd` is a state_dict of an optimizer over parameters of these shapes with
+        finite values (what `load_state_dict` needs); changes nothing."""
+        if not isinstance(sd, dict) or not isinstance(sd.get("opt"), dict):
+            raise ValueError("the optimizer state is not a MasterAdamW state_dict")
+        opt, n = sd["opt"], len(self.master)
+        groups = opt.get("param_groups")
+        if (not isinstance(groups, list) or len(groups) != len(self.opt.param_groups)
+                or [len(g.get("params", ())) for g in groups] != [len(g["params"]) for g in self.opt.param_groups]):
+            raise ValueError(f"the optimizer state is for other parameters (this run trains {n} tensors)")
+        state = opt.get("state")
+        if not isinstance(state, dict) or not all(isinstance(i, int) and 0 <= i < n for i in state):
+            raise ValueError("the optimizer state names parameters this run does not have")
+        for i, st in state.items():
+            for k, t in st.items():
+                if k in MOMENTS:
+                    _check_tensor(t, self.master[i].shape, f"the optimizer's {k} of parameter {i}")
+                elif k == "step" and not (isinstance(t, (int, float, torch.Tensor)) and math.isfinite(float(t))
+                                          and float(t) >= 0):
+                    raise ValueError(f"the optimizer's step count of parameter {i} is not a count")
+        masters = sd.get("master")
+        if masters is not None and (not isinstance(masters, list) or len(masters) != n):
+            raise ValueError(f"the optimizer state holds {len(masters) if isinstance(masters, list) else 'no'} "
+                             f"master weights for {n} parameters")
+        for i, t in enumerate(masters or ()):
+            if t is not None:
+                _check_tensor(t, self.master[i].shape, f"the master weights of parameter {i}")
+
+    def load_state_dict(self, sd: dict, weights_dtype: torch.dtype | None = None) -> int:
+        """Restore AdamW's state. The parameters already hold the checkpoint's weights (its HF files are the
+        source of truth); a saved master takes a parameter's place where it rounds to it (compared in the
+        parameter's dtype, or `weights_dtype` — the stored weights' — for fp32 parameters), otherwise the
+        master is rebuilt from the parameter (the weights were edited since the save). Returns how many
+        saved masters were rebuilt that way."""
         with self._region("optimizer"):  # the loaded moments are new tensors: in the region
             self.opt.load_state_dict(sd["opt"])
+        rebuilt = 0
         with torch.no_grad():
-            for m, s, p in zip(self.master, sd["master"], self.local):
-                m.copy_(s)
+            for m, s, p in zip(self.master, sd.get("master") or [None] * len(self.master), self.local):
+                d = p.dtype if p.dtype != torch.float32 else (weights_dtype or p.dtype)
+                if s is not None and torch.equal(s.to(device=p.device, dtype=d), p.to(d)):
+                    m.copy_(s)  # a separate master, or an fp32 parameter whose stored weights are rounded
+                    continue
+                rebuilt += s is not None
                 if m is not p:
-                    p.copy_(s)
+                    m.copy_(p)
             if self.offload:  # load_state_dict moves the moments to the masters' device: keep them pinned
                 for m in self.master:
                     st = self.opt.state.get(m, {})
                     for k in MOMENTS:
                         if k in st and (self._pin and not st[k].is_pinned()):
                             st[k] = self._host_copy(st[k])
+        return rebuilt
+
+
+def _check_tensor(t, shape, what: str) -> None:
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        raise ValueError(f"{what}: not a floating-point tensor")
+    if t.shape != shape:
+        raise ValueError(f"{what}: shape {tuple(t.shape)}, this run has {tuple(shape)}")
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{what}: non-finite values")
 
 
 class OptimizerStepOOM(torch.OutOfMemoryError):
