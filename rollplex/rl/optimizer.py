@@ -15,6 +15,12 @@ weights come up: 6 bytes per parameter over the bus rather than 24, for the CPU'
 torch.optim.AdamW's, element for element: chunking only changes which parameters one call updates
 (AdamW skips parameters without a gradient), so every mode gives the same weights.
 
+A step that runs out of device memory raises OptimizerStepOOM saying how many chunks it updated and
+whether the next may hold part of its update ("torn"): a chunk's page-in copies and fp32 gradients are
+allocated before anything is written (an OOM there leaves the chunk as it was), masters and moments
+paged onto a GPU are restored from their untouched host copies; an OOM inside AdamW's own temporaries
+otherwise leaves that chunk torn, its weights then set from its masters.
+
 Sharded parameters (FSDP2 DTensors) are stepped through their local shards: the masters, moments and
 gradient buffers are plain tensors of this rank's shard (AdamW is elementwise, so stepping the shards
 equals stepping the whole tensors), which is also what a memory region holds and an offload copies.
@@ -181,9 +187,9 @@ class MasterAdamW:
         except BaseException as e:
             for i in chunk:
                 self.master[i].grad = None
-            # before the update, or with masters and moments paged (their host copies are untouched until the
-            # page-out): the chunk is as it was
-            exact = phase == "prepare" or (phase == "step" and self._page_masters)
+            # before the update, or with masters and moments paged onto a GPU (their host copies are untouched
+            # until the page-out): the chunk is as it was
+            exact = phase == "prepare" or (phase == "step" and self._page_masters and self.device.type == "cuda")
             if paged is not None and phase != "page_out":
                 self._restore(chunk, paged, counters if exact else None)
             if not exact:
