@@ -454,6 +454,21 @@ def test_bf16_masters_restore_exactly_or_are_rebuilt_from_edited_weights(tiny_di
         assert torch.equal(m.to(torch.bfloat16), p)  # every master rounds to the weights it serves
 
 
+def test_checkpoints_with_fp32_masters_still_load(tiny_dir, tmp_path):
+    """Checkpoints written before the weights were stored once hold fp32 masters of fp32 weights too."""
+    from rollplex.models import load_model
+    from rollplex.rl.checkpoint import load_checkpoint, save_checkpoint
+    from rollplex.rl.step import RLStep
+
+    a = RLStep(load_model(tiny_dir), None, RLConfig(kl_coef=0.0), group=None)
+    save_checkpoint(a, tmp_path / "ck", data_state={"step": 3})
+    _edit_state(tmp_path / "ck" / "trainer_state.pt", lambda s: s["actor"]["optimizer"].update(
+        master=[p.detach().clone() for p in a.model.parameters()]))
+    b, report = RLStep(load_model(tiny_dir), None, RLConfig(kl_coef=0.0), group=None), {}
+    assert load_checkpoint(b, tmp_path / "ck", report) == {"step": 3} and report["masters_rebuilt"] == 0
+    assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
+
+
 def test_library_skips_a_non_finite_mini_batch(server, client, tiny_dir, monkeypatch):
     """RLStep.train's default (verl's): a non-finite mini-batch gets no optimizer or LR-schedule step and
     the update goes on; `actor/skipped_updates` says so."""
@@ -474,3 +489,47 @@ def test_library_skips_a_non_finite_mini_batch(server, client, tiny_dir, monkeyp
     m = rl.train(dataclasses.replace(batch, rewards=torch.tensor(REWARDS)))
     assert m["actor/skipped_updates"] == 1.0 and rl.actor.scheduler.last_epoch == 1 and rl.step_idx == 1
     assert not all(torch.equal(a, b) for a, b in zip(w0, rl.model.parameters()))  # mini-batch 2 was applied
+
+
+def _dp_optimizer_oom(rank: int, world: int, init: str, rl: RLConfig) -> None:
+    """One rank of a data-parallel update whose rank 1 runs out of memory in its second optimizer step
+    (having written nothing): every rank raises the same TrainOOM (one step applied, the second part-way
+    over the group) from a CollectiveOOM, and the LR schedule counts both."""
+    import torch.distributed as dist
+    from parallel_helpers import init_group, rollout_batch, tiny_cfg, tiny_model
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rollplex.parallel import DataParallelActor
+    from rollplex.rl.actor import TrainOOM
+    from rollplex.rl.optimizer import OptimizerStepOOM
+    from rollplex.rl.placement import CollectiveOOM
+
+    init_group(rank, world, init)
+    try:
+        actor = DataParallelActor(tiny_model(tiny_cfg()), rl, init_device_mesh("cpu", (world,)))
+        real, calls = actor.optimizer.step, [0]
+
+        def step():
+            calls[0] += 1
+            if rank == 1 and calls[0] == 2:
+                raise OptimizerStepOOM(0, 1, False)
+            real()
+
+        actor.optimizer.step = step
+        batch, adv, ref = rollout_batch()
+        with pytest.raises(TrainOOM) as e:
+            actor.update(batch, adv, ref, actor.old_logprobs(batch))
+        err = e.value
+        assert err.applied_updates == 1 and err.partial_update and isinstance(err.__cause__, CollectiveOOM), err
+        assert actor.scheduler.last_epoch == 2 and calls[0] == 2
+        dist.barrier()  # the group is still in step
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_data_parallel_ranks_agree_on_an_optimizer_oom(tmp_path):
+    import torch.multiprocessing as mp
+
+    rl = RLConfig(lr=1e-4, kl_coef=0.05, micro_batch_prompts=1, ppo_mini_batches=2)
+    mp.spawn(_dp_optimizer_oom, args=(2, f"file://{tmp_path}/store", rl), nprocs=2, join=True)
