@@ -419,11 +419,14 @@ def _val_line(step: int, val: dict) -> str:
 
 def _save(client: Client, args, step: int) -> str:
     """POST /save; returns the checkpoint's path on the server. In-process the save dir is the server's
-    checkpoint root; a remote server takes SAVE_DIR relative to its own --checkpoint-root."""
+    checkpoint root; a remote server takes SAVE_DIR relative to its own --checkpoint-root. A resumed run
+    retrains the steps after its checkpoint and replaces theirs; a fresh one does not overwrite another
+    run's (the server answers 409)."""
     name = f"global_step_{step}"
     path = str(Path(args.save_dir) / name) if args.server else name
     saved = client.call("POST", "/save", {"path": path, "data_state": {"step": step, "seed": args.seed,
-                                                                        "data": args.data}})
+                                                                        "data": args.data},
+                                          "overwrite": bool(args.resume)})
     return saved["path"]
 
 

@@ -62,7 +62,7 @@ def client(server):
 
 
 def _checksum(client) -> float:
-    return client.get("/health", params={"checksum": True}).json()["weights_checksum"]
+    return client.get("/checksum").json()["weights_checksum"]
 
 
 def _rollout(client, n_prompts=2, n=2, **kw) -> dict:

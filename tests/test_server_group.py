@@ -69,7 +69,7 @@ def _steps(client: httpx.Client) -> dict:
     assert step.status_code == 200, step.text
     second = client.post("/rollout", json={"prompts": wire_rows(2, seed=1), "n": 2, "sampling_params": SAMPLING})
     assert second.status_code == 200, second.text
-    health = client.get("/health", params={"checksum": True}).json()
+    health = {**client.get("/health").json(), **client.get("/checksum").json()}
     return {"tokens": [[s["token_ids"] for s in r.json()["samples"]] for r in (first, second)],
             "loss": step.json()["actor/pg_loss"], "grad_norm": step.json()["actor/grad_norm"], "health": health,
             "second": second.json()["rollout_id"]}
@@ -78,7 +78,7 @@ def _steps(client: httpx.Client) -> dict:
 def _checkpoint_round(client: httpx.Client, rollout_id: str) -> float:
     """Save, train the retained rollout, load the checkpoint back (weights as saved), then roll out and
     train again from the restored state; the weights checksum after that."""
-    checksum = lambda: client.get("/health", params={"checksum": True}).json()["weights_checksum"]  # noqa: E731
+    checksum = lambda: client.get("/checksum").json()["weights_checksum"]  # noqa: E731
     save = client.post("/save", json={"path": "ck", "data_state": {"epoch": 1}})
     assert save.status_code == 200, save.text
     saved = checksum()
@@ -125,7 +125,7 @@ def test_server_over_a_group_matches_one_process(tiny_dir, tmp_path, extra, grou
         torch.set_num_threads(1)
         try:
             with serve_in_thread(cfg) as single, httpx.Client(base_url=single.url, timeout=120) as c:
-                start = c.get("/health", params={"checksum": True}).json()["weights_checksum"]
+                start = c.get("/checksum").json()["weights_checksum"]
                 one = _steps(c)
                 one["resumed"] = _checkpoint_round(c, one["second"])
         finally:

@@ -260,7 +260,7 @@ def test_server_serves_rollout_and_train_step_on_sglang(fake_sglang, tiny_dir, t
             httpx.Client(base_url=srv.url, timeout=120) as c:
         health = c.get("/health").json()
         assert health["rollout_backend"] == "sglang" and health["engine"] is None
-        c0 = c.get("/health", params={"checksum": True}).json()["weights_checksum"]
+        c0 = c.get("/checksum").json()["weights_checksum"]
         ro = c.post("/rollout", json={"prompts": wire_rows(2), "n": 3})
         assert ro.status_code == 200, ro.text
         ro = ro.json()
@@ -271,7 +271,7 @@ def test_server_serves_rollout_and_train_step_on_sglang(fake_sglang, tiny_dir, t
         m = c.post("/train_step", json={"rollout_id": ro["rollout_id"], "rewards": [1, 0, 0, 0, 1, 0]})
         assert m.status_code == 200, m.text
         assert m.json()["training/global_step"] == 1 and m.json()["actor/grad_norm"] > 0
-        assert c.get("/health", params={"checksum": True}).json()["weights_checksum"] != c0
+        assert c.get("/checksum").json()["weights_checksum"] != c0
         val = c.post("/rollout", json={"prompts": [{"input_ids": [5, 6, 7]}], "n": 2, "for_training": False,
                                        "sampling_params": {"temperature": 0, "max_new_tokens": 3}})
         assert val.status_code == 200 and val.json()["rollout_id"] is None and val.json()["weights_version"] == 1

@@ -31,10 +31,13 @@ from ..models.transfer import to_device
 from .algos import agg_denominator, agg_loss, kl_penalty, ppo_policy_loss
 from .batch import RolloutBatch
 from .config import RLConfig
-from .microbatch import MicroBatching
-from .optimizer import MasterAdamW
+from .errors import NonFiniteUpdate, TrainOOM
+from .errors import is_oom as _is_oom
+from .microbatch import Backoff, MicroBatching, capped
+from .microbatch import halve as _halve
+from .optimizer import MasterAdamW, OptimizerStepOOM
 from .placement import CollectiveOOM, Placement, SingleProcess
-from .scoring import score, token_logprobs
+from .scoring import score_with_backoff, token_logprobs
 
 log = logging.getLogger("rollplex.rl")
 
@@ -49,19 +52,6 @@ def lr_lambda(cfg: RLConfig):
         return 1.0
 
     return f
-
-
-class TrainOOM(RuntimeError):
-    """The update ran out of device memory at the smallest micro-batch; the weights and the optimizer are
-    as they were before the step (`applied_updates` == 0) or that many optimizer steps were applied."""
-
-    def __init__(self, msg: str, applied_updates: int):
-        super().__init__(msg)
-        self.applied_updates = applied_updates
-
-
-def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
 METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl")
@@ -82,6 +72,7 @@ class Actor:
         self.placement.set_checkpointing(model, cfg.gradient_checkpointing, cfg.vision_gradient_checkpointing)
         # micro-batching that ran out of memory is halved for the rest of the run (OOM back-off)
         self._backoff: MicroBatching | None = None
+        self.score_backoff = Backoff()  # the same for no-grad scoring (reference and old logprobs)
 
     def _mini_batches(self, cfg: RLConfig, batch: RolloutBatch, epoch: int, step: int) -> list[list[int]]:
         order = list(range(batch.num_prompts))
@@ -106,21 +97,15 @@ class Actor:
         cfg = cfg or self.cfg
         if cfg.num_updates == 1:
             return None
-        return score(self.model, batch, cfg.mode, cfg.micro_batching, cfg.temperature, prefix_key="old",
-                     placement=self.placement)
+        return score_with_backoff(self.model, batch, cfg.mode, cfg.micro_batching, cfg.temperature, prefix_key="old",
+                                  placement=self.placement, backoff=self.score_backoff, what="old-logprob")
 
     def _plan(self, cfg: RLConfig) -> MicroBatching:
-        plan = cfg.micro_batching
-        b = self._backoff
-        if b is None:
-            return plan
-        return MicroBatching(min(plan.prompts, b.prompts), min(plan.samples, b.samples),
-                             b.max_tokens if plan.max_tokens is None else min(plan.max_tokens, b.max_tokens or 1 << 62),
-                             plan.packed)
+        return capped(cfg.micro_batching, self._backoff)
 
     def update(self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None,
                old_all: torch.Tensor | None = None, step: int = 0,
-               cfg: RLConfig | None = None) -> tuple[dict, torch.Tensor]:
+               cfg: RLConfig | None = None, nonfinite: str = "skip") -> tuple[dict, torch.Tensor]:
         """advantages [N]; ref/old logprobs [N, R] or None; cfg: this step's config (default: the
         actor's). Returns (verl-named metrics averaged over updates, the trainer's logprobs of the
         first pass [N, R] before any update). Under a data-parallel placement every rank calls it with
@@ -132,14 +117,23 @@ class Actor:
         when no optimizer step had been applied. Under a data-parallel placement the ranks back off
         together from a `CollectiveOOM` (also raised for an out-of-memory error inside a pass the
         placement defers: `defer_oom`, `end_passes`); one inside a pass with other ranks waiting in its
-        collectives cannot be retried and raises TrainOOM at once."""
+        collectives cannot be retried and raises TrainOOM at once. Out of memory inside an optimizer step
+        raises TrainOOM saying what it wrote (rl/errors.py).
+
+        A mini-batch whose loss or gradient norm is not finite gets no optimizer step and no LR-schedule
+        step: with `nonfinite="skip"` the update goes on with the next mini-batch (counted in
+        `actor/skipped_updates`, as verl skips such a step), with "raise" it raises NonFiniteUpdate
+        (what the server does: the step's earlier optimizer steps, if any, are in its `applied_updates`)."""
+        if nonfinite not in ("skip", "raise"):
+            raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
         cfg, model, pl = cfg or self.cfg, self.model, self.placement
         model.train()
         first_logp = torch.zeros(batch.responses.shape)
         seen = torch.zeros(batch.num_samples)
         first_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         sums: dict[str, float] = {}
-        updates = 0
+        updates = done = skipped = 0  # optimizer steps applied; mini-batches done; skipped (non-finite)
+        total = sum(len(self._mini_batches(cfg, batch, e, step)) for e in range(cfg.ppo_epochs))
         try:
             for epoch in range(cfg.ppo_epochs):
                 for prompt_ids in self._mini_batches(cfg, batch, epoch, step):
@@ -180,12 +174,22 @@ class Actor:
                     grad_norm = pl.clip_grad_norm_(self.optimizer.touched_params(), cfg.grad_clip)
                     stats["actor/grad_norm"] = float(grad_norm)
                     stats["actor/lr"] = self._set_lr(cfg)
-                    if torch.isfinite(grad_norm):
-                        self.optimizer.step()
-                    self.scheduler.step()
+                    # the summed metrics and the global norm are the same on every process: all skip alike
+                    bad = [k for k, v in stats.items() if not math.isfinite(v)]
+                    if bad and nonfinite == "raise":
+                        raise NonFiniteUpdate(
+                            f"non-finite {', '.join(bad)} in mini-batch {done + 1} of {total} (the loss or the "
+                            "gradients overflowed: check the rewards, lr and coefficients); its optimizer step "
+                            "was skipped", updates)
+                    if bad:  # no optimizer step and no LR-schedule step for it (verl skips it too)
+                        skipped += 1
+                    else:
+                        self._optimizer_step(updates)
+                        self.scheduler.step()
+                        updates += 1
                     for k, v in stats.items():
                         sums[k] = sums.get(k, 0.0) + v
-                    updates += 1
+                    done += 1
         except BaseException:
             self._recover()
             model.eval()
@@ -199,7 +203,42 @@ class Actor:
         pl.sum_(first_logp)
         pl.sum_(seen)
         assert bool((seen == 1).all())
-        return {k: v / max(updates, 1) for k, v in sums.items()}, first_logp
+        out = {k: v / max(done, 1) for k, v in sums.items()}
+        if skipped:
+            out["actor/skipped_updates"] = float(skipped)
+        return out, first_logp
+
+    def _optimizer_step(self, applied: int) -> None:
+        """The mini-batch's optimizer step. Out of memory inside it raises TrainOOM on every process of the
+        placement (they agree with one all-reduce over several), saying what was written: `applied` whole
+        steps before it, and whether this one wrote any chunk on some process, in which case it counts as
+        applied for the LR schedule (stepped here)."""
+        pl, err = self.placement, None
+        try:
+            self.optimizer.step()
+        except OptimizerStepOOM as e:
+            err = e
+        except Exception as e:  # noqa: BLE001 - an OOM outside MasterAdamW's chunks: assume it wrote some
+            if not _is_oom(e):
+                raise
+            err = OptimizerStepOOM(0, len(self.optimizer.chunks), True)
+            err.__cause__ = e
+        failed, changed = err is not None, err is None or err.changed
+        if pl.world > 1:
+            flags = pl.sum_(torch.tensor([float(failed), float(changed)]))
+            failed, changed = bool(flags[0] > 0), bool(flags[1] > 0)
+        if not failed:
+            return
+        self._recover()
+        if changed:
+            self.scheduler.step()
+        written, chunks = (err.written, err.total) if err is not None else (len(self.optimizer.chunks),) * 2
+        cause = err if pl.world == 1 else CollectiveOOM("a data-parallel rank ran out of device memory in the "
+                                                        "optimizer step")
+        raise TrainOOM(f"the optimizer step ran out of device memory ({err or 'on another rank'}); offload the "
+                       "optimizer state (optimizer_offload) or lower the memory the step holds", applied,
+                       partial_update=changed, chunks_written=written, chunks_total=chunks,
+                       torn=err is not None and err.torn) from cause
 
     def _recover(self) -> None:
         """Drop a failed pass's gradients and cached blocks (its tensors are gone with the exception)."""
@@ -264,23 +303,29 @@ class Actor:
         pl.end_passes(model, lambda mb: token_logprobs(model, mb, cfg.mode, plan.packed, cfg.temperature)[0])
         return acc
 
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+    def state_dict(self, masters: bool = True) -> dict:
+        """Optimizer (with its fp32 masters unless `masters` is False) and LR schedule."""
+        return {"optimizer": self.optimizer.state_dict(masters), "scheduler": self.scheduler.state_dict()}
 
-    def load_state_dict(self, sd: dict) -> None:
-        self.optimizer.load_state_dict(sd["optimizer"])
+    def check_state_dict(self, sd) -> None:
+        """ValueError unless `sd` is a state_dict this actor can load (changes nothing)."""
+        if not isinstance(sd, dict) or not {"optimizer", "scheduler"} <= set(sd):
+            raise ValueError("the trainer state has no optimizer / scheduler state")
+        self.optimizer.check_state_dict(sd["optimizer"])
+        sched = sd["scheduler"]
+        base = sched.get("base_lrs") if isinstance(sched, dict) else None
+        if (not isinstance(sched.get("last_epoch") if isinstance(sched, dict) else None, int)
+                or sched["last_epoch"] < -1 or not isinstance(base, list)
+                or len(base) != len(self.optimizer.param_groups)
+                or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in base)):
+            raise ValueError("the LR scheduler state is not this run's (last_epoch, base_lrs)")
+
+    def load_state_dict(self, sd: dict, weights_dtype: torch.dtype | None = None) -> int:
+        """Restore optimizer and LR schedule (the parameters already hold the checkpoint's weights); returns
+        how many saved masters were rebuilt from the weights (MasterAdamW.load_state_dict)."""
+        rebuilt = self.optimizer.load_state_dict(sd["optimizer"], weights_dtype)
         self.scheduler.load_state_dict(sd["scheduler"])
-
-
-def _halve(plan: MicroBatching, mode: str) -> MicroBatching | None:
-    """The next smaller micro-batching, or None at one prompt (rollplex) / one sequence (serial) per pass."""
-    if plan.max_tokens is not None:
-        if plan.max_tokens <= 1:
-            return None
-        return MicroBatching(plan.prompts, plan.samples, plan.max_tokens // 2, plan.packed)
-    if mode == "rollplex":
-        return None if plan.prompts <= 1 else MicroBatching(plan.prompts // 2, plan.samples, None, plan.packed)
-    return None if plan.samples <= 1 else MicroBatching(plan.prompts, plan.samples // 2, None, plan.packed)
+        return rebuilt
 
 
 def _rows(t: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:

@@ -11,6 +11,12 @@ per rank `trainer_state.rank{r}-of-{W}.pt`: that rank's optimizer shards (fp32 m
 which restore the trainer's shards), its reference shards, the scheduler, step counter and its RNG
 states, as verl writes one file per rank. It loads into a group of the same size and layout; loading
 rebuilds the engine's weights from the trainer's restored shards (`sync_weights`).
+
+The weights are stored once: the HF files are the source of truth. `trainer_state.pt` keeps the fp32
+masters only where the HF files round them (bf16 weights); on load a master that no longer rounds to
+the HF weights (the files were edited) is rebuilt from them, and the load says how many were. A load
+reads and checks everything before it changes anything (`load_checkpoint`): a missing, truncated or
+corrupt file, other names or shapes, non-finite values are a ValueError with the run as it was.
 """
 
 from __future__ import annotations
@@ -98,8 +104,10 @@ def _save(step: RLStep, path: Path, data_state: dict | None, tokenizer_dir) -> P
             err = e
     del ref_state, policy_state
     _agree(step, err)
+    # the HF files hold the weights: fp32 masters are stored again only where those files round them (bf16)
+    masters = next(step.model.parameters()).dtype != torch.float32
     state = {
-        "actor": step.actor.state_dict(),
+        "actor": step.actor.state_dict(masters=masters),
         "step_idx": step.step_idx,
         "rl_config": asdict(step.cfg),
         "data": data_state or {},
@@ -122,34 +130,56 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _load_into(model, path: Path) -> dict[str, torch.Tensor]:
-    """Copy the HF directory's weights into `model` (a tensor-parallel model: its shards of them);
-    returns the whole tensors read."""
-    full = state = hf_to_rollplex(read_safetensors(path), model.cfg)
+def _read_model(model, path: Path, what: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the tensors to copy into `model` — a tensor-parallel model: its shards —, the whole tensors read)
+    from the HF directory `path`, checked against `model`: every name present and none unknown, the same
+    shapes, floating point, finite. ValueError otherwise (unreadable or truncated files included)."""
+    try:
+        hf = read_safetensors(path)
+        full = state = hf_to_rollplex(hf, model.cfg)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a truncated or corrupt file: the checkpoint's fault, not the server's
+        raise ValueError(f"{what} in {path} is not readable ({type(e).__name__}: {e})") from None
+    own = model.state_dict()
     tp = getattr(model.model, "tensor_parallel", None)
     if tp is not None:
         from ..parallel.tp import shard_state_dict
 
-        own_names = set(model.state_dict())
-        vision = getattr(model.visual, "tensor_parallel", None) is not None
-        state = shard_state_dict({k: v for k, v in state.items() if k in own_names}, model.cfg, tp.size, tp.rank,
-                                 vision)
-    with torch.no_grad():
-        own = model.state_dict()
         missing = set(own) - set(state)
         if missing:
-            raise ValueError(f"checkpoint {path} lacks {sorted(missing)[:3]}...")
-        wrong = [k for k, v in own.items() if state[k].shape != v.shape]
-        if wrong:  # checked before any copy: a failed load leaves the model untouched
-            raise ValueError(f"checkpoint {path} has other shapes for {wrong[:3]}")
-        for k, v in own.items():
+            raise ValueError(f"{what} in {path} lacks {sorted(missing)[:3]}")
+        vision = getattr(model.visual, "tensor_parallel", None) is not None
+        state = shard_state_dict({k: v for k, v in state.items() if k in own}, model.cfg, tp.size, tp.rank, vision)
+    missing, unknown = set(own) - set(state), set(state) - set(own)
+    if missing or unknown:
+        raise ValueError(f"{what} in {path} does not match this model: "
+                         + (f"lacks {sorted(missing)[:3]}" if missing else f"has unknown {sorted(unknown)[:3]}"))
+    wrong = [k for k, v in own.items() if state[k].shape != v.shape]
+    if wrong:
+        raise ValueError(f"{what} in {path} has other shapes for {wrong[:3]}")
+    for k, t in full.items():
+        if not t.is_floating_point():
+            raise ValueError(f"{what} in {path}: {k} is {t.dtype}, not floating point")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{what} in {path}: {k} has non-finite values")
+    return state, full
+
+
+def _copy_into(model, state: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
             v.copy_(state[k])
-    return full
 
 
-def load_checkpoint(step: RLStep, path: str | Path) -> dict:
+def load_checkpoint(step: RLStep, path: str | Path, report: dict | None = None) -> dict:
     """Restore policy, reference, optimizer, scheduler, step counter and RNG; returns the data state.
-    Under a process group every rank calls it; a checkpoint of another world size is refused."""
+    Everything is read and checked first (files present and readable, names, shapes, dtypes, finite
+    values, the trainer state's structure): a checkpoint that fails raises ValueError with nothing
+    changed. Then it is copied in: the policy from its HF files (the source of truth; a saved fp32
+    master that no longer rounds to them — the files were edited — is rebuilt from them, and `report`,
+    when given, gets `masters_rebuilt`). Under a process group every rank calls it and they refuse
+    together; a checkpoint of another world size is refused."""
     path = Path(path)
     name = _rank_file(step)
     ok = (path / name).exists()
@@ -161,33 +191,94 @@ def load_checkpoint(step: RLStep, path: str | Path) -> dict:
         single = (path / STATE).exists()
         raise ValueError(f"{path} is not a Rollplex checkpoint for this run (no {name}"
                          + ("; it was written by one process" if single and name != STATE else "") + ")")
-    # weights_only: the state is tensors and plain containers; never unpickle arbitrary objects
-    state = torch.load(path / name, map_location="cpu", weights_only=True)
+    err, read = None, None
+    try:  # shapes only from the live state: its regions may stay offloaded meanwhile
+        read = _read(step, path, name)
+    except ValueError as e:
+        err = e
+    _agree_valid(step, err)
     with _held(step, modified=True):
-        return _load(step, path, state)
+        return _load(step, read, report)
 
 
-def _load(step: RLStep, path: Path, state: dict) -> dict:
+def _agree_valid(step: RLStep, err: ValueError | None) -> None:
+    """Raise ValueError on every rank of a group when any rank found its part of the checkpoint invalid."""
+    if step.parallel is not None:
+        flag = torch.tensor([int(err is not None)], device=step.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=step.parallel.group)
+        if flag.item() and err is None:
+            err = ValueError("another rank found its part of the checkpoint invalid (see its log)")
+    if err is not None:
+        raise err
+
+
+def _read(step: RLStep, path: Path, name: str) -> dict:
+    """Everything a load copies in, read and checked; no live state is touched."""
     par = step.parallel
-    full = _load_into(step.model, path)
-    if par is not None:  # the trainer's shards that are not windows of the engine's tensors read it too
-        par.weights.pull(full)
-    del full
+    try:
+        # weights_only: the state is tensors and plain containers; never unpickle arbitrary objects
+        state = torch.load(path / name, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - truncated, garbage or not weights-only: the checkpoint's fault
+        raise ValueError(f"{path / name} is not a readable trainer state ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict) or not {"actor", "step_idx", "rng"} <= set(state):
+        raise ValueError(f"{path / name} is not a Rollplex trainer state (it needs actor, step_idx, rng)")
+    if not isinstance(state["step_idx"], int) or state["step_idx"] < 0:
+        raise ValueError(f"{path / name}: step_idx is not a step count")
+    if not isinstance(state.get("data", {}), dict):
+        raise ValueError(f"{path / name}: the data state is not a dict")
+    try:
+        step.actor.check_state_dict(state["actor"])
+        rng = state["rng"]
+        random.Random().setstate(rng["python"])  # a throwaway generator: checks the state, changes nothing
+        if not (isinstance(rng["torch"], torch.Tensor) and rng["torch"].dtype == torch.uint8
+                and rng["torch"].shape == torch.get_rng_state().shape):
+            raise ValueError("the torch RNG state is not one")
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"{path / name}: {e}") from None
+    policy, full = _read_model(step.model, path, "the policy")
+    out = {"state": state, "policy": policy, "full": full, "ref": None,
+           "weights_dtype": next(iter(full.values())).dtype}
     if step.ref is not None:
-        if not (path / "ref").exists():
-            raise ValueError(f"{path} has no reference policy but this run uses one")
+        if not (path / "ref").is_dir():
+            raise ValueError(f"{path} has no reference policy (ref/) but this run uses one")
         if par is None:
-            _load_into(step.ref, path / "ref")
+            out["ref"] = _read_model(step.ref, path / "ref", "the reference policy")[0]
+        else:  # this rank's shards, restored as they are
+            shards, own = state.get("ref_shards"), step.ref.state_dict()
+            if not isinstance(shards, dict) or set(shards) != set(own):
+                raise ValueError(f"{path / name} holds no reference shards for this run")
+            for k, v in own.items():
+                t = shards[k]
+                if not (isinstance(t, torch.Tensor) and t.shape == _local(v).shape and t.is_floating_point()
+                        and bool(torch.isfinite(t).all())):
+                    raise ValueError(f"{path / name}: the reference shard {k} is not this run's (shape, finite)")
+    return out
+
+
+def _load(step: RLStep, read: dict, report: dict | None) -> dict:
+    par, state = step.parallel, read["state"]
+    _copy_into(step.model, read["policy"])
+    if par is not None:  # the trainer's shards that are not windows of the engine's tensors read it too
+        par.weights.pull(read["full"])
+    if step.ref is not None:
+        if par is None:
+            _copy_into(step.ref, read["ref"])
         else:
             with torch.no_grad():
                 for k, v in step.ref.state_dict().items():
                     _local(v).copy_(state["ref_shards"][k])
-    step.actor.load_state_dict(state["actor"])  # its masters restore the trainer's weights (shards)
+    # the trainer holds the HF weights now: masters that still round to them restore their fp32 values
+    rebuilt = step.actor.load_state_dict(state["actor"], read["weights_dtype"])
     if par is not None:  # the engine's weights from the restored trainer, as after an update
         par.sync_weights()
+        total = torch.tensor([rebuilt], device=step.device)
+        dist.all_reduce(total, group=par.group)
+        rebuilt = int(total.item())
     if step.backend is not None:
         step.backend.update_weights()
     step.step_idx = state["step_idx"]
     random.setstate(state["rng"]["python"])
     torch.set_rng_state(state["rng"]["torch"])
-    return state["data"]
+    if report is not None:
+        report["masters_rebuilt"] = rebuilt
+    return state.get("data") or {}

@@ -64,3 +64,34 @@ def micro_batches(batch: RolloutBatch, mode: str, plan: MicroBatching) -> Iterat
         for ids in plan_micro_batches(costs, plan.samples, plan.max_tokens):
             idx = torch.tensor(ids, dtype=torch.long)
             yield batch.select_samples(idx), idx
+
+
+def halve(plan: MicroBatching, mode: str) -> MicroBatching | None:
+    """The next smaller micro-batching, or None at one prompt (rollplex) / one sequence (serial) per pass."""
+    if plan.max_tokens is not None:
+        if plan.max_tokens <= 1:
+            return None
+        return MicroBatching(plan.prompts, plan.samples, plan.max_tokens // 2, plan.packed)
+    if mode == "rollplex":
+        return None if plan.prompts <= 1 else MicroBatching(plan.prompts // 2, plan.samples, None, plan.packed)
+    return None if plan.samples <= 1 else MicroBatching(plan.prompts, plan.samples // 2, None, plan.packed)
+
+
+def capped(plan: MicroBatching, cap: MicroBatching | None) -> MicroBatching:
+    """`plan` no larger than `cap` (a micro-batching an out-of-memory back-off settled on)."""
+    if cap is None:
+        return plan
+    return MicroBatching(min(plan.prompts, cap.prompts), min(plan.samples, cap.samples),
+                         cap.max_tokens if plan.max_tokens is None else min(plan.max_tokens, cap.max_tokens or 1 << 62),
+                         plan.packed)
+
+
+class Backoff:
+    """The micro-batching an out-of-memory back-off halved to, kept for the rest of the run: it caps later
+    plans (`plan`)."""
+
+    def __init__(self):
+        self.cap: MicroBatching | None = None
+
+    def plan(self, plan: MicroBatching) -> MicroBatching:
+        return capped(plan, self.cap)

@@ -13,9 +13,14 @@ full [n, R, V] logits, differentiable (an entropy bonus in the loss); `entropy="
 from the chunked logprob pass (rl/logprob.py), so the logits are never all materialised (the
 `actor/entropy` metric without a bonus). `score` runs a whole batch in the micro-batches a
 `MicroBatching` plans (microbatch.py), in this process or over a data-parallel group (placement.py).
+`score_with_backoff` (reference and old-logprob scoring in the RL step) backs off on out-of-memory errors
+like the update: it halves the micro-batches (kept for later calls) and retries, down to one prompt
+(one sequence) per pass, then raises TrainOOM; scoring changes no state, so nothing is applied.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -23,11 +28,13 @@ from ..models import Qwen25VL
 from ..models.transfer import to_device
 from .algos import entropy_from_logits
 from .batch import RolloutBatch
+from .errors import TrainOOM, is_oom
 from .logprob import token_logprob, token_logprob_entropy
-from .microbatch import MicroBatching
+from .microbatch import Backoff, MicroBatching, halve
 from .placement import Placement, SingleProcess
 
 ENTROPY = ("none", "metric", "grad")
+log = logging.getLogger("rollplex.rl")
 
 
 def response_hidden(model: Qwen25VL, mb: RolloutBatch, mode: str, packed: bool,
@@ -96,3 +103,33 @@ def score(model: Qwen25VL, batch: RolloutBatch, mode: str, plan: MicroBatching,
         # stays on the device: no sync per micro-batch
         out[to_device(local_idx[idx], out.device)] = lp[:n] * to_device(mb.mask[:n], out.device)
     return pl.sum_(out).cpu()
+
+
+def score_with_backoff(model: Qwen25VL, batch: RolloutBatch, mode: str, plan: MicroBatching,
+                       temperature: float = 1.0, prefix_key: str | None = None, placement: Placement | None = None,
+                       backoff: Backoff | None = None, what: str = "reference") -> torch.Tensor:
+    """`score` that halves the micro-batches on an out-of-memory error and retries (the halved plan kept in
+    `backoff` for later calls); TrainOOM (nothing applied) at one prompt / sequence per pass, or at once
+    inside a data-parallel pass whose other ranks wait in its collectives."""
+    pl = placement or SingleProcess()
+    backoff = backoff or Backoff()
+    while True:
+        try:
+            return score(model, batch, mode, backoff.plan(plan), temperature, prefix_key, pl)
+        except Exception as e:  # noqa: BLE001 - only OOM is retried
+            if not is_oom(e):
+                raise
+            if model.inv_freq.device.type == "cuda":
+                torch.cuda.empty_cache()
+            unit = "prompt" if mode == "rollplex" else "sequence"
+            if not pl.recoverable_oom():
+                raise TrainOOM(f"the {what} scoring ran out of device memory inside a data-parallel pass (the other "
+                               "ranks wait in its collectives, so it cannot be retried); lower micro_batch_prompts / "
+                               "micro_batch_max_tokens or offload the reference model", 0) from e
+            smaller = halve(backoff.plan(plan), mode)
+            if smaller is None:
+                raise TrainOOM(f"the {what} scoring ran out of device memory at one {unit} per micro-batch; lower n "
+                               "or max_new_tokens, or offload the reference model (--memory-overrides "
+                               "ref_weights:*=offloaded)", 0) from e
+            log.warning("%s scoring out of memory: micro-batches halved for the rest of the run (%s)", what, smaller)
+            backoff.cap = smaller

@@ -59,9 +59,10 @@ from .actor import Actor
 from .algos import grpo_advantages, kl_penalty
 from .batch import RolloutBatch
 from .config import RLConfig
+from .errors import TrainStepError
 from .rewards import RewardFn, get_reward_fn, score_samples
 from .rollout import NativeRollout, RolloutBackend, as_rollout_backend
-from .scoring import score as score_logprobs
+from .scoring import score_with_backoff as score_logprobs
 
 if TYPE_CHECKING:
     from ..parallel.fsdp import FSDPConfig
@@ -345,10 +346,18 @@ class RLStep:
         return torch.tensor(scores, dtype=torch.float32), extra
 
     def train(self, batch: RolloutBatch, cfg: RLConfig | None = None,
-              old_logprobs: torch.Tensor | None = None) -> dict:
+              old_logprobs: torch.Tensor | None = None, nonfinite: str = "skip") -> dict:
         """Reference scoring, advantages and the actor update for a batch with rewards; `cfg`: this
         step's config (default: `self.cfg`); `old_logprobs` [N, R]: the PPO ratio's denominator for
-        an off-policy batch (its sampling logprobs; default: the current policy's)."""
+        an off-policy batch (its sampling logprobs; default: the current policy's).
+
+        Scoring backs off on out-of-memory errors like the update (rl/scoring.py). A mini-batch with a
+        non-finite loss or gradient norm is skipped (`nonfinite="skip"`, verl's behaviour, reported in
+        `actor/skipped_updates`) or raises NonFiniteUpdate ("raise"). `step_idx` counts the steps that
+        changed the weights: a failure before the first optimizer step (TrainOOM / NonFiniteUpdate with
+        nothing applied, or any error in scoring) leaves it, the weights, the optimizer state and the LR
+        schedule as they were; one after it (rl/errors.py) counts the step, as the LR schedule counts its
+        applied optimizer steps."""
         cfg, m = cfg or self.cfg, {}
         if batch.rewards is None:
             raise ValueError("the batch has no rewards")
@@ -364,10 +373,11 @@ class RLStep:
             with _timer(m, "ref", self.device, tl), self._phase("ref"):
                 self._complete_handover(batch, "ref", m)
                 if self.parallel is not None and not self.parallel.fsdp.shard_reference:  # each rank its share
-                    ref_lp = self.parallel.share_logprobs(self.ref, ref_batch, cfg, "ref")
+                    ref_lp = self.parallel.share_logprobs(self.ref, ref_batch, cfg, "ref", self.actor.score_backoff)
                 else:
                     ref_lp = score_logprobs(self.ref, ref_batch, cfg.mode, cfg.micro_batching, cfg.temperature,
-                                            prefix_key="ref", placement=self.actor.placement)
+                                            prefix_key="ref", placement=self.actor.placement,
+                                            backoff=self.actor.score_backoff)
         rewards = batch.rewards.float()
         if ref_lp is not None and not cfg.use_kl_loss:  # KL as a reward penalty (policy = rollout logprobs)
             kl = (kl_penalty(batch.rollout_logprobs, ref_lp, cfg.kl_loss_type) * batch.mask).sum(-1)
@@ -379,13 +389,22 @@ class RLStep:
             with _timer(m, "old_log_prob", self.device, tl), self._phase("ref"):
                 self._complete_handover(batch, "old", m)
                 if self.parallel is not None and cfg.num_updates > 1 and self.parallel.holds_policy:
-                    old = self.parallel.share_logprobs(self.model, batch, cfg, "old")  # each rank its share
+                    old = self.parallel.share_logprobs(self.model, batch, cfg, "old",  # each rank its share
+                                                       self.actor.score_backoff)
                 else:
                     old = self.actor.old_logprobs(batch, cfg)
         batch.prefix = {}  # the prefix states are consumed: free them before the update
         with _timer(m, "update_actor", self.device, tl), self._phase("update"):
-            stats, first_lp = self.actor.update(batch, adv, ref_lp if cfg.use_kl_loss else None, old, self.step_idx,
-                                                cfg)
+            try:
+                stats, first_lp = self.actor.update(batch, adv, ref_lp if cfg.use_kl_loss else None, old,
+                                                    self.step_idx, cfg, nonfinite)
+            except TrainStepError as e:
+                if e.weights_changed:  # part of the step was applied: counted, and what the engine decodes follows
+                    self.step_idx += 1
+                    if self.parallel is not None:
+                        self.parallel.sync_weights()
+                raise
+        self.step_idx += 1  # the weights changed: counted before anything else can fail
         if self.parallel is not None:  # the trainer's new weights into what the engine decodes
             with _timer(m, "sync_weights", self.device, tl):
                 self.parallel.sync_weights()
@@ -410,7 +429,6 @@ class RLStep:
             "response_length/max": float(lens.max()),
             "rollplex/prefix_dedup_ratio": batch.num_samples / batch.num_prompts if cfg.mode == "rollplex" else 1.0,
         })
-        self.step_idx += 1
         return m
 
     def policy_state(self, keep: bool = True) -> dict[str, torch.Tensor] | None:

@@ -2,8 +2,11 @@
 
     GET  /health   {"status": "ok", model, mode, rollout_backend, device, global_step, weights_version,
                     retained_rollouts, engine: {waiting, running} (null with the SGLang backend), startup_s:
-                    seconds per startup phase, ...}; ?checksum=true adds `weights_checksum` (a float over
-                    all policy parameters; changes when training changes the weights)
+                    seconds per startup phase, ...}
+    GET  /checksum {weights_checksum, optimizer_checksum (floats over the policy's parameters and the
+                   optimizer's masters, moments and step counts), global_step, weights_version,
+                   lr_schedule_step, retained_rollouts (ids)}: what a train step or a load changes; a
+                   pass over every weight on the engine thread, so behind the API key like the rest
     GET  /metrics  Prometheus text (metrics.py)
     GET  /memory   bytes per region: weights, ref_weights, kv_cache, optimizer_state, grads,
                    retained_rollouts (+ torch.cuda allocator stats on GPU); `manager`: the memory manager's
@@ -15,8 +18,9 @@ Auth: with an API key, every route except /health and /metrics needs `Authorizat
 (checked before the body is read; 401 otherwise). Errors: `{"error": {"code", "message"}, "detail"}`;
 every bad request is 400, as with SGLang — malformed JSON, schema violations (wrong types, missing
 or unknown fields) and values the runtime rejects alike; unknown rollouts 404; a concurrent train
-step or a rollout sampled from older weights 409; a train step that does not fit in device memory 507
-(weights and optimizer unchanged); a body over --max-body-bytes 413 (before it is parsed). Nothing a
+step, a rollout sampled from older weights or a save onto an existing checkpoint 409; a train step that
+does not fit in device memory 507, one whose loss or gradients are not finite 422 (each says what of
+the step was applied: routes_rl.py); a body over --max-body-bytes 413 (before it is parsed). Nothing a
 client sends reaches the engine unvalidated, and a failing request never touches retained rollouts or
 in-flight work.
 """
@@ -39,7 +43,7 @@ from .state import ServerState
 
 log = logging.getLogger("rollplex.server")
 OPEN_ROUTES = ("/health", "/metrics")
-ROUTES = ("/health", "/metrics", "/memory", "/generate", "/rollout", "/train_step", "/save", "/load",
+ROUTES = ("/health", "/checksum", "/metrics", "/memory", "/generate", "/rollout", "/train_step", "/save", "/load",
           "/get_model_info")
 
 
@@ -159,11 +163,12 @@ def create_app(state: ServerState) -> FastAPI:
         return error(500, f"internal error: {type(exc).__name__}: {exc}")
 
     @app.get("/health")
-    async def health(checksum: bool = False):
-        info = {"status": "ok", **state.describe(), "engine": state.engine_counts()}
-        if checksum:
-            info["weights_checksum"] = await state.worker.run(state.checksum)
-        return info
+    async def health():
+        return {"status": "ok", **state.describe(), "engine": state.engine_counts()}
+
+    @app.get("/checksum")
+    async def checksum():
+        return await state.worker.run(state.fingerprint)
 
     @app.get("/metrics")
     async def metrics():

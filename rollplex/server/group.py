@@ -17,8 +17,8 @@ commands on a gloo group of its own (`Commands`; `broadcast_object_list` of a tu
                                                                  rollout: every rank enters the step's
                                                                  collectives together and ends with the
                                                                  same weights and weights_version
-    ("checksum",)                                                `ServerState.checksum` under a tensor-parallel
-                                                                 group: every rank adds its shards' sums
+    ("checksum",)                                                `ServerState.checksums` (GET /checksum): every
+                                                                 rank adds its shards' sums
     ("stop",)                                                    a barrier on every rank (none tears the
                                                                  groups down while another still reads),
                                                                  then the follower returns and exits 0
@@ -26,7 +26,10 @@ commands on a gloo group of its own (`Commands`; `broadcast_object_list` of a tu
 Rank 0 sends "train" from inside its own `ServerState.train`, after every check that can reject the
 request (stale rollout, overrides, reference model), so a rejected request never reaches the
 followers and they cannot diverge. Errors inside the step are the same on every rank (the same code on
-the same batch), and the update's out-of-memory back-off is agreed collectively (`CollectiveOOM`); an
+the same batch; a non-finite loss or gradient norm is seen alike, from summed metrics and the global
+norm), and the update's out-of-memory back-off is agreed collectively (`CollectiveOOM`, also for an
+out-of-memory error inside an optimizer step: every rank then reports what was applied and bumps its
+weights_version alike); an
 out-of-memory error inside a data-parallel pass leaves the other ranks waiting in its collectives, so the
 rank that hits one (rank 0 included) exits non-zero and torchrun ends the group.
 
@@ -68,7 +71,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..parallel.data_parallel import check_passes
-from ..rl.actor import TrainOOM
+from ..rl.errors import NonFiniteUpdate, TrainOOM
 from ..rl.placement import CollectiveOOM
 from .store import StaleRollout
 
@@ -161,8 +164,8 @@ def follow(state, commands: Commands) -> None:
             log.info("rank %d: sampled %d of the rollout's %d prompts", commands.rank,
                      len(state.rl.parallel.group_prompts(len(inputs))), len(inputs))
             continue
-        if op == "checksum":  # the policy's fingerprint from every rank's shards (a tensor-parallel group)
-            state.checksum()
+        if op == "checksum":  # the fingerprint from every rank's shards (optimizer state, TP policy shards)
+            state.checksums()
             continue
         if op in ("save", "load"):  # failures are agreed by every rank (rl/checkpoint.py): logged, not fatal
             try:
@@ -175,7 +178,7 @@ def follow(state, commands: Commands) -> None:
         entry, rewards, overrides, reward_s, off_policy = args
         try:
             state.train(entry, rewards, overrides, reward_s, off_policy=off_policy)
-        except (ValueError, StaleRollout) as e:  # raised on every rank alike: the group stays in step
+        except (ValueError, StaleRollout, NonFiniteUpdate) as e:  # raised on every rank alike: still in step
             log.warning("rank %d: train step rejected as on rank 0: %s", commands.rank, e)
         except TrainOOM as e:  # agreed by every rank (one rank's OOM inside a pass ends its process: state.py)
             log.warning("rank %d: train step out of memory on every rank: %s", commands.rank, e)

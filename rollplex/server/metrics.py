@@ -18,6 +18,8 @@ COUNTERS = {
     "rollplex_rollouts_total": "Rollouts completed (for_training or not).",
     "rollplex_train_steps_total": "Successful train steps.",
     "rollplex_train_oom_total": "Train steps that ran out of device memory (answered 507).",
+    "rollplex_train_nonfinite_total": "Train steps with a non-finite loss or gradient norm (answered 422).",
+    "rollplex_train_steps_partial_total": "Failed train steps that had applied optimizer steps (weights changed).",
 }
 
 

@@ -15,8 +15,21 @@
            rollout retained; it is consumed only by a successful step. On-policy by default: a
            rollout sampled before the weights changed (a train step or a load since) gets 409 and
            stays retained; `off_policy: true` trains it with its sampling logprobs as old logprobs.
-/save {"path", "data_state"?} -> HF checkpoint + trainer state; /load {"path"} -> restores it, returns
-           the saved data_state and drops retained rollouts (sampled from the previous weights).
+           Overrides are bounded (schemas.py) and rewards finite with |r| <= 1e6 (400 otherwise).
+           A failed step changes nothing, or says exactly what changed: before its first optimizer
+           step (scoring, the first mini-batch) weights, optimizer state, LR schedule, global_step,
+           weights_version and the rollout store are as they were; after it (out of memory in a
+           later mini-batch or inside an optimizer step, a later mini-batch's non-finite loss) the
+           answer says how many optimizer steps were applied (and whether one stopped part-way),
+           global_step, the LR schedule and weights_version count them, and the retained rollout is
+           stale (off-policy only). Out of memory is 507; a non-finite loss or gradient norm skips
+           that optimizer step and is 422.
+/save {"path", "data_state"?, "overwrite"?} -> HF checkpoint + trainer state; never into the root
+           itself (400), and onto an existing checkpoint (a non-empty folder) only with overwrite:
+           true (409 otherwise). /load {"path"} -> checks every file first (400, nothing changed, for
+           a missing, truncated or corrupt one), then restores it, returns the saved data_state, how
+           many fp32 masters were rebuilt from edited weights (`masters_rebuilt`), and drops retained
+           rollouts (sampled from the previous weights).
            Paths lie under --checkpoint-root (relative ones are taken from it); others are 400.
 Training, save and load are `drain` jobs: they start once in-flight engine requests have finished.
 With a rollout backend outside the engine loop (`--rollout-backend sglang`), or over a process group
@@ -35,13 +48,14 @@ from dataclasses import replace
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import Response
 
-from ..rl.actor import TrainOOM
 from ..rl.batch import RolloutBatch
+from ..rl.errors import TrainOOM, TrainStepError
 from . import limits
 from .errors import bad_request
 from .inflight import ClientGone, collect, submit
 from .schemas import LoadRequest, RolloutRequest, SaveRequest, TrainStepRequest
 from .sglang import finish_reason, sampling_params
+from .state import CheckpointExists
 from .store import RetainedRollout, StaleRollout
 
 
@@ -143,11 +157,17 @@ def router(state) -> APIRouter:
                 raise HTTPException(409, str(e)) from None
             except ValueError as e:
                 raise bad_request(f"train step rejected: {e}") from None
-            except TrainOOM as e:  # 507 Insufficient Storage: the step did not fit; the rollout stays retained
-                state.metrics.inc("rollplex_train_oom_total")
-                applied = ("weights and optimizer are unchanged" if e.applied_updates == 0 else
-                           f"{e.applied_updates} optimizer step(s) of this train step were applied")
-                raise HTTPException(507, f"{e} ({applied}; the rollout is still retained)") from None
+            except TrainStepError as e:  # the rollout stays retained; stale when part of the step was applied
+                oom = isinstance(e, TrainOOM)
+                state.metrics.inc("rollplex_train_oom_total" if oom else "rollplex_train_nonfinite_total")
+                if e.weights_changed:
+                    state.metrics.inc("rollplex_train_steps_partial_total")
+                    left = (f"global_step is now {state.rl.step_idx} and weights_version {state.weights_version}: "
+                            "the rollout is still retained but stale (train it with off_policy: true)")
+                else:
+                    left = "the rollout is still retained"
+                # 507 Insufficient Storage: the step did not fit; 422: the loss or gradients were not finite
+                raise HTTPException(507 if oom else 422, f"{e} ({e.applied()}; {left})") from None
             m.update(extra)
             state.store.pop(req.rollout_id)
             state.metrics.inc("rollplex_train_steps_total")
@@ -156,7 +176,9 @@ def router(state) -> APIRouter:
     @r.post("/save")
     async def save(req: SaveRequest):
         try:
-            return await state.worker.run(lambda: state.save(req.path, req.data_state), drain=True)
+            return await state.worker.run(lambda: state.save(req.path, req.data_state, req.overwrite), drain=True)
+        except CheckpointExists as e:
+            raise HTTPException(409, f"cannot save to {req.path!r}: {e}") from None
         except (ValueError, OSError) as e:
             raise bad_request(f"cannot save to {req.path!r}: {e}") from None
 

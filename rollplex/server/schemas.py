@@ -16,6 +16,10 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+# |reward| bound, for client rewards and reward functions' alike (ServerState.train): far past any score a
+# task gives, and far from where the advantages' mean and variance overflow float32
+MAX_ABS_REWARD = 1e6
+Reward = Annotated[float, Field(allow_inf_nan=False, ge=-MAX_ABS_REWARD, le=MAX_ABS_REWARD)]
 
 # SGLang sampling parameters without a Rollplex implementation: accepted only at these values.
 NEUTRAL_SAMPLING = {
@@ -193,28 +197,31 @@ class TrainStepRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     rollout_id: str = Field(min_length=1)
-    rewards: list[FiniteFloat] | None = None
+    rewards: list[Reward] | None = None
     reward: str | None = Field(None, min_length=1)
     # train a rollout sampled from older weights (otherwise 409): its sampling logprobs become the
     # PPO ratio's old logprobs, so the clipped ratio corrects for the policy having moved
     off_policy: bool = False
-    # algorithm overrides for this step only: RLConfig field names (verl's where verl has one)
-    lr: float | None = Field(None, gt=0.0, allow_inf_nan=False)
-    kl_coef: float | None = Field(None, ge=0.0, allow_inf_nan=False)
-    clip_ratio_low: float | None = Field(None, ge=0.0, allow_inf_nan=False)
-    clip_ratio_high: float | None = Field(None, ge=0.0, allow_inf_nan=False)
-    dual_clip: float | None = Field(None, gt=1.0, allow_inf_nan=False)
+    # algorithm overrides for this step only: RLConfig field names (verl's where verl has one), bounded
+    # to what a step can use (an lr of 1000 destroys the policy in one step): lr <= 1e-2, a clip range
+    # within [0, 1] below and [0, 10] above, coefficients <= 10 (entropy within [-1, 1]), grad_clip <= 1e4,
+    # at most 16 epochs x 256 mini-batches, micro-batches of at most 4096 prompts / 65536 samples / 2^24 tokens
+    lr: float | None = Field(None, gt=0.0, le=1e-2, allow_inf_nan=False)
+    kl_coef: float | None = Field(None, ge=0.0, le=10.0, allow_inf_nan=False)
+    clip_ratio_low: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    clip_ratio_high: float | None = Field(None, ge=0.0, le=10.0, allow_inf_nan=False)
+    dual_clip: float | None = Field(None, gt=1.0, le=100.0, allow_inf_nan=False)
     loss_agg_mode: str | None = None
-    entropy_coeff: float | None = Field(None, allow_inf_nan=False)
+    entropy_coeff: float | None = Field(None, ge=-1.0, le=1.0, allow_inf_nan=False)
     use_kl_loss: bool | None = None
     kl_loss_type: str | None = None
     norm_adv_by_std: bool | None = None
-    grad_clip: float | None = Field(None, gt=0.0, allow_inf_nan=False)
-    ppo_epochs: int | None = Field(None, ge=1, le=64)
-    ppo_mini_batches: int | None = Field(None, ge=1)
-    micro_batch_prompts: int | None = Field(None, ge=1)
-    micro_batch_samples: int | None = Field(None, ge=1)
-    micro_batch_max_tokens: int | None = Field(None, ge=1)
+    grad_clip: float | None = Field(None, gt=0.0, le=1e4, allow_inf_nan=False)
+    ppo_epochs: int | None = Field(None, ge=1, le=16)
+    ppo_mini_batches: int | None = Field(None, ge=1, le=256)
+    micro_batch_prompts: int | None = Field(None, ge=1, le=4096)
+    micro_batch_samples: int | None = Field(None, ge=1, le=65536)
+    micro_batch_max_tokens: int | None = Field(None, ge=1, le=1 << 24)
 
     @model_validator(mode="after")
     def _one_reward(self):
@@ -232,6 +239,7 @@ class SaveRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     path: str = Field(min_length=1)  # under the server's --checkpoint-root; relative paths start there
     data_state: dict | None = None  # the driver's position (step, epoch...), returned by /load
+    overwrite: bool = False  # replace an existing checkpoint at `path` (otherwise 409)
 
 
 class LoadRequest(BaseModel):

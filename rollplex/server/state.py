@@ -32,8 +32,11 @@ queue every other client's behind it (inflight.py). Request sizes are bounded by
 (limits.py) before any of that work starts.
 Train-step overrides apply to that step only: the step runs with `dataclasses.replace(rl.cfg, ...)`
 (validated; temperature = the rollout's, so the trainer scores the distribution that was sampled).
-`weights_version` counts weight changes (train steps, loads); a rollout sampled at another version
-trains only off-policy. Checkpoints are read and written only under `cfg.checkpoint_root` (`confine`).
+`weights_version` counts weight changes (train steps, loads, and a train step that failed after an
+optimizer step: rl/errors.py); a rollout sampled at another version trains only off-policy.
+Checkpoints are read and written only under `cfg.checkpoint_root` (`confine`), never into the root
+itself, and over an existing one only when asked (`save(..., overwrite=True)`). `fingerprint` is what
+a train step or a load changes (GET /checksum).
 
 Started by torchrun (the default process group initialised before this is built), every rank builds
 the same state and the RL step is data-parallel (group.py); `world_size` is the group's size. Rank 0
@@ -42,6 +45,7 @@ holds `commands` (group.Commands): its `train` hands each step to the other rank
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -69,6 +73,7 @@ from .limits import ServerLimits
 from .media import MediaPolicy
 from .metrics import Metrics
 from .rewards import RewardRegistry
+from .schemas import MAX_ABS_REWARD
 from .store import RetainedRollout, RolloutStore, StaleRollout, tensor_bytes
 from .worker import EngineWorker
 
@@ -143,6 +148,22 @@ class ServerConfig:
                 require_sglang()
             except ImportError as e:
                 raise ValueError(str(e)) from None
+
+
+class CheckpointExists(ValueError):
+    """/save onto an existing checkpoint without `overwrite` (409)."""
+
+
+def _sums(tensors) -> float:
+    """The sum of every element and of its square over `tensors`, in float64 pieces of 16M elements (no
+    float64 copy of a whole tensor), accumulated per device with one host sync each."""
+    acc: dict[torch.device, torch.Tensor] = {}
+    for t in tensors:
+        a = acc.setdefault(t.device, torch.zeros((), dtype=torch.float64, device=t.device))
+        for piece in t.detach().reshape(-1).split(1 << 24):
+            piece = piece.double()
+            a += piece.sum() + piece.square().sum()
+    return float(sum(float(a) for a in acc.values()))
 
 
 def confine(root: str | Path, path: str) -> Path:
@@ -395,28 +416,39 @@ class ServerState:
         old = entry.batch.rollout_logprobs if stale else None
         if stale and old is None:
             raise ValueError("this rollout has no engine logprobs to train it off-policy")
-        rewards = torch.as_tensor(rewards, dtype=torch.float32)
+        rewards = torch.as_tensor(rewards, dtype=torch.float64)
         if rewards.shape != (entry.batch.num_samples,):
             raise ValueError(f"got rewards of shape {tuple(rewards.shape)} for {entry.batch.num_samples} samples")
+        # a client's or a reward function's: huge rewards overflow the advantages' statistics (NaN metrics)
+        bad = (~torch.isfinite(rewards) | (rewards.abs() > MAX_ABS_REWARD)).nonzero().flatten().tolist()
+        if bad:
+            raise ValueError(f"rewards must be finite with |reward| <= {MAX_ABS_REWARD:g}: sample {bad[0]} has "
+                             f"{float(rewards[bad[0]])} ({len(bad)} such)")
+        rewards = rewards.float()
         if self.commands is not None:  # validated: every other rank runs this same step (group.py)
             self.commands.send("train", entry, rewards, overrides, reward_s, off_policy)
         t0 = time.perf_counter()
+        step0 = self.rl.step_idx  # RLStep.train counts a step that changed the weights, even in part
         try:
-            m = self.rl.train(replace(entry.batch, rewards=rewards), cfg, old_logprobs=old)
+            # a non-finite loss or gradient norm fails the step (422) rather than being skipped silently
+            m = self.rl.train(replace(entry.batch, rewards=rewards), cfg, old_logprobs=old, nonfinite="raise")
         except TrainOOM as e:
             if self.world_size > 1 and not collective_oom(e):
                 _leave_group(e)
             raise
-        except torch.OutOfMemoryError as e:  # outside the update (reference scoring): nothing was changed
+        except torch.OutOfMemoryError as e:  # outside the back-offs of scoring and of the update
             if self.world_size > 1:
                 _leave_group(e)
             if self.model.inv_freq.is_cuda:
                 torch.cuda.empty_cache()
-            raise TrainOOM(f"the train step ran out of device memory while scoring: {e}; lower the micro-batch "
-                           "size or offload the reference model (--memory-overrides ref_weights:*=offloaded)",
-                           0) from e
+            done = self.rl.step_idx != step0  # after the update: all of it was applied
+            raise TrainOOM(f"the train step ran out of device memory {'after' if done else 'before'} its update: "
+                           f"{e}; lower the micro-batch size or offload the reference model (--memory-overrides "
+                           "ref_weights:*=offloaded)", cfg.num_updates if done else 0) from e
+        finally:
+            if self.rl.step_idx != step0:  # the weights changed: rollouts sampled before (this one too) are stale
+                self.weights_version += 1
         train_s = time.perf_counter() - t0
-        self.weights_version += 1
         b = entry.batch
         tokens = sum(len(b.prompts[g].input_ids) for g in b.group.tolist()) + float(b.mask.sum())
         step_s = entry.gen_s + reward_s + train_s
@@ -432,12 +464,20 @@ class ServerState:
         lies outside the root."""
         return confine(self.cfg.checkpoint_root, path)
 
-    def save(self, path: str, data_state: dict | None) -> dict:
-        """Write a checkpoint under the checkpoint root; over a process group rank 0 checks the path, then
-        every rank writes its part (rl/checkpoint.py)."""
+    def save(self, path: str, data_state: dict | None, overwrite: bool = False) -> dict:
+        """Write a checkpoint under the checkpoint root, never into the root itself, and over an existing
+        checkpoint (a non-empty folder) only with `overwrite` (CheckpointExists otherwise); over a process
+        group rank 0 checks the path, then every rank writes its part (rl/checkpoint.py)."""
         from ..rl.checkpoint import save_checkpoint
 
         full = self.checkpoint_path(path)
+        if not (self.world_size > 1 and self.commands is None):  # a follower writes where rank 0 checked
+            if full == Path(self.cfg.checkpoint_root).resolve():
+                raise ValueError(f"{path!r} is the checkpoint root itself: save into a folder under it "
+                                 "(e.g. run1/global_step_100)")
+            if full.is_dir() and any(full.iterdir()) and not overwrite:
+                raise CheckpointExists(f"{full} already exists (and is not empty); pass overwrite: true to replace "
+                                       "the checkpoint there, or save under another path")
         if self.commands is not None:
             self.commands.send("save", path, data_state)
         out = save_checkpoint(self.rl, full, data_state, tokenizer_dir=self.model_path)
@@ -452,29 +492,50 @@ class ServerState:
             raise ValueError(f"checkpoint {full} is not a directory")
         if self.commands is not None:  # every rank restores its shards (a checkpoint of this group's size)
             self.commands.send("load", path)
-        data_state = load_checkpoint(self.rl, full)
+        report: dict = {}
+        try:  # a ValueError comes from the checks, before anything was changed
+            data_state = load_checkpoint(self.rl, full, report)
+        except ValueError:
+            raise
+        except BaseException:  # while copying in: the weights may have changed
+            self.weights_version += 1
+            self.store.clear()
+            raise
         self.weights_version += 1
         dropped = self.store.clear()  # sampled from the previous weights: no longer on-policy
         return {"path": str(full), "global_step": self.rl.step_idx, "data_state": data_state,
-                "dropped_rollouts": dropped}
+                "dropped_rollouts": dropped, "masters_rebuilt": report.get("masters_rebuilt", 0)}
 
-    def checksum(self) -> float:
-        """A fingerprint of the policy's weights: the sum of every element and of its square. Under a
-        tensor-parallel group no rank holds the whole policy: the trainer's shards partition it, so the
-        ranks' sums over them are added (a collective: rank 0 sends "checksum" to the followers)."""
-        par = self.rl.parallel
-        with torch.no_grad():
-            if par is None or par.holds_policy:
-                return float(sum((p.double().sum() + p.double().square().sum()) for p in self.model.parameters()))
-            if self.commands is not None:
-                self.commands.send("checksum")
-            from ..parallel.fsdp import local_tensor
+    def checksums(self) -> tuple[float, float]:
+        """(policy weights, optimizer state) fingerprints: the sum of every element and of its square, each
+        tensor reduced in float64 on its own (no copy of the model is kept); the optimizer's covers its
+        separate fp32 masters, both AdamW moments and the step counts. Under a process group the trainer's
+        shards partition the optimizer state (and, under a tensor-parallel engine, the policy): the ranks'
+        sums are added (a collective: rank 0 sends "checksum" to the followers)."""
+        from ..parallel.fsdp import local_tensor
 
-            shards = [local_tensor(p.detach()).double() for p in self.rl.actor.model.parameters()]
-            total = torch.tensor([float(sum(t.sum() + t.square().sum() for t in shards))], dtype=torch.float64,
-                                 device=self.rl.device)
+        par, opt = self.rl.parallel, self.rl.actor.optimizer
+        if par is not None and self.commands is not None:
+            self.commands.send("checksum")
+        whole = par is None or par.holds_policy
+        held = self.memory.resident(["optimizer"]) if self.memory is not None else contextlib.nullcontext()
+        with torch.no_grad(), held:
+            w = _sums(self.model.parameters() if whole else
+                      (local_tensor(p.detach()) for p in self.rl.actor.model.parameters()))
+            o = _sums(opt.state_tensors()) + sum(float(st["step"]) for st in opt.opt.state.values() if "step" in st)
+        if par is not None:
+            total = torch.tensor([0.0 if whole else w, o], dtype=torch.float64, device=self.rl.device)
             dist.all_reduce(total, group=par.group)
-            return float(total)
+            w, o = (w if whole else float(total[0])), float(total[1])
+        return w, o
+
+    def fingerprint(self) -> dict:
+        """What a train step or a load changes (GET /checksum): weights and optimizer checksums, global step,
+        weights version, the LR schedule's position and the retained rollouts."""
+        w, o = self.checksums()
+        return {"weights_checksum": w, "optimizer_checksum": o, "global_step": self.rl.step_idx,
+                "weights_version": self.weights_version, "lr_schedule_step": self.rl.actor.scheduler.last_epoch,
+                "retained_rollouts": self.store.ids()}
 
     def ledger(self) -> dict:
         """Bytes per memory region (distinct storages), + torch.cuda allocator stats on GPU."""

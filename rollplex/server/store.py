@@ -115,6 +115,12 @@ class RolloutStore:
         self.num_expired += len(dead)
         return len(dead)
 
+    def ids(self) -> list[str]:
+        """The retained rollouts' ids, oldest first."""
+        with self._lock:
+            self._purge()
+            return list(self._items)
+
     def __len__(self) -> int:
         with self._lock:
             self._purge()

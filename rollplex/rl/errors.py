@@ -1,0 +1,57 @@
+"""Why a train step failed, and what of it was applied.
+
+A train step changes the weights only through optimizer steps (one per mini-batch). Anything that
+fails before the first one (scoring, any pass of the first mini-batch, a non-finite loss or gradient
+norm there) leaves the weights, the optimizer state and the LR schedule as they were:
+`weights_changed` is False. A failure after an optimizer step cannot be undone without a copy of
+the whole model and optimizer, which the step does not keep; the error then says what was applied:
+
+    applied_updates   whole optimizer steps of this train step that were applied
+    partial_update    the next optimizer step stopped part-way: it ran out of memory after updating
+                      `chunks_written` of its `chunks_total` parameter chunks, and (`torn`) inside the
+                      AdamW update of the next chunk, which may then hold part of it; it counts as applied
+                      for the LR schedule
+
+`RLStep.train` counts a step that changed the weights (even partly) in `step_idx`, and the server bumps
+its weights version, so a rollout retained across the failure trains only off-policy afterwards.
+"""
+
+from __future__ import annotations
+
+
+class TrainStepError(RuntimeError):
+    def __init__(self, msg: str, applied_updates: int, partial_update: bool = False, chunks_written: int = 0,
+                 chunks_total: int = 0, torn: bool = False):
+        super().__init__(msg)
+        self.applied_updates = applied_updates
+        self.partial_update = partial_update
+        self.chunks_written, self.chunks_total, self.torn = chunks_written, chunks_total, torn
+
+    @property
+    def weights_changed(self) -> bool:
+        return self.applied_updates > 0 or self.partial_update
+
+    def applied(self) -> str:
+        """What of the step was applied, in words."""
+        if not self.weights_changed:
+            return "weights, optimizer state and LR schedule are unchanged"
+        out = f"{self.applied_updates} optimizer step(s) of this train step were applied"
+        if self.partial_update:
+            out += (f", and the next one stopped part-way ({self.chunks_written} of {self.chunks_total} parameter "
+                    "chunks updated" + (", the next one possibly in part" if self.torn else "") + ")")
+        return out
+
+
+class TrainOOM(TrainStepError):
+    """The step ran out of device memory at the smallest micro-batch (scoring or the update), or inside
+    an optimizer step."""
+
+
+class NonFiniteUpdate(TrainStepError):
+    """A mini-batch's loss or gradient norm was not finite: its optimizer step was skipped."""
+
+
+def is_oom(e: BaseException) -> bool:
+    import torch
+
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
