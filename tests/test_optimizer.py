@@ -35,6 +35,10 @@ def test_matches_torch_adamw_fp32(chunk_bytes, offload):
     for a, b in zip(ref, got):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
         assert b.grad is not None  # persistent buffers survive the step
+    if opt.offload:  # paged moments are kept in one host allocation (pinned on a GPU), not one per tensor
+        moments = [t for m in opt.master for t in opt.opt.state[m].values() if t.dim() > 0]
+        assert len(moments) == 2 * len(opt.master)
+        assert len({t.untyped_storage().data_ptr() for t in moments}) == 1
 
 
 @pytest.mark.parametrize("offload", ["all", "cpu"])
@@ -53,6 +57,9 @@ def test_bf16_master_chunked_and_paged_agree(offload):
     assert torch.equal(fresh.master[0], fresh.params[0].float())  # rebuilt from the weights
     assert all(torch.equal(a, b) for a, b in zip(fresh.master[1:], o2.master[1:]))  # the saved fp32 masters
     assert all(torch.equal(a, b) for a, b in zip(fresh.params[1:], paged[1:]))
+    if fresh.offload:  # the loaded moments went back into the host allocation
+        assert len({t.untyped_storage().data_ptr() for m in fresh.master
+                    for t in fresh.opt.state[m].values() if t.dim() > 0}) == 1
 
 
 def test_regions_hold_grads_and_state():
