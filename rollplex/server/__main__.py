@@ -139,6 +139,7 @@ def parser() -> argparse.ArgumentParser:
     from ..parallel.fsdp import DTYPES
     from ..rl.algos import AGG_MODES, KL_KINDS
     from ..rl.config import ADV_ESTIMATORS, LR_SCHEDULES, MODES
+    from .state import KEEP_ALIVE_S
 
     ap = argparse.ArgumentParser(prog="python -m rollplex.server", description=__doc__.splitlines()[0],
                                  formatter_class=_HelpFormatter)
@@ -146,6 +147,10 @@ def parser() -> argparse.ArgumentParser:
                     "name (qwen2.5-vl-3b/7b/32b: RANDOM weights, for benchmarks only) (default: embedded tiny model)")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
     ap.add_argument("--port", type=int, default=30000, help="port to listen on")
+    ap.add_argument("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S,
+                    help="seconds an idle HTTP keep-alive connection stays open: a driver's pool of many connections "
+                         "spends seconds of its own CPU between uses, and a connection the server closes meanwhile "
+                         "fails its next request (uvicorn's default is 5)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if available")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                     help="default: bfloat16 on cuda, float32 on cpu")
@@ -229,7 +234,7 @@ def _join_group(cfg):
     return cfg, Commands()
 
 
-def _serve_group(app, host: str, port: int, log_level: str) -> None:
+def _serve_group(app, host: str, port: int, log_level: str, keep_alive: float) -> None:
     """uvicorn.run for rank 0 of a group: ends on SIGINT/SIGTERM without re-raising the signal afterwards
     (uvicorn does, to die by it), so that rank 0 stops the other ranks and the group exits 0."""
     import uvicorn
@@ -243,7 +248,7 @@ def _serve_group(app, host: str, port: int, log_level: str) -> None:
                 finally:
                     self._captured_signals.clear()
 
-    server = GroupServer(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    server = GroupServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=keep_alive))
     server.run()
     if not server.started:
         raise SystemExit(f"rollplex.server: could not serve on {host}:{port}")
@@ -282,10 +287,11 @@ def main(argv=None) -> None:
         f", {commands.world} ranks" if commands is not None else "")
     try:
         if commands is None:
-            uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
+            uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level,
+                        timeout_keep_alive=args.timeout_keep_alive)
         else:
             state.commands = commands
-            _serve_group(create_app(state), args.host, args.port, args.log_level)
+            _serve_group(create_app(state), args.host, args.port, args.log_level, args.timeout_keep_alive)
     finally:
         state.close()
         if commands is not None:

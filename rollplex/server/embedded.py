@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import uvicorn
 
 from .app import create_app
-from .state import ServerConfig, ServerState
+from .state import KEEP_ALIVE_S, ServerConfig, ServerState
 
 
 @dataclass
@@ -46,7 +46,8 @@ def serve_in_thread(cfg: ServerConfig | ServerState, host: str = "127.0.0.1", po
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level=log_level, timeout_graceful_shutdown=2))
+    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level=log_level, timeout_graceful_shutdown=2,
+                                           timeout_keep_alive=KEEP_ALIVE_S))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="rollplex-http", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout

@@ -80,6 +80,11 @@ from .worker import EngineWorker
 log = logging.getLogger("rollplex.server")
 
 
+# seconds an idle keep-alive connection stays open (uvicorn's default, 5, closes connections that a driver's
+# pool of hundreds, busy on its own CPU between uses, is about to send on: its next request fails)
+KEEP_ALIVE_S = 75.0
+
+
 def server_rl_config() -> RLConfig:
     """The server's default RLConfig: RLConfig's defaults with room for longer answers (this
     max_new_tokens is also the default of /generate)."""
