@@ -1,11 +1,24 @@
-"""GRPO / PPO / KL math against hand-computed values; masking of padding and of tokens after EOS."""
+"""Advantage estimators, policy losses, KL estimators and controller against hand-computed values;
+masking of padding and of tokens after EOS; the LR schedule's unit on a tiny actor."""
 
 import math
 
 import pytest
 import torch
 
-from rollplex.rl.algos import agg_loss, entropy_from_logits, grpo_advantages, kl_penalty, ppo_policy_loss
+from rollplex.rl.algos import (
+    AdaptiveKLController,
+    agg_loss,
+    compute_advantages,
+    entropy_from_logits,
+    grpo_advantages,
+    kl_penalty,
+    ppo_policy_loss,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+    tis_weights,
+)
 from rollplex.rl.batch import mask_after_eos
 from rollplex.rl.rewards import choice, get_reward_fn, last_boxed, math_boxed, score, score_samples
 
@@ -14,11 +27,70 @@ def test_grpo_advantages():
     r = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 2.0])
     g = torch.tensor([0, 0, 0, 0, 1, 1, 2])
     a = grpo_advantages(r, g, norm_by_std=False)
-    assert torch.allclose(a, torch.tensor([0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0]))
+    assert torch.allclose(a, torch.tensor([0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 2.0]))  # a group of one: the reward
     a = grpo_advantages(r, g, norm_by_std=True, eps=1e-6)
     std0 = math.sqrt((4 * 0.25) / 3)  # unbiased std of [1, 0, 0, 1]
     assert torch.allclose(a[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (std0 + 1e-6))
-    assert torch.equal(a[4:6], torch.zeros(2)) and a[6] == 0  # constant group; a group of one
+    assert torch.equal(a[4:6], torch.zeros(2))  # a constant group
+    # a group of one: mean 0, std 1 (verl) -> the reward itself, 2 / (1 + 1e-6); or 0 with singleton="zero"
+    assert a[6].item() == pytest.approx(2 / (1 + 1e-6)) and grpo_advantages(r, g, norm_by_std=False)[6] == 2.0
+    assert grpo_advantages(r, g, singleton="zero")[6] == 0 and grpo_advantages(r, g, False, singleton="zero")[6] == 0
+    with pytest.raises(ValueError, match="singleton_adv must be one of"):
+        grpo_advantages(r, g, singleton="mean")
+
+
+def test_rloo_advantages():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 2.0, 4.0])
+    g = torch.tensor([0, 0, 0, 0, 1, 2, 2])
+    # group 0: 1 - (0+0+1)/3 = 2/3, 0 - (1+0+1)/3 = -2/3; group 1 (one sample): the reward, 3;
+    # group 2: 2 - 4 = -2, 4 - 2 = 2
+    expect = [2 / 3, -2 / 3, -2 / 3, 2 / 3, 3.0, -2.0, 2.0]
+    assert rloo_advantages(r, g).tolist() == pytest.approx(expect)
+    assert rloo_advantages(r, g, singleton="zero").tolist() == pytest.approx(expect[:4] + [0.0] + expect[5:])
+
+
+def test_reinforce_plus_plus():
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    tok = torch.tensor([[0.0, 0.0, 1.0], [0.0, 1.0, 0.0]])  # outcome 1 at each last token
+    # gamma 0.5: returns row 0 = [0.25, 0.5, 1], row 1 = [0.5, 1, -]; the 5 response tokens: mean 3.25/5 = 0.65,
+    # deviations -0.4 -0.15 0.35 -0.15 0.35, squares sum 0.45, unbiased var 0.45/4 = 0.1125
+    a = reinforce_pp_advantages(tok, mask, gamma=0.5)
+    s = math.sqrt(0.1125 + 1e-8)
+    assert a.tolist()[0] == pytest.approx([-0.4 / s, -0.15 / s, 0.35 / s], rel=1e-5)
+    assert a.tolist()[1] == pytest.approx([-0.15 / s, 0.35 / s, 0.0], rel=1e-5)
+    # the return resets past a response's end: a reward in row 1's padding does not reach its tokens
+    assert torch.equal(reinforce_pp_advantages(tok + torch.tensor([[0.0, 0, 0], [0, 0, 9]]), mask, 0.5), a)
+    # through compute_advantages: scores at the last tokens, a per-token penalty 0.1 (gamma 1):
+    # row 0 rewards [-0.1, -0.1, 0.9] -> returns [0.7, 0.8, 0.9]; row 1 [-0.1, -0.1] -> [-0.2, -0.1];
+    # mean 2.1/5 = 0.42, deviations .28 .38 .48 -.62 -.52, squares sum 1.108, var 0.277
+    a, rewards = compute_advantages("reinforce_plus_plus", torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), mask,
+                                    torch.full((2, 3), 0.1))
+    s = math.sqrt(0.277 + 1e-8)
+    assert rewards.tolist() == pytest.approx([0.7, -0.2])
+    assert a.flatten().tolist() == pytest.approx([0.28 / s, 0.38 / s, 0.48 / s, -0.62 / s, -0.52 / s, 0.0], rel=1e-5)
+
+
+def test_reinforce_plus_plus_baseline():
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
+    # group 0 = [1, 0]: centred 0.5, -0.5; group 1 = [3] alone: 3 (verl). Tokens 0.5 0.5 -0.5 3 3: mean 1.3,
+    # deviations -.8 -.8 -1.8 1.7 1.7, squares sum 10.3, unbiased var 2.575
+    a = reinforce_pp_baseline_advantages(torch.tensor([1.0, 0.0, 3.0]), torch.tensor([0, 0, 1]), mask)
+    s = math.sqrt(2.575 + 1e-8)
+    assert a.flatten().tolist() == pytest.approx([-0.8 / s, -0.8 / s, -1.8 / s, 0.0, 1.7 / s, 1.7 / s], rel=1e-5)
+
+
+def test_dr_grpo_and_its_aggregation():
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    # sequence rewards 1 - 0.1*2 = 0.8 and 0 - 0.1*3 = -0.3; centred on their mean 0.25, no std division
+    a, _ = compute_advantages("dr_grpo", torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), mask,
+                              torch.full((2, 3), 0.1))
+    assert a.tolist() == pytest.approx([0.55, -0.55])
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    # token sums 3 and 15, each divided by the constant 4, averaged over the 2 sequences: 18 / 8
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm", norm=4).item() == pytest.approx(2.25)
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(18 / 6)  # default: padded length
+    with pytest.raises(ValueError, match="adv_estimator must be one of"):
+        compute_advantages("gae", torch.zeros(2), torch.tensor([0, 0]), mask)
 
 
 def test_ppo_clip_and_dual_clip():
@@ -26,24 +98,71 @@ def test_ppo_clip_and_dual_clip():
     old = torch.zeros(1, 3)
     mask = torch.ones(1, 3)
     # positive advantage: min(r*A, clip(r)*A) -> loss = -(1.2, 0.5, 1.0) * 2
-    loss, clipfrac, _ = ppo_policy_loss(logp, old, torch.tensor([2.0]), mask)
+    loss, clipfrac, _, _ = ppo_policy_loss(logp, old, torch.tensor([2.0]), mask)
     assert loss.item() == pytest.approx(-(1.2 + 0.5 + 1.0) * 2 / 3, rel=1e-6)
     assert clipfrac.item() == pytest.approx(1 / 3)
     # negative advantage: max(-r*A, -clip(r)*A) -> (1.5, 0.8, 1.0) * 1
-    loss, clipfrac, _ = ppo_policy_loss(logp, old, torch.tensor([-1.0]), mask)
+    loss, clipfrac, _, _ = ppo_policy_loss(logp, old, torch.tensor([-1.0]), mask)
     assert loss.item() == pytest.approx((1.5 + 0.8 + 1.0) / 3, rel=1e-6)
-    # dual clip caps the negative-advantage loss at c * |A|
-    big = torch.log(torch.tensor([[5.0]]))
-    loss, _, _ = ppo_policy_loss(big, torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1), dual_clip=3.0)
-    assert loss.item() == pytest.approx(3.0)
+    # dual clip caps the negative-advantage loss at c * |A|: ratios 5 and 1 -> losses min(5, 3) = 3 and 1;
+    # the dual clip is active on 1 of 2 tokens (pg_clipfrac_lower)
+    big = torch.log(torch.tensor([[5.0, 1.0]]))
+    loss, _, _, lower = ppo_policy_loss(big, torch.zeros(1, 2), torch.tensor([-1.0]), torch.ones(1, 2), dual_clip=3.0)
+    assert loss.item() == pytest.approx((3.0 + 1.0) / 2) and lower.item() == pytest.approx(0.5)
+    loss, _, _, lower = ppo_policy_loss(big, torch.zeros(1, 2), torch.tensor([-1.0]), torch.ones(1, 2))
+    assert loss.item() == pytest.approx((5.0 + 1.0) / 2) and lower.item() == 0  # no dual clip
+    # the log-ratio is clamped to +-20 before exp (verl): a ratio of e^30 counts as e^20
+    loss, *_ = ppo_policy_loss(torch.tensor([[30.0]]), torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1))
+    assert loss.item() == pytest.approx(math.exp(20), rel=1e-5)
     with pytest.raises(ValueError):
-        ppo_policy_loss(big, torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1), dual_clip=1.0)
+        ppo_policy_loss(big, torch.zeros(1, 2), torch.tensor([-1.0]), torch.ones(1, 2), dual_clip=1.0)
+
+
+def test_gspo_sequence_ratio():
+    # sequence 0: log-ratios 0.1, 0.3 -> s = e^0.2 = 1.2214; sequence 1: -0.4 and a padded token (ignored)
+    # -> s = e^-0.4 = 0.6703. A = +1: max(-1.2214, -1.2) = -1.2; A = -1: max(0.6703, 0.8) = 0.8 (both clipped);
+    # seq-mean-token-mean: (-1.2 + 0.8) / 2
+    old = torch.zeros(2, 2)
+    logp = torch.tensor([[0.1, 0.3], [-0.4, 5.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    adv = torch.tensor([1.0, -1.0])
+    loss, clipfrac, _, lower = ppo_policy_loss(logp, old, adv, mask, agg_mode="seq-mean-token-mean",
+                                               loss_type="gspo", dual_clip=1.1)
+    assert loss.item() == pytest.approx(-0.2, rel=1e-6) and clipfrac.item() == 1.0 and lower.item() == 0
+    # unclipped: the gradient is s_i's, d(-A s_i)/d logp_t = -A s_i / |y_i|, over 2 sequences
+    loss, *_ = ppo_policy_loss(logp, old, adv, mask, 10.0, 10.0, agg_mode="seq-mean-token-mean", loss_type="gspo")
+    (g,) = torch.autograd.grad(loss, logp)
+    s0, s1 = math.exp(0.2), math.exp(-0.4)
+    assert g.flatten().tolist() == pytest.approx([-s0 / 2 / 2, -s0 / 2 / 2, s1 / 2, 0.0], rel=1e-5)
+    with pytest.raises(ValueError, match="policy_loss must be one of"):
+        ppo_policy_loss(logp, old, adv, mask, loss_type="gmpo")
+
+
+def test_truncated_importance_sampling():
+    old, rollout = torch.zeros(1, 2), torch.tensor([[-math.log(2), math.log(2)]])
+    w = tis_weights(old, rollout, cap=1.5)  # exp(ln 2) = 2 capped at 1.5; exp(-ln 2) = 0.5
+    assert w.flatten().tolist() == pytest.approx([1.5, 0.5])
+    # ratio 1, A = 2: per-token losses -2 * (1.5, 0.5), token-mean -2
+    loss, *_ = ppo_policy_loss(old, old, torch.tensor([2.0]), torch.ones(1, 2), weights=w)
+    assert loss.item() == pytest.approx(-2.0)
+
+
+def test_adaptive_kl_controller():
+    c = AdaptiveKLController(0.1, target_kl=0.1, horizon=100)
+    c.update(0.2, n_steps=10)  # error clip(0.2/0.1 - 1) = 0.2: x (1 + 0.2 * 10/100) = 0.102
+    assert c.value == pytest.approx(0.102)
+    c.update(0.09, n_steps=10)  # error -0.1: x (1 - 0.1 * 10/100) = 0.10098
+    assert c.value == pytest.approx(0.10098)
 
 
 def test_kl_estimators():
     logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
     assert torch.allclose(kl_penalty(logp, ref, "k1"), torch.tensor([0.5, -1.0]))
+    assert torch.allclose(kl_penalty(logp, ref, "abs"), torch.tensor([0.5, 1.0]))
     assert torch.allclose(kl_penalty(logp, ref, "mse"), torch.tensor([0.125, 0.5]))
+    # k3 with d = ref - logp = (-0.5, 1): e^-0.5 + 0.5 - 1 = 0.1065307, e - 2 = 0.7182818
+    assert kl_penalty(logp, ref, "low_var_kl").tolist() == pytest.approx([0.1065307, 0.7182818], rel=1e-6)
+    assert kl_penalty(torch.zeros(1), torch.tensor([30.0]), "k3").item() == 10.0  # clamped (verl)
     d = ref - logp
     assert torch.allclose(kl_penalty(logp, ref, "low_var_kl"), torch.exp(d) - d - 1)
     assert (kl_penalty(logp, ref, "k3") >= 0).all()

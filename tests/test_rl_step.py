@@ -1,5 +1,6 @@
-"""The RL step on the tiny model (CPU, fp32): `serial` and `rollplex` compute the same update;
-metrics; checkpoint/resume gives the same next step as not stopping."""
+"""The RL step on the tiny model (CPU, fp32): `serial` and `rollplex` compute the same update (also
+with the RLOO, Dr.GRPO and REINFORCE++ estimators); metrics; the LR schedule's unit; the adaptive KL
+controller; checkpoint/resume gives the same next step as not stopping."""
 
 import copy
 import dataclasses
@@ -60,6 +61,56 @@ def test_serial_and_rollplex_compute_the_same_update(tiny_dir, proc, updates):
     _assert_same_update(*results["serial_budget"], *results["serial"], updates, dedup=1)
 
 
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
+@pytest.mark.parametrize("algo", [
+    # the groups' rewards are (1 0 0 1) (0 0 1 0) (0 1 0 0) (1 0 0 1): the largest RLOO advantage is a lone 1
+    # against three 0s, 1 - 0 = 1; Dr.GRPO's is 1 - 1/4 (no std division)
+    dict(adv_estimator="rloo", expect_max=1.0),
+    dict(adv_estimator="dr_grpo", loss_agg_mode="seq-mean-token-sum-norm", expect_max=0.75),
+    # per-token advantages, the KL penalty in the reward under the adaptive controller, GSPO and TIS
+    dict(adv_estimator="reinforce_plus_plus", gamma=0.9, use_kl_loss=False, kl_ctrl="adaptive", kl_penalty="abs",
+         policy_loss="gspo", tis_imp_ratio_cap=2.0),
+])
+def test_serial_and_rollplex_agree_for_the_estimators(tiny_dir, proc, algo):
+    algo = dict(algo)
+    expect_max = algo.pop("expect_max", None)
+    ref = _step(tiny_dir, proc, mode="rollplex", **algo)
+    batch = ref.rollout(ROWS[:4])
+    batch.rewards = torch.tensor([float(i % 3 == 0) for i in range(batch.num_samples)])
+    results = {}
+    for mode in ("rollplex", "serial"):
+        rl = _step(tiny_dir, proc, mode=mode, lr=1e-4, **algo)
+        grads = _capture_grads(rl)
+        results[mode] = (rl.train(copy.deepcopy(batch)), grads,
+                         {n: p.detach().clone() for n, p in rl.model.named_parameters()})
+        if algo.get("kl_ctrl") == "adaptive":  # verl's update from the step's measured KL, 32 samples, horizon 1e4
+            m = results[mode][0]
+            err = min(max(m["actor/reward_kl_penalty"] / 0.1 - 1, -0.2), 0.2)
+            assert m["actor/reward_kl_penalty_coeff"] == 0.05 and m["actor/reward_kl_penalty"] > 0
+            assert rl.kl_ctrl.value == pytest.approx(0.05 * (1 + err * batch.num_samples / 1e4))
+    _assert_same_update(*results["rollplex"], *results["serial"], {})
+    if expect_max is not None:
+        assert results["serial"][0]["critic/advantages/max"] == pytest.approx(expect_max)
+
+
+@pytest.mark.parametrize("unit", ["step", "optimizer_step"])
+def test_lr_schedule_unit(unit):
+    """verl advances the schedule once per train step (every mini-batch at the same lr); the other unit
+    once per optimizer step. Warm-up over 4: lr x 1/4, then x 2/4."""
+    from parallel_helpers import rollout_batch, tiny_cfg, tiny_model
+
+    from rollplex.rl.actor import Actor
+
+    actor = Actor(tiny_model(tiny_cfg()), RLConfig(lr=1e-3, warmup_steps=4, ppo_mini_batches=2, kl_coef=0.0,
+                                                   lr_schedule_unit=unit))
+    batch, adv, _ = rollout_batch(prompts=2, R=3)
+    m, _ = actor.update(batch, adv, None, actor.old_logprobs(batch))
+    if unit == "step":
+        assert actor.scheduler.last_epoch == 1 and m["actor/lr"] == pytest.approx(0.25e-3)
+    else:
+        assert actor.scheduler.last_epoch == 2 and m["actor/lr"] == pytest.approx((0.25e-3 + 0.5e-3) / 2)
+
+
 def _assert_same_update(m1, g1, w1, m2, g2, w2, updates, dedup=4):
     """Equal up to fp32 summation order (helpers.fp32_rtol): the paths pack, batch and accumulate the
     same terms differently."""
@@ -110,7 +161,8 @@ def test_step_metrics_and_live_weights(tiny_dir, proc):
     before = {n: p.detach().clone() for n, p in rl.model.named_parameters()}
     m = rl.step(ROWS[:3])
     for key in ("timing_s/gen", "timing_s/ref", "timing_s/update_actor", "timing_s/step", "perf/throughput",
-                "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/pg_clipfrac", "critic/score/mean",
+                "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
+                "actor/kl_coef", "critic/score/mean",
                 "response_length/mean", "training/rollout_probs_diff_mean", "training/rollout_probs_diff_max"):
         assert key in m, key
     assert m["training/rollout_probs_diff_max"] < 1e-4  # engine and trainer agree on the sampled tokens

@@ -235,6 +235,13 @@ def test_train_step_with_reward_name_and_chat_prompts(client, server):
     ro = client.post("/rollout", json={"prompts": [chat], "n": 2}).json()
     m = client.post("/train_step", json={"rollout_id": ro["rollout_id"], "reward": "choice"})
     assert m.status_code == 200, m.text
+    # the algorithm for one step: RLOO advantages, GSPO's loss, truncated importance sampling
+    ro = _rollout(client, n_prompts=2, n=2)
+    m = client.post("/train_step", json={"rollout_id": ro["rollout_id"], "rewards": [1, 0, 0, 0],
+                                         "adv_estimator": "rloo", "policy_loss": "gspo", "tis_imp_ratio_cap": 2.0})
+    assert m.status_code == 200, m.text
+    assert m.json()["critic/advantages/max"] == 1.0 and "actor/pg_clipfrac_lower" in m.json()  # 1 - 0 (its one other)
+    assert rl.cfg.adv_estimator == "grpo" and rl.cfg.policy_loss == "vanilla"
 
 
 def test_second_concurrent_train_step_gets_409(client, server):
@@ -502,9 +509,12 @@ def test_cli_flags_fill_the_nested_configs(monkeypatch):
         "--device", "cpu", "--mode", "serial", "--lr", "3e-4", "--no-packed", "--betas", "0.8", "0.95",
         "--micro-batch-max-tokens", "512", "--max-model-len", "256", "--decode-split-k", "2", "4",
         "--no-overlap-schedule", "--seed", "7", "--rollout-ttl", "30", "--layers-per-unit", "4",
-        "--no-reduce-every-pass"]))
+        "--no-reduce-every-pass", "--adv-estimator", "rloo", "--dual-clip", "none", "--lr-schedule-unit",
+        "optimizer_step", "--no-use-kl-loss", "--kl-ctrl", "adaptive", "--kl-penalty", "abs"]))
     assert cfg.rl == RLConfig(mode="serial", lr=3e-4, packed=False, betas=(0.8, 0.95), micro_batch_max_tokens=512,
-                              max_new_tokens=128, seed=7)
+                              max_new_tokens=128, seed=7, adv_estimator="rloo", dual_clip=None,
+                              lr_schedule_unit="optimizer_step", use_kl_loss=False, kl_ctrl="adaptive",
+                              kl_penalty="abs")
     assert cfg.engine == EngineConfig(max_model_len=256, decode_split_k=(2, 4), overlap_schedule=False, seed=7)
     assert cfg.fsdp == FSDPConfig(layers_per_unit=4, reduce_every_pass=False)
     assert cfg.rollout_ttl_s == 30.0 and cfg.checkpoint_root == str(Path("checkpoints").resolve())
@@ -514,6 +524,8 @@ def test_cli_flags_fill_the_nested_configs(monkeypatch):
     assert "--max-new-tokens" in help_text and "(default: 128)" in help_text and "--kv-cache-tokens" in help_text
     with pytest.raises(SystemExit):  # choices come from the config's own lists
         ap.parse_args(["--loss-agg-mode", "bogus"])
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--policy-loss", "bogus"])
 
 
 def test_train_step_overrides_are_rl_config_fields():

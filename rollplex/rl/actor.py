@@ -15,6 +15,15 @@ a caller can change the algorithm for one step without touching the actor. The o
 LR schedule are built once from the actor's config; a step's `lr` replaces the schedule's base lr
 for that step's optimizer steps.
 
+LR schedule (`lr_schedule_unit`): "step" (verl's default) advances it once per `update` that changed
+the weights — every mini-batch of a step uses the same lr, and a step that failed after writing some
+weights (an applied optimizer step, or one stopped part-way) still advances it once; "optimizer_step"
+advances it after each applied optimizer step (and after one that stopped part-way).
+
+Advantages are [N] (outcome estimators) or [N, R] (per token: reinforce_plus_plus*). The policy
+loss is `cfg.policy_loss` (rl/algos.py; gspo aggregates seq-mean-token-mean, as verl does), with
+truncated importance sampling against the batch's rollout logprobs when `tis_imp_ratio_cap` is set.
+
 Parameters are updated in place, so the engine — which reads the same tensors — sees the new
 policy at the next rollout. bf16 parameters (GPU) get fp32 master weights in the optimizer.
 """
@@ -28,7 +37,7 @@ import torch
 
 from ..models import Qwen25VL
 from ..models.transfer import to_device
-from .algos import agg_denominator, agg_loss, kl_penalty, ppo_policy_loss
+from .algos import agg_denominator, agg_loss, kl_penalty, ppo_policy_loss, tis_weights
 from .batch import RolloutBatch
 from .config import RLConfig
 from .errors import NonFiniteUpdate, TrainOOM
@@ -54,7 +63,8 @@ def lr_lambda(cfg: RLConfig):
     return f
 
 
-METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl")
+METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl",
+           "actor/pg_clipfrac_lower")
 
 
 class Actor:
@@ -69,6 +79,8 @@ class Actor:
         # persistent gradient buffers in the `grads` region, masters and moments in `optimizer`
         self.optimizer = MasterAdamW(params, memory=memory, offload=optimizer_offload, **kw)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer.opt, lr_lambda(cfg))
+        # the schedule's unit is the actor's (a step's config cannot change what its steps count)
+        self.per_optimizer_step = cfg.lr_schedule_unit == "optimizer_step"
         self.placement.set_checkpointing(model, cfg.gradient_checkpointing, cfg.vision_gradient_checkpointing)
         # micro-batching that ran out of memory is halved for the rest of the run (OOM back-off)
         self._backoff: MicroBatching | None = None
@@ -106,7 +118,7 @@ class Actor:
     def update(self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None,
                old_all: torch.Tensor | None = None, step: int = 0,
                cfg: RLConfig | None = None, nonfinite: str = "skip") -> tuple[dict, torch.Tensor]:
-        """advantages [N]; ref/old logprobs [N, R] or None; cfg: this step's config (default: the
+        """advantages [N] or [N, R]; ref/old logprobs [N, R] or None; cfg: this step's config (default: the
         actor's). Returns (verl-named metrics averaged over updates, the trainer's logprobs of the
         first pass [N, R] before any update). Under a data-parallel placement every rank calls it with
         the same arguments and gets the same results.
@@ -120,8 +132,8 @@ class Actor:
         collectives cannot be retried and raises TrainOOM at once. Out of memory inside an optimizer step
         raises TrainOOM saying what it wrote (rl/errors.py).
 
-        A mini-batch whose loss or gradient norm is not finite gets no optimizer step and no LR-schedule
-        step: with `nonfinite="skip"` the update goes on with the next mini-batch (counted in
+        A mini-batch whose loss or gradient norm is not finite gets no optimizer step (and, per optimizer
+        step, no LR-schedule step): with `nonfinite="skip"` the update goes on with the next mini-batch (counted in
         `actor/skipped_updates`, as verl skips such a step), with "raise" it raises NonFiniteUpdate
         (what the server does: the step's earlier optimizer steps, if any, are in its `applied_updates`)."""
         if nonfinite not in ("skip", "raise"):
@@ -142,7 +154,7 @@ class Actor:
                         kept = len(first_parts)
                         try:
                             acc = self._accumulate(cfg, mini, mini_idx, advantages, ref_logprobs, old_all,
-                                                   first_parts if epoch == 0 else None)
+                                                   first_parts if epoch == 0 else None, batch.rollout_logprobs)
                             break
                         except Exception as e:  # noqa: BLE001 - only OOM is retried
                             if not _is_oom(e):
@@ -185,15 +197,22 @@ class Actor:
                         skipped += 1
                     else:
                         self._optimizer_step(updates)
-                        self.scheduler.step()
+                        if self.per_optimizer_step:
+                            self.scheduler.step()
                         updates += 1
                     for k, v in stats.items():
                         sums[k] = sums.get(k, 0.0) + v
                     done += 1
-        except BaseException:
+        except BaseException as e:
             self._recover()
             model.eval()
+            # a step that changed the weights, even partly, advances a per-step schedule once (a per-optimizer-step
+            # one was advanced by `_optimizer_step` for a part-way step)
+            if not self.per_optimizer_step and (updates > 0 or getattr(e, "partial_update", False)):
+                self.scheduler.step()
             raise
+        if not self.per_optimizer_step and updates > 0:
+            self.scheduler.step()
         # between updates the gradient buffers are the memory manager's to release; without one they are freed
         self.optimizer.zero_grad(set_to_none=self.memory is None)
         model.eval()
@@ -212,7 +231,7 @@ class Actor:
         """The mini-batch's optimizer step. Out of memory inside it raises TrainOOM on every process of the
         placement (they agree with one all-reduce over several), saying what was written: `applied` whole
         steps before it, and whether this one wrote any chunk on some process, in which case it counts as
-        applied for the LR schedule (stepped here)."""
+        applied for the LR schedule (stepped here per optimizer step, by `update` per train step)."""
         pl, err = self.placement, None
         try:
             self.optimizer.step()
@@ -230,7 +249,7 @@ class Actor:
         if not failed:
             return
         self._recover()
-        if changed:
+        if changed and self.per_optimizer_step:
             self.scheduler.step()
         written, chunks = (err.written, err.total) if err is not None else (len(self.optimizer.chunks),) * 2
         cause = err if pl.world == 1 else CollectiveOOM("a data-parallel rank ran out of device memory in the "
@@ -248,7 +267,7 @@ class Actor:
 
     def _accumulate(self, cfg: RLConfig, mini: RolloutBatch, mini_idx: torch.Tensor, advantages: torch.Tensor,
                     ref_logprobs: torch.Tensor | None, old_all: torch.Tensor | None,
-                    first_parts: list | None) -> torch.Tensor:
+                    first_parts: list | None, rollout_all: torch.Tensor | None = None) -> torch.Tensor:
         """Forward/backward of this process's share of one mini-batch's micro-batches into zeroed
         gradients; returns its part of the metrics in METRICS order (a device tensor: an .item() per
         micro-batch would make the host wait for the GPU each time and lose the run-ahead that hides
@@ -259,7 +278,11 @@ class Actor:
         the mini-batch's gradient (rl/algos.py). Rows of a pass past its sample indices are a placement's
         masked-out dummies: zero advantages and reference logprobs, zero mask."""
         model, plan, pl = self.model, self._plan(cfg), self.placement
-        denom = agg_denominator(mini.mask, cfg.loss_agg_mode)
+        denom = agg_denominator(mini.mask, cfg.loss_agg_mode, cfg.agg_norm)
+        gspo = cfg.policy_loss == "gspo"  # verl aggregates GSPO's loss per sequence whatever the mode
+        pg_mode = "seq-mean-token-mean" if gspo else cfg.loss_agg_mode
+        pg_denom = agg_denominator(mini.mask, pg_mode) if gspo else denom
+        tis = cfg.tis_imp_ratio_cap is not None and rollout_all is not None
         n_tok = max(float(mini.mask.sum()), 1.0)
         local, local_idx = pl.share(mini, cfg.mode)
         # the entropy is a metric always (verl reports it): detached from the chunked pass, and through the
@@ -280,21 +303,27 @@ class Actor:
                     first_parts.append((gidx, logp[:n].detach() * mask[:n]))
                 old = logp.detach() if old_all is None else to_device(_rows(old_all, gidx, n_all), dev)
                 adv = to_device(_rows(advantages, gidx, n_all), dev)
-                pg, clipfrac, ppo_kl = ppo_policy_loss(logp, old, adv, mask, cfg.clip_ratio_low,
-                                                       cfg.clip_ratio_high, cfg.dual_clip, cfg.loss_agg_mode, denom)
+                weights = None
+                if tis:
+                    rollout = to_device(_rows(rollout_all, gidx, n_all), dev)
+                    weights = tis_weights(old, rollout, cfg.tis_imp_ratio_cap)
+                pg, clipfrac, ppo_kl, clip_lower = ppo_policy_loss(
+                    logp, old, adv, mask, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.dual_clip, pg_mode, pg_denom,
+                    cfg.policy_loss, weights, cfg.agg_norm)
                 loss = pg
                 w = float(mb.mask.sum()) / n_tok  # token share of this micro-batch, for metrics
                 kl = torch.zeros((), device=dev)
                 if use_kl:
                     ref = to_device(_rows(ref_logprobs, gidx, n_all), dev)
-                    kl = agg_loss(kl_penalty(logp, ref, cfg.kl_loss_type), mask, cfg.loss_agg_mode, denom)
+                    kl = agg_loss(kl_penalty(logp, ref, cfg.kl_loss_type), mask, cfg.loss_agg_mode, denom,
+                                  cfg.agg_norm)
                     loss = loss + cfg.kl_coef * kl
-                e = agg_loss(ent, mask, cfg.loss_agg_mode, denom)
+                e = agg_loss(ent, mask, cfg.loss_agg_mode, denom, cfg.agg_norm)
                 if cfg.entropy_coeff > 0:
                     loss = loss - cfg.entropy_coeff * e
                 loss.backward()
                 acc += torch.stack([pg.detach(), kl.detach(), e.detach(), clipfrac.detach() * w,
-                                    ppo_kl.detach() * w]).float()
+                                    ppo_kl.detach() * w, clip_lower.detach() * w]).float()
             except Exception as err:  # noqa: BLE001 - only OOM is deferred
                 if not (_is_oom(err) and pl.defer_oom()):
                     raise

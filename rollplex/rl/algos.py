@@ -1,51 +1,192 @@
-"""GRPO / PPO math on padded [N, R] response tensors with a 0/1 `mask` (1 = a response token).
+"""RL math on padded [N, R] response tensors with a 0/1 `mask` (1 = a response token).
 
-Names and conventions follow verl (core_algos.py): `compute_grpo_outcome_advantage`, PPO-clip with
-an optional dual clip, KL estimators k1 / k3 (`low_var_kl`) / k2 (`mse`), and the loss aggregation
-modes token-mean, seq-mean-token-mean and seq-mean-token-sum. Every function is pure tensor math,
-checked against hand-computed values in tests/test_algos.py.
+Names and semantics follow verl (core_algos.py); every function is pure tensor math, checked against
+hand-computed values in tests/test_algos.py.
+
+Advantage estimators (`compute_advantages`, `RLConfig.adv_estimator`). The outcome reward sits at a
+response's last token; a KL-in-reward penalty is subtracted per token (verl's token_level_rewards):
+
+  grpo                          (r - mean_group) / (std_group + 1e-6), std unbiased; [N]
+  dr_grpo                       r - mean_group (no std division, Dr.GRPO); meant with the
+                                `seq-mean-token-sum-norm` aggregation; [N]
+  rloo                          r - mean of the group's *other* samples = (n r - sum) / (n - 1); [N]
+  reinforce_plus_plus           per-token discounted return G_t = r_t + gamma G_{t+1} (reset past
+                                the response), whitened over all response tokens of the batch
+                                ((G - mean) / sqrt(var_unbiased + 1e-8), mean not added back); [N, R]
+  reinforce_plus_plus_baseline  r - mean_group broadcast over the tokens, then whitened the same way; [N, R]
+
+A group of one sample: verl takes mean 0 (and std 1), so the advantage is the reward itself
+(`singleton="reward"`, the default); `singleton="zero"` gives it advantage 0 before any whitening
+(Rollplex's earlier behaviour: a lone sample has no baseline to compare with).
+
+Policy losses (`ppo_policy_loss`, `RLConfig.policy_loss`): `vanilla` is PPO-clip with verl's dual clip
+(clip_ratio_c; a negative-advantage token's loss is capped at c·|A|) and the log-ratio clamped to ±20
+before `exp`; `pg_clipfrac_lower` is the fraction of tokens where the dual clip is active. `gspo` uses
+the sequence-level ratio s_i = exp(mean over the sequence's tokens of (logp - old)), applied per token
+as exp(sg[log s_i] + logp - sg[logp]) (so the gradient is s_i's), log clamped at 10, clipped per
+sequence with clip_ratio_low/high (verl's GSPO recipe uses 3e-4 / 4e-4) and aggregated
+seq-mean-token-mean whatever `loss_agg_mode` says (as verl does); no dual clip. Truncated importance
+sampling (verl's tis_imp_ratio_cap): the per-token loss times min(exp(old - rollout), cap), detached.
+
+KL estimators (`kl_penalty`): kl/k1 = logp - ref, abs = |logp - ref|, mse/k2 = (logp - ref)^2 / 2,
+low_var_kl/k3 = exp(ref - logp) - (ref - logp) - 1 with the difference clamped to ±20 and the result
+to ±10. The KL loss defaults to low_var_kl and the KL-in-reward penalty to kl (both verl's defaults).
+`AdaptiveKLController` is verl's: coef *= 1 + clip(kl / target - 1, ±0.2) · n_samples / horizon.
 
 Aggregation with micro-batches: a loss computed on a micro-batch and divided by the *global*
 normaliser (`agg_denominator` over the whole mini-batch) sums to the mini-batch loss, so gradients
 do not depend on how samples were grouped into micro-batches — which is what lets the shared-prefix
 (`rollplex`) and per-sample (`serial`) modes produce the same update.
+
+Differences from verl that remain:
+- `seq-mean-token-sum-norm` is the mean over sequences of (token sum / C), C = `loss_agg_norm`
+  (default: the step's max_new_tokens). verl divides the sum over a micro-batch's sequences by that
+  micro-batch's padded length, so its value depends on padding and micro-batch size.
+- The entropy and KL loss terms use the same aggregation as the policy loss, also under gspo.
+- `dual_clip=None` turns the dual clip off (verl always applies clip_ratio_c).
 """
 
 from __future__ import annotations
 
 import torch
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-KL_KINDS = ("k1", "kl", "k2", "mse", "k3", "low_var_kl")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+ADV_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+POLICY_LOSSES = ("vanilla", "gspo")
+SINGLETON_ADV = ("reward", "zero")
+
+
+def _group_sums(x: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count, sum) per group id; x, group: [N]."""
+    n_groups = int(group.max()) + 1 if group.numel() else 0
+    count = x.new_zeros(n_groups).index_add_(0, group, torch.ones_like(x))
+    return count, x.new_zeros(n_groups).index_add_(0, group, x)
+
+
+def _check_singleton(singleton: str) -> None:
+    if singleton not in SINGLETON_ADV:
+        raise ValueError(f"singleton_adv must be one of {SINGLETON_ADV}, got {singleton!r}")
 
 
 def grpo_advantages(rewards: torch.Tensor, group: torch.Tensor, norm_by_std: bool = True,
-                    eps: float = 1e-6) -> torch.Tensor:
-    """Outcome advantage per sample: (r - mean_group) [/ (std_group + eps)]. rewards, group: [N]."""
+                    eps: float = 1e-6, singleton: str = "reward") -> torch.Tensor:
+    """Outcome advantage per sample: (r - mean_group) [/ (std_group + eps)]. rewards, group: [N].
+    A group of one: mean 0, std 1 (verl: the reward itself) or, with singleton="zero", 0."""
+    _check_singleton(singleton)
     rewards = rewards.float()
-    n_groups = int(group.max()) + 1 if group.numel() else 0
-    count = rewards.new_zeros(n_groups).index_add_(0, group, torch.ones_like(rewards))
-    mean = rewards.new_zeros(n_groups).index_add_(0, group, rewards) / count
+    count, total = _group_sums(rewards, group)
+    mean = total / count
+    if singleton == "reward":
+        mean = torch.where(count > 1, mean, torch.zeros_like(mean))
     centered = rewards - mean[group]
     if not norm_by_std:
         return centered
-    var = rewards.new_zeros(n_groups).index_add_(0, group, centered**2) / (count - 1).clamp_min(1)  # unbiased
+    sq = rewards.new_zeros(count.shape).index_add_(0, group, centered**2)
+    var = sq / (count - 1).clamp_min(1)  # unbiased
     std = torch.where(count > 1, var.sqrt(), torch.ones_like(var))  # verl: a group of one has std 1
     return centered / (std[group] + eps)
 
 
-def agg_denominator(mask: torch.Tensor, mode: str) -> float:
-    """The normaliser of `agg_loss` for the full mini-batch (tokens or sequences)."""
+def rloo_advantages(rewards: torch.Tensor, group: torch.Tensor, singleton: str = "reward") -> torch.Tensor:
+    """Leave-one-out: r_i - mean of the group's other samples = (n r_i - sum) / (n - 1); [N].
+    A group of one: the reward itself (verl) or 0 (singleton="zero")."""
+    _check_singleton(singleton)
+    rewards = rewards.float()
+    count, total = _group_sums(rewards, group)
+    n, s = count[group], total[group]
+    loo = (n * rewards - s) / (n - 1).clamp_min(1)
+    lone = rewards if singleton == "reward" else torch.zeros_like(rewards)
+    return torch.where(n > 1, loo, lone)
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """verl's masked_whiten (shift_mean=True): (v - mean) / sqrt(var + eps) over the masked entries,
+    var unbiased (Bessel over the token count)."""
+    m = mask.float()
+    n = m.sum()
+    mean = (values * m).sum() / n.clamp_min(1)
+    var = (((values - mean) ** 2) * m).sum() / n.clamp_min(1)
+    if n > 1:
+        var = var * n / (n - 1)
+    return (values - mean) * torch.rsqrt(var + eps)
+
+
+def outcome_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[N, R] with each sample's outcome score at its last response token (verl's reward tensor)."""
+    m = mask.float()
+    pos = torch.arange(m.shape[-1], dtype=m.dtype)
+    last = (m * (pos + 1)).argmax(-1)  # index of the last 1 (0 for an empty row, masked out later)
+    out = torch.zeros_like(m)
+    out[torch.arange(m.shape[0]), last] = scores.float()
+    return out
+
+
+def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """REINFORCE++ (verl's compute_reinforce_plus_plus_outcome_advantage): the discounted return of
+    each token, G_t = r_t + gamma G_{t+1}, reset past the response's end, whitened over all response
+    tokens of the batch; [N, R], zero outside the mask."""
+    m = mask.float()
+    returns = torch.zeros_like(token_rewards, dtype=torch.float32)
+    running = torch.zeros(token_rewards.shape[0])
+    for t in reversed(range(token_rewards.shape[1])):
+        running = token_rewards[:, t].float() + gamma * running
+        returns[:, t] = running
+        running = running * m[:, t]  # reset after EOS
+    return masked_whiten(returns, m) * m
+
+
+def reinforce_pp_baseline_advantages(rewards: torch.Tensor, group: torch.Tensor, mask: torch.Tensor,
+                                     singleton: str = "reward") -> torch.Tensor:
+    """REINFORCE++ with a baseline (verl's compute_reinforce_plus_plus_baseline_outcome_advantage):
+    r - mean_group (a group of one: mean 0, or advantage 0 with singleton="zero") on every token,
+    whitened over all response tokens of the batch; [N, R]."""
+    centered = grpo_advantages(rewards, group, norm_by_std=False, singleton=singleton)
+    m = mask.float()
+    return masked_whiten(centered[:, None] * m, m) * m
+
+
+def compute_advantages(estimator: str, scores: torch.Tensor, group: torch.Tensor, mask: torch.Tensor,
+                       token_penalty: torch.Tensor | None = None, norm_by_std: bool = True, gamma: float = 1.0,
+                       singleton: str = "reward") -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages [N] or [N, R], sequence rewards [N]) of outcome `scores` [N] minus an optional
+    per-token penalty [N, R] (the KL-in-reward term, coefficient included)."""
+    if estimator not in ADV_ESTIMATORS:
+        raise ValueError(f"adv_estimator must be one of {ADV_ESTIMATORS}, got {estimator!r}")
+    tok = outcome_token_rewards(scores, mask)
+    if token_penalty is not None:
+        tok = tok - token_penalty.float() * mask.float()
+    rewards = tok.sum(-1)
+    if estimator == "grpo":
+        return grpo_advantages(rewards, group, norm_by_std, singleton=singleton), rewards
+    if estimator == "dr_grpo":
+        return grpo_advantages(rewards, group, norm_by_std=False, singleton=singleton), rewards
+    if estimator == "rloo":
+        return rloo_advantages(rewards, group, singleton), rewards
+    if estimator == "reinforce_plus_plus":
+        return reinforce_pp_advantages(tok, mask, gamma), rewards
+    return reinforce_pp_baseline_advantages(rewards, group, mask, singleton), rewards
+
+
+def agg_denominator(mask: torch.Tensor, mode: str, norm: float | None = None) -> float:
+    """The normaliser of `agg_loss` for the full mini-batch: tokens, sequences, or sequences x `norm`
+    (seq-mean-token-sum-norm; default norm: the padded length)."""
     if mode not in AGG_MODES:
         raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {mode!r}")
-    return float(mask.sum()) if mode == "token-mean" else float((mask.sum(-1) > 0).sum())
+    if mode == "token-mean":
+        return float(mask.sum())
+    seqs = float((mask.sum(-1) > 0).sum())
+    if mode == "seq-mean-token-sum-norm":
+        return seqs * float(norm if norm is not None else mask.shape[-1])
+    return seqs
 
 
-def agg_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, denominator: float | None = None) -> torch.Tensor:
+def agg_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, denominator: float | None = None,
+             norm: float | None = None) -> torch.Tensor:
     """Aggregate a per-token loss [N, R]. With `denominator` from the whole mini-batch, sums over
     micro-batches reproduce the mini-batch value."""
     mask = mask.to(loss.dtype)
-    denom = agg_denominator(mask, mode) if denominator is None else denominator
+    denom = agg_denominator(mask, mode, norm) if denominator is None else denominator
     denom = max(denom, 1.0)
     if mode == "token-mean":
         return (loss * mask).sum() / denom
@@ -55,45 +196,77 @@ def agg_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, denominator: flo
     return per_seq.sum() / denom
 
 
+def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance weights min(exp(old - rollout), cap), detached (verl's tis_imp_ratio_cap)."""
+    return torch.exp((old_logp - rollout_logp).detach().clamp(-20, 20)).clamp(max=cap)
+
+
 def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
                     clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
-                    agg_mode: str = "token-mean", denominator: float | None = None):
-    """PPO-clip (optionally dual-clip, c > 1) per-token loss, aggregated.
+                    agg_mode: str = "token-mean", denominator: float | None = None, loss_type: str = "vanilla",
+                    weights: torch.Tensor | None = None, norm: float | None = None):
+    """The clipped policy loss, aggregated by `agg_mode` (callers pass seq-mean-token-mean for gspo,
+    as verl does). adv: [N] (broadcast over tokens) or [N, R]; weights: per-token factors [N, R] on
+    the loss (truncated importance sampling) or None.
 
-    adv: [N] (outcome advantage, broadcast over tokens) or [N, R]. Returns (loss, clipfrac, ppo_kl):
-    clipfrac is the fraction of tokens where the clipped branch is active; ppo_kl = mean(old - new).
-    """
+    Returns (loss, clipfrac, ppo_kl, clipfrac_lower): clipfrac is the fraction of response tokens
+    where the clipped branch is active, clipfrac_lower where the dual clip is, ppo_kl = mean(old - new)."""
+    if loss_type not in POLICY_LOSSES:
+        raise ValueError(f"policy_loss must be one of {POLICY_LOSSES}, got {loss_type!r}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError("dual_clip must be > 1")
     if adv.dim() == 1:
         adv = adv[:, None].expand_as(logp)
-    ratio = torch.exp(logp - old_logp)
+    m = mask.to(logp.dtype)
+    n = m.sum().clamp_min(1)
+    log_ratio = logp - old_logp
+    zero = torch.zeros((), device=logp.device)
+    if loss_type == "gspo":
+        seq = (log_ratio * m).sum(-1) / m.sum(-1).clamp_min(1)
+        ratio = torch.exp((logp - logp.detach() + seq.detach()[:, None]).clamp(max=10.0))
+    else:
+        ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))  # verl clamps before exp
     loss1 = -adv * ratio
     loss2 = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = torch.maximum(loss1, loss2)
-    clipped = (loss2 > loss1).float()
-    if dual_clip is not None:
-        if dual_clip <= 1.0:
-            raise ValueError("dual_clip must be > 1")
+    clipfrac = ((loss2 > loss1).to(m.dtype) * m).sum() / n
+    clipfrac_lower = zero
+    if dual_clip is not None and loss_type == "vanilla":
         loss3 = -adv * dual_clip
+        clipfrac_lower = (((loss > loss3) & (adv < 0)).to(m.dtype) * m).sum() / n
         loss = torch.where(adv < 0, torch.minimum(loss, loss3), loss)
-    m = mask.float()
-    n = m.sum().clamp_min(1)
-    clipfrac = (clipped * m).sum() / n
-    ppo_kl = ((old_logp - logp).detach() * m).sum() / n
-    return agg_loss(loss, mask, agg_mode, denominator), clipfrac, ppo_kl
+    if weights is not None:
+        loss = loss * weights.detach()
+    ppo_kl = (-log_ratio.detach() * m).sum() / n
+    return agg_loss(loss, mask, agg_mode, denominator, norm), clipfrac, ppo_kl, clipfrac_lower
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
-    """Per-token estimate of KL(pi || ref) from sampled-token logprobs (Schulman's k1/k2/k3)."""
+    """Per-token estimate of KL(pi || ref) from sampled-token logprobs (Schulman's k1/k2/k3, abs)."""
     if kind not in KL_KINDS:
         raise ValueError(f"kl kind must be one of {KL_KINDS}, got {kind!r}")
     log_ratio = logp - ref_logp
     if kind in ("k1", "kl"):
         return log_ratio
+    if kind == "abs":
+        return log_ratio.abs()
     if kind in ("k2", "mse"):
         return 0.5 * log_ratio**2
     # k3: exp(ref - logp) - (ref - logp) - 1 >= 0, clamped as verl does for stability
     d = (ref_logp - logp).clamp(-20, 20)
     return (torch.exp(d) - d - 1).clamp(-10, 10)
+
+
+class AdaptiveKLController:
+    """verl's AdaptiveKLController: after each step, coef *= 1 + clip(kl / target - 1, -0.2, 0.2) * n / horizon,
+    with kl the step's measured KL (mean over samples of the per-token mean) and n its sample count."""
+
+    def __init__(self, init_kl_coef: float, target_kl: float, horizon: int):
+        self.value, self.target, self.horizon = float(init_kl_coef), float(target_kl), int(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        err = min(max(current_kl / self.target - 1, -0.2), 0.2)
+        self.value *= 1 + err * n_steps / self.horizon
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

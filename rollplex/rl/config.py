@@ -1,15 +1,23 @@
-"""Configuration of the RL step (one dataclass, verl's names where they exist)."""
+"""Configuration of the RL step (one dataclass, verl's names where they exist).
+
+Defaults follow verl where Rollplex used to differ, each with a named option for the old behaviour:
+a group of one sample gets the reward itself as advantage (`singleton_adv="zero"`: 0); the LR
+schedule advances once per train step (`lr_schedule_unit="optimizer_step"`: once per mini-batch);
+the KL-in-reward penalty uses k1 (`kl_penalty`; it used `kl_loss_type`); dual clip 3.0
+(`dual_clip=None`: off). The estimators, losses and the differences that remain: rl/algos.py.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .algos import AGG_MODES, KL_KINDS
+from .algos import ADV_ESTIMATORS, AGG_MODES, KL_KINDS, POLICY_LOSSES, SINGLETON_ADV
 from .microbatch import MicroBatching
 
 MODES = ("rollplex", "serial")
-ADV_ESTIMATORS = ("grpo",)
 LR_SCHEDULES = ("constant", "cosine")
+LR_SCHEDULE_UNITS = ("step", "optimizer_step")
+KL_CTRLS = ("fixed", "adaptive")
 
 
 @dataclass
@@ -21,15 +29,28 @@ class RLConfig:
     top_p: float = 1.0
     max_new_tokens: int = 64
     # algorithm
-    adv_estimator: str = "grpo"
-    norm_adv_by_std: bool = True
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    dual_clip: float | None = None  # verl's clip_ratio_c (e.g. 3.0); None disables
+    adv_estimator: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline
+    norm_adv_by_std: bool = True  # grpo only (dr_grpo is grpo without it)
+    singleton_adv: str = "reward"  # a group of one sample: the reward itself (verl) | zero
+    gamma: float = 1.0  # reinforce_plus_plus: discount of the per-token return
+    policy_loss: str = "vanilla"  # vanilla (PPO-clip, dual clip) | gspo (sequence-level ratio)
+    clip_ratio_low: float = 0.2  # gspo: verl's recipe uses 3e-4
+    clip_ratio_high: float = 0.2  # gspo: verl's recipe uses 4e-4
+    dual_clip: float | None = 3.0  # verl's clip_ratio_c; None disables
     loss_agg_mode: str = "token-mean"
+    loss_agg_norm: float | None = None  # seq-mean-token-sum-norm's constant divisor (default: max_new_tokens)
+    # truncated importance sampling (verl's tis_imp_ratio_cap): the pg loss per token times
+    # min(exp(old - rollout logprob), cap) when the batch has rollout logprobs; None: off
+    tis_imp_ratio_cap: float | None = None
     kl_coef: float = 0.0
     use_kl_loss: bool = True  # True: KL term in the loss (GRPO); False: KL penalty in the reward
-    kl_loss_type: str = "low_var_kl"
+    kl_loss_type: str = "low_var_kl"  # the KL loss's estimator
+    kl_penalty: str = "kl"  # the KL-in-reward estimator (verl's algorithm.kl_penalty, default k1)
+    # KL-in-reward coefficient: fixed (kl_coef) or verl's adaptive controller, started at kl_coef and
+    # moved towards kl_target each step (horizon kl_horizon samples); adaptive needs use_kl_loss=False
+    kl_ctrl: str = "fixed"
+    kl_target: float = 0.1
+    kl_horizon: int = 10000
     entropy_coeff: float = 0.0
     # optimisation
     lr: float = 1e-6
@@ -38,6 +59,8 @@ class RLConfig:
     grad_clip: float = 1.0
     warmup_steps: int = 0
     lr_schedule: str = "constant"  # constant | cosine
+    # what advances the schedule: one train step (verl), or each optimizer step (mini-batch)
+    lr_schedule_unit: str = "step"
     total_steps: int = 1000  # for the cosine schedule
     ppo_epochs: int = 1
     ppo_mini_batches: int = 1  # mini-batches per rollout (each is one optimizer step)
@@ -74,14 +97,26 @@ class RLConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.adv_estimator not in ADV_ESTIMATORS:
-            raise ValueError("only adv_estimator='grpo' is implemented")
-        if self.loss_agg_mode not in AGG_MODES:
-            raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}")
-        if self.kl_loss_type not in KL_KINDS:
-            raise ValueError(f"kl_loss_type must be one of {KL_KINDS}")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError("lr_schedule must be 'constant' or 'cosine'")
+        for name, allowed in (("adv_estimator", ADV_ESTIMATORS), ("singleton_adv", SINGLETON_ADV),
+                              ("policy_loss", POLICY_LOSSES), ("loss_agg_mode", AGG_MODES),
+                              ("kl_loss_type", KL_KINDS), ("kl_penalty", KL_KINDS), ("kl_ctrl", KL_CTRLS),
+                              ("lr_schedule", LR_SCHEDULES), ("lr_schedule_unit", LR_SCHEDULE_UNITS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.adv_estimator == "dr_grpo" and self.loss_agg_mode != "seq-mean-token-sum-norm":
+            raise ValueError("adv_estimator='dr_grpo' needs loss_agg_mode='seq-mean-token-sum-norm' (Dr.GRPO's "
+                             "constant-normalised token sum)")
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ValueError("gamma must be within [0, 1]")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError("dual_clip must be > 1 (or None)")
+        for name in ("loss_agg_norm", "tis_imp_ratio_cap"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 (or None)")
+        if self.kl_ctrl == "adaptive" and self.use_kl_loss:
+            raise ValueError("kl_ctrl='adaptive' controls the KL-in-reward penalty: it needs use_kl_loss=False")
+        if not self.kl_target > 0 or self.kl_horizon < 1:
+            raise ValueError("kl_target must be > 0 and kl_horizon >= 1")
         for name in ("n", "max_new_tokens", "ppo_epochs", "ppo_mini_batches", "micro_batch_prompts",
                      "micro_batch_samples", "total_steps"):
             if getattr(self, name) < 1:
@@ -94,6 +129,11 @@ class RLConfig:
             raise ValueError("lr and grad_clip must be > 0")
         if self.cosched and self.mode != "rollplex":
             raise ValueError("cosched needs mode='rollplex' (it hands shared prefix states to scoring)")
+
+    @property
+    def agg_norm(self) -> float:
+        """seq-mean-token-sum-norm's divisor per sequence."""
+        return float(self.loss_agg_norm if self.loss_agg_norm is not None else self.max_new_tokens)
 
     @property
     def num_updates(self) -> int:

@@ -9,11 +9,13 @@ the whole model and optimizer, which the step does not keep; the error then says
     applied_updates   whole optimizer steps of this train step that were applied
     partial_update    the next optimizer step stopped part-way: it ran out of memory after updating
                       `chunks_written` of its `chunks_total` parameter chunks, and (`torn`) inside the
-                      AdamW update of the next chunk, which may then hold part of it; it counts as applied
-                      for the LR schedule
+                      AdamW update of the next chunk, which may then hold part of it
 
-`RLStep.train` counts a step that changed the weights (even partly) in `step_idx`, and the server bumps
-its weights version, so a rollout retained across the failure trains only off-policy afterwards.
+A step that changed the weights, even partly, advances the LR schedule once (the default
+`lr_schedule_unit="step"`, verl's); with "optimizer_step" it advanced once per applied optimizer step,
+and once more for one that stopped part-way. `RLStep.train` counts such a step in `step_idx`, and the
+server bumps its weights version, so a rollout retained across the failure trains only off-policy
+afterwards.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ from ..engine import Engine, SamplingParams
 from ..memory import Footprint, MemoryConfig, MemoryFit, MemoryManager, activation_bytes, device_capacity, host_memory
 from ..models import ModelConfig, Qwen25VL
 from .actor import Actor
-from .algos import grpo_advantages, kl_penalty
+from .algos import AdaptiveKLController, compute_advantages, kl_penalty
 from .batch import RolloutBatch
 from .config import RLConfig
 from .errors import TrainStepError
@@ -133,6 +133,9 @@ class RLStep:
         if cfg.freeze_vision_tower:  # before the optimizer is built: the vision tower has no trainable state
             model.visual.requires_grad_(False)
         self.reward_fn = reward_fn if callable(reward_fn) else get_reward_fn(reward_fn)
+        # the KL-in-reward coefficient under kl_ctrl="adaptive" (verl's controller), moved after each step
+        self.kl_ctrl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) \
+            if cfg.kl_ctrl == "adaptive" else None
         self.ref = ref_model
         # the reference whole on this process: one process, or a group that does not shard it
         whole_ref = self.parallel is None or not self.parallel.fsdp.shard_reference
@@ -378,12 +381,18 @@ class RLStep:
                     ref_lp = score_logprobs(self.ref, ref_batch, cfg.mode, cfg.micro_batching, cfg.temperature,
                                             prefix_key="ref", placement=self.actor.placement,
                                             backoff=self.actor.score_backoff)
-        rewards = batch.rewards.float()
+        penalty, reward_kl = None, None
         if ref_lp is not None and not cfg.use_kl_loss:  # KL as a reward penalty (policy = rollout logprobs)
-            kl = (kl_penalty(batch.rollout_logprobs, ref_lp, cfg.kl_loss_type) * batch.mask).sum(-1)
-            rewards = rewards - cfg.kl_coef * kl
-            m["critic/kl_penalty"] = float(kl.mean())
-        adv = grpo_advantages(rewards, batch.group, cfg.norm_adv_by_std)
+            mask = batch.mask.float()
+            kld = kl_penalty(batch.rollout_logprobs, ref_lp, cfg.kl_penalty) * mask
+            coef = self.kl_ctrl.value if self.kl_ctrl is not None else cfg.kl_coef
+            penalty = coef * kld  # per token, as verl's token_level_rewards
+            # verl's measured KL: the mean over samples of each sample's per-token mean
+            reward_kl = float((kld.sum(-1) / mask.sum(-1).clamp_min(1)).mean())
+            m["critic/kl_penalty"] = float(kld.sum(-1).mean())
+            m["actor/reward_kl_penalty"], m["actor/reward_kl_penalty_coeff"] = reward_kl, coef
+        adv, rewards = compute_advantages(cfg.adv_estimator, batch.rewards, batch.group, batch.mask, penalty,
+                                          cfg.norm_adv_by_std, cfg.gamma, cfg.singleton_adv)
         old = old_logprobs
         if old is None:
             with _timer(m, "old_log_prob", self.device, tl), self._phase("ref"):
@@ -401,10 +410,12 @@ class RLStep:
             except TrainStepError as e:
                 if e.weights_changed:  # part of the step was applied: counted, and what the engine decodes follows
                     self.step_idx += 1
+                    self._update_kl_ctrl(reward_kl, batch.num_samples)
                     if self.parallel is not None:
                         self.parallel.sync_weights()
                 raise
         self.step_idx += 1  # the weights changed: counted before anything else can fail
+        self._update_kl_ctrl(reward_kl, batch.num_samples)
         if self.parallel is not None:  # the trainer's new weights into what the engine decodes
             with _timer(m, "sync_weights", self.device, tl):
                 self.parallel.sync_weights()
@@ -420,16 +431,24 @@ class RLStep:
             m["training/rollout_probs_diff_mean"] = float(diff.mean())
             m["training/rollout_probs_diff_max"] = float(diff.max())
         lens = batch.mask.sum(-1)
+        adv_tok = adv[batch.mask > 0] if adv.dim() == 2 else adv  # per-token advantages: over response tokens
+        m["actor/kl_coef"] = self.kl_ctrl.value if self.kl_ctrl is not None else cfg.kl_coef
         m.update({
             "critic/score/mean": float(batch.rewards.mean()),
             "critic/rewards/mean": float(rewards.mean()),
-            "critic/advantages/mean": float(adv.mean()),
-            "critic/advantages/max": float(adv.max()),
+            "critic/advantages/mean": float(adv_tok.mean()),
+            "critic/advantages/max": float(adv_tok.max()),
             "response_length/mean": float(lens.mean()),
             "response_length/max": float(lens.max()),
             "rollplex/prefix_dedup_ratio": batch.num_samples / batch.num_prompts if cfg.mode == "rollplex" else 1.0,
         })
         return m
+
+    def _update_kl_ctrl(self, reward_kl: float | None, n: int) -> None:
+        """The adaptive controller follows the KL measured in a step that changed the weights (verl: after
+        applying the penalty); a step that failed with nothing changed leaves it as it was."""
+        if self.kl_ctrl is not None and reward_kl is not None:
+            self.kl_ctrl.update(reward_kl, n)
 
     def policy_state(self, keep: bool = True) -> dict[str, torch.Tensor] | None:
         """{name: whole parameter} of the policy. Under a group whose engine holds tensor-parallel

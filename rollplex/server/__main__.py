@@ -35,7 +35,22 @@ HELP = {
     "top_p": "default top_p of /rollout",
     "max_new_tokens": "default for /generate and /rollout",
     "kl_coef": "> 0 keeps a frozen reference model",
-    "dual_clip": "verl's clip_ratio_c; off when not given",
+    "dual_clip": "verl's clip_ratio_c (caps a negative-advantage token's loss at c*|A|); 'none' turns it off",
+    "adv_estimator": "grpo, dr_grpo (no std; needs --loss-agg-mode seq-mean-token-sum-norm), rloo (leave-one-out "
+                     "baseline), reinforce_plus_plus (discounted per-token return, batch-whitened), "
+                     "reinforce_plus_plus_baseline (group mean subtracted, batch-whitened)",
+    "singleton_adv": "advantage of a group of one sample: reward (verl: the reward itself) or zero",
+    "gamma": "discount of reinforce_plus_plus's per-token return",
+    "policy_loss": "vanilla: PPO-clip per token; gspo: sequence-level ratio clipped per sequence (verl's recipe: "
+                   "--clip-ratio-low 3e-4 --clip-ratio-high 4e-4)",
+    "loss_agg_norm": "seq-mean-token-sum-norm's constant divisor of a sequence's token sum (default: max_new_tokens)",
+    "tis_imp_ratio_cap": "truncated importance sampling: the pg loss times min(exp(old - rollout logprob), cap)",
+    "kl_loss_type": "estimator of the KL loss (use_kl_loss)",
+    "kl_penalty": "estimator of the KL-in-reward penalty (use_kl_loss false); verl's default kl (k1)",
+    "kl_ctrl": "KL-in-reward coefficient: fixed (kl_coef) or adaptive (verl's controller, from kl_coef towards "
+               "kl_target over kl_horizon samples); not a /train_step override",
+    "lr_schedule_unit": "what advances the LR schedule: step (one train step, verl) or optimizer_step (each "
+                        "mini-batch); not a /train_step override",
     "micro_batch_max_tokens": "token budget per forward/backward instead of the two counts (verl's dynamic batch size)",
     "seed": "seeds the model init, the warm-up, the trainer and the engine",
     "block_size": "tokens per KV block; default: 64 on CUDA, 16 on CPU",
@@ -98,6 +113,12 @@ def _flag(tp) -> dict:
     args = typing.get_args(tp)
     if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args and len(args) == 2:
         tp = next(a for a in args if a is not type(None))  # X | None: None is "not given"
+        if tp in (int, float):  # 'none' gives None where the default is a value (e.g. --dual-clip none)
+            def optional(v: str, tp=tp):
+                return None if v.lower() == "none" else tp(v)
+
+            optional.__name__ = tp.__name__  # argparse names the type in its errors
+            return {"type": optional}
     if tp is bool:
         return {"action": argparse.BooleanOptionalAction}
     if typing.get_origin(tp) is tuple:
@@ -137,8 +158,8 @@ def parser() -> argparse.ArgumentParser:
     from ..memory.config import PLANS
     from ..memory.fit import OPTIMIZER_OFFLOADS
     from ..parallel.fsdp import DTYPES
-    from ..rl.algos import AGG_MODES, KL_KINDS
-    from ..rl.config import ADV_ESTIMATORS, LR_SCHEDULES, MODES
+    from ..rl.algos import AGG_MODES, KL_KINDS, POLICY_LOSSES, SINGLETON_ADV
+    from ..rl.config import ADV_ESTIMATORS, KL_CTRLS, LR_SCHEDULE_UNITS, LR_SCHEDULES, MODES
     from .state import KEEP_ALIVE_S
 
     ap = argparse.ArgumentParser(prog="python -m rollplex.server", description=__doc__.splitlines()[0],
@@ -180,7 +201,9 @@ def parser() -> argparse.ArgumentParser:
     assert len(seeds) == 1, "ServerConfig's nested defaults must agree on the seed --seed sets"
     ap.add_argument("--seed", type=int, default=seeds.pop(), help=HELP["seed"])
     choices = {"rl": {"mode": MODES, "adv_estimator": ADV_ESTIMATORS, "loss_agg_mode": AGG_MODES,
-                      "kl_loss_type": KL_KINDS, "lr_schedule": LR_SCHEDULES},
+                      "kl_loss_type": KL_KINDS, "kl_penalty": KL_KINDS, "lr_schedule": LR_SCHEDULES,
+                      "lr_schedule_unit": LR_SCHEDULE_UNITS, "kl_ctrl": KL_CTRLS, "policy_loss": POLICY_LOSSES,
+                      "singleton_adv": SINGLETON_ADV},
                "memory": {"memory_plan": PLANS, "memory_backend": ("auto", "tms", "accounting"),
                           "optimizer_offload": OPTIMIZER_OFFLOADS},
                "backend": {"rollout_backend": ROLLOUT_BACKENDS},

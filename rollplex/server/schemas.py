@@ -205,7 +205,10 @@ class TrainStepRequest(BaseModel):
     # algorithm overrides for this step only: RLConfig field names (verl's where verl has one), bounded
     # to what a step can use (an lr of 1000 destroys the policy in one step): lr <= 1e-2, a clip range
     # within [0, 1] below and [0, 10] above, coefficients <= 10 (entropy within [-1, 1]), grad_clip <= 1e4,
-    # at most 16 epochs x 256 mini-batches, micro-batches of at most 4096 prompts / 65536 samples / 2^24 tokens
+    # at most 16 epochs x 256 mini-batches, micro-batches of at most 4096 prompts / 65536 samples / 2^24 tokens,
+    # gamma within [0, 1], a TIS cap within (0, 100], a token-sum divisor within (0, 2^20]; names of an
+    # estimator / loss are checked by RLConfig (400 with the allowed values). The LR-schedule unit and
+    # the KL controller are startup flags only: they define what persists across steps.
     lr: float | None = Field(None, gt=0.0, le=1e-2, allow_inf_nan=False)
     kl_coef: float | None = Field(None, ge=0.0, le=10.0, allow_inf_nan=False)
     clip_ratio_low: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
@@ -216,6 +219,13 @@ class TrainStepRequest(BaseModel):
     use_kl_loss: bool | None = None
     kl_loss_type: str | None = None
     norm_adv_by_std: bool | None = None
+    adv_estimator: str | None = None
+    singleton_adv: str | None = None
+    gamma: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    policy_loss: str | None = None
+    loss_agg_norm: float | None = Field(None, gt=0.0, le=float(1 << 20), allow_inf_nan=False)
+    tis_imp_ratio_cap: float | None = Field(None, gt=0.0, le=100.0, allow_inf_nan=False)
+    kl_penalty: str | None = None
     grad_clip: float | None = Field(None, gt=0.0, le=1e4, allow_inf_nan=False)
     ppo_epochs: int | None = Field(None, ge=1, le=16)
     ppo_mini_batches: int | None = Field(None, ge=1, le=256)
