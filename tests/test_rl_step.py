@@ -208,3 +208,14 @@ def test_resume_gives_the_same_next_step(tiny_dir, proc, tmp_path):
         assert torch.allclose(p, q, atol=1e-7), n
     # the saved policy is an ordinary HF checkpoint
     assert load_model(tmp_path / "ck").cfg == a.model.cfg
+
+
+def test_resume_restores_the_adaptive_kl_coefficient(tiny_dir, proc, tmp_path):
+    algo = dict(use_kl_loss=False, kl_ctrl="adaptive")
+    a = _step(tiny_dir, proc, **algo)
+    a.kl_ctrl.value = 0.123  # where earlier steps moved it
+    save_checkpoint(a, tmp_path / "ck")
+    b = _step(tiny_dir, proc, **algo)
+    assert b.kl_ctrl.value == 0.05  # kl_coef
+    load_checkpoint(b, tmp_path / "ck")
+    assert b.kl_ctrl.value == 0.123

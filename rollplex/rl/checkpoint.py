@@ -1,6 +1,7 @@
 """Checkpoint / resume of an RL run: an HF directory for the policy (readable by transformers and
 by `load_model`), the reference policy beside it, and `trainer_state.pt` with the optimizer,
-LR scheduler, step counter, data position and RNG states. Loading copies weights *in place* so the
+LR scheduler, step counter, the adaptive KL controller's coefficient (kl_ctrl="adaptive"), data position
+and RNG states. Loading copies weights *in place* so the
 native engine, which reads the same tensors, keeps decoding with the restored policy; a rollout backend
 with its own copy of the policy (SGLang) gets the restored weights copied in.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import random
 from dataclasses import asdict
 from pathlib import Path
@@ -113,6 +115,8 @@ def _save(step: RLStep, path: Path, data_state: dict | None, tokenizer_dir) -> P
         "data": data_state or {},
         "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
     }
+    if step.kl_ctrl is not None:
+        state["kl_ctrl_value"] = step.kl_ctrl.value
     if par is not None:
         state["world"] = par.world
         if step.ref is not None:  # this rank's shards, restored as they are
@@ -226,6 +230,9 @@ def _read(step: RLStep, path: Path, name: str) -> dict:
         raise ValueError(f"{path / name}: step_idx is not a step count")
     if not isinstance(state.get("data", {}), dict):
         raise ValueError(f"{path / name}: the data state is not a dict")
+    kl = state.get("kl_ctrl_value", 0.0)  # absent: a run saved with a fixed KL coefficient keeps its kl_coef
+    if not (isinstance(kl, float) and math.isfinite(kl) and kl >= 0):
+        raise ValueError(f"{path / name}: the adaptive KL coefficient is not a finite number >= 0")
     try:
         step.actor.check_state_dict(state["actor"])
         rng = state["rng"]
@@ -277,6 +284,8 @@ def _load(step: RLStep, read: dict, report: dict | None) -> dict:
     if step.backend is not None:
         step.backend.update_weights()
     step.step_idx = state["step_idx"]
+    if step.kl_ctrl is not None and "kl_ctrl_value" in state:
+        step.kl_ctrl.value = state["kl_ctrl_value"]
     random.setstate(state["rng"]["python"])
     torch.set_rng_state(state["rng"]["torch"])
     if report is not None:
