@@ -25,7 +25,7 @@ from ..loggers import LoggerConfig, Tracker, add_arguments, default_log_dir
 from ..models import load_model
 from ..plots import plot_rewards
 from ..processor import VLProcessor
-from ..rl.config import RLConfig
+from ..rl.config import ADV_ESTIMATORS, RLConfig
 from ..rl.step import RLStep
 from ..rl.warmup import format_warmup
 from . import shape_color
@@ -52,6 +52,8 @@ def main(argv=None) -> None:
     ap.add_argument("--n", type=int, default=16, help="samples per prompt (GRPO group size)")
     ap.add_argument("--lr", type=float, default=1e-3, help="learning rate")
     ap.add_argument("--kl-coef", type=float, default=0.0, help="KL loss to the warmed-up reference policy")
+    ap.add_argument("--adv-estimator", default="grpo", choices=ADV_ESTIMATORS,
+                    help="advantage estimator (rl/algos.py); dr_grpo with its seq-mean-token-sum-norm aggregation")
     ap.add_argument("--warmup-steps", type=int, default=30, help="format warm-up steps (random option letters)")
     ap.add_argument("--seed", type=int, default=0, help="data, warm-up and sampling seed")
     ap.add_argument("--freeze-vision-tower", action="store_true",
@@ -97,7 +99,8 @@ def _run(args, tracker: Tracker) -> None:
     engine = Engine(model, proc, EngineConfig(max_num_seqs=256, max_model_len=512))
     cfg = RLConfig(mode=args.mode, n=args.n, temperature=1.0, max_new_tokens=4, lr=args.lr, kl_coef=args.kl_coef,
                    micro_batch_prompts=8, micro_batch_samples=32, seed=args.seed, grad_clip=1.0,
-                   freeze_vision_tower=args.freeze_vision_tower, cosched=args.cosched)
+                   freeze_vision_tower=args.freeze_vision_tower, cosched=args.cosched, adv_estimator=args.adv_estimator,
+                   **({"loss_agg_mode": "seq-mean-token-sum-norm"} if args.adv_estimator == "dr_grpo" else {}))
     rl = RLStep(model, engine, cfg, proc, reward_fn="shape_color")
     if args.trace:
         rl.timeline = Timeline(model.inv_freq.device)
@@ -105,7 +108,7 @@ def _run(args, tracker: Tracker) -> None:
     history: list[dict] = []
     from tqdm import tqdm
 
-    bar = tqdm(range(args.steps), desc=f"GRPO ({args.mode})", unit="step")
+    bar = tqdm(range(args.steps), desc=f"{args.adv_estimator} ({args.mode})", unit="step")
     for _ in bar:
         m = rl.step(rng.sample(rows, args.prompts))
         history.append(m)
