@@ -1,5 +1,10 @@
 """One synchronous GRPO/PPO step: rollout -> rewards -> reference logprobs -> (old logprobs) -> update.
 
+Advantages come from `cfg.adv_estimator` (rl/algos.py: grpo, dr_grpo, rloo, reinforce_plus_plus[_baseline]).
+With `use_kl_loss=False` the KL to the reference (`cfg.kl_penalty`, k1 by default as in verl) is a
+per-token reward penalty, its coefficient `kl_coef` or, with `kl_ctrl="adaptive"`, verl's controller,
+moved after each step that changed the weights (`actor/reward_kl_penalty[_coeff]`, `actor/kl_coef`).
+
 `mode` changes where the work runs, never what is computed:
 
 * `rollplex`: reference scoring and training run each prompt's prefix (vision tower + prompt) once
