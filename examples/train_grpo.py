@@ -89,6 +89,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature")
     ap.add_argument("--lr", type=float, default=None, help="default: 1e-3 for the demo, else the server's")
     ap.add_argument("--kl-coef", type=float, default=None, help="KL coefficient (default: the server's)")
+    ap.add_argument("--adv-estimator", default=None, help="grpo, dr_grpo, rloo, reinforce_plus_plus or "
+                    "reinforce_plus_plus_baseline, sent with each /train_step (default: the server's; dr_grpo "
+                    "with loss aggregation seq-mean-token-sum-norm unless --loss-agg-mode says otherwise)")
+    ap.add_argument("--policy-loss", default=None, help="vanilla or gspo (default: the server's)")
+    ap.add_argument("--loss-agg-mode", default=None, help="verl's loss_agg_mode (default: the server's)")
     ap.add_argument("--reward", default="default", help="reward name or module:function (scored by the server in "
                     "training, by this driver in validation); the in-process server registers it, a --server must "
                     "have it registered (its --reward or --reward-module)")
@@ -362,7 +367,11 @@ def _train(args, client: Client, rows: list[dict], val_rows: list[dict], tracker
         loaded = client.call("POST", "/load", {"path": resume})
         start = int((loaded.get("data_state") or {}).get("step", loaded["global_step"]))
         print(f"resumed from {args.resume} at step {start}", flush=True)
-    overrides = {k: v for k, v in (("lr", args.lr), ("kl_coef", args.kl_coef)) if v is not None}
+    if args.adv_estimator == "dr_grpo" and args.loss_agg_mode is None:
+        args.loss_agg_mode = "seq-mean-token-sum-norm"  # Dr.GRPO's aggregation
+    overrides = {k: v for k, v in (("lr", args.lr), ("kl_coef", args.kl_coef), ("adv_estimator", args.adv_estimator),
+                                   ("policy_loss", args.policy_loss), ("loss_agg_mode", args.loss_agg_mode))
+                 if v is not None}
     history: list[dict] = []
     val: dict = {}
     saved = None

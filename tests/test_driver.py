@@ -48,7 +48,8 @@ def test_driver_trains_saves_and_resumes(tmp_path, driver):
     ckpt = Path(out["checkpoint"])
     assert (ckpt / "model.safetensors").exists() and (ckpt / "trainer_state.pt").exists()
 
-    again = driver.main(common + ["--steps", "3", "--resume", str(ckpt)])
+    # the resumed run trains with Dr.GRPO: the estimator and its aggregation go with each /train_step
+    again = driver.main(common + ["--steps", "3", "--resume", str(ckpt), "--adv-estimator", "dr_grpo"])
     assert again["steps"] == 1 and again["final_step"] == 3
     lines = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
     assert [m["training/global_step"] for m in lines] == [1, 2, 3]  # appended, step counter restored
