@@ -44,7 +44,8 @@ Differences from verl that remain:
   micro-batch's padded length, so its value depends on padding and micro-batch size.
 - The entropy and KL loss terms use the same aggregation as the policy loss, also under gspo.
 - `dual_clip=None` turns the dual clip off (verl always applies clip_ratio_c).
-- Truncated importance sampling also weights the gspo loss (verl applies it in the vanilla loss).
+- Truncated importance sampling also weights the gspo loss (verl 0.5 applies tis_imp_ratio_cap in the
+  vanilla loss).
 - No straight-through KL variants (verl's "k3+" etc.), no ReMax / GPG / OPO estimators, no
   GMPO / clip-cov / kl-cov losses; the adaptive controller moves the reward penalty only (as verl's).
 - Clip fractions and ppo_kl are means over the mini-batch's response tokens (verl: over micro-batches).
