@@ -220,3 +220,22 @@ def test_score_samples():
         score_samples(picky, [None] * 2, ["x", "z"], [None] * 2, [None] * 2)
     with pytest.raises(ValueError, match="reward 'mine' returned nan for sample 0"):
         score_samples(picky, [None], ["y"], [None], [None], name="mine")
+
+
+def test_rl_config_validates_the_algorithm_options():
+    from rollplex.rl.config import RLConfig
+
+    for kw, msg in [(dict(adv_estimator="gae"), "adv_estimator must be one of"),
+                    (dict(policy_loss="gmpo"), "policy_loss must be one of"),
+                    (dict(kl_penalty="k4"), "kl_penalty must be one of"),
+                    (dict(singleton_adv="mean"), "singleton_adv must be one of"),
+                    (dict(lr_schedule_unit="epoch"), "lr_schedule_unit must be one of"),
+                    (dict(kl_ctrl="pid"), "kl_ctrl must be one of"),
+                    (dict(adv_estimator="dr_grpo"), "seq-mean-token-sum-norm"),
+                    (dict(kl_ctrl="adaptive"), "use_kl_loss=False"),
+                    (dict(gamma=1.5), "gamma"), (dict(tis_imp_ratio_cap=0.0), "tis_imp_ratio_cap"),
+                    (dict(dual_clip=1.0), "dual_clip")]:
+        with pytest.raises(ValueError, match=msg):
+            RLConfig(**kw)
+    cfg = RLConfig(adv_estimator="dr_grpo", loss_agg_mode="seq-mean-token-sum-norm", max_new_tokens=32)
+    assert cfg.agg_norm == 32.0 and RLConfig(loss_agg_norm=100.0).agg_norm == 100.0
