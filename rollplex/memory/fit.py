@@ -179,8 +179,7 @@ def fit(estimate: Estimate, capacity: int | None, *, memory_plan: str = "auto", 
         steps = dict(ladder)
 
         def replay(names: list[str]) -> _State:
-            s = _State(PhasePlan(base.residency, name=memory_plan), state0.checkpointing,
-                       state0.vision_checkpointing, state0.optimizer_offload)
+            s = state0
             for n in names:
                 s = steps[n](s)
             return s
