@@ -38,7 +38,7 @@ def test_step_bench_compares_serial_sharing_and_cosched(tiny_dir, capsys, tmp_pa
 
     trace = tmp_path / "trace.json"
     step.main(["--preset", f"{tiny_dir}/config.json", "--workloads", "w3b-tail", "--trace", str(trace), *STEP_ARGS,
-               "--new-tokens", "24"])
+               "--new-tokens", "24", "--modes", "serial,rollplex,cosched"])
     rows = _rows(capsys)
     ours = [r for r in rows if r["bench"] == "step" and r["workload"] == "w3b-tail"]
     steps = [(r["vision"], r["step"], r["mode"]) for r in ours]
@@ -62,6 +62,28 @@ def test_step_bench_compares_serial_sharing_and_cosched(tiny_dir, capsys, tmp_pa
     assert check["cosched_grad_norm"] == pytest.approx(check["serial_grad_norm"], rel=1e-4, abs=1e-6)
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(e.get("args", {}).get("name") == "decode" for e in events if e["ph"] == "M")
+
+
+def test_step_bench_runs_the_fused_schedule(tiny_dir, capsys, tmp_path):
+    from rollplex.bench import step
+
+    trace = tmp_path / "fused.json"
+    step.main(["--preset", f"{tiny_dir}/config.json", "--workloads", "w3b-video-tail", "--vision", "frozen",
+               "--modes", "rollplex,fused", "--micro-prompts", "1", "--trace", str(trace), *STEP_ARGS,
+               "--video-prompts", "3", "--new-tokens", "24"])
+    rows = _rows(capsys)
+    check = next(r for r in rows if r["bench"] == "step_check")
+    assert check["fused_grad_norm"] == pytest.approx(check["rollplex_grad_norm"], rel=1e-4, abs=1e-6)
+    by = {(r["step"], r["mode"]): r for r in rows if r["bench"] == "step" and r["workload"] == "w3b-video-tail"}
+    assert set(by) == {(s, m) for s in ("cold", "timed") for m in ("rollplex", "fused")}
+    for s in ("cold", "timed"):  # the same samples, rewards and update on both schedules
+        assert by[(s, "fused")]["fused"] == 1.0 and by[(s, "fused")]["groups"] == 3
+        assert by[(s, "fused")]["grad_norm"] == pytest.approx(by[(s, "rollplex")]["grad_norm"], rel=1e-4, abs=1e-6)
+    (summary,) = [r for r in rows if r["bench"] == "step_summary" and r["step"] == "timed"]
+    assert summary["fused"] > summary["fused_gen_s"] > 0 and summary["chunks"] == 3
+    events = json.loads(trace.read_text())["traceEvents"]
+    lanes = {e.get("args", {}).get("name") for e in events if e["ph"] == "M"}
+    assert {"decode", "fused"} <= lanes
 
 
 def test_step_bench_without_warm_up_times_the_first_step(tiny_dir, capsys):

@@ -150,6 +150,47 @@ def cosched_step(model, eng: Engine, prompts, params, rl_kw: dict, co_cfg: Cosch
 _TFLOPS: dict[str, float] = {}
 
 
+def fused_step(model, eng: Engine, prompts, params, rl_kw: dict, fuse: tuple[int, float], cfg, grid, label: str,
+               step: str, frozen: bool, init: dict, ref, seed: int, timeline: Timeline | None = None) -> dict:
+    """A whole step on the fused schedule (fuse: (fuse_sms, fuse_below)): groups scored and trained beside
+    the rollout's tail, the rest after it, one optimizer step. Its rewards are the phased rows' (the same
+    random 0/1 per sample, in prompt order), so the losses and gradient norms compare."""
+    restore(model, init, frozen)
+    sms, below = fuse
+    rl = RLStep(model, eng, RLConfig(mode="rollplex", schedule="fused", fuse_sms=sms, fuse_below=below,
+                                     freeze_vision_tower=frozen, **rl_kw), reward_fn="exact", ref_model=ref)
+    rl.timeline = timeline
+    offsets = [0]
+    for p in params:
+        offsets.append(offsets[-1] + p.n)
+    scores = torch.rand(offsets[-1], generator=torch.Generator().manual_seed(seed)).round()
+
+    def rewards(_chunk, ids):
+        return torch.cat([scores[offsets[i]: offsets[i + 1]] for i in ids]), {}
+
+    sync()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    batch, m = rl.run(prompts, params, rewards=rewards)
+    sync()
+    wall = time.perf_counter() - t0
+    r = {"bench": "step", "workload": label, "step": step, "mode": "fused", "vision": "frozen" if frozen else "trained",
+         "fuse_sms": sms, "fuse_below": below, "fused": m.get("rollplex/fused", 0.0),
+         "step_s": round(wall, 3), "gen_s": round(m["timing_s/gen"], 3),
+         "tail_s": round(m.get("timing_s/fused_tail", 0.0), 3),
+         "update_actor_s": round(m["timing_s/update_actor"], 3),
+         "in_rollout_s": round(m.get("timing_s/fused_in_rollout", 0.0), 3),
+         "groups_in_rollout": m.get("rollplex/fused_groups_in_rollout", 0.0),
+         "groups": batch.num_prompts, "pg_loss": m["actor/pg_loss"], "kl_loss": m["actor/kl_loss"],
+         "grad_norm": m["actor/grad_norm"],
+         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else 0}
+    print(json.dumps(r), flush=True)
+    del rl, batch
+    _free()
+    return r
+
+
 def prefix_standalone_s(ref, prompts, job_prompts: int) -> float:
     """Seconds of the movable work alone: the reference's prefix of every prompt, nothing beside it."""
     for _ in range(2):  # the first pass warms the compiled shapes
@@ -174,9 +215,14 @@ def tail_lengths(n_prompts: int, new_tokens: int, seed: int) -> list[int]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m rollplex.bench step")
     ap.add_argument("--preset", default="qwen2.5-vl-3b", help="a preset name or an HF config.json")
-    ap.add_argument("--workloads", default="w3b,w3b-video,w3b-tail")
-    ap.add_argument("--modes", default="serial,rollplex,cosched",
-                    help="serial: per-sample; rollplex: prefix sharing; cosched: sharing + the co-scheduler")
+    ap.add_argument("--workloads", default="w3b,w3b-video,w3b-tail,w3b-video-tail")
+    ap.add_argument("--modes", default="serial,rollplex,fused",
+                    help="serial: per-sample; rollplex: prefix sharing, phased; fused: sharing, groups trained "
+                    "beside the rollout's tail; cosched: sharing + the prefix co-scheduler")
+    ap.add_argument("--fuse-sms", default="0", help="fused: comma list, one row per value (crossed with "
+                    "--fuse-below); N > 0 confines the fused work to a green context of N SMs")
+    ap.add_argument("--fuse-below", default="1.0", help="fused: comma list; start when at most this fraction of "
+                    "the groups is still decoding")
     ap.add_argument("--vision", default="trained,frozen", help="trained and/or frozen (freeze_vision_tower)")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--video-prompts", type=int, default=16)
@@ -218,14 +264,15 @@ def main(argv=None) -> None:
                                            compile_decode=False if args.no_compile else None))
     print(json.dumps({"bench": "step_setup", "kv_blocks": eng.runner.num_blocks, **env_info()}), flush=True)
     modes = args.modes.split(",")
+    fuses = [(int(a), float(b)) for a in args.fuse_sms.split(",") for b in args.fuse_below.split(",")]
     co_cfgs = [CoschedConfig(slowdown_bound=float(b), job_prompts=args.job_prompts, side_sms=int(v))
                for b in args.slowdown_bound.split(",") for v in args.side_sms.split(",")]
     rl_kw = dict(n=args.n, kl_coef=0.01, lr=1e-6, micro_batch_max_tokens=args.micro_tokens, packed=not args.no_packed)
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ref = copy.deepcopy(model).requires_grad_(False)
-    summary, traced = [], False
+    summary, fused_rows, traced = [], [], False
     for label in args.workloads.split(","):
-        frames = 8 if label == "w3b-video" else 1
+        frames = 8 if label.startswith("w3b-video") else 1
         # micro-batches that fit one 141 GB GPU next to the engine's KV cache, the reference model and the
         # optimizer state (8 serial video sequences per pass do not: a video prompt has 3x the tokens)
         rl_kw["micro_batch_prompts"] = args.micro_prompts or (2 if frames > 1 else 4)
@@ -233,15 +280,14 @@ def main(argv=None) -> None:
         n_prompts = args.video_prompts if frames > 1 else args.prompts
         prompts, grid = make_prompts(cfg, n_prompts, frames, size=args.image_size, text=args.text_tokens,
                                      device=args.device, dtype=dtype)
-        lens = (tail_lengths(n_prompts, args.new_tokens, seed=7) if label == "w3b-tail"
+        lens = (tail_lengths(n_prompts, args.new_tokens, seed=7) if label.endswith("-tail")
                 else [args.new_tokens] * n_prompts)
 
         def params(seed, lens=lens):
             return [SamplingParams(n=args.n, max_new_tokens=n, ignore_eos=True, seed=seed * 100_003 + i)
                     for i, n in enumerate(lens)]
 
-        for co_cfg in co_cfgs:
-            _check(model, eng, prompts, rl_kw, co_cfg, cfg, grid, label, init, ref, modes)
+        _check(model, eng, prompts, rl_kw, co_cfgs[0], fuses[0], cfg, grid, label, init, ref, modes)
         for frozen in [v == "frozen" for v in args.vision.split(",")]:
             vis = "frozen" if frozen else "trained"
             restore(model, init, frozen)
@@ -262,7 +308,23 @@ def main(argv=None) -> None:
                         row[mode + "_ref_s"], row[mode + "_update_s"] = r["ref_s"], r["update_actor_s"]
                     del batch
                     _free()
-                variants = co_cfgs if "cosched" in modes else [None]
+                for fuse in fuses if "fused" in modes else []:
+                    tl = None
+                    if args.trace and step != "cold" and not traced:
+                        tl, traced = Timeline(torch.device(args.device)), True
+                    r = fused_step(model, eng, prompts, params(seed), rl_kw, fuse, cfg, grid, label, step, frozen,
+                                   init, ref, seed, tl)
+                    frow = {**row, "fuse_sms": fuse[0], "fuse_below": fuse[1], "fused": r["step_s"],
+                            "fused_gen_s": r["gen_s"], "fused_tail_s": r["tail_s"],
+                            "fused_update_s": r["update_actor_s"],
+                            "in_rollout_s": r["in_rollout_s"], "groups_in_rollout": r["groups_in_rollout"],
+                            "chunks": -(-n_prompts // rl_kw["micro_batch_prompts"]), "fused_on": r["fused"]}
+                    if tl is not None:
+                        _write_timeline(tl, args.trace, f"{label}, {vis} tower: fused groups beside decode")
+                    print(json.dumps({"bench": "step_summary", **{k: round(v, 4) if isinstance(v, float) else v
+                                                                   for k, v in frow.items()}}), flush=True)
+                    fused_rows.append(frow)
+                variants = co_cfgs if "cosched" in modes else ([None] if "fused" not in modes else [])
                 for co_cfg in variants:
                     vrow = dict(row)
                     if co_cfg is not None:
@@ -283,7 +345,38 @@ def main(argv=None) -> None:
                     print(json.dumps({"bench": "step_summary", **{k: round(v, 4) if isinstance(v, float) else v
                                                                    for k, v in vrow.items()}}), flush=True)
                     summary.append(vrow)
-    _table(summary)
+    if summary:
+        _table(summary)
+    if fused_rows:
+        _fused_table(fused_rows)
+
+
+def _write_timeline(tl: Timeline, path: str, title: str) -> None:
+    tl.write_trace(path)
+    png = tl.plot(str(path).rsplit(".", 1)[0] + ".png", title=title)
+    print(json.dumps({"bench": "step_trace", "path": path, "png": str(png) if png else None}), flush=True)
+
+
+def _fused_table(rows: list[dict]) -> None:
+    """Fused against phased. Movable: the reference + update work of every chunk but the last (the last
+    can only start when the rollout ends); limit: the phased step minus it; share: of it hidden."""
+    print("\n| workload | vision | step | serial s | phased s (gen) | fused s (gen / tail / update) | SMs | below | "
+          "in rollout s | movable s | limit s | share | fused vs phased | vs serial |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)  # noqa: E731
+    for r in rows:
+        phased, fused, base = r.get("rollplex"), r["fused"], r.get("serial")
+        movable = share = limit = None
+        if phased is not None:
+            movable = (r["rollplex_ref_s"] + r["rollplex_update_s"]) * (1 - 1 / r["chunks"])
+            limit = phased - movable
+            share = (phased - fused) / movable if movable > 0 else None
+        print(f"| {r['workload']} | {r['vision']} | {r['step']} | {fmt(base)} | "
+              f"{fmt(phased)} ({fmt(r.get('gen_s'))}) | "
+              f"{fused:.2f} ({r['fused_gen_s']:.2f} / {r['fused_tail_s']:.2f} / {r['fused_update_s']:.2f})"
+              f"{'' if r['fused_on'] else ' phased'} | {r['fuse_sms'] or 'all'} | {r['fuse_below']:g} | "
+              f"{r['in_rollout_s']:.2f} | {fmt(movable)} | {fmt(limit)} | {fmt(share, '{:.0%}')} | "
+              f"{fmt(phased / fused - 1 if phased else None, '{:+.1%}')} | {fmt(base / fused if base else None)}x |")
 
 
 def _with_engine_vision(eng: Engine, prompts: list) -> list:
@@ -292,8 +385,8 @@ def _with_engine_vision(eng: Engine, prompts: list) -> list:
     return [replace(p, vision_embeds=o.vision_embeds) for p, o in zip(prompts, outs)]
 
 
-def _check(model, eng, prompts, rl_kw, co_cfg, cfg, grid, label, init, ref, modes) -> None:
-    """Correctness first, on two prompts: serial, rollplex and the co-scheduled step agree."""
+def _check(model, eng, prompts, rl_kw, co_cfg, fuse, cfg, grid, label, init, ref, modes) -> None:
+    """Correctness first, on two prompts: serial, rollplex, the co-scheduled and the fused step agree."""
     small = [SamplingParams(n=2, max_new_tokens=16, ignore_eos=True, seed=1 + i) for i in range(2)]
     restore(model, init, False)
     sb, _, _ = rollout(eng, prompts[:2], small, seed=1)
@@ -306,6 +399,10 @@ def _check(model, eng, prompts, rl_kw, co_cfg, cfg, grid, label, init, ref, mode
         r = cosched_step(model, eng, prompts[:2], small, kw, co_cfg, cfg, grid, label + "-check", "check", False,
                          init, ref, seed=1)
         out.update({f"cosched_{k}": r[k] for k in ("pg_loss", "kl_loss", "grad_norm")})
+    if "fused" in modes:
+        r = fused_step(model, eng, prompts[:2], small, {**kw, "micro_batch_prompts": 1}, fuse, cfg, grid,
+                       label + "-check", "check", False, init, ref, seed=1)
+        out.update({f"fused_{k}": r[k] for k in ("pg_loss", "kl_loss", "grad_norm")})
     print(json.dumps(out), flush=True)
 
 

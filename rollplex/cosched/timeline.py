@@ -84,6 +84,27 @@ class Timeline:
         return plot_spans(self.spans, Path(path), title)
 
 
+class DecodeMarks:
+    """A decode-loop hook (engine/hooks.py) that puts each decode step on a timeline's "decode" lane: the
+    span from one step's launch to the next's, with its running batch size (`close` resolves them)."""
+
+    def __init__(self, timeline: Timeline):
+        self.timeline = timeline
+        self._marks: list[tuple[int, int, object]] = []
+
+    def on_decode_step(self, info) -> None:
+        self._marks.append((info.step, info.batch_size, self.timeline.now()))
+
+    def close(self) -> None:
+        """The spans between consecutive steps (the last step's end is the mark made now)."""
+        if not self._marks:
+            return
+        self._marks.append((-1, 0, self.timeline.now()))
+        for (step, bs, m), nxt in zip(self._marks, self._marks[1:]):
+            self.timeline.device_span("decode", f"step {step}", m, nxt[2], batch_size=bs)
+        self._marks.clear()
+
+
 def load_trace(path: str | Path) -> list[Span]:
     data = json.loads(Path(path).read_text())
     names = {e["tid"]: e["args"]["name"] for e in data["traceEvents"] if e["ph"] == "M"}
@@ -100,14 +121,15 @@ def plot_spans(spans: list[Span], path: Path, title: str) -> Path | None:
     except ImportError:
         return None
     dec = sorted((s for s in spans if s.lane == "decode"), key=lambda s: s.start)
-    work = [s for s in spans if s.lane == "cosched"]
+    work = [s for s in spans if s.lane in ("cosched", "fused")]
     phases = [s for s in spans if s.lane == "phase"]
     fig, ax = plt.subplots(2, 1, figsize=(10, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     if dec:
         ax[0].plot([s.start for s in dec], [(s.end - s.start) * 1e3 for s in dec], lw=0.8, label="decode step")
         loaded = [s for s in dec if s.args.get("admitted_ms", 0) > 0]
-        ax[0].scatter([s.start for s in loaded], [(s.end - s.start) * 1e3 for s in loaded], s=4, c="tab:red",
-                      label="step with prefix work beside it", zorder=3)
+        if loaded:
+            ax[0].scatter([s.start for s in loaded], [(s.end - s.start) * 1e3 for s in loaded], s=4, c="tab:red",
+                          label="step with prefix work beside it", zorder=3)
         ax2 = ax[0].twinx()
         ax2.plot([s.start for s in dec], [s.args.get("batch_size", 0) for s in dec], c="gray", lw=0.6, ls="--")
         ax2.set_ylabel("running sequences", color="gray")
@@ -121,7 +143,7 @@ def plot_spans(spans: list[Span], path: Path, title: str) -> Path | None:
     for s in phases:
         ax[1].barh(0, s.end - s.start, left=s.start, height=0.8, alpha=0.5)
         ax[1].text(s.start, 0, s.name, fontsize=7, va="center")
-    ax[1].set_yticks([0, 1], ["phases", "prefix work"])
+    ax[1].set_yticks([0, 1], ["phases", "fused groups" if any(s.lane == "fused" for s in work) else "prefix work"])
     ax[1].set_xlabel("seconds")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

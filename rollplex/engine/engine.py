@@ -389,8 +389,10 @@ class Engine:
 
     # ---- batch API ----------------------------------------------------------------------------
     def generate(self, prompts: Seq, params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False, keep_vision: bool = False) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in prompt order (keep_vision: see add_request)."""
+                 use_tqdm: bool = False, keep_vision: bool = False, on_output=None) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order (keep_vision: see add_request).
+        on_output(i, output): called from this loop as prompt i's request (all its n samples) finishes,
+        in finishing order, before the next engine step: a consumer can start on a group at once."""
         if isinstance(params, SamplingParams) or params is None:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -409,9 +411,12 @@ class Engine:
             from tqdm import tqdm
 
             bar = tqdm(total=len(ids), desc="rollout", unit="req")
+        index = {rid: i for i, rid in enumerate(ids)}
         while len(outputs) < len(ids):
             for out in self.step():
                 outputs[out.request_id] = out
+                if on_output is not None:
+                    on_output(index[out.request_id], out)
                 if bar is not None:
                     bar.update(1)
         if bar is not None:

@@ -181,25 +181,9 @@ class Actor:
                                     "n or max_new_tokens, turn on gradient_checkpointing, or offload the optimizer "
                                     "(optimizer_offload) or the reference model", updates) from e
                             self._backoff = smaller
-                    # one host sync per mini-batch: the metrics summed over the placement's processes
-                    stats = dict(zip(METRICS, pl.sum_(acc).tolist()))
-                    grad_norm = pl.clip_grad_norm_(self.optimizer.touched_params(), cfg.grad_clip)
-                    stats["actor/grad_norm"] = float(grad_norm)
-                    stats["actor/lr"] = self._set_lr(cfg)
-                    # the summed metrics and the global norm are the same on every process: all skip alike
-                    bad = [k for k, v in stats.items() if not math.isfinite(v)]
-                    if bad and nonfinite == "raise":
-                        raise NonFiniteUpdate(
-                            f"non-finite {', '.join(bad)} in mini-batch {done + 1} of {total} (the loss or the "
-                            "gradients overflowed: check the rewards, lr and coefficients); its optimizer step "
-                            "was skipped", updates)
-                    if bad:  # no optimizer step and no LR-schedule step for it (verl skips it too)
-                        skipped += 1
-                    else:
-                        self._optimizer_step(updates)
-                        if self.per_optimizer_step:
-                            self.scheduler.step()
-                        updates += 1
+                    stats, applied = self._step_minibatch(cfg, acc, f"mini-batch {done + 1} of {total}", updates,
+                                                          nonfinite)
+                    updates, skipped = updates + applied, skipped + (not applied)
                     for k, v in stats.items():
                         sums[k] = sums.get(k, 0.0) + v
                     done += 1
@@ -226,6 +210,91 @@ class Actor:
         if skipped:
             out["actor/skipped_updates"] = float(skipped)
         return out, first_logp
+
+    def _step_minibatch(self, cfg: RLConfig, acc: torch.Tensor, where: str, updates: int,
+                        nonfinite: str) -> tuple[dict, bool]:
+        """Clip and apply one mini-batch's accumulated gradients: (its metrics, whether its optimizer step
+        was applied). A non-finite loss or gradient norm skips it, or raises NonFiniteUpdate."""
+        pl = self.placement
+        # one host sync per mini-batch: the metrics summed over the placement's processes
+        stats = dict(zip(METRICS, pl.sum_(acc).tolist()))
+        grad_norm = pl.clip_grad_norm_(self.optimizer.touched_params(), cfg.grad_clip)
+        stats["actor/grad_norm"] = float(grad_norm)
+        stats["actor/lr"] = self._set_lr(cfg)
+        # the summed metrics and the global norm are the same on every process: all skip alike
+        bad = [k for k, v in stats.items() if not math.isfinite(v)]
+        if bad and nonfinite == "raise":
+            raise NonFiniteUpdate(
+                f"non-finite {', '.join(bad)} in {where} (the loss or the gradients overflowed: check the rewards, "
+                "lr and coefficients); its optimizer step was skipped", updates)
+        if bad:  # no optimizer step and no LR-schedule step for it (verl skips it too)
+            return stats, False
+        self._optimizer_step(updates)
+        if self.per_optimizer_step:
+            self.scheduler.step()
+        return stats, True
+
+    # ---- the update as a stream of groups (rl/pipeline.py) ----------------------------------
+    def begin_groups(self) -> None:
+        """Start accumulating one whole-batch mini-batch group by group (`accumulate_groups`)."""
+        self.model.train()
+        self.optimizer.zero_grad()
+
+    def accumulate_groups(self, cfg: RLConfig, chunk: RolloutBatch, advantages: torch.Tensor,
+                          ref_logprobs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward/backward of some finished groups (`chunk`, with its own [n] / [n, R] advantages and
+        reference logprobs) into the gradients, every loss term *unnormalised* (a unit denominator): the
+        whole batch's normalisers are known only when its last group is done (`apply_groups` divides).
+        Returns (its unnormalised metrics in METRICS order, its logprobs [n, R] on the device)."""
+        first: list = []
+        acc = self._accumulate(cfg, chunk, torch.arange(chunk.num_samples), advantages, ref_logprobs, None, first,
+                               chunk.rollout_logprobs, norms=(1.0, 1.0, 1.0), zero=False)
+        logp = torch.zeros(chunk.responses.shape, device=acc.device)
+        for gidx, lp in first:
+            logp[to_device(gidx, acc.device), : lp.shape[1]] = lp
+        return acc, logp
+
+    def apply_groups(self, cfg: RLConfig, acc: torch.Tensor, mask: torch.Tensor, nonfinite: str = "skip") -> dict:
+        """The optimizer step of a batch accumulated by `accumulate_groups` (mask: the whole batch's [N, R]):
+        gradients and metrics divided by the normalisers the phased update uses, then clipped and applied
+        as `update` applies one mini-batch (metrics, NonFiniteUpdate, TrainOOM and the LR schedule alike)."""
+        denom, pg_denom, n_tok = self._norms(cfg, mask)
+        scale = 1.0 / max(pg_denom if fused_loss_norm(cfg) == "pg" else denom, 1.0)
+        with torch.no_grad():
+            for p in self.optimizer.touched_params():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        acc = acc * torch.tensor([1 / max(pg_denom, 1.0), 1 / max(denom, 1.0), 1 / max(denom, 1.0), 1 / n_tok,
+                                  1 / n_tok, 1 / n_tok], device=acc.device)
+        updates = 0
+        try:
+            stats, applied = self._step_minibatch(cfg, acc, "the batch", 0, nonfinite)
+            updates = int(applied)
+        except BaseException as e:
+            self._recover()
+            self.model.eval()
+            if not self.per_optimizer_step and getattr(e, "partial_update", False):
+                self.scheduler.step()
+            raise
+        if not self.per_optimizer_step and updates:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=self.memory is None)
+        self.model.eval()
+        if not applied:
+            stats["actor/skipped_updates"] = 1.0
+        return stats
+
+    def discard_groups(self) -> None:
+        """Drop what `accumulate_groups` accumulated (the step goes on another way)."""
+        self._recover()
+        self.model.eval()
+
+    @staticmethod
+    def _norms(cfg: RLConfig, mask: torch.Tensor) -> tuple[float, float, float]:
+        """(loss denominator, policy-loss denominator, tokens) of a mini-batch with response mask `mask`."""
+        denom = agg_denominator(mask, cfg.loss_agg_mode, cfg.agg_norm)
+        pg_denom = agg_denominator(mask, "seq-mean-token-mean") if cfg.policy_loss == "gspo" else denom
+        return denom, pg_denom, max(float(mask.sum()), 1.0)
 
     def _optimizer_step(self, applied: int) -> None:
         """The mini-batch's optimizer step. Out of memory inside it raises TrainOOM on every process of the
@@ -267,7 +336,8 @@ class Actor:
 
     def _accumulate(self, cfg: RLConfig, mini: RolloutBatch, mini_idx: torch.Tensor, advantages: torch.Tensor,
                     ref_logprobs: torch.Tensor | None, old_all: torch.Tensor | None,
-                    first_parts: list | None, rollout_all: torch.Tensor | None = None) -> torch.Tensor:
+                    first_parts: list | None, rollout_all: torch.Tensor | None = None,
+                    norms: tuple[float, float, float] | None = None, zero: bool = True) -> torch.Tensor:
         """Forward/backward of this process's share of one mini-batch's micro-batches into zeroed
         gradients; returns its part of the metrics in METRICS order (a device tensor: an .item() per
         micro-batch would make the host wait for the GPU each time and lose the run-ahead that hides
@@ -276,20 +346,22 @@ class Actor:
         Every loss term is divided by the *whole mini-batch's* normaliser (`agg_denominator` over all
         processes' tokens or sequences), so summing the gradients over micro-batches and processes gives
         the mini-batch's gradient (rl/algos.py). Rows of a pass past its sample indices are a placement's
-        masked-out dummies: zero advantages and reference logprobs, zero mask."""
+        masked-out dummies: zero advantages and reference logprobs, zero mask.
+
+        norms: (loss, policy-loss, token) normalisers to use instead of the mini-batch's (`accumulate_groups`
+        passes ones); zero: start from zeroed gradients (False: add to what is there)."""
         model, plan, pl = self.model, self._plan(cfg), self.placement
-        denom = agg_denominator(mini.mask, cfg.loss_agg_mode, cfg.agg_norm)
-        gspo = cfg.policy_loss == "gspo"  # verl aggregates GSPO's loss per sequence whatever the mode
-        pg_mode = "seq-mean-token-mean" if gspo else cfg.loss_agg_mode
-        pg_denom = agg_denominator(mini.mask, pg_mode) if gspo else denom
+        denom, pg_denom, n_tok = norms or self._norms(cfg, mini.mask)
+        # verl aggregates GSPO's loss per sequence whatever the mode
+        pg_mode = "seq-mean-token-mean" if cfg.policy_loss == "gspo" else cfg.loss_agg_mode
         tis = cfg.tis_imp_ratio_cap is not None and rollout_all is not None
-        n_tok = max(float(mini.mask.sum()), 1.0)
         local, local_idx = pl.share(mini, cfg.mode)
         # the entropy is a metric always (verl reports it): detached from the chunked pass, and through the
         # full logits only when a bonus needs its gradient
         entropy = "grad" if cfg.entropy_coeff > 0 else "metric"
         use_kl = ref_logprobs is not None and cfg.use_kl_loss and cfg.kl_coef > 0
-        self.optimizer.zero_grad()
+        if zero:
+            self.optimizer.zero_grad()
         acc = torch.zeros(len(METRICS), device=model.inv_freq.device)
         for mb, idx in pl.passes(local, cfg.mode, plan):
             try:
@@ -355,6 +427,17 @@ class Actor:
         rebuilt = self.optimizer.load_state_dict(sd["optimizer"], weights_dtype)
         self.scheduler.load_state_dict(sd["scheduler"])
         return rebuilt
+
+
+def fused_loss_norm(cfg: RLConfig) -> str | None:
+    """Which normaliser divides every loss term of an update accumulated group by group: "loss" (the
+    terms share `loss_agg_mode`'s), "pg" (only the policy loss is in it, by its own), or None when the
+    terms are divided by two different ones (gspo's per-sequence policy loss beside a KL loss or an
+    entropy bonus by tokens), which one division at the end cannot reproduce."""
+    if cfg.policy_loss != "gspo" or cfg.loss_agg_mode == "seq-mean-token-mean":
+        return "loss"
+    extra = (cfg.use_kl_loss and cfg.kl_coef > 0) or cfg.entropy_coeff > 0
+    return None if extra else "pg"
 
 
 def _rows(t: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:

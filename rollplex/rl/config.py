@@ -17,6 +17,7 @@ from .microbatch import MicroBatching
 MODES = ("rollplex", "serial")
 LR_SCHEDULES = ("constant", "cosine")
 LR_SCHEDULE_UNITS = ("step", "optimizer_step")
+SCHEDULES = ("phased", "fused")
 KL_CTRLS = ("fixed", "adaptive")
 
 
@@ -92,6 +93,16 @@ class RLConfig:
     # num_updates > 1) beside the rollout's decode steps on spare device capacity (rollplex.cosched), and
     # hand the prefix states to scoring; same values as without it
     cosched: bool = False
+    # how a whole step (`RLStep.step`) runs its stages (rl/pipeline.py): "phased" rolls out, then scores and
+    # trains the batch; "fused" feeds each prompt group, as its samples finish, through the reward, the
+    # reference, the advantages and the actor's forward/backward while the rest of the rollout decodes, and
+    # steps the optimizer once after the last group (same result up to summation order)
+    schedule: str = "phased"
+    # fused: start consuming groups when at most this fraction of them is still decoding (1.0: at once)
+    fuse_below: float = 1.0
+    # fused, on a GPU: the work beside decode runs in a green context of this many SMs (0: a low-priority
+    # stream over every SM); decode keeps the primary context
+    fuse_sms: int = 0
     seed: int = 0
 
     def __post_init__(self):
@@ -100,7 +111,8 @@ class RLConfig:
         for name, allowed in (("adv_estimator", ADV_ESTIMATORS), ("singleton_adv", SINGLETON_ADV),
                               ("policy_loss", POLICY_LOSSES), ("loss_agg_mode", AGG_MODES),
                               ("kl_loss_type", KL_KINDS), ("kl_penalty", KL_KINDS), ("kl_ctrl", KL_CTRLS),
-                              ("lr_schedule", LR_SCHEDULES), ("lr_schedule_unit", LR_SCHEDULE_UNITS)):
+                              ("lr_schedule", LR_SCHEDULES), ("lr_schedule_unit", LR_SCHEDULE_UNITS),
+                              ("schedule", SCHEDULES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.adv_estimator == "dr_grpo" and self.loss_agg_mode != "seq-mean-token-sum-norm":
@@ -129,6 +141,13 @@ class RLConfig:
             raise ValueError("lr and grad_clip must be > 0")
         if self.cosched and self.mode != "rollplex":
             raise ValueError("cosched needs mode='rollplex' (it hands shared prefix states to scoring)")
+        if self.cosched and self.schedule == "fused":
+            raise ValueError("schedule='fused' runs the reference's whole scoring beside the rollout; the prefix "
+                             "co-scheduler (cosched) is for the phased schedule: choose one")
+        if not 0.0 < self.fuse_below <= 1.0:
+            raise ValueError("fuse_below must be within (0, 1]")
+        if self.fuse_sms < 0:
+            raise ValueError("fuse_sms must be >= 0 (0: share every SM)")
 
     @property
     def agg_norm(self) -> float:

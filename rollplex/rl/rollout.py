@@ -3,6 +3,9 @@
     generate(prompts, params, keep_vision)   ModelInputs + SamplingParams (one per prompt) -> one
                                              RequestOutput per prompt, in order (rollplex.engine's form,
                                              which RolloutBatch.from_outputs reads)
+    reports_groups                           True when generate also takes `on_output(i, output)` and
+                                             calls it as each prompt's group finishes (the native engine,
+                                             from its decode loop): what the fused schedule consumes
     attach(model, memory)                    the policy the rollouts sample from and the step's memory
                                              manager (its plan and ledger); called once by RLStep
     enter_phase(phase)                       rollout / ref / update: release or resume the backend's own
@@ -47,13 +50,14 @@ class NativeRollout:
     """Rollplex's engine as a RolloutBackend (`engine`: the rollplex.engine.Engine it drives)."""
 
     name = "native"
+    reports_groups = True
 
     def __init__(self, engine):
         self.engine = engine
         self.processor = engine.processor
 
-    def generate(self, prompts: Sequence, params: Sequence, keep_vision: bool = False) -> list:
-        return self.engine.generate(prompts, params, keep_vision=keep_vision)
+    def generate(self, prompts: Sequence, params: Sequence, keep_vision: bool = False, on_output=None) -> list:
+        return self.engine.generate(prompts, params, keep_vision=keep_vision, on_output=on_output)
 
     def attach(self, model, memory) -> None:
         if self.engine.model is not model:

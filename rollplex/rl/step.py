@@ -57,6 +57,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..cosched import CoschedConfig, CoScheduler, PrefixRows, Timeline
+from ..cosched.timeline import DecodeMarks
 from ..engine import Engine, SamplingParams
 from ..memory import Footprint, MemoryConfig, MemoryFit, MemoryManager, activation_bytes, device_capacity, host_memory
 from ..models import ModelConfig, Qwen25VL
@@ -65,6 +66,7 @@ from .algos import AdaptiveKLController, compute_advantages, kl_penalty
 from .batch import RolloutBatch
 from .config import RLConfig
 from .errors import TrainStepError
+from .pipeline import GroupPipeline, fallback_on, fused_unsupported
 from .rewards import RewardFn, get_reward_fn, score_samples
 from .rollout import NativeRollout, RolloutBackend, as_rollout_backend
 from .scoring import score_with_backoff as score_logprobs
@@ -178,6 +180,8 @@ class RLStep:
         self.cosched = CoScheduler(cosched or CoschedConfig(), self.device, memory=memory)
         self.timeline: Timeline | None = None  # set one to record phases and co-scheduled work
         self.rollout_metrics: dict = {}  # the last rollout's co-scheduling metrics
+        self._fused_stream = None  # (side stream, its green context) of the fused schedule, made on first use
+        self._fused_warned: set[str] = set()
         if memory is not None:
             fit = self.memory_fit
             memory.set_plan(fit.plan, fit.to_dict())
@@ -369,33 +373,15 @@ class RLStep:
         cfg, m = cfg or self.cfg, {}
         if batch.rewards is None:
             raise ValueError("the batch has no rewards")
-        if not self.cfg.freeze_vision_tower and any(p.vision_embeds is not None for p in batch.prompts):
-            # a trained vision tower must run: stored encodings would cut its gradient
-            batch = replace(batch, prompts=[replace(p, vision_embeds=None) for p in batch.prompts])
+        batch, ref_batch = self.training_views(batch)
         ref_lp = None
         tl = self.timeline
-        if self.ref is not None and cfg.kl_coef > 0:
-            ref_batch = batch
-            if any(p.vision_embeds is not None for p in batch.prompts) and not self._ref_same_vision:
-                ref_batch = replace(batch, prompts=[replace(p, vision_embeds=None) for p in batch.prompts])
+        if self.uses_reference(cfg):
             with _timer(m, "ref", self.device, tl), self._phase("ref"):
                 self._complete_handover(batch, "ref", m)
-                if self.parallel is not None and not self.parallel.fsdp.shard_reference:  # each rank its share
-                    ref_lp = self.parallel.share_logprobs(self.ref, ref_batch, cfg, "ref", self.actor.score_backoff)
-                else:
-                    ref_lp = score_logprobs(self.ref, ref_batch, cfg.mode, cfg.micro_batching, cfg.temperature,
-                                            prefix_key="ref", placement=self.actor.placement,
-                                            backoff=self.actor.score_backoff)
-        penalty, reward_kl = None, None
-        if ref_lp is not None and not cfg.use_kl_loss:  # KL as a reward penalty (policy = rollout logprobs)
-            mask = batch.mask.float()
-            kld = kl_penalty(batch.rollout_logprobs, ref_lp, cfg.kl_penalty) * mask
-            coef = self.kl_ctrl.value if self.kl_ctrl is not None else cfg.kl_coef
-            penalty = coef * kld  # per token, as verl's token_level_rewards
-            # verl's measured KL: the mean over samples of each sample's per-token mean
-            reward_kl = float((kld.sum(-1) / mask.sum(-1).clamp_min(1)).mean())
-            m["critic/kl_penalty"] = float(kld.sum(-1).mean())
-            m["actor/reward_kl_penalty"], m["actor/reward_kl_penalty_coeff"] = reward_kl, coef
+                ref_lp = self.reference_logprobs(ref_batch, cfg)
+        penalty, reward_kl, kl_m = self.kl_reward_penalty(batch, ref_lp, cfg)
+        m.update(kl_m)
         adv, rewards = compute_advantages(cfg.adv_estimator, batch.rewards, batch.group, batch.mask, penalty,
                                           cfg.norm_adv_by_std, cfg.gamma, cfg.singleton_adv)
         old = old_logprobs
@@ -409,27 +395,77 @@ class RLStep:
                     old = self.actor.old_logprobs(batch, cfg)
         batch.prefix = {}  # the prefix states are consumed: free them before the update
         with _timer(m, "update_actor", self.device, tl), self._phase("update"):
-            try:
-                stats, first_lp = self.actor.update(batch, adv, ref_lp if cfg.use_kl_loss else None, old,
-                                                    self.step_idx, cfg, nonfinite)
-            except TrainStepError as e:
-                if e.weights_changed:  # part of the step was applied: counted, and what the engine decodes follows
-                    self.step_idx += 1
-                    self._update_kl_ctrl(reward_kl, batch.num_samples)
-                    if self.parallel is not None:
-                        self.parallel.sync_weights()
-                raise
+            stats, first_lp = self._applying(reward_kl, batch.num_samples, lambda: self.actor.update(
+                batch, adv, ref_lp if cfg.use_kl_loss else None, old, self.step_idx, cfg, nonfinite))
+        self._after_update(m, stats, reward_kl, batch.num_samples)
+        train_lp = old if old is not None and old_logprobs is None else first_lp
+        m.update(self._batch_metrics(batch, adv, rewards, train_lp, cfg))
+        return m
+
+    # ---- the stages the schedules share (train() above, the group pipeline in rl/pipeline.py) ---------------
+    def training_views(self, batch: RolloutBatch) -> tuple[RolloutBatch, RolloutBatch]:
+        """(the batch as the actor trains it, as the reference scores it): stored vision encodings are
+        dropped where the tower must run — a trained tower (they would cut its gradient), a reference
+        whose tower differs from the actor's."""
+        if not self.cfg.freeze_vision_tower and any(p.vision_embeds is not None for p in batch.prompts):
+            batch = replace(batch, prompts=[replace(p, vision_embeds=None) for p in batch.prompts])
+        ref_batch = batch
+        if any(p.vision_embeds is not None for p in batch.prompts) and not self._ref_same_vision:
+            ref_batch = replace(batch, prompts=[replace(p, vision_embeds=None) for p in batch.prompts])
+        return batch, ref_batch
+
+    def uses_reference(self, cfg: RLConfig) -> bool:
+        return self.ref is not None and cfg.kl_coef > 0
+
+    def reference_logprobs(self, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
+        """The reference's logprobs [N, R] of the batch's responses (backs off on OOM, rl/scoring.py)."""
+        if self.parallel is not None and not self.parallel.fsdp.shard_reference:  # each rank its share
+            return self.parallel.share_logprobs(self.ref, batch, cfg, "ref", self.actor.score_backoff)
+        return score_logprobs(self.ref, batch, cfg.mode, cfg.micro_batching, cfg.temperature, prefix_key="ref",
+                              placement=self.actor.placement, backoff=self.actor.score_backoff)
+
+    def kl_reward_penalty(self, batch: RolloutBatch, ref_lp: torch.Tensor | None,
+                          cfg: RLConfig) -> tuple[torch.Tensor | None, float | None, dict]:
+        """With the KL as a reward penalty (use_kl_loss=False; policy = rollout logprobs): (the per-token
+        penalty [N, R], coefficient included, as verl's token_level_rewards; the measured KL; metrics)."""
+        if ref_lp is None or cfg.use_kl_loss:
+            return None, None, {}
+        mask = batch.mask.float()
+        kld = kl_penalty(batch.rollout_logprobs, ref_lp, cfg.kl_penalty) * mask
+        coef = self.kl_ctrl.value if self.kl_ctrl is not None else cfg.kl_coef
+        # verl's measured KL: the mean over samples of each sample's per-token mean
+        reward_kl = float((kld.sum(-1) / mask.sum(-1).clamp_min(1)).mean())
+        return coef * kld, reward_kl, {"critic/kl_penalty": float(kld.sum(-1).mean()),
+                                       "actor/reward_kl_penalty": reward_kl, "actor/reward_kl_penalty_coeff": coef}
+
+    def _applying(self, reward_kl: float | None, n: int, apply):
+        """Run `apply` (what writes the weights); a failure after some weights changed still counts the step,
+        moves the KL controller and syncs what the engine decodes."""
+        try:
+            return apply()
+        except TrainStepError as e:
+            if e.weights_changed:  # part of the step was applied: counted, and what the engine decodes follows
+                self.step_idx += 1
+                self._update_kl_ctrl(reward_kl, n)
+                if self.parallel is not None:
+                    self.parallel.sync_weights()
+            raise
+
+    def _after_update(self, m: dict, stats: dict, reward_kl: float | None, n: int) -> None:
         self.step_idx += 1  # the weights changed: counted before anything else can fail
-        self._update_kl_ctrl(reward_kl, batch.num_samples)
+        self._update_kl_ctrl(reward_kl, n)
         if self.parallel is not None:  # the trainer's new weights into what the engine decodes
-            with _timer(m, "sync_weights", self.device, tl):
+            with _timer(m, "sync_weights", self.device, self.timeline):
                 self.parallel.sync_weights()
             m.update(self.parallel.weight_metrics())
             m.update(self.actor.placement.take_metrics())
         m.update(stats)
         if self.memory is not None:
             m.update(self.memory.take_metrics())
-        train_lp = old if old is not None and old_logprobs is None else first_lp
+
+    def _batch_metrics(self, batch: RolloutBatch, adv: torch.Tensor, rewards: torch.Tensor,
+                       train_lp: torch.Tensor, cfg: RLConfig) -> dict:
+        m = {}
         if batch.rollout_logprobs is not None:
             sel = batch.mask > 0
             diff = (batch.rollout_logprobs.exp() - train_lp.exp()).abs()[sel]
@@ -486,20 +522,129 @@ class RLStep:
 
     def step(self, rows: list[dict]) -> dict:
         """The full step on a batch of dataset rows; returns verl-named metrics."""
+        prompts, params, per_prompt = rollout_requests(self.processor, rows, self.cfg, self.step_idx)
+        return self.run(prompts, params, **per_prompt)[1]
+
+    def run(self, prompts: list, params: list[SamplingParams], rewards=None,
+            **per_prompt) -> tuple[RolloutBatch, dict]:
+        """The full step on prompts (ModelInputs, one SamplingParams each), in `cfg.schedule`'s order:
+        (the rolled-out batch with its rewards, verl-named metrics). rewards: `fn(batch, prompt_ids) ->
+        (scores [n], metrics)` over a batch of whole groups, samples in prompt order (default: the step's
+        reward function); per_prompt: data_sources / ground_truths / extra_infos."""
+        if self.backend is None:
+            raise ValueError("this RLStep has no rollout engine: pass rollouts to train() instead")
+        rewards = rewards or (lambda b, _ids: self.compute_rewards(b))
         m: dict = {}
         t0 = time.perf_counter()
-        with _timer(m, "gen", self.device, self.timeline):
-            batch = self.rollout(rows)
-        m.update(self.rollout_metrics)
-        with _timer(m, "reward", self.device):
-            batch.rewards, extra = self.compute_rewards(batch)
-        m.update(extra)
-        m.update(self.train(batch))
+        why = self.fused_unsupported() if self.cfg.schedule == "fused" else None
+        if why is not None:
+            if why not in self._fused_warned:
+                self._fused_warned.add(why)
+                log.warning("schedule='fused' runs phased: %s", why)
+            m["rollplex/fused"] = 0.0
+        batch = self._fused(prompts, params, rewards, per_prompt, m) \
+            if self.cfg.schedule == "fused" and why is None else None
+        if batch is None:
+            with _timer(m, "gen", self.device, self.timeline):
+                batch = self.generate(prompts, params, **per_prompt)
+            m.update(self.rollout_metrics)
+            with _timer(m, "reward", self.device):
+                batch.rewards, extra = rewards(batch, list(range(batch.num_prompts)))
+            m.update(extra)
+            m.update(self.train(batch))
         m["timing_s/step"] = time.perf_counter() - t0
         tokens = sum(len(batch.prompts[g].input_ids) for g in batch.group.tolist()) + float(batch.mask.sum())
         m["perf/throughput"] = tokens / m["timing_s/step"]
         m["training/global_step"] = self.step_idx
-        return m
+        return batch, m
+
+    # ---- the fused schedule (rl/pipeline.py) ----------------------------------------------------------
+    def fused_unsupported(self) -> str | None:
+        """Why this step cannot run the fused schedule (None: it can)."""
+        why = fused_unsupported(self.cfg)
+        if why is not None:
+            return why
+        if self.backend is None or not getattr(self.backend, "reports_groups", False):
+            return f"the {self.rollout_backend} rollout backend does not report groups as they finish"
+        if self.parallel is not None:
+            return "data-parallel steps run phased"
+        if self.memory is not None:
+            plan = self.memory.plan
+            need = ["grads"] + (["ref_weights"] if self.uses_reference(self.cfg) else [])
+            off = [t for t in need if plan.get("rollout", t) != "resident"]
+            if off:
+                return f"the memory plan releases {', '.join(off)} during the rollout"
+        return None
+
+    @property
+    def pad_id(self) -> int:
+        return self.model.cfg.pad_token_id or 0
+
+    @property
+    def keeps_vision(self) -> bool:
+        """Whether rollouts keep the prefill's vision encodings for scoring and the update."""
+        return self.cfg.freeze_vision_tower and self.cfg.mode == "rollplex"
+
+    def _fuse_stream(self):
+        """The side stream of fused work (a green context of `fuse_sms` SMs), made once; None on CPU."""
+        if self.device.type != "cuda":
+            return None
+        if self._fused_stream is None:
+            from ..cosched.scheduler import side_stream
+
+            self._fused_stream = side_stream(self.device, self.cfg.fuse_sms)  # (stream, its context)
+        return self._fused_stream[0]
+
+    def _fused(self, prompts: list, params: list, rewards, per_prompt: dict, m: dict) -> RolloutBatch | None:
+        """Rollout with the group pipeline beside it, then the optimizer step. When a fused stage runs
+        out of memory: nothing was applied, and the step runs phased on the finished rollout."""
+        cfg, tl = self.cfg, self.timeline
+        pipe = GroupPipeline(self, cfg, prompts, [p.n for p in params], per_prompt, rewards, self._fuse_stream(), tl)
+        marks = DecodeMarks(tl) if tl is not None and self.engine is not None else None
+        with _timer(m, "gen", self.device, tl), self._phase("rollout"):
+            pipe.start()
+            if marks is not None:
+                self.engine.hooks.append(marks)
+            try:
+                with self.cosched.decode_priority():  # decode on a high-priority stream
+                    outs = self.backend.generate(prompts, params, keep_vision=self.keeps_vision,
+                                                 on_output=pipe.add)
+            finally:
+                pipe.stop()
+                if marks is not None:
+                    self.engine.hooks.remove(marks)
+                    marks.close()
+        batch = RolloutBatch.from_outputs(prompts, outs, pad_id=self.pad_id, **per_prompt)
+        if self.keeps_vision:
+            batch.prompts = [p if o.vision_embeds is None else replace(p, vision_embeds=o.vision_embeds)
+                             for p, o in zip(batch.prompts, outs)]
+        with _timer(m, "fused_tail", self.device, tl):
+            pipe.drain()
+        if pipe.error is not None:
+            self.actor.discard_groups()
+            if not fallback_on(pipe.error):
+                raise pipe.error
+            log.warning("fused schedule: a stage ran out of device memory (%s); this step runs phased",
+                        pipe.error)
+            m["rollplex/fused"], m["rollplex/fused_fallback_oom"] = 0.0, 1.0
+            with _timer(m, "reward", self.device):
+                batch.rewards, extra = rewards(batch, list(range(batch.num_prompts)))
+            m.update(extra)
+            m.update(self.train(batch))
+            return batch
+        pipe.resolve_times()
+        got = pipe.assemble(batch)
+        batch.rewards = got["rewards"]
+        m.update(got["reward_metrics"])
+        _, reward_kl, kl_m = self.kl_reward_penalty(batch, got["ref"], cfg)
+        m.update(kl_m)
+        with _timer(m, "update_actor", self.device, tl), self._phase("update"):
+            stats = self._applying(reward_kl, batch.num_samples,
+                                   lambda: self.actor.apply_groups(cfg, pipe.acc, batch.mask))
+        self._after_update(m, stats, reward_kl, batch.num_samples)
+        m.update(self._batch_metrics(batch, got["advantages"], got["seq_rewards"], got["logprobs"], cfg))
+        m.update(pipe.metrics(m["timing_s/gen"]))
+        return batch
 
 
 def rollout_requests(processor, rows: list[dict], cfg: RLConfig, step_idx: int) -> tuple[list, list, dict]:

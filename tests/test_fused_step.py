@@ -1,0 +1,160 @@
+"""The fused schedule (rl/pipeline.py) on the tiny model (CPU, fp32): groups scored and trained while the
+rollout still decodes give the phased step's update up to summation order — KL as a loss and as a
+reward penalty, trained and frozen vision tower, RLOO, groups finishing out of prompt order — and a
+step that fused work cannot reproduce, or whose fused stage runs out of memory, runs phased."""
+
+import time
+
+import pytest
+import torch
+from helpers import assert_fp32_close, assert_weights_close
+
+from rollplex.demo import shape_color
+from rollplex.engine import Engine, EngineConfig, SamplingParams
+from rollplex.models import load_model
+from rollplex.rl.actor import Actor
+from rollplex.rl.config import RLConfig
+from rollplex.rl.pipeline import GroupPipeline, fused_unsupported
+from rollplex.rl.step import RLStep, rollout_requests
+
+ROWS = shape_color.make_rows(6, seed=3)
+# each prompt's samples stop at their own length: groups finish in the order 0, 4, 2, 5, 1, 3
+LENGTHS = [3, 9, 5, 12, 4, 7]
+
+
+def _reward(data_source, text, ground_truth, extra_info):
+    return float(len(text) % 3 == 0)  # varied within groups: non-zero advantages
+
+
+def _step(tiny_dir, proc, **cfg):
+    model = load_model(tiny_dir)
+    engine = Engine(model, proc, EngineConfig(max_num_seqs=64, max_model_len=256))
+    # a small lr: Adam's first steps are ~lr * sign(grad), which turns last-bit noise into lr-sized differences
+    base = dict(n=4, max_new_tokens=12, lr=1e-4, kl_coef=0.05, micro_batch_prompts=2, micro_batch_samples=3)
+    return RLStep(model, engine, RLConfig(**{**base, **cfg}), proc, reward_fn=_reward)
+
+
+def _run(rl: RLStep) -> tuple[dict, list[dict], dict]:
+    """One whole step on ROWS with LENGTHS: (metrics, gradients at each optimizer step, updated weights)."""
+    grads = []
+    opt_step = rl.actor.optimizer.step
+
+    def step():
+        grads.append({n: p.grad.clone() for n, p in rl.model.named_parameters() if p.grad is not None})
+        opt_step()
+
+    rl.actor.optimizer.step = step
+    prompts, params, per_prompt = rollout_requests(rl.processor, ROWS, rl.cfg, rl.step_idx)
+    params = [SamplingParams(n=p.n, max_new_tokens=k, seed=p.seed, ignore_eos=True) for p, k in zip(params, LENGTHS)]
+    _, m = rl.run(prompts, params, **per_prompt)
+    return m, grads, {n: p.detach().clone() for n, p in rl.model.named_parameters()}
+
+
+@pytest.fixture
+def tail(monkeypatch):
+    """The decode loop waits, once a chunk of groups is done, until the worker has trained it: the
+    rollout's tail made long enough that fused work runs beside it whatever the machine's speed."""
+    add = GroupPipeline.add
+
+    def slow_add(self, i, output):
+        add(self, i, output)
+        if len(self.order) == self.chunk:
+            t0 = time.monotonic()
+            while self.in_rollout == 0 and self.error is None and time.monotonic() - t0 < 60:
+                time.sleep(0.005)
+
+    monkeypatch.setattr(GroupPipeline, "add", slow_add)
+
+
+def _assert_same_step(fused, phased):
+    (m1, g1, w1), (m2, g2, w2) = fused, phased
+    for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy", "critic/score/mean",
+              "critic/rewards/mean", "critic/advantages/mean", "training/rollout_probs_diff_mean"):
+        if k in m2:
+            assert_fp32_close(m1[k], m2[k], k, scale=1.0)
+    assert set(k for k in m2 if k.startswith(("actor/", "critic/"))) <= set(m1)
+    assert len(g1) == len(g2) == 1
+    for name in g2[0]:
+        assert_fp32_close(g1[0][name], g2[0][name], f"grad {name}")
+    for name in w2:
+        assert_weights_close(w1[name], w2[name], f"weight {name}")
+    assert m1["training/global_step"] == m2["training/global_step"] == 1
+
+
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
+@pytest.mark.parametrize("algo", [
+    dict(),  # GRPO, KL as a loss
+    # KL as a reward penalty. At the first step the policy is the reference and the penalty is rounding
+    # noise, which dividing by a group's std would blow up in a group of equal scores: no std here
+    dict(use_kl_loss=False, kl_ctrl="adaptive", kl_penalty="abs", norm_adv_by_std=False),
+    dict(freeze_vision_tower=True, adv_estimator="rloo", tis_imp_ratio_cap=2.0),
+    dict(mode="serial", loss_agg_mode="seq-mean-token-mean", entropy_coeff=0.01),
+], ids=["grpo-kl-loss", "kl-in-reward", "frozen-vision-rloo", "serial-seq-mean"])
+def test_fused_equals_phased(tiny_dir, proc, tail, algo):
+    phased = _run(_step(tiny_dir, proc, **algo))
+    rl = _step(tiny_dir, proc, schedule="fused", **algo)
+    fused = _run(rl)
+    m = fused[0]
+    assert m["rollplex/fused"] == 1.0 and m["rollplex/fused_groups"] == 6
+    assert m["rollplex/fused_groups_in_rollout"] >= 2  # a chunk trained while other groups decoded
+    _assert_same_step(fused, phased)
+    if "kl_ctrl" in algo:  # the adaptive controller moved by the same measured KL
+        assert_fp32_close(m["actor/kl_coef"], phased[0]["actor/kl_coef"], "kl_coef")
+
+
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
+def test_fused_stage_out_of_memory_runs_the_step_phased(tiny_dir, proc, tail, monkeypatch):
+    phased = _run(_step(tiny_dir, proc))
+    calls = []
+    accumulate = Actor.accumulate_groups
+
+    def oom_on_second(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return accumulate(self, *a, **kw)
+
+    monkeypatch.setattr(Actor, "accumulate_groups", oom_on_second)
+    fused = _run(_step(tiny_dir, proc, schedule="fused"))
+    assert len(calls) == 2  # the first chunk was accumulated, then dropped
+    assert fused[0]["rollplex/fused"] == 0.0 and fused[0]["rollplex/fused_fallback_oom"] == 1.0
+    _assert_same_step(fused, phased)
+
+
+def test_fused_stage_error_is_raised_with_nothing_applied(tiny_dir, proc, monkeypatch):
+    rl = _step(tiny_dir, proc, schedule="fused")
+    before = {n: p.detach().clone() for n, p in rl.model.named_parameters()}
+
+    def bad_reward(*a):
+        raise RuntimeError("grader crashed")
+
+    rl.reward_fn = bad_reward
+    with pytest.raises(ValueError, match="grader crashed"):
+        _run(rl)
+    assert rl.step_idx == 0 and rl.actor.scheduler.last_epoch == 0
+    for n, p in rl.model.named_parameters():
+        assert torch.equal(p, before[n]) and p.grad is None or not p.grad.any()
+
+
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
+def test_what_fused_cannot_reproduce_runs_phased(tiny_dir, proc):
+    cfg = dict(ppo_mini_batches=2)
+    phased = _run(_step(tiny_dir, proc, **cfg))
+    fused = _run(_step(tiny_dir, proc, schedule="fused", **cfg))
+    assert fused[0]["rollplex/fused"] == 0.0
+    for name, w in phased[2].items():
+        assert torch.equal(fused[2][name], w)  # the same code ran: bitwise
+
+
+def test_fused_unsupported_names_the_reason():
+    assert fused_unsupported(RLConfig()) is None
+    assert "several updates" in fused_unsupported(RLConfig(ppo_epochs=2))
+    assert "whitens" in fused_unsupported(RLConfig(adv_estimator="reinforce_plus_plus"))
+    assert "gspo" in fused_unsupported(RLConfig(policy_loss="gspo", kl_coef=0.1))
+    assert fused_unsupported(RLConfig(policy_loss="gspo", kl_coef=0.1, use_kl_loss=False)) is None
+    with pytest.raises(ValueError, match="choose one"):
+        RLConfig(schedule="fused", cosched=True)
+    with pytest.raises(ValueError, match="fuse_below"):
+        RLConfig(fuse_below=0.0)
+    with pytest.raises(ValueError, match="schedule"):
+        RLConfig(schedule="pipelined")
