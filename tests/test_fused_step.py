@@ -3,6 +3,7 @@ rollout still decodes give the phased step's update up to summation order — KL
 reward penalty, trained and frozen vision tower, RLOO, groups finishing out of prompt order — and a
 step that fused work cannot reproduce, or whose fused stage runs out of memory, runs phased."""
 
+import dataclasses
 import time
 
 import pytest
@@ -11,6 +12,7 @@ from helpers import assert_fp32_close, assert_weights_close
 
 from rollplex.demo import shape_color
 from rollplex.engine import Engine, EngineConfig, SamplingParams
+from rollplex.memory import MemoryConfig, MemoryManager, PhasePlan
 from rollplex.models import load_model
 from rollplex.rl.actor import Actor
 from rollplex.rl.config import RLConfig
@@ -26,12 +28,15 @@ def _reward(data_source, text, ground_truth, extra_info):
     return float(len(text) % 3 == 0)  # varied within groups: non-zero advantages
 
 
-def _step(tiny_dir, proc, **cfg):
+def _step(tiny_dir, proc, memory_cfg: MemoryConfig | None = None, **cfg):
     model = load_model(tiny_dir)
-    engine = Engine(model, proc, EngineConfig(max_num_seqs=64, max_model_len=256))
+    # the accounting backend poisons released regions: reading one outside its phases shows as NaN
+    mm = MemoryManager(PhasePlan.releases_only(), backend="accounting") if memory_cfg is not None else None
+    engine = Engine(model, proc, EngineConfig(max_num_seqs=64, max_model_len=256), memory=mm)
     # a small lr: Adam's first steps are ~lr * sign(grad), which turns last-bit noise into lr-sized differences
     base = dict(n=4, max_new_tokens=12, lr=1e-4, kl_coef=0.05, micro_batch_prompts=2, micro_batch_samples=3)
-    return RLStep(model, engine, RLConfig(**{**base, **cfg}), proc, reward_fn=_reward)
+    return RLStep(model, engine, RLConfig(**{**base, **cfg}), proc, reward_fn=_reward, memory=mm,
+                  memory_cfg=memory_cfg)
 
 
 def _run(rl: RLStep) -> tuple[dict, list[dict], dict]:
@@ -66,7 +71,7 @@ def tail(monkeypatch):
     monkeypatch.setattr(GroupPipeline, "add", slow_add)
 
 
-def _assert_same_step(fused, phased):
+def _assert_same_step(fused, phased, step=1):
     (m1, g1, w1), (m2, g2, w2) = fused, phased
     for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy", "critic/score/mean",
               "critic/rewards/mean", "critic/advantages/mean", "training/rollout_probs_diff_mean"):
@@ -78,7 +83,7 @@ def _assert_same_step(fused, phased):
         assert_fp32_close(g1[0][name], g2[0][name], f"grad {name}")
     for name in w2:
         assert_weights_close(w1[name], w2[name], f"weight {name}")
-    assert m1["training/global_step"] == m2["training/global_step"] == 1
+    assert m1["training/global_step"] == m2["training/global_step"] == step
 
 
 @pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
@@ -100,6 +105,35 @@ def test_fused_equals_phased(tiny_dir, proc, tail, algo):
     _assert_same_step(fused, phased)
     if "kl_ctrl" in algo:  # the adaptive controller moved by the same measured KL
         assert_fp32_close(m["actor/kl_coef"], phased[0]["actor/kl_coef"], "kl_coef")
+
+
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
+def test_fused_under_the_memory_manager(tiny_dir, proc, tail):
+    """The plan releases the gradients and offloads the reference and optimizer outside their phases: the
+    fused rollout holds the gradients and the reference, and two steps give the unmanaged update."""
+    moves = MemoryConfig(memory_plan="release", memory_overrides="ref_weights:*=offloaded,optimizer:*=offloaded")
+    plain, managed = _step(tiny_dir, proc), _step(tiny_dir, proc, moves, schedule="fused")
+    assert managed.memory.plan.get("rollout", "grads") == "released"
+    for step in (1, 2):
+        phased, fused = _run(plain), _run(managed)
+        assert fused[0]["rollplex/fused"] == 1.0
+        _assert_same_step(fused, phased, step)
+        assert managed.memory.current == "update" and managed.memory.state["kv_cache"] == "released"
+
+
+def test_fused_phase_that_does_not_fit_runs_phased(tiny_dir, proc):
+    rl = _step(tiny_dir, proc, MemoryConfig(memory_plan="release"), schedule="fused")
+    sizes, acts = rl.memory_sizes(), rl.activation_estimate()
+    # the fused rollout holds the weights, KV cache, gradients, reference, the optimizer state (this plan keeps
+    # it resident) and one update micro-batch at once
+    need = (sizes["weights"] + sizes["kv_cache"] + sizes["grads"] + sizes["ref_weights"] + sizes["optimizer"]
+            + acts["update"])
+    rl.memory_fit = dataclasses.replace(rl.memory_fit, capacity=need, budget=need)
+    assert rl.fused_unsupported() is None
+    rl.memory_fit = dataclasses.replace(rl.memory_fit, budget=need - 1)
+    assert "fused rollout phase needs" in rl.fused_unsupported()
+    m = _run(rl)[0]
+    assert m["rollplex/fused"] == 0.0 and m["training/global_step"] == 1
 
 
 @pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")

@@ -568,13 +568,23 @@ class RLStep:
             return f"the {self.rollout_backend} rollout backend does not report groups as they finish"
         if self.parallel is not None:
             return "data-parallel steps run phased"
-        if self.memory is not None:
-            plan = self.memory.plan
-            need = ["grads"] + (["ref_weights"] if self.uses_reference(self.cfg) else [])
-            off = [t for t in need if plan.get("rollout", t) != "resident"]
-            if off:
-                return f"the memory plan releases {', '.join(off)} during the rollout"
+        fit = self.memory_fit
+        if fit is not None and fit.budget is not None:
+            # the rollout phase holds, besides its own regions, what the plan releases there but the fused
+            # stages read (the gradients, the reference), and one update micro-batch's activations
+            sizes, acts = self.memory_sizes(), self.activation_estimate()
+            peak = fit.plan.peak("rollout", sizes, {}) + sum(sizes[t] for t in self._fused_regions()) + acts["update"]
+            if peak > fit.budget:
+                return (f"the fused rollout phase needs {peak / 2**30:.1f} GiB (the KV cache, gradients, reference "
+                        f"and one update micro-batch together), over the plan's budget of {fit.budget / 2**30:.1f} GiB")
         return None
+
+    def _fused_regions(self) -> list[str]:
+        """Regions the fused stages read that the memory plan does not keep during the rollout."""
+        if self.memory is None:
+            return []
+        need = ["grads"] + (["ref_weights"] if self.uses_reference(self.cfg) else [])
+        return [t for t in need if self.memory.plan.get("rollout", t) != "resident"]
 
     @property
     def pad_id(self) -> int:
@@ -595,13 +605,26 @@ class RLStep:
             self._fused_stream = side_stream(self.device, self.cfg.fuse_sms)  # (stream, its context)
         return self._fused_stream[0]
 
-    def _fused(self, prompts: list, params: list, rewards, per_prompt: dict, m: dict) -> RolloutBatch | None:
+    def _fused(self, prompts: list, params: list, rewards, per_prompt: dict, m: dict) -> RolloutBatch:
         """Rollout with the group pipeline beside it, then the optimizer step. When a fused stage runs
         out of memory: nothing was applied, and the step runs phased on the finished rollout."""
+        with self._phase("rollout"):
+            pass
+        # the gradients and the reference stay resident from the rollout through the optimizer step: resumed
+        # after entering the rollout, and afterwards whatever the phase the step ends in gives them
+        for tag in self._fused_regions():
+            self.memory.resume(tag)
+        try:
+            return self._fused_step(prompts, params, rewards, per_prompt, m)
+        finally:
+            if self.memory is not None:
+                self.memory.enter(self.memory.current)
+
+    def _fused_step(self, prompts: list, params: list, rewards, per_prompt: dict, m: dict) -> RolloutBatch:
         cfg, tl = self.cfg, self.timeline
         pipe = GroupPipeline(self, cfg, prompts, [p.n for p in params], per_prompt, rewards, self._fuse_stream(), tl)
         marks = DecodeMarks(tl) if tl is not None and self.engine is not None else None
-        with _timer(m, "gen", self.device, tl), self._phase("rollout"):
+        with _timer(m, "gen", self.device, tl):  # in the rollout phase, entered by `_fused`
             pipe.start()
             if marks is not None:
                 self.engine.hooks.append(marks)
