@@ -571,7 +571,8 @@ def test_train_step_oom_is_507_and_changes_nothing(client, server, monkeypatch):
 
 def test_frozen_vision_tower_reuses_the_rollouts_encodings(tiny_dir):
     """freeze_vision_tower: the retained rollout carries the prefill's vision encodings, the step trains
-    the decoder and leaves the vision tower as it was; cosched is refused (the server does not host it)."""
+    the decoder and leaves the vision tower as it was; cosched and the fused schedule are refused (the server
+    hosts neither)."""
     with serve_in_thread(_config(tiny_dir, freeze_vision_tower=True)) as srv, \
             httpx.Client(base_url=srv.url, timeout=60) as c:
         ro = _rollout(c, n_prompts=2, n=2)
@@ -585,3 +586,5 @@ def test_frozen_vision_tower_reuses_the_rollouts_encodings(tiny_dir):
         assert not torch.equal(txt0, srv.state.model.model.layers[0].mlp.down_proj.weight)
     with pytest.raises(ValueError, match="cosched"):
         _config(tiny_dir, cosched=True)
+    with pytest.raises(ValueError, match="server's steps are phased"):  # no rollout to fuse into
+        _config(tiny_dir, schedule="fused")

@@ -60,6 +60,8 @@ def main(argv=None) -> None:
                     help="no gradient into the vision tower; the engine's prefill encodings are reused")
     ap.add_argument("--cosched", action="store_true",
                     help="run the reference's prefix beside the rollout's decode steps (needs --kl-coef > 0)")
+    ap.add_argument("--schedule", default="phased", choices=["phased", "fused"],
+                    help="fused: train each prompt group beside the rest of the rollout (rl/pipeline.py)")
     ap.add_argument("--trace", default=None,
                     help="write the run's phases and co-scheduled work as a Chrome/Perfetto trace (JSON) here, "
                          "and its timeline as a PNG beside it")
@@ -100,6 +102,7 @@ def _run(args, tracker: Tracker) -> None:
     cfg = RLConfig(mode=args.mode, n=args.n, temperature=1.0, max_new_tokens=4, lr=args.lr, kl_coef=args.kl_coef,
                    micro_batch_prompts=8, micro_batch_samples=32, seed=args.seed, grad_clip=1.0,
                    freeze_vision_tower=args.freeze_vision_tower, cosched=args.cosched, adv_estimator=args.adv_estimator,
+                   schedule=args.schedule,
                    **({"loss_agg_mode": "seq-mean-token-sum-norm"} if args.adv_estimator == "dr_grpo" else {}))
     rl = RLStep(model, engine, cfg, proc, reward_fn="shape_color")
     if args.trace:

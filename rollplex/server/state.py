@@ -148,6 +148,10 @@ class ServerConfig:
             # /rollout runs requests through the engine loop shared with /generate, which does not host the
             # co-scheduler; a silently ignored flag would report numbers it did not produce
             raise ValueError("cosched is not available in the server yet (RLStep.step and the bench run it)")
+        if self.rl.schedule != "phased":
+            # /rollout and /train_step are separate calls: there is no rollout for fused work to run beside
+            raise ValueError(f"schedule={self.rl.schedule!r} needs a step that rolls out and trains in one call "
+                             "(RLStep.run: the driver and the bench); the server's steps are phased")
         if self.backend.rollout_backend == "sglang":
             try:  # before any model is loaded: a missing SGLang fails the start at once
                 require_sglang()
