@@ -113,7 +113,8 @@ class GroupPipeline:
         """Zero the gradients and start the worker (its stream ordered after the caller's work)."""
         self.step.actor.begin_groups()
         if self.cuda:
-            self._device_index = torch.cuda.current_device()
+            idx = self.step.device.index
+            self._device_index = idx if idx is not None else torch.cuda.current_device()
             self.stream.wait_stream(torch.cuda.current_stream())
         self._switch = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
@@ -152,7 +153,7 @@ class GroupPipeline:
                 self._cond.wait()
 
     def _work(self) -> None:
-        if self.cuda:  # the caller's device (a new thread starts on device 0)
+        if self.cuda:  # the step's device (a new thread starts on device 0)
             torch.cuda.set_device(self._device_index)
         ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
         with ctx:
