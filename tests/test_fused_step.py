@@ -57,15 +57,16 @@ def _run(rl: RLStep) -> tuple[dict, list[dict], dict]:
 
 @pytest.fixture
 def tail(monkeypatch):
-    """The decode loop waits, once a chunk of groups is done, until the worker has trained it: the
+    """The decode loop waits, once two groups are done, until the worker has trained them: the
     rollout's tail made long enough that fused work runs beside it whatever the machine's speed."""
     add = GroupPipeline.add
 
     def slow_add(self, i, output):
         add(self, i, output)
-        if len(self.order) == self.chunk:
+        if len(self.order) == 2:  # both first groups trained (in chunks of one or two) before decode goes on
             t0 = time.monotonic()
-            while self.in_rollout == 0 and self.error is None and time.monotonic() - t0 < 60:
+            while (sum(len(r.prompts) for r in self.results) < 2 and self.error is None
+                   and time.monotonic() - t0 < 60):
                 time.sleep(0.005)
 
     monkeypatch.setattr(GroupPipeline, "add", slow_add)

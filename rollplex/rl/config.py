@@ -103,6 +103,9 @@ class RLConfig:
     # fused, on a GPU: the work beside decode runs in a green context of this many SMs (0: a low-priority
     # stream over every SM); decode keeps the primary context
     fuse_sms: int = 0
+    # fused: a chunk of groups closes at micro_batch_prompts groups or at this many tokens (None: n x
+    # max_new_tokens, the longest possible group's responses)
+    fuse_chunk_tokens: int | None = None
     seed: int = 0
 
     def __post_init__(self):
@@ -146,6 +149,8 @@ class RLConfig:
                              "co-scheduler (cosched) is for the phased schedule: choose one")
         if not 0.0 < self.fuse_below <= 1.0:
             raise ValueError("fuse_below must be within (0, 1]")
+        if self.fuse_chunk_tokens is not None and self.fuse_chunk_tokens < 1:
+            raise ValueError("fuse_chunk_tokens must be >= 1 (or None)")
         if self.fuse_sms < 0:
             raise ValueError("fuse_sms must be >= 0 (0: share every SM)")
 
