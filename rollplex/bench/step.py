@@ -150,14 +150,16 @@ def cosched_step(model, eng: Engine, prompts, params, rl_kw: dict, co_cfg: Cosch
 _TFLOPS: dict[str, float] = {}
 
 
-def fused_step(model, eng: Engine, prompts, params, rl_kw: dict, fuse: tuple[int, float], cfg, grid, label: str,
+def fused_step(model, eng: Engine, prompts, params, rl_kw: dict, fuse: tuple, cfg, grid, label: str,
                step: str, frozen: bool, init: dict, ref, seed: int, timeline: Timeline | None = None) -> dict:
-    """A whole step on the fused schedule (fuse: (fuse_sms, fuse_below)): groups scored and trained beside
-    the rollout's tail, the rest after it, one optimizer step. Its rewards are the phased rows' (the same
-    random 0/1 per sample, in prompt order), so the losses and gradient norms compare."""
+    """A whole step on the fused schedule (fuse: (fuse_sms, fuse_below, fuse_chunk_tokens)): groups scored
+    and trained beside the rollout's tail, the rest after it, one optimizer step. Its rewards are the
+    phased rows' (the same random 0/1 per sample, in prompt order), so the losses and gradient norms
+    compare."""
     restore(model, init, frozen)
-    sms, below = fuse
+    sms, below, tokens = fuse
     rl = RLStep(model, eng, RLConfig(mode="rollplex", schedule="fused", fuse_sms=sms, fuse_below=below,
+                                     fuse_chunk_tokens=tokens,
                                      freeze_vision_tower=frozen, **rl_kw), reward_fn="exact", ref_model=ref)
     rl.timeline = timeline
     offsets = [0]
@@ -221,6 +223,8 @@ def main(argv=None) -> None:
                     "beside the rollout's tail; cosched: sharing + the prefix co-scheduler")
     ap.add_argument("--fuse-sms", default="0", help="fused: comma list, one row per value (crossed with "
                     "--fuse-below); N > 0 confines the fused work to a green context of N SMs")
+    ap.add_argument("--fuse-chunk-tokens", type=int, default=None,
+                    help="fused: a chunk of groups also closes at this many tokens (RLConfig.fuse_chunk_tokens)")
     ap.add_argument("--fuse-below", default="1.0", help="fused: comma list; start when at most this fraction of "
                     "the groups is still decoding")
     ap.add_argument("--vision", default="trained,frozen", help="trained and/or frozen (freeze_vision_tower)")
@@ -264,7 +268,8 @@ def main(argv=None) -> None:
                                            compile_decode=False if args.no_compile else None))
     print(json.dumps({"bench": "step_setup", "kv_blocks": eng.runner.num_blocks, **env_info()}), flush=True)
     modes = args.modes.split(",")
-    fuses = [(int(a), float(b)) for a in args.fuse_sms.split(",") for b in args.fuse_below.split(",")]
+    fuses = [(int(a), float(b), args.fuse_chunk_tokens) for a in args.fuse_sms.split(",")
+             for b in args.fuse_below.split(",")]
     co_cfgs = [CoschedConfig(slowdown_bound=float(b), job_prompts=args.job_prompts, side_sms=int(v))
                for b in args.slowdown_bound.split(",") for v in args.side_sms.split(",")]
     rl_kw = dict(n=args.n, kl_coef=0.01, lr=1e-6, micro_batch_max_tokens=args.micro_tokens, packed=not args.no_packed)

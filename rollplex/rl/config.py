@@ -103,8 +103,7 @@ class RLConfig:
     # fused, on a GPU: the work beside decode runs in a green context of this many SMs (0: a low-priority
     # stream over every SM); decode keeps the primary context
     fuse_sms: int = 0
-    # fused: a chunk of groups closes at micro_batch_prompts groups or at this many tokens (None: n x
-    # max_new_tokens, the longest possible group's responses)
+    # fused: a chunk of groups closes at micro_batch_prompts groups, or at this many tokens (None: no budget)
     fuse_chunk_tokens: int | None = None
     seed: int = 0
 
