@@ -29,12 +29,12 @@ from engine_patches.sglang.outputs import generate_kwargs, request_outputs, samp
 from rollplex import backends
 from rollplex.backends import BackendConfig
 from rollplex.data import row_to_inputs
-from rollplex.demo import shape_color
 from rollplex.engine import Engine, EngineConfig, SamplingParams
 from rollplex.memory import MemoryConfig, MemoryManager, PhasePlan
 from rollplex.models import ModelInputs, load_model
 from rollplex.rl.config import RLConfig
 from rollplex.rl.step import RLStep
+from rollplex.tiny import shape_color
 
 FAKE = Path(__file__).resolve().parent / "fake_sglang"
 ROOT = Path(__file__).resolve().parents[1]

@@ -46,7 +46,7 @@ from .tp import apply_tensor_parallel
 def build_model(proc: Process, name: str | None, dtype: torch.dtype, seed: int) -> Qwen25VL:
     """The same weights on every rank: a checkpoint, or a preset initialised from `seed`."""
     if name is None:
-        from ..demo.tiny import ensure_tiny
+        from ..tiny import ensure_tiny
 
         if proc.local_rank == 0:  # one writer per machine
             ensure_tiny()

@@ -59,7 +59,7 @@ from .step_paths import BenchPath, EngineFactory, base, bench_paths, capture_gra
 def model_config(name: str) -> ModelConfig:
     """A preset name, "tiny" (the embedded tiny checkpoint), a checkpoint directory or an HF config.json."""
     if name == "tiny":
-        from ..demo.tiny import ensure_tiny
+        from ..tiny import ensure_tiny
 
         name = str(ensure_tiny())
     if Path(name).is_dir() or name.endswith(".json"):

@@ -199,7 +199,7 @@ def _load_policy(cfg: ServerConfig):
 
     dtype = getattr(torch, cfg.dtype)
     if cfg.model is None:
-        from ..demo.tiny import ensure_tiny
+        from ..tiny import ensure_tiny
 
         path = ensure_tiny()
     elif Path(cfg.model).is_dir() or looks_like_hub_id(cfg.model):  # a directory or a cached HF model id
@@ -230,8 +230,8 @@ class ServerState:
         if cfg.format_warmup_steps:
             if self.processor is None:
                 raise ValueError("--format-warmup-steps needs a model with a tokenizer")
-            from ..demo import shape_color
             from ..rl.warmup import format_warmup
+            from ..tiny import shape_color
 
             t0 = time.perf_counter()
             rows = shape_color.make_rows(256, seed=cfg.rl.seed)
