@@ -60,7 +60,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..backends import BackendConfig, require_sglang, sglang_rollout
+from ..backends import BackendConfig, require_backend, rollout_backend
 from ..engine import Engine, EngineConfig
 from ..memory import MemoryConfig, MemoryManager, PhasePlan
 from ..models import ModelInputs
@@ -150,7 +150,7 @@ class ServerConfig:
             raise ValueError("cosched is not available in the server yet (RLStep.step and the bench run it)")
         if self.backend.rollout_backend == "sglang":
             try:  # before any model is loaded: a missing SGLang fails the start at once
-                require_sglang()
+                require_backend(self.backend.rollout_backend)
             except ImportError as e:
                 raise ValueError(str(e)) from None
 
@@ -271,7 +271,7 @@ class ServerState:
                 raise ValueError("the sglang rollout backend starts SGLang on a checkpoint directory: give --model "
                                  "DIR (a preset has none)")
             try:
-                rollout = sglang_rollout(cfg.backend, str(self.model_path), self.processor, cfg.dtype, cfg.rl.seed)
+                rollout = rollout_backend(cfg.backend, str(self.model_path), self.processor, cfg.dtype, cfg.rl.seed)
             except ImportError as e:
                 raise ValueError(str(e)) from None
             self.engine = None
