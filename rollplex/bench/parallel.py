@@ -3,8 +3,8 @@ paths end to end, on a synthetic rollout (random prompts, every other one with a
 responses and rewards). Rank 0 prints one JSON line. `-m rollplex.parallel COMMAND` is the same program
 under its older name.
 
-    train          FSDP2 data-parallel actor update(s) over all ranks (data_parallel.py)
-    decode         the engine with the model tensor-parallel over all ranks (tp.py)
+    train          FSDP2 data-parallel actor update(s) over all ranks (parallel/data_parallel.py)
+    decode         the engine with the model tensor-parallel over all ranks (parallel/tp.py)
     disaggregated  --steps RL steps of the disaggregated layout (DisaggregatedStep, random rewards):
                    --train-ranks trainer ranks, rollout engines of --rollout-tp ranks on the rest;
                    rollout, reference scoring, update, weight broadcast; per-rank timings
