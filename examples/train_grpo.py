@@ -187,7 +187,7 @@ def row_to_wire(row: dict) -> dict:
 
 def load_dataset(args) -> list[dict]:
     if args.data is None:
-        from rollplex.demo import shape_color
+        from rollplex.tiny import shape_color
 
         path = Path(args.log_dir) / "shape_color_train.jsonl"
         if not path.exists():
@@ -203,7 +203,7 @@ def load_val_dataset(args) -> list[dict]:
     """The validation rows on the wire (encoded once), or [] without validation. The demo task with
     --eval-every and no --val-data validates on its own held-out rows (the "test" split)."""
     if args.val_data is None and args.eval_every:  # parse_args allows this only for the demo task
-        from rollplex.demo import shape_color
+        from rollplex.tiny import shape_color
 
         path = Path(args.log_dir) / "shape_color_val.jsonl"
         if not path.exists():

@@ -1,23 +1,32 @@
-"""Rollout backend selection: Rollplex's own engine (`native`) or SGLang (`sglang`, engine_patches/sglang).
+"""Rollout backend selection: Rollplex's own engine (`native`) or a backend plugin found by name (`sglang`).
 
 `BackendConfig` is the choice and the SGLang backend's settings (the server nests it: `--rollout-backend`,
-`--sglang-*`). SGLang is an optional dependency and is imported only when the SGLang backend is built:
-`require_sglang()` checks that it is installed and recent enough, `sglang_engine_class()` returns
-SGLang's Engine subclassed with Rollplex's hooked scheduler, and `sglang_rollout(...)` starts that
-engine on a checkpoint and wraps it as the RL step's RolloutBackend. Every failure to find SGLang names
-the install command.
+`--sglang-*`). Every backend but the native engine is a plugin that lives outside `rollplex/` and imports
+Rollplex, never the other way round: `PLUGINS` maps its name to its module (SGLang's is
+engine_patches/sglang/plugin.py), imported only when that backend is checked or built, so an optional
+engine costs nothing until it is asked for. A plugin module defines
+
+    require() -> str             the installed engine's version; ImportError naming the install command
+                                 when it is missing or too old
+    check_args(args: dict)       ValueError for engine arguments that the backend sets itself
+    rollout(cfg, model_path, processor, dtype, seed, hook_spec)
+                                 the engine started on the checkpoint `model_path`, as the RL step's
+                                 RolloutBackend
+
+`require_backend(name)` and `rollout_backend(cfg, ...)` reach them; the native engine is built by its
+caller, around the policy whose weights it shares.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from importlib import metadata
+from importlib import import_module
+from types import ModuleType
 
-from engine_patches.sglang.contract import MANAGED_SERVER_ARGS, release_tuple
-
-ROLLOUT_BACKENDS = ("native", "sglang")
-INSTALL_HINT = "pip install 'rollplex[sglang]'"
+# backend name -> the module of its plugin (see the module docstring)
+PLUGINS = {"sglang": "engine_patches.sglang.plugin"}
+ROLLOUT_BACKENDS = ("native", *PLUGINS)
 
 
 @dataclass(frozen=True)
@@ -54,10 +63,8 @@ class BackendConfig:
             raise ValueError(f"sglang_args must be a JSON object: {e}") from None
         if not isinstance(args, dict):
             raise ValueError(f"sglang_args must be a JSON object, got {type(args).__name__}")
-        managed = sorted(set(args) & set(MANAGED_SERVER_ARGS))
-        if managed:
-            raise ValueError(f"sglang_args cannot set {managed}: the backend sets them (model and dtype from the "
-                             "policy, mem_fraction_static and the weight backup from their own settings)")
+        if args:
+            plugin("sglang").check_args(args)
         return args
 
 
@@ -67,50 +74,22 @@ def check_backend(name: str) -> str:
     return name
 
 
-_release = release_tuple
+def plugin(name: str) -> ModuleType:
+    """The plugin module of the backend `name` (see the module docstring)."""
+    if name not in PLUGINS:
+        raise ValueError(f"{name!r} is not a plugin backend (those are {tuple(PLUGINS)})")
+    return import_module(PLUGINS[name])
 
 
-def require_sglang() -> str:
-    """The installed SGLang's version; ImportError (with the install command) when it is missing or
-    older than the oldest release the backend was checked against."""
-    from engine_patches.sglang.contract import MIN_VERSION, NEWEST_CHECKED
-
-    try:
-        version = metadata.version("sglang")
-    except metadata.PackageNotFoundError:
-        raise ImportError(f"the sglang rollout backend needs SGLang (>= {MIN_VERSION}, checked up to "
-                          f"{NEWEST_CHECKED}): {INSTALL_HINT}") from None
-    if _release(version) < _release(MIN_VERSION):
-        raise ImportError(f"SGLang {version} is older than {MIN_VERSION}, the oldest release the sglang rollout "
-                          f"backend supports: {INSTALL_HINT}")
-    return version
+def require_backend(name: str) -> str | None:
+    """The installed version of the engine behind the backend `name` (None for the native engine, which is
+    part of Rollplex); ImportError naming the install command when it is missing or too old."""
+    return None if check_backend(name) == "native" else plugin(name).require()
 
 
-def sglang_engine_class() -> type:
-    """SGLang's Engine with Rollplex's hooked scheduler (engine_patches.sglang.engine.RollplexEngine)."""
-    version = require_sglang()
-    from engine_patches.sglang.engine import load_engine_class
-
-    try:
-        return load_engine_class()
-    except ImportError as e:
-        raise ImportError(f"SGLang {version} is installed but its engine does not import ({e}); it needs its "
-                          f"pinned torch and CUDA: {INSTALL_HINT}") from e
-
-
-def sglang_rollout(cfg: BackendConfig, model_path: str, processor=None, dtype: str = "bfloat16", seed: int = 0,
-                   hook_spec=None):
-    """SGLang's engine started on the checkpoint `model_path`, as the RL step's RolloutBackend
-    (engine_patches.sglang.backend.SGLangRollout). ImportError naming the install command when SGLang
-    is missing, too old or does not import."""
-    version = require_sglang()
-    engine_cls = sglang_engine_class()
-    from engine_patches.sglang.backend import SGLangRollout
-
-    engine = engine_cls(hook_spec=hook_spec, model_path=str(model_path), dtype=dtype,
-                        mem_fraction_static=cfg.sglang_mem_fraction_static, enable_memory_saver=True,
-                        enable_weights_cpu_backup=cfg.sglang_weights_cpu_backup, random_seed=seed,
-                        **cfg.extra_sglang_args())
-    return SGLangRollout(engine, processor, release_weights=cfg.sglang_release_weights,
-                         weights_cpu_backup=cfg.sglang_weights_cpu_backup,
-                         bucket_bytes=cfg.sglang_weight_bucket_mb << 20, seed=seed, version=version)
+def rollout_backend(cfg: BackendConfig, model_path: str, processor=None, dtype: str = "bfloat16", seed: int = 0,
+                    hook_spec=None):
+    """The plugin backend `cfg.rollout_backend` started on the checkpoint `model_path`, as the RL step's
+    RolloutBackend. ImportError naming the install command when its engine is missing, too old or does not
+    import."""
+    return plugin(cfg.rollout_backend).rollout(cfg, model_path, processor, dtype, seed, hook_spec)

@@ -1,9 +1,9 @@
-"""Session fixtures: one embedded tiny checkpoint (written by rollplex.demo.tiny) and its processor."""
+"""Session fixtures: one embedded tiny checkpoint (written by rollplex.tiny) and its processor."""
 
 import pytest
 
-from rollplex.demo.tiny import write_tiny
 from rollplex.processor import VLProcessor
+from rollplex.tiny import write_tiny
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import time
 
 from PIL import Image
 
-from rollplex.demo import shape_color
+from rollplex.tiny import shape_color
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 

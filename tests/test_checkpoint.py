@@ -55,9 +55,9 @@ def test_hub_ids_resolve_from_the_local_cache(tmp_path):
 
     import pytest
 
-    from rollplex.demo.tiny import write_tiny
     from rollplex.models import load_model
     from rollplex.models.hub import looks_like_hub_id, resolve_model_dir
+    from rollplex.tiny import write_tiny
 
     cache = tmp_path / "hub"
     repo = cache / "models--acme--tiny-vl"

@@ -9,11 +9,11 @@ from helpers import FORWARD_TERMS, assert_fp32_close, assert_weights_close
 
 from rollplex.cosched import CoschedConfig, PrefixJob, PrefixRows, Timeline
 from rollplex.data import row_to_inputs
-from rollplex.demo import shape_color
 from rollplex.engine import Engine, EngineConfig
 from rollplex.models import load_model
 from rollplex.rl.config import RLConfig
 from rollplex.rl.step import RLStep
+from rollplex.tiny import shape_color
 
 ROWS = shape_color.make_rows(6, seed=5)
 # admit eagerly: on CPU the chunks run inline, so every loaded step is "slow"; the test is about exactness

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from rollplex.demo.tiny import write_tiny
 from rollplex.demo.train import main
+from rollplex.tiny import write_tiny
 
 
 @pytest.mark.slow

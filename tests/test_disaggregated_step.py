@@ -7,9 +7,9 @@ import torch.multiprocessing as mp
 from disaggregated_step_worker import worker
 from parallel_step_worker import build, run_steps
 
-from rollplex.demo import shape_color
 from rollplex.parallel import DisaggregatedLayout
 from rollplex.rl.config import RLConfig
+from rollplex.tiny import shape_color
 
 ROWS = shape_color.make_rows(5, seed=3)
 BASE = dict(n=4, max_new_tokens=6, lr=1e-4, kl_coef=0.05, micro_batch_prompts=2)

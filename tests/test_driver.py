@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from rollplex.data import save_rows
-from rollplex.demo import shape_color
-from rollplex.demo.tiny import write_tiny
+from rollplex.tiny import shape_color, write_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 

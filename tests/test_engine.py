@@ -6,10 +6,10 @@ import pytest
 import torch
 from PIL import Image
 
-from rollplex.demo.shape_color import demo_image
 from rollplex.engine import Engine, EngineConfig, RecordingHook, SamplingParams
 from rollplex.generate import generate
 from rollplex.models import load_model
+from rollplex.tiny.shape_color import demo_image
 
 
 def _engine(tiny_dir, proc, **cfg):

@@ -6,8 +6,8 @@ import pytest
 import torch.multiprocessing as mp
 from parallel_step_worker import checkpoint_worker
 
-from rollplex.demo import shape_color
 from rollplex.rl.config import RLConfig
+from rollplex.tiny import shape_color
 
 ROWS = shape_color.make_rows(5, seed=3)
 

@@ -1,5 +1,6 @@
-"""`python -m torch.distributed.run -m rollplex.parallel ...` on CPU (gloo): the torchrun entry point
-runs the data-parallel update and the tensor-parallel engine and matches one process (--check)."""
+"""`python -m torch.distributed.run -m rollplex.bench parallel ...` on CPU (gloo): the torchrun entry point
+runs the data-parallel update and the tensor-parallel engine and matches one process (--check);
+`-m rollplex.parallel ...` is the same program under its older name."""
 
 import json
 import os
@@ -18,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _run(nproc: int, *args: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "rollplex.parallel", *args]
+           "-m", "rollplex.bench", "parallel", *args]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-4000:]
     return res.stdout
@@ -116,3 +117,11 @@ def test_init_from_env_needs_torchrun(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ValueError, match="torchrun"):
         init_from_env()
+
+
+def test_older_command_name_is_the_same_program():
+    import rollplex.bench.parallel as bench
+    import rollplex.parallel.__main__ as older
+    from rollplex.bench.__main__ import WORKLOADS
+
+    assert older.main is bench.main and WORKLOADS["parallel"] == bench.__name__

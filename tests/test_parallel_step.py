@@ -7,10 +7,10 @@ import pytest
 import torch.multiprocessing as mp
 from parallel_step_worker import build, run_steps, worker
 
-from rollplex.demo import shape_color
 from rollplex.memory import MemoryConfig
 from rollplex.parallel import FSDPConfig
 from rollplex.rl.config import RLConfig
+from rollplex.tiny import shape_color
 
 ROWS = shape_color.make_rows(5, seed=3)
 # a small lr: Adam's first step is ~lr * sign(grad), so rounding noise in a near-zero gradient would

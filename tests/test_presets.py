@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rollplex import presets
-from rollplex.demo.tiny import tiny_config
+from rollplex.tiny import tiny_config
 
 IDS = {"vocab_size": 512, "image_token_id": 510, "video_token_id": 511, "vision_start_token_id": 507,
        "vision_end_token_id": 508, "bos_token_id": 498, "eos_token_id": 500, "pad_token_id": 498}

@@ -1,4 +1,4 @@
-"""Tests for rollplex.demo.tokenizer and rollplex.processor (CPU, no torchvision)."""
+"""Tests for rollplex.tiny.tokenizer and rollplex.processor (CPU, no torchvision)."""
 
 from __future__ import annotations
 
@@ -21,15 +21,15 @@ from PIL import Image
 from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from rollplex.demo.tokenizer import (
+from rollplex.models import ModelInputs
+from rollplex.processor import VLProcessor
+from rollplex.tiny.tokenizer import (
     QWEN2_VL_CHAT_TEMPLATE,
     SPECIAL_TOKENS,
     build_tiny_tokenizer,
     special_token_ids,
     write_tokenizer_files,
 )
-from rollplex.models import ModelInputs
-from rollplex.processor import VLProcessor
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -72,7 +72,7 @@ def test_tokenizer_is_deterministic_across_processes():
     here = _tokenizer_digest()
     assert here == _tokenizer_digest()
     code = (
-        "import hashlib; from rollplex.demo.tokenizer import build_tiny_tokenizer as b; "
+        "import hashlib; from rollplex.tiny.tokenizer import build_tiny_tokenizer as b; "
         "print(hashlib.sha256(b().to_str().encode()).hexdigest())"
     )
     for seed in ("1", "12345"):

@@ -8,7 +8,6 @@ import copy
 import pytest
 import torch
 
-from rollplex.demo import shape_color
 from rollplex.engine import Engine, EngineConfig, SamplingParams
 from rollplex.memory import MemoryConfig, MemoryManager, PhasePlan
 from rollplex.models import load_model
@@ -17,6 +16,7 @@ from rollplex.rl.actor import TrainOOM
 from rollplex.rl.checkpointing import activation_checkpointing
 from rollplex.rl.config import RLConfig
 from rollplex.rl.step import RLStep
+from rollplex.tiny import shape_color
 
 ROWS = shape_color.make_rows(4, seed=5)
 EVERYTHING_MOVES = "ref_weights:*=offloaded,optimizer:*=offloaded"

@@ -9,12 +9,12 @@ import pytest
 import torch
 from helpers import assert_fp32_close, assert_weights_close
 
-from rollplex.demo import shape_color
 from rollplex.engine import Engine, EngineConfig
 from rollplex.models import ModelInputs, load_model
 from rollplex.rl.checkpoint import load_checkpoint, save_checkpoint
 from rollplex.rl.config import RLConfig
 from rollplex.rl.step import RLStep
+from rollplex.tiny import shape_color
 
 ROWS = shape_color.make_rows(6, seed=3)
 

@@ -23,10 +23,10 @@ import pytest
 import torch
 from server_helpers import IMG, free_port, png_b64, sse_events, wait_for_health, wire_rows
 
-from rollplex.demo.tiny import write_tiny
 from rollplex.engine import EngineConfig
 from rollplex.rl.config import RLConfig
 from rollplex.server import ServerConfig, serve_in_thread
+from rollplex.tiny import write_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = {"temperature": 0, "max_new_tokens": 4}

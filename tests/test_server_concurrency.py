@@ -17,11 +17,11 @@ import time
 
 import pytest
 
-from rollplex.demo.tiny import write_tiny
 from rollplex.engine import Engine, EngineConfig, SamplingParams
 from rollplex.processor import VLProcessor
 from rollplex.rl.config import RLConfig
 from rollplex.server import ServerConfig, serve_in_thread
+from rollplex.tiny import write_tiny
 
 N_PROMPTS, PROMPT_LEN, NEW_TOKENS = 64, 48, 64
 SAMPLING = {"max_new_tokens": NEW_TOKENS, "ignore_eos": True, "temperature": 1.0}

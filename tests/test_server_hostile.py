@@ -29,7 +29,6 @@ import torch
 from PIL import Image
 from server_helpers import IMG, png_b64, wire_rows
 
-from rollplex.demo.tiny import write_tiny
 from rollplex.engine import EngineConfig
 from rollplex.processor import VLProcessor
 from rollplex.rl.config import RLConfig
@@ -37,6 +36,7 @@ from rollplex.server import ServerConfig, serve_in_thread
 from rollplex.server.limits import ServerLimits
 from rollplex.server.media import NO_ROOT, UNREADABLE, MediaPolicy
 from rollplex.server.rewards import RewardRegistry
+from rollplex.tiny import write_tiny
 
 GREEDY = {"temperature": 0, "max_new_tokens": 2}
 LIMITS = ServerLimits(max_body_bytes=4 << 20, max_prompts=8, max_prompt_chars=600_000, max_image_bytes=64 << 10,

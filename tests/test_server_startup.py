@@ -15,10 +15,10 @@ import httpx
 import pytest
 import torch
 
-from rollplex.demo.tiny import write_tiny
 from rollplex.engine import EngineConfig
 from rollplex.rl.config import RLConfig
 from rollplex.server import ServerConfig, ServerState, serve_in_thread
+from rollplex.tiny import write_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = {"max_model_len": 256, "kv_cache_tokens": 4096, "max_num_seqs": 8}

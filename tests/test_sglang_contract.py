@@ -15,11 +15,12 @@ import ast
 import os
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 
-from engine_patches.sglang import check, contract
+from engine_patches.sglang import check, contract, plugin
 from engine_patches.sglang.check import FetchError, check_sources, extract_sources, fetch_wheel, reader
 from engine_patches.sglang.contract import CHECKED_VERSIONS, CONTRACT, MIN_VERSION
 from rollplex import backends
@@ -231,12 +232,11 @@ def test_rollout_backend_touches_only_contract_names():
     assert "image_data" in _params("Engine", "generate")
     assert set(sampling_dict(SamplingParams(stop=["x"], stop_token_ids=[1]), 0)) == set(contract.ROLLOUT_SAMPLING)
     assert set(contract.ROLLOUT_SAMPLING) <= set(contract.SAMPLING_FIELDS)
-    tree = ast.parse((ROOT / "rollplex/backends.py").read_text())
-    start = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "sglang_rollout")
+    tree = ast.parse((ROOT / "engine_patches/sglang/plugin.py").read_text())
+    start = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "rollout")
     started = next(n for n in ast.walk(start) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
                    and n.func.id == "engine_cls")
     assert {k.arg for k in started.keywords} - {None, "hook_spec"} == set(contract.MANAGED_SERVER_ARGS)
-    assert backends.MANAGED_SERVER_ARGS == contract.MANAGED_SERVER_ARGS
 
 
 def test_server_generate_fields_are_the_contracts():
@@ -252,7 +252,7 @@ def test_server_generate_fields_are_the_contracts():
 
 def test_contract_table():
     assert MIN_VERSION == CHECKED_VERSIONS[0]
-    assert list(CHECKED_VERSIONS) == sorted(CHECKED_VERSIONS, key=backends._release)
+    assert list(CHECKED_VERSIONS) == sorted(CHECKED_VERSIONS, key=contract.release_tuple)
     assert len({(e.kind, e.file, e.scope, e.names) for e in CONTRACT}) == len(CONTRACT)
     with pytest.raises(AssertionError):
         contract.Relied("method", "sglang/nowhere.py", "X", ("y",), "z")
@@ -262,22 +262,25 @@ def test_contract_table():
 def test_backend_selection():
     assert backends.BackendConfig().rollout_backend == "native"
     assert backends.check_backend("sglang") == "sglang"
+    assert backends.plugin("sglang") is plugin and backends.require_backend("native") is None
     with pytest.raises(ValueError, match="native"):
         backends.BackendConfig(rollout_backend="vllm")
 
 
 def test_sglang_missing_or_old_names_the_install_command(monkeypatch):
     def missing(name):
-        raise backends.metadata.PackageNotFoundError(name)
+        raise metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(backends.metadata, "version", missing)
+    monkeypatch.setattr(metadata, "version", missing)
     with pytest.raises(ImportError, match=r"pip install 'rollplex\[sglang\]'"):
-        backends.sglang_engine_class()
-    monkeypatch.setattr(backends.metadata, "version", lambda name: "0.5.6.post2")
+        plugin.engine_class()
+    with pytest.raises(ImportError, match=r"pip install 'rollplex\[sglang\]'"):
+        backends.require_backend("sglang")
+    monkeypatch.setattr(metadata, "version", lambda name: "0.5.6.post2")
     with pytest.raises(ImportError, match=r"older than 0\.5\.7.*rollplex\[sglang\]"):
-        backends.require_sglang()
-    monkeypatch.setattr(backends.metadata, "version", lambda name: "0.5.23")
-    assert backends.require_sglang() == "0.5.23"
+        plugin.require()
+    monkeypatch.setattr(metadata, "version", lambda name: "0.5.23")
+    assert plugin.require() == "0.5.23" and backends.require_backend("sglang") == "0.5.23"
     # installed by its metadata but not importable here (no SGLang runtime on this machine)
     with pytest.raises(ImportError, match=r"does not import.*rollplex\[sglang\]"):
-        backends.sglang_engine_class()
+        plugin.engine_class()

@@ -324,8 +324,8 @@ def test_cosched_hook_admits_beside_decode_and_hands_over_exact_prefixes(tiny_di
     from engine_patches.sglang import tensor_ipc
     from engine_patches.sglang.cosched_hook import CoschedHook, received_rows
     from rollplex.data import row_to_inputs
-    from rollplex.demo import shape_color
     from rollplex.models import load_model
+    from rollplex.tiny import shape_color
 
     eager = dict(slowdown_bound=0.9, baseline_samples=1, initial_budget=50.0, max_chunk_ms=1e6, max_in_flight=2,
                  serial_after=1000, reprobe_every=0, job_prompts=2)

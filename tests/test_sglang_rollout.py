@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import httpx
@@ -29,12 +30,12 @@ from engine_patches.sglang.outputs import generate_kwargs, request_outputs, samp
 from rollplex import backends
 from rollplex.backends import BackendConfig
 from rollplex.data import row_to_inputs
-from rollplex.demo import shape_color
 from rollplex.engine import Engine, EngineConfig, SamplingParams
 from rollplex.memory import MemoryConfig, MemoryManager, PhasePlan
 from rollplex.models import ModelInputs, load_model
 from rollplex.rl.config import RLConfig
 from rollplex.rl.step import RLStep
+from rollplex.tiny import shape_color
 
 FAKE = Path(__file__).resolve().parent / "fake_sglang"
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,9 +58,9 @@ def fake_sglang(monkeypatch):
 @pytest.fixture
 def no_sglang(monkeypatch):
     def missing(name):
-        raise backends.metadata.PackageNotFoundError(name)
+        raise metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(backends.metadata, "version", missing)
+    monkeypatch.setattr(metadata, "version", missing)
 
 
 def _native(tiny_dir, proc, **cfg) -> RLStep:
@@ -70,7 +71,7 @@ def _native(tiny_dir, proc, **cfg) -> RLStep:
 
 def _sglang(tiny_dir, proc, memory=None, memory_cfg=None, backend: BackendConfig | None = None, **cfg) -> RLStep:
     model = load_model(tiny_dir)
-    rollout = backends.sglang_rollout(backend or BackendConfig("sglang"), str(tiny_dir), proc, "float32", seed=0)
+    rollout = backends.rollout_backend(backend or BackendConfig("sglang"), str(tiny_dir), proc, "float32", seed=0)
     return RLStep(model, rollout, RLConfig(**{**BASE, **cfg}), proc, reward_fn="shape_color", memory=memory,
                   memory_cfg=memory_cfg)
 
@@ -228,7 +229,7 @@ def test_checkpoint_load_copies_the_policy_in(fake_sglang, tiny_dir, proc, tmp_p
 
 def test_backend_refusals(fake_sglang, tiny_dir, proc):
     rl_cfg = RLConfig(**BASE, cosched=True)
-    rollout = backends.sglang_rollout(BackendConfig("sglang"), str(tiny_dir), proc, "float32")
+    rollout = backends.rollout_backend(BackendConfig("sglang"), str(tiny_dir), proc, "float32")
     try:
         with pytest.raises(ValueError, match="cosched needs the native rollout backend"):
             RLStep(load_model(tiny_dir), rollout, rl_cfg, proc)
@@ -304,7 +305,7 @@ def test_without_sglang_the_backend_fails_before_serving(no_sglang, tiny_dir, tm
     with pytest.raises(SystemExit, match=r"rollplex\.server: .*pip install 'rollplex\[sglang\]'"):
         cli.main(["--rollout-backend", "sglang", "--device", "cpu"])
     with pytest.raises(ImportError, match=r"pip install 'rollplex\[sglang\]'"):
-        backends.sglang_rollout(BackendConfig("sglang"), str(tiny_dir))
+        backends.rollout_backend(BackendConfig("sglang"), str(tiny_dir))
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("train_grpo", ROOT / "examples" / "train_grpo.py")

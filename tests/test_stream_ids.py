@@ -9,10 +9,10 @@ import httpx
 import pytest
 from server_helpers import sse_events
 
-from rollplex.demo.tiny import write_tiny
 from rollplex.engine import EngineConfig
 from rollplex.rl.config import RLConfig
 from rollplex.server import ServerConfig, serve_in_thread
+from rollplex.tiny import write_tiny
 
 SAMPLED = {"temperature": 1.0, "max_new_tokens": 4, "ignore_eos": True, "seed": 3}
 

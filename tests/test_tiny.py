@@ -8,10 +8,10 @@ import pytest
 import torch
 from PIL import Image
 
-from rollplex.demo.shape_color import demo_image
 from rollplex.generate import generate
 from rollplex.models import load_model
 from rollplex.processor import VLProcessor
+from rollplex.tiny.shape_color import demo_image
 
 
 @pytest.fixture(scope="module")

@@ -183,9 +183,9 @@ def test_second_start_reuses_every_tuned_result(tmp_path, caplog, monkeypatch):
 
     if not torch.cuda.is_available():
         pytest.skip("graph capture needs CUDA")
-    from rollplex.demo.tiny import write_tiny
     from rollplex.engine import Engine, EngineConfig, SamplingParams
     from rollplex.engine import model_runner as runner_mod
+    from rollplex.tiny import write_tiny
 
     tiny = write_tiny(tmp_path / "tiny", seed=0)
     cfg = EngineConfig(cuda_graph_max_bs=8, max_num_seqs=8, kv_cache_tokens=16384, tuning_cache_dir=str(tmp_path / "c"))

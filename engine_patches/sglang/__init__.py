@@ -12,6 +12,8 @@
     cosched_hook.py     the co-scheduler as a scheduler hook, and the trainer-side PrefixRows
     outputs.py          rollout requests in Engine.generate's form; SGLang's answers as RequestOutputs
     backend.py          SGLangRollout: SGLang as the RL step's RolloutBackend (rollplex/rl/rollout.py)
+    plugin.py           what rollplex.backends finds under "sglang": the version check, the engine class,
+                        SGLangRollout started on a checkpoint
 
 Nothing here imports SGLang until `load_engine_class()` (or the shim, in the scheduler process) runs.
 Exports resolve lazily so that the torch-free parts (contract, check, spec, timing) import without torch.

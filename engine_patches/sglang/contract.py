@@ -71,7 +71,7 @@ DRIVER_ATTR = "rollplex"
 # SGLang's memory tags (sglang/srt/constants.py GPU_MEMORY_TYPE_*)
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
-# server arguments the rollout backend sets when it starts SGLang's Engine (rollplex.backends.sglang_rollout)
+# server arguments the rollout backend sets when it starts SGLang's Engine (plugin.rollout)
 MANAGED_SERVER_ARGS = ("model_path", "dtype", "mem_fraction_static", "enable_memory_saver",
                        "enable_weights_cpu_backup", "random_seed")
 # sampling parameters the rollout backend sends (outputs.sampling_dict)

@@ -13,6 +13,7 @@ WORKLOADS = {
     "profile": "rollplex.bench.profile",
     "hostloop": "rollplex.bench.hostloop",
     "layer": "rollplex.bench.layer",
+    "parallel": "rollplex.bench.parallel",  # under torchrun: train | decode | disaggregated | step
 }
 
 

@@ -51,8 +51,8 @@ WORKLOADS = {  # preset, prompts, n, new tokens, micro-batch prompts
 def _model_config(name: str):
     if name != "tiny":
         return preset(name)
-    from ..demo.tiny import ensure_tiny
     from ..models import ModelConfig
+    from ..tiny import ensure_tiny
 
     return ModelConfig.from_hf(str(ensure_tiny() / "config.json"))
 

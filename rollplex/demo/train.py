@@ -28,8 +28,7 @@ from ..processor import VLProcessor
 from ..rl.config import ADV_ESTIMATORS, RLConfig
 from ..rl.step import RLStep
 from ..rl.warmup import format_warmup
-from . import shape_color
-from .tiny import ensure_tiny
+from ..tiny import ensure_tiny, shape_color
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

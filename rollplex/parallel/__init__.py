@@ -5,8 +5,6 @@
     colocated.py       the data-parallel RL step (`RLStep(..., group=...)`): FSDP trainer and reference,
                        per-rank or tensor-parallel rollout, weight sync into the engine's tensors
     rollout_groups.py  which ranks form each tensor-parallel rollout engine (chosen for weight sharing)
-    step_bench.py      the `step` command: the data-parallel step checked and timed against one process
-    step_paths.py      its paths: one process, colocated (rollplex or serial mode), disaggregated
     tp.py              tensor-parallel text decoder for rollout (column/row-parallel, vocab-parallel head)
     tp_sampler.py      the decode step's draw from each rank's vocabulary shard (no [B, V] logits gather)
     broadcast.py       trainer -> rollout weight broadcast in buckets
@@ -14,6 +12,10 @@
     disaggregated_step.py  the RL step in that layout (the baseline): rollout ranks generate, trainer
                        ranks run `RLStep.train`, the weights are broadcast to the rollout ranks
     shared_weights.py  the colocated trainer's FSDP2 shards inside the engine's tensors, and their rebuild
+    launch.py          the default process group from torchrun's environment
+
+The commands that check and time these paths end to end live with the benches (rollplex/bench/parallel.py:
+`python -m rollplex.bench parallel ...`; `python -m rollplex.parallel ...` is its older name).
 """
 
 from .broadcast import bucket_plan, receive_weights, send_weights

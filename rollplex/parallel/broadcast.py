@@ -10,7 +10,7 @@ metadata is exchanged: one `broadcast` per bucket.
                    into the full tensor is a collective over the training mesh); `src` packs and
                    broadcasts
     rollout ranks  `receive_weights(model, ...)`: unpacks each tensor into the model's parameter in
-                   place (a tensor-parallel model takes its shard of it, `tp.shard_state_dict`), so the
+                   place (a tensor-parallel model takes its shard of it, `shard_state_dict`), so the
                    engine's next step and CUDA graph replay read the new weights with no rebuild
 
 The wire dtype is the rollout's (e.g. bf16 from fp32 trainer masters): the cast happens once, on the
@@ -29,8 +29,8 @@ import torch.nn as nn
 
 from ..models import ModelConfig
 from ..weights.qwen import param_shapes
+from ..weights.storage import shard_state_dict
 from .fsdp import full_tensor
-from .tp import shard_state_dict
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 

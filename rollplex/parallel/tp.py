@@ -15,9 +15,9 @@
                     row-parallel, their biases added after the all-reduce)
 
 The cut is `rollplex.weights`' rollout layout (`RolloutLayout`, Megatron order), so a TP shard is
-exactly the tensor the weight-sharing planner plans for; `shard_state_dict` is the state-dict
-adapter (full tensors -> this rank's shards, names unchanged), used here and by whoever loads or
-receives full weights into a TP model (broadcast.py).
+exactly the tensor the weight-sharing planner plans for; `shard_state_dict` (rollplex.weights.storage)
+is the state-dict adapter (full tensors -> this rank's shards, names unchanged), used here and by whoever
+loads or receives full weights into a TP model (broadcast.py, rollplex.rl.checkpoint).
 
 The model's math is untouched: the attention modules get this rank's head counts (the layer function
 reads them to split the fused projection), and the decoder's `_post` slot — the function that runs o
@@ -38,10 +38,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..models import ModelConfig, Qwen25VL
+from ..models import Qwen25VL
 from ..models.layers import rms_norm
-from ..weights import RolloutLayout, model_specs
-from ..weights.storage import cut
+from ..weights.storage import shard_state_dict
 
 
 @dataclass(frozen=True)
@@ -68,27 +67,6 @@ class TensorParallel:
         parts = [torch.empty_like(t) for _ in range(self.size)]
         dist.all_gather(parts, t, group=self.group)
         return torch.cat(parts, dim=-1)
-
-
-def shard_state_dict(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, rank: int,
-                     vision: bool = False) -> dict[str, torch.Tensor]:
-    """This TP rank's tensor of every parameter in `full` (names as in `Qwen25VL.named_parameters`):
-    the rollout layout's shard, shaped like the parameter with its split dim cut; the vision tower's
-    blocks too when `vision`."""
-    layout = RolloutLayout(tp, vision_tp=vision)
-    specs = {s.name: s for s in model_specs(cfg)}
-    out = {}
-    for name, t in full.items():
-        spec = specs[name]
-        if spec.tp_dim is None or tp == 1 or (spec.tower == "vision" and not vision):  # whole on every rank
-            out[name] = t
-            continue
-        region = layout.region(spec, rank)
-        local = cut(t, region)
-        shape = list(t.shape)
-        shape[spec.tp_dim] = region.rows if spec.tp_dim == 0 else region.width
-        out[name] = local.view(shape)
-    return out
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from ..models import hf_to_rollplex, save_model
 from ..models.checkpoint import read_safetensors
+from ..weights.storage import shard_state_dict
 from .step import RLStep
 
 STATE = "trainer_state.pt"
@@ -148,8 +149,6 @@ def _read_model(model, path: Path, what: str) -> tuple[dict[str, torch.Tensor], 
     own = model.state_dict()
     tp = getattr(model.model, "tensor_parallel", None)
     if tp is not None:
-        from ..parallel.tp import shard_state_dict
-
         missing = set(own) - set(state)
         if missing:
             raise ValueError(f"{what} in {path} lacks {sorted(missing)[:3]}")

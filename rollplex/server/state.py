@@ -60,7 +60,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..backends import BackendConfig, require_sglang, sglang_rollout
+from ..backends import BackendConfig, require_backend, rollout_backend
 from ..engine import Engine, EngineConfig
 from ..memory import MemoryConfig, MemoryManager, PhasePlan
 from ..models import ModelInputs
@@ -154,7 +154,7 @@ class ServerConfig:
                              "(RLStep.run: the driver and the bench); the server's steps are phased")
         if self.backend.rollout_backend == "sglang":
             try:  # before any model is loaded: a missing SGLang fails the start at once
-                require_sglang()
+                require_backend(self.backend.rollout_backend)
             except ImportError as e:
                 raise ValueError(str(e)) from None
 
@@ -203,7 +203,7 @@ def _load_policy(cfg: ServerConfig):
 
     dtype = getattr(torch, cfg.dtype)
     if cfg.model is None:
-        from ..demo.tiny import ensure_tiny
+        from ..tiny import ensure_tiny
 
         path = ensure_tiny()
     elif Path(cfg.model).is_dir() or looks_like_hub_id(cfg.model):  # a directory or a cached HF model id
@@ -234,8 +234,8 @@ class ServerState:
         if cfg.format_warmup_steps:
             if self.processor is None:
                 raise ValueError("--format-warmup-steps needs a model with a tokenizer")
-            from ..demo import shape_color
             from ..rl.warmup import format_warmup
+            from ..tiny import shape_color
 
             t0 = time.perf_counter()
             rows = shape_color.make_rows(256, seed=cfg.rl.seed)
@@ -275,7 +275,7 @@ class ServerState:
                 raise ValueError("the sglang rollout backend starts SGLang on a checkpoint directory: give --model "
                                  "DIR (a preset has none)")
             try:
-                rollout = sglang_rollout(cfg.backend, str(self.model_path), self.processor, cfg.dtype, cfg.rl.seed)
+                rollout = rollout_backend(cfg.backend, str(self.model_path), self.processor, cfg.dtype, cfg.rl.seed)
             except ImportError as e:
                 raise ValueError(str(e)) from None
             self.engine = None

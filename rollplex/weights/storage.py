@@ -1,5 +1,8 @@
 """Tensors for a plan: allocate shared storage, cut shards, rebuild rollout tensors.
 
+`shard_state_dict` cuts a whole state dict into one tensor-parallel rank's rollout shards (the tensors a
+tensor-parallel model holds): how full weights are loaded or received into such a model.
+
 `allocate` gives one rank's tensors for one parameter: with a `Share`, a single buffer of which the
 padded training tensor and the rollout tensor are two windows (so the shared elements exist once and
 an optimizer step on the training shard is visible to the engine at once); without, two separate
@@ -18,13 +21,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from .layout import RolloutLayout
 from .planner import ModelPlan
+from .qwen import model_specs
 from .regions import Region
 from .share import Copy, ParamPlan
+
+if TYPE_CHECKING:
+    from ..models import ModelConfig
 
 
 def matrix(t: torch.Tensor) -> torch.Tensor:
@@ -38,6 +47,27 @@ def cut(full: torch.Tensor, region: Region) -> torch.Tensor:
     out = full.new_zeros(region.rows + region.pad, region.width)
     if region.rects:
         out[: region.rows] = torch.cat([m[r.r0 : r.r1, r.c0 : r.c1] for r in region.rects])
+    return out
+
+
+def shard_state_dict(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, rank: int,
+                     vision: bool = False) -> dict[str, torch.Tensor]:
+    """This TP rank's tensor of every parameter in `full` (names as in `Qwen25VL.named_parameters`):
+    the rollout layout's shard, shaped like the parameter with its split dim cut; the vision tower's
+    blocks too when `vision`."""
+    layout = RolloutLayout(tp, vision_tp=vision)
+    specs = {s.name: s for s in model_specs(cfg)}
+    out = {}
+    for name, t in full.items():
+        spec = specs[name]
+        if spec.tp_dim is None or tp == 1 or (spec.tower == "vision" and not vision):  # whole on every rank
+            out[name] = t
+            continue
+        region = layout.region(spec, rank)
+        local = cut(t, region)
+        shape = list(t.shape)
+        shape[spec.tp_dim] = region.rows if spec.tp_dim == 0 else region.width
+        out[name] = local.view(shape)
     return out
 
 

@@ -1,5 +1,5 @@
-"""`python -m torch.distributed.run --nproc-per-node N -m rollplex.parallel step [--check] [--bench]`: the RL
-step through `RLStep`'s data-parallel path (parallel/colocated.py) against the single-process step.
+"""`python -m torch.distributed.run --nproc-per-node N -m rollplex.bench parallel step [--check] [--bench]`: the
+RL step through `RLStep`'s data-parallel path (parallel/colocated.py) against the single-process step.
 
 --check   correctness first, on a reduced fp32 copy of the shapes (`--check-layers` decoder layers and
           vision blocks, random weights): the whole step — rollout, reference scoring, update, weight
@@ -48,24 +48,22 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 
-from ..bench.common import make_prompts
 from ..models import ModelConfig, Qwen25VL, init_weights
+from ..parallel.launch import Process, init_from_env
+from ..presets import preset
 from ..rl.config import RLConfig
 from ..rl.step import RLStep
-from .launch import Process, init_from_env
-from .step_paths import BenchPath, EngineFactory, base, bench_paths, capture_grads, free_memory, sampling_params
+from ..tiny import ensure_tiny
+from .common import make_prompts
+from .parallel_paths import BenchPath, EngineFactory, base, bench_paths, capture_grads, free_memory, sampling_params
 
 
 def model_config(name: str) -> ModelConfig:
     """A preset name, "tiny" (the embedded tiny checkpoint), a checkpoint directory or an HF config.json."""
     if name == "tiny":
-        from ..demo.tiny import ensure_tiny
-
         name = str(ensure_tiny())
     if Path(name).is_dir() or name.endswith(".json"):
         return ModelConfig.from_hf(name)
-    from ..presets import preset
-
     return preset(name)
 
 
@@ -264,7 +262,8 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m torch.distributed.run --nproc-per-node N -m rollplex.parallel step",
+    ap = argparse.ArgumentParser(prog="python -m torch.distributed.run --nproc-per-node N -m rollplex.bench "
+                                      "parallel step",
                                  description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--check", action="store_true", help="compare with one process first (fails past --tol)")
     ap.add_argument("--bench", action="store_true", help="time the warm step on one process and data-parallel")

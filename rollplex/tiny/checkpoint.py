@@ -1,4 +1,4 @@
-"""`python -m rollplex.tiny OUT_DIR [--seed N]`: the embedded tiny Qwen2.5-VL checkpoint.
+"""The embedded tiny Qwen2.5-VL checkpoint (`python -m rollplex.tiny OUT_DIR [--seed N]` writes one).
 
 An ordinary HF directory (config.json, model.safetensors, tokenizer files, chat template,
 preprocessor_config.json) with random weights: every code path of the real model (window + full
@@ -8,7 +8,6 @@ takes `--model` accepts it; `ensure_tiny()` creates it on first use under ~/.cac
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
@@ -52,15 +51,3 @@ def ensure_tiny(cache_dir: str | os.PathLike | None = None, seed: int = 0) -> Pa
         tmp.replace(path) if not path.exists() else None
     return path
 
-
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m rollplex.tiny", description=__doc__.splitlines()[0])
-    ap.add_argument("out_dir")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    out = write_tiny(args.out_dir, args.seed)
-    print(f"wrote tiny Qwen2.5-VL checkpoint to {out}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""The paths the data-parallel step bench runs (step_bench.py): one process, the colocated data-parallel
+"""The paths the data-parallel step bench runs (parallel_step.py): one process, the colocated data-parallel
 step (trainer shards inside the policy or apart, rollplex or serial mode, per-rank or tensor-parallel
 rollout groups) and the disaggregated step, each built the same way and stepped with the same seeded
 prompts and rewards, so their results can be compared and their times set side by side."""
@@ -15,9 +15,13 @@ import torch.distributed as dist
 
 from ..engine import Engine, EngineConfig, SamplingParams
 from ..models import Qwen25VL
+from ..parallel.disaggregated import DisaggregatedLayout
+from ..parallel.disaggregated_step import DisaggregatedStep
+from ..parallel.fsdp import FSDPConfig, full_tensor
+from ..parallel.rollout_groups import new_rollout_group
+from ..parallel.tp import tensor_parallel_copy
 from ..rl.config import RLConfig
 from ..rl.step import RLStep
-from .fsdp import FSDPConfig, full_tensor
 
 
 def sync_device(device: torch.device) -> None:
@@ -120,9 +124,7 @@ def base(label: str) -> str:
     return label.partition(":")[0]
 
 
-def disaggregated_layout(args, world: int, wire_dtype: str):
-    from .disaggregated import DisaggregatedLayout
-
+def disaggregated_layout(args, world: int, wire_dtype: str) -> DisaggregatedLayout:
     train = args.train_ranks or world // 2
     if not 0 < train < world or (world - train) % args.rollout_tp:
         raise ValueError(f"disaggregated: {train} trainer ranks of {world} leave no whole rollout engines of "
@@ -140,8 +142,6 @@ class BenchPath:
             rl_cfg = dataclasses.replace(rl_cfg, mode="serial", cosched=False, micro_batch_prompts=1,
                                          micro_batch_samples=args.serial_samples)
         if base(label) == "disaggregated":
-            from .disaggregated_step import DisaggregatedStep
-
             rl_cfg = dataclasses.replace(rl_cfg, cosched=False)  # its trainer ranks never decode
             ecfg = EngineConfig(max_num_seqs=256, max_model_len=engine_fn.max_len,
                                 gpu_memory_utilization=args.kv_memory, max_num_batched_tokens=40000,
@@ -188,9 +188,6 @@ def path_engine(model: Qwen25VL, args, max_len: int, compile_decode: bool, group
     rollout group)."""
     if group is None or args.rollout_tp == 1:
         return policy_engine(model, args, max_len, compile_decode)
-    from .rollout_groups import new_rollout_group
-    from .tp import tensor_parallel_copy
-
     vision = getattr(args, "vision_tp", False)  # the vision tower's blocks split over the engine too
     tp_model = tensor_parallel_copy(model, new_rollout_group(model.cfg, args.rollout_tp, vision=vision), vision)
     if compile_decode:

@@ -1,0 +1,72 @@
+"""SGLang as a rollout backend plugin: what `rollplex.backends` finds under the name "sglang".
+
+Rollplex never imports engine_patches (this package imports Rollplex): `rollplex.backends.PLUGINS` names
+this module, and it is imported only when the SGLang backend is checked or built. A plugin module defines
+
+    require()       the installed SGLang's version; ImportError (with the install command) when it is
+                    missing or older than the oldest release the backend was checked against
+    check_args(a)   ValueError when the further SGLang server arguments `a` set one the backend sets itself
+    rollout(...)    SGLang's engine started on a checkpoint, as the RL step's RolloutBackend (SGLangRollout)
+
+and, for direct use, `engine_class()`: SGLang's Engine with Rollplex's hooked scheduler. SGLang itself is
+imported only by `engine_class()` (engine.load_engine_class).
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+from .backend import SGLangRollout
+from .contract import MANAGED_SERVER_ARGS, MIN_VERSION, NEWEST_CHECKED, release_tuple
+from .engine import load_engine_class
+
+INSTALL_HINT = "pip install 'rollplex[sglang]'"
+
+
+def require() -> str:
+    """The installed SGLang's version; ImportError (with the install command) when it is missing or
+    older than the oldest release the backend was checked against."""
+    try:
+        version = metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        raise ImportError(f"the sglang rollout backend needs SGLang (>= {MIN_VERSION}, checked up to "
+                          f"{NEWEST_CHECKED}): {INSTALL_HINT}") from None
+    if release_tuple(version) < release_tuple(MIN_VERSION):
+        raise ImportError(f"SGLang {version} is older than {MIN_VERSION}, the oldest release the sglang rollout "
+                          f"backend supports: {INSTALL_HINT}")
+    return version
+
+
+def check_args(args: dict) -> None:
+    """ValueError when the further server arguments set one that `rollout` sets itself."""
+    managed = sorted(set(args) & set(MANAGED_SERVER_ARGS))
+    if managed:
+        raise ValueError(f"sglang_args cannot set {managed}: the backend sets them (model and dtype from the "
+                         "policy, mem_fraction_static and the weight backup from their own settings)")
+
+
+def engine_class() -> type:
+    """SGLang's Engine with Rollplex's hooked scheduler (engine.RollplexEngine). ImportError naming the
+    install command when SGLang is missing, too old or does not import."""
+    version = require()
+    try:
+        return load_engine_class()
+    except ImportError as e:
+        raise ImportError(f"SGLang {version} is installed but its engine does not import ({e}); it needs its "
+                          f"pinned torch and CUDA: {INSTALL_HINT}") from e
+
+
+def rollout(cfg, model_path: str, processor=None, dtype: str = "bfloat16", seed: int = 0,
+            hook_spec=None) -> SGLangRollout:
+    """SGLang's engine started on the checkpoint `model_path` with the settings of `cfg`
+    (rollplex.backends.BackendConfig), as the RL step's RolloutBackend. ImportError naming the install
+    command when SGLang is missing, too old or does not import."""
+    version = require()
+    engine_cls = engine_class()
+    engine = engine_cls(hook_spec=hook_spec, model_path=str(model_path), dtype=dtype,
+                        mem_fraction_static=cfg.sglang_mem_fraction_static, enable_memory_saver=True,
+                        enable_weights_cpu_backup=cfg.sglang_weights_cpu_backup, random_seed=seed,
+                        **cfg.extra_sglang_args())
+    return SGLangRollout(engine, processor, release_weights=cfg.sglang_release_weights,
+                         weights_cpu_backup=cfg.sglang_weights_cpu_backup,
+                         bucket_bytes=cfg.sglang_weight_bucket_mb << 20, seed=seed, version=version)

@@ -1,0 +1,255 @@
+"""`python -m torch.distributed.run --nproc-per-node N -m rollplex.bench parallel COMMAND`: the multi-process
+paths end to end, on a synthetic rollout (random prompts, every other one with an image; random
+responses and rewards). Rank 0 prints one JSON line. `-m rollplex.parallel COMMAND` is the same program
+under its older name.
+
+    train          FSDP2 data-parallel actor update(s) over all ranks (parallel/data_parallel.py)
+    decode         the engine with the model tensor-parallel over all ranks (parallel/tp.py)
+    disaggregated  --steps RL steps of the disaggregated layout (DisaggregatedStep, random rewards):
+                   --train-ranks trainer ranks, rollout engines of --rollout-tp ranks on the rest;
+                   rollout, reference scoring, update, weight broadcast; per-rank timings
+    step           the whole RL step through RLStep's data-parallel path against one process:
+                   --check, then --bench (the warm W3B step both ways); its own options (parallel_step.py,
+                   `... -m rollplex.bench parallel step --help`)
+
+--check (train, decode): rank 0 also runs the single-process path on a copy of the model and reports
+the largest difference (train: weights after the update; decode: tokens, logprobs). --model: a
+checkpoint directory or a preset name (random weights, seeded); default: the embedded tiny checkpoint.
+--device cuda: NCCL, one GPU per process (torchrun's LOCAL_RANK).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from ..engine import Engine, EngineConfig, SamplingParams
+from ..models import ModelConfig, ModelInputs, Qwen25VL, init_weights, load_model
+from ..parallel.data_parallel import DataParallelActor
+from ..parallel.disaggregated import DisaggregatedLayout
+from ..parallel.disaggregated_step import DisaggregatedStep
+from ..parallel.fsdp import DTYPES, FSDPConfig, full_state_dict, full_tensor
+from ..parallel.launch import Process, init_from_env
+from ..parallel.tp import apply_tensor_parallel
+from ..presets import preset
+from ..rl.actor import Actor
+from ..rl.algos import grpo_advantages
+from ..rl.batch import RolloutBatch
+from ..rl.config import RLConfig
+from ..tiny import ensure_tiny
+from . import parallel_step
+
+
+def build_model(proc: Process, name: str | None, dtype: torch.dtype, seed: int) -> Qwen25VL:
+    """The same weights on every rank: a checkpoint, or a preset initialised from `seed`."""
+    if name is None:
+        if proc.local_rank == 0:  # one writer per machine
+            ensure_tiny()
+        dist.barrier()
+        name = str(ensure_tiny())
+    if Path(name).is_dir():
+        return load_model(name, proc.device, dtype).eval()
+    with torch.device(proc.device):
+        model = Qwen25VL(preset(name))
+    return init_weights(model, seed=seed).to(dtype).eval()
+
+
+def synthetic_prompts(cfg: ModelConfig, count: int, length: int, grid: int, seed: int) -> list[ModelInputs]:
+    """Random text prompts of `length` tokens; even ones start with a grid x grid-patch image (0: none)."""
+    g = torch.Generator().manual_seed(seed)
+    special = min(cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id)
+    m = cfg.vision.spatial_merge_size
+    out = []
+    for i in range(count):
+        ids = torch.randint(3, special, (length,), generator=g).tolist()
+        if grid and i % 2 == 0:
+            if grid % m:
+                raise ValueError(f"--image-grid must be a multiple of the merge size {m}")
+            vis = [cfg.vision_start_token_id, *[cfg.image_token_id] * (grid * grid // (m * m)), cfg.vision_end_token_id]
+            out.append(ModelInputs(vis + ids, torch.randn(grid * grid, cfg.vision.patch_dim, generator=g),
+                                   torch.tensor([[1, grid, grid]])))
+        else:
+            out.append(ModelInputs(ids))
+    return out
+
+
+def synthetic_batch(cfg: ModelConfig, prompts: list[ModelInputs], n: int, max_len: int, seed: int) -> RolloutBatch:
+    g = torch.Generator().manual_seed(seed + 1)
+    special = min(cfg.image_token_id, cfg.vision_start_token_id)
+    group = [i for i in range(len(prompts)) for _ in range(n)]
+    responses = [torch.randint(3, special, (int(torch.randint(1, max_len + 1, (1,), generator=g)),),
+                               generator=g).tolist() for _ in group]
+    rewards = torch.rand(len(group), generator=g).tolist()
+    return RolloutBatch.from_samples(prompts, group, responses, pad_id=0, rewards=rewards)
+
+
+def _rl(args) -> RLConfig:
+    return RLConfig(n=args.samples, lr=args.lr, micro_batch_prompts=args.micro_batch_prompts, seed=args.seed)
+
+
+def _fsdp(args) -> FSDPConfig:
+    # fp32 shards are the masters; bf16 only as the layers' compute dtype
+    return FSDPConfig(param_dtype="bfloat16", reduce_dtype="float32") if args.dtype == "bfloat16" else FSDPConfig()
+
+
+def _sync(proc: Process) -> None:
+    if proc.device.type == "cuda":
+        torch.cuda.synchronize(proc.device)
+
+
+def cmd_train(proc: Process, args) -> dict:
+    model = build_model(proc, args.model, torch.float32, args.seed)
+    ref = copy.deepcopy(model) if args.check and proc.rank == 0 else None
+    cfg = model.cfg
+    batch = synthetic_batch(cfg, synthetic_prompts(cfg, args.prompts, args.prompt_len, args.image_grid, args.seed),
+                            args.samples, args.new_tokens, args.seed)
+    adv = grpo_advantages(batch.rewards, batch.group)
+    actor = DataParallelActor(model, _rl(args), init_device_mesh(proc.device.type, (proc.world,)), _fsdp(args))
+    grads = _first_step_grads(actor.optimizer, model) if args.check else {}
+    times, metrics = [], {}
+    for s in range(args.steps):
+        t0 = time.perf_counter()
+        metrics, _ = actor.update(batch, adv, None, step=s)
+        _sync(proc)
+        times.append(round(time.perf_counter() - t0, 4))
+    out = {"step_s": times, "metrics": metrics}
+    if args.check:
+        full = full_state_dict(model)
+        if ref is not None:
+            single = Actor(ref, _rl(args))
+            want_grads = _first_step_grads(single.optimizer, ref)
+            for s in range(args.steps):
+                want, _ = single.update(batch, adv, None, step=s)
+            w = dict(ref.named_parameters())
+            out["check"] = {
+                # Adam's first steps are ~lr * sign(grad): rounding noise in a near-zero gradient element moves
+                # its weight by up to 2 lr, so the gradients are the sharper comparison
+                "max_rel_grad_diff": max(((grads[n] - g).norm() / g.norm().clamp_min(1e-12)).item()
+                                         for n, g in want_grads.items()),
+                "max_abs_weight_diff": max((full[n] - w[n].detach()).abs().max().item() for n in full),
+                "grad_norm_diff": abs(metrics["actor/grad_norm"] - want["actor/grad_norm"])}
+    return out
+
+
+def _first_step_grads(optimizer, model: Qwen25VL) -> dict:
+    """Filled with the full gradients the optimizer's first step reads (gathered from FSDP shards)."""
+    out: dict = {}
+    step = optimizer.step
+
+    def capture():
+        if not out:
+            out.update({n: full_tensor(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None})
+        step()
+
+    optimizer.step = capture
+    return out
+
+
+def _generate(engine: Engine, prompts: list[ModelInputs], args) -> tuple[list, float]:
+    sp = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, n=args.samples, seed=args.seed,
+                        ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, sp)
+    return outs, time.perf_counter() - t0
+
+
+def _engine_cfg(args, tp: int) -> EngineConfig:
+    return EngineConfig(tensor_parallel=tp, max_model_len=args.prompt_len + args.new_tokens + 64,
+                        cuda_graph=not args.no_cuda_graph)
+
+
+def cmd_decode(proc: Process, args) -> dict:
+    model = build_model(proc, args.model, DTYPES[args.dtype], args.seed)
+    ref = copy.deepcopy(model) if args.check and proc.rank == 0 else None
+    prompts = synthetic_prompts(model.cfg, args.prompts, args.prompt_len, args.image_grid, args.seed)
+    apply_tensor_parallel(model)
+    outs, dt = _generate(Engine(model, None, _engine_cfg(args, proc.world)), prompts, args)
+    tokens = sum(len(s.token_ids) for o in outs for s in o.samples)
+    out = {"generate_s": round(dt, 4), "tokens_per_s": round(tokens / dt, 1)}
+    if ref is not None:
+        want, _ = _generate(Engine(ref, None, _engine_cfg(args, 1)), prompts, args)
+        pairs = [(a, b) for o, r in zip(outs, want) for a, b in zip(o.samples, r.samples)]
+        out["check"] = {"tokens_equal": all(a.token_ids == b.token_ids for a, b in pairs),
+                        "max_logprob_diff": max(abs(x - y) for a, b in pairs for x, y in zip(a.logprobs, b.logprobs))}
+    return out
+
+
+def cmd_disaggregated(proc: Process, args) -> dict:
+    """The disaggregated RL step (`DisaggregatedStep`) on synthetic prompts with random rewards: trainer
+    ranks first, then rollout engines of `--rollout-tp` ranks; per-rank timings and the trainer's metrics."""
+    if (proc.world - args.train_ranks) % args.rollout_tp or proc.world <= args.train_ranks:
+        raise ValueError(f"{proc.world} ranks: {args.train_ranks} trainer ranks leave no whole engines of "
+                         f"{args.rollout_tp} ranks")
+    layout = DisaggregatedLayout(args.train_ranks, args.rollout_tp, (proc.world - args.train_ranks) // args.rollout_tp,
+                                 wire_dtype=args.dtype)
+    model = build_model(proc, args.model, torch.float32, args.seed)  # a rollout rank casts its shards
+    prompts = synthetic_prompts(model.cfg, args.prompts, args.prompt_len, args.image_grid, args.seed)
+    params = [SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, n=args.samples,
+                             seed=args.seed * 1_000_003 + i * 101, ignore_eos=True) for i in range(len(prompts))]
+    step = DisaggregatedStep(layout, model, None, _rl(args), "exact", _engine_cfg(args, args.rollout_tp), _fsdp(args))
+    metrics = {}
+    for i in range(args.steps):
+        g = torch.Generator().manual_seed(args.seed + i)
+        metrics = step.run(prompts, params, rewards=torch.rand(len(prompts) * args.samples, generator=g).round())
+    timing = {k.removeprefix("timing_s/"): round(v, 4) for k, v in metrics.items() if k.startswith("timing_s/")}
+    every = [None] * proc.world
+    dist.all_gather_object(every, {"role": step.role, **timing})
+    out = {"layout": {"train": layout.train, "rollout_tp": layout.rollout_tp, "replicas": layout.replicas},
+           "per_rank": every}
+    if step.role == "train":
+        out["metrics"] = {k: metrics[k] for k in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean")}
+    return out
+
+
+COMMANDS = {"train": cmd_train, "decode": cmd_decode, "disaggregated": cmd_disaggregated}
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["step"]:
+        parallel_step.main(argv[1:])
+        return
+    ap = argparse.ArgumentParser(prog="python -m torch.distributed.run --nproc-per-node N -m rollplex.bench parallel",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("command", choices=[*sorted(COMMANDS), "step"])
+    ap.add_argument("--model", default=None, help="checkpoint directory or preset name (default: embedded tiny)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="rollout weights / training compute dtype (training keeps fp32 shards)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--samples", type=int, default=2, help="samples per prompt (GRPO group size)")
+    ap.add_argument("--prompt-len", type=int, default=24)
+    ap.add_argument("--image-grid", type=int, default=4, help="image patches per side on even prompts (0: none)")
+    ap.add_argument("--new-tokens", type=int, default=8, help="decode length (train: longest random response)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="rollout temperature (0: greedy)")
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--micro-batch-prompts", type=int, default=2)
+    ap.add_argument("--train-ranks", type=int, default=1, help="disaggregated: trainer ranks")
+    ap.add_argument("--rollout-tp", type=int, default=1, help="disaggregated: ranks per rollout engine")
+    ap.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly on CUDA")
+    ap.add_argument("--check", action="store_true", help="train / decode: compare with one process on rank 0")
+    args = ap.parse_args(argv)
+    if min(args.steps, args.prompts, args.samples, args.new_tokens) < 1:
+        ap.error("--steps, --prompts, --samples and --new-tokens must be >= 1")
+    proc = init_from_env(args.device)
+    try:
+        report = {"command": args.command, "world": proc.world, **COMMANDS[args.command](proc, args)}
+        dist.barrier()
+        if proc.rank == 0:
+            print(json.dumps(report), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""The package layering, read from the source's imports (those inside functions included): optional
+engines are plugins that rollplex/ never imports, the runtime imports no bench, demo or server, and the
+fixtures sit just above the model."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def imported(path: Path) -> set[str]:
+    """The modules `path` imports (relative imports resolved; `from a import b` as a.b too)."""
+    module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([node.module] if node.module else []))
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)
+    return out
+
+
+def offenders(files, banned: tuple[str, ...]) -> dict[str, list[str]]:
+    found = {}
+    for f in files:
+        bad = sorted(m for m in imported(f) if any(m == b or m.startswith(b + ".") for b in banned))
+        if bad:
+            found[str(f.relative_to(ROOT))] = bad
+    return found
+
+
+def test_imports_are_read_relative_ones_included():
+    got = imported(ROOT / "rollplex/server/state.py")
+    assert {"rollplex.backends", "rollplex.tiny.ensure_tiny", "torch.distributed"} <= got
+
+
+@pytest.mark.parametrize("files,banned", [
+    ("rollplex/**/*.py", ("engine_patches",)),  # plugins are found by name (rollplex/backends.py)
+    ("rollplex/server/**/*.py", ("rollplex.demo", "rollplex.bench")),
+    ("rollplex/parallel/**/*.py", ("rollplex.demo", "rollplex.bench", "rollplex.server")),
+    ("rollplex/tiny/**/*.py", ("rollplex.engine", "rollplex.rl", "rollplex.parallel", "rollplex.server",
+                               "rollplex.demo", "rollplex.bench")),
+], ids=["no-plugin-imports", "server", "parallel", "tiny"])
+def test_layering(files, banned):
+    # `python -m rollplex.parallel` is the bench's older name: its entry module alone forwards to the bench
+    paths = [p for p in ROOT.glob(files) if p != ROOT / "rollplex/parallel/__main__.py"]
+    assert paths and offenders(paths, banned) == {}
