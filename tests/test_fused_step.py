@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import assert_fp32_close, assert_weights_close
 
-from rollplex.demo import shape_color
+from rollplex.tiny import shape_color
 from rollplex.engine import Engine, EngineConfig, SamplingParams
 from rollplex.memory import MemoryConfig, MemoryManager, PhasePlan
 from rollplex.models import load_model
