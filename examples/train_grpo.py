@@ -282,12 +282,13 @@ def _warn_cpu_cost(args, embedded, rows: list[dict]) -> None:
         return
     try:
         prompt_tokens = len(row_to_inputs(state.processor, rows[0]).input_ids)
-    except ValueError:  # a malformed row: /rollout says so with its index
+    except (ValueError, OSError):  # a malformed row or a missing image: /rollout says so with its index
         return
     warning = cpu_cost_warning(decoder_params(state.rl.model), prompt_tokens, args.rollout_batch_size,
                                args.n_samples, args.max_new_tokens, args.mode, ref=bool(args.kl_coef))
     if warning:
         print(warning, flush=True)
+
 
 # ---- validation ---------------------------------------------------------------------------------
 def validate(client: Client, args, val_rows: list[dict]) -> dict:
