@@ -71,7 +71,8 @@ def main(argv=None) -> None:
     ap.add_argument("--freeze-vision-tower", action="store_true",
                     help="no gradient into the vision tower; the engine's prefill encodings are reused")
     ap.add_argument("--cosched", action="store_true",
-                    help="run the reference's prefix beside the rollout's decode steps (needs --kl-coef > 0)")
+                    help="run the reference's prefix beside the rollout's decode steps (needs --kl-coef > 0; "
+                         "on an H200 it made steps no faster: docs/DESIGN.md)")
     ap.add_argument("--trace", default=None,
                     help="write the run's phases and co-scheduled work as a Chrome/Perfetto trace (JSON) here, "
                          "and its timeline as a PNG beside it")
