@@ -25,8 +25,14 @@ and logs `val-core/{data_source}/reward/mean@{n}` and friends: before the first 
 --eval-every steps and after the last one, with the metrics of the step they follow.
 
 Logging (`--logger`, repeatable or a comma list: console, jsonl, tensorboard, wandb; rollplex/loggers.py)
-into LOG_DIR (default runs/PROJECT/EXPERIMENT): metrics.jsonl (one object per step, verl metric names
-and a `step` key), tensorboard/, wandb/; and reward.png (reward and throughput curves).
+into LOG_DIR (default runs/PROJECT/EXPERIMENT, EXPERIMENT defaulting to train_grpo-YYYYMMDD-HHMMSS: a new
+folder per run): metrics.jsonl (one object per step, verl metric names and a `step` key), tensorboard/,
+wandb/; and reward.png (reward and throughput curves; the reward panel is titled by the data's
+data_source, with a chance line only on the shape-colour task, where 0.25 is a fact of the task). A
+resumed run appends to the metrics of the folder it is given (`--experiment` / `--log-dir`).
+
+An in-process server on the CPU first gets an estimate of one step's cost (rollplex/demo/progress.py):
+a warning when a step will take minutes (a real-size --model, long --max-new-tokens).
 """
 
 from __future__ import annotations
@@ -53,10 +59,10 @@ from tqdm import tqdm
 
 from rollplex.data import load_rows, save_rows
 from rollplex.loggers import DEFAULT_NAMES as DEFAULT_LOGGERS
-from rollplex.loggers import LoggerConfig, Tracker, default_log_dir
+from rollplex.loggers import LoggerConfig, Tracker, resolve_run_dir
 from rollplex.loggers import add_arguments as add_logger_arguments
 from rollplex.loggers import parse_names as parse_logger_names
-from rollplex.plots import plot_rewards
+from rollplex.plots import plot_rewards, reward_labels
 from rollplex.rl.rewards import get_reward_fn, score
 
 
@@ -134,8 +140,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.format_warmup_steps = 30 if demo else 0  # the demo task's answer format: never on user data
     if args.target_reward is None and demo:
         args.target_reward = 0.8
-    if args.log_dir is None:
-        args.log_dir = default_log_dir(args.project, args.experiment)
+    args.replaced = resolve_run_dir(args, "train_grpo")  # an earlier run's files in an explicit folder
     for name in ("steps", "rollout_batch_size", "n_samples", "max_new_tokens", "val_n", "val_batch_size"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -267,6 +272,23 @@ def start_server(args):
         raise SystemExit(f"train_grpo: {e}") from None
 
 
+def _warn_cpu_cost(args, embedded, rows: list[dict]) -> None:
+    """Print the CPU cost warning for an in-process server on the CPU whose step will take minutes."""
+    from rollplex.data import row_to_inputs
+    from rollplex.demo.progress import cpu_cost_warning, decoder_params
+
+    state = embedded.state
+    if str(state.cfg.device).split(":")[0] != "cpu" or state.processor is None:
+        return
+    try:
+        prompt_tokens = len(row_to_inputs(state.processor, rows[0]).input_ids)
+    except (ValueError, OSError):  # a malformed row or a missing image: /rollout says so with its index
+        return
+    warning = cpu_cost_warning(decoder_params(state.rl.model), prompt_tokens, args.rollout_batch_size,
+                               args.n_samples, args.max_new_tokens, args.mode, ref=bool(args.kl_coef))
+    if warning:
+        print(warning, flush=True)
+
 
 # ---- validation ---------------------------------------------------------------------------------
 def validate(client: Client, args, val_rows: list[dict]) -> dict:
@@ -336,6 +358,9 @@ def validation_metrics(samples: list[tuple[str, int, dict[str, float]]]) -> dict
 # ---- training -----------------------------------------------------------------------------------
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.replaced and not args.resume:
+        print(f"note: {args.log_dir} holds an earlier run; replacing "
+              f"{', '.join(Path(f).name for f in args.replaced)}", flush=True)
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     rows = load_dataset(args)
     val_rows = load_val_dataset(args)
@@ -344,6 +369,8 @@ def main(argv=None) -> dict:
     embedded = None
     try:
         embedded = start_server(args) if args.server is None else None
+        if embedded is not None:
+            _warn_cpu_cost(args, embedded, rows)
         client = Client(args.server or embedded.url, args.api_key, args.timeout)
         try:
             return _train(args, client, rows, val_rows, tracker)
@@ -408,7 +435,8 @@ def _train(args, client: Client, rows: list[dict], val_rows: list[dict], tracker
     if args.save_dir and history and (not args.save_every or done % args.save_every):
         saved = _save(client, args, done)
     log_dir = Path(args.log_dir)
-    png = plot_rewards(history, log_dir / "reward.png") if history else None
+    title, chance = reward_labels(r.get("data_source") for r in rows)
+    png = plot_rewards(history, log_dir / "reward.png", title, chance) if history else None
     metrics_path = log_dir / "metrics.jsonl" if "jsonl" in args.logger else None
     summary = {"steps": len(history), "final_step": done, "log_dir": str(log_dir),
                "metrics": str(metrics_path) if metrics_path else None, "plot": str(png) if png else None,

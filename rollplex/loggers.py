@@ -15,7 +15,10 @@ The optional packages are imported only when their logger is chosen, and a missi
 ImportError naming the install command, raised when the Tracker is built, before any training step.
 `add_arguments` / `LoggerConfig.from_args` give the training CLIs the same flags (`--logger`,
 `--project`, `--experiment`, `--log-dir`), named after verl's trainer.logger / project_name /
-experiment_name.
+experiment_name. `resolve_run_dir` gives each CLI run its own folder: without `--experiment` the name
+is PREFIX-YYYYMMDD-HHMMSS (with -2, -3, ... when that folder exists), so a run never replaces the
+metrics and plots of the one before; an explicit name or `--log-dir` that already holds a run's files
+is used as given, and the CLI says which files it replaces.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -51,6 +55,34 @@ def default_log_dir(project: str, experiment: str) -> str:
     return str(Path("runs") / project / experiment)
 
 
+RUN_FILES = ("metrics.jsonl", "reward.png")  # what a CLI run writes into its folder
+
+
+def run_name(prefix: str, now: float | None = None) -> str:
+    """PREFIX-YYYYMMDD-HHMMSS (local time) of `now` (default: the current time)."""
+    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}"
+
+
+def resolve_run_dir(args: argparse.Namespace, prefix: str, now: float | None = None) -> list[str]:
+    """Fill `args.experiment` and `args.log_dir` left unset by the flags of `add_arguments`: a new
+    experiment name per run (`run_name`, suffixed -2, -3, ... while runs/PROJECT/NAME exists) and its
+    folder runs/PROJECT/EXPERIMENT. Creates nothing. Returns the files of an earlier run that an explicit
+    `--experiment` / `--log-dir` folder already holds (the CLI says it replaces them; a resumed run
+    appends its metrics instead)."""
+    if args.experiment is None and args.log_dir is None:
+        base = run_name(prefix, now)
+        name, k = base, 1
+        while Path(default_log_dir(args.project, name)).exists():
+            k += 1
+            name = f"{base}-{k}"
+        args.experiment = name
+    elif args.experiment is None:  # --log-dir alone: the folder names the run
+        args.experiment = Path(args.log_dir).name or prefix
+    if args.log_dir is None:
+        args.log_dir = default_log_dir(args.project, args.experiment)
+    return [str(Path(args.log_dir) / f) for f in RUN_FILES if (Path(args.log_dir) / f).exists()]
+
+
 @dataclass
 class LoggerConfig:
     names: tuple[str, ...] = DEFAULT_NAMES
@@ -69,20 +101,26 @@ class LoggerConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, append: bool = False) -> LoggerConfig:
-        """From the flags `add_arguments` defined (`args.log_dir` already resolved or None)."""
+        """From the flags `add_arguments` defined (unset names resolved by `resolve_run_dir` first, as the
+        CLIs do)."""
+        if args.experiment is None:
+            resolve_run_dir(args, "run")
         hparams = {k: v for k, v in vars(args).items() if k != "api_key"}  # never record a credential
         return cls(names=parse_names(args.logger or DEFAULT_NAMES), project=args.project, experiment=args.experiment,
                    log_dir=args.log_dir, append=append, hparams=hparams)
 
 
 def add_arguments(ap: argparse.ArgumentParser, experiment: str) -> None:
-    """`--logger` (repeatable, comma lists), `--project`, `--experiment`, `--log-dir` on a training CLI."""
+    """`--logger` (repeatable, comma lists), `--project`, `--experiment`, `--log-dir` on a training CLI;
+    `experiment` is the prefix of the default run name (`resolve_run_dir` fills the unset ones)."""
     g = ap.add_argument_group("logging")
     g.add_argument("--logger", action="append", default=None, metavar="NAME",
                    help=f"where metrics go: {', '.join(NAMES)}; repeat the flag or give a comma list "
                         f"(default: {','.join(DEFAULT_NAMES)})")
     g.add_argument("--project", default="rollplex", help="project name (verl's trainer.project_name)")
-    g.add_argument("--experiment", default=experiment, help="experiment name (verl's trainer.experiment_name)")
+    g.add_argument("--experiment", default=None,
+                   help=f"experiment name (verl's trainer.experiment_name) (default: {experiment}-YYYYMMDD-HHMMSS, "
+                        "a new folder per run)")
     g.add_argument("--log-dir", default=None, help="the run's folder: metrics.jsonl, tensorboard/, wandb/, plots "
                                                    "(default: runs/PROJECT/EXPERIMENT)")
 

@@ -110,7 +110,8 @@ def test_driver_help_shows_defaults(driver, capsys, monkeypatch):
     assert e.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     for expected in ("--steps STEPS training steps (default: 300)", "(GRPO group size) (default: 16)",
-                     "(default: jsonl)", "(default: runs/PROJECT/EXPERIMENT)", "(default: train_grpo)",
+                     "(default: jsonl)", "(default: runs/PROJECT/EXPERIMENT)",
+                     "(default: train_grpo-YYYYMMDD-HHMMSS, a new folder per run)",
                      "--eval-every EVAL_EVERY", "(default: 0)", "--val-temperature", "(0: greedy) (default: 0.0)",
                      "(default: $ROLLPLEX_API_KEY)", "random weights: for benchmarks only"):
         assert expected in text, expected

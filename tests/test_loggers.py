@@ -38,9 +38,11 @@ def test_cli_flags(tmp_path):
     args = ap.parse_args(["--logger", "console,jsonl", "--logger", "tensorboard", "--project", "p"])
     args.api_key = "s3cret"
     cfg = LoggerConfig.from_args(args, append=True)
-    assert cfg.names == ("console", "jsonl", "tensorboard") and cfg.project == "p" and cfg.experiment == "exp0"
-    assert cfg.log_dir == str(Path("runs") / "p" / "exp0") and cfg.append
+    assert cfg.names == ("console", "jsonl", "tensorboard") and cfg.project == "p"
+    assert cfg.experiment.startswith("run-") and cfg.log_dir == str(Path("runs") / "p" / cfg.experiment) and cfg.append
     assert "api_key" not in cfg.hparams and cfg.hparams["project"] == "p"  # a credential is never recorded
+    cfg = LoggerConfig.from_args(ap.parse_args(["--experiment", "exp1"]))
+    assert cfg.experiment == "exp1" and cfg.log_dir == str(Path("runs") / "rollplex" / "exp1")
     assert LoggerConfig.from_args(ap.parse_args([])).names == ("jsonl",)
 
 

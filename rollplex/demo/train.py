@@ -6,29 +6,41 @@
 3. GRPO with the native engine (shared weights), shared-prefix scoring and training until the mean
    reward reaches the target; a progress bar per step; a reward curve PNG at the end.
 
-Metrics (verl names) go to the loggers chosen with `--logger` (rollplex/loggers.py; default: jsonl, i.e.
-LOG_DIR/metrics.jsonl), LOG_DIR defaulting to runs/PROJECT/EXPERIMENT.
+Each run writes into its own folder, LOG_DIR: runs/PROJECT/EXPERIMENT, EXPERIMENT defaulting to
+demo-YYYYMMDD-HHMMSS (loggers.resolve_run_dir), so a run never replaces the one before. Metrics (verl
+names) go to the loggers chosen with `--logger` (rollplex/loggers.py; default: jsonl, i.e.
+LOG_DIR/metrics.jsonl), the reward curve to LOG_DIR/reward.png.
+
+On the CPU the demo first estimates a step's cost from the model's size and the step's tokens and
+warns when a step will take minutes (a real-size `--model`); with `--progress` (default: on when
+stdout is a terminal) it reports inside each step: the rollout's tokens and finished samples, the
+update's micro-batches (demo/progress.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from ..cosched import Timeline
+from ..data import row_to_inputs
 from ..engine import Engine, EngineConfig
-from ..loggers import LoggerConfig, Tracker, add_arguments, default_log_dir
+from ..loggers import LoggerConfig, Tracker, add_arguments, resolve_run_dir
 from ..models import load_model
-from ..plots import plot_rewards
+from ..plots import plot_rewards, reward_labels
 from ..processor import VLProcessor
 from ..rl.config import ADV_ESTIMATORS, RLConfig
 from ..rl.step import RLStep
 from ..rl.warmup import format_warmup
 from ..tiny import ensure_tiny, shape_color
+from .progress import StepProgress, cpu_cost_warning, decoder_params, expected_passes
+
+LOG_EVERY_S = 5.0  # --progress without a terminal: a line at most this often
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -58,19 +70,24 @@ def main(argv=None) -> None:
     ap.add_argument("--freeze-vision-tower", action="store_true",
                     help="no gradient into the vision tower; the engine's prefill encodings are reused")
     ap.add_argument("--cosched", action="store_true",
-                    help="run the reference's prefix beside the rollout's decode steps (needs --kl-coef > 0)")
+                    help="run the reference's prefix beside the rollout's decode steps (needs --kl-coef > 0; "
+                         "on an H200 it made steps no faster: docs/DESIGN.md)")
     ap.add_argument("--schedule", default="phased", choices=["phased", "fused"],
                     help="fused: train each prompt group beside the rest of the rollout (rl/pipeline.py)")
     ap.add_argument("--trace", default=None,
                     help="write the run's phases and co-scheduled work as a Chrome/Perfetto trace (JSON) here, "
                          "and its timeline as a PNG beside it")
+    ap.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
+                    help="progress inside each step (rollout tokens, update micro-batches); auto: on when stdout is "
+                         "a terminal (the step bar's line), on elsewhere: a line every few seconds")
     add_arguments(ap, experiment="demo")
     ap.add_argument("--out", dest="log_dir", help="the same as --log-dir")
     args = ap.parse_args(argv)
     if args.cosched and args.kl_coef <= 0:
         ap.error("--cosched moves the reference model's prefix work: it needs --kl-coef > 0")
-    if args.log_dir is None:
-        args.log_dir = default_log_dir(args.project, args.experiment)
+    replaced = resolve_run_dir(args, "demo")
+    if replaced:
+        print(f"note: {args.log_dir} holds an earlier run; replacing {', '.join(Path(f).name for f in replaced)}")
     try:
         logger_cfg = LoggerConfig.from_args(args)
     except ValueError as e:
@@ -91,6 +108,12 @@ def _run(args, tracker: Tracker) -> None:
     proc = VLProcessor.from_pretrained(path)
     rows = shape_color.make_rows(512, seed=args.seed)
     out = Path(args.log_dir)
+    max_new_tokens = 4  # an option letter and the end of the turn
+    if device == "cpu":  # before the warm-up, which a real-size model makes slow too
+        warning = cpu_cost_warning(decoder_params(model), len(row_to_inputs(proc, rows[0]).input_ids), args.prompts,
+                                   args.n, max_new_tokens, args.mode, ref=args.kl_coef > 0)
+        if warning:
+            print(warning, flush=True)
     t0 = time.perf_counter()
     loss = format_warmup(model, proc, rows, shape_color.LETTERS, args.warmup_steps, lr=1e-3, seed=args.seed)
     print(f"format warm-up: {args.warmup_steps} steps on random letters, loss {loss:.3f} "
@@ -98,8 +121,8 @@ def _run(args, tracker: Tracker) -> None:
     if device == "cuda":  # the demo owns the model (the engine compiles only its decode)
         model.compile()
     engine = Engine(model, proc, EngineConfig(max_num_seqs=256, max_model_len=512))
-    cfg = RLConfig(mode=args.mode, n=args.n, temperature=1.0, max_new_tokens=4, lr=args.lr, kl_coef=args.kl_coef,
-                   micro_batch_prompts=8, micro_batch_samples=32, seed=args.seed, grad_clip=1.0,
+    cfg = RLConfig(mode=args.mode, n=args.n, temperature=1.0, max_new_tokens=max_new_tokens, lr=args.lr,
+                   kl_coef=args.kl_coef, micro_batch_prompts=8, micro_batch_samples=32, seed=args.seed, grad_clip=1.0,
                    freeze_vision_tower=args.freeze_vision_tower, cosched=args.cosched, adv_estimator=args.adv_estimator,
                    schedule=args.schedule,
                    **({"loss_agg_mode": "seq-mean-token-sum-norm"} if args.adv_estimator == "dr_grpo" else {}))
@@ -111,16 +134,28 @@ def _run(args, tracker: Tracker) -> None:
     from tqdm import tqdm
 
     bar = tqdm(range(args.steps), desc=f"{args.adv_estimator} ({args.mode})", unit="step")
-    for _ in bar:
-        m = rl.step(rng.sample(rows, args.prompts))
-        history.append(m)
-        tracker.log(m, len(history))
-        recent = sum(h["critic/score/mean"] for h in history[-3:]) / len(history[-3:])
-        bar.set_postfix(reward=f"{m['critic/score/mean']:.2f}", avg3=f"{recent:.2f}")
-        if len(history) >= 3 and recent >= args.target:
-            break
-    bar.close()
-    png = plot_rewards(history, out / "reward.png")
+    shown = {"reward": ""}  # the bar's reward text, which in-step progress on a terminal shows beside its own
+    progress = _progress(args, model, engine, cfg, bar, shown)
+    try:
+        for _ in bar:
+            if progress is not None:
+                progress.begin(len(history) + 1)
+            m = rl.step(rng.sample(rows, args.prompts))
+            if progress is not None:
+                progress.end()
+            history.append(m)
+            tracker.log(m, len(history))
+            recent = sum(h["critic/score/mean"] for h in history[-3:]) / len(history[-3:])
+            shown["reward"] = f"reward={m['critic/score/mean']:.2f}, avg3={recent:.2f}"
+            bar.set_postfix_str(shown["reward"])
+            if len(history) >= 3 and recent >= args.target:
+                break
+    finally:
+        if progress is not None:
+            progress.close()
+        bar.close()
+    title, chance = reward_labels(r.get("data_source") for r in rows)
+    png = plot_rewards(history, out / "reward.png", title, chance)
     if rl.timeline is not None:
         trace = rl.timeline.write_trace(args.trace)
         timeline_png = rl.timeline.plot(Path(args.trace).with_suffix(".png"), title="demo: phases and prefix work")
@@ -129,6 +164,22 @@ def _run(args, tracker: Tracker) -> None:
     print(f"mean reward: {first:.2f} (step 1) -> {last:.2f} (last 3 steps) in {len(history)} steps, "
           f"{time.perf_counter() - t0:.0f}s total")
     print(f"logs: {out}" + (f", plot: {png}" if png else ""))
+
+
+def _progress(args, model, engine, cfg: RLConfig, bar, shown: dict) -> StepProgress | None:
+    """The in-step progress for `--progress`: on a terminal in the step bar's line (4 updates a second at
+    most), elsewhere a printed line every LOG_EVERY_S; None when off."""
+    tty = sys.stdout.isatty()
+    if args.progress == "off" or (args.progress == "auto" and not tty):
+        return None
+    passes = expected_passes(cfg, args.prompts)
+    if tty:
+        def sink(text: str) -> None:
+            bar.set_postfix_str(", ".join(x for x in (shown["reward"], text) if x))
+
+        return StepProgress(model, engine, args.prompts, args.n, passes, sink, every_s=0.25)
+    return StepProgress(model, engine, args.prompts, args.n, passes, lambda text: print(text, flush=True),
+                        every_s=LOG_EVERY_S)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from PIL import Image, ImageDraw
 COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (235, 200, 30)}
 LETTERS = "ABCD"
 DATA_SOURCE = "rollplex/shape_color"
+CHANCE = 1 / len(COLORS)  # the reward of a policy that answers with a letter but cannot see
 QUESTION = ("<image>What color is the shape?\n"
             + "\n".join(f"{LETTERS[i]}. {c}" for i, c in enumerate(COLORS))
             + "\nAnswer with the letter only.")
