@@ -16,6 +16,11 @@
            rollout sampled before the weights changed (a train step or a load since) gets 409 and
            stays retained; `off_policy: true` trains it with its sampling logprobs as old logprobs.
            Overrides are bounded (schemas.py) and rewards finite with |r| <= 1e6 (400 otherwise).
+           Overlong reward shaping (overlong_buffer_len > 0) applies to the rewards the server scores,
+           measured against the rollout's max_new_tokens; rewards a client sends are taken as final.
+           With filter_groups (DAPO's dynamic sampling, rl/dynamic_sampling.py) the groups whose samples
+           all have the same filter_groups_metric are dropped and the rest trained (400, the rollout
+           retained, when none is left); refilling the batch is the client's: the server holds no data.
            A failed step changes nothing, or says exactly what changed: before its first optimizer
            step (scoring, the first mini-batch) weights, optimizer state, LR schedule, global_step,
            weights_version and the rollout store are as they were; after it (out of memory in a
@@ -45,11 +50,14 @@ import math
 import time
 from dataclasses import replace
 
+import torch
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import Response
 
 from ..rl.batch import RolloutBatch
+from ..rl.dynamic_sampling import kept_groups
 from ..rl.errors import TrainOOM, TrainStepError
+from ..rl.rewards import score_batch
 from . import limits
 from .errors import bad_request
 from .inflight import ClientGone, collect, submit
@@ -119,7 +127,8 @@ def router(state) -> APIRouter:
             if keep_vision:
                 batch.prompts = [p if o.vision_embeds is None else replace(p, vision_embeds=o.vision_embeds)
                                  for p, o in zip(batch.prompts, outs)]
-            entry = RetainedRollout(batch, temperature=sp.temperature, gen_s=gen_s, weights_version=version)
+            entry = RetainedRollout(batch, temperature=sp.temperature, gen_s=gen_s, weights_version=version,
+                                    max_new_tokens=sp.max_new_tokens)
             state.store.put(entry)
             rollout_id = entry.rollout_id
         return {"rollout_id": rollout_id, "weights_version": version, "num_prompts": len(req.prompts), "n": n,
@@ -138,18 +147,26 @@ def router(state) -> APIRouter:
                 raise HTTPException(409, str(StaleRollout(entry.weights_version, state.weights_version)))
             N = entry.batch.num_samples
             extra, reward_s = {}, 0.0
+            try:  # this step's config, for the reward shaping and the group filter (state.train checks it too)
+                cfg = replace(state.rl.cfg, **req.overrides())
+            except ValueError as e:
+                raise bad_request(f"train step rejected: {e}") from None
             if req.rewards is not None:
                 if len(req.rewards) != N:
                     raise bad_request(f"got {len(req.rewards)} rewards for {N} samples (one per sample, in the "
                                       "order /rollout returned them); the rollout is still retained")
-                rewards = list(req.rewards)
+                rewards = scores = list(req.rewards)
             else:
                 t0 = time.perf_counter()
                 try:  # the RL step's reward loop, off the engine thread (it touches no model state)
-                    rewards, extra = await asyncio.to_thread(_score, state, entry.batch, req.reward)
+                    scores, rewards, extra = await asyncio.to_thread(_score, state, entry, req.reward, cfg)
                 except ValueError as e:
                     raise bad_request(str(e)) from None
+                rewards = rewards.tolist()
                 reward_s = time.perf_counter() - t0
+            if cfg.filter_groups:  # dynamic sampling's filter; the client's rollout is the one rollout of the step
+                entry, rewards, filtered = _filter_groups(entry, rewards, scores, cfg.filter_groups_metric)
+                extra.update(filtered)
             try:
                 m = await state.worker.run(lambda: state.train(entry, rewards, req.overrides(), reward_s,
                                                                off_policy=req.off_policy), drain=True)
@@ -192,10 +209,29 @@ def router(state) -> APIRouter:
     return r
 
 
-def _score(state, batch: RolloutBatch, reward: str | None):
-    """(rewards, metrics) by a reward registered at startup (rewards.py; None: the server's --reward)."""
+def _score(state, entry: RetainedRollout, reward: str | None, cfg) -> tuple[list[float], torch.Tensor, dict]:
+    """(scores, rewards, metrics) by a reward registered at startup (rewards.py; None: the server's --reward),
+    with cfg's overlong reward shaping against the rollout's max_new_tokens."""
     fn = state.rewards.default if reward is None else state.rewards.get(reward)
-    return state.rl.compute_rewards(batch, fn)
+    return score_batch(fn, entry.batch, entry.max_new_tokens or cfg.max_new_tokens, cfg.overlong_buffer_len,
+                       cfg.overlong_penalty_factor)
+
+
+def _filter_groups(entry: RetainedRollout, rewards: list, scores: list, metric: str):
+    """(entry, rewards) of the rollout's groups whose samples' `metric` differs (rl/dynamic_sampling.py), and
+    the filter's metrics; 400 (the rollout retained) when no group is left to train."""
+    values = torch.tensor(rewards if metric == "seq_reward" else scores, dtype=torch.float32)
+    batch = entry.batch
+    kept = kept_groups(values, batch.group, batch.num_prompts)
+    if not kept:
+        raise bad_request(f"filter_groups: every group's samples have the same {metric}, so no group is left to "
+                          "train; the rollout is still retained")
+    metrics = {"train/num_gen_batches": 1, "train/num_groups_kept": len(kept),
+               "train/num_groups_dropped": batch.num_prompts - len(kept)}
+    if len(kept) == batch.num_prompts:
+        return entry, rewards, metrics
+    sub, idx = batch.select_prompts(kept)
+    return replace(entry, batch=sub), [rewards[i] for i in idx.tolist()], metrics
 
 
 async def _backend_rollout(state, encoders: list, params: list, keep_vision: bool) -> tuple[list, list, int]:

@@ -206,9 +206,11 @@ class TrainStepRequest(BaseModel):
     # to what a step can use (an lr of 1000 destroys the policy in one step): lr <= 1e-2, a clip range
     # within [0, 1] below and [0, 10] above, coefficients <= 10 (entropy within [-1, 1]), grad_clip <= 1e4,
     # at most 16 epochs x 256 mini-batches, micro-batches of at most 4096 prompts / 65536 samples / 2^24 tokens,
-    # gamma within [0, 1], a TIS cap within (0, 100], a token-sum divisor within (0, 2^20]; names of an
-    # estimator / loss are checked by RLConfig (400 with the allowed values). The LR-schedule unit and
-    # the KL controller are startup flags only: they define what persists across steps.
+    # gamma within [0, 1], a TIS cap within (0, 100], a token-sum divisor within (0, 2^20], an overlong buffer
+    # within [0, 2^20] tokens (and max_new_tokens) and its penalty factor within [0, 10]; names of an
+    # estimator / loss / filter metric are checked by RLConfig (400 with the allowed values). The LR-schedule
+    # unit and the KL controller are startup flags only: they define what persists across steps;
+    # max_num_gen_batches and filter_groups_partial do not apply to a server (it rolls out nothing itself).
     lr: float | None = Field(None, gt=0.0, le=1e-2, allow_inf_nan=False)
     kl_coef: float | None = Field(None, ge=0.0, le=10.0, allow_inf_nan=False)
     clip_ratio_low: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
@@ -232,6 +234,10 @@ class TrainStepRequest(BaseModel):
     micro_batch_prompts: int | None = Field(None, ge=1, le=4096)
     micro_batch_samples: int | None = Field(None, ge=1, le=65536)
     micro_batch_max_tokens: int | None = Field(None, ge=1, le=1 << 24)
+    overlong_buffer_len: int | None = Field(None, ge=0, le=1 << 20)
+    overlong_penalty_factor: float | None = Field(None, ge=0.0, le=10.0, allow_inf_nan=False)
+    filter_groups: bool | None = None
+    filter_groups_metric: str | None = None
 
     @model_validator(mode="after")
     def _one_reward(self):
