@@ -8,7 +8,9 @@
 
 Per step:  POST /rollout   (a batch of verl rows x n samples; the server retains the rollout)
            POST /train_step (rewards scored server-side by `--reward`, default: dispatch on data_source;
-                            a server scores only rewards registered when it started)
+                            a server scores only rewards registered when it started; with --filter-groups
+                            it trains only the groups whose samples' rewards differ, and a batch with
+                            none is skipped)
 and every K steps POST /save (the driver's data position rides along as `data_state`; --resume
 loads it back; the server writes checkpoints only under its --checkpoint-root). Without --server
 the driver starts `rollplex.server` in a background thread on a free loopback port and talks HTTP
@@ -94,6 +96,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "with loss aggregation seq-mean-token-sum-norm unless --loss-agg-mode says otherwise)")
     ap.add_argument("--policy-loss", default=None, help="vanilla or gspo (default: the server's)")
     ap.add_argument("--loss-agg-mode", default=None, help="verl's loss_agg_mode (default: the server's)")
+    ap.add_argument("--clip-ratio-low", type=float, default=None, help="PPO clip range below 1 (default: the server's)")
+    ap.add_argument("--clip-ratio-high", type=float, default=None, help="PPO clip range above 1; DAPO's clip-higher: "
+                    "0.28 (default: the server's)")
+    ap.add_argument("--use-kl-loss", action=argparse.BooleanOptionalAction, default=None,
+                    help="KL term in the loss, or (--no-use-kl-loss) a KL penalty in the reward (default: the "
+                    "server's)")
+    ap.add_argument("--overlong-buffer-len", type=int, default=None, help="DAPO's overlong reward shaping of the "
+                    "rewards the server scores: the last tokens before --max-new-tokens over which a response loses "
+                    "up to --overlong-penalty-factor (0: off; default: the server's)")
+    ap.add_argument("--overlong-penalty-factor", type=float, default=None, help="the overlong penalty at "
+                    "--max-new-tokens (default: the server's)")
+    ap.add_argument("--filter-groups", action=argparse.BooleanOptionalAction, default=None,
+                    help="DAPO's dynamic sampling filter: the server trains only the groups whose samples' rewards "
+                    "differ (it does not refill the batch; default: the server's)")
     ap.add_argument("--reward", default="default", help="reward name or module:function (scored by the server in "
                     "training, by this driver in validation); the in-process server registers it, a --server must "
                     "have it registered (its --reward or --reward-module)")
@@ -235,13 +251,16 @@ class Client:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=url, headers=headers, timeout=timeout)
 
-    def call(self, method: str, path: str, body: dict | None = None) -> dict:
+    def call(self, method: str, path: str, body: dict | None = None, tolerate: str | None = None) -> dict | None:
+        """The answer; SystemExit on an error, except a 400 whose message starts with `tolerate`: None."""
         r = self.http.request(method, path, json=body)
         if r.status_code >= 400:
             try:
                 msg = r.json()["error"]["message"]
             except Exception:  # noqa: BLE001
                 msg = r.text[:500]
+            if tolerate is not None and r.status_code == 400 and msg.startswith(tolerate):
+                return None
             raise SystemExit(f"{method} {path} -> HTTP {r.status_code}: {msg}")
         return r.json()
 
@@ -369,9 +388,9 @@ def _train(args, client: Client, rows: list[dict], val_rows: list[dict], tracker
         print(f"resumed from {args.resume} at step {start}", flush=True)
     if args.adv_estimator == "dr_grpo" and args.loss_agg_mode is None:
         args.loss_agg_mode = "seq-mean-token-sum-norm"  # Dr.GRPO's aggregation
-    overrides = {k: v for k, v in (("lr", args.lr), ("kl_coef", args.kl_coef), ("adv_estimator", args.adv_estimator),
-                                   ("policy_loss", args.policy_loss), ("loss_agg_mode", args.loss_agg_mode))
-                 if v is not None}
+    names = ("lr", "kl_coef", "adv_estimator", "policy_loss", "loss_agg_mode", "clip_ratio_low", "clip_ratio_high",
+             "use_kl_loss", "overlong_buffer_len", "overlong_penalty_factor", "filter_groups")
+    overrides = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     history: list[dict] = []
     val: dict = {}
     saved = None
@@ -382,11 +401,17 @@ def _train(args, client: Client, rows: list[dict], val_rows: list[dict], tracker
         print(_val_line(start, val), flush=True)
     bar = tqdm(range(start, args.steps), desc=f"GRPO ({health['mode']})", unit="step", initial=start,
                total=args.steps)
+    done = start  # the data position: steps run, a skipped one (--filter-groups) included
     for step in bar:
         t0 = time.perf_counter()
+        done = step + 1
         batch = [row_to_wire(rows[i]) for i in batch_indices(len(rows), step, args.rollout_batch_size, args.seed)]
         ro = client.call("POST", "/rollout", {"prompts": batch, "n": args.n_samples, "sampling_params": sp})
-        m = client.call("POST", "/train_step", {"rollout_id": ro["rollout_id"], "reward": args.reward, **overrides})
+        m = client.call("POST", "/train_step", {"rollout_id": ro["rollout_id"], "reward": args.reward, **overrides},
+                        tolerate="filter_groups:")
+        if m is None:  # --filter-groups left no group of this batch to train: on to the next batch
+            bar.write(f"step {step + 1}: every group's samples got the same reward; nothing trained")
+            continue
         m["timing_s/driver_step"] = time.perf_counter() - t0
         history.append(m)
         recent = [h["critic/score/mean"] for h in history[-3:]]
@@ -404,7 +429,6 @@ def _train(args, client: Client, rows: list[dict], val_rows: list[dict], tracker
             bar.write(f"target reward {args.target_reward} reached at step {step + 1}")
             break
     bar.close()
-    done = start + len(history)
     if args.save_dir and history and (not args.save_every or done % args.save_every):
         saved = _save(client, args, done)
     log_dir = Path(args.log_dir)
