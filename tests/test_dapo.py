@@ -181,3 +181,29 @@ def test_demo_with_dynamic_sampling(tmp_path, tiny_dir):
         assert h["train/num_groups_kept"] >= 2 and h["rollplex/prefix_dedup_ratio"] == 4
         assert h["train/num_gen_batches"] >= 1 and "critic/score/overlong" in h
     assert any(h["train/num_groups_dropped"] > 0 and h["train/num_gen_batches"] > 1 for h in history)
+
+
+def test_server_flags_and_overrides(monkeypatch):
+    from pydantic import ValidationError
+
+    from rollplex.server.__main__ import config_from_args, parser
+    from rollplex.server.schemas import TrainStepRequest
+
+    monkeypatch.delenv("ROLLPLEX_API_KEY", raising=False)
+    ap = parser()
+    cfg = config_from_args(ap.parse_args([
+        "--device", "cpu", "--clip-ratio-high", "0.28", "--no-use-kl-loss", "--kl-coef", "0", "--overlong-buffer-len",
+        "16", "--overlong-penalty-factor", "0.5", "--filter-groups", "--filter-groups-metric", "score"]))
+    assert cfg.rl == RLConfig(max_new_tokens=128, clip_ratio_high=0.28, use_kl_loss=False, kl_coef=0.0,
+                              overlong_buffer_len=16, overlong_penalty_factor=0.5, filter_groups=True,
+                              filter_groups_metric="score")
+    for flag in ("--max-num-gen-batches", "--filter-groups-partial"):  # a server rolls out nothing itself
+        with pytest.raises(SystemExit):
+            ap.parse_args([flag, "1"] if flag == "--max-num-gen-batches" else [flag])
+    req = TrainStepRequest(rollout_id="r", reward="x", overlong_buffer_len=8, overlong_penalty_factor=2.0,
+                           filter_groups=True, filter_groups_metric="score")
+    assert replace(RLConfig(), **req.overrides()) == RLConfig(overlong_buffer_len=8, overlong_penalty_factor=2.0,
+                                                              filter_groups=True, filter_groups_metric="score")
+    for bad in (dict(overlong_buffer_len=-1), dict(overlong_penalty_factor=10.5), dict(max_num_gen_batches=2)):
+        with pytest.raises(ValidationError):
+            TrainStepRequest(rollout_id="r", reward="x", **bad)
