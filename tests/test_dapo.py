@@ -152,7 +152,7 @@ def test_dynamic_sampling_stops_at_the_bound(tiny_dir, proc):
     with pytest.raises(ValueError, match="pass more_rows"):  # no more rows: the one rollout is the bound
         rl.step(_rows({0}, 0, 2))
     # filter_groups_partial trains on the groups kept instead
-    rl, trained = _step(tiny_dir, proc, max_num_gen_batches=2, filter_groups_partial=True)
+    rl.cfg = replace(rl.cfg, filter_groups_partial=True)
     m = rl.step(_rows({0}, 0, 4), more_rows=lambda: _rows({5}, 4, 4))
     assert m["train/num_gen_batches"] == 2 and m["train/num_groups_kept"] == 2 and _ids(trained[0]) == [0, 5]
     # the metric "score" is the reward function's score: a constant one keeps nothing, whatever the shaping

@@ -7,7 +7,8 @@
 Flags fill ServerConfig (state.py): its own fields, then one flag per field of the RLConfig and the
 EngineConfig it nests, named after the field (`--kl-coef`, `--max-model-len`, `--no-packed`), so a
 new config field is a new flag with nothing restated here (except the few in NO_FLAG, which mean
-nothing on a server). `--seed` seeds both. Defaults are ServerConfig's. One process per GPU; requests share one continuous batch.
+nothing on a server). `--seed` seeds both. Defaults are ServerConfig's. One process per GPU; requests
+share one continuous batch.
 
 Under torchrun (WORLD_SIZE > 1) every rank joins the default process group (NCCL on cuda:LOCAL_RANK,
 gloo on CPU) and builds the same state; rank 0 serves HTTP on --host/--port and the others follow its
