@@ -255,6 +255,20 @@ def test_train_step_dapo_overrides(client, server):
     m = m.json()
     assert (m["train/num_gen_batches"], m["train/num_groups_kept"], m["train/num_groups_dropped"]) == (1, 1, 1)
     assert m["critic/score/mean"] == 0.5  # the second group's rewards alone
+    # the client's refill: too few groups kept is a 400 that keeps the rollout; with a second rollout the
+    # step keeps 3 groups (a's second, b's both) and trains the first 2
+    a, b = _rollout(client, n_prompts=2, n=2), _rollout(client, n_prompts=2, n=2)
+    body = {"rollout_id": a["rollout_id"], "rewards": [1, 1, 0, 1], "filter_groups": True, "train_batch_size": 2}
+    short = client.post("/train_step", json=body)
+    assert short.status_code == 400 and short.json()["error"]["message"].startswith("filter_groups: 1 of the 2")
+    body.update(more_rollout_ids=[b["rollout_id"]], rewards=[1, 1, 0, 1, 0, 1, 0.5, 1])
+    m = client.post("/train_step", json=body)
+    assert m.status_code == 200, m.text
+    m = m.json()
+    assert (m["train/num_gen_batches"], m["train/num_groups_kept"], m["train/num_groups_dropped"]) == (2, 3, 1)
+    assert m["critic/score/mean"] == 0.5  # (0 + 1 + 0 + 1) / 4: the third kept group, (0.5, 1), trimmed off
+    for ro in (a, b):  # both consumed
+        assert client.post("/train_step", json={"rollout_id": ro["rollout_id"], "rewards": [0] * 4}).status_code == 404
     # overlong shaping of the rewards the server scores, against the rollout's max_new_tokens (3, not the
     # server's 4): with a buffer of 3 every token counts, -0.5 / 3 per token
     ro = _rollout(client, n_prompts=2, n=2, sampling_params={"max_new_tokens": 3})
@@ -479,6 +493,9 @@ def test_bad_requests_are_4xx_and_harmless(client, server):
         ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "filter_groups_metric": "acc"}, 400),
         ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "max_num_gen_batches": 2}, 400),  # not a server option
         ({"rollout_id": rid, "rewards": [1, 1, 0, 0], "filter_groups": True}, 400),  # no group left to train
+        ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "train_batch_size": 2}, 400),  # without filter_groups
+        ({"rollout_id": rid, "more_rollout_ids": [rid], "rewards": [1, 0, 1, 0] * 2}, 400),  # twice
+        ({"rollout_id": rid, "more_rollout_ids": ["ro-nope"], "rewards": [1, 0, 1, 0] * 2}, 404),
         ({"rewards": [1, 0, 1, 0]}, 400),
     ]
     for body, status in bad_train:
@@ -566,7 +583,8 @@ def test_train_step_overrides_are_rl_config_fields():
 
     from rollplex.server.schemas import TrainStepRequest
 
-    overrides = set(TrainStepRequest.model_fields) - {"rollout_id", "rewards", "reward", "off_policy"}
+    overrides = set(TrainStepRequest.model_fields) - {"rollout_id", "more_rollout_ids", "train_batch_size", "rewards",
+                                                      "reward", "off_policy"}
     assert overrides <= {f.name for f in dataclasses.fields(RLConfig)}
     req = TrainStepRequest(rollout_id="r", rewards=[1.0], lr=1e-4, micro_batch_prompts=2)
     assert dataclasses.replace(RLConfig(), **req.overrides()) == RLConfig(lr=1e-4, micro_batch_prompts=2)

@@ -193,10 +193,17 @@ class RolloutRequest(BaseModel):
 
 
 class TrainStepRequest(BaseModel):
-    """rollout_id + rewards (one per sample) or a reward name, + per-step algorithm overrides."""
+    """rollout_id (+ more_rollout_ids) + rewards (one per sample) or a reward name, + per-step algorithm
+    overrides."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     rollout_id: str = Field(min_length=1)
+    # further retained rollouts trained in the same step, their groups after rollout_id's (dynamic
+    # sampling's refill: the client rolls out more prompts until filter_groups keeps train_batch_size groups)
+    more_rollout_ids: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=63)
+    # with filter_groups: the groups to train, the kept ones trimmed to it; fewer kept is a 400 that asks
+    # for more rollouts (every rollout still retained)
+    train_batch_size: int | None = Field(None, ge=1, le=1 << 16)
     rewards: list[Reward] | None = None
     reward: str | None = Field(None, min_length=1)
     # train a rollout sampled from older weights (otherwise 409): its sampling logprobs become the
@@ -243,11 +250,14 @@ class TrainStepRequest(BaseModel):
     def _one_reward(self):
         if self.rewards is not None and self.reward is not None:
             raise ValueError("pass `rewards` or `reward`, not both")
+        ids = [self.rollout_id, *self.more_rollout_ids]
+        if len(set(ids)) != len(ids):
+            raise ValueError("a rollout id appears twice in rollout_id / more_rollout_ids")
         return self
 
     def overrides(self) -> dict:
         """The given overrides, as RLConfig fields."""
-        skip = {"rollout_id", "rewards", "reward", "off_policy"}
+        skip = {"rollout_id", "more_rollout_ids", "train_batch_size", "rewards", "reward", "off_policy"}
         return {k: v for k, v in self.model_dump().items() if k not in skip and v is not None}
 
 
