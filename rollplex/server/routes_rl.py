@@ -174,7 +174,7 @@ def router(state) -> APIRouter:
                     raise bad_request(str(e)) from None
                 rewards = rewards.tolist()
                 reward_s = time.perf_counter() - t0
-            if cfg.filter_groups:  # dynamic sampling's filter; the client's rollout is the one rollout of the step
+            if cfg.filter_groups:  # dynamic sampling's filter over the step's rollouts (the refill is the client's)
                 entry, rewards, filtered = _filter_groups(entry, rewards, scores, cfg.filter_groups_metric,
                                                           req.train_batch_size, len(ids))
                 extra.update(filtered)
