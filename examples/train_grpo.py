@@ -9,6 +9,9 @@
 Per step:  POST /rollout   (a batch of verl rows x n samples; the server retains the rollout)
            POST /train_step (rewards scored server-side by `--reward`, default: dispatch on data_source;
                             a server scores only rewards registered when it started)
+           with --filter-groups (DAPO's dynamic sampling) the server trains only the groups whose
+           samples' rewards differ; while it keeps fewer than --rollout-batch-size the driver rolls
+           out the next batch and asks again with every rollout of the step (`more_rollout_ids`)
 and every K steps POST /save (the driver's data position rides along as `data_state`; --resume
 loads it back; the server writes checkpoints only under its --checkpoint-root). Without --server
 the driver starts `rollplex.server` in a background thread on a free loopback port and talks HTTP
@@ -100,6 +103,23 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "with loss aggregation seq-mean-token-sum-norm unless --loss-agg-mode says otherwise)")
     ap.add_argument("--policy-loss", default=None, help="vanilla or gspo (default: the server's)")
     ap.add_argument("--loss-agg-mode", default=None, help="verl's loss_agg_mode (default: the server's)")
+    ap.add_argument("--clip-ratio-low", type=float, default=None, help="PPO clip range below 1 (default: the server's)")
+    ap.add_argument("--clip-ratio-high", type=float, default=None, help="PPO clip range above 1; DAPO's clip-higher: "
+                    "0.28 (default: the server's)")
+    ap.add_argument("--use-kl-loss", action=argparse.BooleanOptionalAction, default=None,
+                    help="KL term in the loss, or (--no-use-kl-loss) a KL penalty in the reward (default: the "
+                    "server's)")
+    ap.add_argument("--overlong-buffer-len", type=int, default=None, help="DAPO's overlong reward shaping of the "
+                    "rewards the server scores: the last tokens before --max-new-tokens over which a response loses "
+                    "up to --overlong-penalty-factor (0: off; default: the server's)")
+    ap.add_argument("--overlong-penalty-factor", type=float, default=None, help="the overlong penalty at "
+                    "--max-new-tokens (default: the server's)")
+    ap.add_argument("--filter-groups", action="store_true",
+                    help="DAPO's dynamic sampling: the server keeps only the groups whose samples' rewards differ, "
+                    "and the driver rolls out further batches into the same step until it keeps "
+                    "--rollout-batch-size of them")
+    ap.add_argument("--max-num-gen-batches", type=int, default=10, help="rollouts per step at most with "
+                    "--filter-groups, then the run stops (0: unbounded; at most the server's --max-rollouts)")
     ap.add_argument("--reward", default="default", help="reward name or module:function (scored by the server in "
                     "training, by this driver in validation); the in-process server registers it, a --server must "
                     "have it registered (its --reward or --reward-module)")
@@ -144,8 +164,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("steps", "rollout_batch_size", "n_samples", "max_new_tokens", "val_n", "val_batch_size"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.eval_every < 0:
-        ap.error("--eval-every must be >= 0")
+    if args.eval_every < 0 or args.max_num_gen_batches < 0:
+        ap.error("--eval-every and --max-num-gen-batches must be >= 0")
     if not 0.0 <= args.val_temperature <= 100.0:
         ap.error("--val-temperature must be in [0, 100]")
     if args.eval_every and args.val_data is None and not demo:
@@ -240,13 +260,16 @@ class Client:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=url, headers=headers, timeout=timeout)
 
-    def call(self, method: str, path: str, body: dict | None = None) -> dict:
+    def call(self, method: str, path: str, body: dict | None = None, tolerate: str | None = None) -> dict | None:
+        """The answer; SystemExit on an error, except a 400 whose message starts with `tolerate`: None."""
         r = self.http.request(method, path, json=body)
         if r.status_code >= 400:
             try:
                 msg = r.json()["error"]["message"]
             except Exception:  # noqa: BLE001
                 msg = r.text[:500]
+            if tolerate is not None and r.status_code == 400 and msg.startswith(tolerate):
+                return None
             raise SystemExit(f"{method} {path} -> HTTP {r.status_code}: {msg}")
         return r.json()
 
@@ -388,17 +411,20 @@ def _train(args, client: Client, rows: list[dict], val_rows: list[dict], tracker
           f"rollouts={health.get('rollout_backend', 'native')}), "
           f"{len(rows)} rows from {args.data}" + (f", {len(val_rows)} validation rows" if val_rows else ""),
           flush=True)
-    start = 0
+    start = pos = 0  # pos: batches of the data consumed (more than steps with --filter-groups)
     if args.resume:
         resume = args.resume if args.server else str(Path(args.resume).resolve())  # in-process: from this cwd
         loaded = client.call("POST", "/load", {"path": resume})
         start = int((loaded.get("data_state") or {}).get("step", loaded["global_step"]))
+        pos = int((loaded.get("data_state") or {}).get("batch", start))
         print(f"resumed from {args.resume} at step {start}", flush=True)
     if args.adv_estimator == "dr_grpo" and args.loss_agg_mode is None:
         args.loss_agg_mode = "seq-mean-token-sum-norm"  # Dr.GRPO's aggregation
-    overrides = {k: v for k, v in (("lr", args.lr), ("kl_coef", args.kl_coef), ("adv_estimator", args.adv_estimator),
-                                   ("policy_loss", args.policy_loss), ("loss_agg_mode", args.loss_agg_mode))
-                 if v is not None}
+    names = ("lr", "kl_coef", "adv_estimator", "policy_loss", "loss_agg_mode", "clip_ratio_low", "clip_ratio_high",
+             "use_kl_loss", "overlong_buffer_len", "overlong_penalty_factor")
+    overrides = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+    if args.filter_groups:
+        overrides["filter_groups"] = True
     history: list[dict] = []
     val: dict = {}
     saved = None
@@ -411,9 +437,20 @@ def _train(args, client: Client, rows: list[dict], val_rows: list[dict], tracker
                total=args.steps)
     for step in bar:
         t0 = time.perf_counter()
-        batch = [row_to_wire(rows[i]) for i in batch_indices(len(rows), step, args.rollout_batch_size, args.seed)]
-        ro = client.call("POST", "/rollout", {"prompts": batch, "n": args.n_samples, "sampling_params": sp})
-        m = client.call("POST", "/train_step", {"rollout_id": ro["rollout_id"], "reward": args.reward, **overrides})
+        ids: list[str] = []  # this step's rollouts: more than one when --filter-groups refills the batch
+        while True:
+            batch = [row_to_wire(rows[i]) for i in batch_indices(len(rows), pos, args.rollout_batch_size, args.seed)]
+            pos += 1
+            ro = client.call("POST", "/rollout", {"prompts": batch, "n": args.n_samples, "sampling_params": sp})
+            ids.append(ro["rollout_id"])
+            body = {"rollout_id": ids[0], "reward": args.reward, **overrides}
+            if args.filter_groups:
+                body.update(more_rollout_ids=ids[1:], train_batch_size=args.rollout_batch_size)
+            refill = args.filter_groups and (not args.max_num_gen_batches or len(ids) < args.max_num_gen_batches)
+            # the server asks for more groups with a 400 starting "filter_groups:"; at the bound it ends the run
+            m = client.call("POST", "/train_step", body, tolerate="filter_groups:" if refill else None)
+            if m is not None:
+                break
         m["timing_s/driver_step"] = time.perf_counter() - t0
         history.append(m)
         recent = [h["critic/score/mean"] for h in history[-3:]]
@@ -426,14 +463,14 @@ def _train(args, client: Client, rows: list[dict], val_rows: list[dict], tracker
             bar.write(_val_line(step + 1, val))
         tracker.log(m, step + 1)
         if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
-            saved = _save(client, args, step + 1)
+            saved = _save(client, args, step + 1, pos)
         if reached:
             bar.write(f"target reward {args.target_reward} reached at step {step + 1}")
             break
     bar.close()
     done = start + len(history)
     if args.save_dir and history and (not args.save_every or done % args.save_every):
-        saved = _save(client, args, done)
+        saved = _save(client, args, done, pos)
     log_dir = Path(args.log_dir)
     title, chance = reward_labels(r.get("data_source") for r in rows)
     png = plot_rewards(history, log_dir / "reward.png", title, chance) if history else None
@@ -454,14 +491,14 @@ def _val_line(step: int, val: dict) -> str:
     return f"validation at step {step}: {core} ({val['timing_s/testing']:.1f}s)"
 
 
-def _save(client: Client, args, step: int) -> str:
+def _save(client: Client, args, step: int, pos: int) -> str:
     """POST /save; returns the checkpoint's path on the server. In-process the save dir is the server's
     checkpoint root; a remote server takes SAVE_DIR relative to its own --checkpoint-root. A resumed run
     retrains the steps after its checkpoint and replaces theirs; a fresh one does not overwrite another
     run's (the server answers 409)."""
     name = f"global_step_{step}"
     path = str(Path(args.save_dir) / name) if args.server else name
-    saved = client.call("POST", "/save", {"path": path, "data_state": {"step": step, "seed": args.seed,
+    saved = client.call("POST", "/save", {"path": path, "data_state": {"step": step, "batch": pos, "seed": args.seed,
                                                                         "data": args.data},
                                           "overwrite": bool(args.resume)})
     return saved["path"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from .demo import shape_color
+from .tiny import shape_color
 
 # data_source -> (task name, reward of a policy that answers in the right format without knowing the answer)
 KNOWN_TASKS = {shape_color.DATA_SOURCE: ("shape colour", shape_color.CHANCE)}

@@ -13,12 +13,11 @@ from pathlib import Path
 import pytest
 
 from rollplex.demo import progress as progress_mod
-from rollplex.demo import shape_color
 from rollplex.demo import train as demo_train
-from rollplex.demo.tiny import write_tiny
 from rollplex.loggers import add_arguments, resolve_run_dir, run_name
 from rollplex.plots import reward_figure, reward_labels
 from rollplex.rl.config import RLConfig
+from rollplex.tiny import shape_color, write_tiny
 
 SMALL = ["--steps", "1", "--target", "2", "--prompts", "2", "--n", "2", "--warmup-steps", "1"]
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 from helpers import assert_fp32_close, assert_weights_close
 
-from rollplex.tiny import shape_color
 from rollplex.engine import Engine, EngineConfig, SamplingParams
 from rollplex.memory import MemoryConfig, MemoryManager, PhasePlan
 from rollplex.models import load_model
@@ -18,6 +17,7 @@ from rollplex.rl.actor import Actor
 from rollplex.rl.config import RLConfig
 from rollplex.rl.pipeline import GroupPipeline, fused_unsupported
 from rollplex.rl.step import RLStep, rollout_requests
+from rollplex.tiny import shape_color
 
 ROWS = shape_color.make_rows(6, seed=3)
 # each prompt's samples stop at their own length: groups finish in the order 0, 4, 2, 5, 1, 3

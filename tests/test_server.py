@@ -244,6 +244,48 @@ def test_train_step_with_reward_name_and_chat_prompts(client, server):
     assert rl.cfg.adv_estimator == "grpo" and rl.cfg.policy_loss == "vanilla"
 
 
+def test_train_step_dapo_overrides(client, server):
+    from rollplex.rl.rewards import shape_color
+
+    # dynamic sampling's filter: the first group's rewards are all equal, so only the second one trains
+    ro = _rollout(client, n_prompts=2, n=2)
+    m = client.post("/train_step", json={"rollout_id": ro["rollout_id"], "rewards": [1, 1, 0, 1],
+                                         "filter_groups": True})
+    assert m.status_code == 200, m.text
+    m = m.json()
+    assert (m["train/num_gen_batches"], m["train/num_groups_kept"], m["train/num_groups_dropped"]) == (1, 1, 1)
+    assert m["critic/score/mean"] == 0.5  # the second group's rewards alone
+    # the client's refill: too few groups kept is a 400 that keeps the rollout; with a second rollout the
+    # step keeps 3 groups (a's second, b's both) and trains the first 2
+    a, b = _rollout(client, n_prompts=2, n=2), _rollout(client, n_prompts=2, n=2)
+    body = {"rollout_id": a["rollout_id"], "rewards": [1, 1, 0, 1], "filter_groups": True, "train_batch_size": 2}
+    short = client.post("/train_step", json=body)
+    assert short.status_code == 400 and short.json()["error"]["message"].startswith("filter_groups: 1 of the 2")
+    body.update(more_rollout_ids=[b["rollout_id"]], rewards=[1, 1, 0, 1, 0, 1, 0.5, 1])
+    m = client.post("/train_step", json=body)
+    assert m.status_code == 200, m.text
+    m = m.json()
+    assert (m["train/num_gen_batches"], m["train/num_groups_kept"], m["train/num_groups_dropped"]) == (2, 3, 1)
+    assert m["critic/score/mean"] == 0.5  # (0 + 1 + 0 + 1) / 4: the third kept group, (0.5, 1), trimmed off
+    for ro in (a, b):  # both consumed
+        assert client.post("/train_step", json={"rollout_id": ro["rollout_id"], "rewards": [0] * 4}).status_code == 404
+    # overlong shaping of the rewards the server scores, against the rollout's max_new_tokens (3, not the
+    # server's 4): with a buffer of 3 every token counts, -0.5 / 3 per token
+    ro = _rollout(client, n_prompts=2, n=2, sampling_params={"max_new_tokens": 3})
+    m = client.post("/train_step", json={"rollout_id": ro["rollout_id"], "reward": "shape_color",
+                                         "overlong_buffer_len": 3, "overlong_penalty_factor": 0.5})
+    assert m.status_code == 200, m.text
+    m = m.json()
+    rows = wire_rows(2)
+    lengths = [len(s["token_ids"]) for s in ro["samples"]]
+    scores = [shape_color(None, s["text"], rows[s["prompt_index"]]["reward_model"]["ground_truth"])
+              for s in ro["samples"]]
+    penalty = [-n / 3 * 0.5 for n in lengths]
+    assert m["critic/score/overlong"] == 1.0 and m["critic/score/overlong_reward"] == pytest.approx(sum(penalty) / 4)
+    assert m["critic/score/mean"] == pytest.approx(sum(s + p for s, p in zip(scores, penalty)) / 4)
+    assert not server.state.rl.cfg.filter_groups and server.state.rl.cfg.overlong_buffer_len == 0  # that step's only
+
+
 def test_second_concurrent_train_step_gets_409(client, server):
     state = server.state
     a, b = _rollout(client), _rollout(client)
@@ -446,6 +488,14 @@ def test_bad_requests_are_4xx_and_harmless(client, server):
         ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "lr": -1}, 400),
         ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "micro_batch_max_tokens": 0}, 400),
         ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "unknown_knob": 1}, 400),
+        ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "overlong_buffer_len": 5}, 400),  # > max_new_tokens 4
+        ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "overlong_penalty_factor": 11.0}, 400),
+        ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "filter_groups_metric": "acc"}, 400),
+        ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "max_num_gen_batches": 2}, 400),  # not a server option
+        ({"rollout_id": rid, "rewards": [1, 1, 0, 0], "filter_groups": True}, 400),  # no group left to train
+        ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "train_batch_size": 2}, 400),  # without filter_groups
+        ({"rollout_id": rid, "more_rollout_ids": [rid], "rewards": [1, 0, 1, 0] * 2}, 400),  # twice
+        ({"rollout_id": rid, "more_rollout_ids": ["ro-nope"], "rewards": [1, 0, 1, 0] * 2}, 404),
         ({"rewards": [1, 0, 1, 0]}, 400),
     ]
     for body, status in bad_train:
@@ -533,7 +583,8 @@ def test_train_step_overrides_are_rl_config_fields():
 
     from rollplex.server.schemas import TrainStepRequest
 
-    overrides = set(TrainStepRequest.model_fields) - {"rollout_id", "rewards", "reward", "off_policy"}
+    overrides = set(TrainStepRequest.model_fields) - {"rollout_id", "more_rollout_ids", "train_batch_size", "rewards",
+                                                      "reward", "off_policy"}
     assert overrides <= {f.name for f in dataclasses.fields(RLConfig)}
     req = TrainStepRequest(rollout_id="r", rewards=[1.0], lr=1e-4, micro_batch_prompts=2)
     assert dataclasses.replace(RLConfig(), **req.overrides()) == RLConfig(lr=1e-4, micro_batch_prompts=2)

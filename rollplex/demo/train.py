@@ -15,6 +15,9 @@ On the CPU the demo first estimates a step's cost from the model's size and the 
 warns when a step will take minutes (a real-size `--model`); with `--progress` (default: on when
 stdout is a terminal) it reports inside each step: the rollout's tokens and finished samples, the
 update's micro-batches (demo/progress.py).
+
+DAPO (`--filter-groups`, `--overlong-buffer-len`, `--clip-ratio-high 0.28`; rl/config.py): a step rolls
+out more prompts until it holds --prompts groups whose samples' rewards differ (`train/num_gen_batches`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from ..loggers import LoggerConfig, Tracker, add_arguments, resolve_run_dir
 from ..models import load_model
 from ..plots import plot_rewards, reward_labels
 from ..processor import VLProcessor
-from ..rl.config import ADV_ESTIMATORS, RLConfig
+from ..rl.algos import AGG_MODES
+from ..rl.config import ADV_ESTIMATORS, FILTER_GROUPS_METRICS, RLConfig
 from ..rl.step import RLStep
 from ..rl.warmup import format_warmup
 from ..tiny import ensure_tiny, shape_color
@@ -65,6 +69,26 @@ def main(argv=None) -> None:
     ap.add_argument("--kl-coef", type=float, default=0.0, help="KL loss to the warmed-up reference policy")
     ap.add_argument("--adv-estimator", default="grpo", choices=ADV_ESTIMATORS,
                     help="advantage estimator (rl/algos.py); dr_grpo with its seq-mean-token-sum-norm aggregation")
+    ap.add_argument("--loss-agg-mode", default=None, choices=AGG_MODES,
+                    help="loss aggregation (default: token-mean; dr_grpo's seq-mean-token-sum-norm with it)")
+    ap.add_argument("--clip-ratio-low", type=float, default=0.2, help="PPO clip range below 1")
+    ap.add_argument("--clip-ratio-high", type=float, default=0.2, help="PPO clip range above 1 (DAPO's clip-higher: "
+                    "0.28)")
+    dapo = ap.add_argument_group("DAPO (verl's recipe: --clip-ratio-high 0.28 --filter-groups "
+                                 "--overlong-buffer-len, KL off)")
+    dapo.add_argument("--filter-groups", action="store_true", help="dynamic sampling: drop the groups whose samples "
+                      "all score the same and roll out more prompts until the step has --prompts groups")
+    dapo.add_argument("--filter-groups-metric", default="seq_reward", choices=FILTER_GROUPS_METRICS,
+                      help="what must differ within a group: the reward trained on, or the score before overlong "
+                      "shaping")
+    dapo.add_argument("--max-num-gen-batches", type=int, default=10, help="rollouts per step at most with "
+                      "--filter-groups (0: unbounded; verl's recipe: 10)")
+    dapo.add_argument("--filter-groups-partial", action="store_true", help="at --max-num-gen-batches train on the "
+                      "groups kept instead of stopping with an error")
+    dapo.add_argument("--overlong-buffer-len", type=int, default=0, help="overlong reward shaping: a response longer "
+                      "than max_new_tokens (4) minus this loses up to --overlong-penalty-factor (0: off)")
+    dapo.add_argument("--overlong-penalty-factor", type=float, default=1.0, help="the overlong penalty at "
+                      "max_new_tokens")
     ap.add_argument("--warmup-steps", type=int, default=30, help="format warm-up steps (random option letters)")
     ap.add_argument("--seed", type=int, default=0, help="data, warm-up and sampling seed")
     ap.add_argument("--freeze-vision-tower", action="store_true",
@@ -121,11 +145,19 @@ def _run(args, tracker: Tracker) -> None:
     if device == "cuda":  # the demo owns the model (the engine compiles only its decode)
         model.compile()
     engine = Engine(model, proc, EngineConfig(max_num_seqs=256, max_model_len=512))
-    cfg = RLConfig(mode=args.mode, n=args.n, temperature=1.0, max_new_tokens=max_new_tokens, lr=args.lr,
-                   kl_coef=args.kl_coef, micro_batch_prompts=8, micro_batch_samples=32, seed=args.seed, grad_clip=1.0,
-                   freeze_vision_tower=args.freeze_vision_tower, cosched=args.cosched, adv_estimator=args.adv_estimator,
-                   schedule=args.schedule,
-                   **({"loss_agg_mode": "seq-mean-token-sum-norm"} if args.adv_estimator == "dr_grpo" else {}))
+    agg = args.loss_agg_mode or ("seq-mean-token-sum-norm" if args.adv_estimator == "dr_grpo" else "token-mean")
+    try:
+        cfg = RLConfig(mode=args.mode, n=args.n, temperature=1.0, max_new_tokens=max_new_tokens, lr=args.lr,
+                       kl_coef=args.kl_coef, micro_batch_prompts=8, micro_batch_samples=32, seed=args.seed,
+                       grad_clip=1.0, freeze_vision_tower=args.freeze_vision_tower, cosched=args.cosched,
+                       schedule=args.schedule, adv_estimator=args.adv_estimator, loss_agg_mode=agg,
+                       clip_ratio_low=args.clip_ratio_low, clip_ratio_high=args.clip_ratio_high,
+                       filter_groups=args.filter_groups, filter_groups_metric=args.filter_groups_metric,
+                       max_num_gen_batches=args.max_num_gen_batches, filter_groups_partial=args.filter_groups_partial,
+                       overlong_buffer_len=args.overlong_buffer_len,
+                       overlong_penalty_factor=args.overlong_penalty_factor)
+    except ValueError as e:
+        raise SystemExit(f"rollplex.demo: {e}") from None
     rl = RLStep(model, engine, cfg, proc, reward_fn="shape_color")
     if args.trace:
         rl.timeline = Timeline(model.inv_freq.device)
@@ -140,13 +172,18 @@ def _run(args, tracker: Tracker) -> None:
         for _ in bar:
             if progress is not None:
                 progress.begin(len(history) + 1)
-            m = rl.step(rng.sample(rows, args.prompts))
+            # dynamic sampling (--filter-groups) rolls out more rows, drawn the same way, to fill the step
+            try:
+                m = rl.step(rng.sample(rows, args.prompts), more_rows=lambda: rng.sample(rows, args.prompts))
+            except ValueError as e:  # dynamic sampling found too few groups to train
+                raise SystemExit(f"rollplex.demo: step {len(history) + 1}: {e}") from None
             if progress is not None:
                 progress.end()
             history.append(m)
             tracker.log(m, len(history))
             recent = sum(h["critic/score/mean"] for h in history[-3:]) / len(history[-3:])
-            shown["reward"] = f"reward={m['critic/score/mean']:.2f}, avg3={recent:.2f}"
+            shown["reward"] = f"reward={m['critic/score/mean']:.2f}, avg3={recent:.2f}" + (
+                f", gen_batches={m['train/num_gen_batches']}" if args.filter_groups else "")
             bar.set_postfix_str(shown["reward"])
             if len(history) >= 3 and recent >= args.target:
                 break

@@ -41,6 +41,8 @@ class DisaggregatedStep:
 
     def __init__(self, layout: DisaggregatedLayout, model: Qwen25VL, processor, cfg: RLConfig, reward_fn,
                  engine_cfg: EngineConfig | None = None, fsdp: FSDPConfig | None = None):
+        if cfg.filter_groups:  # its rollout ranks would have to follow the trainer's refills
+            raise ValueError("the disaggregated step has no dynamic sampling (filter_groups): use RLStep")
         device = model.inv_freq.device
         self.d = init_disaggregated(layout, device.type)
         self.layout, self.cfg, self.processor, self.device = layout, cfg, processor, device

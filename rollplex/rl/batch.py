@@ -64,6 +64,27 @@ class RolloutBatch:
             data_sources=per_sample(data_sources), ground_truths=per_sample(ground_truths),
             extra_infos=per_sample(extra_infos))
 
+    @classmethod
+    def concat(cls, batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
+        """The batches' prompts and samples in order, as one batch (responses re-padded with `pad_id`).
+        Prefix states are per rollout and are not carried: scoring then runs the prefixes itself."""
+        if not batches:
+            raise ValueError("nothing to concatenate")
+        if len({b.rollout_logprobs is None for b in batches}) > 1 or len({b.rewards is None for b in batches}) > 1:
+            raise ValueError("every batch must have rollout logprobs and rewards, or none")
+        if len({tuple(sorted(b.extras)) for b in batches}) > 1:
+            raise ValueError("the batches' per-sample extras differ")
+        R = max(b.responses.shape[1] for b in batches)
+        pad = lambda t, v: torch.nn.functional.pad(t, (0, R - t.shape[1]), value=v)  # noqa: E731
+        offsets = [sum(b.num_prompts for b in batches[:i]) for i in range(len(batches))]
+        lp = None if batches[0].rollout_logprobs is None else torch.cat([pad(b.rollout_logprobs, 0.0) for b in batches])
+        return cls([p for b in batches for p in b.prompts],
+                   torch.cat([b.group + o for b, o in zip(batches, offsets)]),
+                   torch.cat([pad(b.responses, pad_id) for b in batches]),
+                   torch.cat([pad(b.mask, 0.0) for b in batches]),
+                   lp, None if batches[0].rewards is None else torch.cat([b.rewards for b in batches]),
+                   {k: [x for b in batches for x in b.extras[k]] for k in batches[0].extras})
+
     def response_lengths(self) -> list[int]:
         """Tokens each response contributes (through its last masked-in token; at least 1)."""
         R = self.responses.shape[1]

@@ -5,6 +5,16 @@ a group of one sample gets the reward itself as advantage (`singleton_adv="zero"
 schedule advances once per train step (`lr_schedule_unit="optimizer_step"`: once per mini-batch);
 the KL-in-reward penalty uses k1 (`kl_penalty`; it used `kl_loss_type`); dual clip 3.0
 (`dual_clip=None`: off). The estimators, losses and the differences that remain: rl/algos.py.
+
+DAPO (verl's recipe: clip_ratio_low 0.2, clip_ratio_high 0.28, loss_agg_mode token-mean, use_kl_loss
+False, kl_coef 0) adds two options, both off by default as in verl:
+overlong reward shaping (`overlong_buffer_len` > 0, verl's reward_model.overlong_buffer): a response
+longer than max_new_tokens - overlong_buffer_len loses overlong_penalty_factor x the tokens past
+that, over overlong_buffer_len, from its score (rl/rewards.py: `overlong_penalty`);
+dynamic sampling (`filter_groups`, verl's algorithm.filter_groups): groups whose samples all have
+the same `filter_groups_metric` are dropped and more prompts rolled out until the step holds as many
+groups as it was given prompts, at most `max_num_gen_batches` rollouts (0: unbounded), then a
+ValueError, or training on the groups kept with `filter_groups_partial` (rl/dynamic_sampling.py).
 """
 
 from __future__ import annotations
@@ -19,6 +29,9 @@ LR_SCHEDULES = ("constant", "cosine")
 LR_SCHEDULE_UNITS = ("step", "optimizer_step")
 SCHEDULES = ("phased", "fused")
 KL_CTRLS = ("fixed", "adaptive")
+# what dynamic sampling compares within a group (verl's filter_groups.metric): seq_reward, the reward
+# trained on (after overlong shaping); score, the reward function's score before it
+FILTER_GROUPS_METRICS = ("seq_reward", "score")
 
 
 @dataclass
@@ -53,6 +66,14 @@ class RLConfig:
     kl_target: float = 0.1
     kl_horizon: int = 10000
     entropy_coeff: float = 0.0
+    # DAPO's overlong reward shaping (verl's reward_model.overlong_buffer): 0 turns it off; see the docstring
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
+    # DAPO's dynamic sampling (verl's algorithm.filter_groups): see the docstring
+    filter_groups: bool = False
+    filter_groups_metric: str = "seq_reward"
+    max_num_gen_batches: int = 0  # rollouts per step at most; 0: unbounded (verl)
+    filter_groups_partial: bool = False  # at the bound, train on the groups kept instead of raising (verl raises)
     # optimisation
     lr: float = 1e-6
     weight_decay: float = 0.01
@@ -114,7 +135,7 @@ class RLConfig:
                               ("policy_loss", POLICY_LOSSES), ("loss_agg_mode", AGG_MODES),
                               ("kl_loss_type", KL_KINDS), ("kl_penalty", KL_KINDS), ("kl_ctrl", KL_CTRLS),
                               ("lr_schedule", LR_SCHEDULES), ("lr_schedule_unit", LR_SCHEDULE_UNITS),
-                              ("schedule", SCHEDULES)):
+                              ("schedule", SCHEDULES), ("filter_groups_metric", FILTER_GROUPS_METRICS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.adv_estimator == "dr_grpo" and self.loss_agg_mode != "seq-mean-token-sum-norm":
@@ -135,6 +156,13 @@ class RLConfig:
                      "micro_batch_samples", "total_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if not 0 <= self.overlong_buffer_len <= self.max_new_tokens:
+            raise ValueError(f"overlong_buffer_len must be within [0, max_new_tokens={self.max_new_tokens}] (0: "
+                             f"off), got {self.overlong_buffer_len}")
+        if not 0.0 <= self.overlong_penalty_factor < float("inf"):
+            raise ValueError(f"overlong_penalty_factor must be finite and >= 0, got {self.overlong_penalty_factor}")
+        if self.max_num_gen_batches < 0:
+            raise ValueError("max_num_gen_batches must be >= 0 (0: unbounded)")
         if self.micro_batch_max_tokens is not None and self.micro_batch_max_tokens < 1:
             raise ValueError("micro_batch_max_tokens must be >= 1 (or None)")
         if self.temperature <= 0:

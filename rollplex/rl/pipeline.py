@@ -58,6 +58,8 @@ def fused_unsupported(cfg: RLConfig) -> str | None:
     if cfg.num_updates > 1:
         return ("several updates per rollout (ppo_mini_batches x ppo_epochs > 1): later mini-batches need the "
                 "weights the first one's optimizer step makes")
+    if cfg.filter_groups:
+        return "filter_groups (dynamic sampling) keeps a group only once the whole batch is scored"
     if cfg.adv_estimator in BATCH_WIDE:
         return f"adv_estimator={cfg.adv_estimator!r} whitens advantages over the whole batch"
     if fused_loss_norm(cfg) is None:

@@ -4,7 +4,12 @@ extra_info=None) -> float | dict` and a registry to pick them by name or `module
 Built-ins: `exact` (normalised string match), `choice` (multiple-choice letter), `math_boxed`
 (`\\boxed{}` answer: geo3k-style 0.9 * accuracy + 0.1 * format), and `shape_color` (the embedded demo
 task). `default_compute_score` dispatches on `data_source` like verl's. `score_samples` is the one
-loop that scores a rollout's samples (the RL step and the server's /train_step both use it).
+loop that scores a rollout's samples (the RL step and the server's /train_step both use it), and
+`score_batch` adds DAPO's overlong reward shaping to it (`overlong_penalty`, verl's DAPO reward manager
+with reward_model.overlong_buffer): with a buffer of L tokens and max_new_tokens M, a response of
+length l (its EOS included) gets min(-(l - (M - L)) / L * factor, 0) added to its score: nothing up to
+M - L tokens, then linearly down to -factor at M. Its metrics, under verl's reward_extra_info names:
+`critic/score/overlong_reward` (the mean penalty) and `critic/score/overlong` (the share penalised).
 """
 
 from __future__ import annotations
@@ -14,6 +19,12 @@ import importlib.util
 import math
 import re
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .batch import RolloutBatch
 
 RewardFn = Callable[..., "float | dict"]
 
@@ -153,3 +164,32 @@ def score_samples(fn: RewardFn, data_sources: Sequence, texts: Sequence[str], gr
         for k, v in e.items():
             extra.setdefault(k, []).append(v)
     return scores, {f"critic/score/{k}": sum(v) / len(v) for k, v in extra.items()}
+
+
+def overlong_penalty(lengths: Sequence[int], max_new_tokens: int, buffer_len: int, factor: float) -> list[float]:
+    """DAPO's soft overlong punishment per response (module docstring); all 0.0 when buffer_len is 0.
+    ValueError for a buffer longer than max_new_tokens (it would penalise every response)."""
+    if buffer_len == 0:
+        return [0.0] * len(lengths)
+    if not 0 < buffer_len <= max_new_tokens:
+        raise ValueError(f"overlong_buffer_len must be within [0, max_new_tokens={max_new_tokens}], got {buffer_len}")
+    expected = max_new_tokens - buffer_len
+    return [-(n - expected) / buffer_len * factor if n > expected else 0.0 for n in lengths]
+
+
+def score_batch(fn: RewardFn, batch: RolloutBatch, max_new_tokens: int, overlong_buffer_len: int = 0,
+                overlong_penalty_factor: float = 1.0, name: str | None = None
+                ) -> tuple[list[float], torch.Tensor, dict]:
+    """A rollout's (scores, rewards [N] fp32, metrics): the reward function's score per sample, and the
+    reward trained on, the score plus its overlong penalty (module docstring; max_new_tokens: the
+    rollout's). ValueError as `score_samples`."""
+    ex = batch.extras
+    scores, extra = score_samples(fn, ex["data_sources"], ex["texts"], ex["ground_truths"], ex["extra_infos"],
+                                  name=name)
+    if not overlong_buffer_len:
+        return scores, torch.tensor(scores, dtype=torch.float32), extra
+    lengths = [int(n) for n in batch.mask.sum(-1).tolist()]
+    penalty = overlong_penalty(lengths, max_new_tokens, overlong_buffer_len, overlong_penalty_factor)
+    extra["critic/score/overlong_reward"] = sum(penalty) / max(len(penalty), 1)
+    extra["critic/score/overlong"] = sum(p < 0 for p in penalty) / max(len(penalty), 1)
+    return scores, torch.tensor([s + p for s, p in zip(scores, penalty)], dtype=torch.float32), extra

@@ -48,6 +48,7 @@ import contextlib
 import copy
 import logging
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -65,9 +66,10 @@ from .actor import Actor
 from .algos import AdaptiveKLController, compute_advantages, kl_penalty
 from .batch import RolloutBatch
 from .config import RLConfig
+from .dynamic_sampling import sample_groups
 from .errors import TrainStepError
 from .pipeline import GroupPipeline, fallback_on, fused_unsupported
-from .rewards import RewardFn, get_reward_fn, score_samples
+from .rewards import RewardFn, get_reward_fn, score_batch
 from .rollout import NativeRollout, RolloutBackend, as_rollout_backend
 from .scoring import score_with_backoff as score_logprobs
 
@@ -347,15 +349,17 @@ class RLStep:
                                              only=only, gather=par.sweep_gather(self.actor.model))
         return out
 
-    def compute_rewards(self, batch: RolloutBatch, reward: RewardFn | str | None = None) -> tuple[torch.Tensor, dict]:
+    def compute_rewards(self, batch: RolloutBatch, reward: RewardFn | str | None = None, cfg: RLConfig | None = None,
+                        max_new_tokens: int | None = None) -> tuple[torch.Tensor, dict]:
         """Rewards [N] of a rollout's samples and their extra metrics, by `reward` (a function, a
-        registered name or module:function) or this step's reward function. ValueError for an unknown
-        reward, a reward function that fails, or a non-finite score."""
+        registered name or module:function) or this step's reward function, with `cfg`'s overlong
+        reward shaping (default: `self.cfg`; max_new_tokens: the rollout's, default cfg's; rl/rewards.py).
+        ValueError for an unknown reward, a reward function that fails, or a non-finite score."""
         fn = self.reward_fn if reward is None else reward if callable(reward) else get_reward_fn(reward)
-        ex = batch.extras
-        scores, extra = score_samples(fn, ex["data_sources"], ex["texts"], ex["ground_truths"], ex["extra_infos"],
-                                      name=reward if isinstance(reward, str) else None)
-        return torch.tensor(scores, dtype=torch.float32), extra
+        cfg = cfg or self.cfg
+        _, rewards, extra = score_batch(fn, batch, max_new_tokens or cfg.max_new_tokens, cfg.overlong_buffer_len,
+                                        cfg.overlong_penalty_factor, name=reward if isinstance(reward, str) else None)
+        return rewards, extra
 
     def train(self, batch: RolloutBatch, cfg: RLConfig | None = None,
               old_logprobs: torch.Tensor | None = None, nonfinite: str = "skip") -> dict:
@@ -520,8 +524,16 @@ class RLStep:
             self.cosched.calibrate(flops, dt)
         m[f"rollplex/prefix_{key}_normal_phase_s"] = dt
 
-    def step(self, rows: list[dict]) -> dict:
-        """The full step on a batch of dataset rows; returns verl-named metrics."""
+    def step(self, rows: list[dict], more_rows: Callable[[], list[dict]] | None = None) -> dict:
+        """The full step on a batch of dataset rows; returns verl-named metrics. With `cfg.filter_groups`
+        (DAPO's dynamic sampling, rl/dynamic_sampling.py) groups whose samples' rewards are all equal are
+        dropped and the rows `more_rows()` returns (the driver's next rows) rolled out until len(rows) remain."""
+        if self.cfg.filter_groups:
+            m: dict = {}
+            t0 = time.perf_counter()
+            batch = sample_groups(self, rows, more_rows, m)
+            m.update(self.train(batch))
+            return self._step_metrics(batch, m, t0)
         prompts, params, per_prompt = rollout_requests(self.processor, rows, self.cfg, self.step_idx)
         return self.run(prompts, params, **per_prompt)[1]
 
@@ -552,11 +564,14 @@ class RLStep:
                 batch.rewards, extra = rewards(batch, list(range(batch.num_prompts)))
             m.update(extra)
             m.update(self.train(batch))
+        return batch, self._step_metrics(batch, m, t0)
+
+    def _step_metrics(self, batch: RolloutBatch, m: dict, t0: float) -> dict:
         m["timing_s/step"] = time.perf_counter() - t0
         tokens = sum(len(batch.prompts[g].input_ids) for g in batch.group.tolist()) + float(batch.mask.sum())
         m["perf/throughput"] = tokens / m["timing_s/step"]
         m["training/global_step"] = self.step_idx
-        return batch, m
+        return m
 
     # ---- the fused schedule (rl/pipeline.py) ----------------------------------------------------------
     def fused_unsupported(self) -> str | None:

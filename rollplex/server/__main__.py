@@ -6,8 +6,9 @@
 
 Flags fill ServerConfig (state.py): its own fields, then one flag per field of the RLConfig and the
 EngineConfig it nests, named after the field (`--kl-coef`, `--max-model-len`, `--no-packed`), so a
-new config field is a new flag with nothing restated here. `--seed` seeds both. Defaults are
-ServerConfig's. One process per GPU; requests share one continuous batch.
+new config field is a new flag with nothing restated here (except the few in NO_FLAG, which mean
+nothing on a server). `--seed` seeds both. Defaults are ServerConfig's. One process per GPU; requests
+share one continuous batch.
 
 Under torchrun (WORLD_SIZE > 1) every rank joins the default process group (NCCL on cuda:LOCAL_RANK,
 gloo on CPU) and builds the same state; rank 0 serves HTTP on --host/--port and the others follow its
@@ -51,6 +52,14 @@ HELP = {
                "kl_target over kl_horizon samples); not a /train_step override",
     "lr_schedule_unit": "what advances the LR schedule: step (one train step, verl) or optimizer_step (each "
                         "mini-batch); not a /train_step override",
+    "overlong_buffer_len": "DAPO's overlong reward shaping: the last tokens before max_new_tokens over which a "
+                           "response loses up to overlong_penalty_factor from its score (0: off); applies to rewards "
+                           "the server scores, against the rollout's max_new_tokens",
+    "overlong_penalty_factor": "the overlong penalty at max_new_tokens (verl's overlong_buffer.penalty_factor)",
+    "filter_groups": "DAPO's dynamic sampling: /train_step drops the groups whose samples all have the same "
+                     "filter_groups_metric and trains the rest (the client refills its batches)",
+    "filter_groups_metric": "seq_reward: the reward trained on (after overlong shaping); score: the reward "
+                            "function's score before it (a client's rewards are both)",
     "micro_batch_max_tokens": "token budget per forward/backward instead of the two counts (verl's dynamic batch size)",
     "seed": "seeds the model init, the warm-up, the trainer and the engine",
     "block_size": "tokens per KV block; default: 64 on CUDA, 16 on CPU",
@@ -101,6 +110,11 @@ HELP = {
 }
 
 
+# Config fields with no meaning on a server, so no flag: dynamic sampling's refill (a server rolls out no
+# prompts of its own; its clients refill their batches).
+NO_FLAG = {"rl": ("max_num_gen_batches", "filter_groups_partial")}
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows defaults, except None: such a flag's help says what leaving it out means."""
 
@@ -144,7 +158,7 @@ def _nested() -> list[tuple[str, type, object]]:
 def _config_flags(group, section: str, cls, default, choices: dict) -> None:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if not f.init or f.name == "seed":  # seed: one shared flag
+        if not f.init or f.name == "seed" or f.name in NO_FLAG.get(section, ()):  # seed: one shared flag
             continue
         value = getattr(default, f.name)
         text = " ".join(x for x in (HELP.get(f.name), f"[{cls.__name__}.{f.name}]") if x)
@@ -159,7 +173,7 @@ def parser() -> argparse.ArgumentParser:
     from ..memory.fit import OPTIMIZER_OFFLOADS
     from ..parallel.fsdp import DTYPES
     from ..rl.algos import AGG_MODES, KL_KINDS, POLICY_LOSSES, SINGLETON_ADV
-    from ..rl.config import ADV_ESTIMATORS, KL_CTRLS, LR_SCHEDULE_UNITS, LR_SCHEDULES, MODES
+    from ..rl.config import ADV_ESTIMATORS, FILTER_GROUPS_METRICS, KL_CTRLS, LR_SCHEDULE_UNITS, LR_SCHEDULES, MODES
     from .state import KEEP_ALIVE_S
 
     ap = argparse.ArgumentParser(prog="python -m rollplex.server", description=__doc__.splitlines()[0],
@@ -203,7 +217,7 @@ def parser() -> argparse.ArgumentParser:
     choices = {"rl": {"mode": MODES, "adv_estimator": ADV_ESTIMATORS, "loss_agg_mode": AGG_MODES,
                       "kl_loss_type": KL_KINDS, "kl_penalty": KL_KINDS, "lr_schedule": LR_SCHEDULES,
                       "lr_schedule_unit": LR_SCHEDULE_UNITS, "kl_ctrl": KL_CTRLS, "policy_loss": POLICY_LOSSES,
-                      "singleton_adv": SINGLETON_ADV},
+                      "singleton_adv": SINGLETON_ADV, "filter_groups_metric": FILTER_GROUPS_METRICS},
                "memory": {"memory_plan": PLANS, "memory_backend": ("auto", "tms", "accounting"),
                           "optimizer_offload": OPTIMIZER_OFFLOADS},
                "backend": {"rollout_backend": ROLLOUT_BACKENDS},
@@ -226,7 +240,7 @@ def config_from_args(args):
     for section, cls, _ in _nested():
         kw = {}
         for f in dataclasses.fields(cls):
-            if f.init:
+            if f.init and f.name not in NO_FLAG.get(section, ()):
                 value = given["seed" if f.name == "seed" else f"{section}.{f.name}"]
                 kw[f.name] = tuple(value) if isinstance(value, list) else value
         nested[section] = cls(**kw)

@@ -16,6 +16,15 @@
            rollout sampled before the weights changed (a train step or a load since) gets 409 and
            stays retained; `off_policy: true` trains it with its sampling logprobs as old logprobs.
            Overrides are bounded (schemas.py) and rewards finite with |r| <= 1e6 (400 otherwise).
+           Overlong reward shaping (overlong_buffer_len > 0) applies to the rewards the server scores,
+           measured against the rollout's max_new_tokens; rewards a client sends are taken as final.
+           With filter_groups (DAPO's dynamic sampling, rl/dynamic_sampling.py) the groups whose samples
+           all have the same filter_groups_metric are dropped and the rest trained. The refill is the
+           client's (the server holds no data): `more_rollout_ids` trains further retained rollouts (same
+           weights version, temperature and max_new_tokens) in the same step, their groups after
+           rollout_id's, and `train_batch_size` trims the kept groups to that many; fewer kept (or none)
+           is a 400 whose message starts "filter_groups:", every rollout still retained, so the client
+           rolls out more prompts and asks again with their ids added.
            A failed step changes nothing, or says exactly what changed: before its first optimizer
            step (scoring, the first mini-batch) weights, optimizer state, LR schedule, global_step,
            weights_version and the rollout store are as they were; after it (out of memory in a
@@ -45,11 +54,14 @@ import math
 import time
 from dataclasses import replace
 
+import torch
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import Response
 
 from ..rl.batch import RolloutBatch
+from ..rl.dynamic_sampling import kept_groups
 from ..rl.errors import TrainOOM, TrainStepError
+from ..rl.rewards import score_batch
 from . import limits
 from .errors import bad_request
 from .inflight import ClientGone, collect, submit
@@ -119,7 +131,8 @@ def router(state) -> APIRouter:
             if keep_vision:
                 batch.prompts = [p if o.vision_embeds is None else replace(p, vision_embeds=o.vision_embeds)
                                  for p, o in zip(batch.prompts, outs)]
-            entry = RetainedRollout(batch, temperature=sp.temperature, gen_s=gen_s, weights_version=version)
+            entry = RetainedRollout(batch, temperature=sp.temperature, gen_s=gen_s, weights_version=version,
+                                    max_new_tokens=sp.max_new_tokens)
             state.store.put(entry)
             rollout_id = entry.rollout_id
         return {"rollout_id": rollout_id, "weights_version": version, "num_prompts": len(req.prompts), "n": n,
@@ -131,25 +144,40 @@ def router(state) -> APIRouter:
         if train_lock.locked():
             raise HTTPException(409, "a training step is already running; retry when it has finished")
         async with train_lock:
-            entry = state.store.get(req.rollout_id)
-            if entry is None:
-                raise HTTPException(404, f"unknown or expired rollout_id {req.rollout_id!r}")
-            if entry.weights_version != state.weights_version and not req.off_policy:  # before scoring rewards
-                raise HTTPException(409, str(StaleRollout(entry.weights_version, state.weights_version)))
+            ids = [req.rollout_id, *req.more_rollout_ids]
+            entries = [state.store.get(i) for i in ids]
+            for i, entry in zip(ids, entries):
+                if entry is None:
+                    raise HTTPException(404, f"unknown or expired rollout_id {i!r}")
+                if entry.weights_version != state.weights_version and not req.off_policy:  # before scoring rewards
+                    raise HTTPException(409, str(StaleRollout(entry.weights_version, state.weights_version)))
+            try:  # this step's config, for the reward shaping and the group filter (state.train checks it too)
+                cfg = replace(state.rl.cfg, **req.overrides())
+                entry = _combine(state, entries)
+            except ValueError as e:
+                raise bad_request(f"train step rejected: {e}") from None
+            if req.train_batch_size is not None and not cfg.filter_groups:
+                raise bad_request("train_batch_size trims the groups filter_groups keeps: it needs filter_groups")
             N = entry.batch.num_samples
             extra, reward_s = {}, 0.0
             if req.rewards is not None:
                 if len(req.rewards) != N:
                     raise bad_request(f"got {len(req.rewards)} rewards for {N} samples (one per sample, in the "
-                                      "order /rollout returned them); the rollout is still retained")
-                rewards = list(req.rewards)
+                                      "order /rollout returned them, rollout after rollout); the rollout is still "
+                                      "retained")
+                rewards = scores = list(req.rewards)
             else:
                 t0 = time.perf_counter()
                 try:  # the RL step's reward loop, off the engine thread (it touches no model state)
-                    rewards, extra = await asyncio.to_thread(_score, state, entry.batch, req.reward)
+                    scores, rewards, extra = await asyncio.to_thread(_score, state, entry, req.reward, cfg)
                 except ValueError as e:
                     raise bad_request(str(e)) from None
+                rewards = rewards.tolist()
                 reward_s = time.perf_counter() - t0
+            if cfg.filter_groups:  # dynamic sampling's filter over the step's rollouts (the refill is the client's)
+                entry, rewards, filtered = _filter_groups(entry, rewards, scores, cfg.filter_groups_metric,
+                                                          req.train_batch_size, len(ids))
+                extra.update(filtered)
             try:
                 m = await state.worker.run(lambda: state.train(entry, rewards, req.overrides(), reward_s,
                                                                off_policy=req.off_policy), drain=True)
@@ -169,7 +197,8 @@ def router(state) -> APIRouter:
                 # 507 Insufficient Storage: the step did not fit; 422: the loss or gradients were not finite
                 raise HTTPException(507 if oom else 422, f"{e} ({e.applied()}; {left})") from None
             m.update(extra)
-            state.store.pop(req.rollout_id)
+            for i in ids:
+                state.store.pop(i)
             state.metrics.inc("rollplex_train_steps_total")
             return _finite(m)
 
@@ -192,10 +221,47 @@ def router(state) -> APIRouter:
     return r
 
 
-def _score(state, batch: RolloutBatch, reward: str | None):
-    """(rewards, metrics) by a reward registered at startup (rewards.py; None: the server's --reward)."""
+def _score(state, entry: RetainedRollout, reward: str | None, cfg) -> tuple[list[float], torch.Tensor, dict]:
+    """(scores, rewards, metrics) by a reward registered at startup (rewards.py; None: the server's --reward),
+    with cfg's overlong reward shaping against the rollout's max_new_tokens."""
     fn = state.rewards.default if reward is None else state.rewards.get(reward)
-    return state.rl.compute_rewards(batch, fn)
+    return score_batch(fn, entry.batch, entry.max_new_tokens or cfg.max_new_tokens, cfg.overlong_buffer_len,
+                       cfg.overlong_penalty_factor)
+
+
+def _combine(state, entries: list[RetainedRollout]) -> RetainedRollout:
+    """One entry of the retained rollouts trained in one step, their groups in order; ValueError for
+    rollouts that cannot train together."""
+    if len(entries) == 1:
+        return entries[0]
+    first = entries[0]
+    for what in ("temperature", "max_new_tokens", "weights_version"):
+        if len({getattr(e, what) for e in entries}) > 1:
+            raise ValueError(f"the rollouts of one step must share their {what}")
+    batch = RolloutBatch.concat([e.batch for e in entries], pad_id=state.model.cfg.pad_token_id or 0)
+    return replace(first, batch=batch, gen_s=sum(e.gen_s for e in entries))
+
+
+def _filter_groups(entry: RetainedRollout, rewards: list, scores: list, metric: str, target: int | None,
+                   rollouts: int):
+    """(entry, rewards) of the groups whose samples' `metric` differs (rl/dynamic_sampling.py), the first
+    `target` of them when given, and the filter's metrics; 400 (the rollouts retained) when none is left
+    to train, or fewer than `target`."""
+    values = torch.tensor(rewards if metric == "seq_reward" else scores, dtype=torch.float32)
+    batch = entry.batch
+    kept = kept_groups(values, batch.group, batch.num_prompts)
+    if not kept or (target is not None and len(kept) < target):
+        raise bad_request(f"filter_groups: {len(kept)} of the {batch.num_prompts} groups have samples whose {metric} "
+                          f"differs{'' if target is None else f', of the {target} train_batch_size asks'}: roll out "
+                          "more prompts and add their rollout ids to more_rollout_ids (every rollout is still "
+                          "retained)")
+    metrics = {"train/num_gen_batches": rollouts, "train/num_groups_kept": len(kept),
+               "train/num_groups_dropped": batch.num_prompts - len(kept)}
+    kept = kept[:target]
+    if len(kept) == batch.num_prompts:
+        return entry, rewards, metrics
+    sub, idx = batch.select_prompts(kept)
+    return replace(entry, batch=sub), [rewards[i] for i in idx.tolist()], metrics
 
 
 async def _backend_rollout(state, encoders: list, params: list, keep_vision: bool) -> tuple[list, list, int]:

@@ -193,10 +193,17 @@ class RolloutRequest(BaseModel):
 
 
 class TrainStepRequest(BaseModel):
-    """rollout_id + rewards (one per sample) or a reward name, + per-step algorithm overrides."""
+    """rollout_id (+ more_rollout_ids) + rewards (one per sample) or a reward name, + per-step algorithm
+    overrides."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     rollout_id: str = Field(min_length=1)
+    # further retained rollouts trained in the same step, their groups after rollout_id's (dynamic
+    # sampling's refill: the client rolls out more prompts until filter_groups keeps train_batch_size groups)
+    more_rollout_ids: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=63)
+    # with filter_groups: the groups to train, the kept ones trimmed to it; fewer kept is a 400 that asks
+    # for more rollouts (every rollout still retained)
+    train_batch_size: int | None = Field(None, ge=1, le=1 << 16)
     rewards: list[Reward] | None = None
     reward: str | None = Field(None, min_length=1)
     # train a rollout sampled from older weights (otherwise 409): its sampling logprobs become the
@@ -206,9 +213,11 @@ class TrainStepRequest(BaseModel):
     # to what a step can use (an lr of 1000 destroys the policy in one step): lr <= 1e-2, a clip range
     # within [0, 1] below and [0, 10] above, coefficients <= 10 (entropy within [-1, 1]), grad_clip <= 1e4,
     # at most 16 epochs x 256 mini-batches, micro-batches of at most 4096 prompts / 65536 samples / 2^24 tokens,
-    # gamma within [0, 1], a TIS cap within (0, 100], a token-sum divisor within (0, 2^20]; names of an
-    # estimator / loss are checked by RLConfig (400 with the allowed values). The LR-schedule unit and
-    # the KL controller are startup flags only: they define what persists across steps.
+    # gamma within [0, 1], a TIS cap within (0, 100], a token-sum divisor within (0, 2^20], an overlong buffer
+    # within [0, 2^20] tokens (and max_new_tokens) and its penalty factor within [0, 10]; names of an
+    # estimator / loss / filter metric are checked by RLConfig (400 with the allowed values). The LR-schedule
+    # unit and the KL controller are startup flags only: they define what persists across steps;
+    # max_num_gen_batches and filter_groups_partial do not apply to a server (it rolls out nothing itself).
     lr: float | None = Field(None, gt=0.0, le=1e-2, allow_inf_nan=False)
     kl_coef: float | None = Field(None, ge=0.0, le=10.0, allow_inf_nan=False)
     clip_ratio_low: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
@@ -232,16 +241,23 @@ class TrainStepRequest(BaseModel):
     micro_batch_prompts: int | None = Field(None, ge=1, le=4096)
     micro_batch_samples: int | None = Field(None, ge=1, le=65536)
     micro_batch_max_tokens: int | None = Field(None, ge=1, le=1 << 24)
+    overlong_buffer_len: int | None = Field(None, ge=0, le=1 << 20)
+    overlong_penalty_factor: float | None = Field(None, ge=0.0, le=10.0, allow_inf_nan=False)
+    filter_groups: bool | None = None
+    filter_groups_metric: str | None = None
 
     @model_validator(mode="after")
     def _one_reward(self):
         if self.rewards is not None and self.reward is not None:
             raise ValueError("pass `rewards` or `reward`, not both")
+        ids = [self.rollout_id, *self.more_rollout_ids]
+        if len(set(ids)) != len(ids):
+            raise ValueError("a rollout id appears twice in rollout_id / more_rollout_ids")
         return self
 
     def overrides(self) -> dict:
         """The given overrides, as RLConfig fields."""
-        skip = {"rollout_id", "rewards", "reward", "off_policy"}
+        skip = {"rollout_id", "more_rollout_ids", "train_batch_size", "rewards", "reward", "off_policy"}
         return {k: v for k, v in self.model_dump().items() if k not in skip and v is not None}
 
 

@@ -2,7 +2,8 @@
 
 An entry holds the RolloutBatch (encoded prompts with their pixel tensors, responses, rollout
 logprobs, per-sample data sources / ground truths / texts), the sampling temperature the trainer
-must score at, the weights version it was sampled from, and the rollout's timing. Entries expire
+must score at, the weights version it was sampled from, its max_new_tokens (overlong reward
+shaping measures responses against it), and the rollout's timing. Entries expire
 `ttl_s` after creation and at most `cap` are kept (the oldest is evicted first). `/train_step`
 removes its entry only when the step succeeded, so a rejected request (e.g. the wrong number of
 rewards, or a stale rollout without off_policy) leaves it trainable.
@@ -38,6 +39,7 @@ class RetainedRollout:
     temperature: float
     gen_s: float
     weights_version: int = 0  # the server's weights version the samples were drawn from
+    max_new_tokens: int | None = None  # the rollout's (overlong reward shaping); None: the server's default
     created: float = 0.0
     expires: float = 0.0
     rollout_id: str = field(default_factory=lambda: f"ro-{uuid.uuid4().hex[:16]}")
