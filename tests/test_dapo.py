@@ -9,7 +9,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rollplex.demo import shape_color
 from rollplex.engine import Engine, EngineConfig
 from rollplex.models import ModelInputs, load_model
 from rollplex.rl import dynamic_sampling
@@ -17,6 +16,7 @@ from rollplex.rl.batch import RolloutBatch
 from rollplex.rl.config import RLConfig
 from rollplex.rl.rewards import overlong_penalty, score_batch
 from rollplex.rl.step import RLStep
+from rollplex.tiny import shape_color
 
 ROWS = shape_color.make_rows(16, seed=5)
 
