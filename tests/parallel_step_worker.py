@@ -14,7 +14,7 @@ from parallel_helpers import init_group
 from rollplex.cosched import CoschedConfig
 from rollplex.engine import Engine, EngineConfig
 from rollplex.models import load_model
-from rollplex.parallel import full_tensor
+from rollplex.parallel import data_parallel, full_tensor
 from rollplex.processor import VLProcessor
 from rollplex.rl.config import RLConfig
 from rollplex.rl.step import RLStep
@@ -58,8 +58,8 @@ def build(tiny_dir, cfg: RLConfig, rollout: str = "data", memory_cfg=None, group
         ecfg = EngineConfig(max_num_seqs=64, max_model_len=256, tensor_parallel=size,
                             tensor_parallel_vision=rollout.startswith("tensor+vision"))
     engine = Engine(roll, proc, ecfg, memory=mm)
-    rl = RLStep(model, engine, cfg, proc, reward_fn=parity_reward, memory=mm, memory_cfg=memory_cfg, group=group,
-                cosched=EAGER if cfg.cosched else None, fsdp=fsdp)
+    rl = RLStep(model, engine, cfg, proc, reward_fn=parity_reward, memory=mm, memory_cfg=memory_cfg,
+                cosched=EAGER if cfg.cosched else None, parallel=data_parallel(model, engine, cfg, group, fsdp))
     # what outlives `model` once this returns: under a tensor-parallel engine, none of its text weights
     rl.whole_text_weights = [weakref.ref(model.model.layers[0].mlp.down_proj.weight),
                              weakref.ref(model.model.embed_tokens.weight)]

@@ -77,7 +77,7 @@ def check_vocab_parallel_sampler(model, tp) -> None:
     """The shard-wise draw equals the draw from the gathered logits: greedy, sampled and mixed rows, and
     rows whose best scores tie across shards (the lower token id wins, as in a whole-vocabulary argmax)."""
     from rollplex.engine.sampler import Sampler, SamplingTensors
-    from rollplex.parallel.tp_sampler import VocabParallelSampler
+    from rollplex.engine.vocab_parallel_sampler import VocabParallelSampler
 
     V = model.cfg.text.vocab_size
     g = torch.Generator().manual_seed(5)

@@ -1,6 +1,6 @@
 """The package layering, read from the source's imports (those inside functions included): optional
-engines are plugins that rollplex/ never imports, the runtime imports no bench, demo or server, and the
-fixtures sit just above the model."""
+engines are plugins that rollplex/ never imports, the runtime imports no bench, demo or server, the
+engine and the RL step import no parallel, and the fixtures sit just above the model."""
 
 import ast
 from pathlib import Path
@@ -48,7 +48,12 @@ def test_imports_are_read_relative_ones_included():
     ("rollplex/parallel/**/*.py", ("rollplex.demo", "rollplex.bench", "rollplex.server")),
     ("rollplex/tiny/**/*.py", ("rollplex.engine", "rollplex.rl", "rollplex.parallel", "rollplex.server",
                                "rollplex.demo", "rollplex.bench")),
-], ids=["no-plugin-imports", "server", "parallel", "tiny"])
+    # the engine is given a tensor-parallel handle (a sharded model), it never builds one
+    ("rollplex/engine/**/*.py", ("rollplex.rl", "rollplex.parallel", "rollplex.server", "rollplex.demo",
+                                 "rollplex.bench")),
+    # parallelism is injected into the RL step (rollplex.parallel.data_parallel), never imported by it
+    ("rollplex/rl/**/*.py", ("rollplex.parallel", "rollplex.server", "rollplex.demo", "rollplex.bench")),
+], ids=["no-plugin-imports", "server", "parallel", "tiny", "engine", "rl"])
 def test_layering(files, banned):
     # `python -m rollplex.parallel` is the bench's older name: its entry module alone forwards to the bench
     paths = [p for p in ROOT.glob(files) if p != ROOT / "rollplex/parallel/__main__.py"]

@@ -108,6 +108,7 @@ def test_what_a_process_group_refuses(tmp_path, tiny_dir):
 
     from rollplex.engine import Engine
     from rollplex.models import load_model
+    from rollplex.parallel import data_parallel
     from rollplex.rl.step import RLStep
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
@@ -119,7 +120,8 @@ def test_what_a_process_group_refuses(tmp_path, tiny_dir):
         assert rl.parallel is not None and rl.parallel.rollout == "data"
         other = Engine(load_model(tiny_dir), rl.processor)  # neither the policy nor its TP shard
         with pytest.raises(ValueError, match="tensor-parallel shard"):
-            RLStep(rl.model, other, RLConfig(**BASE), rl.processor, reward_fn="exact", group=world)
+            RLStep(rl.model, other, RLConfig(**BASE), rl.processor, reward_fn="exact",
+                   parallel=data_parallel(rl.model, other, RLConfig(**BASE), world))
         assert build(tiny_dir, RLConfig(**BASE), group=None).parallel is None
         # group="auto" over a default group of one: the single-process step (nothing to shard or split)
         assert build(tiny_dir, RLConfig(**BASE)).parallel is None

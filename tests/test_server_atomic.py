@@ -433,7 +433,7 @@ def test_bf16_masters_restore_exactly_or_are_rebuilt_from_edited_weights(tiny_di
     from rollplex.rl.step import RLStep
 
     def step():
-        return RLStep(load_model(tiny_dir, dtype=torch.bfloat16), None, RLConfig(kl_coef=0.0), group=None)
+        return RLStep(load_model(tiny_dir, dtype=torch.bfloat16), None, RLConfig(kl_coef=0.0))
 
     a = step()
     opt = a.actor.optimizer
@@ -462,11 +462,11 @@ def test_checkpoints_with_fp32_masters_still_load(tiny_dir, tmp_path):
     from rollplex.rl.checkpoint import load_checkpoint, save_checkpoint
     from rollplex.rl.step import RLStep
 
-    a = RLStep(load_model(tiny_dir), None, RLConfig(kl_coef=0.0), group=None)
+    a = RLStep(load_model(tiny_dir), None, RLConfig(kl_coef=0.0))
     save_checkpoint(a, tmp_path / "ck", data_state={"step": 3})
     _edit_state(tmp_path / "ck" / "trainer_state.pt", lambda s: s["actor"]["optimizer"].update(
         master=[p.detach().clone() for p in a.model.parameters()]))
-    b, report = RLStep(load_model(tiny_dir), None, RLConfig(kl_coef=0.0), group=None), {}
+    b, report = RLStep(load_model(tiny_dir), None, RLConfig(kl_coef=0.0)), {}
     assert load_checkpoint(b, tmp_path / "ck", report) == {"step": 3} and report["masters_rebuilt"] == 0
     assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
 
@@ -478,7 +478,7 @@ def test_library_skips_a_non_finite_mini_batch(server, client, tiny_dir, monkeyp
     from rollplex.rl.step import RLStep
 
     batch = server.state.store.get(_rollout(client)).batch
-    rl = RLStep(load_model(tiny_dir), None, RLConfig(n=2, kl_coef=0.0, ppo_mini_batches=2), group=None)
+    rl = RLStep(load_model(tiny_dir), None, RLConfig(n=2, kl_coef=0.0, ppo_mini_batches=2))
     real, calls = actor_mod.ppo_policy_loss, [0]
 
     def first_nan(logp, *a, **k):

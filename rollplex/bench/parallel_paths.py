@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ..engine import Engine, EngineConfig, SamplingParams
 from ..models import Qwen25VL
+from ..parallel.colocated import data_parallel
 from ..parallel.disaggregated import DisaggregatedLayout
 from ..parallel.disaggregated_step import DisaggregatedStep
 from ..parallel.fsdp import FSDPConfig, full_tensor
@@ -150,7 +151,9 @@ class BenchPath:
             self.ds = DisaggregatedStep(layout, model, None, rl_cfg, "exact", ecfg, fsdp)
             self.rl = self.ds.rl  # None on rollout ranks
         else:
-            self.rl = RLStep(model, engine_fn(group), rl_cfg, reward_fn="exact", group=group, fsdp=fsdp)
+            engine = engine_fn(group)
+            self.rl = RLStep(model, engine, rl_cfg, reward_fn="exact",
+                             parallel=data_parallel(model, engine, rl_cfg, group, fsdp))
         self.model = model
 
     def step(self, prompts, params, seed: int, device: torch.device) -> tuple[dict, torch.Tensor]:

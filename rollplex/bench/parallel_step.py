@@ -16,7 +16,7 @@ RL step through `RLStep`'s data-parallel path (parallel/colocated.py) against th
           back-off per step, each path's overhead against one process (medians of the timed steps),
           and the largest weight difference between the paths after their steps. The data-parallel
           path is given the default group explicitly, so at world size 1 it measures FSDP2 over a
-          group of one (which `RLStep(group="auto")` skips).
+          group of one (which `data_parallel(group="auto")` skips).
 --paths   which paths run, single first: `parallel` (the trainer's shards inside the policy),
           `parallel-copy` (kept apart and copied in after each update), `parallel-serial` (serial
           colocation: the data-parallel step in serial mode), `disaggregated` (last:

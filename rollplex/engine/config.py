@@ -52,7 +52,7 @@ class EngineConfig:
     # requests in the same order, decode all-reduces the row-parallel outputs, and all ranks sample
     # the same tokens
     tensor_parallel: int = 1
-    # tensor-parallel decode draws from each rank's vocabulary shard (parallel/tp_sampler.py: two
+    # tensor-parallel decode draws from each rank's vocabulary shard (engine/vocab_parallel_sampler.py: two
     # all-reduces of [B] and an all-gather of [3, B]) instead of gathering the [B, V] logits; a batch
     # with top-k / top-p / min-p rows gathers them anyway. False: always gather
     vocab_parallel_sampling: bool = True

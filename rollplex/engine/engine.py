@@ -41,6 +41,7 @@ from .sampler import Sampler, SamplingTensors
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Request, Sequence
+from .vocab_parallel_sampler import VocabParallelSampler
 
 
 @dataclass
@@ -88,8 +89,6 @@ class Engine:
         # what draws a decode step's tokens: under tensor parallelism from each rank's vocabulary shard
         self.decode_sampler = self.sampler
         if self.runner.vocab_parallel:
-            from ..parallel.tp_sampler import VocabParallelSampler
-
             self.decode_sampler = VocabParallelSampler(self.runner.tp, model.cfg.text.vocab_size, self.sampler)
 
     @classmethod

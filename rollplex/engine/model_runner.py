@@ -71,7 +71,7 @@ class ModelRunner:
         self.dtype = model.model.embed_tokens.weight.dtype
         t = model.cfg.text
         self.tp = _tensor_parallel(model, cfg)
-        # decode returns this rank's vocabulary rows of the logits, sampled without a gather (tp_sampler.py)
+        # decode returns this rank's vocabulary rows of the logits, sampled without a gather (vocab_parallel_sampler.py)
         self.vocab_parallel = self.tp is not None and cfg.vocab_parallel_sampling
         # this rank's KV heads: a share of them when the model is tensor-parallel
         self.num_layers, self.num_kv_heads, self.head_dim = t.num_hidden_layers, self._attn().num_kv_heads, t.head_dim

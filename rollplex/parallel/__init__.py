@@ -2,11 +2,10 @@
 
     fsdp.py            FSDP2 units (decoder layers, vision blocks, root) for the trainer
     data_parallel.py   the data-parallel placement of scoring and the actor update (prompts dealt over ranks)
-    colocated.py       the data-parallel RL step (`RLStep(..., group=...)`): FSDP trainer and reference,
-                       per-rank or tensor-parallel rollout, weight sync into the engine's tensors
+    colocated.py       the data-parallel RL step (`RLStep(..., parallel=data_parallel(...))`): FSDP trainer
+                       and reference, per-rank or tensor-parallel rollout, weight sync into the engine's tensors
     rollout_groups.py  which ranks form each tensor-parallel rollout engine (chosen for weight sharing)
     tp.py              tensor-parallel text decoder for rollout (column/row-parallel, vocab-parallel head)
-    tp_sampler.py      the decode step's draw from each rank's vocabulary shard (no [B, V] logits gather)
     broadcast.py       trainer -> rollout weight broadcast in buckets
     disaggregated.py   the disaggregated layout: trainer ranks, rollout engines, their groups
     disaggregated_step.py  the RL step in that layout (the baseline): rollout ranks generate, trainer
@@ -19,7 +18,7 @@ The commands that check and time these paths end to end live with the benches (r
 """
 
 from .broadcast import bucket_plan, receive_weights, send_weights
-from .colocated import Colocated
+from .colocated import Colocated, data_parallel
 from .data_parallel import DataParallel, DataParallelActor, assign_prompts, dp_score
 from .disaggregated import Disaggregated, DisaggregatedLayout, init_disaggregated
 from .disaggregated_step import DisaggregatedStep
@@ -31,6 +30,6 @@ __all__ = [
     "Colocated", "DataParallel", "DataParallelActor", "Disaggregated", "DisaggregatedLayout", "DisaggregatedStep",
     "FSDPConfig", "TensorParallel", "VocabParallelEmbedding", "apply_fsdp", "apply_tensor_parallel",
     "assign_prompts", "best_rollout_groups", "bucket_plan", "dp_score", "full_state_dict", "full_tensor",
-    "init_disaggregated", "new_rollout_group", "receive_weights", "send_weights", "shard_state_dict",
+    "data_parallel", "init_disaggregated", "new_rollout_group", "receive_weights", "send_weights", "shard_state_dict",
     "sharded_call", "tensor_parallel_copy",
 ]

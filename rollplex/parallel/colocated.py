@@ -1,6 +1,7 @@
 """The RL step data-parallel over a process group, colocated: every rank rolls out, scores and trains.
 
-`rl.step.RLStep(..., group=...)` builds one of these when it runs under torch.distributed. Per rank:
+`data_parallel(model, engine, cfg, group)` builds one of these for `rl.step.RLStep(..., parallel=...)`.
+Per rank:
 
     policy      what the engine decodes (`RLStep.model`): the full weights, as on one process
                 (per-rank rollout), or this rank's tensor-parallel shard of them (a TP engine: the
@@ -58,13 +59,35 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..engine import Engine
 from ..models import Qwen25VL
 from ..rl.config import RLConfig
+from ..rl.rollout import NativeRollout
 from .data_parallel import DataParallelActor, check_passes
 from .fsdp import FSDPConfig, apply_fsdp, full_tensor, local_tensor
 from .lockstep import ShardGather
 from .rollout_groups import rollout_slots
 from .shared_weights import SharedWeights, column_sharded, meta_copy
+
+
+def data_parallel(model: Qwen25VL, engine, cfg: RLConfig, group: dist.ProcessGroup | str | None = "auto",
+                  fsdp: FSDPConfig | None = None) -> Colocated | None:
+    """The `parallel` an RLStep over `model` and `engine` (a rollplex Engine, a rollout backend or None)
+    takes: this rank's part of a data-parallel step over `group` (a group of one rank included), or None
+    for the single-process step. group "auto": the default group when torch.distributed is initialised
+    with more than one rank (a group of one has nothing to split: the single-process step, without
+    FSDP's copies); None: this process alone. fsdp: the trainer's and reference's FSDPConfig."""
+    if group == "auto":
+        group = dist.group.WORLD if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 \
+            else None
+    if group is None:
+        return None
+    if isinstance(engine, NativeRollout):
+        engine = engine.engine
+    if engine is not None and not isinstance(engine, Engine):
+        raise ValueError("a data-parallel RL step needs the native rollout backend, not "
+                         f"{getattr(engine, 'name', type(engine).__name__)}")
+    return Colocated(group, model, engine, cfg, fsdp)
 
 
 class Colocated:

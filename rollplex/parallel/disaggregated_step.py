@@ -30,6 +30,7 @@ from ..models import Qwen25VL
 from ..rl.batch import RolloutBatch
 from ..rl.config import RLConfig
 from ..rl.step import RLStep, rollout_requests
+from .colocated import data_parallel
 from .disaggregated import DisaggregatedLayout, init_disaggregated
 from .fsdp import DTYPES, FSDPConfig
 from .tp import apply_tensor_parallel
@@ -51,8 +52,8 @@ class DisaggregatedStep:
         self.last_batch: RolloutBatch | None = None  # the last rollout with its rewards (trainer ranks)
         if self.d.role == "train":
             self.model = model
-            self.rl = RLStep(model, None, cfg, processor, reward_fn=reward_fn, group=self.d.train_mesh.get_group(),
-                             fsdp=fsdp)
+            self.rl = RLStep(model, None, cfg, processor, reward_fn=reward_fn,
+                             parallel=data_parallel(model, None, cfg, self.d.train_mesh.get_group(), fsdp))
         else:
             self.model = model.to(DTYPES[layout.wire_dtype])
             apply_tensor_parallel(self.model, self.d.tp_group)

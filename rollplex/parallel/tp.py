@@ -9,7 +9,7 @@
     down_proj       row-parallel -> all-reduce before the residual add
     embed_tokens    vocab-parallel (`VocabParallelEmbedding`: the rank's rows, all-reduce of the lookup)
     lm_head         vocab-parallel; `model.logits` all-gathers the rank's logits into the full vocabulary,
-                    `model.local_logits` keeps the rank's rows (tp_sampler.py samples from them)
+                    `model.local_logits` keeps the rank's rows (engine/vocab_parallel_sampler.py samples from them)
     norms, vision   replicated (the vision tower runs whole on every rank); with `vision=True` the
                     vision blocks are split the same way (qkv and gate_up column-, proj and down
                     row-parallel, their biases added after the all-reduce)

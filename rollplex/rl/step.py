@@ -31,8 +31,8 @@ Under a memory manager the step is fitted to its device when built (`fit_memory`
 the residency plan, and the activation checkpointing and optimizer offload the user left unset,
 chosen from the planned region sizes and `update_activations`; a ValueError when nothing fits.
 
-Under torch.distributed (`group`: a process group, or by default the default group when one of two or
-more ranks is initialised) the step is data-parallel (rollplex.parallel.colocated): every rank calls it with the
+Given a data-parallel placement (`parallel`: rollplex.parallel.data_parallel over a process group,
+injected: this module imports nothing of rollplex.parallel) the step is data-parallel: every rank calls it with the
 same rows, rolls out its share of the prompts (or all of them with a tensor-parallel engine), scores
 and trains its share of the prompt groups with FSDP2-sharded reference and trainer, and ends with the
 same metrics and weights as one process; the trainer's shards are windows of the engine's own tensors
@@ -51,10 +51,8 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..cosched import CoschedConfig, CoScheduler, PrefixRows, Timeline
@@ -72,9 +70,6 @@ from .pipeline import GroupPipeline, fallback_on, fused_unsupported
 from .rewards import RewardFn, get_reward_fn, score_batch
 from .rollout import NativeRollout, RolloutBackend, as_rollout_backend
 from .scoring import score_with_backoff as score_logprobs
-
-if TYPE_CHECKING:
-    from ..parallel.fsdp import FSDPConfig
 
 log = logging.getLogger("rollplex.rl")
 
@@ -97,8 +92,7 @@ class RLStep:
     def __init__(self, model: Qwen25VL, engine: Engine | RolloutBackend | None, cfg: RLConfig, processor=None,
                  reward_fn: RewardFn | str | None = None, ref_model: Qwen25VL | None = None,
                  memory: MemoryManager | None = None, memory_cfg: MemoryConfig | None = None,
-                 cosched: CoschedConfig | None = None, group: dist.ProcessGroup | str | None = "auto",
-                 fsdp: FSDPConfig | None = None):
+                 cosched: CoschedConfig | None = None, parallel=None):
         """engine: the rollout backend — a rollplex Engine over `model` (the native backend), a
         RolloutBackend (the SGLang one), or None (train() on given rollouts only).
         memory: the phase-aware memory manager the engine's KV cache was allocated under (None: every
@@ -107,38 +101,31 @@ class RLStep:
         optimizer_offload auto) so that the step fits the device (`memory_fit`, memory/fit.py); a
         ValueError when nothing does. `self.cfg` / `self.memory_cfg` hold the settings chosen.
         cosched: the co-scheduler's configuration (used when `cfg.cosched`).
-        group: a torch.distributed process group to run data-parallel over (a group of one rank included);
-        "auto" (default): the default group when torch.distributed is initialised with more than one rank;
-        None: this process alone. Data-parallel, `model`
-        holds the full weights on every rank and the engine decodes it, or this rank's tensor-parallel
-        shard of it (`parallel.tensor_parallel_copy`) over the group or over engine groups that partition
-        it (`parallel.new_rollout_group`); then `self.model` is that shard, and `model` is read only
-        here (drop it to free the whole weights). fsdp: the trainer's and reference's
-        `parallel.FSDPConfig`."""
-        if group == "auto":  # a group of one has nothing to split: the single-process step, without FSDP's copies
-            group = (dist.group.WORLD if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-                     else None)
+        parallel: this rank's part of a data-parallel step over a process group, built over `model` and
+        the engine by `rollplex.parallel.data_parallel` (a `Colocated`), or None: this process alone.
+        Data-parallel, `model` holds the full weights on every rank and the engine decodes it, or this
+        rank's tensor-parallel shard of it (`parallel.tensor_parallel_copy`); then `self.model` is that
+        shard, and `model` is read only here (drop it to free the whole weights)."""
         self.backend = as_rollout_backend(engine)
         # the native engine, whose decode loop the co-scheduler hooks into; None with another backend
         self.engine = self.backend.engine if isinstance(self.backend, NativeRollout) else None
         if cfg.cosched and self.backend is not None and self.engine is None:
             raise ValueError(f"cosched needs the native rollout backend: with {self.backend.name} the co-scheduler "
                              "runs in its scheduler (engine_patches.sglang.CoschedHook), which RLStep does not drive")
-        if group is not None and self.backend is not None and self.engine is None:
+        if parallel is not None and self.backend is not None and self.engine is None:
             raise ValueError(f"a data-parallel RL step needs the native rollout backend, not {self.backend.name}")
-        if self.backend is not None and group is None:
+        if parallel is not None and parallel.engine is not self.engine:
+            raise ValueError("the data-parallel placement was built over another engine than the step's")
+        if self.backend is not None and parallel is None:
             self.backend.attach(model, memory)
         elif self.engine is not None and memory is not None and self.engine.memory is not memory:
             raise ValueError("the engine and the RL step must share one memory manager")
         self.model, self.cfg = model, cfg
         self.memory, self.memory_cfg = memory, memory_cfg or MemoryConfig()
         self.processor = processor or (self.backend.processor if self.backend is not None else None)
-        self.parallel = None
-        if group is not None:
-            from ..parallel.colocated import Colocated
-
-            self.parallel = Colocated(group, model, self.engine, cfg, fsdp)
-            self.model = self.parallel.policy  # what the engine decodes: the policy or its TP shard
+        self.parallel = parallel
+        if parallel is not None:
+            self.model = parallel.policy  # what the engine decodes: the policy or its TP shard
         if cfg.freeze_vision_tower:  # before the optimizer is built: the vision tower has no trainable state
             model.visual.requires_grad_(False)
         self.reward_fn = reward_fn if callable(reward_fn) else get_reward_fn(reward_fn)

@@ -64,6 +64,7 @@ from ..backends import BackendConfig, require_backend, rollout_backend
 from ..engine import Engine, EngineConfig
 from ..memory import MemoryConfig, MemoryManager, PhasePlan
 from ..models import ModelInputs
+from ..parallel.colocated import data_parallel
 from ..parallel.fsdp import FSDPConfig
 from ..rl.actor import TrainOOM
 from ..rl.config import RLConfig
@@ -292,7 +293,8 @@ class ServerState:
         t0 = time.perf_counter()
         self.rewards = RewardRegistry(cfg.reward, cfg.reward_modules, cfg.allow_client_reward_code)
         self.rl = RLStep(self.model, rollout, cfg.rl, self.processor, reward_fn=self.rewards.default,
-                         memory=self.memory, memory_cfg=cfg.memory, fsdp=cfg.fsdp)
+                         memory=self.memory, memory_cfg=cfg.memory,
+                         parallel=data_parallel(self.model, rollout, cfg.rl, fsdp=cfg.fsdp))
         log.info("startup: trainer in %.1fs (reference model: %s)", self._phase("trainer", t0),
                  "yes" if self.rl.ref is not None else "no")
         # what the engine decodes: the policy, or this rank's tensor-parallel shard of it, in which case the

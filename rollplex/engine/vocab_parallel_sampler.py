@@ -19,15 +19,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..engine.sampler import Sampler, SamplingTensors, token_keys, uniform_noise
-from .tp import TensorParallel
+from .sampler import Sampler, SamplingTensors, token_keys, uniform_noise
 
 
 class VocabParallelSampler:
     """`sampler(local_logits [B, V/tp], st) -> (tokens [B] long, logprobs [B] fp32)`, the same on every
-    rank of `tp` (see the module docstring); `fallback` samples gathered logits for truncated rows."""
+    rank of `tp` (see the module docstring); `fallback` samples gathered logits for truncated rows.
+    tp: the engine's tensor-parallel group handle (`size`, `rank`, `group`, `gather_last`;
+    rollplex.parallel.TensorParallel), which the engine is given and never builds."""
 
-    def __init__(self, tp: TensorParallel, vocab: int, fallback: Sampler):
+    def __init__(self, tp, vocab: int, fallback: Sampler):
         if vocab % tp.size:
             raise ValueError(f"vocabulary {vocab} does not split over {tp.size} tensor-parallel ranks")
         self.tp, self.vocab, self.fallback = tp, vocab, fallback
