@@ -11,7 +11,7 @@ groups, in the order they were rolled out, are trimmed to the first B. Short of 
 without `more_rows`) it raises ValueError, as verl does, before anything is trained; with
 `cfg.filter_groups_partial` the step trains on the groups it kept instead (ValueError when none).
 
-Seeds: the first rollout is the one the step makes without dynamic sampling (rl.step.rollout_requests);
+Seeds: the first rollout is the one the step makes without dynamic sampling (rl.rollout.rollout_requests);
 the k-th adds k * SEED_STRIDE to each prompt's seed, so a row drawn again within the step is sampled
 afresh rather than repeating the samples it was dropped for.
 
@@ -28,15 +28,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 
 from .batch import RolloutBatch
 from .rewards import score_batch
-
-if TYPE_CHECKING:
-    from .step import RLStep
+from .rollout import rollout_requests
+from .timing import phase_timer as _timer
 
 SEED_STRIDE = 1_000_000_007  # the k-th rollout of a step: each prompt's seed + k * SEED_STRIDE
 
@@ -51,22 +49,18 @@ def kept_groups(values: torch.Tensor, group: torch.Tensor, num_prompts: int) -> 
     return kept
 
 
-def _rollout(rl: RLStep, rows: list[dict], k: int) -> RolloutBatch:
+def _rollout(rl, rows: list[dict], k: int) -> RolloutBatch:
     """The step's k-th rollout of `rows` (module docstring: seeds)."""
     if k == 0:
         return rl.rollout(rows)
-    from .step import rollout_requests
-
     prompts, params, per_prompt = rollout_requests(rl.processor, rows, rl.cfg, rl.step_idx)
     params = [p if p.seed is None else replace(p, seed=(p.seed + k * SEED_STRIDE) % 2**62) for p in params]
     return rl.generate(prompts, params, **per_prompt)
 
 
-def sample_groups(rl: RLStep, rows: list[dict], more_rows: Callable[[], list[dict]] | None, m: dict) -> RolloutBatch:
-    """The batch `RLStep.step` trains under `filter_groups`: len(rows) groups with rewards, rolled out
-    and filtered as the module docstring says; its metrics go into `m`."""
-    from .step import _timer
-
+def sample_groups(rl, rows: list[dict], more_rows: Callable[[], list[dict]] | None, m: dict) -> RolloutBatch:
+    """The batch `RLStep.step` trains under `filter_groups` (`rl`: that step): len(rows) groups with
+    rewards, rolled out and filtered as the module docstring says; its metrics go into `m`."""
     cfg, target = rl.cfg, len(rows)
     if target < 1:
         raise ValueError("a step needs at least one row")

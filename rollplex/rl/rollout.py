@@ -16,6 +16,9 @@
     kv_cache_bytes()                         bytes of KV cache the step's memory manager holds for it
     close()
 
+`rollout_requests` turns dataset rows into what `generate` takes, with seeds that depend only on the
+step and the prompt.
+
 `NativeRollout` wraps `rollplex.engine.Engine`: it decodes with the trainer's own parameter tensors and
 allocates its KV cache in the step's memory manager, so it has no weights to copy and no memory of its
 own to move (the manager's phases move its KV cache). The SGLang backend
@@ -26,6 +29,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
+
+from ..engine.sampling_params import SamplingParams
+from .config import RLConfig
 
 
 @runtime_checkable
@@ -87,3 +93,17 @@ def as_rollout_backend(engine) -> RolloutBackend | None:
     if engine is None or isinstance(engine, RolloutBackend):
         return engine
     raise ValueError(f"expected a rollplex Engine or a RolloutBackend, got {type(engine).__name__}")
+
+
+def rollout_requests(processor, rows: list[dict], cfg: RLConfig, step_idx: int) -> tuple[list, list, dict]:
+    """(prompts, sampling params, per-prompt extras) of step `step_idx`'s rollout of `rows`. The seeds
+    depend only on (cfg.seed, step, prompt): wherever a prompt is generated, its samples are the same."""
+    from ..data import ground_truth, row_to_inputs
+
+    prompts = [row_to_inputs(processor, r) for r in rows]
+    params = [SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                             seed=(cfg.seed * 1_000_003 + step_idx * 10_007 + i * 101) % 2**62)
+              for i in range(len(rows))]
+    return prompts, params, dict(data_sources=[r.get("data_source") for r in rows],
+                                 ground_truths=[ground_truth(r) for r in rows],
+                                 extra_infos=[r.get("extra_info") for r in rows])

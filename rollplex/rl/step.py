@@ -68,24 +68,11 @@ from .dynamic_sampling import sample_groups
 from .errors import TrainStepError
 from .pipeline import GroupPipeline, fallback_on, fused_unsupported
 from .rewards import RewardFn, get_reward_fn, score_batch
-from .rollout import NativeRollout, RolloutBackend, as_rollout_backend
+from .rollout import NativeRollout, RolloutBackend, as_rollout_backend, rollout_requests
 from .scoring import score_with_backoff as score_logprobs
+from .timing import phase_timer as _timer
 
 log = logging.getLogger("rollplex.rl")
-
-
-@contextmanager
-def _timer(metrics: dict, name: str, device: torch.device, timeline: Timeline | None = None):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    yield
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t1 = time.perf_counter()
-    metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + t1 - t0
-    if timeline is not None:
-        timeline.host_span("phase", name, t0, t1)
 
 
 class RLStep:
@@ -670,20 +657,6 @@ class RLStep:
         m.update(self._batch_metrics(batch, got["advantages"], got["seq_rewards"], got["logprobs"], cfg))
         m.update(pipe.metrics(m["timing_s/gen"]))
         return batch
-
-
-def rollout_requests(processor, rows: list[dict], cfg: RLConfig, step_idx: int) -> tuple[list, list, dict]:
-    """(prompts, sampling params, per-prompt extras) of step `step_idx`'s rollout of `rows`. The seeds
-    depend only on (cfg.seed, step, prompt): wherever a prompt is generated, its samples are the same."""
-    from ..data import ground_truth, row_to_inputs
-
-    prompts = [row_to_inputs(processor, r) for r in rows]
-    params = [SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                             seed=(cfg.seed * 1_000_003 + step_idx * 10_007 + i * 101) % 2**62)
-              for i in range(len(rows))]
-    return prompts, params, dict(data_sources=[r.get("data_source") for r in rows],
-                                 ground_truths=[ground_truth(r) for r in rows],
-                                 extra_infos=[r.get("extra_info") for r in rows])
 
 
 def update_tokens(cfg: RLConfig, prompt_guess: int = 512) -> int:
