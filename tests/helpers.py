@@ -201,3 +201,17 @@ def recording_timer(outs: list):
         return 1.0
 
     return timer
+
+
+def capture_grads(rl) -> list[dict]:
+    """The gradients an RLStep's optimizer steps on, one {name: grad} per optimizer step, appended to the
+    list returned as they happen (the optimizer's `step` wrapped on the instance)."""
+    grads = []
+    opt_step = rl.actor.optimizer.step
+
+    def step():
+        grads.append({n: p.grad.clone() for n, p in rl.model.named_parameters() if p.grad is not None})
+        opt_step()
+
+    rl.actor.optimizer.step = step
+    return grads

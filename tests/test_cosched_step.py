@@ -5,7 +5,7 @@ several mini-batches (old-policy prefixes co-scheduled too)."""
 
 import pytest
 import torch
-from helpers import FORWARD_TERMS, assert_fp32_close, assert_weights_close
+from helpers import FORWARD_TERMS, assert_fp32_close, assert_weights_close, capture_grads
 
 from rollplex.cosched import CoschedConfig, PrefixJob, PrefixRows, Timeline
 from rollplex.data import row_to_inputs
@@ -29,14 +29,7 @@ def _rl(tiny_dir, proc, cosched_cfg=None, **cfg):
 
 
 def _run(rl: RLStep):
-    grads = []
-    opt_step = rl.actor.optimizer.step
-
-    def step():
-        grads.append({n: p.grad.clone() for n, p in rl.model.named_parameters() if p.grad is not None})
-        opt_step()
-
-    rl.actor.optimizer.step = step
+    grads = capture_grads(rl)
     batch = rl.rollout(ROWS)
     roll_m = dict(rl.rollout_metrics)
     batch.rewards = torch.tensor([float(i % 3 == 0) for i in range(batch.num_samples)])

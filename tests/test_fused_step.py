@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from helpers import assert_fp32_close, assert_weights_close
+from helpers import assert_fp32_close, assert_weights_close, capture_grads
 
 from rollplex.engine import Engine, EngineConfig, SamplingParams
 from rollplex.memory import MemoryConfig, MemoryManager, PhasePlan
@@ -41,14 +41,7 @@ def _step(tiny_dir, proc, memory_cfg: MemoryConfig | None = None, **cfg):
 
 def _run(rl: RLStep) -> tuple[dict, list[dict], dict]:
     """One whole step on ROWS with LENGTHS: (metrics, gradients at each optimizer step, updated weights)."""
-    grads = []
-    opt_step = rl.actor.optimizer.step
-
-    def step():
-        grads.append({n: p.grad.clone() for n, p in rl.model.named_parameters() if p.grad is not None})
-        opt_step()
-
-    rl.actor.optimizer.step = step
+    grads = capture_grads(rl)
     prompts, params, per_prompt = rollout_requests(rl.processor, ROWS, rl.cfg, rl.step_idx)
     params = [SamplingParams(n=p.n, max_new_tokens=k, seed=p.seed, ignore_eos=True) for p, k in zip(params, LENGTHS)]
     _, m = rl.run(prompts, params, **per_prompt)

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import assert_fp32_close, assert_weights_close
+from helpers import assert_fp32_close, assert_weights_close, capture_grads
 
 from rollplex.engine import Engine, EngineConfig
 from rollplex.models import ModelInputs, load_model
@@ -26,18 +26,6 @@ def _step(tiny_dir, proc, **cfg):
     return RLStep(model, engine, RLConfig(**{**base, **cfg}), proc, reward_fn="shape_color")
 
 
-def _capture_grads(rl: RLStep) -> list[dict]:
-    grads = []
-    opt_step = rl.actor.optimizer.step
-
-    def step():
-        grads.append({n: p.grad.clone() for n, p in rl.model.named_parameters() if p.grad is not None})
-        opt_step()
-
-    rl.actor.optimizer.step = step
-    return grads
-
-
 @pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
 @pytest.mark.parametrize("updates", [dict(), dict(ppo_mini_batches=2, loss_agg_mode="seq-mean-token-mean")])
 def test_serial_and_rollplex_compute_the_same_update(tiny_dir, proc, updates):
@@ -53,7 +41,7 @@ def test_serial_and_rollplex_compute_the_same_update(tiny_dir, proc, updates):
         # a small lr: Adam's first steps are ~lr * sign(grad), which turns last-bit noise in near-zero
         # gradients into lr-sized weight differences at large lr
         rl = _step(tiny_dir, proc, mode=mode, lr=1e-4, packed=packed, **updates, **extra)
-        grads = _capture_grads(rl)
+        grads = capture_grads(rl)
         metrics = rl.train(copy.deepcopy(batch))
         results[key] = (metrics, grads, {n: p.detach().clone() for n, p in rl.model.named_parameters()})
     for key in ("rollplex", "prefix_state", "rollplex_budget"):
@@ -80,7 +68,7 @@ def test_serial_and_rollplex_agree_for_the_estimators(tiny_dir, proc, algo):
     results = {}
     for mode in ("rollplex", "serial"):
         rl = _step(tiny_dir, proc, mode=mode, lr=1e-4, **algo)
-        grads = _capture_grads(rl)
+        grads = capture_grads(rl)
         results[mode] = (rl.train(copy.deepcopy(batch)), grads,
                          {n: p.detach().clone() for n, p in rl.model.named_parameters()})
         if algo.get("kl_ctrl") == "adaptive":  # verl's update from the step's measured KL, 32 samples, horizon 1e4
