@@ -161,7 +161,30 @@ def test_fused_stage_error_is_raised_with_nothing_applied(tiny_dir, proc, monkey
         _run(rl)
     assert rl.step_idx == 0 and rl.actor.scheduler.last_epoch == 0
     for n, p in rl.model.named_parameters():
-        assert torch.equal(p, before[n]) and p.grad is None or not p.grad.any()
+        assert torch.equal(p, before[n]) and (p.grad is None or not p.grad.any()), n
+
+
+def test_failed_rollout_drops_the_fused_chunks(tiny_dir, proc, tail, monkeypatch):
+    rl = _step(tiny_dir, proc, schedule="fused")
+    before = {n: p.detach().clone() for n, p in rl.model.named_parameters()}
+    generate = rl.engine.generate
+
+    def fails_after_three_groups(prompts, params, keep_vision=False, on_output=None):
+        def report(i, out):
+            on_output(i, out)
+            if len(seen) == 3:
+                raise RuntimeError("the engine failed")
+            seen.append(i)
+
+        seen: list[int] = []
+        return generate(prompts, params, keep_vision=keep_vision, on_output=report)
+
+    monkeypatch.setattr(rl.engine, "generate", fails_after_three_groups)
+    with pytest.raises(RuntimeError, match="the engine failed"):
+        _run(rl)
+    assert rl.step_idx == 0 and not rl.model.training  # the trainer is back in eval mode, nothing applied
+    for n, p in rl.model.named_parameters():
+        assert torch.equal(p, before[n]) and (p.grad is None or not p.grad.any()), n
 
 
 @pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")

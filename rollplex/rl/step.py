@@ -617,15 +617,19 @@ class RLStep:
             pipe.start()
             if marks is not None:
                 self.engine.hooks.append(marks)
+            done = False
             try:
                 with self.cosched.decode_priority():  # decode on a high-priority stream
                     outs = self.backend.generate(prompts, params, keep_vision=self.keeps_vision,
                                                  on_output=pipe.add)
+                done = True
             finally:
                 pipe.stop()
                 if marks is not None:
                     self.engine.hooks.remove(marks)
                     marks.close()
+                if not done:  # a failed rollout: what the chunks accumulated goes with it
+                    self.actor.discard_groups()
         batch = RolloutBatch.from_outputs(prompts, outs, pad_id=self.pad_id, **per_prompt)
         if self.keeps_vision:
             batch.prompts = [p if o.vision_embeds is None else replace(p, vision_embeds=o.vision_embeds)
