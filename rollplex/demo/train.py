@@ -95,7 +95,7 @@ def main(argv=None) -> None:
                     help="no gradient into the vision tower; the engine's prefill encodings are reused")
     ap.add_argument("--cosched", action="store_true",
                     help="run the reference's prefix beside the rollout's decode steps (needs --kl-coef > 0; "
-                         "on an H200 it made steps no faster: docs/DESIGN.md)")
+                         "on an H200 it made steps no faster: docs/ARCHITECTURE.md)")
     ap.add_argument("--schedule", default="phased", choices=["phased", "fused"],
                     help="fused: train each prompt group beside the rest of the rollout (rl/pipeline.py)")
     ap.add_argument("--trace", default=None,

@@ -226,7 +226,7 @@ class GroupPipeline:
                 self.timeline.host_span("fused", name, t0, t1)
 
     def resolve_times(self) -> None:
-        """The worker's device times (after the caller's stream has waited for it)."""
+        """The worker's chunk times from their CUDA events (after the caller's stream has waited for it)."""
         for res, a, b in self._events:
             b.synchronize()
             res.seconds = a.elapsed_time(b) / 1e3
