@@ -188,18 +188,9 @@ class Actor:
                         sums[k] = sums.get(k, 0.0) + v
                     done += 1
         except BaseException as e:
-            self._recover()
-            model.eval()
-            # a step that changed the weights, even partly, advances a per-step schedule once (a per-optimizer-step
-            # one was advanced by `_optimizer_step` for a part-way step)
-            if not self.per_optimizer_step and (updates > 0 or getattr(e, "partial_update", False)):
-                self.scheduler.step()
+            self._end_update(updates, e)
             raise
-        if not self.per_optimizer_step and updates > 0:
-            self.scheduler.step()
-        # between updates the gradient buffers are the memory manager's to release; without one they are freed
-        self.optimizer.zero_grad(set_to_none=self.memory is None)
-        model.eval()
+        self._end_update(updates)
         for gidx, lp in first_parts:
             first_logp[gidx] = lp.cpu()
             seen[gidx] += 1
@@ -266,23 +257,28 @@ class Actor:
                     p.grad.mul_(scale)
         acc = acc * torch.tensor([1 / max(pg_denom, 1.0), 1 / max(denom, 1.0), 1 / max(denom, 1.0), 1 / n_tok,
                                   1 / n_tok, 1 / n_tok], device=acc.device)
-        updates = 0
         try:
             stats, applied = self._step_minibatch(cfg, acc, "the batch", 0, nonfinite)
-            updates = int(applied)
         except BaseException as e:
-            self._recover()
-            self.model.eval()
-            if not self.per_optimizer_step and getattr(e, "partial_update", False):
-                self.scheduler.step()
+            self._end_update(0, e)
             raise
-        if not self.per_optimizer_step and updates:
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=self.memory is None)
-        self.model.eval()
+        self._end_update(int(applied))
         if not applied:
             stats["actor/skipped_updates"] = 1.0
         return stats
+
+    def _end_update(self, applied: int, error: BaseException | None = None) -> None:
+        """After an update's optimizer steps (`applied` of them, or a failure `error`): a step that changed
+        the weights, even part-way, advances a per-step LR schedule once (a per-optimizer-step one was
+        advanced by `_optimizer_step`); the gradients go (between updates the buffers are the memory
+        manager's to release; without one they are freed); the trainer is back in eval mode."""
+        if not self.per_optimizer_step and (applied > 0 or getattr(error, "partial_update", False)):
+            self.scheduler.step()
+        if error is not None:
+            self._recover()
+        else:
+            self.optimizer.zero_grad(set_to_none=self.memory is None)
+        self.model.eval()
 
     def discard_groups(self) -> None:
         """Drop what `accumulate_groups` accumulated (the step goes on another way)."""

@@ -106,5 +106,5 @@ def sample_groups(rl, rows: list[dict], more_rows: Callable[[], list[dict]] | No
                          "hard or too easy for the policy; raise max_num_gen_batches (0: unbounded), or set "
                          "filter_groups_partial to train on the groups kept")
     batch = kept_batches[0] if len(kept_batches) == 1 else RolloutBatch.concat(
-        kept_batches, pad_id=rl.model.cfg.pad_token_id or 0)
+        kept_batches, pad_id=rl.pad_id)
     return batch.select_prompts(list(range(target)))[0] if batch.num_prompts > target else batch

@@ -32,11 +32,10 @@ the optimizer step) and the step runs phased on the finished rollout.
 from __future__ import annotations
 
 import contextlib
-import logging
 import sys
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -45,8 +44,6 @@ from .algos import compute_advantages
 from .batch import RolloutBatch
 from .config import RLConfig
 from .errors import TrainOOM, is_oom
-
-log = logging.getLogger("rollplex.rl")
 
 BATCH_WIDE = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")  # whiten advantages over the batch
 # the decode loop's host work waits for the GIL while the worker launches kernels: switch threads often
@@ -76,7 +73,7 @@ class ChunkResult:
     rewards: torch.Tensor  # [n] scores
     reward_metrics: dict  # the reward function's extra metrics (means over the chunk)
     ref: torch.Tensor | None  # [n, R_c] reference logprobs
-    advantages: torch.Tensor  # [n] or [n, R_c]
+    advantages: torch.Tensor  # [n] (outcome estimators)
     seq_rewards: torch.Tensor  # [n]
     logprobs: torch.Tensor  # [n, R_c] the trainer's (device)
     seconds: float = 0.0  # the chunk's stages, timed where they ran (device events on a GPU)
@@ -86,9 +83,10 @@ class GroupPipeline:
     """One step's groups through the stages (see the module docstring). `step`: the RLStep (its reference,
     actor, reward and vision settings); `rewards(chunk, prompt_ids) -> (scores [n], metrics)`."""
 
-    def __init__(self, step, cfg: RLConfig, prompts: list, samples: list[int], per_prompt: dict, rewards,
-                 stream=None, timeline=None):
-        self.step, self.cfg, self.prompts, self.per_prompt, self.rewards = step, cfg, prompts, per_prompt, rewards
+    def __init__(self, step, prompts: list, samples: list[int], per_prompt: dict, rewards, stream=None,
+                 timeline=None):
+        self.step, self.prompts, self.per_prompt, self.rewards = step, prompts, per_prompt, rewards
+        self.cfg = cfg = step.cfg
         self.offsets = [0]
         for n in samples:
             self.offsets.append(self.offsets[-1] + n)
@@ -250,36 +248,27 @@ class GroupPipeline:
 
     def chunk_batch(self, ids: list[int]) -> RolloutBatch:
         """The finished groups `ids` as a RolloutBatch (group-indexed within the chunk)."""
-        outs = [self.outputs[i] for i in ids]
         per = {k: [v[i] for i in ids] for k, v in self.per_prompt.items() if v is not None}
-        b = RolloutBatch.from_outputs([self.prompts[i] for i in ids], outs, pad_id=self.step.pad_id, **per)
-        if self.step.keeps_vision:
-            b.prompts = [p if o.vision_embeds is None else replace(p, vision_embeds=o.vision_embeds)
-                         for p, o in zip(b.prompts, outs)]
-        return b
+        return self.step.rollout_batch([self.prompts[i] for i in ids], [self.outputs[i] for i in ids], **per)
 
     # ---- the whole batch, assembled -------------------------------------------------------------------
     def assemble(self, batch: RolloutBatch) -> dict:
         """The chunks' per-sample results in `batch`'s rows: rewards [N], ref [N, R] or None, advantages
-        [N] / [N, R], sequence rewards [N], the trainer's logprobs [N, R] (host), reward metrics."""
+        [N] (the estimators fused runs are outcome ones), sequence rewards [N], the trainer's logprobs
+        [N, R] (host), reward metrics."""
         N, R = batch.responses.shape
-        out = {"rewards": torch.zeros(N), "seq_rewards": torch.zeros(N), "logprobs": torch.zeros(N, R)}
+        out = {"rewards": torch.zeros(N), "seq_rewards": torch.zeros(N), "logprobs": torch.zeros(N, R),
+               "advantages": torch.zeros(N)}
         has_ref = all(r.ref is not None for r in self.results)
         out["ref"] = torch.zeros(N, R) if has_ref else None
-        per_token = self.results[0].advantages.dim() == 2
-        out["advantages"] = torch.zeros(N, R) if per_token else torch.zeros(N)
         sums: dict[str, float] = {}
         for r in self.results:
-            w = r.logprobs.shape[1]
             out["rewards"][r.rows] = r.rewards.float()
             out["seq_rewards"][r.rows] = r.seq_rewards.float().cpu()
-            out["logprobs"][r.rows, :w] = r.logprobs.float().cpu()
+            out["advantages"][r.rows] = r.advantages.float().cpu()
+            out["logprobs"][r.rows, : r.logprobs.shape[1]] = r.logprobs.float().cpu()
             if has_ref:
                 out["ref"][r.rows, : r.ref.shape[1]] = r.ref.float().cpu()
-            if per_token:
-                out["advantages"][r.rows, : r.advantages.shape[1]] = r.advantages.float().cpu()
-            else:
-                out["advantages"][r.rows] = r.advantages.float().cpu()
             for k, v in r.reward_metrics.items():
                 sums[k] = sums.get(k, 0.0) + v * len(r.rows)
         out["reward_metrics"] = {k: v / N for k, v in sums.items()}

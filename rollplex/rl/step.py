@@ -173,8 +173,7 @@ class RLStep:
     def _region(self, tag: str):
         return self.memory.region(tag) if self.memory is not None else contextlib.nullcontext()
 
-    @contextmanager
-    def _phase(self, name: str):
+    def _enter(self, name: str) -> None:
         """`name` on the memory manager and on the rollout backend, releases before resumes: leaving the
         rollout the backend lets its memory go first; entering it the trainer's regions go first."""
         backend_first = name != "rollout"
@@ -184,6 +183,11 @@ class RLStep:
             self.memory.enter(name)
         if not backend_first and self.backend is not None:
             self.backend.enter_phase(name)
+
+    @contextmanager
+    def _phase(self, name: str):
+        """`_enter(name)` before the body (the phase lasts until the next one is entered)."""
+        self._enter(name)
         yield
 
     @property
@@ -258,8 +262,7 @@ class RLStep:
         """The rollout phase on prompts (ModelInputs): the engine's samples as a RolloutBatch, with the
         co-scheduled prefix states (`cfg.cosched`) and the vision encodings (`freeze_vision_tower`)
         it carries for scoring and the update. `per_prompt`: data_sources / ground_truths / extra_infos."""
-        cfg = self.cfg
-        frozen = cfg.freeze_vision_tower and cfg.mode == "rollplex"
+        frozen = self.keeps_vision
         handover = self._plan_handover(prompts, frozen)
         jobs = [(job, i) for i, job in enumerate(j for rows in handover.values() for j in rows.jobs)]
         with self._phase("rollout"):
@@ -278,11 +281,17 @@ class RLStep:
                     self.rollout_metrics = self.cosched.finish()
         if not jobs:
             self.rollout_metrics = {}
-        batch = RolloutBatch.from_outputs(prompts, outs, pad_id=self.model.cfg.pad_token_id or 0, **per_prompt)
-        if frozen:
+        batch = self.rollout_batch(prompts, outs, **per_prompt)
+        batch.prefix = handover
+        return batch
+
+    def rollout_batch(self, prompts: list, outs: list, **per_prompt) -> RolloutBatch:
+        """The backend's RequestOutputs of `prompts` as a RolloutBatch; its prompts carry the prefill's
+        vision encodings when the step reuses them (`keeps_vision`)."""
+        batch = RolloutBatch.from_outputs(prompts, outs, pad_id=self.pad_id, **per_prompt)
+        if self.keeps_vision:
             batch.prompts = [p if o.vision_embeds is None else replace(p, vision_embeds=o.vision_embeds)
                              for p, o in zip(batch.prompts, outs)]
-        batch.prefix = handover
         return batch
 
     def sample(self, prompts: list, params: list[SamplingParams], keep_vision: bool = False) -> list:
@@ -597,8 +606,7 @@ class RLStep:
     def _fused(self, prompts: list, params: list, rewards, per_prompt: dict, m: dict) -> RolloutBatch:
         """Rollout with the group pipeline beside it, then the optimizer step. When a fused stage runs
         out of memory: nothing was applied, and the step runs phased on the finished rollout."""
-        with self._phase("rollout"):
-            pass
+        self._enter("rollout")
         # the gradients and the reference stay resident from the rollout through the optimizer step: resumed
         # after entering the rollout, and afterwards whatever the phase the step ends in gives them
         for tag in self._fused_regions():
@@ -611,7 +619,7 @@ class RLStep:
 
     def _fused_step(self, prompts: list, params: list, rewards, per_prompt: dict, m: dict) -> RolloutBatch:
         cfg, tl = self.cfg, self.timeline
-        pipe = GroupPipeline(self, cfg, prompts, [p.n for p in params], per_prompt, rewards, self._fuse_stream(), tl)
+        pipe = GroupPipeline(self, prompts, [p.n for p in params], per_prompt, rewards, self._fuse_stream(), tl)
         marks = DecodeMarks(tl) if tl is not None and self.engine is not None else None
         with _timer(m, "gen", self.device, tl):  # in the rollout phase, entered by `_fused`
             pipe.start()
@@ -630,10 +638,7 @@ class RLStep:
                     marks.close()
                 if not done:  # a failed rollout: what the chunks accumulated goes with it
                     self.actor.discard_groups()
-        batch = RolloutBatch.from_outputs(prompts, outs, pad_id=self.pad_id, **per_prompt)
-        if self.keeps_vision:
-            batch.prompts = [p if o.vision_embeds is None else replace(p, vision_embeds=o.vision_embeds)
-                             for p, o in zip(batch.prompts, outs)]
+        batch = self.rollout_batch(prompts, outs, **per_prompt)
         with _timer(m, "fused_tail", self.device, tl):
             pipe.drain()
         if pipe.error is not None:
