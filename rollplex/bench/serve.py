@@ -69,8 +69,8 @@ def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
 
 def _phases(mem: dict) -> dict:
     manager = mem.get("manager") or {}
-    return {p: {"peak_gib": round(r["peak_bytes"] / GiB, 2),
-                "resident_gib": round(sum(r["resident_bytes"].values()) / GiB, 2)}
+    # resident bytes only: /memory's per-phase peaks restart at every step's metrics (the step reports them)
+    return {p: {"resident_gib": round(sum(r["resident_bytes"].values()) / GiB, 2)}
             for p, r in (manager.get("phases") or {}).items()}
 
 
@@ -142,13 +142,15 @@ def main(argv=None) -> None:
             print(json.dumps(row), flush=True)
     finally:
         stop_server(proc)
-    print(f"\n{'round':>5} {'rollout':>8} {'tok/s':>8} {'train':>6} {'train s':>8} {'upd peak GiB':>13} "
+    # the update phase's peak as the step measured it (memory/update/peak_gib: CUDA's peak in the phase)
+    print(f"\n{'round':>5} {'rollout':>8} {'tok/s':>8} {'train':>6} {'train s':>8} {'step s':>7} {'upd peak GiB':>13} "
           f"{'transit s':>10}")
     for row in rows:
-        upd = row.get("phases", {}).get("update", {}).get("peak_gib", float("nan"))
+        upd = row.get("memory/update/peak_gib", float("nan"))
+        step = row.get("timing_s/step", float("nan"))
         print(f"{row['round']:>5} {row['rollout_status']:>8} {row.get('rollout_tok_s', 0):>8} "
-              f"{row.get('train_status', '-'):>6} {row.get('train_s', 0):>8} {upd:>13} "
-              f"{row.get('memory/transition_s', float('nan')):>10}")
+              f"{row.get('train_status', '-'):>6} {row.get('train_s', 0):>8} {step:>7} "
+              f"{upd:>13} {row.get('memory/transition_s', float('nan')):>10}")
     if any(r.get("error") for r in rows):
         raise SystemExit(1)
 
