@@ -10,61 +10,21 @@ table; the server is stopped at the end.
 
 `--load` runs the load mode instead (serve_load.py: engine speed against concurrent and streamed
 /generate clients, time to ready cold and warm): `python -m rollplex.bench serve --load --help`.
-The server-process helpers here (`server_command`, `start_server`, `wait_ready`, `stop_server`)
-serve both modes.
+Both modes start the server with server_proc.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import shlex
-import subprocess
 import sys
 import time
 
+from . import serve_load
+from .server_proc import server_command, start_server, stop_server, wait_ready
+
 GiB = 2**30
-
-
-def server_command(model: str | None, port: int, server_args: str) -> list[str]:
-    return [sys.executable, "-m", "rollplex.server", *(["--model", model] if model else []), "--port", str(port),
-            *shlex.split(server_args)]
-
-
-def start_server(cmd: list[str], log: str | None = None, env: dict | None = None,
-                 append: bool = False) -> subprocess.Popen:
-    """The server as a subprocess; its output goes to `log` (appended to with `append`), else to ours."""
-    out = open(log, "a" if append else "w") if log else None  # noqa: SIM115 - lives as long as the server
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
-                            env=dict(os.environ) if env is None else env)
-
-
-def wait_ready(proc: subprocess.Popen, url: str, timeout: float, poll: float = 0.1) -> float:
-    """Seconds until /health answers 200 (counted from now: call it right after starting the server)."""
-    import httpx
-
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with code {proc.returncode} before it was ready")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return time.perf_counter() - t0
-        except httpx.HTTPError:
-            pass
-        time.sleep(poll)
-    raise SystemExit(f"the server was not ready after {timeout:.0f} s")
-
-
-def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def _phases(mem: dict) -> dict:
@@ -77,8 +37,6 @@ def _phases(mem: dict) -> dict:
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--load" in argv:
-        from . import serve_load
-
         argv.remove("--load")
         return serve_load.main(argv)
     ap = argparse.ArgumentParser(prog="python -m rollplex.bench serve")

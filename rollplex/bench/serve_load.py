@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .serve import server_command, start_server, stop_server, wait_ready
+from .server_proc import server_command, start_server, stop_server, wait_ready
 
 
 class BenchError(RuntimeError):

@@ -3,7 +3,8 @@ that run a unit at a time (on a sharded model as one sweep in lockstep with the 
 hook that launches them, and the phase timeline."""
 
 from .controller import AdmissionController, CoschedConfig
-from .prefix import PrefixJob, PrefixRows
+from .prefix import PrefixJob
+from .rows import PrefixRows
 from .scheduler import CoScheduler
 from .sharded import ShardedPrefix
 from .timeline import Timeline
