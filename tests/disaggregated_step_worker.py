@@ -11,7 +11,6 @@ from parallel_step_worker import parity_reward
 from rollplex.engine import EngineConfig
 from rollplex.models import load_model
 from rollplex.parallel.disaggregated_step import DisaggregatedStep
-from rollplex.parallel.tp import shard_state_dict
 from rollplex.processor import VLProcessor
 
 
@@ -28,9 +27,8 @@ def worker(rank: int, world: int, init: str, tiny_dir, rows, cfg, layout, want: 
                     assert_fp32_close(m[k], w["metrics"][k], k, scale=1.0)
                 got = dict(step.model.named_parameters())
             else:  # the engine's shards hold the broadcast weights
-                tp = step.model.model.tensor_parallel
                 got = dict(step.model.named_parameters())
-                w = dict(w, weights=shard_state_dict(w["weights"], step.model.cfg, tp.size, tp.rank))
+                w = dict(w, weights=step.tp.shard(w["weights"], step.model.cfg))
             for n, t in w["weights"].items():
                 assert_weights_close(got[n].detach().float(), t, f"weight {n}")
         dist.barrier()

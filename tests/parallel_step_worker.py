@@ -42,7 +42,7 @@ def build(tiny_dir, cfg: RLConfig, rollout: str = "data", memory_cfg=None, group
 
         mm = MemoryManager(PhasePlan.releases_only(), backend="accounting")
     ecfg = EngineConfig(max_num_seqs=64, max_model_len=256)
-    roll = model
+    roll, tp = model, None
     if rollout.startswith("tensor"):  # "tensor": one engine over the group; "tensor:N": blocks of N ranks;
         # "tensor:N:strided": engines of every (world / N)-th rank; "tensor+vision": the tower's blocks split too
         from rollplex.parallel import tensor_parallel_copy
@@ -54,10 +54,9 @@ def build(tiny_dir, cfg: RLConfig, rollout: str = "data", memory_cfg=None, group
             block = dist.new_subgroups_by_enumeration(engines)[0]
         else:
             block = None if size == world else dist.new_subgroups(size)[0]
-        roll = tensor_parallel_copy(model, block, vision=rollout.startswith("tensor+vision"))
-        ecfg = EngineConfig(max_num_seqs=64, max_model_len=256, tensor_parallel=size,
-                            tensor_parallel_vision=rollout.startswith("tensor+vision"))
-    engine = Engine(roll, proc, ecfg, memory=mm)
+        roll, tp = tensor_parallel_copy(model, block, vision=rollout.startswith("tensor+vision"))
+        assert tp.size == size
+    engine = Engine(roll, proc, ecfg, memory=mm, tp=tp)
     rl = RLStep(model, engine, cfg, proc, reward_fn=parity_reward, memory=mm, memory_cfg=memory_cfg,
                 cosched=EAGER if cfg.cosched else None, parallel=data_parallel(model, engine, cfg, group, fsdp))
     # what outlives `model` once this returns: under a tensor-parallel engine, none of its text weights
@@ -179,7 +178,7 @@ def worker(rank: int, world: int, init: str, tiny_dir, rows, cfg: RLConfig, roll
             # (one engine over the group, vision tower whole: every trainer shard is inside an engine tensor,
             # by blocked order and column shards; what the engine replicates, the tower and norms, is rebuilt;
             # a split tower's blocks are trained by rows, not in the engine's order)
-            one = rl.engine.model.model.tensor_parallel.size == world and not rollout.startswith("tensor+vision")
+            one = rl.engine.tp.size == world and not rollout.startswith("tensor+vision")
             assert (shares["separate_bytes"] == 0) == one and shares["rebuilt_bytes"] > 0, shares
         assert got[-1]["metrics"]["perf/weights_shared_gib"] == shares["shared_bytes"] / 2**30
         if oom is not None:  # every rank backed off to one prompt per pass
@@ -191,16 +190,15 @@ def worker(rank: int, world: int, init: str, tiny_dir, rows, cfg: RLConfig, roll
             assert rl.memory.state["kv_cache"] == "released" and rl.memory.state["ref_weights"] == "offloaded"
         if rollout.startswith("tensor"):  # the engine's shards hold the updated weights, and nothing whole
             from rollplex.parallel.fsdp import local_tensor
-            from rollplex.parallel.tp import shard_state_dict
-
-            tp = rl.engine.model.model.tensor_parallel
-            assert rl.model is rl.engine.model
+            tp = rl.engine.tp
+            assert rl.model is rl.engine.model and rl.parallel.tp is tp
             gc.collect()  # the whole policy the step was built from is gone: no rank holds it
             assert all(ref() is None for ref in rl.whole_text_weights)
             engine_params = dict(rl.engine.model.named_parameters())
             full = rl.policy_state()
             vision_tp = rollout.startswith("tensor+vision")
-            for n, t in shard_state_dict(full, rl.model.cfg, tp.size, tp.rank, vision_tp).items():
+            assert tp.vision == vision_tp
+            for n, t in tp.shard(full, rl.model.cfg).items():
                 assert torch.equal(engine_params[n], t), n
             # the shared trainer shards are windows of the engine's tensors: what the vision tower (whole in
             # the engine) holds, and with one engine over the group the vocab-parallel embedding shard and the

@@ -41,10 +41,10 @@ def worker(rank: int, world: int, init: str, layout: DisaggregatedLayout) -> Non
             tp = apply_tensor_parallel(model, d.tp_group)
             assert tp.size == layout.rollout_tp and d.replica == (rank - layout.train) // layout.rollout_tp
             model.to(wire)
-            engine = Engine(model, None, EngineConfig(tensor_parallel=tp.size, kv_cache_tokens=256, max_model_len=64))
+            engine = Engine(model, None, EngineConfig(kv_cache_tokens=256, max_model_len=64), tp=tp)
             params = dict(model.named_parameters())
             ptrs = {n: p.data_ptr() for n, p in params.items()}
-            d.sync_weights(model)
+            d.sync_weights(model, tp)
             assert all(p.data_ptr() == ptrs[n] for n, p in params.items())  # in place: the engine sees them
             truth = [None]
         dist.broadcast_object_list(truth, src=d.src)

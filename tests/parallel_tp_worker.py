@@ -3,6 +3,9 @@ the engine's greedy and seeded generations against the single-process ones."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 import torch.distributed as dist
 from helpers import FORWARD_TERMS, assert_fp32_close
@@ -22,11 +25,12 @@ def sampling() -> list[SamplingParams]:
             SamplingParams(max_new_tokens=8, temperature=0.8, n=2, seed=11, ignore_eos=True)]
 
 
-def run(model, prompts, tp: int = 1, vision: bool = False) -> dict:
-    """Prefill logits of the prompts and the engine's outputs under every sampling setting."""
+def run(model, prompts, plan=None) -> dict:
+    """Prefill logits of the prompts and the engine's outputs under every sampling setting (plan: the
+    TPPlan `model` was split by, None for a whole model)."""
     with torch.no_grad():
-        logits = model(prompts)
-    engine = Engine(model, None, EngineConfig(tensor_parallel=tp, tensor_parallel_vision=vision, **ENGINE))
+        logits = model(prompts) if plan is None else plan.forward(model, prompts)
+    engine = Engine(model, None, EngineConfig(**ENGINE), tp=plan)
     outs = {}
     for i, sp in enumerate(sampling()):
         res = engine.generate(prompts, sp)
@@ -40,10 +44,13 @@ def worker(rank: int, world: int, init: str, tie: bool, prompts, want: dict, vis
     try:
         cfg = tiny_cfg(tie)
         model = tiny_model(cfg)
+        before = module_state(model)
         tp = apply_tensor_parallel(model, vision=vision)
+        assert module_state(model) == before  # only parameters were replaced
         v, blk = cfg.vision, model.visual.blocks[0]
+        assert tp.vision == vision and (tp.ops.vision_post is not None) == vision
         if vision:  # the tower's blocks split too: heads, MLP, biases of the column-parallel parts
-            assert blk.attn.num_heads == v.num_heads // world and model.visual._whole is None
+            assert blk.attn.num_heads == v.num_heads // world
             assert blk.attn.qkv.weight.shape == (3 * v.hidden_size // world, v.hidden_size)
             assert blk.mlp.down_proj.weight.shape == (v.hidden_size, v.intermediate_size // world)
             assert blk.attn.proj.bias.shape == (v.hidden_size,)
@@ -56,7 +63,7 @@ def worker(rank: int, world: int, init: str, tie: bool, prompts, want: dict, vis
         assert a.qkv_proj.weight.shape == ((a.num_heads + 2 * kv) * t.head_dim, t.hidden_size)
         assert model.model.layers[0].mlp.down_proj.weight.shape == (t.hidden_size, t.intermediate_size // world)
         assert model.head_weight.shape == (t.vocab_size // world, t.hidden_size) and tp.size == world
-        got = run(model, prompts, tp=world, vision=vision)
+        got = run(model, prompts, tp)
         check_vocab_parallel_sampler(model, tp)
         for b, n in enumerate(want["lens"]):  # sharded matmuls sum their inner dimension in pieces
             assert_fp32_close(got["logits"][b, :n], want["logits"][b, :n], f"logits of prompt {b}", FORWARD_TERMS)
@@ -95,3 +102,45 @@ def check_vocab_parallel_sampler(model, tp) -> None:
     assert torch.equal(tok, want_tok), (tok, want_tok)
     assert_fp32_close(lp, want_lp, "vocab-parallel logprobs", FORWARD_TERMS)
     assert tok[4] == 0 and tok[5] == 1
+
+
+def module_state(model) -> dict:
+    """Every module's class and instance dict, its parameters by name only (sharding replaces those
+    tensors): values by identity, containers (children, buffers, hooks) item by item."""
+    def value(v):
+        if isinstance(v, dict):
+            return tuple((k, value(x)) for k, x in v.items())
+        return v if isinstance(v, (bool, int, float, str, type(None))) else id(v)
+
+    return {name: (type(m), {k: tuple(v) if k == "_parameters" else value(v) for k, v in vars(m).items()})
+            for name, m in model.named_modules()}
+
+
+def plan_worker(rank: int, world: int, init: str, prompts, want: dict) -> None:
+    """Applying TP (vision blocks too) replaces parameters and nothing else; the engine, the prefill and
+    a re-application read the split from the plan and the parameters, not from the model object."""
+    init_group(rank, world, init)
+    try:
+        model = tiny_model(tiny_cfg())
+        before = module_state(model)
+        tp = apply_tensor_parallel(model, vision=True)
+        assert module_state(model) == before
+        assert model.head_weight.shape[0] * world == model.cfg.text.vocab_size  # the parameters are the shards
+        assert (tp.size, tp.rank, tp.vision) == (world, rank, True)
+        with pytest.raises(ValueError, match="already tensor-parallel"):
+            apply_tensor_parallel(model)
+        with pytest.raises(ValueError, match="no tensor-parallel plan"):
+            Engine(model, None, EngineConfig(**ENGINE))
+        with pytest.raises(ValueError, match="vision blocks"):
+            Engine(model, None, EngineConfig(**ENGINE), tp=dataclasses.replace(tp, vision=False))
+        with torch.no_grad():
+            logits = tp.forward(model, prompts)
+        for b, n in enumerate(want["lens"]):
+            assert_fp32_close(logits[b, :n], want["logits"][b, :n], f"logits of prompt {b}", FORWARD_TERMS)
+        sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+        got = [r.samples[0].token_ids for r in Engine(model, None, EngineConfig(**ENGINE), tp=tp).generate(prompts, sp)]
+        assert got == want["greedy"], (got, want["greedy"])
+        assert module_state(model) == before  # running it changed nothing either
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

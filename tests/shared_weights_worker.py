@@ -79,8 +79,7 @@ def tp_worker(rank: int, world: int, init: str, tp_size: int, tie: bool, best: b
         cfg = policy.cfg
         group = (new_rollout_group(cfg, tp_size) if best else
                  None if tp_size == world else dist.new_subgroups(tp_size)[0])
-        engine = tensor_parallel_copy(policy, group)
-        tp = engine.model.tensor_parallel
+        engine, tp = tensor_parallel_copy(policy, group)
         slot_of = rollout_slots(tp.group, tp.rank, tp.size, dist.group.WORLD)
         if best:  # tiny shapes at TP 2 over 4 ranks: strided engines share more than consecutive ones
             assert slot_of == (0, 2, 1, 3), slot_of
@@ -89,7 +88,7 @@ def tp_worker(rank: int, world: int, init: str, tp_size: int, tie: bool, best: b
                                   init_device_mesh("cpu", (world,)),
                                   adopt=lambda m, whole=policy: held.append(SharedWeights(m, engine, whole,
                                                                                           dist.group.WORLD,
-                                                                                          slot_of=slot_of)),
+                                                                                          slot_of=slot_of, tp=tp)),
                                   column_sharded=column_sharded(policy, world, tp_size))
         del policy  # the engine's copy and the trainer's shards are all that is left
         shared = held[0]

@@ -6,10 +6,10 @@ import torch
 import torch.multiprocessing as mp
 from helpers import make_prompt
 from parallel_helpers import tiny_cfg, tiny_model
-from parallel_tp_worker import run, worker
+from parallel_tp_worker import ENGINE, module_state, plan_worker, run, worker
 
-from rollplex.engine import Engine, EngineConfig
-from rollplex.parallel.tp import apply_tensor_parallel, shard_state_dict
+from rollplex.engine import Engine, EngineConfig, SamplingParams
+from rollplex.parallel.tp import TPConfig, TPPlan, apply_tensor_parallel, shard_state_dict
 
 
 def _prompts():
@@ -49,31 +49,45 @@ def test_shard_state_dict_cuts_megatron_shards():
     assert torch.equal(k0[0], k0[1]) and not torch.equal(k0[1], k0[2])
 
 
-def test_engine_refuses_a_mismatched_degree():
-    with pytest.raises(ValueError, match="tensor_parallel"):
-        Engine(tiny_model(tiny_cfg()), None, EngineConfig(tensor_parallel=2, kv_cache_tokens=256))
-    with pytest.raises(ValueError):
-        EngineConfig(tensor_parallel=0)
+def test_applying_tp_replaces_parameters_only(tmp_path):
+    """Over 2 gloo ranks, vision blocks split too: the model's modules, attributes and methods are as they
+    were; its forward and the engine's greedy decode match one process when given the plan."""
+    prompts = _prompts()
+    model = tiny_model(tiny_cfg())
+    with torch.no_grad():
+        want = dict(logits=model(prompts), lens=[len(p.input_ids) for p in prompts])
+    sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    want["greedy"] = [r.samples[0].token_ids for r in Engine(model, None, EngineConfig(**ENGINE)).generate(prompts, sp)]
+    mp.spawn(plan_worker, args=(2, f"file://{tmp_path}/store", prompts, want), nprocs=2, join=True)
+
+
+def test_engine_refuses_a_plan_its_model_was_not_split_by():
+    with pytest.raises(ValueError, match="a plan over 2 ranks"):
+        Engine(tiny_model(tiny_cfg()), None, EngineConfig(kv_cache_tokens=256), tp=TPPlan(None, 2, 0))
+    with pytest.raises(ValueError, match="tensor_parallel must be"):
+        TPConfig(tensor_parallel=0)
+    with pytest.raises(ValueError, match="needs tensor_parallel > 1"):
+        TPConfig(tensor_parallel_vision=True)
 
 
 def test_one_rank_group_and_a_later_compile(tmp_path):
-    """Degree 1 is the plain model; `model.compile()` after the plan keeps the all-reducing function."""
+    """Degree 1 keeps every parameter; the plan's functions run a model compiled after it (they are not
+    the model's own, so the compile leaves them eager)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         cfg = tiny_cfg()
         ref, model = tiny_model(cfg), tiny_model(cfg)
+        params, before = list(model.parameters()), module_state(model)
         tp = apply_tensor_parallel(model)
-        post = model.model._post
+        assert tp.size == 1 and all(a is b for a, b in zip(model.parameters(), params, strict=True))
+        assert module_state(model) == before
         model.compile(backend="eager")
-        assert model.model._post is post and model.model._pre is not ref.model._pre
-        with pytest.raises(ValueError, match="already"):
-            apply_tensor_parallel(model)
-        assert tp.size == 1
+        assert model.model._pre is not ref.model._pre
         p = _prompts()[:1]
         with torch.no_grad():
-            assert torch.allclose(model(p), ref(p), atol=1e-6)
+            assert torch.allclose(tp.forward(model, p), ref(p), atol=1e-6)
     finally:
         dist.destroy_process_group()
 

@@ -549,7 +549,7 @@ def test_cli_subprocess(tiny_dir):
 
 
 def test_cli_flags_fill_the_nested_configs(monkeypatch):
-    from rollplex.parallel import FSDPConfig
+    from rollplex.parallel import FSDPConfig, TPConfig
     from rollplex.server.__main__ import config_from_args, parser
 
     monkeypatch.delenv("ROLLPLEX_API_KEY", raising=False)
@@ -560,13 +560,15 @@ def test_cli_flags_fill_the_nested_configs(monkeypatch):
         "--micro-batch-max-tokens", "512", "--max-model-len", "256", "--decode-split-k", "2", "4",
         "--no-overlap-schedule", "--seed", "7", "--rollout-ttl", "30", "--layers-per-unit", "4",
         "--no-reduce-every-pass", "--adv-estimator", "rloo", "--dual-clip", "none", "--lr-schedule-unit",
-        "optimizer_step", "--no-use-kl-loss", "--kl-ctrl", "adaptive", "--kl-penalty", "abs"]))
+        "optimizer_step", "--no-use-kl-loss", "--kl-ctrl", "adaptive", "--kl-penalty", "abs",
+        "--tensor-parallel", "2", "--tensor-parallel-vision"]))
     assert cfg.rl == RLConfig(mode="serial", lr=3e-4, packed=False, betas=(0.8, 0.95), micro_batch_max_tokens=512,
                               max_new_tokens=128, seed=7, adv_estimator="rloo", dual_clip=None,
                               lr_schedule_unit="optimizer_step", use_kl_loss=False, kl_ctrl="adaptive",
                               kl_penalty="abs")
     assert cfg.engine == EngineConfig(max_model_len=256, decode_split_k=(2, 4), overlap_schedule=False, seed=7)
     assert cfg.fsdp == FSDPConfig(layers_per_unit=4, reduce_every_pass=False)
+    assert cfg.tp == TPConfig(tensor_parallel=2, tensor_parallel_vision=True)  # the plan is built from it
     assert cfg.rollout_ttl_s == 30.0 and cfg.checkpoint_root == str(Path("checkpoints").resolve())
     assert config_from_args(ap.parse_args(["--device", "cpu", "--checkpoint-root", "/srv/ck"])).checkpoint_root \
         == str(Path("/srv/ck").resolve())

@@ -161,21 +161,20 @@ def _generate(engine: Engine, prompts: list[ModelInputs], args) -> tuple[list, f
     return outs, time.perf_counter() - t0
 
 
-def _engine_cfg(args, tp: int) -> EngineConfig:
-    return EngineConfig(tensor_parallel=tp, max_model_len=args.prompt_len + args.new_tokens + 64,
-                        cuda_graph=not args.no_cuda_graph)
+def _engine_cfg(args) -> EngineConfig:
+    return EngineConfig(max_model_len=args.prompt_len + args.new_tokens + 64, cuda_graph=not args.no_cuda_graph)
 
 
 def cmd_decode(proc: Process, args) -> dict:
     model = build_model(proc, args.model, DTYPES[args.dtype], args.seed)
     ref = copy.deepcopy(model) if args.check and proc.rank == 0 else None
     prompts = synthetic_prompts(model.cfg, args.prompts, args.prompt_len, args.image_grid, args.seed)
-    apply_tensor_parallel(model)
-    outs, dt = _generate(Engine(model, None, _engine_cfg(args, proc.world)), prompts, args)
+    tp = apply_tensor_parallel(model)
+    outs, dt = _generate(Engine(model, None, _engine_cfg(args), tp=tp), prompts, args)
     tokens = sum(len(s.token_ids) for o in outs for s in o.samples)
     out = {"generate_s": round(dt, 4), "tokens_per_s": round(tokens / dt, 1)}
     if ref is not None:
-        want, _ = _generate(Engine(ref, None, _engine_cfg(args, 1)), prompts, args)
+        want, _ = _generate(Engine(ref, None, _engine_cfg(args)), prompts, args)
         pairs = [(a, b) for o, r in zip(outs, want) for a, b in zip(o.samples, r.samples)]
         out["check"] = {"tokens_equal": all(a.token_ids == b.token_ids for a, b in pairs),
                         "max_logprob_diff": max(abs(x - y) for a, b in pairs for x, y in zip(a.logprobs, b.logprobs))}
@@ -194,7 +193,7 @@ def cmd_disaggregated(proc: Process, args) -> dict:
     prompts = synthetic_prompts(model.cfg, args.prompts, args.prompt_len, args.image_grid, args.seed)
     params = [SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, n=args.samples,
                              seed=args.seed * 1_000_003 + i * 101, ignore_eos=True) for i in range(len(prompts))]
-    step = DisaggregatedStep(layout, model, None, _rl(args), "exact", _engine_cfg(args, args.rollout_tp), _fsdp(args))
+    step = DisaggregatedStep(layout, model, None, _rl(args), "exact", _engine_cfg(args), _fsdp(args))
     metrics = {}
     for i in range(args.steps):
         g = torch.Generator().manual_seed(args.seed + i)

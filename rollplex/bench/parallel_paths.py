@@ -192,10 +192,9 @@ def path_engine(model: Qwen25VL, args, max_len: int, compile_decode: bool, group
     if group is None or args.rollout_tp == 1:
         return policy_engine(model, args, max_len, compile_decode)
     vision = getattr(args, "vision_tp", False)  # the vision tower's blocks split over the engine too
-    tp_model = tensor_parallel_copy(model, new_rollout_group(model.cfg, args.rollout_tp, vision=vision), vision)
+    tp_model, tp = tensor_parallel_copy(model, new_rollout_group(model.cfg, args.rollout_tp, vision=vision), vision)
     if compile_decode:
         tp_model.compile()
     return Engine(tp_model, None, EngineConfig(max_num_seqs=256, max_model_len=max_len,
                                                gpu_memory_utilization=args.kv_memory, max_num_batched_tokens=40000,
-                                               compile_decode=None if compile_decode else False,
-                                               tensor_parallel=args.rollout_tp, tensor_parallel_vision=vision))
+                                               compile_decode=None if compile_decode else False), tp=tp)

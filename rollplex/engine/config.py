@@ -47,24 +47,14 @@ class EngineConfig:
     # sources, shapes and candidates (kernels/tuning_cache.py): "auto" = $ROLLPLEX_CACHE_DIR/tuning,
     # else ~/.cache/rollplex/tuning; None or "" = off (every start times the candidates again)
     tuning_cache_dir: str | None = "auto"
-    # tensor-parallel degree of the model (1: off). >1: the model's text decoder was split over that
-    # many ranks by rollplex.parallel.apply_tensor_parallel; every rank runs an engine with the same
-    # requests in the same order, decode all-reduces the row-parallel outputs, and all ranks sample
-    # the same tokens
-    tensor_parallel: int = 1
+    # (tensor parallelism is not configured here: the engine is given the plan its model was split by,
+    # Engine(..., tp=rollplex.parallel.apply_tensor_parallel(model, group)))
     # tensor-parallel decode draws from each rank's vocabulary shard (engine/vocab_parallel_sampler.py: two
     # all-reduces of [B] and an all-gather of [3, B]) instead of gathering the [B, V] logits; a batch
     # with top-k / top-p / min-p rows gathers them anyway. False: always gather
     vocab_parallel_sampling: bool = True
-    # the model's vision tower blocks are split over the tensor-parallel ranks too
-    # (apply_tensor_parallel(vision=True)); False: the tower runs whole on every rank
-    tensor_parallel_vision: bool = False
 
     def __post_init__(self):
-        if self.tensor_parallel < 1:
-            raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
-        if self.tensor_parallel_vision and self.tensor_parallel == 1:
-            raise ValueError("tensor_parallel_vision needs tensor_parallel > 1")
         if self.block_size not in (None, 16, 32, 64):
             raise ValueError("block_size must be 16, 32, 64 or None (chosen per device)")
         if not 0.05 <= self.gpu_memory_utilization <= 0.98:

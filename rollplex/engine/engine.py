@@ -16,7 +16,8 @@ token stops is found one step late and its extra token is dropped. Outputs equal
 The engine decodes with the model object it is given — the trainer's — so there is no weight copy
 and no sync phase. It reads that model and never modifies it: prefill runs the model's own forward
 (compiled if its owner compiled it, `Qwen25VL.compile`), decode runs the engine's own layer function
-over the model's parameters (`DecodeForward`). The server and the RL step both drive it through
+over the model's parameters (`DecodeForward`); a tensor-parallel model's split is the plan the engine
+is given (`tp`), never read off the model. The server and the RL step both drive it through
 `generate` (or add_request/step). `add_request` = `prepare` (encode + validate; touches no engine
 state, so the server runs it off the engine thread) + `add` (queue it; the engine's thread).
 """
@@ -36,7 +37,7 @@ from ..models.rope import mrope_positions
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .hooks import DecodeHook, DecodeStepInfo
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, TensorParallelPlan
 from .sampler import Sampler, SamplingTensors
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -65,12 +66,15 @@ class RequestOutput:
 
 class Engine:
     def __init__(self, model: Qwen25VL, processor=None, config: EngineConfig | None = None,
-                 hooks: Seq[DecodeHook] = (), memory=None):
+                 hooks: Seq[DecodeHook] = (), memory=None, tp: TensorParallelPlan | None = None):
         """memory: a MemoryManager to allocate the KV cache in (its `kv_cache` region); the engine only runs
-        while that region is resident."""
-        self.model, self.processor, self.memory = model, processor, memory
+        while that region is resident. tp: the tensor-parallel plan `model` was split by
+        (rollplex.parallel.apply_tensor_parallel: every rank of its group runs an engine with the same
+        requests in the same order, decode all-reduces the row-parallel outputs, and all ranks sample the
+        same tokens); None: the model is whole."""
+        self.model, self.processor, self.memory, self.tp = model, processor, memory, tp
         self.cfg = (config or EngineConfig()).for_device(next(model.parameters()).device.type)
-        self.runner = ModelRunner(model, self.cfg, memory)
+        self.runner = ModelRunner(model, self.cfg, memory, tp)
         self.blocks = BlockManager(self.runner.num_blocks, self.cfg.block_size)
         self.scheduler = Scheduler(self.cfg.scheduler_config(), self.blocks)
         self.hooks = list(hooks)
@@ -89,7 +93,7 @@ class Engine:
         # what draws a decode step's tokens: under tensor parallelism from each rank's vocabulary shard
         self.decode_sampler = self.sampler
         if self.runner.vocab_parallel:
-            self.decode_sampler = VocabParallelSampler(self.runner.tp, model.cfg.text.vocab_size, self.sampler)
+            self.decode_sampler = VocabParallelSampler(tp, model.cfg.text.vocab_size, self.sampler)
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32, config: EngineConfig | None = None, **kw):

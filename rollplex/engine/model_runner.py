@@ -17,6 +17,10 @@ that fits. Before a bucket is captured, its attention launch config and the kern
 projections (split-K o/down, fused gate_up + SwiGLU: kernels/decode_gemms.py) are picked by timing,
 or read from the tuning cache when this GPU and software timed the same shapes and candidates
 before (kernels/tuning_cache.py, EngineConfig.tuning_cache_dir).
+
+A tensor-parallel model comes with its plan (`tp`, rollplex.parallel.TPPlan): prefill runs the model
+with the plan's ops (vocab-parallel lookup, reducing post-attention functions) and gathers the logits,
+decode all-reduces its row-parallel outputs through `tp.reduce`; the model object is the same either way.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from typing import Protocol
 
 import torch
 
@@ -32,7 +37,7 @@ from ..kernels.decode_gemms import SkinnyGemms, tune_decode_gemms
 from ..kernels.paged_attention import DECODE_CANDIDATES, paged_decode_attention, tune_decode
 from ..kernels.split_k import SPLIT_K_CANDIDATES
 from ..kernels.swiglu_gemm import SWIGLU_CANDIDATES
-from ..models import ModelInputs, Qwen25VL
+from ..models import ForwardOps, ModelInputs, Qwen25VL
 from ..models.attention import sdpa
 from ..models.transfer import as_device_tensor, to_device
 from .config import EngineConfig
@@ -42,19 +47,36 @@ CPU_DEFAULT_KV_TOKENS = 65536
 log = logging.getLogger("rollplex.engine")
 
 
-def _tensor_parallel(model: Qwen25VL, cfg: EngineConfig):
-    """The model's tensor-parallel group (set by rollplex.parallel.apply_tensor_parallel), checked against
-    the config's degree; None when both say 1."""
-    tp = getattr(model.model, "tensor_parallel", None)
-    size = 1 if tp is None else tp.size
-    if size != cfg.tensor_parallel:
-        raise ValueError(f"EngineConfig.tensor_parallel={cfg.tensor_parallel}, but the model is split over {size} "
-                         "rank(s) (rollplex.parallel.apply_tensor_parallel)")
-    vision = getattr(model.visual, "tensor_parallel", None) is not None
-    if vision != cfg.tensor_parallel_vision:
-        raise ValueError(f"EngineConfig.tensor_parallel_vision={cfg.tensor_parallel_vision}, but the model's vision "
-                         f"tower is {'split' if vision else 'whole'} (apply_tensor_parallel(vision=...))")
-    return tp
+class TensorParallelPlan(Protocol):
+    """What the engine reads of a tensor-parallel plan (rollplex.parallel.TPPlan, which
+    `apply_tensor_parallel` returns; the engine is given one and never builds one)."""
+
+    group: object  # the torch.distributed process group of the model's ranks
+    size: int
+    rank: int
+    vision: bool  # the vision tower's blocks are split too
+    ops: ForwardOps  # the forward's steps that combine the shards (vocab-parallel lookup, reducing post-attention)
+
+    def reduce(self, t: torch.Tensor) -> torch.Tensor: ...  # sum of the ranks' partial outputs, in place
+
+    def gather_last(self, t: torch.Tensor) -> torch.Tensor: ...  # the ranks' slices of the last dim, in order
+
+    def logits(self, model: Qwen25VL, hidden: torch.Tensor) -> torch.Tensor: ...  # full-vocabulary logits
+
+
+def check_tensor_parallel(model: Qwen25VL, tp: TensorParallelPlan | None) -> None:
+    """ValueError unless `model`'s parameters are the shards `tp` describes (None: the whole model)."""
+    size, vision = (1, False) if tp is None else (tp.size, tp.vision)
+    t, v = model.cfg.text, model.cfg.vision
+    rows = model.head_weight.shape[0]
+    if rows * size != t.vocab_size:
+        raise ValueError(f"the model's LM head holds {rows} of {t.vocab_size} vocabulary rows, but the engine was "
+                         f"given {'no tensor-parallel plan' if tp is None else f'a plan over {size} ranks'} "
+                         "(Engine(..., tp=apply_tensor_parallel(model, group)))")
+    heads = model.visual.blocks[0].attn.num_heads
+    if heads * (size if vision else 1) != v.num_heads:
+        raise ValueError(f"the model's vision blocks hold {heads} of {v.num_heads} heads, but the plan has the "
+                         f"tower {'split' if vision else 'whole'} (apply_tensor_parallel(vision=...))")
 
 
 def graph_buckets(max_bs: int) -> list[int]:
@@ -63,14 +85,17 @@ def graph_buckets(max_bs: int) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen25VL, cfg: EngineConfig, memory=None):
+    def __init__(self, model: Qwen25VL, cfg: EngineConfig, memory=None, tp: TensorParallelPlan | None = None):
         """memory: a MemoryManager whose `kv_cache` region holds the KV cache (released outside rollout;
-        the graphs keep its addresses, so a resume needs no re-capture)."""
+        the graphs keep its addresses, so a resume needs no re-capture). tp: the plan `model` was split
+        by (rollplex.parallel.apply_tensor_parallel), None for a whole model."""
+        check_tensor_parallel(model, tp)
         self.model, self.cfg = model, cfg
         self.device = model.inv_freq.device
         self.dtype = model.model.embed_tokens.weight.dtype
         t = model.cfg.text
-        self.tp = _tensor_parallel(model, cfg)
+        self.tp = tp
+        self.ops = None if tp is None else tp.ops  # the forward's steps that combine the shards
         # decode returns this rank's vocabulary rows of the logits, sampled without a gather (vocab_parallel_sampler.py)
         self.vocab_parallel = self.tp is not None and cfg.vocab_parallel_sampling
         # this rank's KV heads: a share of them when the model is tensor-parallel
@@ -139,8 +164,8 @@ class ModelRunner:
         n = min(self.cfg.max_num_batched_tokens, self.cfg.max_model_len - 1)
 
         with torch.no_grad():
-            self.model.model.embed_tokens(torch.zeros(1, dtype=torch.long, device=self.device))
-            self.model.logits(self.model.hidden([ModelInputs(input_ids=[1] * n)])[:, -1:])
+            self.model.embed(torch.zeros(1, dtype=torch.long, device=self.device), self.ops)
+            self.logits(self.model.hidden([ModelInputs(input_ids=[1] * n)], self.ops)[:, -1:])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         total = torch.cuda.get_device_properties(self.device).total_memory
@@ -154,6 +179,10 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return blocks
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits (gathered from the ranks under tensor parallelism)."""
+        return self.model.logits(hidden) if self.tp is None else self.tp.logits(self.model, hidden)
+
     # ---- prefill --------------------------------------------------------------------------------
     @torch.no_grad()
     def prefill(self, inputs: list, slots: list[list[int]], logprob_rows: list[tuple[int, int] | None]):
@@ -163,7 +192,7 @@ class ModelRunner:
         per item its merged visual features or None).
         """
         m = self.model
-        e = m.embed_prompts(inputs)
+        e = m.embed_prompts(inputs, self.ops)
         B, P = e.embeds.shape[:2]
         valid = torch.arange(P, device=self.device)[None, :] < e.lens[:, None]
         flat_slots = torch.tensor([s for row in slots for s in row], dtype=torch.long, device=self.device)
@@ -174,10 +203,10 @@ class ModelRunner:
             self.v_cache[layer].view(kv_shape).index_copy_(0, flat_slots, v.transpose(1, 2)[valid])
             return sdpa(q, k, v, causal=True)
 
-        hidden = m.forward_embeds(e.embeds, e.positions, attend)
+        hidden = m.forward_embeds(e.embeds, e.positions, attend, self.ops)
         last = hidden[torch.arange(B, device=self.device), e.lens - 1]
-        extra = [None if r is None else m.logits(hidden[i, r[0] : r[1]]).float() for i, r in enumerate(logprob_rows)]
-        return m.logits(last).float(), extra, e.visual
+        extra = [None if r is None else self.logits(hidden[i, r[0] : r[1]]).float() for i, r in enumerate(logprob_rows)]
+        return self.logits(last).float(), extra, e.visual
 
     @torch.no_grad()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -206,10 +235,10 @@ class ModelRunner:
                                           tile=attn_cfg[1], cos=cos[:, 0], sin=sin[:, 0],
                                           semaphore=self.attn_semaphore)[:, :, None]
 
-        hidden = self.decoder(m.model.embed_tokens(ids)[:, None], positions, attend, gemms)
+        hidden = self.decoder(m.embed(ids, self.ops)[:, None], positions, attend, gemms)
         # in the weights' dtype: the sampler upcasts inside its fused kernels (same values), so the graph
-        # does not write a [B, V] fp32 copy (156 MB at B = 256)
-        return (m.local_logits if self.vocab_parallel else m.logits)(hidden[:, 0])
+        # does not write a [B, V] fp32 copy (156 MB at B = 256); vocab-parallel: this rank's rows
+        return (m.logits if self.vocab_parallel else self.logits)(hidden[:, 0])
 
     @torch.no_grad()
     def decode(self, ids: list[int], positions: list[int], tables: list[list[int]], seq_lens: list[int],

@@ -25,8 +25,8 @@ from .sampler import Sampler, SamplingTensors, token_keys, uniform_noise
 class VocabParallelSampler:
     """`sampler(local_logits [B, V/tp], st) -> (tokens [B] long, logprobs [B] fp32)`, the same on every
     rank of `tp` (see the module docstring); `fallback` samples gathered logits for truncated rows.
-    tp: the engine's tensor-parallel group handle (`size`, `rank`, `group`, `gather_last`;
-    rollplex.parallel.TensorParallel), which the engine is given and never builds."""
+    tp: the engine's tensor-parallel plan (its `size`, `rank`, `group`, `gather_last`;
+    rollplex.parallel.TPPlan), which the engine is given and never builds."""
 
     def __init__(self, tp, vocab: int, fallback: Sampler):
         if vocab % tp.size:

@@ -13,7 +13,11 @@ autograd on, the gather `keys[prefix_index]` sends every response's gradient bac
 prefix graph. Shared-prefix == n full forwards (logits and gradients) is held by the tests.
 
 `forward_embeds(embeds, positions, attend)` is the incremental path for the engine: positions and
-the attention callable (which owns the KV cache) are explicit arguments.
+the attention callable (which owns the KV cache) are explicit arguments. The engine's paths
+(`embed`, `embed_prompts`, `forward_embeds`, `hidden`) also take `ops` (ops.ForwardOps): the token
+lookup and the post-attention functions to run instead of the model's own, e.g. with the collectives
+that combine a tensor-parallel rank's shards (rollplex.parallel.tp); the model object is never changed
+for them.
 
 Prompts are `ModelInputs` (inputs.py): token ids plus pixel tensors and grids, what
 `rollplex.processor.VLProcessor.encode` returns.
@@ -40,6 +44,7 @@ from .attention import (
 from .config import ModelConfig
 from .inputs import ModelInputs
 from .layers import rotary_inv_freq
+from .ops import ForwardOps
 from .rope import mrope_cos_sin, mrope_positions
 from .text import AttendFn, TextDecoder
 from .transfer import as_device_tensor, to_device
@@ -112,15 +117,21 @@ class Qwen25VL(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over the rows of `head_weight` this model holds."""
         return F.linear(hidden, self.head_weight)
+
+    def embed(self, ids: torch.Tensor, ops: ForwardOps | None = None) -> torch.Tensor:
+        """Token embeddings of `ids` (by `ops.embed` when given)."""
+        if ops is None or ops.embed is None:
+            return self.model.embed_tokens(ids)
+        return ops.embed(self.model.embed_tokens.weight, ids)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return mrope_cos_sin(positions, self.inv_freq, self.cfg.text.mrope_section, dtype)
 
-    def embed_prompts(self, prompts: Sequence[ModelInputs]) -> EmbeddedPrompts:
+    def embed_prompts(self, prompts: Sequence[ModelInputs], ops: ForwardOps | None = None) -> EmbeddedPrompts:
         """Token embeddings with every image/video of the batch encoded in one vision-tower call."""
         cfg, dev = self.cfg, self.inv_freq.device
-        emb = self.model.embed_tokens
         ids = [list(p.input_ids) for p in prompts]
         if not ids or any(len(x) == 0 for x in ids):
             raise ValueError("every prompt needs at least one token")
@@ -140,8 +151,8 @@ class Qwen25VL(nn.Module):
             heads.append(head)
             deltas.append(delta)  # the prompt's delta carries over to the generated tail
         pad = to_device(pad, dev)
-        x = emb(pad)
-        visual = self._visual_features(prompts)
+        x = self.embed(pad, ops)
+        visual = self._visual_features(prompts, ops)
         m2 = cfg.vision.spatial_merge_size**2
         flat, feats = [], []
         for b, (p, x_ids, h, f) in enumerate(zip(prompts, ids, heads, visual)):
@@ -163,11 +174,12 @@ class Qwen25VL(nn.Module):
         lens = as_device_tensor([len(t) for t in ids], dev)
         return EmbeddedPrompts(x, to_device(positions, dev), lens, as_device_tensor(deltas, dev, torch.long), visual)
 
-    def _visual_features(self, prompts: Sequence[ModelInputs]) -> list[torch.Tensor | None]:
+    def _visual_features(self, prompts: Sequence[ModelInputs], ops: ForwardOps | None = None) -> list:
         """Per prompt, its merged visual features (images, then videos) or None without any: the
         prompt's `vision_embeds` when given, otherwise from one vision-tower call for the whole batch."""
         batch = self.vision_batch(prompts)
-        feats = self.visual(*batch[:2]) if batch is not None else None
+        post = None if ops is None else ops.vision_post
+        feats = self.visual(*batch[:2], post=post) if batch is not None else None
         return self.split_visual(prompts, feats, batch)
 
     def vision_batch(self, prompts: Sequence[ModelInputs]):
@@ -210,15 +222,16 @@ class Qwen25VL(nn.Module):
                 out.append(None)
         return out
 
-    def forward_embeds(self, embeds: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+    def forward_embeds(self, embeds: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
+                       ops: ForwardOps | None = None) -> torch.Tensor:
         """Incremental path: embeds [B, L, C], positions [3, B, L], attend owns K/V -> normed hidden."""
         cos, sin = self.rope(positions, embeds.dtype)
-        return self.model(embeds, cos, sin, attend)
+        return self.model(embeds, cos, sin, attend, None if ops is None else ops.text_post)
 
     # ---- prefix / response / full -----------------------------------------------------------
-    def _run_prompts(self, prompts: Sequence[ModelInputs],
-                     keep_kv: bool) -> tuple[torch.Tensor, EmbeddedPrompts, list, list]:
-        e = self.embed_prompts(prompts)
+    def _run_prompts(self, prompts: Sequence[ModelInputs], keep_kv: bool,
+                     ops: ForwardOps | None = None) -> tuple[torch.Tensor, EmbeddedPrompts, list, list]:
+        e = self.embed_prompts(prompts, ops)
         keys, values = [], []
 
         def attend(layer, q, k, v):
@@ -227,7 +240,7 @@ class Qwen25VL(nn.Module):
                 values.append(v)
             return sdpa(q, k, v, causal=True)  # right padding: valid queries never see pads
 
-        return self.forward_embeds(e.embeds, e.positions, attend), e, keys, values
+        return self.forward_embeds(e.embeds, e.positions, attend, ops), e, keys, values
 
     def prefix(self, prompts: Sequence[ModelInputs]) -> PrefixState:
         hidden, e, keys, values = self._run_prompts(prompts, keep_kv=True)
@@ -335,9 +348,9 @@ class Qwen25VL(nn.Module):
     def response_logits(self, prefix: PrefixState, response_ids: torch.Tensor, prefix_index=None) -> torch.Tensor:
         return self.logits(self.response_hidden(prefix, response_ids, prefix_index))
 
-    def hidden(self, prompts: Sequence[ModelInputs]) -> torch.Tensor:
+    def hidden(self, prompts: Sequence[ModelInputs], ops: ForwardOps | None = None) -> torch.Tensor:
         """Final-normed hidden states of whole sequences [B, Lmax, C] (rows past an end are junk)."""
-        return self._run_prompts(prompts, keep_kv=False)[0]
+        return self._run_prompts(prompts, keep_kv=False, ops=ops)[0]
 
     def forward(self, prompts: Sequence[ModelInputs]) -> torch.Tensor:
         """Full forward over whole sequences: logits [B, Lmax, V] (rows past a sequence's end are junk)."""

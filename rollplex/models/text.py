@@ -55,14 +55,24 @@ def _final_norm(x, delta, norm_w, eps: float):
 
 
 class TextAttention(nn.Module):
+    """The fused q/k/v and the o projection. Its head counts are those of the weights it holds (a module
+    whose parameters were replaced by a share of the heads, rollplex.parallel.tp, runs that share)."""
+
     def __init__(self, cfg: TextConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q_size, kv_size = cfg.num_attention_heads * self.head_dim, cfg.num_key_value_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=True)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+
+    @property
+    def num_heads(self) -> int:
+        return self.o_proj.weight.shape[1] // self.head_dim
+
+    @property
+    def num_kv_heads(self) -> int:
+        return (self.qkv_proj.weight.shape[0] // self.head_dim - self.num_heads) // 2
 
 
 class DecoderLayer(nn.Module):
@@ -99,9 +109,10 @@ class TextDecoder(nn.Module):
         return self
 
     def layer(self, i: int, x: torch.Tensor, delta: torch.Tensor | None, cos, sin,
-              attend: AttendFn) -> tuple[torch.Tensor, torch.Tensor]:
+              attend: AttendFn, post: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i on the residual stream x + delta (delta: the previous layer's MLP output, or None)
-        -> (residual after attention, this layer's MLP output)."""
+        -> (residual after attention, this layer's MLP output). post: the post-attention function to run
+        instead of the decoder's own (`_post_attention`'s signature; ops.ForwardOps.text_post)."""
         lyr = self.layers[i]
         a, m, eps = lyr.self_attn, lyr.mlp, self.cfg.rms_norm_eps
         qkv_w, qkv_b, gate_up_w = a.qkv_proj.weight, a.qkv_proj.bias, m.gate_up_proj.weight
@@ -111,14 +122,15 @@ class TextDecoder(nn.Module):
         q, k, v, x = self._pre(x, delta, lyr.input_layernorm.weight, qkv_w, qkv_b, cos, sin, eps, a.num_heads,
                                a.num_kv_heads)
         out = attend(i, q, k, v)  # [B, H, L, D]
-        return self._post(x, out, a.o_proj.weight, lyr.post_attention_layernorm.weight, gate_up_w,
+        return (post or self._post)(x, out, a.o_proj.weight, lyr.post_attention_layernorm.weight, gate_up_w,
                           m.down_proj.weight, eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
-        """x [B, L, C] embeddings; cos/sin [B, L, D] -> final-normed hidden [B, L, C]."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn,
+                post: Callable | None = None) -> torch.Tensor:
+        """x [B, L, C] embeddings; cos/sin [B, L, D] -> final-normed hidden [B, L, C]. post: see `layer`."""
         delta = None
         for i in range(len(self.layers)):
-            x, delta = self.layer(i, x, delta, cos, sin, attend)
+            x, delta = self.layer(i, x, delta, cos, sin, attend, post)
         return self.finish(x, delta)
 
     def finish(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:

@@ -99,11 +99,18 @@ def _block_varlen(x, norm1_w, qkv_w, qkv_b, cos, sin, num_heads: int, cu, max_le
 
 
 class VisionAttention(nn.Module):
+    """q/k/v and the output projection; its head count is that of the weights it holds (see
+    text.TextAttention)."""
+
     def __init__(self, cfg: VisionConfig):
         super().__init__()
-        self.num_heads = cfg.num_heads
+        self.head_dim = cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
+
+    @property
+    def num_heads(self) -> int:
+        return self.qkv.weight.shape[0] // (3 * self.head_dim)
 
 
 class VisionBlock(nn.Module):
@@ -151,15 +158,17 @@ class VisionTower(nn.Module):
         self._whole = compile_fn(_block_varlen, **kwargs)
         return self
 
-    def block(self, blk: VisionBlock, x, cos, sin, seg: Segments) -> torch.Tensor:
+    def block(self, blk: VisionBlock, x, cos, sin, seg: Segments, post=None) -> torch.Tensor:
+        """One block; post: the post-attention function to run instead of the tower's own
+        (`_post_attention`'s signature; ops.ForwardOps.vision_post), with the whole-block path off."""
         a, m = blk.attn, blk.mlp
-        if self._whole is not None and self.attn_backend == "auto" and _use_flash_varlen(x):
+        if post is None and self._whole is not None and self.attn_backend == "auto" and _use_flash_varlen(x):
             return self._whole(x, blk.norm1.weight, a.qkv.weight, a.qkv.bias, cos, sin, a.num_heads, seg.cu_tensor(),
                                seg.max_len, a.proj.weight, a.proj.bias, blk.norm2.weight, m.gate_up_proj.weight,
                                m.gate_up_proj.bias, m.down_proj.weight, m.down_proj.bias)
         q, k, v = self._pre(x, blk.norm1.weight, a.qkv.weight, a.qkv.bias, cos, sin, a.num_heads)
         out = segment_attention(q, k, v, seg, self.attn_backend)
-        return self._post(x, out, a.proj.weight, a.proj.bias, blk.norm2.weight, m.gate_up_proj.weight,
+        return (post or self._post)(x, out, a.proj.weight, a.proj.bias, blk.norm2.weight, m.gate_up_proj.weight,
                           m.gate_up_proj.bias, m.down_proj.weight, m.down_proj.bias)
 
     def rotary(self, layout: VisionLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,11 +186,12 @@ class VisionTower(nn.Module):
         unit = self.cfg.spatial_merge_size**2
         return x.view(-1, unit, *x.shape[1:])[index].flatten(0, 1)
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]] | torch.Tensor):
-        """pixel_values [n_patches, C*T*P*P] -> merged embeddings [n_patches / merge^2, out_hidden]."""
+    def forward(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]] | torch.Tensor, post=None):
+        """pixel_values [n_patches, C*T*P*P] -> merged embeddings [n_patches / merge^2, out_hidden].
+        post: see `block`."""
         st = self.begin(pixel_values, grid_thw)
         for i in range(len(self.blocks)):
-            self.run_block(i, st)
+            self.run_block(i, st, post)
         return self.end(st)
 
     # the forward in pieces (a co-scheduler runs it a block at a time): begin, run_block per block, end
@@ -197,9 +207,9 @@ class VisionTower(nn.Module):
         cos, sin = (self.permute(c, layout.window_index) for c in self.rotary(layout))
         return VisionState(x, cos, sin, layout)
 
-    def run_block(self, i: int, st: VisionState) -> None:
+    def run_block(self, i: int, st: VisionState, post=None) -> None:
         seg = st.layout.frames if i in self.full_blocks else st.layout.windows
-        st.x = self.block(self.blocks[i], st.x, st.cos, st.sin, seg)
+        st.x = self.block(self.blocks[i], st.x, st.cos, st.sin, seg, post)
 
     def end(self, st: VisionState) -> torch.Tensor:
         return self.merger(st.x)[st.layout.reverse_index]

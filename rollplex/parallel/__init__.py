@@ -5,7 +5,7 @@
     colocated.py       the data-parallel RL step (`RLStep(..., parallel=data_parallel(...))`): FSDP trainer
                        and reference, per-rank or tensor-parallel rollout, weight sync into the engine's tensors
     rollout_groups.py  which ranks form each tensor-parallel rollout engine (chosen for weight sharing)
-    tp.py              tensor-parallel text decoder for rollout (column/row-parallel, vocab-parallel head)
+    tp.py              tensor-parallel text decoder for rollout (column/row-parallel, vocab-parallel head): a TPPlan
     broadcast.py       trainer -> rollout weight broadcast in buckets
     disaggregated.py   the disaggregated layout: trainer ranks, rollout engines, their groups
     disaggregated_step.py  the RL step in that layout (the baseline): rollout ranks generate, trainer
@@ -24,11 +24,11 @@ from .disaggregated import Disaggregated, DisaggregatedLayout, init_disaggregate
 from .disaggregated_step import DisaggregatedStep
 from .fsdp import FSDPConfig, apply_fsdp, full_state_dict, full_tensor, sharded_call
 from .rollout_groups import best_rollout_groups, new_rollout_group
-from .tp import TensorParallel, VocabParallelEmbedding, apply_tensor_parallel, shard_state_dict, tensor_parallel_copy
+from .tp import TPConfig, TPPlan, apply_tensor_parallel, shard_state_dict, tensor_parallel_copy
 
 __all__ = [
     "Colocated", "DataParallel", "DataParallelActor", "Disaggregated", "DisaggregatedLayout", "DisaggregatedStep",
-    "FSDPConfig", "TensorParallel", "VocabParallelEmbedding", "apply_fsdp", "apply_tensor_parallel",
+    "FSDPConfig", "TPConfig", "TPPlan", "apply_fsdp", "apply_tensor_parallel",
     "assign_prompts", "best_rollout_groups", "bucket_plan", "dp_score", "full_state_dict", "full_tensor",
     "data_parallel", "init_disaggregated", "new_rollout_group", "receive_weights", "send_weights", "shard_state_dict",
     "sharded_call", "tensor_parallel_copy",

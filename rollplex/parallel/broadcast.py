@@ -9,8 +9,8 @@ metadata is exchanged: one `broadcast` per bucket.
     trainer ranks  `send_weights(model, ...)`: every trainer rank calls it (gathering an FSDP shard
                    into the full tensor is a collective over the training mesh); `src` packs and
                    broadcasts
-    rollout ranks  `receive_weights(model, ...)`: unpacks each tensor into the model's parameter in
-                   place (a tensor-parallel model takes its shard of it, `shard_state_dict`), so the
+    rollout ranks  `receive_weights(model, ..., tp)`: unpacks each tensor into the model's parameter in
+                   place (a tensor-parallel model takes its shard of it, `TPPlan.shard`), so the
                    engine's next step and CUDA graph replay read the new weights with no rebuild
 
 The wire dtype is the rollout's (e.g. bf16 from fp32 trainer masters): the cast happens once, on the
@@ -29,8 +29,8 @@ import torch.nn as nn
 
 from ..models import ModelConfig
 from ..weights.qwen import param_shapes
-from ..weights.storage import shard_state_dict
 from .fsdp import full_tensor
+from .tp import TPPlan
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 
@@ -84,11 +84,11 @@ def send_weights(model: nn.Module, group: dist.ProcessGroup | None, src: int, dt
 
 @torch.no_grad()
 def receive_weights(model: nn.Module, group: dist.ProcessGroup | None, src: int, dtype: torch.dtype,
-                    bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                    bucket_bytes: int = DEFAULT_BUCKET_BYTES, tp: TPPlan | None = None) -> None:
     """Receive the weights `send_weights` broadcasts into `model`'s parameters, in place; `dtype` and
-    `bucket_bytes` as the sender's. A tensor-parallel model (`apply_tensor_parallel`) keeps its shards."""
+    `bucket_bytes` as the sender's. tp: the plan `model` was split by (`apply_tensor_parallel`): it keeps
+    its shards; None: the model is whole."""
     params = dict(model.named_parameters())
-    tp = getattr(model.model, "tensor_parallel", None)
     dev = _device(model)
     for b in bucket_plan(model.cfg, dtype, bucket_bytes):
         flat = torch.empty(b.numel, dtype=dtype, device=dev)
@@ -96,6 +96,6 @@ def receive_weights(model: nn.Module, group: dist.ProcessGroup | None, src: int,
         full = dict(zip(b.names, (t.view(s) for t, s in zip(flat.split([math.prod(s) for s in b.shapes]),
                                                               b.shapes))))
         if tp is not None:
-            full = shard_state_dict(full, model.cfg, tp.size, tp.rank)
+            full = tp.shard(full, model.cfg)
         for name, t in full.items():
             params[name].copy_(t)

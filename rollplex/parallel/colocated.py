@@ -104,8 +104,10 @@ class Colocated:
         self.rollout, self.tp_size, self.tp_rank = "data", 1, 0
         # every rank's rollout slot g * tp_size + t (rank -> slot): which shard of which engine it holds
         self.slot_of = tuple(range(self.world))
+        # the plan of a tensor-parallel engine's model (its shard of the policy), None for the policy whole
+        self.tp = None
         if engine is not None and engine.model is not model:
-            tp = getattr(engine.model.model, "tensor_parallel", None)
+            tp = self.tp = engine.tp
             if tp is None:
                 raise ValueError("under data parallelism the engine decodes the policy itself (per-rank rollout) "
                                  "or its tensor-parallel shard (tensor_parallel_copy) over the whole group or "
@@ -127,7 +129,7 @@ class Colocated:
         (`SharedWeights`): no transient copy of the whole weights is allocated."""
         def adopt(sharded):
             self.weights = SharedWeights(sharded, self.policy, model, self.group,
-                                         share=self.fsdp.share_policy_storage, slot_of=self.slot_of)
+                                         share=self.fsdp.share_policy_storage, slot_of=self.slot_of, tp=self.tp)
 
         columns = column_sharded(model, self.world, self.tp_size)
         return DataParallelActor(meta_copy(model), cfg, self.mesh, self.fsdp, memory, optimizer_offload, adopt=adopt,

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .broadcast import DEFAULT_BUCKET_BYTES, receive_weights, send_weights
 from .fsdp import DTYPES
+from .tp import TPPlan
 
 
 @dataclass(frozen=True)
@@ -89,14 +90,14 @@ class Disaggregated:
     def src(self) -> int:
         return self.layout.train_ranks[0]
 
-    def sync_weights(self, model: nn.Module) -> None:
-        """After an update: trainer ranks send `model`'s weights, rollout ranks receive them into theirs.
-        Every rank of the layout calls it."""
+    def sync_weights(self, model: nn.Module, tp: TPPlan | None = None) -> None:
+        """After an update: trainer ranks send `model`'s weights, rollout ranks receive them into theirs
+        (tp: the plan a rollout rank's model was split by). Every rank of the layout calls it."""
         dtype, b = DTYPES[self.layout.wire_dtype], self.layout.bucket_bytes
         if self.role == "train":
             send_weights(model, self.sync_group, self.src, dtype, b)
         else:
-            receive_weights(model, self.sync_group, self.src, dtype, b)
+            receive_weights(model, self.sync_group, self.src, dtype, b, tp)
 
 
 def init_disaggregated(layout: DisaggregatedLayout, device_type: str = "cpu") -> Disaggregated:

@@ -49,6 +49,7 @@ class DisaggregatedStep:
         self.layout, self.cfg, self.processor, self.device = layout, cfg, processor, device
         self.step_idx = 0
         self.rl = self.engine = None
+        self.tp = None  # a rollout rank's plan: its model is its engine's tensor-parallel shard
         self.last_batch: RolloutBatch | None = None  # the last rollout with its rewards (trainer ranks)
         if self.d.role == "train":
             self.model = model
@@ -56,9 +57,8 @@ class DisaggregatedStep:
                              parallel=data_parallel(model, None, cfg, self.d.train_mesh.get_group(), fsdp))
         else:
             self.model = model.to(DTYPES[layout.wire_dtype])
-            apply_tensor_parallel(self.model, self.d.tp_group)
-            ecfg = dataclasses.replace(engine_cfg or EngineConfig(), tensor_parallel=layout.rollout_tp)
-            self.engine = Engine(self.model, processor, ecfg)
+            self.tp = apply_tensor_parallel(self.model, self.d.tp_group)
+            self.engine = Engine(self.model, processor, engine_cfg, tp=self.tp)
 
     @property
     def role(self) -> str:
@@ -96,7 +96,7 @@ class DisaggregatedStep:
                 batch.rewards = rewards
             self.last_batch = batch
             m.update(self.rl.train(batch))
-        self._timed(m, "broadcast_weights", lambda: self.d.sync_weights(self.model))
+        self._timed(m, "broadcast_weights", lambda: self.d.sync_weights(self.model, self.tp))
         self.step_idx += 1
         m["timing_s/step"] = time.perf_counter() - t0
         m["training/global_step"] = self.step_idx

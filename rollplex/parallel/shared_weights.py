@@ -46,6 +46,7 @@ from ..weights import ModelPlan, ParamPlan, RolloutLayout, model_specs, plan, re
 from ..weights.mapping import Mapping
 from ..weights.storage import cut, rebuild
 from .fsdp import unit_params, units
+from .tp import TPPlan
 
 BUCKET_BYTES = 256 << 20  # rollout bytes per rebuild exchange: bounds its packing buffers
 
@@ -76,19 +77,20 @@ class SharedWeights:
     """This rank's trainer shards adopted into the engine's tensors, and their rebuild (module doc)."""
 
     def __init__(self, trainer: nn.Module, rollout: nn.Module, source: nn.Module, group: dist.ProcessGroup,
-                 bucket_bytes: int = BUCKET_BYTES, share: bool = True, slot_of: tuple[int, ...] | None = None):
+                 bucket_bytes: int = BUCKET_BYTES, share: bool = True, slot_of: tuple[int, ...] | None = None,
+                 tp: TPPlan | None = None):
         """rollout: the model the engine decodes (the policy itself, or this rank's tensor-parallel copy
         of it); source: the whole policy, read once for the shards that are not windows of `rollout`;
-        slot_of: every rank's rollout slot g * N + t (default: rank r is slot r, consecutive engines)."""
+        slot_of: every rank's rollout slot g * N + t (default: rank r is slot r, consecutive engines);
+        tp: the plan `rollout` was split by (None: it is the policy whole)."""
         self.group, self.rank, self.world = group, dist.get_rank(group), dist.get_world_size(group)
         rollout_params = dict(rollout.named_parameters())
         source_params = dict(source.named_parameters())
         fps = fsdp_params(trainer)
         if set(fps) != set(rollout_params) or set(fps) != set(source_params):
             raise ValueError("the trainer's FSDP parameters are not the policy's")
-        tp = getattr(rollout.model, "tensor_parallel", None)
         self.tp = 1 if tp is None else tp.size
-        vision_tp = getattr(rollout.visual, "tensor_parallel", None) is not None  # the tower's blocks sharded
+        vision_tp = tp is not None and tp.vision  # the tower's blocks sharded
         trainer_dtype = next(iter(fps.values())).sharded_param.dtype
         same_dtype = all(p.dtype == trainer_dtype for p in rollout_params.values())
         specs = model_specs(source.cfg, [(n, tuple(p.shape)) for n, p in source_params.items()])

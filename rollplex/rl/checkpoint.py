@@ -35,7 +35,6 @@ from torch.distributed.tensor import DTensor
 
 from ..models import hf_to_rollplex, save_model
 from ..models.checkpoint import read_safetensors
-from ..weights.storage import shard_state_dict
 from .step import RLStep
 
 STATE = "trainer_state.pt"
@@ -135,10 +134,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _read_model(model, path: Path, what: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(the tensors to copy into `model` — a tensor-parallel model: its shards —, the whole tensors read)
-    from the HF directory `path`, checked against `model`: every name present and none unknown, the same
-    shapes, floating point, finite. ValueError otherwise (unreadable or truncated files included)."""
+def _read_model(model, path: Path, what: str, tp=None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the tensors to copy into `model` — a tensor-parallel model, split by the plan `tp`
+    (rollplex.parallel.TPPlan): its shards —, the whole tensors read) from the HF directory `path`, checked
+    against `model`: every name present and none unknown, the same shapes, floating point, finite.
+    ValueError otherwise (unreadable or truncated files included)."""
     try:
         hf = read_safetensors(path)
         full = state = hf_to_rollplex(hf, model.cfg)
@@ -147,13 +147,11 @@ def _read_model(model, path: Path, what: str) -> tuple[dict[str, torch.Tensor], 
     except Exception as e:  # noqa: BLE001 - a truncated or corrupt file: the checkpoint's fault, not the server's
         raise ValueError(f"{what} in {path} is not readable ({type(e).__name__}: {e})") from None
     own = model.state_dict()
-    tp = getattr(model.model, "tensor_parallel", None)
     if tp is not None:
         missing = set(own) - set(state)
         if missing:
             raise ValueError(f"{what} in {path} lacks {sorted(missing)[:3]}")
-        vision = getattr(model.visual, "tensor_parallel", None) is not None
-        state = shard_state_dict({k: v for k, v in state.items() if k in own}, model.cfg, tp.size, tp.rank, vision)
+        state = tp.shard({k: v for k, v in state.items() if k in own}, model.cfg)
     missing, unknown = set(own) - set(state), set(state) - set(own)
     if missing or unknown:
         raise ValueError(f"{what} in {path} does not match this model: "
@@ -241,7 +239,8 @@ def _read(step: RLStep, path: Path, name: str) -> dict:
             raise ValueError("the torch RNG state is not one")
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"{path / name}: {e}") from None
-    policy, full = _read_model(step.model, path, "the policy")
+    # the policy: what the engine decodes, under a tensor-parallel engine this rank's shard (its plan)
+    policy, full = _read_model(step.model, path, "the policy", None if par is None else par.tp)
     out = {"state": state, "policy": policy, "full": full, "ref": None,
            "weights_dtype": next(iter(full.values())).dtype}
     if step.ref is not None:

@@ -225,6 +225,7 @@ def parser() -> argparse.ArgumentParser:
     titles = {"rl": "RL defaults (RLConfig; /train_step may override them per step)", "engine": "engine (EngineConfig)",
               "memory": "phase-aware memory (MemoryConfig)", "backend": "rollout backend (BackendConfig)",
               "fsdp": "FSDP2 training over a torchrun group (FSDPConfig; one process ignores it)",
+              "tp": "tensor-parallel rollout over a torchrun group (TPConfig)",
               "limits": "request limits (ServerLimits): over them a request is 413 (body) or 400"}
     for section, cls, default in nested:
         _config_flags(ap.add_argument_group(titles.get(section, section)), section, cls, default,

@@ -87,8 +87,8 @@ def check_config(cfg, world: int) -> None:
     if cfg.backend.rollout_backend != "native":
         raise ValueError(f"the {cfg.backend.rollout_backend} rollout backend is not served over a process group "
                          "yet: every rank's native engine samples the rollouts (leave --rollout-backend at native)")
-    if world % cfg.engine.tensor_parallel:
-        raise ValueError(f"--tensor-parallel {cfg.engine.tensor_parallel} over {world} ranks: a tensor-parallel "
+    if world % cfg.tp.tensor_parallel:
+        raise ValueError(f"--tensor-parallel {cfg.tp.tensor_parallel} over {world} ranks: a tensor-parallel "
                          f"engine spans a share of the group's ranks, so its degree must divide {world} (1: each "
                          "rank's engine decodes the full policy)")
     check_passes(cfg.rl.mode, cfg.rl.packed)

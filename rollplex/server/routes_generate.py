@@ -60,7 +60,7 @@ def router(state) -> APIRouter:
         if state.engine is None:
             raise bad_request(f"/generate is served from the native engine's loop; this server's rollouts run on "
                               f"{state.rl.rollout_backend} (--rollout-backend): use /rollout with for_training false")
-        if state.cfg.engine.tensor_parallel > 1:
+        if state.engine.tp is not None:
             raise bad_request("/generate is not served by a tensor-parallel group: its continuous batching steps rank "
                               "0's engine alone, and every rank's shard must run each step; use /rollout (with "
                               "for_training false for evaluation), which every rank decodes together")

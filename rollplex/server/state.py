@@ -66,6 +66,7 @@ from ..memory import MemoryConfig, MemoryManager, PhasePlan
 from ..models import ModelInputs
 from ..parallel.colocated import data_parallel
 from ..parallel.fsdp import FSDPConfig
+from ..parallel.tp import TPConfig
 from ..rl.actor import TrainOOM
 from ..rl.config import RLConfig
 from ..rl.step import RLStep
@@ -114,6 +115,7 @@ class ServerConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)  # which regions are resident in which phase
     backend: BackendConfig = field(default_factory=BackendConfig)  # the rollout backend: native | sglang
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)  # the trainer's and reference's FSDP2 under torchrun
+    tp: TPConfig = field(default_factory=TPConfig)  # tensor-parallel rollout engines under torchrun
     limits: ServerLimits = field(default_factory=ServerLimits)  # request sizes (limits.py)
     # /save and /load read and write only under this folder (created on the first save);
     # None: `checkpoints` under the working directory
@@ -252,7 +254,8 @@ class ServerState:
                 for t in (*self.model.parameters(), *self.model.buffers()):
                     dist.broadcast(t.data, src=0)
         decoded = self.model  # what the engine decodes: the policy, or this rank's tensor-parallel shard of it
-        tp = cfg.engine.tensor_parallel
+        plan = None  # the plan of that shard
+        tp = cfg.tp.tensor_parallel
         if tp > 1:
             if self.world_size % tp:
                 raise ValueError(f"--tensor-parallel {tp} needs a torchrun group of a multiple of as many ranks "
@@ -261,8 +264,9 @@ class ServerState:
 
             # engines of tp ranks, grouped for weight sharing (every rank creates every engine's group, in
             # the same order); the weight sync rewrites the shards, the vision tower is the policy's
-            vision = cfg.engine.tensor_parallel_vision
-            decoded = tensor_parallel_copy(self.model, new_rollout_group(self.model.cfg, tp, vision=vision), vision)
+            vision = cfg.tp.tensor_parallel_vision
+            decoded, plan = tensor_parallel_copy(self.model, new_rollout_group(self.model.cfg, tp, vision=vision),
+                                                 vision)
         if self.model.inv_freq.is_cuda:  # the server owns the model: its training and prefill run compiled
             self.model.compile()  # lazy: the engine's warm-up prefill below compiles
             if decoded is not self.model:
@@ -282,7 +286,7 @@ class ServerState:
             self.engine = None
             log.info("startup: SGLang rollout engine in %.1fs", self._phase("sglang_engine", t0))
         else:
-            rollout = self.engine = Engine(decoded, self.processor, cfg.engine, memory=self.memory)
+            rollout = self.engine = Engine(decoded, self.processor, cfg.engine, memory=self.memory, tp=plan)
             runner = self.engine.runner
             self.startup_s.update(runner.startup_s)
             log.info("startup: engine in %.1fs: KV cache sizing %.1fs (on GPU a warm-up prefill, its compile "

@@ -1,0 +1,27 @@
+"""The steps of the model's inference forward that a caller may run its own way, passed per call.
+
+The model's math lives in plain functions of tensors (text.py, vision.py). Three of its steps can be
+replaced by the caller for one call, without touching the model object:
+
+    embed(weight, ids) -> [..., C]      the token lookup in `weight`, the embedding table the model holds
+    text_post(...)                      the decoder layer's post-attention function (o projection, residual,
+                                        norm, MLP): `text._post_attention`'s signature and result
+    vision_post(...)                    the vision blocks' post-attention function (`vision._post_attention`'s
+                                        signature); given, the tower's fused whole-block path is off
+
+None (or a None field) is the model's own step. Whoever shards the model's parameters supplies the
+versions that combine the shards (rollplex.parallel.tp builds them for tensor parallelism and hands them
+to the engine in its plan); the model reads only the tensors it holds and the functions it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ForwardOps:
+    embed: Callable | None = None
+    text_post: Callable | None = None
+    vision_post: Callable | None = None
