@@ -193,13 +193,20 @@ class Colocated:
         share = self.group_prompts(len(prompts))
         outs = self.engine.generate([prompts[i] for i in share], [params[i] for i in share],
                                     keep_vision=keep_vision) if share else []
-        # the ranks of a tensor-parallel group hold the same outputs: its first rank contributes them
-        mine = ([(i, dataclasses.replace(o, vision_embeds=None)) for i, o in zip(share, outs)]
-                if self.tp_rank == 0 else [])
+        # the ranks of a tensor-parallel group hold the same outputs: its first rank contributes them. The
+        # groups' finishing orders interleave: each group's k-th group finished before any group's (k+1)-th
+        mine = ([(i, dataclasses.replace(o, vision_embeds=None, meta=self._finished(o.meta)))
+                 for i, o in zip(share, outs)] if self.tp_rank == 0 else [])
         every: list = [None] * self.world
         dist.all_gather_object(every, mine, group=self.group)
         got = dict(x for part in every for x in part)
         return [got[i] for i in range(len(prompts))]
+
+    def _finished(self, meta: dict) -> dict:
+        """`meta` with its engine's finish_index made the whole rollout's: (k-th of its group) x groups + group."""
+        if meta.get("finish_index") is None:
+            return dict(meta)
+        return {**meta, "finish_index": meta["finish_index"] * self.groups + self.rollout_group}
 
     # ---- weights ------------------------------------------------------------------------------
     @property
