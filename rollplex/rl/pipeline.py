@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .actor import fused_loss_norm
+from .actor import METRICS, Accumulated, fused_loss_norm, mini_batch_sizes
 from .algos import compute_advantages
 from .batch import RolloutBatch
 from .config import RLConfig
@@ -52,9 +52,6 @@ SWITCH_INTERVAL_S = 2e-4
 
 def fused_unsupported(cfg: RLConfig) -> str | None:
     """Why a step of `cfg` cannot be fused (None: it can), for what the config alone decides."""
-    if cfg.num_updates > 1:
-        return ("several updates per rollout (ppo_mini_batches x ppo_epochs > 1): later mini-batches need the "
-                "weights the first one's optimizer step makes")
     if cfg.filter_groups:
         return "filter_groups (dynamic sampling) keeps a group only once the whole batch is scored"
     if cfg.adv_estimator in BATCH_WIDE:
@@ -75,7 +72,8 @@ class ChunkResult:
     ref: torch.Tensor | None  # [n, R_c] reference logprobs
     advantages: torch.Tensor  # [n] (outcome estimators)
     seq_rewards: torch.Tensor  # [n]
-    logprobs: torch.Tensor  # [n, R_c] the trainer's (device)
+    logprobs: torch.Tensor | None  # [n, R_c] the trainer's (device); None: a later mini-batch's groups
+    old: torch.Tensor | None  # [n, R_c] old logprobs (several updates per rollout)
     seconds: float = 0.0  # the chunk's stages, timed where they ran (device events on a GPU)
 
 
@@ -84,9 +82,11 @@ class GroupPipeline:
     actor, reward and vision settings); `rewards(chunk, prompt_ids) -> (scores [n], metrics)`."""
 
     def __init__(self, step, prompts: list, samples: list[int], per_prompt: dict, rewards, stream=None,
-                 timeline=None):
+                 timeline=None, trained: int | None = None):
+        """trained: how many of the groups to finish first are trained (default: the first mini-batch's)."""
         self.step, self.prompts, self.per_prompt, self.rewards = step, prompts, per_prompt, rewards
         self.cfg = cfg = step.cfg
+        self.trained = mini_batch_sizes(len(prompts), cfg.ppo_mini_batches)[0] if trained is None else trained
         self.offsets = [0]
         for n in samples:
             self.offsets.append(self.offsets[-1] + n)
@@ -161,16 +161,18 @@ class GroupPipeline:
 
     def _chunk(self, final: bool) -> list[int] | None:
         """The finished groups that make the next chunk: `order` from `taken` until the chunk holds `chunk`
-        groups or `chunk_tokens` tokens (prompt once, responses); with `final` (every group is done) also
-        a shorter one at the end. A function of the finishing order alone, whoever calls it."""
+        groups or `chunk_tokens` tokens (prompt once, responses), or reaches the end of the groups
+        trained (the first mini-batch); with `final` (every group is done) also a shorter one at the end.
+        A function of the finishing order alone, whoever calls it."""
         ids, tokens = [], 0
-        for i in self.order[self.taken:]:
+        end = self.trained if self.taken < self.trained else len(self.prompts)
+        for i in self.order[self.taken : end]:
             out = self.outputs[i]
             ids.append(i)
             tokens += len(out.prompt_token_ids) + sum(len(s.token_ids) for s in out.samples)
             if len(ids) == self.chunk or tokens >= self.chunk_tokens:
                 return ids
-        return ids if final and ids else None
+        return ids if ids and (final or self.taken + len(ids) == self.trained) else None
 
     def _work(self) -> None:
         if self.cuda:  # the step's device (a new thread starts on device 0)
@@ -233,18 +235,24 @@ class GroupPipeline:
     # ---- the stages of one chunk --------------------------------------------------------------------
     def _run(self, ids: list[int]) -> None:
         st, cfg = self.step, self.cfg
+        trained = self.taken - len(ids) < self.trained  # a chunk never straddles the end of the groups trained
         chunk = self.chunk_batch(ids)
         scores, reward_metrics = self.rewards(chunk, ids)
         chunk.rewards = scores
         train_b, ref_b = st.training_views(chunk)
         ref = st.reference_logprobs(ref_b, cfg) if st.uses_reference(cfg) else None
+        # several updates: the ratio's denominator, by the weights the rollout sampled from (phased scores it
+        # before the first optimizer step too)
+        old = st.fused_old_logprobs(train_b, cfg) if cfg.num_updates > 1 else None
         penalty, _, _ = st.kl_reward_penalty(chunk, ref, cfg)
         adv, seq_rewards = compute_advantages(cfg.adv_estimator, scores, chunk.group, chunk.mask, penalty,
                                               cfg.norm_adv_by_std, cfg.gamma, cfg.singleton_adv)
-        acc, logp = st.actor.accumulate_groups(cfg, train_b, adv, ref if cfg.use_kl_loss else None)
-        self.acc = acc if self.acc is None else self.acc + acc
+        logp = None
+        if trained:
+            acc, logp = st.actor.accumulate_groups(cfg, train_b, adv, ref if cfg.use_kl_loss else None, old)
+            self.acc = acc if self.acc is None else self.acc + acc
         rows = torch.cat([torch.arange(self.offsets[i], self.offsets[i + 1]) for i in ids])
-        self.results.append(ChunkResult(ids, rows, scores, reward_metrics, ref, adv, seq_rewards, logp))
+        self.results.append(ChunkResult(ids, rows, scores, reward_metrics, ref, adv, seq_rewards, logp, old))
 
     def chunk_batch(self, ids: list[int]) -> RolloutBatch:
         """The finished groups `ids` as a RolloutBatch (group-indexed within the chunk)."""
@@ -255,29 +263,41 @@ class GroupPipeline:
     def assemble(self, batch: RolloutBatch) -> dict:
         """The chunks' per-sample results in `batch`'s rows: rewards [N], ref [N, R] or None, advantages
         [N] (the estimators fused runs are outcome ones), sequence rewards [N], the trainer's logprobs
-        [N, R] (host), reward metrics."""
+        [N, R] (host; the groups trained), old logprobs [N, R] or None, reward metrics, and what the
+        first mini-batch accumulated (`Accumulated`)."""
         N, R = batch.responses.shape
         out = {"rewards": torch.zeros(N), "seq_rewards": torch.zeros(N), "logprobs": torch.zeros(N, R),
                "advantages": torch.zeros(N)}
         has_ref = all(r.ref is not None for r in self.results)
+        has_old = bool(self.results) and all(r.old is not None for r in self.results)
         out["ref"] = torch.zeros(N, R) if has_ref else None
+        out["old"] = torch.zeros(N, R) if has_old else None
         sums: dict[str, float] = {}
+        trained = []
         for r in self.results:
             out["rewards"][r.rows] = r.rewards.float()
             out["seq_rewards"][r.rows] = r.seq_rewards.float().cpu()
             out["advantages"][r.rows] = r.advantages.float().cpu()
-            out["logprobs"][r.rows, : r.logprobs.shape[1]] = r.logprobs.float().cpu()
+            if r.logprobs is not None:
+                out["logprobs"][r.rows, : r.logprobs.shape[1]] = r.logprobs.float().cpu()
+                trained.append(r.rows)
             if has_ref:
                 out["ref"][r.rows, : r.ref.shape[1]] = r.ref.float().cpu()
+            if has_old:
+                out["old"][r.rows, : r.old.shape[1]] = r.old.float().cpu()
             for k, v in r.reward_metrics.items():
                 sums[k] = sums.get(k, 0.0) + v * len(r.rows)
         out["reward_metrics"] = {k: v / N for k, v in sums.items()}
+        rows = torch.cat(trained) if trained else torch.zeros(0, dtype=torch.long)
+        acc = self.acc if self.acc is not None else torch.zeros(len(METRICS), device=self.step.device)
+        out["accumulated"] = Accumulated(acc, rows, out["logprobs"][rows])
         return out
 
     def metrics(self, rollout_s: float) -> dict:
         beside = self.results[: self.in_rollout]
+        trained = sum(len(r.prompts) for r in beside if r.logprobs is not None)  # the first mini-batch's
         return {"rollplex/fused": 1.0,
-                "rollplex/fused_groups_in_rollout": float(sum(len(r.prompts) for r in beside)),
+                "rollplex/fused_groups_in_rollout": float(trained),
                 "rollplex/fused_groups": float(len(self.order)),
                 "timing_s/fused_in_rollout": sum(r.seconds for r in beside),
                 "timing_s/fused_after_rollout": sum(r.seconds for r in self.results[self.in_rollout:]),

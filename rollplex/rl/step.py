@@ -577,6 +577,11 @@ class RLStep:
                         f"and one update micro-batch together), over the plan's budget of {fit.budget / 2**30:.1f} GiB")
         return None
 
+    def fused_old_logprobs(self, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
+        """Old logprobs [n, R] of some finished groups, scored before the first optimizer step of the fused
+        schedule (`actor.old_logprobs` on them)."""
+        return self.actor.old_logprobs(batch, cfg)
+
     def _fused_regions(self) -> list[str]:
         """Regions the fused stages read that the memory plan does not keep during the rollout."""
         if self.memory is None:
@@ -654,16 +659,24 @@ class RLStep:
             m.update(self.train(batch))
             return batch
         pipe.resolve_times()
+        assert pipe.order == batch.finish_order(), "the batch's first mini-batch is the groups trained"
         got = pipe.assemble(batch)
         batch.rewards = got["rewards"]
         m.update(got["reward_metrics"])
         _, reward_kl, kl_m = self.kl_reward_penalty(batch, got["ref"], cfg)
         m.update(kl_m)
         with _timer(m, "update_actor", self.device, tl), self._phase("update"):
-            stats = self._applying(reward_kl, batch.num_samples,
-                                   lambda: self.actor.apply_groups(cfg, pipe.acc, batch.mask))
+            if cfg.num_updates == 1:
+                stats = self._applying(reward_kl, batch.num_samples,
+                                       lambda: self.actor.apply_groups(cfg, pipe.acc, batch.mask))
+            else:  # the first mini-batch's optimizer step, then the others as the phased update runs them
+                train_b, _ = self.training_views(batch)
+                stats, _ = self._applying(reward_kl, batch.num_samples, lambda: self.actor.update(
+                    train_b, got["advantages"], got["ref"] if cfg.use_kl_loss else None, got["old"], self.step_idx,
+                    cfg, accumulated=got["accumulated"]))
         self._after_update(m, stats, reward_kl, batch.num_samples)
-        m.update(self._batch_metrics(batch, got["advantages"], got["seq_rewards"], got["logprobs"], cfg))
+        train_lp = got["old"] if got["old"] is not None else got["logprobs"]  # as phased: the old ones when scored
+        m.update(self._batch_metrics(batch, got["advantages"], got["seq_rewards"], train_lp, cfg))
         m.update(pipe.metrics(m["timing_s/gen"]))
         return batch
 
