@@ -129,6 +129,18 @@ def test_fused_several_mini_batches_equals_phased(tiny_dir, proc, tail, monkeypa
     _assert_same_step(fused, phased, updates=4)
 
 
+def test_fused_data_parallel_equals_phased(tmp_path, tiny_dir):
+    """Two ranks (gloo), each rolling out and training its share of the groups at its own pace: rank 0's
+    finish 0, 4, 2 and rank 1's 5, 1, 3, so the whole rollout's order interleaves them as 0, 5, 4, 1, 2, 3
+    and the first of two mini-batches is two of rank 0's groups and one of rank 1's. The gradients are
+    reduced once after the rollout; normalisers, metrics and updated weights are the phased step's."""
+    import torch.multiprocessing as mp
+    from fused_dp_worker import worker
+
+    cfg = RLConfig(n=2, max_new_tokens=12, lr=1e-4, kl_coef=0.05, micro_batch_prompts=1, ppo_mini_batches=2)
+    mp.spawn(worker, args=(2, f"file://{tmp_path}/store", tiny_dir, ROWS, LENGTHS, cfg), nprocs=2, join=True)
+
+
 @pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
 def test_fused_under_the_memory_manager(tiny_dir, proc, tail):
     """The plan releases the gradients and offloads the reference and optimizer outside their phases: the

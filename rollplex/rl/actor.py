@@ -276,16 +276,17 @@ class Actor:
         self.optimizer.zero_grad()
 
     def accumulate_groups(self, cfg: RLConfig, chunk: RolloutBatch, advantages: torch.Tensor,
-                          ref_logprobs: torch.Tensor | None,
-                          old_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          ref_logprobs: torch.Tensor | None, old_logprobs: torch.Tensor | None = None,
+                          placement: Placement | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward/backward of some finished groups (`chunk`, with its own [n] / [n, R] advantages,
         reference and, with several updates, old logprobs) into the gradients, every loss term
         *unnormalised* (a unit denominator): the mini-batch's normalisers are known only when its last
-        group is done (`apply_groups` or `update(accumulated=...)` divides).
+        group is done (`apply_groups` or `update(accumulated=...)` divides). placement: where its passes
+        run (default: the actor's; a data-parallel rank's fused stages pass its local one).
         Returns (its unnormalised metrics in METRICS order, its logprobs [n, R] on the device)."""
         first: list = []
         acc = self._accumulate(cfg, chunk, torch.arange(chunk.num_samples), advantages, ref_logprobs, old_logprobs,
-                               first, chunk.rollout_logprobs, norms=(1.0, 1.0, 1.0), zero=False)
+                               first, chunk.rollout_logprobs, norms=(1.0, 1.0, 1.0), zero=False, placement=placement)
         logp = torch.zeros(chunk.responses.shape, device=acc.device)
         for gidx, lp in first:
             logp[to_device(gidx, acc.device), : lp.shape[1]] = lp
@@ -386,7 +387,8 @@ class Actor:
     def _accumulate(self, cfg: RLConfig, mini: RolloutBatch, mini_idx: torch.Tensor, advantages: torch.Tensor,
                     ref_logprobs: torch.Tensor | None, old_all: torch.Tensor | None,
                     first_parts: list | None, rollout_all: torch.Tensor | None = None,
-                    norms: tuple[float, float, float] | None = None, zero: bool = True) -> torch.Tensor:
+                    norms: tuple[float, float, float] | None = None, zero: bool = True,
+                    placement: Placement | None = None) -> torch.Tensor:
         """Forward/backward of this process's share of one mini-batch's micro-batches into zeroed
         gradients; returns its part of the metrics in METRICS order (a device tensor: an .item() per
         micro-batch would make the host wait for the GPU each time and lose the run-ahead that hides
@@ -398,8 +400,9 @@ class Actor:
         masked-out dummies: zero advantages and reference logprobs, zero mask.
 
         norms: (loss, policy-loss, token) normalisers to use instead of the mini-batch's (`accumulate_groups`
-        passes ones); zero: start from zeroed gradients (False: add to what is there)."""
-        model, plan, pl = self.model, self._plan(cfg), self.placement
+        passes ones); zero: start from zeroed gradients (False: add to what is there); placement: instead of
+        the actor's."""
+        model, plan, pl = self.model, self._plan(cfg), placement or self.placement
         denom, pg_denom, n_tok = norms or self._norms(cfg, mini.mask)
         # verl aggregates GSPO's loss per sequence whatever the mode
         pg_mode = "seq-mean-token-mean" if cfg.policy_loss == "gspo" else cfg.loss_agg_mode

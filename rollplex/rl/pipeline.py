@@ -82,10 +82,12 @@ class GroupPipeline:
     actor, reward and vision settings); `rewards(chunk, prompt_ids) -> (scores [n], metrics)`."""
 
     def __init__(self, step, prompts: list, samples: list[int], per_prompt: dict, rewards, stream=None,
-                 timeline=None, trained: int | None = None):
-        """trained: how many of the groups to finish first are trained (default: the first mini-batch's)."""
+                 timeline=None, expected: int | None = None, trained: int | None = None):
+        """expected: how many groups this pipeline gets (default: all; a data-parallel rank its share);
+        trained: how many of them, the first to finish, are trained (default: the first mini-batch's)."""
         self.step, self.prompts, self.per_prompt, self.rewards = step, prompts, per_prompt, rewards
         self.cfg = cfg = step.cfg
+        self.expected = len(prompts) if expected is None else expected
         self.trained = mini_batch_sizes(len(prompts), cfg.ppo_mini_batches)[0] if trained is None else trained
         self.offsets = [0]
         for n in samples:
@@ -144,8 +146,8 @@ class GroupPipeline:
             torch.cuda.current_stream().wait_stream(self.stream)
 
     def _admitted(self) -> bool:
-        left = len(self.prompts) - len(self.order)
-        return left <= self.cfg.fuse_below * len(self.prompts)
+        left = self.expected - len(self.order)
+        return left <= self.cfg.fuse_below * self.expected
 
     def _next_chunk(self) -> list[int] | None:
         """The next whole chunk once it is done and admitted; None when the worker should end."""
@@ -240,7 +242,7 @@ class GroupPipeline:
         scores, reward_metrics = self.rewards(chunk, ids)
         chunk.rewards = scores
         train_b, ref_b = st.training_views(chunk)
-        ref = st.reference_logprobs(ref_b, cfg) if st.uses_reference(cfg) else None
+        ref = st.fused_reference_logprobs(ref_b, cfg) if st.uses_reference(cfg) else None
         # several updates: the ratio's denominator, by the weights the rollout sampled from (phased scores it
         # before the first optimizer step too)
         old = st.fused_old_logprobs(train_b, cfg) if cfg.num_updates > 1 else None
@@ -249,7 +251,8 @@ class GroupPipeline:
                                               cfg.norm_adv_by_std, cfg.gamma, cfg.singleton_adv)
         logp = None
         if trained:
-            acc, logp = st.actor.accumulate_groups(cfg, train_b, adv, ref if cfg.use_kl_loss else None, old)
+            acc, logp = st.actor.accumulate_groups(cfg, train_b, adv, ref if cfg.use_kl_loss else None, old,
+                                                   st.fused_placement())
             self.acc = acc if self.acc is None else self.acc + acc
         rows = torch.cat([torch.arange(self.offsets[i], self.offsets[i + 1]) for i in ids])
         self.results.append(ChunkResult(ids, rows, scores, reward_metrics, ref, adv, seq_rewards, logp, old))
@@ -260,27 +263,27 @@ class GroupPipeline:
         return self.step.rollout_batch([self.prompts[i] for i in ids], [self.outputs[i] for i in ids], **per)
 
     # ---- the whole batch, assembled -------------------------------------------------------------------
-    def assemble(self, batch: RolloutBatch) -> dict:
+    def assemble(self, batch: RolloutBatch, results: list[ChunkResult] | None = None) -> dict:
         """The chunks' per-sample results in `batch`'s rows: rewards [N], ref [N, R] or None, advantages
         [N] (the estimators fused runs are outcome ones), sequence rewards [N], the trainer's logprobs
         [N, R] (host; the groups trained), old logprobs [N, R] or None, reward metrics, and what the
-        first mini-batch accumulated (`Accumulated`)."""
+        first mini-batch accumulated here (`Accumulated`). results: every rank's chunks (default: these)."""
+        mine = [r.rows for r in self.results if r.logprobs is not None]
         N, R = batch.responses.shape
         out = {"rewards": torch.zeros(N), "seq_rewards": torch.zeros(N), "logprobs": torch.zeros(N, R),
                "advantages": torch.zeros(N)}
-        has_ref = all(r.ref is not None for r in self.results)
-        has_old = bool(self.results) and all(r.old is not None for r in self.results)
+        results = self.results if results is None else results
+        has_ref = all(r.ref is not None for r in results)
+        has_old = bool(results) and all(r.old is not None for r in results)
         out["ref"] = torch.zeros(N, R) if has_ref else None
         out["old"] = torch.zeros(N, R) if has_old else None
         sums: dict[str, float] = {}
-        trained = []
-        for r in self.results:
+        for r in results:
             out["rewards"][r.rows] = r.rewards.float()
             out["seq_rewards"][r.rows] = r.seq_rewards.float().cpu()
             out["advantages"][r.rows] = r.advantages.float().cpu()
             if r.logprobs is not None:
                 out["logprobs"][r.rows, : r.logprobs.shape[1]] = r.logprobs.float().cpu()
-                trained.append(r.rows)
             if has_ref:
                 out["ref"][r.rows, : r.ref.shape[1]] = r.ref.float().cpu()
             if has_old:
@@ -288,20 +291,32 @@ class GroupPipeline:
             for k, v in r.reward_metrics.items():
                 sums[k] = sums.get(k, 0.0) + v * len(r.rows)
         out["reward_metrics"] = {k: v / N for k, v in sums.items()}
-        rows = torch.cat(trained) if trained else torch.zeros(0, dtype=torch.long)
+        rows = torch.cat(mine) if mine else torch.zeros(0, dtype=torch.long)
         acc = self.acc if self.acc is not None else torch.zeros(len(METRICS), device=self.step.device)
         out["accumulated"] = Accumulated(acc, rows, out["logprobs"][rows])
         return out
 
-    def metrics(self, rollout_s: float) -> dict:
+    def counts(self) -> tuple[int, int]:
+        """(groups of the first mini-batch trained while others decoded, groups done) here."""
         beside = self.results[: self.in_rollout]
-        trained = sum(len(r.prompts) for r in beside if r.logprobs is not None)  # the first mini-batch's
+        return sum(len(r.prompts) for r in beside if r.logprobs is not None), len(self.order)
+
+    def shareable(self) -> list[ChunkResult]:
+        """The chunks' results on the host (to send to the other ranks of a data-parallel step)."""
+        cpu = lambda t: None if t is None else t.detach().cpu()  # noqa: E731
+        return [ChunkResult(r.prompts, r.rows, cpu(r.rewards), r.reward_metrics, cpu(r.ref), cpu(r.advantages),
+                            cpu(r.seq_rewards), cpu(r.logprobs), cpu(r.old), r.seconds) for r in self.results]
+
+    def metrics(self, rollout_s: float, counts: tuple[int, int] | None = None) -> dict:
+        """counts: (groups trained beside decode, groups) over every rank (default: `counts()`)."""
+        beside = self.results[: self.in_rollout]
+        trained, groups = counts or self.counts()
         return {"rollplex/fused": 1.0,
                 "rollplex/fused_groups_in_rollout": float(trained),
-                "rollplex/fused_groups": float(len(self.order)),
+                "rollplex/fused_groups": float(groups),
                 "timing_s/fused_in_rollout": sum(r.seconds for r in beside),
                 "timing_s/fused_after_rollout": sum(r.seconds for r in self.results[self.in_rollout:]),
-                "rollplex/groups_per_s": len(self.order) / rollout_s if rollout_s > 0 else 0.0}
+                "rollplex/groups_per_s": groups / rollout_s if rollout_s > 0 else 0.0}
 
 
 def fallback_on(error: BaseException) -> bool:
