@@ -57,6 +57,7 @@ def worker(rank: int, world: int, init: str, tiny_dir, rows, lengths, cfg: RLCon
                   "critic/score/mean", "critic/advantages/mean", "training/rollout_probs_diff_mean"):
             assert_fp32_close(m1[k], m2[k], k, scale=1.0)
         assert len(g1) == len(g2) == cfg.num_updates
+        assert any(t.any() for t in g2[0].values())  # the first mini-batch has a gradient to compare
         for a, b in zip(g1, g2):
             for n, t in b.items():
                 assert_fp32_close(a[n], t, f"grad {n}")

@@ -137,7 +137,8 @@ def test_fused_data_parallel_equals_phased(tmp_path, tiny_dir):
     import torch.multiprocessing as mp
     from fused_dp_worker import worker
 
-    cfg = RLConfig(n=2, max_new_tokens=12, lr=1e-4, kl_coef=0.05, micro_batch_prompts=1, ppo_mini_batches=2)
+    # three samples: each group of the first mini-batch then has unequal rewards (non-zero advantages)
+    cfg = RLConfig(n=3, max_new_tokens=12, lr=1e-4, kl_coef=0.05, micro_batch_prompts=1, ppo_mini_batches=2)
     mp.spawn(worker, args=(2, f"file://{tmp_path}/store", tiny_dir, ROWS, LENGTHS, cfg), nprocs=2, join=True)
 
 

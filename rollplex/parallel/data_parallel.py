@@ -33,6 +33,13 @@ Where gradients are reduced after every pass, an OOM inside a pass cannot be ret
 one rank (the others wait in the pass's collectives): the update raises TrainOOM on that rank. With
 one rank it is always retried as on one process.
 
+The fused schedule (rl/pipeline.py) trains each rank's own groups as its engine finishes them, at
+that rank's pace: `begin_local` gathers every unit of the trainer (and of a sharded reference) on
+every rank before the rollout, the stages' passes then run past FSDP2's hooks (`LocalPasses`,
+`direct_call`) with no collective, and `end_local` reduces the gradients once after the last group —
+the reduce a mini-batch reduced once ends with — in one all-reduce that also agrees whether a rank's
+stage failed.
+
 The optimizer is `rl.optimizer.MasterAdamW` over the DTensor shards (stepped through their local
 tensors, so the memory regions and optimizer offload work per rank), with gradient clipping on the
 global norm and the actor's LR schedule.

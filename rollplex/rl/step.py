@@ -40,6 +40,11 @@ where the sharing plan allows, so an update writes those in place and only the r
 it. With a tensor-parallel engine `RLStep.model` is this rank's shard of the policy (the engine's
 model): the step keeps no reference to the whole `model` it was built from, and `policy_state()`
 gathers the whole weights. Data-parallel runs need the native backend.
+
+`cfg.schedule` orders the whole step (`run`): "phased" rolls out, then scores and trains; "fused"
+(rl/pipeline.py) trains the first mini-batch's groups as they finish beside the rollout's tail —
+on one process or on each data-parallel rank's share — and equals phased up to summation order. The
+first epoch's mini-batches are cut from the order the groups finished in, in both schedules.
 """
 
 from __future__ import annotations
