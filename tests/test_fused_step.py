@@ -12,8 +12,9 @@ from helpers import assert_fp32_close, assert_weights_close, capture_grads
 
 from rollplex.engine import Engine, EngineConfig, SamplingParams
 from rollplex.memory import MemoryConfig, MemoryManager, PhasePlan
-from rollplex.models import load_model
+from rollplex.models import ModelInputs, load_model
 from rollplex.rl.actor import Actor
+from rollplex.rl.batch import RolloutBatch
 from rollplex.rl.config import RLConfig
 from rollplex.rl.pipeline import GroupPipeline, fused_unsupported
 from rollplex.rl.step import RLStep, rollout_requests
@@ -236,6 +237,19 @@ def test_what_fused_cannot_reproduce_runs_phased(tiny_dir, proc):
     assert fused[0]["rollplex/fused"] == 0.0
     for name, w in phased[2].items():
         assert torch.equal(fused[2][name], w)  # the same code ran: bitwise
+
+
+def test_first_epoch_mini_batches_follow_the_finishing_order(tiny_dir):
+    actor = Actor(load_model(tiny_dir), RLConfig(ppo_mini_batches=2, ppo_epochs=2))
+    batch = RolloutBatch.from_samples([ModelInputs([5, 6]) for _ in range(5)], [0, 1, 2, 3, 4], [[7]] * 5, pad_id=0)
+    assert actor._mini_batches(actor.cfg, batch, 0, 0) == [[0, 1, 2], [3, 4]]  # unknown: prompt order
+    batch.finished = [4, 0, 3, 1, 2]  # prompt 1 finished first, then 3, 4, 2, 0
+    assert batch.finish_order() == [1, 3, 4, 2, 0]
+    assert actor._mini_batches(actor.cfg, batch, 0, 0) == [[1, 3, 4], [2, 0]]
+    later = actor._mini_batches(actor.cfg, batch, 1, 0)  # a permutation seeded by (seed, step, epoch)
+    assert later == actor._mini_batches(actor.cfg, batch, 1, 0) and sorted(sum(later, [])) == [0, 1, 2, 3, 4]
+    sub, _ = batch.select_prompts([3, 1])
+    assert sub.finished == [1, 0] and sub.finish_order() == [1, 0]
 
 
 def test_fused_unsupported_names_the_reason():
