@@ -241,6 +241,10 @@ class Colocated:
         trainer's gradients reduced once into its shards; everything resharded (`DataParallel.end_local`)."""
         return actor.dp.end_local(actor.model, self._sharded(ref), flags)
 
+    def abort_fused(self, actor: DataParallelActor, ref: Qwen25VL | None) -> None:
+        """`begin_fused` undone on this rank alone (a failed rollout: no collective)."""
+        actor.dp.abort_local(actor.model, self._sharded(ref))
+
     @staticmethod
     def local_passes() -> LocalPasses:
         """The placement of this rank's fused passes over a sharded model gathered by `begin_fused`."""

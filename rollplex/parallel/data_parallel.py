@@ -328,6 +328,13 @@ class DataParallel:
             fsdp_mod.keep_gathered(trainer, False, self.fsdp)
         return flags
 
+    def abort_local(self, trainer: Qwen25VL, scorers: list[Qwen25VL]) -> None:
+        """What `begin_local` set up, undone on this rank alone (no collective): a failed rollout."""
+        for m in scorers:
+            fsdp_mod.keep_gathered(m, False, self.fsdp)
+        fsdp_mod.drop_unsharded_grads(trainer)
+        fsdp_mod.set_accumulating(trainer, False, self.fsdp)
+
     def _max_over_ranks(self, values: list[int], dtype: torch.dtype = torch.long) -> list[int]:
         """Each value's maximum over the ranks: one all-reduce, and a host sync to read it. A group of one
         has nothing to agree on: no collective and no sync, so the host runs ahead of the device there

@@ -673,6 +673,8 @@ class RLStep:
                     self.engine.hooks.remove(marks)
                     marks.close()
                 if not done:  # a failed rollout: what the chunks accumulated goes with it
+                    if par is not None:
+                        par.abort_fused(self.actor, self.ref if self.uses_reference(cfg) else None)
                     self.actor.discard_groups()
         batch = self.rollout_batch(prompts, outs, **per_prompt)
         with _timer(m, "fused_tail", self.device, tl):
