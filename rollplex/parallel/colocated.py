@@ -25,7 +25,11 @@ Per rank:
 
 Sampling is seeded per prompt and sample (`RLStep.rollout`), and the sampler's noise depends only on
 (seed, step, token) (engine/sampler.py), so a prompt's samples do not depend on which rank, or which
-other prompts, it is generated with: the data-parallel step computes the single-process step.
+other prompts, it is generated with: the data-parallel step computes the single-process step. One
+exception: with several mini-batches the first epoch's are cut from the finishing order (rl/actor.py),
+and over several rollout groups that is the engines' orders interleaved (each engine's k-th group
+before any engine's (k+1)-th, `_finished`), which equals one engine's order only where the groups
+finish alike (the same mini-batches, then).
 
 A frozen vision tower (`freeze_vision_tower`) gets no gradient and no optimizer state in the trainer.
 Its encodings from the engine's prefill are reused where the rank holds them: one tensor-parallel
