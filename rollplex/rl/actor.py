@@ -148,8 +148,9 @@ class Actor:
         actor's); accumulated: the first epoch's first mini-batch, already in the gradients by
         `accumulate_groups` (the fused schedule): it is normalised and applied like the others, and the
         update goes on with the second. Returns (verl-named metrics averaged over updates, the trainer's
-        logprobs of the first pass [N, R] before any update). Under a data-parallel placement every rank calls it with
-        the same arguments and gets the same results.
+        logprobs of the first pass [N, R] before any update). Under a data-parallel placement every rank
+        calls it with the same arguments (but `accumulated`: its own groups' part, gradients already
+        reduced) and gets the same results.
 
         A micro-batch that runs out of device memory drops that mini-batch's gradients and retries it with
         halved micro-batches (kept for later steps); at one prompt (one sequence) per pass it turns on
