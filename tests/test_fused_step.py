@@ -12,8 +12,9 @@ from helpers import assert_fp32_close, assert_weights_close, capture_grads
 
 from rollplex.engine import Engine, EngineConfig, SamplingParams
 from rollplex.memory import MemoryConfig, MemoryManager, PhasePlan
-from rollplex.models import load_model
+from rollplex.models import ModelInputs, load_model
 from rollplex.rl.actor import Actor
+from rollplex.rl.batch import RolloutBatch
 from rollplex.rl.config import RLConfig
 from rollplex.rl.pipeline import GroupPipeline, fused_unsupported
 from rollplex.rl.step import RLStep, rollout_requests
@@ -65,16 +66,18 @@ def tail(monkeypatch):
     monkeypatch.setattr(GroupPipeline, "add", slow_add)
 
 
-def _assert_same_step(fused, phased, step=1):
+def _assert_same_step(fused, phased, step=1, updates=1):
     (m1, g1, w1), (m2, g2, w2) = fused, phased
-    for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy", "critic/score/mean",
-              "critic/rewards/mean", "critic/advantages/mean", "training/rollout_probs_diff_mean"):
+    for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy", "actor/pg_clipfrac",
+              "actor/ppo_kl", "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean",
+              "training/rollout_probs_diff_mean"):
         if k in m2:
             assert_fp32_close(m1[k], m2[k], k, scale=1.0)
     assert set(k for k in m2 if k.startswith(("actor/", "critic/"))) <= set(m1)
-    assert len(g1) == len(g2) == 1
-    for name in g2[0]:
-        assert_fp32_close(g1[0][name], g2[0][name], f"grad {name}")
+    assert len(g1) == len(g2) == updates
+    for a, b in zip(g1, g2):
+        for name in b:
+            assert_fp32_close(a[name], b[name], f"grad {name}")
     for name in w2:
         assert_weights_close(w1[name], w2[name], f"weight {name}")
     assert m1["training/global_step"] == m2["training/global_step"] == step
@@ -99,6 +102,45 @@ def test_fused_equals_phased(tiny_dir, proc, tail, algo):
     _assert_same_step(fused, phased)
     if "kl_ctrl" in algo:  # the adaptive controller moved by the same measured KL
         assert_fp32_close(m["actor/kl_coef"], phased[0]["actor/kl_coef"], "kl_coef")
+
+
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
+def test_fused_several_mini_batches_equals_phased(tiny_dir, proc, tail, monkeypatch):
+    """Two mini-batches, two epochs: the first mini-batch is the groups that finished first (0, 4, 2), trained
+    beside the rollout; the other and the second epoch (a seeded permutation, the same in both schedules)
+    follow its optimizer step as in the phased step, whose first epoch is cut from the same finishing order.
+    (KL as a loss: with the KL in the reward a group of equal scores trains on rounding noise, which the
+    later mini-batches' clipping would amplify.)"""
+    cut = []
+    mini_batches = Actor._mini_batches
+
+    def recording(self, cfg, batch, epoch, step):
+        out = mini_batches(self, cfg, batch, epoch, step)
+        cut.append(out)
+        return out
+
+    monkeypatch.setattr(Actor, "_mini_batches", recording)
+    cfg = dict(ppo_mini_batches=2, ppo_epochs=2)
+    phased = _run(_step(tiny_dir, proc, **cfg))
+    assert cut[0] == [[0, 4, 2], [5, 1, 3]]  # the finishing order, not prompt order
+    fused = _run(_step(tiny_dir, proc, schedule="fused", **cfg))
+    m = fused[0]
+    assert m["rollplex/fused"] == 1.0 and m["rollplex/fused_groups"] == 6
+    assert 2 <= m["rollplex/fused_groups_in_rollout"] <= 3  # only the first mini-batch's groups are trained
+    _assert_same_step(fused, phased, updates=4)
+
+
+def test_fused_data_parallel_equals_phased(tmp_path, tiny_dir):
+    """Two ranks (gloo), each rolling out and training its share of the groups at its own pace: rank 0's
+    finish 0, 4, 2 and rank 1's 5, 1, 3, so the whole rollout's order interleaves them as 0, 5, 4, 1, 2, 3
+    and the first of two mini-batches is two of rank 0's groups and one of rank 1's. The gradients are
+    reduced once after the rollout; normalisers, metrics and updated weights are the phased step's."""
+    import torch.multiprocessing as mp
+    from fused_dp_worker import worker
+
+    # three samples: each group of the first mini-batch then has unequal rewards (non-zero advantages)
+    cfg = RLConfig(n=3, max_new_tokens=12, lr=1e-4, kl_coef=0.05, micro_batch_prompts=1, ppo_mini_batches=2)
+    mp.spawn(worker, args=(2, f"file://{tmp_path}/store", tiny_dir, ROWS, LENGTHS, cfg), nprocs=2, join=True)
 
 
 @pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
@@ -189,7 +231,7 @@ def test_failed_rollout_drops_the_fused_chunks(tiny_dir, proc, tail, monkeypatch
 
 @pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
 def test_what_fused_cannot_reproduce_runs_phased(tiny_dir, proc):
-    cfg = dict(ppo_mini_batches=2)
+    cfg = dict(adv_estimator="reinforce_plus_plus")
     phased = _run(_step(tiny_dir, proc, **cfg))
     fused = _run(_step(tiny_dir, proc, schedule="fused", **cfg))
     assert fused[0]["rollplex/fused"] == 0.0
@@ -197,9 +239,22 @@ def test_what_fused_cannot_reproduce_runs_phased(tiny_dir, proc):
         assert torch.equal(fused[2][name], w)  # the same code ran: bitwise
 
 
+def test_first_epoch_mini_batches_follow_the_finishing_order(tiny_dir):
+    actor = Actor(load_model(tiny_dir), RLConfig(ppo_mini_batches=2, ppo_epochs=2))
+    batch = RolloutBatch.from_samples([ModelInputs([5, 6]) for _ in range(5)], [0, 1, 2, 3, 4], [[7]] * 5, pad_id=0)
+    assert actor._mini_batches(actor.cfg, batch, 0, 0) == [[0, 1, 2], [3, 4]]  # unknown: prompt order
+    batch.finished = [4, 0, 3, 1, 2]  # prompt 1 finished first, then 3, 4, 2, 0
+    assert batch.finish_order() == [1, 3, 4, 2, 0]
+    assert actor._mini_batches(actor.cfg, batch, 0, 0) == [[1, 3, 4], [2, 0]]
+    later = actor._mini_batches(actor.cfg, batch, 1, 0)  # a permutation seeded by (seed, step, epoch)
+    assert later == actor._mini_batches(actor.cfg, batch, 1, 0) and sorted(sum(later, [])) == [0, 1, 2, 3, 4]
+    sub, _ = batch.select_prompts([3, 1])
+    assert sub.finished == [1, 0] and sub.finish_order() == [1, 0]
+
+
 def test_fused_unsupported_names_the_reason():
     assert fused_unsupported(RLConfig()) is None
-    assert "several updates" in fused_unsupported(RLConfig(ppo_epochs=2))
+    assert fused_unsupported(RLConfig(ppo_mini_batches=2, ppo_epochs=2)) is None
     assert "whitens" in fused_unsupported(RLConfig(adv_estimator="reinforce_plus_plus"))
     assert "gspo" in fused_unsupported(RLConfig(policy_loss="gspo", kl_coef=0.1))
     assert fused_unsupported(RLConfig(policy_loss="gspo", kl_coef=0.1, use_kl_loss=False)) is None

@@ -395,7 +395,8 @@ class Engine:
                  use_tqdm: bool = False, keep_vision: bool = False, on_output=None) -> list[RequestOutput]:
         """Run prompts to completion; outputs in prompt order (keep_vision: see add_request).
         on_output(i, output): called from this loop as prompt i's request (all its n samples) finishes,
-        in finishing order, before the next engine step: a consumer can start on a group at once."""
+        in finishing order, before the next engine step: a consumer can start on a group at once.
+        Each output's meta["finish_index"] is its place in that order (0: the first to finish)."""
         if isinstance(params, SamplingParams) or params is None:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -417,6 +418,7 @@ class Engine:
         index = {rid: i for i, rid in enumerate(ids)}
         while len(outputs) < len(ids):
             for out in self.step():
+                out.meta["finish_index"] = len(outputs)
                 outputs[out.request_id] = out
                 if on_output is not None:
                     on_output(index[out.request_id], out)

@@ -25,7 +25,11 @@ Per rank:
 
 Sampling is seeded per prompt and sample (`RLStep.rollout`), and the sampler's noise depends only on
 (seed, step, token) (engine/sampler.py), so a prompt's samples do not depend on which rank, or which
-other prompts, it is generated with: the data-parallel step computes the single-process step.
+other prompts, it is generated with: the data-parallel step computes the single-process step. One
+exception: with several mini-batches the first epoch's are cut from the finishing order (rl/actor.py),
+and over several rollout groups that is the engines' orders interleaved (each engine's k-th group
+before any engine's (k+1)-th, `_finished`), which equals one engine's order only where the groups
+finish alike (the same mini-batches, then).
 
 A frozen vision tower (`freeze_vision_tower`) gets no gradient and no optimizer state in the trainer.
 Its encodings from the engine's prefill are reused where the rank holds them: one tensor-parallel
@@ -63,7 +67,7 @@ from ..engine import Engine
 from ..models import Qwen25VL
 from ..rl.config import RLConfig
 from ..rl.rollout import NativeRollout
-from .data_parallel import DataParallelActor, check_passes
+from .data_parallel import DataParallelActor, LocalPasses, check_passes
 from .fsdp import FSDPConfig, apply_fsdp, full_tensor, local_tensor
 from .lockstep import ShardGather
 from .rollout_groups import rollout_slots
@@ -188,20 +192,78 @@ class Colocated:
         dist.all_reduce(out, group=self.group)
         return out.cpu()
 
-    def generate(self, prompts: list, params: list, keep_vision: bool = False) -> list:
-        """The engine's outputs for every prompt, on every rank (see the module docstring)."""
+    def generate(self, prompts: list, params: list, keep_vision: bool = False, on_output=None) -> list:
+        """The engine's outputs for every prompt, on every rank (see the module docstring). on_output(i,
+        output): called as each prompt i of this rank's engine finishes (the engine's `on_output`)."""
         if self.groups == 1:  # one engine: every rank generated every prompt
-            return self.engine.generate(prompts, params, keep_vision=keep_vision)
+            return self.engine.generate(prompts, params, keep_vision=keep_vision, on_output=on_output)
         share = self.group_prompts(len(prompts))
+        report = None if on_output is None else (lambda i, out: on_output(share[i], out))
         outs = self.engine.generate([prompts[i] for i in share], [params[i] for i in share],
-                                    keep_vision=keep_vision) if share else []
-        # the ranks of a tensor-parallel group hold the same outputs: its first rank contributes them
-        mine = ([(i, dataclasses.replace(o, vision_embeds=None)) for i, o in zip(share, outs)]
-                if self.tp_rank == 0 else [])
+                                    keep_vision=keep_vision, on_output=report) if share else []
+        # the ranks of a tensor-parallel group hold the same outputs: its first rank contributes them. The
+        # groups' finishing orders interleave: each group's k-th group finished before any group's (k+1)-th
+        mine = ([(i, dataclasses.replace(o, vision_embeds=None, meta=self._finished(o.meta)))
+                 for i, o in zip(share, outs)] if self.tp_rank == 0 else [])
         every: list = [None] * self.world
         dist.all_gather_object(every, mine, group=self.group)
         got = dict(x for part in every for x in part)
         return [got[i] for i in range(len(prompts))]
+
+    def _finished(self, meta: dict) -> dict:
+        """`meta` with its engine's finish_index made the whole rollout's: (k-th of its group) x groups + group."""
+        if meta.get("finish_index") is None:
+            return dict(meta)
+        return {**meta, "finish_index": meta["finish_index"] * self.groups + self.rollout_group}
+
+    # ---- the fused schedule (rl/pipeline.py) ----------------------------------------------------------
+    def fused_unsupported(self) -> str | None:
+        """Why this group cannot run a fused step (None: it can): each rank's pipeline needs its own engine
+        and passes that run no collective (`DataParallel.begin_local`)."""
+        from .fsdp import can_call_directly
+
+        if self.rollout != "data":
+            return "a tensor-parallel rollout decodes every group on several ranks: fused needs a per-rank engine"
+        if not can_call_directly(self.fsdp):
+            return "fused data-parallel passes run past FSDP2's hooks, which a mixed-precision policy needs"
+        return None
+
+    def fused_share(self, num_prompts: int, first: int) -> tuple[list[int], int]:
+        """(the prompts this rank's engine generates, how many of them are among the `first` groups of the
+        whole rollout to finish): the finishing order interleaves the engines' (`_finished`), so this is
+        known before any group finishes."""
+        keys = sorted(k * self.groups + g for g in range(self.groups)
+                      for k in range(len(range(g, num_prompts, self.groups))))
+        cut = keys[first - 1] if first else -1
+        share = self.group_prompts(num_prompts)
+        return share, sum(k * self.groups + self.rollout_group <= cut for k in range(len(share)))
+
+    def begin_fused(self, actor: DataParallelActor, ref: Qwen25VL | None) -> None:
+        """The trainer and a sharded reference gathered on every rank for its local passes (a collective)."""
+        actor.dp.begin_local(actor.model, self._sharded(ref))
+
+    def end_fused(self, actor: DataParallelActor, ref: Qwen25VL | None, flags: list[int]) -> list[int]:
+        """After every rank's fused stages: `flags` agreed over the ranks and, unless one is set, the
+        trainer's gradients reduced once into its shards; everything resharded (`DataParallel.end_local`)."""
+        return actor.dp.end_local(actor.model, self._sharded(ref), flags)
+
+    def abort_fused(self, actor: DataParallelActor, ref: Qwen25VL | None) -> None:
+        """`begin_fused` undone on this rank alone (a failed rollout: no collective)."""
+        actor.dp.abort_local(actor.model, self._sharded(ref))
+
+    @staticmethod
+    def local_passes() -> LocalPasses:
+        """The placement of this rank's fused passes over a sharded model gathered by `begin_fused`."""
+        return LocalPasses()
+
+    def _sharded(self, ref: Qwen25VL | None) -> list[Qwen25VL]:
+        return [ref] if ref is not None and self.fsdp.shard_reference else []
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's `obj` (picklable, on the host), in rank order."""
+        every: list = [None] * self.world
+        dist.all_gather_object(every, obj, group=self.group)
+        return every
 
     # ---- weights ------------------------------------------------------------------------------
     @property

@@ -33,6 +33,13 @@ Where gradients are reduced after every pass, an OOM inside a pass cannot be ret
 one rank (the others wait in the pass's collectives): the update raises TrainOOM on that rank. With
 one rank it is always retried as on one process.
 
+The fused schedule (rl/pipeline.py) trains each rank's own groups as its engine finishes them, at
+that rank's pace: `begin_local` gathers every unit of the trainer (and of a sharded reference) on
+every rank before the rollout, the stages' passes then run past FSDP2's hooks (`LocalPasses`,
+`direct_call`) with no collective, and `end_local` reduces the gradients once after the last group —
+the reduce a mini-batch reduced once ends with — in one all-reduce that also agrees whether a rank's
+stage failed.
+
 The optimizer is `rl.optimizer.MasterAdamW` over the DTensor shards (stepped through their local
 tensors, so the memory regions and optimizer offload work per rank), with gradient clipping on the
 global norm and the actor's LR schedule.
@@ -290,6 +297,44 @@ class DataParallel:
         fsdp_mod.keep_gathered(model, False, self.fsdp)  # each unit back to its own resharding, freed
         self._open = False
 
+    # ---- the fused schedule: each rank's own groups at its own pace (rl/pipeline.py) ---------------------
+    def begin_local(self, trainer: Qwen25VL, scorers: list[Qwen25VL]) -> None:
+        """Every unit of the trainer and of the sharded `scorers` (the reference) gathered and kept so, the
+        trainer's gradients accumulated unsharded: a collective at the same point on every rank, after
+        which passes over this rank's groups alone (`LocalPasses`) run none until `end_local`."""
+        fsdp_mod.set_accumulating(trainer, True, self.fsdp)
+        fsdp_mod.gather_all(trainer)
+        for m in scorers:
+            fsdp_mod.keep_gathered(m, True, self.fsdp)
+            fsdp_mod.gather_all(m)
+
+    def end_local(self, trainer: Qwen25VL, scorers: list[Qwen25VL], flags: list[int]) -> list[int]:
+        """After every rank's local passes: one all-reduce agrees `flags` (their maximum over the ranks:
+        a fused stage failed somewhere) and which trainer gradients exist on some rank. Unless a flag is
+        set, the gradients are reduce-scattered into the shards (summed over the ranks, as one
+        mini-batch's reduce: `end_passes`); otherwise they are dropped. Every unit is resharded and freed.
+        Returns the flags agreed."""
+        for m in scorers:
+            fsdp_mod.keep_gathered(m, False, self.fsdp)
+        present = [int(g is not None) for g in fsdp_mod.gathered_grads(trainer)]
+        agreed = self._max_over_ranks([*flags, *present], torch.uint8)
+        flags, present = agreed[: len(flags)], agreed[len(flags):]
+        if any(flags):
+            fsdp_mod.drop_unsharded_grads(trainer)
+            fsdp_mod.set_accumulating(trainer, False, self.fsdp)
+        else:
+            fsdp_mod.reduce_gathered(trainer, [bool(x) for x in present], self.group)
+            fsdp_mod.set_accumulating(trainer, False, self.fsdp)
+            fsdp_mod.keep_gathered(trainer, False, self.fsdp)
+        return flags
+
+    def abort_local(self, trainer: Qwen25VL, scorers: list[Qwen25VL]) -> None:
+        """What `begin_local` set up, undone on this rank alone (no collective): a failed rollout."""
+        for m in scorers:
+            fsdp_mod.keep_gathered(m, False, self.fsdp)
+        fsdp_mod.drop_unsharded_grads(trainer)
+        fsdp_mod.set_accumulating(trainer, False, self.fsdp)
+
     def _max_over_ranks(self, values: list[int], dtype: torch.dtype = torch.long) -> list[int]:
         """Each value's maximum over the ranks: one all-reduce, and a host sync to read it. A group of one
         has nothing to agree on: no collective and no sync, so the host runs ahead of the device there
@@ -352,6 +397,44 @@ class DataParallel:
 
     def recoverable_oom(self) -> bool:
         return self.world == 1
+
+
+class LocalPasses:
+    """The placement of one rank's fused stages (between `DataParallel.begin_local` and `end_local`): this
+    rank's groups alone, in the micro-batches one process plans, through the gathered units past FSDP2's
+    hooks (`direct_call`). No collective: each rank goes at its own rollout's pace."""
+
+    world = 1
+
+    def share(self, batch: RolloutBatch, mode: str) -> tuple[RolloutBatch, torch.Tensor]:
+        return batch, torch.arange(batch.num_samples)
+
+    def passes(self, local: RolloutBatch, mode: str, plan: MicroBatching, prefix: bool = False):
+        return micro_batches(local, mode, plan)
+
+    def run(self, model: Qwen25VL, fn, *args):
+        return fsdp_mod.direct_call(model, fn, *args)
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def clip_grad_norm_(self, params, max_norm: float) -> torch.Tensor:
+        raise AssertionError("the fused stages accumulate; the data-parallel placement clips")
+
+    def checkpointing(self, model: Qwen25VL) -> tuple[bool, bool]:
+        return fsdp_mod.checkpointing(model)
+
+    def set_checkpointing(self, model: Qwen25VL, decoder: bool, vision: bool) -> None:
+        fsdp_mod.set_checkpointing(model, decoder, vision)
+
+    def defer_oom(self) -> bool:
+        return False
+
+    def end_passes(self, model: Qwen25VL, forward) -> None:
+        pass
+
+    def recoverable_oom(self) -> bool:
+        return True
 
 
 def dp_score(model: Qwen25VL, dp: DataParallel, batch: RolloutBatch, mode: str, plan: MicroBatching,

@@ -1,7 +1,12 @@
 """The actor update: PPO/GRPO loss over micro-batches, AdamW, grad clipping, LR schedule.
 
 One rollout is split into `ppo_mini_batches` mini-batches of whole prompt groups (each one
-optimizer step) for `ppo_epochs` epochs. Inside a mini-batch, micro-batches are what one
+optimizer step) for `ppo_epochs` epochs. The first epoch cuts the order in which the groups finished
+decoding (`RolloutBatch.finish_order`; prompt order where the backend does not report it) into
+consecutive runs, so its first mini-batch holds the groups that finished first — what the fused
+schedule trains beside the rollout's tail (rl/pipeline.py); later epochs deal a permutation seeded by
+(seed, step, epoch). Mini-batch sizes differ by one at most, the first ones larger (the first epoch
+was once dealt from a seeded permutation too). Inside a mini-batch, micro-batches are what one
 forward/backward holds: in `rollplex` mode a few prompts with all their samples, so each prompt's
 prefix graph (vision tower + prompt) is built and backpropagated once for its n responses; in
 `serial` mode a few full sequences. Losses are normalised by the mini-batch's token/sequence count,
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -63,6 +69,21 @@ def lr_lambda(cfg: RLConfig):
     return f
 
 
+@dataclass
+class Accumulated:
+    """The first mini-batch of an update, accumulated by `accumulate_groups` beside the rollout: its
+    unnormalised metrics (METRICS order), the sample rows this process trained, their logprobs [n, R]."""
+    metrics: torch.Tensor
+    rows: torch.Tensor
+    logprobs: torch.Tensor
+
+
+def mini_batch_sizes(num_prompts: int, k: int) -> list[int]:
+    """Prompts in each of the (at most) k mini-batches of a rollout of num_prompts: sizes that differ by
+    one at most, the first ones larger."""
+    return [n for n in (len(range(i, num_prompts, k)) for i in range(k)) if n]
+
+
 METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl",
            "actor/pg_clipfrac_lower")
 
@@ -87,11 +108,15 @@ class Actor:
         self.score_backoff = Backoff()  # the same for no-grad scoring (reference and old logprobs)
 
     def _mini_batches(self, cfg: RLConfig, batch: RolloutBatch, epoch: int, step: int) -> list[list[int]]:
-        order = list(range(batch.num_prompts))
-        if cfg.ppo_mini_batches > 1 or cfg.ppo_epochs > 1:
-            g = torch.Generator().manual_seed(cfg.seed * 1000003 + step * 1009 + epoch)
-            order = torch.randperm(batch.num_prompts, generator=g).tolist()
+        """The prompts of each mini-batch of `epoch` (see the module docstring)."""
         k = cfg.ppo_mini_batches
+        if epoch == 0:
+            order, out = batch.finish_order(), []
+            for n in mini_batch_sizes(batch.num_prompts, k):
+                out.append(order[sum(map(len, out)):][:n])
+            return out
+        g = torch.Generator().manual_seed(cfg.seed * 1000003 + step * 1009 + epoch)
+        order = torch.randperm(batch.num_prompts, generator=g).tolist()
         return [order[i::k] for i in range(k) if order[i::k]]
 
     def _set_lr(self, cfg: RLConfig) -> float:
@@ -117,11 +142,15 @@ class Actor:
 
     def update(self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None,
                old_all: torch.Tensor | None = None, step: int = 0,
-               cfg: RLConfig | None = None, nonfinite: str = "skip") -> tuple[dict, torch.Tensor]:
+               cfg: RLConfig | None = None, nonfinite: str = "skip",
+               accumulated: Accumulated | None = None) -> tuple[dict, torch.Tensor]:
         """advantages [N] or [N, R]; ref/old logprobs [N, R] or None; cfg: this step's config (default: the
-        actor's). Returns (verl-named metrics averaged over updates, the trainer's logprobs of the
-        first pass [N, R] before any update). Under a data-parallel placement every rank calls it with
-        the same arguments and gets the same results.
+        actor's); accumulated: the first epoch's first mini-batch, already in the gradients by
+        `accumulate_groups` (the fused schedule): it is normalised and applied like the others, and the
+        update goes on with the second. Returns (verl-named metrics averaged over updates, the trainer's
+        logprobs of the first pass [N, R] before any update). Under a data-parallel placement every rank
+        calls it with the same arguments (but `accumulated`: its own groups' part, gradients already
+        reduced) and gets the same results.
 
         A micro-batch that runs out of device memory drops that mini-batch's gradients and retries it with
         halved micro-batches (kept for later steps); at one prompt (one sequence) per pass it turns on
@@ -150,37 +179,15 @@ class Actor:
             for epoch in range(cfg.ppo_epochs):
                 for prompt_ids in self._mini_batches(cfg, batch, epoch, step):
                     mini, mini_idx = batch.select_prompts(sorted(prompt_ids))
-                    while True:
-                        kept = len(first_parts)
-                        try:
-                            acc = self._accumulate(cfg, mini, mini_idx, advantages, ref_logprobs, old_all,
-                                                   first_parts if epoch == 0 else None, batch.rollout_logprobs)
-                            break
-                        except Exception as e:  # noqa: BLE001 - only OOM is retried
-                            if not _is_oom(e):
-                                raise
-                            self._recover()
-                            del first_parts[kept:]
-                            if not (isinstance(e, CollectiveOOM) or pl.recoverable_oom()):
-                                raise TrainOOM(
-                                    "the actor update ran out of device memory inside a data-parallel pass (the "
-                                    "other ranks wait in its collectives, so it cannot be retried); lower "
-                                    "micro_batch_prompts / micro_batch_max_tokens or turn on "
-                                    "gradient_checkpointing", updates) from e
-                            smaller = _halve(self._plan(cfg), cfg.mode)
-                            if smaller is None and pl.checkpointing(model) != (True, True):
-                                # last rung: recompute activations in backward instead of keeping them
-                                log.warning("actor update out of memory at the smallest micro-batch: turning on "
-                                            "activation checkpointing for the rest of the run")
-                                pl.set_checkpointing(model, True, True)
-                                continue
-                            if smaller is None:
-                                raise TrainOOM(
-                                    "the actor update ran out of device memory at one "
-                                    f"{'prompt' if cfg.mode == 'rollplex' else 'sequence'} per micro-batch; lower "
-                                    "n or max_new_tokens, turn on gradient_checkpointing, or offload the optimizer "
-                                    "(optimizer_offload) or the reference model", updates) from e
-                            self._backoff = smaller
+                    if accumulated is not None and done == 0:
+                        acc = self._normalise_groups(cfg, accumulated.metrics, mini.mask)
+                        assert set(accumulated.rows.tolist()) <= set(mini_idx.tolist()), \
+                            "the groups accumulated are the first mini-batch's"
+                        first_parts.append((accumulated.rows, accumulated.logprobs))
+                    else:
+                        acc = self._accumulate_retrying(cfg, mini, mini_idx, advantages, ref_logprobs, old_all,
+                                                        first_parts if epoch == 0 else None, batch.rollout_logprobs,
+                                                        updates)
                     stats, applied = self._step_minibatch(cfg, acc, f"mini-batch {done + 1} of {total}", updates,
                                                           nonfinite)
                     updates, skipped = updates + applied, skipped + (not applied)
@@ -201,6 +208,44 @@ class Actor:
         if skipped:
             out["actor/skipped_updates"] = float(skipped)
         return out, first_logp
+
+    def _accumulate_retrying(self, cfg: RLConfig, mini: RolloutBatch, mini_idx: torch.Tensor,
+                             advantages: torch.Tensor, ref_logprobs: torch.Tensor | None,
+                             old_all: torch.Tensor | None, first_parts: list | None,
+                             rollout_all: torch.Tensor | None, updates: int) -> torch.Tensor:
+        """`_accumulate` of one mini-batch, retried down the OOM ladder (see `update`)."""
+        model, pl = self.model, self.placement
+        while True:
+            kept = len(first_parts) if first_parts is not None else 0
+            try:
+                return self._accumulate(cfg, mini, mini_idx, advantages, ref_logprobs, old_all, first_parts,
+                                        rollout_all)
+            except Exception as e:  # noqa: BLE001 - only OOM is retried
+                if not _is_oom(e):
+                    raise
+                self._recover()
+                if first_parts is not None:
+                    del first_parts[kept:]
+                if not (isinstance(e, CollectiveOOM) or pl.recoverable_oom()):
+                    raise TrainOOM(
+                        "the actor update ran out of device memory inside a data-parallel pass (the "
+                        "other ranks wait in its collectives, so it cannot be retried); lower "
+                        "micro_batch_prompts / micro_batch_max_tokens or turn on "
+                        "gradient_checkpointing", updates) from e
+                smaller = _halve(self._plan(cfg), cfg.mode)
+                if smaller is None and pl.checkpointing(model) != (True, True):
+                    # last rung: recompute activations in backward instead of keeping them
+                    log.warning("actor update out of memory at the smallest micro-batch: turning on "
+                                "activation checkpointing for the rest of the run")
+                    pl.set_checkpointing(model, True, True)
+                    continue
+                if smaller is None:
+                    raise TrainOOM(
+                        "the actor update ran out of device memory at one "
+                        f"{'prompt' if cfg.mode == 'rollplex' else 'sequence'} per micro-batch; lower "
+                        "n or max_new_tokens, turn on gradient_checkpointing, or offload the optimizer "
+                        "(optimizer_offload) or the reference model", updates) from e
+                self._backoff = smaller
 
     def _step_minibatch(self, cfg: RLConfig, acc: torch.Tensor, where: str, updates: int,
                         nonfinite: str) -> tuple[dict, bool]:
@@ -232,14 +277,17 @@ class Actor:
         self.optimizer.zero_grad()
 
     def accumulate_groups(self, cfg: RLConfig, chunk: RolloutBatch, advantages: torch.Tensor,
-                          ref_logprobs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward/backward of some finished groups (`chunk`, with its own [n] / [n, R] advantages and
-        reference logprobs) into the gradients, every loss term *unnormalised* (a unit denominator): the
-        whole batch's normalisers are known only when its last group is done (`apply_groups` divides).
+                          ref_logprobs: torch.Tensor | None, old_logprobs: torch.Tensor | None = None,
+                          placement: Placement | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward/backward of some finished groups (`chunk`, with its own [n] / [n, R] advantages,
+        reference and, with several updates, old logprobs) into the gradients, every loss term
+        *unnormalised* (a unit denominator): the mini-batch's normalisers are known only when its last
+        group is done (`apply_groups` or `update(accumulated=...)` divides). placement: where its passes
+        run (default: the actor's; a data-parallel rank's fused stages pass its local one).
         Returns (its unnormalised metrics in METRICS order, its logprobs [n, R] on the device)."""
         first: list = []
-        acc = self._accumulate(cfg, chunk, torch.arange(chunk.num_samples), advantages, ref_logprobs, None, first,
-                               chunk.rollout_logprobs, norms=(1.0, 1.0, 1.0), zero=False)
+        acc = self._accumulate(cfg, chunk, torch.arange(chunk.num_samples), advantages, ref_logprobs, old_logprobs,
+                               first, chunk.rollout_logprobs, norms=(1.0, 1.0, 1.0), zero=False, placement=placement)
         logp = torch.zeros(chunk.responses.shape, device=acc.device)
         for gidx, lp in first:
             logp[to_device(gidx, acc.device), : lp.shape[1]] = lp
@@ -248,15 +296,9 @@ class Actor:
     def apply_groups(self, cfg: RLConfig, acc: torch.Tensor, mask: torch.Tensor, nonfinite: str = "skip") -> dict:
         """The optimizer step of a batch accumulated by `accumulate_groups` (mask: the whole batch's [N, R]):
         gradients and metrics divided by the normalisers the phased update uses, then clipped and applied
-        as `update` applies one mini-batch (metrics, NonFiniteUpdate, TrainOOM and the LR schedule alike)."""
-        denom, pg_denom, n_tok = self._norms(cfg, mask)
-        scale = 1.0 / max(pg_denom if fused_loss_norm(cfg) == "pg" else denom, 1.0)
-        with torch.no_grad():
-            for p in self.optimizer.touched_params():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        acc = acc * torch.tensor([1 / max(pg_denom, 1.0), 1 / max(denom, 1.0), 1 / max(denom, 1.0), 1 / n_tok,
-                                  1 / n_tok, 1 / n_tok], device=acc.device)
+        as `update` applies one mini-batch (metrics, NonFiniteUpdate, TrainOOM and the LR schedule alike).
+        With several updates per rollout, `update(accumulated=...)` applies it instead."""
+        acc = self._normalise_groups(cfg, acc, mask)
         try:
             stats, applied = self._step_minibatch(cfg, acc, "the batch", 0, nonfinite)
         except BaseException as e:
@@ -266,6 +308,19 @@ class Actor:
         if not applied:
             stats["actor/skipped_updates"] = 1.0
         return stats
+
+    def _normalise_groups(self, cfg: RLConfig, acc: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Divide the gradients `accumulate_groups` left by the normaliser of the mini-batch whose response
+        mask is `mask` (what the phased update divides each loss term by); returns the metrics `acc`
+        divided alike."""
+        denom, pg_denom, n_tok = self._norms(cfg, mask)
+        scale = 1.0 / max(pg_denom if fused_loss_norm(cfg) == "pg" else denom, 1.0)
+        with torch.no_grad():
+            for p in self.optimizer.touched_params():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return acc * torch.tensor([1 / max(pg_denom, 1.0), 1 / max(denom, 1.0), 1 / max(denom, 1.0), 1 / n_tok,
+                                   1 / n_tok, 1 / n_tok], device=acc.device)
 
     def _end_update(self, applied: int, error: BaseException | None = None) -> None:
         """After an update's optimizer steps (`applied` of them, or a failure `error`): a step that changed
@@ -333,7 +388,8 @@ class Actor:
     def _accumulate(self, cfg: RLConfig, mini: RolloutBatch, mini_idx: torch.Tensor, advantages: torch.Tensor,
                     ref_logprobs: torch.Tensor | None, old_all: torch.Tensor | None,
                     first_parts: list | None, rollout_all: torch.Tensor | None = None,
-                    norms: tuple[float, float, float] | None = None, zero: bool = True) -> torch.Tensor:
+                    norms: tuple[float, float, float] | None = None, zero: bool = True,
+                    placement: Placement | None = None) -> torch.Tensor:
         """Forward/backward of this process's share of one mini-batch's micro-batches into zeroed
         gradients; returns its part of the metrics in METRICS order (a device tensor: an .item() per
         micro-batch would make the host wait for the GPU each time and lose the run-ahead that hides
@@ -345,8 +401,9 @@ class Actor:
         masked-out dummies: zero advantages and reference logprobs, zero mask.
 
         norms: (loss, policy-loss, token) normalisers to use instead of the mini-batch's (`accumulate_groups`
-        passes ones); zero: start from zeroed gradients (False: add to what is there)."""
-        model, plan, pl = self.model, self._plan(cfg), self.placement
+        passes ones); zero: start from zeroed gradients (False: add to what is there); placement: instead of
+        the actor's."""
+        model, plan, pl = self.model, self._plan(cfg), placement or self.placement
         denom, pg_denom, n_tok = norms or self._norms(cfg, mini.mask)
         # verl aggregates GSPO's loss per sequence whatever the mode
         pg_mode = "seq-mean-token-mean" if cfg.policy_loss == "gspo" else cfg.loss_agg_mode

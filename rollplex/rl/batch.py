@@ -1,4 +1,9 @@
-"""The rollout batch the RL step works on: B prompts, N = sum of samples, responses padded to R."""
+"""The rollout batch the RL step works on: B prompts, N = sum of samples, responses padded to R.
+
+`finished` orders the prompts by when their groups finished decoding (the native engine reports it,
+rl/rollout.py): the actor cuts the first epoch's mini-batches from that order (rl/actor.py), so the
+fused schedule can train the first mini-batch while the rest still decodes (rl/pipeline.py). None
+(a backend that does not report it, rollouts given to `train`, batches concatenated): prompt order."""
 
 from __future__ import annotations
 
@@ -20,6 +25,8 @@ class RolloutBatch:
     extras: dict = field(default_factory=dict)  # per-sample lists (texts, finish reasons, ...)
     # prefix states made during the rollout, by consumer ("ref", "old"): cosched.PrefixRows, one row per prompt
     prefix: dict = field(default_factory=dict)
+    # [B] each prompt's place in the order the groups finished (sortable keys; None: unknown)
+    finished: list[int] | None = None
 
     @property
     def num_samples(self) -> int:
@@ -58,11 +65,14 @@ class RolloutBatch:
         group = [i for i, o in enumerate(outputs) for _ in o.samples]
         per_sample = lambda xs: [xs[g] for g in group] if xs is not None else [None] * len(group)  # noqa: E731
         samples = [s for o in outputs for s in o.samples]
-        return cls.from_samples(
+        done = [getattr(o, "meta", {}).get("finish_index") for o in outputs]
+        batch = cls.from_samples(
             prompts, group, [s.token_ids for s in samples], pad_id, logprobs=[s.logprobs for s in samples],
             texts=[s.text or "" for s in samples], finish_reasons=[s.finish_reason for s in samples],
             data_sources=per_sample(data_sources), ground_truths=per_sample(ground_truths),
             extra_infos=per_sample(extra_infos))
+        batch.finished = done if all(d is not None for d in done) else None
+        return batch
 
     @classmethod
     def concat(cls, batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
@@ -90,6 +100,12 @@ class RolloutBatch:
         R = self.responses.shape[1]
         return ((self.mask > 0) * torch.arange(1, R + 1)).amax(-1).clamp_min(1).tolist()
 
+    def finish_order(self) -> list[int]:
+        """The prompts in the order their groups finished (prompt order where that is unknown)."""
+        if self.finished is None:
+            return list(range(self.num_prompts))
+        return sorted(range(self.num_prompts), key=lambda i: (self.finished[i], i))
+
     def select_prompts(self, prompt_ids: list[int]) -> tuple[RolloutBatch, torch.Tensor]:
         """All samples of the given prompts (group re-indexed); also returns the sample indices."""
         remap = {p: i for i, p in enumerate(prompt_ids)}
@@ -97,6 +113,7 @@ class RolloutBatch:
         out = self._take(idx, [self.prompts[p] for p in prompt_ids],
                          torch.tensor([remap[g] for g in self.group[idx].tolist()], dtype=torch.long))
         out.prefix = {k: rows.select(prompt_ids) for k, rows in self.prefix.items()}
+        out.finished = None if self.finished is None else [self.finished[p] for p in prompt_ids]
         return out, idx
 
     def select_samples(self, idx: torch.Tensor) -> RolloutBatch:

@@ -85,7 +85,10 @@ class RLConfig:
     lr_schedule_unit: str = "step"
     total_steps: int = 1000  # for the cosine schedule
     ppo_epochs: int = 1
-    ppo_mini_batches: int = 1  # mini-batches per rollout (each is one optimizer step)
+    # mini-batches per rollout (each is one optimizer step). The first epoch's are consecutive runs of the order
+    # the groups finished decoding in (prompt order where the backend does not report it), so the first holds
+    # the groups that finished first; later epochs deal a seeded permutation (rl/actor.py)
+    ppo_mini_batches: int = 1
     # micro-batches (`micro_batching`, microbatch.py): what one forward/backward of scoring or the update holds
     micro_batch_prompts: int = 4  # prompts per forward/backward (all their samples together)
     micro_batch_samples: int = 8  # serial mode: sequences per forward/backward
@@ -117,7 +120,9 @@ class RLConfig:
     # how a whole step (`RLStep.step`) runs its stages (rl/pipeline.py): "phased" rolls out, then scores and
     # trains the batch; "fused" feeds each prompt group, as its samples finish, through the reward, the
     # reference, the advantages and the actor's forward/backward while the rest of the rollout decodes, and
-    # steps the optimizer once after the last group (same result up to summation order)
+    # steps the optimizer once after the last group (same result up to summation order). With several
+    # mini-batches only the first one's groups train beside the rollout; the others follow its optimizer
+    # step as phased. Data-parallel: each rank's pipeline takes its own engine's groups
     schedule: str = "phased"
     # fused: start consuming groups when at most this fraction of them is still decoding (1.0: at once)
     fuse_below: float = 1.0

@@ -5,7 +5,9 @@
                                              which RolloutBatch.from_outputs reads)
     reports_groups                           True when generate also takes `on_output(i, output)` and
                                              calls it as each prompt's group finishes (the native engine,
-                                             from its decode loop): what the fused schedule consumes
+                                             from its decode loop): what the fused schedule consumes;
+                                             its outputs' meta["finish_index"] then give the finishing
+                                             order (RolloutBatch.finished: the first mini-batch)
     attach(model, memory)                    the policy the rollouts sample from and the step's memory
                                              manager (its plan and ledger); called once by RLStep
     enter_phase(phase)                       rollout / ref / update: release or resume the backend's own

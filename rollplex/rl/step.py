@@ -40,6 +40,11 @@ where the sharing plan allows, so an update writes those in place and only the r
 it. With a tensor-parallel engine `RLStep.model` is this rank's shard of the policy (the engine's
 model): the step keeps no reference to the whole `model` it was built from, and `policy_state()`
 gathers the whole weights. Data-parallel runs need the native backend.
+
+`cfg.schedule` orders the whole step (`run`): "phased" rolls out, then scores and trains; "fused"
+(rl/pipeline.py) trains the first mini-batch's groups as they finish beside the rollout's tail —
+on one process or on each data-parallel rank's share — and equals phased up to summation order. The
+first epoch's mini-batches are cut from the order the groups finished in, in both schedules.
 """
 
 from __future__ import annotations
@@ -60,12 +65,12 @@ from ..cosched.timeline import DecodeMarks
 from ..engine import Engine, SamplingParams
 from ..memory import Footprint, MemoryConfig, MemoryFit, MemoryManager, activation_bytes, device_capacity, host_memory
 from ..models import ModelConfig, Qwen25VL
-from .actor import Actor
+from .actor import Actor, mini_batch_sizes
 from .algos import AdaptiveKLController, compute_advantages, kl_penalty
 from .batch import RolloutBatch
 from .config import RLConfig
 from .dynamic_sampling import sample_groups
-from .errors import TrainStepError
+from .errors import TrainOOM, TrainStepError
 from .pipeline import GroupPipeline, fallback_on, fused_unsupported
 from .rewards import RewardFn, get_reward_fn, score_batch
 from .rollout import NativeRollout, RolloutBackend, as_rollout_backend, rollout_requests
@@ -564,18 +569,42 @@ class RLStep:
             return why
         if self.backend is None or not getattr(self.backend, "reports_groups", False):
             return f"the {self.rollout_backend} rollout backend does not report groups as they finish"
-        if self.parallel is not None:
-            return "data-parallel steps run phased"
+        if self.parallel is not None and (why := self.parallel.fused_unsupported()) is not None:
+            return why
         fit = self.memory_fit
         if fit is not None and fit.budget is not None:
             # the rollout phase holds, besides its own regions, what the plan releases there but the fused
             # stages read (the gradients, the reference), and one update micro-batch's activations
             sizes, acts = self.memory_sizes(), self.activation_estimate()
             peak = fit.plan.peak("rollout", sizes, {}) + sum(sizes[t] for t in self._fused_regions()) + acts["update"]
+            if self.parallel is not None:  # the trainer's units and gradients, a sharded reference's, gathered
+                dp = self.actor.placement
+                peak += dp.unsharded_bytes + (dp.gathered_bytes if self.parallel.fsdp.shard_reference else 0)
             if peak > fit.budget:
                 return (f"the fused rollout phase needs {peak / 2**30:.1f} GiB (the KV cache, gradients, reference "
                         f"and one update micro-batch together), over the plan's budget of {fit.budget / 2**30:.1f} GiB")
         return None
+
+    def fused_old_logprobs(self, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
+        """Old logprobs [n, R] of some finished groups, scored before the first optimizer step of the fused
+        schedule: `actor.old_logprobs` on them; a data-parallel rank on the policy its engine decodes."""
+        if self.parallel is None:
+            return self.actor.old_logprobs(batch, cfg)
+        return score_logprobs(self.model, batch, cfg.mode, cfg.micro_batching, cfg.temperature,
+                              backoff=self.actor.score_backoff, what="old-logprob")
+
+    def fused_reference_logprobs(self, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
+        """The reference's logprobs of some finished groups; a data-parallel rank scores them alone."""
+        if self.parallel is None:
+            return self.reference_logprobs(batch, cfg)
+        local = self.parallel.local_passes() if self.parallel.fsdp.shard_reference else None
+        return score_logprobs(self.ref, batch, cfg.mode, cfg.micro_batching, cfg.temperature, placement=local,
+                              backoff=self.actor.score_backoff)
+
+    def fused_placement(self):
+        """Where the fused stages' training passes run: the actor's placement, or a data-parallel rank's
+        local one."""
+        return self.parallel.local_passes() if self.parallel is not None else None
 
     def _fused_regions(self) -> list[str]:
         """Regions the fused stages read that the memory plan does not keep during the rollout."""
@@ -618,18 +647,25 @@ class RLStep:
                 self.memory.enter(self.memory.current)
 
     def _fused_step(self, prompts: list, params: list, rewards, per_prompt: dict, m: dict) -> RolloutBatch:
-        cfg, tl = self.cfg, self.timeline
-        pipe = GroupPipeline(self, prompts, [p.n for p in params], per_prompt, rewards, self._fuse_stream(), tl)
+        cfg, tl, par = self.cfg, self.timeline, self.parallel
+        mine = trained = None
+        if par is not None:  # this rank's engine's share, and how many of them are the first mini-batch's
+            first = mini_batch_sizes(len(prompts), cfg.ppo_mini_batches)[0]
+            mine, trained = par.fused_share(len(prompts), first)
+        pipe = GroupPipeline(self, prompts, [p.n for p in params], per_prompt, rewards, self._fuse_stream(), tl,
+                             None if mine is None else len(mine), trained)
         marks = DecodeMarks(tl) if tl is not None and self.engine is not None else None
         with _timer(m, "gen", self.device, tl):  # in the rollout phase, entered by `_fused`
+            if par is not None:  # the trainer (and a sharded reference) gathered: no collective until `end_fused`
+                par.begin_fused(self.actor, self.ref if self.uses_reference(cfg) else None)
             pipe.start()
             if marks is not None:
                 self.engine.hooks.append(marks)
             done = False
             try:
                 with self.cosched.decode_priority():  # decode on a high-priority stream
-                    outs = self.backend.generate(prompts, params, keep_vision=self.keeps_vision,
-                                                 on_output=pipe.add)
+                    gen = par.generate if par is not None else self.backend.generate
+                    outs = gen(prompts, params, keep_vision=self.keeps_vision, on_output=pipe.add)
                 done = True
             finally:
                 pipe.stop()
@@ -637,10 +673,26 @@ class RLStep:
                     self.engine.hooks.remove(marks)
                     marks.close()
                 if not done:  # a failed rollout: what the chunks accumulated goes with it
+                    if par is not None:
+                        par.abort_fused(self.actor, self.ref if self.uses_reference(cfg) else None)
                     self.actor.discard_groups()
         batch = self.rollout_batch(prompts, outs, **per_prompt)
         with _timer(m, "fused_tail", self.device, tl):
             pipe.drain()
+        results = counts = None
+        if par is not None:  # every rank agrees whether some rank's stage failed, then reduces the gradients once
+            err = pipe.error
+            oom, other = par.end_fused(self.actor, self.ref if self.uses_reference(cfg) else None,
+                                       [int(err is not None and fallback_on(err)),
+                                        int(err is not None and not fallback_on(err))])
+            if other and err is None:
+                pipe.error = RuntimeError("a fused stage failed on another data-parallel rank")
+            elif oom and err is None:
+                pipe.error = TrainOOM("a fused stage ran out of device memory on another data-parallel rank", 0)
+            if pipe.error is None:  # every rank's chunks, for the whole batch's metrics and later mini-batches
+                every = par.gather_objects((pipe.shareable(), pipe.counts()))
+                results = [r for part, _ in every for r in part]
+                counts = tuple(map(sum, zip(*(c for _, c in every))))
         if pipe.error is not None:
             self.actor.discard_groups()
             if not fallback_on(pipe.error):
@@ -654,17 +706,25 @@ class RLStep:
             m.update(self.train(batch))
             return batch
         pipe.resolve_times()
-        got = pipe.assemble(batch)
+        assert par is not None or pipe.order == batch.finish_order(), "the first mini-batch is the groups trained"
+        got = pipe.assemble(batch, results)
         batch.rewards = got["rewards"]
         m.update(got["reward_metrics"])
         _, reward_kl, kl_m = self.kl_reward_penalty(batch, got["ref"], cfg)
         m.update(kl_m)
         with _timer(m, "update_actor", self.device, tl), self._phase("update"):
-            stats = self._applying(reward_kl, batch.num_samples,
-                                   lambda: self.actor.apply_groups(cfg, pipe.acc, batch.mask))
+            if cfg.num_updates == 1:
+                stats = self._applying(reward_kl, batch.num_samples, lambda: self.actor.apply_groups(
+                    cfg, got["accumulated"].metrics, batch.mask))
+            else:  # the first mini-batch's optimizer step, then the others as the phased update runs them
+                train_b, _ = self.training_views(batch)
+                stats, _ = self._applying(reward_kl, batch.num_samples, lambda: self.actor.update(
+                    train_b, got["advantages"], got["ref"] if cfg.use_kl_loss else None, got["old"], self.step_idx,
+                    cfg, accumulated=got["accumulated"]))
         self._after_update(m, stats, reward_kl, batch.num_samples)
-        m.update(self._batch_metrics(batch, got["advantages"], got["seq_rewards"], got["logprobs"], cfg))
-        m.update(pipe.metrics(m["timing_s/gen"]))
+        train_lp = got["old"] if got["old"] is not None else got["logprobs"]  # as phased: the old ones when scored
+        m.update(self._batch_metrics(batch, got["advantages"], got["seq_rewards"], train_lp, cfg))
+        m.update(pipe.metrics(m["timing_s/gen"], counts))
         return batch
 
 
