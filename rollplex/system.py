@@ -164,10 +164,11 @@ class System:
     _policy: object = None  # the whole policy the engine's model was cut from (rl_step builds over it)
     _parallel_group: object = "auto"
 
-    def rl_step(self, rl: RLConfig | None = None, *, rollout: bool = True, **kw) -> RLStep:
-        """Another RLStep over this system's model, rollout backend, memory manager and placement: `rl`
-        (default: the config's), without a rollout backend when not `rollout` (train() on given batches);
-        kw: RLStep's reward_fn, ref_model, processor."""
+    def rl_step(self, rl: RLConfig | None = None, *, rollout: bool = True, cosched: CoschedConfig | None = None,
+                **kw) -> RLStep:
+        """Another RLStep over this system's model, rollout backend, memory manager and placement: `rl` and
+        `cosched` (default: the config's), without a rollout backend when not `rollout` (train() on given
+        batches); kw: RLStep's reward_fn, ref_model, processor."""
         cfg = self.config
         if self._policy is None:
             raise ValueError("the whole policy was dropped for its tensor-parallel shard: build with step=False "
@@ -175,7 +176,8 @@ class System:
         rl = rl or cfg.rl
         backend = self.rollout if rollout else None
         kw.setdefault("processor", self.processor)
-        return RLStep(self._policy, backend, rl, memory=self.memory, memory_cfg=cfg.memory, cosched=cfg.cosched,
+        return RLStep(self._policy, backend, rl, memory=self.memory, memory_cfg=cfg.memory,
+                      cosched=cosched or cfg.cosched,
                       parallel=data_parallel(self._policy, backend, rl, self._parallel_group, fsdp=cfg.fsdp), **kw)
 
     def close(self) -> None:
