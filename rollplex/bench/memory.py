@@ -8,6 +8,10 @@ flags given here are kept as given), then runs a warm-up
 step and `--steps` timed steps (rollout in `rollplex` mode, reference scoring, actor update) and
 reports per phase: seconds, peak GiB, resident GiB, and what the transitions cost.
 
+The engine, the memory manager and the RL step are assembled by rollplex.system.build; the memory, RL
+and engine options are flags generated from SystemConfig (rollplex/cli.py), the workload's n, response
+length and micro-batch size (`--micro-prompts`, an alias of `--micro-batch-prompts`) unless given.
+
 Correctness first: before anything is timed, the engine's greedy tokens for two prompts are compared
 across a release/resume cycle of the KV cache (they must be identical).
 

@@ -16,6 +16,10 @@ warns when a step will take minutes (a real-size `--model`); with `--progress` (
 stdout is a terminal) it reports inside each step: the rollout's tokens and finished samples, the
 update's micro-batches (demo/progress.py).
 
+The policy, its format warm-up, the engine and the RL step are assembled by rollplex.system.build; the
+options are flags generated from SystemConfig (rollplex/cli.py) with the demo's defaults (DEFAULTS), so
+they are the server's and the benchmarks' flags; `--warmup-steps` is the format warm-up's here.
+
 DAPO (`--filter-groups`, `--overlong-buffer-len`, `--clip-ratio-high 0.28`; rl/config.py): a step rolls
 out more prompts until it holds --prompts groups whose samples' rewards differ (`train/num_gen_batches`).
 """

@@ -1,6 +1,7 @@
 """The hosted runtime: policy, processor, engine, reference model + trainer (RLStep), rollout store, worker.
 
-    ServerState(cfg):  model  <- HF dir (load_model + VLProcessor) | preset name (random init, ids only)
+    ServerState(cfg):  [model .. rl: rollplex.system.build(cfg), the assembly every entry point shares]
+                       model  <- HF dir (load_model + VLProcessor) | preset name (random init, ids only)
                                  | None (the embedded tiny model, written on first use)
                        [format warm-up: rollplex.rl.warmup on the shape-colour task's rows]
                        engine <- Engine(model, processor, cfg.engine)   decodes with the trainer's tensors
@@ -12,7 +13,8 @@
                        intake <- a few threads, each with its own copy of the processor: encode prompts,
                                  their images read and decoded by `media` (MediaPolicy, media.py)
 
-ServerConfig holds the server's own settings and the configs it hosts, nested: `engine`
+ServerConfig is a SystemConfig (rollplex/system.py: model, device, dtype, the nested configs, and the
+checks across them) with the server's own settings. The configs it hosts, nested: `engine`
 (EngineConfig), `rl` (RLConfig, whose n / temperature / top_p / max_new_tokens are also the
 defaults of /rollout, max_new_tokens that of /generate), `memory` (MemoryConfig) and `backend`
 (BackendConfig: the rollout backend), `limits` (ServerLimits). `rl.seed` seeds the model init and
