@@ -187,13 +187,16 @@ class System:
 
 def build(cfg: SystemConfig, *, model=None, processor=None, model_path: Path | None = None, reward_fn=None,
           ref_model=None, group="auto", step: bool = True, warmup_rows: list | None = None,
-          managed: bool | None = None, logger: logging.Logger | None = None) -> System:
+          managed: bool | None = None, engine: Engine | None = None, logger: logging.Logger | None = None) -> System:
     """Assemble `cfg` (see the module docstring). model / processor / model_path: a policy built by the
     caller (a benchmark's random weights) instead of loading cfg.model; reward_fn, ref_model: the RLStep's;
     group: the data-parallel placement ("auto": torchrun's default group when it has more than one rank,
     None: this process alone, or a process group); step: False builds no RLStep (System.rl_step makes
     them); warmup_rows: the format warm-up's rows (default: 256 shape-colour rows); managed: whether a
-    memory manager is built (default: cfg.memory.managed); logger: where the startup phases are logged."""
+    memory manager is built (default: cfg.memory.managed); engine: a native engine the caller built over
+    `model` or its tensor-parallel shard, used as is (the parallel benchmark shares one across its paths);
+    logger: where the startup phases are logged. The global RNG is seeded (rl.seed) when the policy is
+    loaded here; a caller's model comes with the caller's RNG state."""
     lg = logger or log
     out = System(cfg, None, processor, model_path, None, None, None, None, _parallel_group=group)
 
@@ -201,12 +204,12 @@ def build(cfg: SystemConfig, *, model=None, processor=None, model_path: Path | N
         out.startup_s[name] = time.perf_counter() - t0
         return out.startup_s[name]
 
-    torch.manual_seed(cfg.rl.seed)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     out.world_size = world if group == "auto" else (1 if group is None else dist.get_world_size(group))
     check_group(cfg, world if group == "auto" else out.world_size)
     t0 = time.perf_counter()
     if model is None:
+        torch.manual_seed(cfg.rl.seed)
         out.model_path, model, out.processor = load_policy(cfg)
         lg.info("startup: weights loaded in %.1fs (%s)", phase("weights", t0), out.model_path or cfg.model)
     if cfg.format_warmup_steps:
@@ -229,7 +232,7 @@ def build(cfg: SystemConfig, *, model=None, processor=None, model_path: Path | N
                     dist.broadcast(t.data, src=0)
     decoded = model  # what the engine decodes: the policy, or this rank's tensor-parallel shard of it
     tp = cfg.engine.tensor_parallel
-    if tp > 1:
+    if tp > 1 and engine is None:
         if world % tp:
             raise ValueError(f"--tensor-parallel {tp} needs a torchrun group of a multiple of as many ranks "
                              f"(this one has {world})")
@@ -244,7 +247,7 @@ def build(cfg: SystemConfig, *, model=None, processor=None, model_path: Path | N
         if decoded is not model:
             decoded.compile()
     # the phase-aware memory manager: the KV cache is released outside rollout, the rest follows the plan
-    if cfg.memory.managed if managed is None else managed:
+    if (cfg.memory.managed if managed is None else managed) and engine is None:
         out.memory = MemoryManager(PhasePlan.releases_only(), cfg.device, backend=cfg.memory.memory_backend)
     t0 = time.perf_counter()
     if cfg.backend.rollout_backend != "native":
@@ -257,6 +260,9 @@ def build(cfg: SystemConfig, *, model=None, processor=None, model_path: Path | N
             raise ValueError(str(e)) from None
         lg.info("startup: %s rollout engine in %.1fs", cfg.backend.rollout_backend,
                 phase(f"{cfg.backend.rollout_backend}_engine", t0))
+    elif engine is not None:
+        out.rollout = out.engine = engine
+        out.memory = engine.memory
     else:
         out.rollout = out.engine = Engine(decoded, out.processor, cfg.engine, memory=out.memory)
         runner = out.engine.runner

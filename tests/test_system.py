@@ -51,6 +51,9 @@ def test_build_without_a_memory_plan_has_no_manager(tiny_dir):
     system = build(cfg, step=False)
     assert system.memory is None and system.rl is None and system.engine.memory is None
     assert system.warmup_loss is not None and not system.model.training
+    # a caller's engine (the parallel bench shares one across its paths) is used as is
+    again = build(dataclasses.replace(cfg, format_warmup_steps=0), model=system.model, engine=system.engine, group=None)
+    assert again.engine is system.engine is again.rl.engine and again.model is system.model and again.rl.ref is None
 
 
 def _argv(cfg, default) -> list[str]:
@@ -177,6 +180,13 @@ def _calls(path: str) -> set[str]:
 def test_entry_points_assemble_through_build(path):
     calls = _calls(path)
     assert "build" in calls and not calls & {"Engine", "RLStep", "MemoryManager", "data_parallel"}, path
+
+
+def test_the_parallel_bench_places_its_steps_through_build():
+    # its paths share one engine (built by the bench, tensor-parallel over a rollout group or not): build
+    # takes it and makes the step with the path's placement
+    calls = _calls("rollplex/bench/parallel_paths.py")
+    assert "build" in calls and not calls & {"RLStep", "data_parallel", "MemoryManager"}
 
 
 @pytest.mark.parametrize("path", PARSERS)
