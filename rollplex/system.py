@@ -31,7 +31,9 @@ an SGLang backend must be installed, checked before anything is loaded. Checks t
 group (its size) are `check_group`'s, called by build before any rank loads a model.
 
 The placement (one process, data-parallel over torchrun's group, or a given group) is build's
-`group` argument, not a config field: a process group is a runtime handle. The disaggregated step
+`group` argument, not a config field: a process group is a runtime handle. A caller may hand build
+its own policy (`model`: the benchmarks' random weights) and native engine (`engine`: the parallel
+benchmark shares one across its paths). The disaggregated step
 (parallel/disaggregated_step.py: trainer and rollout ranks apart, weights broadcast) assembles its
 two roles itself and is not built here.
 """
