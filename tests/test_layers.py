@@ -38,23 +38,28 @@ def offenders(files, banned: tuple[str, ...]) -> dict[str, list[str]]:
 
 
 def test_imports_are_read_relative_ones_included():
-    got = imported(ROOT / "rollplex/server/state.py")
+    got = imported(ROOT / "rollplex/system.py")
     assert {"rollplex.backends", "rollplex.tiny.ensure_tiny", "torch.distributed"} <= got
 
 
 @pytest.mark.parametrize("files,banned", [
     ("rollplex/**/*.py", ("engine_patches",)),  # plugins are found by name (rollplex/backends.py)
     ("rollplex/server/**/*.py", ("rollplex.demo", "rollplex.bench")),
-    ("rollplex/parallel/**/*.py", ("rollplex.demo", "rollplex.bench", "rollplex.server")),
+    # the assembly and the flag generator sit above the runtime and below every entry point
+    ("rollplex/{system,cli}.py", ("rollplex.server", "rollplex.demo", "rollplex.bench")),
+    ("rollplex/parallel/**/*.py", ("rollplex.demo", "rollplex.bench", "rollplex.server", "rollplex.system",
+                                   "rollplex.cli")),
     ("rollplex/tiny/**/*.py", ("rollplex.engine", "rollplex.rl", "rollplex.parallel", "rollplex.server",
                                "rollplex.demo", "rollplex.bench")),
     # the engine is given a tensor-parallel handle (a sharded model), it never builds one
     ("rollplex/engine/**/*.py", ("rollplex.rl", "rollplex.parallel", "rollplex.server", "rollplex.demo",
                                  "rollplex.bench")),
     # parallelism is injected into the RL step (rollplex.parallel.data_parallel), never imported by it
-    ("rollplex/rl/**/*.py", ("rollplex.parallel", "rollplex.server", "rollplex.demo", "rollplex.bench")),
-], ids=["no-plugin-imports", "server", "parallel", "tiny", "engine", "rl"])
+    ("rollplex/rl/**/*.py", ("rollplex.parallel", "rollplex.server", "rollplex.demo", "rollplex.bench",
+                             "rollplex.system", "rollplex.cli")),
+], ids=["no-plugin-imports", "server", "system", "parallel", "tiny", "engine", "rl"])
 def test_layering(files, banned):
     # `python -m rollplex.parallel` is the bench's older name: its entry module alone forwards to the bench
-    paths = [p for p in ROOT.glob(files) if p != ROOT / "rollplex/parallel/__main__.py"]
+    globs = [files.replace("{system,cli}", name) for name in ("system", "cli")] if "{" in files else [files]
+    paths = [p for g in globs for p in ROOT.glob(g) if p != ROOT / "rollplex/parallel/__main__.py"]
     assert paths and offenders(paths, banned) == {}

@@ -45,10 +45,11 @@ def test_warning_names_the_released_checkpoint():
 
 
 def test_server_load_warns(small_preset, caplog):
-    from rollplex.server.state import ServerConfig, _load_policy
+    from rollplex.server.state import ServerConfig
+    from rollplex.system import load_policy
 
     with caplog.at_level(logging.WARNING):
-        path, model, processor = _load_policy(ServerConfig(model=small_preset, device="cpu"))
+        path, model, processor = load_policy(ServerConfig(model=small_preset, device="cpu"))
     assert path is None and processor is None and not model.training
     assert len(_warnings(caplog)) == 1
 

@@ -294,14 +294,14 @@ def test_without_sglang_the_backend_fails_before_serving(no_sglang, tiny_dir, tm
         _server_config(tiny_dir, tmp_path)
     import uvicorn
 
+    from rollplex import system
     from rollplex.server import __main__ as cli
-    from rollplex.server import state
 
     def never(*a, **k):
         raise AssertionError("nothing may be loaded or served")
 
     monkeypatch.setattr(uvicorn, "run", never)
-    monkeypatch.setattr(state, "_load_policy", never)
+    monkeypatch.setattr(system, "load_policy", never)
     with pytest.raises(SystemExit, match=r"rollplex\.server: .*pip install 'rollplex\[sglang\]'"):
         cli.main(["--rollout-backend", "sglang", "--device", "cpu"])
     with pytest.raises(ImportError, match=r"pip install 'rollplex\[sglang\]'"):

@@ -8,6 +8,10 @@ flags given here are kept as given), then runs a warm-up
 step and `--steps` timed steps (rollout in `rollplex` mode, reference scoring, actor update) and
 reports per phase: seconds, peak GiB, resident GiB, and what the transitions cost.
 
+The engine, the memory manager and the RL step are assembled by rollplex.system.build; the memory, RL
+and engine options are flags generated from SystemConfig (rollplex/cli.py), the workload's n, response
+length and micro-batch size (`--micro-prompts`, an alias of `--micro-batch-prompts`) unless given.
+
 Correctness first: before anything is timed, the engine's greedy tokens for two prompts are compared
 across a release/resume cycle of the KV cache (they must be identical).
 
@@ -21,21 +25,21 @@ of 1,536 tokens per prompt: 6x W3B's response tokens), w7b (7B shapes, as w3b).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import time
 
 import torch
 
-from ..engine import Engine, EngineConfig, SamplingParams
-from ..memory import PHASES, MemoryConfig, MemoryManager, PhasePlan
-from ..memory.fit import OPTIMIZER_OFFLOADS
+from ..cli import ConfigParser
+from ..engine import EngineConfig, SamplingParams
+from ..memory import PHASES, PhasePlan
 from ..models import Qwen25VL, init_weights
 from ..presets import preset
 from ..rl.batch import RolloutBatch
 from ..rl.config import RLConfig
 from ..rl.step import RLStep
+from ..system import SystemConfig, build
 from .common import make_prompts, sync
 from .timing import env_info
 
@@ -86,27 +90,37 @@ def _check_release_resume(rl: RLStep, prompts) -> bool:
     return a == b
 
 
-def run(label: str, args) -> list[dict]:
-    name, n_prompts, n, new_tokens, micro = WORKLOADS[label]
+# The bench's defaults, over SystemConfig's (a workload sets n, max_new_tokens and micro_batch_prompts unless
+# they are given; the device, the memory backend and the KV budget follow --device unless given)
+DEFAULTS = {"rl": RLConfig(kl_coef=0.001, lr=1e-6),
+            "engine": EngineConfig(max_num_seqs=256, max_model_len=2048, max_num_batched_tokens=40000)}
+SKIP = ("model", "format_warmup_steps", "backend", "fsdp", "cosched", "tp")
+
+
+def system_config(ap: ConfigParser, args, label: str) -> SystemConfig:
+    """The SystemConfig of workload `label`: the given flags over the workload's settings over DEFAULTS."""
+    _, _, n, new_tokens, micro = WORKLOADS[label]
+    given = ap.given(args)
+    cuda = torch.device(given.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cuda"
+    own = {"rl.n": n, "rl.max_new_tokens": new_tokens, "rl.micro_batch_prompts": micro,
+           "memory.memory_backend": "tms" if cuda else "accounting",
+           "engine.kv_cache_tokens": None if cuda else 16384}
+    return ap.config(args, **{k: v for k, v in own.items() if k not in given})
+
+
+def run(label: str, sys_cfg: SystemConfig, args) -> list[dict]:
+    name, n_prompts = WORKLOADS[label][:2]
+    n, new_tokens = sys_cfg.rl.n, sys_cfg.rl.max_new_tokens
     cfg = _model_config(name)
     torch.manual_seed(0)
-    dev = torch.device(args.device)
+    dev = torch.device(sys_cfg.device)
     cuda = dev.type == "cuda"
     with dev:
-        model = init_weights(Qwen25VL(cfg), seed=0, std=0.02).to(torch.bfloat16 if cuda else torch.float32).eval()
-    if cuda and not args.no_compile:
-        model.compile()
-    mem_cfg = MemoryConfig(memory_plan=args.memory_plan, memory_overrides=args.memory_overrides,
-                           optimizer_offload=args.optimizer_offload, device_capacity_gib=args.device_capacity_gib)
-    mm = MemoryManager(PhasePlan.releases_only(), dev, backend="tms" if cuda else "accounting")
-    eng = Engine(model, None, EngineConfig(max_num_seqs=256, max_model_len=2048,
-                                           gpu_memory_utilization=args.gpu_memory_utilization,
-                                           kv_cache_tokens=None if cuda else 16384,
-                                           max_num_batched_tokens=40000), memory=mm)
-    rl_cfg = RLConfig(n=n, max_new_tokens=new_tokens, kl_coef=0.001, lr=1e-6,
-                      micro_batch_prompts=args.micro_prompts or micro,
-                      gradient_checkpointing=args.gradient_checkpointing)
-    rl = RLStep(model, eng, rl_cfg, reward_fn="exact", memory=mm, memory_cfg=mem_cfg)
+        model = init_weights(Qwen25VL(cfg), seed=0, std=0.02).to(getattr(torch, sys_cfg.dtype)).eval()
+    # the engine with its KV cache in the manager's kv_cache region, and the RL step (rollplex/system.py);
+    # a manager under every plan, resident included, whose transitions the bench reports
+    system = build(sys_cfg, model=model, reward_fn="exact", managed=True)
+    rl, mm, eng, rl_cfg = system.rl, system.memory, system.engine, sys_cfg.rl
     sizes, acts = rl.memory_sizes(), rl.activation_estimate()
     resident = PhasePlan.all_resident()
     # what every region resident in every phase would need, without the fit's measures (optimizer state on
@@ -152,36 +166,35 @@ def run(label: str, args) -> list[dict]:
                                if k.startswith(("memory/pause_s", "memory/resume_s"))}}
         print(json.dumps(row), flush=True)
         rows.append(row)
-    del rl, eng, model
+    del rl, eng, model, system
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     return rows
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m rollplex.bench memory")
+def parser() -> ConfigParser:
+    ap = ConfigParser(SystemConfig, DEFAULTS, skip=SKIP, prog="python -m rollplex.bench memory",
+                      aliases={"rl.micro_batch_prompts": ("--micro-prompts",)},
+                      help={"micro_batch_prompts": "prompts (x n samples) per forward/backward of the update "
+                                                   "(default: the workload's)",
+                            "n": "samples per prompt (default: the workload's)",
+                            "max_new_tokens": "response length (default: the workload's)",
+                            "memory_backend": "default: tms on cuda, accounting on cpu",
+                            "kv_cache_tokens": "default: profiled on cuda, 16384 on cpu"})
     ap.add_argument("--workloads", default="w3b")
     ap.add_argument("--steps", type=int, default=1, help="timed steps after the warm-up step")
-    ap.add_argument("--memory-plan", default="auto", choices=["auto", "release", "resident"])
-    ap.add_argument("--memory-overrides", default=None)
-    ap.add_argument("--optimizer-offload", default="auto", choices=OPTIMIZER_OFFLOADS,
-                    help="auto: none, unless the memory plan needs moments or all to fit the device")
-    ap.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
-                    help="default: on only when the memory plan needs it to fit the device")
-    ap.add_argument("--device-capacity-gib", type=float, default=None,
-                    help="device memory the plan fits the step into (default: the GPU's total memory)")
-    ap.add_argument("--micro-prompts", type=int, default=None,
-                    help="prompts (x n samples) per forward/backward of the update (default: the workload's)")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="the engine's share (the server default)")
-    ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("--device", default="cuda")
+    return ap
+
+
+def main(argv=None) -> None:
+    ap = parser()
     args = ap.parse_args(argv)
     print(json.dumps({"bench": "memory_env", **env_info()}), flush=True)
     rows = []
     for label in args.workloads.split(","):
         try:
-            rows += run(label, args)
+            rows += run(label, system_config(ap, args, label), args)
         except ValueError as e:  # the memory plan found no way to fit the step: its reasons, not a traceback
             raise SystemExit(f"bench memory {label}: {e}") from None
     print("\n| workload | step | rollout tok/s | gen s | ref s | update s | step s | transitions s (share) | "

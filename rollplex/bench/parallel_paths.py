@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from ..engine import Engine, EngineConfig, SamplingParams
+from ..memory import MemoryConfig
 from ..models import Qwen25VL
-from ..parallel.colocated import data_parallel
 from ..parallel.disaggregated import DisaggregatedLayout
 from ..parallel.disaggregated_step import DisaggregatedStep
 from ..parallel.fsdp import FSDPConfig, full_tensor
@@ -23,6 +23,7 @@ from ..parallel.rollout_groups import new_rollout_group
 from ..parallel.tp import tensor_parallel_copy
 from ..rl.config import RLConfig
 from ..rl.step import RLStep
+from ..system import SystemConfig, build
 
 
 def sync_device(device: torch.device) -> None:
@@ -151,9 +152,13 @@ class BenchPath:
             self.ds = DisaggregatedStep(layout, model, None, rl_cfg, "exact", ecfg, fsdp)
             self.rl = self.ds.rl  # None on rollout ranks
         else:
+            # the path's placement (one process: group None; data-parallel over `group`) and its engine, shared
+            # with the previous path of the same kind, assembled by rollplex.system.build
             engine = engine_fn(group)
-            self.rl = RLStep(model, engine, rl_cfg, reward_fn="exact",
-                             parallel=data_parallel(model, engine, rl_cfg, group, fsdp))
+            cfg = SystemConfig(device=model.inv_freq.device.type, dtype=wire_dtype, compile=False, rl=rl_cfg,
+                               engine=engine.cfg, memory=MemoryConfig(memory_plan="resident"),
+                               fsdp=fsdp or FSDPConfig())
+            self.rl = build(cfg, model=model, engine=engine, group=group, reward_fn="exact").rl
         self.model = model
 
     def step(self, prompts, params, seed: int, device: torch.device) -> tuple[dict, torch.Tensor]:

@@ -11,26 +11,33 @@ the full batch shape, the allocator growing, first-call autotuning); then a seco
 timed. The warm-up step is reported separately as the cold start (`cold_*` fields, `cold` table rows),
 so the step ratio is the one a training loop sees from its second step on. Reports per-phase times,
 the step ratio and the actor update's MFU (executed FLOPs / time / 989 TFLOP/s bf16 dense peak).
+
+The policy (random weights of `--preset`) and the engine are assembled by rollplex.system.build, each
+row's RL step by `System.rl_step`; the RL, engine and co-scheduler options are flags generated from
+SystemConfig (rollplex/cli.py: `--kl-coef`, `--micro-batch-prompts`, `--no-packed`, `--job-prompts`,
+...), the older `--micro-prompts`, `--micro-samples` and `--micro-tokens` kept as aliases.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import gc
 import json
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import torch
 
+from ..cli import ConfigParser
 from ..cosched import CoschedConfig, PrefixRows, Timeline
 from ..engine import Engine, EngineConfig, SamplingParams
+from ..memory import MemoryConfig
 from ..models import ModelConfig, Qwen25VL, init_weights
 from ..presets import preset
 from ..rl.batch import RolloutBatch
 from ..rl.config import RLConfig
 from ..rl.step import RLStep
+from ..system import System, SystemConfig, build
 from .common import PEAK_TFLOPS, make_prompts, sync, update_flops
 from .timing import env_info
 
@@ -60,17 +67,18 @@ def strip_vision(batch: RolloutBatch) -> RolloutBatch:
     return replace(batch, prompts=[replace(p, vision_embeds=None) for p in batch.prompts])
 
 
-def run_modes(model, batch: RolloutBatch, rl_kw: dict, grid, label: str, cfg, step: str = "timed",
+def run_modes(system: System, batch: RolloutBatch, rl_kw: dict, grid, label: str, cfg, step: str = "timed",
               modes=("serial", "rollplex"), frozen: bool = False, init=None, ref=None) -> list[dict]:
     """Reference scoring + actor update of `batch` in each mode, each from the same initial weights
     (restored between the modes); one JSON row per mode."""
+    model = system.model
     init = init or {k: v.detach().clone() for k, v in model.state_dict().items()}
     ref = ref or copy.deepcopy(model).requires_grad_(False)
     rows = []
     for mode in modes:
         restore(model, init, frozen)
-        rl = RLStep(model, None, RLConfig(mode=mode, freeze_vision_tower=frozen, **rl_kw), reward_fn="exact",
-                    ref_model=ref)
+        rl = system.rl_step(RLConfig(mode=mode, freeze_vision_tower=frozen, **rl_kw), rollout=False,
+                            reward_fn="exact", ref_model=ref)
         rows.append(_train_row(rl, copy.copy(batch), cfg, grid, label, step, mode, frozen))
         del rl
         _free()
@@ -120,13 +128,13 @@ def _train_row(rl: RLStep, batch: RolloutBatch, cfg, grid, label: str, step: str
     return r
 
 
-def cosched_step(model, eng: Engine, prompts, params, rl_kw: dict, co_cfg: CoschedConfig, cfg, grid, label: str,
+def cosched_step(system: System, prompts, params, rl_kw: dict, co_cfg: CoschedConfig, cfg, grid, label: str,
                  step: str, frozen: bool, init: dict, ref, seed: int, timeline: Timeline | None = None) -> dict:
     """A whole step with the co-scheduler: the rollout (the reference's prefix admitted beside decode),
     then scoring and the update consuming the prefix states it handed over."""
-    restore(model, init, frozen)
-    rl = RLStep(model, eng, RLConfig(mode="rollplex", cosched=True, freeze_vision_tower=frozen, **rl_kw),
-                reward_fn="exact", ref_model=ref, cosched=co_cfg)
+    restore(system.model, init, frozen)
+    rl = system.rl_step(RLConfig(mode="rollplex", cosched=True, freeze_vision_tower=frozen, **rl_kw),
+                        reward_fn="exact", ref_model=ref, cosched=co_cfg)
     rl.cosched.tflops = _TFLOPS.get(label, rl.cosched.tflops)
     rl.timeline = timeline
     sync()
@@ -150,17 +158,17 @@ def cosched_step(model, eng: Engine, prompts, params, rl_kw: dict, co_cfg: Cosch
 _TFLOPS: dict[str, float] = {}
 
 
-def fused_step(model, eng: Engine, prompts, params, rl_kw: dict, fuse: tuple, cfg, grid, label: str,
+def fused_step(system: System, prompts, params, rl_kw: dict, fuse: tuple, cfg, grid, label: str,
                step: str, frozen: bool, init: dict, ref, seed: int, timeline: Timeline | None = None) -> dict:
     """A whole step on the fused schedule (fuse: (fuse_sms, fuse_below, fuse_chunk_tokens)): groups scored
     and trained beside the rollout's tail, the rest after it, one optimizer step. Its rewards are the
     phased rows' (the same random 0/1 per sample, in prompt order), so the losses and gradient norms
     compare."""
-    restore(model, init, frozen)
+    restore(system.model, init, frozen)
     sms, below, tokens = fuse
-    rl = RLStep(model, eng, RLConfig(mode="rollplex", schedule="fused", fuse_sms=sms, fuse_below=below,
-                                     fuse_chunk_tokens=tokens,
-                                     freeze_vision_tower=frozen, **rl_kw), reward_fn="exact", ref_model=ref)
+    rl = system.rl_step(RLConfig(mode="rollplex", schedule="fused", fuse_sms=sms, fuse_below=below,
+                                 fuse_chunk_tokens=tokens, freeze_vision_tower=frozen, **rl_kw),
+                        reward_fn="exact", ref_model=ref)
     rl.timeline = timeline
     offsets = [0]
     for p in params:
@@ -214,8 +222,29 @@ def tail_lengths(n_prompts: int, new_tokens: int, seed: int) -> list[int]:
     return [int(v) for v in x.clamp(16, new_tokens).round().tolist()]
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m rollplex.bench step")
+# The bench's defaults, over SystemConfig's; the fields each row sets (mode, schedule, co-scheduling, the
+# vision tower, the comma lists of fused and co-scheduled variants) have no flag of their own
+DEFAULTS = {"rl": RLConfig(kl_coef=0.01, lr=1e-6),
+            "engine": EngineConfig(max_num_seqs=256, max_model_len=2048, gpu_memory_utilization=0.2,
+                                   max_num_batched_tokens=40000),
+            "memory": MemoryConfig(memory_plan="resident")}
+PER_ROW = ("mode", "cosched", "schedule", "fuse_sms", "fuse_below", "fuse_chunk_tokens", "freeze_vision_tower")
+SKIP = ("model", "format_warmup_steps", "memory", "backend", "fsdp", "tp", "cosched.slowdown_bound", "cosched.side_sms",
+        *(f"rl.{f}" for f in PER_ROW if f != "fuse_chunk_tokens"))
+
+
+def parser() -> ConfigParser:
+    ap = ConfigParser(SystemConfig, DEFAULTS, skip=SKIP, prog="python -m rollplex.bench step",
+                      aliases={"rl.micro_batch_prompts": ("--micro-prompts",),
+                               "rl.micro_batch_samples": ("--micro-samples",),
+                               "rl.micro_batch_max_tokens": ("--micro-tokens",)},
+                      help={"micro_batch_prompts": "rollplex: prompts (x n samples) per fwd/bwd (default: 4 for w3b, "
+                                                   "2 for w3b-video)",
+                            "micro_batch_samples": "serial: sequences per fwd/bwd (default: 8 for w3b, 4 for "
+                                                   "w3b-video)",
+                            "fuse_chunk_tokens": "fused: a chunk of groups also closes at this many tokens",
+                            "compile": "torch.compile the model and the engine's decode; default: on cuda",
+                            "compile_decode": "default: as --compile"})
     ap.add_argument("--preset", default="qwen2.5-vl-3b", help="a preset name or an HF config.json")
     ap.add_argument("--workloads", default="w3b,w3b-video,w3b-tail,w3b-video-tail")
     ap.add_argument("--modes", default="serial,rollplex,fused",
@@ -223,56 +252,54 @@ def main(argv=None) -> None:
                     "beside the rollout's tail; cosched: sharing + the prefix co-scheduler")
     ap.add_argument("--fuse-sms", default="0", help="fused: comma list, one row per value (crossed with "
                     "--fuse-below); N > 0 confines the fused work to a green context of N SMs")
-    ap.add_argument("--fuse-chunk-tokens", type=int, default=None,
-                    help="fused: a chunk of groups also closes at this many tokens (RLConfig.fuse_chunk_tokens)")
     ap.add_argument("--fuse-below", default="1.0", help="fused: comma list; start when at most this fraction of "
                     "the groups is still decoding")
     ap.add_argument("--vision", default="trained,frozen", help="trained and/or frozen (freeze_vision_tower)")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--video-prompts", type=int, default=16)
-    ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=512, help="response length (w3b-tail: the longest)")
     ap.add_argument("--image-size", type=int, default=448, help="image / video frame side in pixels")
     ap.add_argument("--text-tokens", type=int, default=96, help="text tokens per prompt around the image")
-    ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("--micro-prompts", type=int, default=None,
-                    help="rollplex: prompts (x n samples) per fwd/bwd (default: 4 for w3b, 2 for w3b-video)")
-    ap.add_argument("--micro-tokens", type=int, default=None,
-                    help="token budget per fwd/bwd instead of the counts (RLConfig.micro_batch_max_tokens)")
-    ap.add_argument("--micro-samples", type=int, default=None,
-                    help="serial: sequences per fwd/bwd (default: 8 for w3b, 4 for w3b-video)")
     ap.add_argument("--slowdown-bound", default=str(CoschedConfig.slowdown_bound),
                     help="comma list: one co-scheduled row per value (crossed with --side-sms)")
-    ap.add_argument("--job-prompts", type=int, default=CoschedConfig.job_prompts)
     ap.add_argument("--side-sms", default="0", help="comma list: one co-scheduled row per value; 0 shares every SM "
                     "with decode, N > 0 confines the admitted work to a green context of N SMs")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--no-packed", action="store_true",
-                    help="rollplex: a prefix pass, then padded responses (RLConfig.packed=False), not one packed pass")
     ap.add_argument("--no-warm", action="store_true",
                     help="no warm-up step: time the first step (compiles and first-call costs included)")
     ap.add_argument("--compile-dynamic", default="auto", choices=["true", "auto"],
                     help="torch.compile shapes: all symbolic (true) or only those that change (auto)")
     ap.add_argument("--trace", default=None, help="write the first workload's timed co-scheduled step as a "
                     "Chrome/Perfetto trace (JSON) to this path")
+    return ap
+
+
+def main(argv=None) -> None:
+    ap = parser()
     args = ap.parse_args(argv)
+    given = ap.given(args)
+    try:  # the engine's decode compiles with the model unless told otherwise
+        scfg = ap.config(args, **({"engine.compile_decode": False}
+                                  if given.get("compile") is False and "engine.compile_decode" not in given else {}))
+    except ValueError as e:
+        ap.error(str(e))
+    device = scfg.device
     cfg = preset(args.preset) if not args.preset.endswith(".json") else ModelConfig.from_hf(args.preset)
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    with torch.device(args.device):
+    dtype = getattr(torch, scfg.dtype)
+    with torch.device(device):
         model = init_weights(Qwen25VL(cfg), seed=0, std=0.02)
     model = model.to(dtype).eval()
-    if args.device == "cuda" and not args.no_compile:
+    if scfg.compile if scfg.compile is not None else device.startswith("cuda"):
         model.compile(dynamic=True if args.compile_dynamic == "true" else None)
-    eng = Engine(model, None, EngineConfig(max_num_seqs=256, max_model_len=2048, gpu_memory_utilization=0.2,
-                                           max_num_batched_tokens=40000,
-                                           compile_decode=False if args.no_compile else None))
+    # the engine over the policy (rollplex/system.py); each row's RL step is made over it (System.rl_step)
+    system = build(replace(scfg, compile=False), model=model, step=False)
+    eng = system.engine
     print(json.dumps({"bench": "step_setup", "kv_blocks": eng.runner.num_blocks, **env_info()}), flush=True)
     modes = args.modes.split(",")
-    fuses = [(int(a), float(b), args.fuse_chunk_tokens) for a in args.fuse_sms.split(",")
+    fuses = [(int(a), float(b), scfg.rl.fuse_chunk_tokens) for a in args.fuse_sms.split(",")
              for b in args.fuse_below.split(",")]
-    co_cfgs = [CoschedConfig(slowdown_bound=float(b), job_prompts=args.job_prompts, side_sms=int(v))
+    co_cfgs = [replace(scfg.cosched, slowdown_bound=float(b), side_sms=int(v))
                for b in args.slowdown_bound.split(",") for v in args.side_sms.split(",")]
-    rl_kw = dict(n=args.n, kl_coef=0.01, lr=1e-6, micro_batch_max_tokens=args.micro_tokens, packed=not args.no_packed)
+    rl_kw = {f.name: getattr(scfg.rl, f.name) for f in fields(RLConfig) if f.init and f.name not in PER_ROW}
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ref = copy.deepcopy(model).requires_grad_(False)
     summary, fused_rows, traced = [], [], False
@@ -280,24 +307,24 @@ def main(argv=None) -> None:
         frames = 8 if label.startswith("w3b-video") else 1
         # micro-batches that fit one 141 GB GPU next to the engine's KV cache, the reference model and the
         # optimizer state (8 serial video sequences per pass do not: a video prompt has 3x the tokens)
-        rl_kw["micro_batch_prompts"] = args.micro_prompts or (2 if frames > 1 else 4)
-        rl_kw["micro_batch_samples"] = args.micro_samples or (4 if frames > 1 else 8)
+        rl_kw["micro_batch_prompts"] = given.get("rl.micro_batch_prompts") or (2 if frames > 1 else 4)
+        rl_kw["micro_batch_samples"] = given.get("rl.micro_batch_samples") or (4 if frames > 1 else 8)
         n_prompts = args.video_prompts if frames > 1 else args.prompts
         prompts, grid = make_prompts(cfg, n_prompts, frames, size=args.image_size, text=args.text_tokens,
-                                     device=args.device, dtype=dtype)
+                                     device=device, dtype=dtype)
         lens = (tail_lengths(n_prompts, args.new_tokens, seed=7) if label.endswith("-tail")
                 else [args.new_tokens] * n_prompts)
 
         def params(seed, lens=lens):
-            return [SamplingParams(n=args.n, max_new_tokens=n, ignore_eos=True, seed=seed * 100_003 + i)
+            return [SamplingParams(n=scfg.rl.n, max_new_tokens=n, ignore_eos=True, seed=seed * 100_003 + i)
                     for i, n in enumerate(lens)]
 
-        _check(model, eng, prompts, rl_kw, co_cfgs[0], fuses[0], cfg, grid, label, init, ref, modes)
+        _check(system, prompts, rl_kw, co_cfgs[0], fuses[0], cfg, grid, label, init, ref, modes)
         for frozen in [v == "frozen" for v in args.vision.split(",")]:
             vis = "frozen" if frozen else "trained"
             restore(model, init, frozen)
             movable = prefix_standalone_s(ref, _with_engine_vision(eng, prompts) if frozen else prompts,
-                                          args.job_prompts)
+                                          scfg.cosched.job_prompts)
             steps = ([("cold", 1)] if not args.no_warm else []) + [("timed" if not args.no_warm else "first", 0)]
             for step, seed in steps:
                 row = {"workload": label, "vision": vis, "step": step, "movable_s": movable}
@@ -307,7 +334,7 @@ def main(argv=None) -> None:
                     row["gen_s"] = gen_s
                     for mode in [m for m in ("serial", "rollplex") if m in modes]:
                         b = strip_vision(batch) if mode == "serial" else batch
-                        r = run_modes(model, b, rl_kw, grid, label, cfg, step, modes=(mode,), frozen=frozen,
+                        r = run_modes(system, b, rl_kw, grid, label, cfg, step, modes=(mode,), frozen=frozen,
                                       init=init, ref=ref)[0]
                         row[mode] = gen_s + r["ref_plus_update_s"]
                         row[mode + "_ref_s"], row[mode + "_update_s"] = r["ref_s"], r["update_actor_s"]
@@ -316,8 +343,8 @@ def main(argv=None) -> None:
                 for fuse in fuses if "fused" in modes else []:
                     tl = None
                     if args.trace and step != "cold" and not traced:
-                        tl, traced = Timeline(torch.device(args.device)), True
-                    r = fused_step(model, eng, prompts, params(seed), rl_kw, fuse, cfg, grid, label, step, frozen,
+                        tl, traced = Timeline(torch.device(device)), True
+                    r = fused_step(system, prompts, params(seed), rl_kw, fuse, cfg, grid, label, step, frozen,
                                    init, ref, seed, tl)
                     frow = {**row, "fuse_sms": fuse[0], "fuse_below": fuse[1], "fused": r["step_s"],
                             "fused_gen_s": r["gen_s"], "fused_tail_s": r["tail_s"],
@@ -335,8 +362,8 @@ def main(argv=None) -> None:
                     if co_cfg is not None:
                         tl = None
                         if args.trace and step != "cold" and not traced:
-                            tl, traced = Timeline(torch.device(args.device)), True
-                        r = cosched_step(model, eng, prompts, params(seed), rl_kw, co_cfg, cfg, grid, label, step,
+                            tl, traced = Timeline(torch.device(device)), True
+                        r = cosched_step(system, prompts, params(seed), rl_kw, co_cfg, cfg, grid, label, step,
                                          frozen, init, ref, seed, tl)
                         vrow["side_sms"], vrow["slowdown_bound"] = co_cfg.side_sms, co_cfg.slowdown_bound
                         vrow["cosched"] = r["gen_s"] + r["ref_plus_update_s"]
@@ -390,22 +417,23 @@ def _with_engine_vision(eng: Engine, prompts: list) -> list:
     return [replace(p, vision_embeds=o.vision_embeds) for p, o in zip(prompts, outs)]
 
 
-def _check(model, eng, prompts, rl_kw, co_cfg, fuse, cfg, grid, label, init, ref, modes) -> None:
+def _check(system: System, prompts, rl_kw, co_cfg, fuse, cfg, grid, label, init, ref, modes) -> None:
     """Correctness first, on two prompts: serial, rollplex, the co-scheduled and the fused step agree."""
+    model, eng = system.model, system.engine
     small = [SamplingParams(n=2, max_new_tokens=16, ignore_eos=True, seed=1 + i) for i in range(2)]
     restore(model, init, False)
     sb, _, _ = rollout(eng, prompts[:2], small, seed=1)
     kw = {**rl_kw, "n": 2}
-    rows = run_modes(model, strip_vision(sb), kw, grid, label + "-check", cfg, "check",
+    rows = run_modes(system, strip_vision(sb), kw, grid, label + "-check", cfg, "check",
                      modes=[m for m in ("serial", "rollplex") if m in modes], init=init, ref=ref)
     out = {"bench": "step_check", "workload": label}
     out.update({f"{r['mode']}_{k}": r[k] for r in rows for k in ("pg_loss", "kl_loss", "grad_norm")})
     if "cosched" in modes:
-        r = cosched_step(model, eng, prompts[:2], small, kw, co_cfg, cfg, grid, label + "-check", "check", False,
+        r = cosched_step(system, prompts[:2], small, kw, co_cfg, cfg, grid, label + "-check", "check", False,
                          init, ref, seed=1)
         out.update({f"cosched_{k}": r[k] for k in ("pg_loss", "kl_loss", "grad_norm")})
     if "fused" in modes:
-        r = fused_step(model, eng, prompts[:2], small, {**kw, "micro_batch_prompts": 1}, fuse, cfg, grid,
+        r = fused_step(system, prompts[:2], small, {**kw, "micro_batch_prompts": 1}, fuse, cfg, grid,
                        label + "-check", "check", False, init, ref, seed=1)
         out.update({f"fused_{k}": r[k] for k in ("pg_loss", "kl_loss", "grad_norm")})
     print(json.dumps(out), flush=True)

@@ -16,13 +16,16 @@ warns when a step will take minutes (a real-size `--model`); with `--progress` (
 stdout is a terminal) it reports inside each step: the rollout's tokens and finished samples, the
 update's micro-batches (demo/progress.py).
 
+The policy, its format warm-up, the engine and the RL step are assembled by rollplex.system.build; the
+options are flags generated from SystemConfig (rollplex/cli.py) with the demo's defaults (DEFAULTS), so
+they are the server's and the benchmarks' flags; `--warmup-steps` is the format warm-up's here.
+
 DAPO (`--filter-groups`, `--overlong-buffer-len`, `--clip-ratio-high 0.28`; rl/config.py): a step rolls
 out more prompts until it holds --prompts groups whose samples' rewards differ (`train/num_gen_batches`).
 """
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 import time
@@ -30,74 +33,44 @@ from pathlib import Path
 
 import torch
 
+from ..cli import ConfigParser
 from ..cosched import Timeline
 from ..data import row_to_inputs
-from ..engine import Engine, EngineConfig
+from ..engine import EngineConfig
 from ..loggers import LoggerConfig, Tracker, add_arguments, resolve_run_dir
-from ..models import load_model
+from ..memory import MemoryConfig
 from ..plots import plot_rewards, reward_labels
-from ..processor import VLProcessor
-from ..rl.algos import AGG_MODES
-from ..rl.config import ADV_ESTIMATORS, FILTER_GROUPS_METRICS, RLConfig
-from ..rl.step import RLStep
-from ..rl.warmup import format_warmup
-from ..tiny import ensure_tiny, shape_color
+from ..rl.config import RLConfig
+from ..system import SystemConfig, build, load_policy
+from ..tiny import shape_color
 from .progress import StepProgress, cpu_cost_warning, decoder_params, expected_passes
 
 LOG_EVERY_S = 5.0  # --progress without a terminal: a line at most this often
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except None: such a flag's help says what leaving it out means."""
+# The demo's defaults, over SystemConfig's: the tiny task's 4 new tokens (an option letter and the end of the
+# turn), large groups, a fast learning rate, float32, no memory manager, a short-context engine.
+DEFAULTS = {"dtype": "float32", "format_warmup_steps": 30,
+            "rl": RLConfig(n=16, max_new_tokens=4, lr=1e-3, micro_batch_prompts=8, micro_batch_samples=32,
+                           max_num_gen_batches=10),
+            "engine": EngineConfig(max_num_seqs=256, max_model_len=512), "memory": MemoryConfig(memory_plan="resident")}
+# no flag: the LR warm-up (--warmup-steps is the format warm-up here, as it always was), and the sections a
+# one-process native-engine demo does not use
+SKIP = ("rl.warmup_steps", "backend", "fsdp", "cosched", "tp")
 
-    def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
 
-
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m rollplex.demo", description=__doc__.splitlines()[0],
-                                 formatter_class=_HelpFormatter)
-    ap.add_argument("--model", default=None, help="HF checkpoint dir (default: the embedded tiny model, whose "
-                    "random weights this demo trains)")
-    ap.add_argument("--mode", default="rollplex", choices=["rollplex", "serial"], help="rollplex: shared-prefix "
-                    "scoring and training; serial: verl's per-sample order")
+def parser() -> ConfigParser:
+    ap = ConfigParser(SystemConfig, DEFAULTS, skip=SKIP, prog="python -m rollplex.demo",
+                      description=__doc__.splitlines()[0],
+                      aliases={"format_warmup_steps": ("--warmup-steps",)},
+                      help={"model": "HF checkpoint dir (default: the embedded tiny model, whose random weights this "
+                                     "demo trains)",
+                            "format_warmup_steps": "format warm-up steps (random option letters)",
+                            "seed": "data, warm-up and sampling seed",
+                            "loss_agg_mode": "loss aggregation (dr_grpo: seq-mean-token-sum-norm unless given)"})
     ap.add_argument("--steps", type=int, default=300, help="max GRPO steps (stops early at --target)")
     ap.add_argument("--target", type=float, default=0.8, help="stop when the mean reward of 3 steps reaches it")
-    ap.add_argument("--prompts", type=int, default=32, help="prompts per step")
-    ap.add_argument("--n", type=int, default=16, help="samples per prompt (GRPO group size)")
-    ap.add_argument("--lr", type=float, default=1e-3, help="learning rate")
-    ap.add_argument("--kl-coef", type=float, default=0.0, help="KL loss to the warmed-up reference policy")
-    ap.add_argument("--adv-estimator", default="grpo", choices=ADV_ESTIMATORS,
-                    help="advantage estimator (rl/algos.py); dr_grpo with its seq-mean-token-sum-norm aggregation")
-    ap.add_argument("--loss-agg-mode", default=None, choices=AGG_MODES,
-                    help="loss aggregation (default: token-mean; dr_grpo's seq-mean-token-sum-norm with it)")
-    ap.add_argument("--clip-ratio-low", type=float, default=0.2, help="PPO clip range below 1")
-    ap.add_argument("--clip-ratio-high", type=float, default=0.2, help="PPO clip range above 1 (DAPO's clip-higher: "
-                    "0.28)")
-    dapo = ap.add_argument_group("DAPO (verl's recipe: --clip-ratio-high 0.28 --filter-groups "
-                                 "--overlong-buffer-len, KL off)")
-    dapo.add_argument("--filter-groups", action="store_true", help="dynamic sampling: drop the groups whose samples "
-                      "all score the same and roll out more prompts until the step has --prompts groups")
-    dapo.add_argument("--filter-groups-metric", default="seq_reward", choices=FILTER_GROUPS_METRICS,
-                      help="what must differ within a group: the reward trained on, or the score before overlong "
-                      "shaping")
-    dapo.add_argument("--max-num-gen-batches", type=int, default=10, help="rollouts per step at most with "
-                      "--filter-groups (0: unbounded; verl's recipe: 10)")
-    dapo.add_argument("--filter-groups-partial", action="store_true", help="at --max-num-gen-batches train on the "
-                      "groups kept instead of stopping with an error")
-    dapo.add_argument("--overlong-buffer-len", type=int, default=0, help="overlong reward shaping: a response longer "
-                      "than max_new_tokens (4) minus this loses up to --overlong-penalty-factor (0: off)")
-    dapo.add_argument("--overlong-penalty-factor", type=float, default=1.0, help="the overlong penalty at "
-                      "max_new_tokens")
-    ap.add_argument("--warmup-steps", type=int, default=30, help="format warm-up steps (random option letters)")
-    ap.add_argument("--seed", type=int, default=0, help="data, warm-up and sampling seed")
-    ap.add_argument("--freeze-vision-tower", action="store_true",
-                    help="no gradient into the vision tower; the engine's prefill encodings are reused")
-    ap.add_argument("--cosched", action="store_true",
-                    help="run the reference's prefix beside the rollout's decode steps (needs --kl-coef > 0; "
-                         "on an H200 it made steps no faster: docs/ARCHITECTURE.md)")
-    ap.add_argument("--schedule", default="phased", choices=["phased", "fused"],
-                    help="fused: train each prompt group beside the rest of the rollout (rl/pipeline.py)")
+    ap.add_argument("--prompts", type=int, default=32, help="prompts per step (with --filter-groups: groups kept)")
     ap.add_argument("--trace", default=None,
                     help="write the run's phases and co-scheduled work as a Chrome/Perfetto trace (JSON) here, "
                          "and its timeline as a PNG beside it")
@@ -106,9 +79,24 @@ def main(argv=None) -> None:
                          "a terminal (the step bar's line), on elsewhere: a line every few seconds")
     add_arguments(ap, experiment="demo")
     ap.add_argument("--out", dest="log_dir", help="the same as --log-dir")
+    return ap
+
+
+def config(ap: ConfigParser, args) -> SystemConfig:
+    """The demo's SystemConfig from its flags (ValueError when invalid): dr_grpo brings its loss aggregation
+    unless --loss-agg-mode is given."""
+    given = ap.given(args)
+    dr = given.get("rl.adv_estimator") == "dr_grpo" and "rl.loss_agg_mode" not in given
+    return ap.config(args, **({"rl.loss_agg_mode": "seq-mean-token-sum-norm"} if dr else {}))
+
+
+def main(argv=None) -> None:
+    ap = parser()
     args = ap.parse_args(argv)
-    if args.cosched and args.kl_coef <= 0:
-        ap.error("--cosched moves the reference model's prefix work: it needs --kl-coef > 0")
+    try:
+        cfg = config(ap, args)
+    except ValueError as e:
+        ap.error(str(e))
     replaced = resolve_run_dir(args, "demo")
     if replaced:
         print(f"note: {args.log_dir} holds an earlier run; replacing {', '.join(Path(f).name for f in replaced)}")
@@ -118,56 +106,41 @@ def main(argv=None) -> None:
         ap.error(str(e))
     tracker = Tracker(logger_cfg)  # before the model: a missing logger package fails at once
     try:
-        _run(args, tracker)
+        _run(cfg, args, tracker)
     finally:
         tracker.close()
 
 
-def _run(args, tracker: Tracker) -> None:
-    torch.manual_seed(args.seed)
+def _run(cfg: SystemConfig, args, tracker: Tracker) -> None:
+    torch.manual_seed(cfg.rl.seed)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    path = args.model or ensure_tiny()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_model(path, device=device)
-    proc = VLProcessor.from_pretrained(path)
-    rows = shape_color.make_rows(512, seed=args.seed)
+    model_path, model, proc = load_policy(cfg)
+    rows = shape_color.make_rows(512, seed=cfg.rl.seed)
     out = Path(args.log_dir)
-    max_new_tokens = 4  # an option letter and the end of the turn
-    if device == "cpu":  # before the warm-up, which a real-size model makes slow too
+    rl_cfg = cfg.rl
+    if cfg.device == "cpu":  # before the warm-up, which a real-size model makes slow too
         warning = cpu_cost_warning(decoder_params(model), len(row_to_inputs(proc, rows[0]).input_ids), args.prompts,
-                                   args.n, max_new_tokens, args.mode, ref=args.kl_coef > 0)
+                                   rl_cfg.n, rl_cfg.max_new_tokens, rl_cfg.mode, ref=rl_cfg.kl_coef > 0)
         if warning:
             print(warning, flush=True)
     t0 = time.perf_counter()
-    loss = format_warmup(model, proc, rows, shape_color.LETTERS, args.warmup_steps, lr=1e-3, seed=args.seed)
-    print(f"format warm-up: {args.warmup_steps} steps on random letters, loss {loss:.3f} "
-          f"({time.perf_counter() - t0:.1f}s)")
-    if device == "cuda":  # the demo owns the model (the engine compiles only its decode)
-        model.compile()
-    engine = Engine(model, proc, EngineConfig(max_num_seqs=256, max_model_len=512))
-    agg = args.loss_agg_mode or ("seq-mean-token-sum-norm" if args.adv_estimator == "dr_grpo" else "token-mean")
-    try:
-        cfg = RLConfig(mode=args.mode, n=args.n, temperature=1.0, max_new_tokens=max_new_tokens, lr=args.lr,
-                       kl_coef=args.kl_coef, micro_batch_prompts=8, micro_batch_samples=32, seed=args.seed,
-                       grad_clip=1.0, freeze_vision_tower=args.freeze_vision_tower, cosched=args.cosched,
-                       schedule=args.schedule, adv_estimator=args.adv_estimator, loss_agg_mode=agg,
-                       clip_ratio_low=args.clip_ratio_low, clip_ratio_high=args.clip_ratio_high,
-                       filter_groups=args.filter_groups, filter_groups_metric=args.filter_groups_metric,
-                       max_num_gen_batches=args.max_num_gen_batches, filter_groups_partial=args.filter_groups_partial,
-                       overlong_buffer_len=args.overlong_buffer_len,
-                       overlong_penalty_factor=args.overlong_penalty_factor)
+    try:  # the format warm-up on the training rows, the engine and the RL step (rollplex/system.py)
+        system = build(cfg, model=model, processor=proc, model_path=model_path, reward_fn="shape_color",
+                       warmup_rows=rows)
     except ValueError as e:
         raise SystemExit(f"rollplex.demo: {e}") from None
-    rl = RLStep(model, engine, cfg, proc, reward_fn="shape_color")
+    print(f"format warm-up: {cfg.format_warmup_steps} steps on random letters, loss {system.warmup_loss:.3f} "
+          f"({system.startup_s.get('format_warmup', 0.0):.1f}s)")
+    model, engine, rl = system.model, system.engine, system.rl
     if args.trace:
         rl.timeline = Timeline(model.inv_freq.device)
-    rng = random.Random(args.seed)
+    rng = random.Random(cfg.rl.seed)
     history: list[dict] = []
     from tqdm import tqdm
 
-    bar = tqdm(range(args.steps), desc=f"{args.adv_estimator} ({args.mode})", unit="step")
+    bar = tqdm(range(args.steps), desc=f"{rl_cfg.adv_estimator} ({rl_cfg.mode})", unit="step")
     shown = {"reward": ""}  # the bar's reward text, which in-step progress on a terminal shows beside its own
-    progress = _progress(args, model, engine, cfg, bar, shown)
+    progress = _progress(args, model, engine, rl_cfg, bar, shown)
     try:
         for _ in bar:
             if progress is not None:
@@ -183,7 +156,7 @@ def _run(args, tracker: Tracker) -> None:
             tracker.log(m, len(history))
             recent = sum(h["critic/score/mean"] for h in history[-3:]) / len(history[-3:])
             shown["reward"] = f"reward={m['critic/score/mean']:.2f}, avg3={recent:.2f}" + (
-                f", gen_batches={m['train/num_gen_batches']}" if args.filter_groups else "")
+                f", gen_batches={m['train/num_gen_batches']}" if rl_cfg.filter_groups else "")
             bar.set_postfix_str(shown["reward"])
             if len(history) >= 3 and recent >= args.target:
                 break
@@ -214,8 +187,8 @@ def _progress(args, model, engine, cfg: RLConfig, bar, shown: dict) -> StepProgr
         def sink(text: str) -> None:
             bar.set_postfix_str(", ".join(x for x in (shown["reward"], text) if x))
 
-        return StepProgress(model, engine, args.prompts, args.n, passes, sink, every_s=0.25)
-    return StepProgress(model, engine, args.prompts, args.n, passes, lambda text: print(text, flush=True),
+        return StepProgress(model, engine, args.prompts, cfg.n, passes, sink, every_s=0.25)
+    return StepProgress(model, engine, args.prompts, cfg.n, passes, lambda text: print(text, flush=True),
                         every_s=LOG_EVERY_S)
 
 

@@ -9,8 +9,9 @@ Modules, one job each:
     sglang.py    SGLang request <-> rollplex SamplingParams / response dicts
     worker.py    the engine thread: continuous batching over all HTTP requests + exclusive jobs
     store.py     retained rollouts (TTL + cap) waiting for their /train_step
-    state.py     ServerConfig (nesting RLConfig, EngineConfig, MemoryConfig, BackendConfig, ServerLimits) and
-                 the hosted runtime (model, processor, engine or SGLang, RLStep, store, worker) + /memory ledger
+    state.py     ServerConfig (a rollplex.system.SystemConfig + the server's settings and ServerLimits) and
+                 the hosted runtime (rollplex.system.build's model, processor, engine or SGLang, RLStep;
+                 store, worker) + /memory ledger
     limits.py    ServerLimits: request body, prompt count and length, image and video sizes
     media.py     images and frames a request names -> decoded images (no local files without --media-root)
     rewards.py   the rewards a request may name: those registered at startup
@@ -21,7 +22,7 @@ Modules, one job each:
     app.py       the FastAPI app: info routes, auth, the body limit, request counters, error mapping
     embedded.py  run a real uvicorn server in a background thread (driver, tests)
     group.py     under torchrun: rank 0's commands to the other ranks (the data-parallel train step)
-    __main__.py  the CLI: flags generated from ServerConfig and its nested configs
+    __main__.py  the CLI: flags generated from ServerConfig and its nested configs (rollplex/cli.py)
 """
 
 from importlib import import_module

@@ -70,9 +70,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ..parallel.data_parallel import check_passes
 from ..rl.errors import NonFiniteUpdate, TrainOOM
 from ..rl.placement import CollectiveOOM
+from ..system import check_group
 from .store import StaleRollout
 
 log = logging.getLogger("rollplex.server")
@@ -83,15 +83,8 @@ COMMAND_TIMEOUT = timedelta(days=3650)
 
 def check_config(cfg, world: int) -> None:
     """ValueError for a ServerConfig the server cannot run over a process group of `world` ranks (before any
-    rank starts building, so every rank fails the same way)."""
-    if cfg.backend.rollout_backend != "native":
-        raise ValueError(f"the {cfg.backend.rollout_backend} rollout backend is not served over a process group "
-                         "yet: every rank's native engine samples the rollouts (leave --rollout-backend at native)")
-    if world % cfg.tp.tensor_parallel:
-        raise ValueError(f"--tensor-parallel {cfg.tp.tensor_parallel} over {world} ranks: a tensor-parallel "
-                         f"engine spans a share of the group's ranks, so its degree must divide {world} (1: each "
-                         "rank's engine decodes the full policy)")
-    check_passes(cfg.rl.mode, cfg.rl.packed)
+    rank starts building, so every rank fails the same way): rollplex.system.check_group."""
+    check_group(cfg, world)
 
 
 def collective_oom(e: TrainOOM) -> bool:

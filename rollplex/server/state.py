@@ -1,6 +1,7 @@
 """The hosted runtime: policy, processor, engine, reference model + trainer (RLStep), rollout store, worker.
 
-    ServerState(cfg):  model  <- HF dir (load_model + VLProcessor) | preset name (random init, ids only)
+    ServerState(cfg):  [model .. rl: rollplex.system.build(cfg), the assembly every entry point shares]
+                       model  <- HF dir (load_model + VLProcessor) | preset name (random init, ids only)
                                  | None (the embedded tiny model, written on first use)
                        [format warm-up: rollplex.rl.warmup on the shape-colour task's rows]
                        engine <- Engine(model, processor, cfg.engine)   decodes with the trainer's tensors
@@ -12,7 +13,8 @@
                        intake <- a few threads, each with its own copy of the processor: encode prompts,
                                  their images read and decoded by `media` (MediaPolicy, media.py)
 
-ServerConfig holds the server's own settings and the configs it hosts, nested: `engine`
+ServerConfig is a SystemConfig (rollplex/system.py: model, device, dtype, the nested configs, and the
+checks across them) with the server's own settings. The configs it hosts, nested: `engine`
 (EngineConfig), `rl` (RLConfig, whose n / temperature / top_p / max_new_tokens are also the
 defaults of /rollout, max_new_tokens that of /generate), `memory` (MemoryConfig) and `backend`
 (BackendConfig: the rollout backend), `limits` (ServerLimits). `rl.seed` seeds the model init and
@@ -60,16 +62,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..backends import BackendConfig, require_backend, rollout_backend
-from ..engine import Engine, EngineConfig
-from ..memory import MemoryConfig, MemoryManager, PhasePlan
 from ..models import ModelInputs
-from ..parallel.colocated import data_parallel
-from ..parallel.fsdp import FSDPConfig
-from ..parallel.tp import TPConfig
 from ..rl.actor import TrainOOM
 from ..rl.config import RLConfig
-from ..rl.step import RLStep
+from ..system import SystemConfig, build
 from .group import collective_oom
 from .limits import ServerLimits
 from .media import MediaPolicy
@@ -94,10 +90,10 @@ def server_rl_config() -> RLConfig:
 
 
 @dataclass
-class ServerConfig:
-    model: str | None = None  # HF directory or preset name; None: the embedded tiny model
-    device: str | None = None  # default: cuda if available
-    dtype: str | None = None  # default: bfloat16 on cuda, float32 on cpu
+class ServerConfig(SystemConfig):
+    """SystemConfig (model, device, dtype, rl, engine, memory, backend, fsdp, ...: rollplex/system.py, which
+    also checks what spans components) with the server's own settings."""
+
     api_key: str | None = None
     reward: str = "default"  # /train_step's reward for requests without rewards (name or module:function)
     # more rewards requests may name: [NAME=]module:function or FILE.py:function, imported at startup
@@ -107,15 +103,9 @@ class ServerConfig:
     # local image / video files a request names are read only under this folder; None: none are read
     media_root: str | None = None
     intake_threads: int = 4  # threads that tokenise prompts and decode images, each with its own processor
-    format_warmup_steps: int = 0  # supervised answer-format steps on the shape-colour task at startup
     rollout_ttl_s: float = 600.0  # seconds a training rollout is retained
     max_rollouts: int = 16  # retained rollouts (oldest evicted)
     rl: RLConfig = field(default_factory=server_rl_config)  # the defaults; /train_step overrides per step
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    memory: MemoryConfig = field(default_factory=MemoryConfig)  # which regions are resident in which phase
-    backend: BackendConfig = field(default_factory=BackendConfig)  # the rollout backend: native | sglang
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)  # the trainer's and reference's FSDP2 under torchrun
-    tp: TPConfig = field(default_factory=TPConfig)  # tensor-parallel rollout engines under torchrun
     limits: ServerLimits = field(default_factory=ServerLimits)  # request sizes (limits.py)
     # /save and /load read and write only under this folder (created on the first save);
     # None: `checkpoints` under the working directory
@@ -135,18 +125,6 @@ class ServerConfig:
         self.reward_modules = tuple(self.reward_modules)
         if self.intake_threads < 1:
             raise ValueError("intake_threads must be >= 1")
-        if self.device is None:
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device not in ("cuda", "cpu") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be cuda or cpu, got {self.device!r}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError("--device cuda but CUDA is not available (use --device cpu)")
-        if self.dtype is None:
-            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
-        if self.dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"dtype must be bfloat16 or float32, got {self.dtype!r}")
-        if self.format_warmup_steps < 0:
-            raise ValueError("format_warmup_steps must be >= 0")
         if self.rl.cosched:
             # /rollout runs requests through the engine loop shared with /generate, which does not host the
             # co-scheduler; a silently ignored flag would report numbers it did not produce
@@ -155,11 +133,7 @@ class ServerConfig:
             # /rollout and /train_step are separate calls: there is no rollout for fused work to run beside
             raise ValueError(f"schedule={self.rl.schedule!r} needs a step that rolls out and trains in one call "
                              "(RLStep.run: the driver and the bench); the server's steps are phased")
-        if self.backend.rollout_backend == "sglang":
-            try:  # before any model is loaded: a missing SGLang fails the start at once
-                require_backend(self.backend.rollout_backend)
-            except ImportError as e:
-                raise ValueError(str(e)) from None
+        super().__post_init__()  # device, dtype and the checks across components
 
 
 class CheckpointExists(ValueError):
@@ -198,28 +172,6 @@ def _leave_group(e: BaseException, where: str = "out of device memory inside a d
     os._exit(1)
 
 
-def _load_policy(cfg: ServerConfig):
-    """(model dir or None, model, processor or None)."""
-    from ..models import load_model
-    from ..models.hub import looks_like_hub_id, resolve_model_dir
-    from ..processor import VLProcessor
-
-    dtype = getattr(torch, cfg.dtype)
-    if cfg.model is None:
-        from ..tiny import ensure_tiny
-
-        path = ensure_tiny()
-    elif Path(cfg.model).is_dir() or looks_like_hub_id(cfg.model):  # a directory or a cached HF model id
-        path = resolve_model_dir(cfg.model)
-    else:  # a preset: the real shapes with random weights and no tokenizer (token-id prompts only)
-        from ..presets import random_model
-
-        model = random_model(cfg.model, cfg.device, dtype, seed=cfg.rl.seed)  # warns: random weights
-        log.warning("preset %s has no tokenizer: prompts must be input_ids", cfg.model)
-        return None, model.eval(), None
-    return path, load_model(path, cfg.device, dtype).eval(), VLProcessor.from_pretrained(path)
-
-
 class ServerState:
     def __init__(self, cfg: ServerConfig, launched: float | None = None):
         """launched: `time.perf_counter()` when the process began starting the server (the CLI's entry), so
@@ -229,84 +181,15 @@ class ServerState:
         # seconds per startup phase, in order (logged, and reported by /health)
         self.startup_s: dict[str, float] = {} if launched is None else {"imports": t_init - launched}
         self.cfg = cfg
-        torch.manual_seed(cfg.rl.seed)
-        t0 = time.perf_counter()
-        self.model_path, self.model, self.processor = _load_policy(cfg)
-        log.info("startup: weights loaded in %.1fs (%s)", self._phase("weights", t0), self.model_path or cfg.model)
-        self.warmup_loss = None
-        if cfg.format_warmup_steps:
-            if self.processor is None:
-                raise ValueError("--format-warmup-steps needs a model with a tokenizer")
-            from ..rl.warmup import format_warmup
-            from ..tiny import shape_color
-
-            t0 = time.perf_counter()
-            rows = shape_color.make_rows(256, seed=cfg.rl.seed)
-            self.warmup_loss = format_warmup(self.model, self.processor, rows, shape_color.LETTERS,
-                                             cfg.format_warmup_steps, lr=1e-3, seed=cfg.rl.seed)
-            self.model.eval()
-            log.info("startup: format warm-up in %.1fs (%d steps, loss %.3f)", self._phase("format_warmup", t0),
-                     cfg.format_warmup_steps, self.warmup_loss)
-        self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if self.world_size > 1 and cfg.format_warmup_steps:
-            # the warm-up's updates may round differently per device: every rank starts from rank 0's weights
-            with torch.no_grad():
-                for t in (*self.model.parameters(), *self.model.buffers()):
-                    dist.broadcast(t.data, src=0)
-        decoded = self.model  # what the engine decodes: the policy, or this rank's tensor-parallel shard of it
-        plan = None  # the plan of that shard
-        tp = cfg.tp.tensor_parallel
-        if tp > 1:
-            if self.world_size % tp:
-                raise ValueError(f"--tensor-parallel {tp} needs a torchrun group of a multiple of as many ranks "
-                                 f"(this one has {self.world_size})")
-            from ..parallel import new_rollout_group, tensor_parallel_copy
-
-            # engines of tp ranks, grouped for weight sharing (every rank creates every engine's group, in
-            # the same order); the weight sync rewrites the shards, the vision tower is the policy's
-            vision = cfg.tp.tensor_parallel_vision
-            decoded, plan = tensor_parallel_copy(self.model, new_rollout_group(self.model.cfg, tp, vision=vision),
-                                                 vision)
-        if self.model.inv_freq.is_cuda:  # the server owns the model: its training and prefill run compiled
-            self.model.compile()  # lazy: the engine's warm-up prefill below compiles
-            if decoded is not self.model:
-                decoded.compile()
-        # the phase-aware memory manager: the KV cache is released outside rollout, the rest follows the plan
-        self.memory = (MemoryManager(PhasePlan.releases_only(), cfg.device, backend=cfg.memory.memory_backend)
-                       if cfg.memory.managed else None)
-        t0 = time.perf_counter()
-        if cfg.backend.rollout_backend == "sglang":
-            if self.model_path is None:
-                raise ValueError("the sglang rollout backend starts SGLang on a checkpoint directory: give --model "
-                                 "DIR (a preset has none)")
-            try:
-                rollout = rollout_backend(cfg.backend, str(self.model_path), self.processor, cfg.dtype, cfg.rl.seed)
-            except ImportError as e:
-                raise ValueError(str(e)) from None
-            self.engine = None
-            log.info("startup: SGLang rollout engine in %.1fs", self._phase("sglang_engine", t0))
-        else:
-            rollout = self.engine = Engine(decoded, self.processor, cfg.engine, memory=self.memory, tp=plan)
-            runner = self.engine.runner
-            self.startup_s.update(runner.startup_s)
-            log.info("startup: engine in %.1fs: KV cache sizing %.1fs (on GPU a warm-up prefill, its compile "
-                     "included), decode kernel tuning %.1fs, decode compile + graph capture %.1fs; KV cache %d blocks "
-                     "of %d tokens", self._phase("engine", t0), runner.startup_s["kv_sizing"],
-                     runner.startup_s["tuning"], runner.startup_s["capture"], self.engine.blocks.num_blocks,
-                     self.engine.cfg.block_size)
-        t0 = time.perf_counter()
+        # policy, [format warm-up], [TP shard], engine or SGLang, memory manager, RL step: one assembly for
+        # every entry point (rollplex/system.py); rewards are the server's (rewards.py)
         self.rewards = RewardRegistry(cfg.reward, cfg.reward_modules, cfg.allow_client_reward_code)
-        self.rl = RLStep(self.model, rollout, cfg.rl, self.processor, reward_fn=self.rewards.default,
-                         memory=self.memory, memory_cfg=cfg.memory,
-                         parallel=data_parallel(self.model, rollout, cfg.rl, fsdp=cfg.fsdp))
-        log.info("startup: trainer in %.1fs (reference model: %s)", self._phase("trainer", t0),
-                 "yes" if self.rl.ref is not None else "no")
-        # what the engine decodes: the policy, or this rank's tensor-parallel shard of it, in which case the
-        # whole policy loaded above is dropped here (the trainer's and the engine's shards replace it)
-        self.model = self.rl.model
-        if self.memory is not None:
-            log.info("memory (%s backend):\n%s", self.memory.backend.name,
-                     self.memory.plan.table(self.rl.memory_sizes(), self.rl.activation_estimate()))
+        system = build(cfg, reward_fn=self.rewards.default, logger=log)
+        self.startup_s.update(system.startup_s)
+        self.system = system
+        self.model_path, self.processor, self.model = system.model_path, system.processor, system.model
+        self.warmup_loss, self.world_size = system.warmup_loss, system.world_size
+        self.memory, self.engine, self.rl = system.memory, system.engine, system.rl
         self.store = RolloutStore(cfg.rollout_ttl_s, cfg.max_rollouts)
         self.media = MediaPolicy(cfg.limits, cfg.media_root)
         self.intake = ThreadPoolExecutor(cfg.intake_threads, thread_name_prefix="rollplex-intake")
