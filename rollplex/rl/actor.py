@@ -63,6 +63,16 @@ def lr_lambda(cfg: RLConfig):
     return f
 
 
+def mini_batches(cfg: RLConfig, num_prompts: int, epoch: int, step: int) -> list[list[int]]:
+    """The prompt ids of each mini-batch of one epoch of a step's update (the critic's follow the same)."""
+    order = list(range(num_prompts))
+    if cfg.ppo_mini_batches > 1 or cfg.ppo_epochs > 1:
+        g = torch.Generator().manual_seed(cfg.seed * 1000003 + step * 1009 + epoch)
+        order = torch.randperm(num_prompts, generator=g).tolist()
+    k = cfg.ppo_mini_batches
+    return [order[i::k] for i in range(k) if order[i::k]]
+
+
 METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl",
            "actor/pg_clipfrac_lower")
 
@@ -87,12 +97,7 @@ class Actor:
         self.score_backoff = Backoff()  # the same for no-grad scoring (reference and old logprobs)
 
     def _mini_batches(self, cfg: RLConfig, batch: RolloutBatch, epoch: int, step: int) -> list[list[int]]:
-        order = list(range(batch.num_prompts))
-        if cfg.ppo_mini_batches > 1 or cfg.ppo_epochs > 1:
-            g = torch.Generator().manual_seed(cfg.seed * 1000003 + step * 1009 + epoch)
-            order = torch.randperm(batch.num_prompts, generator=g).tolist()
-        k = cfg.ppo_mini_batches
-        return [order[i::k] for i in range(k) if order[i::k]]
+        return mini_batches(cfg, batch.num_prompts, epoch, step)
 
     def _set_lr(self, cfg: RLConfig) -> float:
         """The lr of the next optimizer step, put into the optimizer: the schedule's, with `cfg.lr` as
