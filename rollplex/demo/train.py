@@ -16,6 +16,9 @@ warns when a step will take minutes (a real-size `--model`); with `--progress` (
 stdout is a terminal) it reports inside each step: the rollout's tokens and finished samples, the
 update's micro-batches (demo/progress.py).
 
+PPO with a critic (`--adv-estimator gae`, rl/critic.py): a value model copied from the warmed-up policy
+is trained beside it (`--critic-lr`, default the actor's `--lr`; `--critic-warmup`, `--gamma`, `--lam`).
+
 DAPO (`--filter-groups`, `--overlong-buffer-len`, `--clip-ratio-high 0.28`; rl/config.py): a step rolls
 out more prompts until it holds --prompts groups whose samples' rewards differ (`train/num_gen_batches`).
 """
@@ -74,6 +77,12 @@ def main(argv=None) -> None:
     ap.add_argument("--clip-ratio-low", type=float, default=0.2, help="PPO clip range below 1")
     ap.add_argument("--clip-ratio-high", type=float, default=0.2, help="PPO clip range above 1 (DAPO's clip-higher: "
                     "0.28)")
+    ppo = ap.add_argument_group("PPO with a critic (--adv-estimator gae)")
+    ppo.add_argument("--critic-lr", type=float, default=None, help="the critic's lr (default: --lr; RLConfig's "
+                     "1e-5 is verl's for real models, far too slow for the tiny one's few steps)")
+    ppo.add_argument("--critic-warmup", type=int, default=0, help="the first steps train the critic only")
+    ppo.add_argument("--gamma", type=float, default=1.0, help="discount of the per-token return")
+    ppo.add_argument("--lam", type=float, default=1.0, help="GAE's lambda")
     dapo = ap.add_argument_group("DAPO (verl's recipe: --clip-ratio-high 0.28 --filter-groups "
                                  "--overlong-buffer-len, KL off)")
     dapo.add_argument("--filter-groups", action="store_true", help="dynamic sampling: drop the groups whose samples "
@@ -155,7 +164,9 @@ def _run(args, tracker: Tracker) -> None:
                        filter_groups=args.filter_groups, filter_groups_metric=args.filter_groups_metric,
                        max_num_gen_batches=args.max_num_gen_batches, filter_groups_partial=args.filter_groups_partial,
                        overlong_buffer_len=args.overlong_buffer_len,
-                       overlong_penalty_factor=args.overlong_penalty_factor)
+                       overlong_penalty_factor=args.overlong_penalty_factor, gamma=args.gamma, lam=args.lam,
+                       critic_lr=args.critic_lr if args.critic_lr is not None else args.lr,
+                       critic_warmup=args.critic_warmup)
     except ValueError as e:
         raise SystemExit(f"rollplex.demo: {e}") from None
     rl = RLStep(model, engine, cfg, proc, reward_fn="shape_color")

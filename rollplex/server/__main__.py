@@ -39,9 +39,16 @@ HELP = {
     "dual_clip": "verl's clip_ratio_c (caps a negative-advantage token's loss at c*|A|); 'none' turns it off",
     "adv_estimator": "grpo, dr_grpo (no std; needs --loss-agg-mode seq-mean-token-sum-norm), rloo (leave-one-out "
                      "baseline), reinforce_plus_plus (discounted per-token return, batch-whitened), "
-                     "reinforce_plus_plus_baseline (group mean subtracted, batch-whitened)",
+                     "reinforce_plus_plus_baseline (group mean subtracted, batch-whitened), gae (PPO with a critic: "
+                     "the server builds a value model; /train_step may choose gae only on such a server)",
     "singleton_adv": "advantage of a group of one sample: reward (verl: the reward itself) or zero",
-    "gamma": "discount of reinforce_plus_plus's per-token return",
+    "gamma": "discount of reinforce_plus_plus's and gae's per-token return",
+    "lam": "GAE's lambda (adv_estimator gae)",
+    "cliprange_value": "the critic's value loss clips its predictions to the scored values +- this (gae)",
+    "critic_lr": "the critic's AdamW lr (gae)",
+    "critic_warmup": "the first steps train the critic only (gae); not a /train_step override",
+    "critic_model_path": "HF directory of the critic (gae; default: a copy of the policy and a fresh value head); "
+                         "not a /train_step override",
     "policy_loss": "vanilla: PPO-clip per token; gspo: sequence-level ratio clipped per sequence (verl's recipe: "
                    "--clip-ratio-low 3e-4 --clip-ratio-high 4e-4)",
     "loss_agg_norm": "seq-mean-token-sum-norm's constant divisor of a sequence's token sum (default: max_new_tokens)",
