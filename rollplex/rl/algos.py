@@ -59,6 +59,9 @@ Differences from verl that remain:
 - No straight-through KL variants (verl's "k3+" etc.), no ReMax / GPG / OPO estimators, no
   GMPO / clip-cov / kl-cov losses; the adaptive controller moves the reward penalty only (as verl's).
 - Clip fractions and ppo_kl are means over the mini-batch's response tokens (verl: over micro-batches).
+- GAE skips masked positions inside a response as verl's current version does; with the usual
+  right-padded responses this is the same as the older unmasked recursion. The value loss aggregates
+  with the actor's `loss_agg_mode` (verl's critic.loss_agg_mode defaults to it too).
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """One synchronous GRPO/PPO step: rollout -> rewards -> reference logprobs -> (old logprobs) -> update.
 
-Advantages come from `cfg.adv_estimator` (rl/algos.py: grpo, dr_grpo, rloo, reinforce_plus_plus[_baseline]).
+Advantages come from `cfg.adv_estimator` (rl/algos.py: grpo, dr_grpo, rloo, reinforce_plus_plus[_baseline],
+gae). With gae the step holds a critic (rl/critic.py, `self.critic`): its values are scored in the `ref`
+phase after the reference's logprobs, GAE gives advantages and returns, and in the `update` phase the
+critic is trained before the actor (the actor not at all during the first `critic_warmup` steps, which
+still count as steps).
 With `use_kl_loss=False` the KL to the reference (`cfg.kl_penalty`, k1 by default as in verl) is a
 per-token reward penalty, its coefficient `kl_coef` or, with `kl_ctrl="adaptive"`, verl's controller,
 moved after each step that changed the weights (`actor/reward_kl_penalty[_coeff]`, `actor/kl_coef`).
