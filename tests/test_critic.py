@@ -82,7 +82,11 @@ def test_serial_and_rollplex_make_the_same_actor_and_critic_update(tiny_dir, pro
     for mode in ("rollplex", "serial"):
         rl = _step(tiny_dir, proc, mode=mode, ppo_mini_batches=2)
         actor0, critic0 = _weights(rl.model), _weights(rl.critic.model)
+        images = []  # the critic's vision-tower inputs: its prompt prefix is computed once per group in rollplex mode
+        rl.critic.model.backbone.visual.register_forward_pre_hook(lambda _m, a, seen=images: seen.append(len(a[1])))
         m = rl.train(copy.deepcopy(batch))
+        # scoring the values, then the update (one pass per prompt's mini-batch): each image twice, or per sample
+        assert sum(images) == 2 * (batch.num_prompts if mode == "rollplex" else batch.num_samples)
         out[mode] = m, _weights(rl.model), _weights(rl.critic.model)
         # both moved: the test compares updates, not two copies of the initial weights
         assert any(not torch.equal(actor0[k], v) for k, v in out[mode][1].items())
