@@ -210,3 +210,18 @@ def test_server_flags_and_bounded_overrides(tiny_dir):
             assert srv.state.rl.cfg.critic_lr == 1e-3  # that step's only
     finally:
         srv.stop()
+
+
+def test_demo_runs_ppo_with_a_critic(tmp_path):
+    import json
+
+    from rollplex.demo.train import main
+    from rollplex.tiny import write_tiny
+
+    out = tmp_path / "demo"
+    main(["--model", str(write_tiny(tmp_path / "tiny", seed=0)), "--steps", "2", "--target", "2", "--prompts", "2",
+          "--n", "2", "--warmup-steps", "1", "--adv-estimator", "gae", "--critic-lr", "2e-4", "--critic-warmup", "1",
+          "--lam", "0.9", "--progress", "off", "--out", str(out)])
+    first, second = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert first["critic/lr"] == 2e-4 and first["rollplex/critic_warmup"] == 1.0 and "actor/pg_loss" not in first
+    assert "actor/pg_loss" in second and "critic/vf_loss" in second
