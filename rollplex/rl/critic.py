@@ -29,7 +29,8 @@ its state and gradients in the `critic_optimizer` / `critic_grads` memory region
 the actor's `grad_clip`, a constant lr `critic_lr` (a step's config may override it). The loss is verl's
 clipped value loss (rl/algos.py `value_loss`) against the returns of GAE, clipped around the values
 scored before the update. Metrics use verl's names: critic/vf_loss, critic/vf_clipfrac,
-critic/vpred_mean, critic/grad_norm, critic/lr.
+critic/vpred_mean, critic/grad_norm, critic/lr (and, from the step, critic/values/*, critic/returns/*,
+critic/vf_explained_var).
 
 Not (yet) like the actor: no out-of-memory back-off (an OOM in the critic's passes raises), no
 data-parallel placement (RLStep refuses gae under a process group), no entropy/KL terms.

@@ -441,6 +441,8 @@ class RLStep:
         m.update(self._batch_metrics(batch, adv, rewards, train_lp, cfg))
         if cfg.uses_critic:
             sel = batch.mask > 0
+            # verl's: how much of the returns' variance the values explain (1: all; <= 0: none)
+            m["critic/vf_explained_var"] = float(1 - (returns[sel] - values[sel]).var() / (returns[sel].var() + 1e-5))
             m.update({"critic/values/mean": float(values[sel].mean()), "critic/values/max": float(values[sel].max()),
                       "critic/values/min": float(values[sel].min()), "critic/returns/mean": float(returns[sel].mean()),
                       "critic/returns/max": float(returns[sel].max()), "critic/returns/min": float(returns[sel].min())})
