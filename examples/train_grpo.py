@@ -98,9 +98,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature")
     ap.add_argument("--lr", type=float, default=None, help="default: 1e-3 for the demo, else the server's")
     ap.add_argument("--kl-coef", type=float, default=None, help="KL coefficient (default: the server's)")
-    ap.add_argument("--adv-estimator", default=None, help="grpo, dr_grpo, rloo, reinforce_plus_plus or "
-                    "reinforce_plus_plus_baseline, sent with each /train_step (default: the server's; dr_grpo "
+    ap.add_argument("--adv-estimator", default=None, help="grpo, dr_grpo, rloo, reinforce_plus_plus, "
+                    "reinforce_plus_plus_baseline or gae (PPO with a critic: the server must have been started with "
+                    "it; the in-process one is), sent with each /train_step (default: the server's; dr_grpo "
                     "with loss aggregation seq-mean-token-sum-norm unless --loss-agg-mode says otherwise)")
+    ap.add_argument("--critic-lr", type=float, default=None, help="gae: the critic's lr (default: the server's; the "
+                    "in-process server's: --lr)")
+    ap.add_argument("--critic-warmup", type=int, default=0, help="gae: the first steps train the critic only "
+                    "(in-process server only: a startup setting)")
+    ap.add_argument("--gamma", type=float, default=None, help="discount of gae's / reinforce_plus_plus's per-token "
+                    "return (default: the server's)")
+    ap.add_argument("--lam", type=float, default=None, help="gae's lambda (default: the server's)")
     ap.add_argument("--policy-loss", default=None, help="vanilla or gspo (default: the server's)")
     ap.add_argument("--loss-agg-mode", default=None, help="verl's loss_agg_mode (default: the server's)")
     ap.add_argument("--clip-ratio-low", type=float, default=None, help="PPO clip range below 1 (default: the server's)")
@@ -280,9 +288,15 @@ def start_server(args):
     from rollplex.rl.config import RLConfig
     from rollplex.server import ServerConfig, serve_in_thread
 
-    rl = RLConfig(mode=args.mode, n=args.n_samples, lr=args.lr or 1e-6, kl_coef=args.kl_coef or 0.0,
-                  temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                  micro_batch_prompts=8, micro_batch_samples=32)
+    # PPO with a critic needs a server that builds one: the in-process server does when asked for gae
+    critic = dict(adv_estimator="gae", critic_lr=args.critic_lr or args.lr or 1e-6,
+                  critic_warmup=args.critic_warmup) if args.adv_estimator == "gae" else {}
+    try:
+        rl = RLConfig(mode=args.mode, n=args.n_samples, lr=args.lr or 1e-6, kl_coef=args.kl_coef or 0.0,
+                      temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                      micro_batch_prompts=8, micro_batch_samples=32, **critic)
+    except ValueError as e:
+        raise SystemExit(f"train_grpo: {e}") from None
     # the server only saves and loads under its checkpoint root: the save dir, else the resumed run's folder
     root = args.save_dir or (str(Path(args.resume).resolve().parent) if args.resume else None)
     backend = BackendConfig(rollout_backend=args.rollout_backend or "native")
@@ -421,7 +435,7 @@ def _train(args, client: Client, rows: list[dict], val_rows: list[dict], tracker
     if args.adv_estimator == "dr_grpo" and args.loss_agg_mode is None:
         args.loss_agg_mode = "seq-mean-token-sum-norm"  # Dr.GRPO's aggregation
     names = ("lr", "kl_coef", "adv_estimator", "policy_loss", "loss_agg_mode", "clip_ratio_low", "clip_ratio_high",
-             "use_kl_loss", "overlong_buffer_len", "overlong_penalty_factor")
+             "use_kl_loss", "overlong_buffer_len", "overlong_penalty_factor", "critic_lr", "gamma", "lam")
     overrides = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     if args.filter_groups:
         overrides["filter_groups"] = True

@@ -44,9 +44,15 @@ HELP = {
     "dual_clip": "verl's clip_ratio_c (caps a negative-advantage token's loss at c*|A|); 'none' turns it off",
     "adv_estimator": "grpo, dr_grpo (no std; needs --loss-agg-mode seq-mean-token-sum-norm), rloo (leave-one-out "
                      "baseline), reinforce_plus_plus (discounted per-token return, batch-whitened), "
-                     "reinforce_plus_plus_baseline (group mean subtracted, batch-whitened)",
+                     "reinforce_plus_plus_baseline (group mean subtracted, batch-whitened), gae (PPO with a critic: "
+                     "a value model is trained beside the policy)",
     "singleton_adv": "advantage of a group of one sample: reward (verl: the reward itself) or zero",
-    "gamma": "discount of reinforce_plus_plus's per-token return",
+    "gamma": "discount of reinforce_plus_plus's and gae's per-token return",
+    "lam": "GAE's lambda (adv_estimator gae)",
+    "cliprange_value": "the critic's value loss clips its predictions to the scored values +- this (gae)",
+    "critic_lr": "the critic's AdamW lr (gae)",
+    "critic_warmup": "the first steps train the critic only (gae)",
+    "critic_model_path": "HF directory of the critic (gae; default: a copy of the policy and a fresh value head)",
     "policy_loss": "vanilla: PPO-clip per token; gspo: sequence-level ratio clipped per sequence (verl's recipe: "
                    "--clip-ratio-low 3e-4 --clip-ratio-high 4e-4)",
     "clip_ratio_high": "PPO clip range above 1 (DAPO's clip-higher: 0.28)",

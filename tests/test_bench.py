@@ -2,6 +2,7 @@
 claim to (their GPU numbers are in docs/BENCHMARKS.md)."""
 
 import json
+import math
 
 import pytest
 
@@ -95,6 +96,23 @@ def test_step_bench_without_warm_up_times_the_first_step(tiny_dir, capsys):
     assert [r["step"] for r in rows if r["bench"] == "step" and r["workload"] == "w3b-video"] == ["first", "first"]
     (summary,) = [r for r in rows if r["bench"] == "step_summary"]
     assert summary["step"] == "first" and summary["serial"] > summary["gen_s"] and "cosched" not in summary
+
+
+def test_step_bench_reports_the_critics_cost(tiny_dir, capsys):
+    """PPO with a critic (adv_estimator gae): each mode's row carries the critic's values scoring and update;
+    a table sets them side by side."""
+    from rollplex.bench import step
+
+    step.main(["--preset", f"{tiny_dir}/config.json", "--workloads", "w3b", "--no-warm", "--vision", "frozen",
+               "--modes", "serial,rollplex", "--adv-estimator", "gae", "--kl-coef", "0", *STEP_ARGS])
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    ours = [r for r in rows if r["bench"] == "step" and r["workload"] == "w3b"]
+    assert [r["mode"] for r in ours] == ["serial", "rollplex"]
+    assert all(r["values_s"] > 0 and r["update_critic_s"] > 0 and math.isfinite(r["vf_loss"]) for r in ours)
+    (summary,) = [r for r in rows if r["bench"] == "step_summary"]
+    assert summary["serial_critic_s"] > 0 and summary["rollplex_critic_s"] > 0
+    assert "| serial s (critic s) | rollplex s (critic s) |" in out
 
 
 def test_memory_bench_runs_steps_under_the_manager(capsys):

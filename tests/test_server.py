@@ -491,6 +491,10 @@ def test_bad_requests_are_4xx_and_harmless(client, server):
         ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "overlong_buffer_len": 5}, 400),  # > max_new_tokens 4
         ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "overlong_penalty_factor": 11.0}, 400),
         ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "filter_groups_metric": "acc"}, 400),
+        ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "adv_estimator": "gae"}, 400),  # no critic on this server
+        ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "critic_lr": 0.5}, 400),
+        ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "lam": 1.5}, 400),
+        ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "critic_warmup": 2}, 400),  # a startup flag
         ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "max_num_gen_batches": 2}, 400),  # not a server option
         ({"rollout_id": rid, "rewards": [1, 1, 0, 0], "filter_groups": True}, 400),  # no group left to train
         ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "train_batch_size": 2}, 400),  # without filter_groups

@@ -287,7 +287,8 @@ def test_overrides_and_rewards_are_bounded(server, client, monkeypatch):
            ({"rewards": [1e308, 0, 0, 1]}, "rewards"), ({"rewards": [-1e308, 0, 0, 1]}, "rewards"),
            ({"rewards": [2e6, 0, 0, 1]}, "rewards"), ({"gamma": 1.5}, "gamma"),
            ({"tis_imp_ratio_cap": 1e9}, "tis_imp_ratio_cap"), ({"loss_agg_norm": 1e30}, "loss_agg_norm"),
-           ({"adv_estimator": "gae"}, "adv_estimator"), ({"policy_loss": "gmpo"}, "policy_loss"),
+           ({"adv_estimator": "remax"}, "adv_estimator"), ({"adv_estimator": "gae"}, "holds no critic"),
+           ({"policy_loss": "gmpo"}, "policy_loss"),
            ({"kl_penalty": "k4"}, "kl_penalty"), ({"singleton_adv": "mean"}, "singleton_adv"),
            ({"adv_estimator": "dr_grpo"}, "seq-mean-token-sum-norm"), ({"kl_ctrl": "adaptive"}, "kl_ctrl")]
     failures = []

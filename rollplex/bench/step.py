@@ -121,6 +121,9 @@ def _train_row(rl: RLStep, batch: RolloutBatch, cfg, grid, label: str, step: str
          "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else 0,
          "dynamo_graphs_compiled": counters["stats"]["unique_graphs"] - graphs0,
          "prefix_normal_phase_s": round(m.get("rollplex/prefix_ref_normal_phase_s", 0.0), 3)}
+    if "timing_s/update_critic" in m:  # PPO with a critic (adv_estimator gae): the critic's share of the step
+        r.update(values_s=round(m["timing_s/values"], 3), update_critic_s=round(m["timing_s/update_critic"], 3),
+                 vf_loss=m["critic/vf_loss"])
     if gen_s is not None:
         r["gen_s"] = round(gen_s, 3)
     r.update(extra or {})
@@ -338,6 +341,8 @@ def main(argv=None) -> None:
                                       init=init, ref=ref)[0]
                         row[mode] = gen_s + r["ref_plus_update_s"]
                         row[mode + "_ref_s"], row[mode + "_update_s"] = r["ref_s"], r["update_actor_s"]
+                        if "values_s" in r:
+                            row[mode + "_critic_s"] = r["values_s"] + r["update_critic_s"]
                     del batch
                     _free()
                 for fuse in fuses if "fused" in modes else []:
@@ -453,3 +458,12 @@ def _table(summary: list[dict]) -> None:
               f"{fmt(r.get('slowdown_bound'), '{:g}')} | {r.get('side_sms', 0) or 'all'} | "
               f"{fmt(co)} ({fmt(r.get('cosched_gen_s'))}) | {fmt(limit)} | {fmt(frac, '{:.0%}')} | "
               f"{fmt(slow, '{:+.1%}')} | {fmt(base / co if base and co else None)}x |")
+    critic = [r for r in summary if "rollplex_critic_s" in r or "serial_critic_s" in r]
+    if critic:  # PPO with a critic: values scored + the critic's update, inside each mode's step
+        print("\n| workload | vision | step | serial s (critic s) | rollplex s (critic s) | critic vs serial |")
+        print("|---|---|---|---|---|---|")
+        for r in critic:
+            cs, cr = r.get("serial_critic_s"), r.get("rollplex_critic_s")
+            ratio = f"{cs / cr:.2f}x" if cs and cr else "-"
+            print(f"| {r['workload']} | {r['vision']} | {r['step']} | {r.get('serial', 0):.2f} ({cs or 0:.2f}) | "
+                  f"{r.get('rollplex', 0):.2f} ({cr or 0:.2f}) | {ratio} |")

@@ -20,6 +20,10 @@ The policy, its format warm-up, the engine and the RL step are assembled by roll
 options are flags generated from SystemConfig (rollplex/cli.py) with the demo's defaults (DEFAULTS), so
 they are the server's and the benchmarks' flags; `--warmup-steps` is the format warm-up's here.
 
+PPO with a critic (`--adv-estimator gae`, rl/critic.py): a value model copied from the warmed-up policy
+is trained beside it (`--critic-lr`, default 1e-3 as the actor's `--lr`; `--critic-warmup`, `--gamma`,
+`--lam`).
+
 DAPO (`--filter-groups`, `--overlong-buffer-len`, `--clip-ratio-high 0.28`; rl/config.py): a step rolls
 out more prompts until it holds --prompts groups whose samples' rewards differ (`train/num_gen_batches`).
 """
@@ -49,10 +53,11 @@ LOG_EVERY_S = 5.0  # --progress without a terminal: a line at most this often
 
 
 # The demo's defaults, over SystemConfig's: the tiny task's 4 new tokens (an option letter and the end of the
-# turn), large groups, a fast learning rate, float32, no memory manager, a short-context engine.
+# turn), large groups, a fast learning rate (the critic's too: verl's 1e-5 is for real models and far too
+# slow for the tiny one's few steps), float32, no memory manager, a short-context engine.
 DEFAULTS = {"dtype": "float32", "format_warmup_steps": 30,
             "rl": RLConfig(n=16, max_new_tokens=4, lr=1e-3, micro_batch_prompts=8, micro_batch_samples=32,
-                           max_num_gen_batches=10),
+                           max_num_gen_batches=10, critic_lr=1e-3),
             "engine": EngineConfig(max_num_seqs=256, max_model_len=512), "memory": MemoryConfig(memory_plan="resident")}
 # no flag: the LR warm-up (--warmup-steps is the format warm-up here, as it always was), and the sections a
 # one-process native-engine demo does not use

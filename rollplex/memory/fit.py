@@ -9,6 +9,7 @@ update — costs nothing and is always part of the `auto` plan. While a phase is
 | measure | what changes | cost per W3B step on one H200 (docs/BENCHMARKS.md) |
 |---|---|---|
 | reference offloaded | ref_weights offloaded outside `ref` | a copy of the frozen weights in: 0.15 s |
+| critic offloaded | critic_weights / critic_optimizer offloaded in `rollout` | the critic's copy out and back |
 | activation checkpointing | (vision_)gradient_checkpointing | one more forward: update 6.65 -> 7.44 s |
 | optimizer_offload=moments | AdamW moments paged from host memory | 16 bytes per parameter over the bus: +1.1 s |
 | optimizer_offload=all | the fp32 masters paged too | 24 bytes per parameter: about +1.6 s (by the bytes) |
@@ -42,7 +43,7 @@ GiB = 2**30
 # measures that only move a region to host memory: dropped again once a later measure makes them unneeded.
 # Checkpointing is never dropped for a later one: the activation estimate is the plan's least certain
 # number (the 7B update planned 83.9 GiB and measured 90.5 with checkpointing and paged moments).
-HOST_ONLY = ("reference offloaded",)
+HOST_ONLY = ("reference offloaded", "critic offloaded")
 OPTIMIZER_OFFLOADS = ("auto", "none", "moments", "all", "cpu")
 
 # (checkpointing, optimizer_offload) -> (bytes per tag, transient bytes per phase)
@@ -60,18 +61,23 @@ def optimizer_bytes(trainable: int, fp32_params: bool, offload: str) -> int:
 class Footprint:
     """What the step's region sizes are planned from: bytes of the policy (what the engine decodes, plus
     trainer tensors stored apart from it), of the reference and of the KV cache; the trainable
-    parameters this process steps and their bytes each (4: fp32, their own masters)."""
+    parameters this process steps and their bytes each (4: fp32, their own masters); the critic's
+    (PPO-GAE) bytes and trainable parameters, 0 without one (its optimizer offloaded like the actor's)."""
 
     weights: int
     ref_weights: int
     kv_cache: int
     trainable: int
     param_bytes: int
+    critic_weights: int = 0
+    critic_trainable: int = 0
 
     def sizes(self, optimizer_offload: str) -> dict[str, int]:
         return {"weights": self.weights, "ref_weights": self.ref_weights, "kv_cache": self.kv_cache,
                 "optimizer": optimizer_bytes(self.trainable, self.param_bytes == 4, optimizer_offload),
-                "grads": self.trainable * self.param_bytes}
+                "grads": self.trainable * self.param_bytes, "critic_weights": self.critic_weights,
+                "critic_optimizer": optimizer_bytes(self.critic_trainable, self.param_bytes == 4, optimizer_offload),
+                "critic_grads": self.critic_trainable * self.param_bytes}
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,10 @@ def fit(estimate: Estimate, capacity: int | None, *, memory_plan: str = "auto", 
     ladder: list[tuple[str, Callable[[_State], _State | None]]] = [
         ("reference offloaded", lambda s: replace(s, plan=s.plan.with_residency("ref_weights", "offloaded"))
          if offloads else None),
+        # PPO-GAE's value model: its weights outside `ref` / `update` (the rollout), its AdamW state outside `update`
+        ("critic offloaded", lambda s: replace(s, plan=s.plan.with_residency(
+            "critic_weights", "offloaded", ["rollout"]).with_residency("critic_optimizer", "offloaded"))
+         if offloads else None),
         ("activation checkpointing", lambda s: replace(
             s, checkpointing=s.checkpointing if gradient_checkpointing is not None else True,
             vision_checkpointing=s.vision_checkpointing if vision_gradient_checkpointing is not None else True)
@@ -192,7 +202,8 @@ def fit(estimate: Estimate, capacity: int | None, *, memory_plan: str = "auto", 
                 state, plan, sizes, acts, taken = s, nplan, nsizes, nacts, keep
     if not over and host_capacity is not None:
         # pinned host memory: the optimizer state `optimizer_offload` keeps there, and every region offloaded
-        host = estimate(state.checkpointing, "none")[0]["optimizer"] - sizes["optimizer"] + sum(
+        none = estimate(state.checkpointing, "none")[0]
+        host = none["optimizer"] - sizes["optimizer"] + none["critic_optimizer"] - sizes["critic_optimizer"] + sum(
             n for tag, n in sizes.items() if any(plan.get(p, tag) == "offloaded" for p in PHASES))
         if host > host_capacity * host_budget:
             raise ValueError(

@@ -12,6 +12,11 @@ allocation lives in a tagged region whose contents are needed only by some of th
 | optimizer | AdamW moments + fp32 master weights: only in `update`; mutable, so a CPU copy is rewritten each step |
 | grads | the persistent gradient buffers: only in `update`; zeroed before each use |
 | prefix_states | prompt prefix K/V and vision encodings made during rollout, consumed in `ref` / `update` |
+| critic_weights | the value model (PPO-GAE, rl/critic.py): its values are scored in `ref`, it is trained in `update` |
+| critic_optimizer | the critic's AdamW moments + masters: only in `update` |
+| critic_grads | the critic's persistent gradient buffers: only in `update`; zeroed before each use |
+
+The critic's regions are empty (zero bytes) unless the step trains one (`adv_estimator="gae"`).
 
 In each phase a region is `resident`, `released` (its physical memory returned, contents dropped:
 free to do, nothing to copy back) or `offloaded` (a pinned CPU copy kept, contents restored on
@@ -28,7 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PHASES = ("rollout", "ref", "update")
-TAGS = ("weights", "ref_weights", "kv_cache", "optimizer", "grads", "prefix_states")
+TAGS = ("weights", "ref_weights", "kv_cache", "optimizer", "grads", "prefix_states", "critic_weights",
+        "critic_optimizer", "critic_grads")
 RESIDENCIES = ("resident", "released", "offloaded")
 
 # the phases that read each tag's contents; elsewhere it may be released or offloaded
@@ -39,9 +45,12 @@ NEEDED = {
     "optimizer": {"update"},
     "grads": {"update"},
     "prefix_states": set(PHASES),
+    "critic_weights": {"ref", "update"},
+    "critic_optimizer": {"update"},
+    "critic_grads": {"update"},
 }
 # contents that must survive a pause (so only `offloaded` or `resident` keep them)
-PRESERVED = {"weights", "ref_weights", "optimizer", "prefix_states"}
+PRESERVED = {"weights", "ref_weights", "optimizer", "prefix_states", "critic_weights", "critic_optimizer"}
 # contents that never change while paused: the CPU copy is taken once, each pause is free
 FROZEN = {"ref_weights"}
 
@@ -85,13 +94,15 @@ class PhasePlan:
 
     @classmethod
     def releases_only(cls) -> PhasePlan:
-        """Release what costs nothing to drop: the KV cache outside rollout, gradients outside update."""
+        """Release what costs nothing to drop: the KV cache outside rollout, gradients (the actor's and the
+        critic's) outside update."""
         res = {p: {} for p in PHASES}
         for p in PHASES:
             if p != "rollout":
                 res[p]["kv_cache"] = "released"
             if p != "update":
                 res[p]["grads"] = "released"
+                res[p]["critic_grads"] = "released"
         return cls(res, name="release")
 
     def with_residency(self, tag: str, residency: str, phases=None, name: str | None = None) -> PhasePlan:

@@ -84,6 +84,20 @@ def mini_batch_sizes(num_prompts: int, k: int) -> list[int]:
     return [n for n in (len(range(i, num_prompts, k)) for i in range(k)) if n]
 
 
+def mini_batches(cfg: RLConfig, batch: RolloutBatch, epoch: int, step: int) -> list[list[int]]:
+    """The prompts of each mini-batch of `epoch` of a step's update (see the module docstring); the
+    critic's follow the same."""
+    k = cfg.ppo_mini_batches
+    if epoch == 0:
+        order, out = batch.finish_order(), []
+        for n in mini_batch_sizes(batch.num_prompts, k):
+            out.append(order[sum(map(len, out)):][:n])
+        return out
+    g = torch.Generator().manual_seed(cfg.seed * 1000003 + step * 1009 + epoch)
+    order = torch.randperm(batch.num_prompts, generator=g).tolist()
+    return [order[i::k] for i in range(k) if order[i::k]]
+
+
 METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl",
            "actor/pg_clipfrac_lower")
 
@@ -108,16 +122,7 @@ class Actor:
         self.score_backoff = Backoff()  # the same for no-grad scoring (reference and old logprobs)
 
     def _mini_batches(self, cfg: RLConfig, batch: RolloutBatch, epoch: int, step: int) -> list[list[int]]:
-        """The prompts of each mini-batch of `epoch` (see the module docstring)."""
-        k = cfg.ppo_mini_batches
-        if epoch == 0:
-            order, out = batch.finish_order(), []
-            for n in mini_batch_sizes(batch.num_prompts, k):
-                out.append(order[sum(map(len, out)):][:n])
-            return out
-        g = torch.Generator().manual_seed(cfg.seed * 1000003 + step * 1009 + epoch)
-        order = torch.randperm(batch.num_prompts, generator=g).tolist()
-        return [order[i::k] for i in range(k) if order[i::k]]
+        return mini_batches(cfg, batch, epoch, step)
 
     def _set_lr(self, cfg: RLConfig) -> float:
         """The lr of the next optimizer step, put into the optimizer: the schedule's, with `cfg.lr` as

@@ -14,6 +14,12 @@ response's last token; a KL-in-reward penalty is subtracted per token (verl's to
                                 the response), whitened over all response tokens of the batch
                                 ((G - mean) / sqrt(var_unbiased + 1e-8), mean not added back); [N, R]
   reinforce_plus_plus_baseline  r - mean_group broadcast over the tokens, then whitened the same way; [N, R]
+  gae                           PPO with a critic (rl/critic.py): per-token rewards r_t and values V_t (the
+                                value predicted at the position before token t), TD errors
+                                delta_t = r_t + gamma V_{t+1} - V_t (V past the response's end = 0) and
+                                A_t = delta_t + gamma lam A_{t+1}; returns R_t = A_t + V_t (the critic's
+                                targets, before whitening); A whitened over the batch's response tokens
+                                (verl's masked_whiten); [N, R]
 
 A group of one sample: verl takes mean 0 (and std 1), so the advantage is the reward itself
 (`singleton="reward"`, the default); `singleton="zero"` gives it advantage 0 before any whitening
@@ -33,6 +39,10 @@ low_var_kl/k3 = exp(ref - logp) - (ref - logp) - 1 with the difference clamped t
 to ±10. The KL loss defaults to low_var_kl and the KL-in-reward penalty to kl (both verl's defaults).
 `AdaptiveKLController` is verl's: coef *= 1 + clip(kl / target - 1, ±0.2) · n_samples / horizon.
 
+Value loss (`value_loss`, verl's compute_value_loss): 0.5 max((v - R)^2, (clip(v, v_old ± cliprange_value)
+- R)^2) per token, aggregated by `loss_agg_mode`; vf_clipfrac is the fraction of response tokens where the
+clipped term is the larger.
+
 Aggregation with micro-batches: a loss computed on a micro-batch and divided by the *global*
 normaliser (`agg_denominator` over the whole mini-batch) sums to the mini-batch loss, so gradients
 do not depend on how samples were grouped into micro-batches — which is what lets the shared-prefix
@@ -49,6 +59,9 @@ Differences from verl that remain:
 - No straight-through KL variants (verl's "k3+" etc.), no ReMax / GPG / OPO estimators, no
   GMPO / clip-cov / kl-cov losses; the adaptive controller moves the reward penalty only (as verl's).
 - Clip fractions and ppo_kl are means over the mini-batch's response tokens (verl: over micro-batches).
+- GAE skips masked positions inside a response as verl's current version does; with the usual
+  right-padded responses this is the same as the older unmasked recursion. The value loss aggregates
+  with the actor's `loss_agg_mode` (verl's critic.loss_agg_mode defaults to it too).
 """
 
 from __future__ import annotations
@@ -57,7 +70,7 @@ import torch
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
-ADV_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+ADV_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae")
 POLICY_LOSSES = ("vanilla", "gspo")
 SINGLETON_ADV = ("reward", "zero")
 
@@ -151,16 +164,51 @@ def reinforce_pp_baseline_advantages(rewards: torch.Tensor, group: torch.Tensor,
     return masked_whiten(centered[:, None] * m, m) * m
 
 
+def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+                   lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE (verl's compute_gae_advantage_return): (advantages whitened over the batch's response tokens,
+    returns = advantages + values before whitening), both [N, R] and zero outside the mask.
+
+    token_rewards, values: [N, R]; values[:, t] is the critic's estimate before response token t. Past a
+    response's end (mask 0) the next value is 0 and the running advantage does not leak backwards
+    across masked positions (they are skipped, as verl skips observation tokens)."""
+    m = mask.float()
+    r, v = token_rewards.float() * m, values.float() * m
+    adv = torch.zeros_like(v)
+    next_v = torch.zeros(v.shape[0])
+    running = torch.zeros(v.shape[0])
+    for t in reversed(range(v.shape[1])):
+        delta = r[:, t] + gamma * next_v - v[:, t]
+        step = delta + gamma * lam * running
+        # a masked position keeps what follows it: the value and advantage of the next real token
+        next_v = torch.where(m[:, t] > 0, v[:, t], next_v)
+        running = torch.where(m[:, t] > 0, step, running)
+        adv[:, t] = running
+    returns = (adv + v) * m
+    return masked_whiten(adv, m) * m, returns
+
+
+def token_level_rewards(scores: torch.Tensor, mask: torch.Tensor,
+                        token_penalty: torch.Tensor | None = None) -> torch.Tensor:
+    """verl's token_level_rewards [N, R]: each outcome score [N] at its response's last token, minus the
+    optional per-token penalty [N, R] (the KL-in-reward term, coefficient included)."""
+    tok = outcome_token_rewards(scores, mask)
+    if token_penalty is not None:
+        tok = tok - token_penalty.float() * mask.float()
+    return tok
+
+
 def compute_advantages(estimator: str, scores: torch.Tensor, group: torch.Tensor, mask: torch.Tensor,
                        token_penalty: torch.Tensor | None = None, norm_by_std: bool = True, gamma: float = 1.0,
                        singleton: str = "reward") -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages [N] or [N, R], sequence rewards [N]) of outcome `scores` [N] minus an optional
-    per-token penalty [N, R] (the KL-in-reward term, coefficient included)."""
+    per-token penalty [N, R] (the KL-in-reward term, coefficient included). `gae` needs the critic's
+    values: `gae_advantages` on `token_level_rewards`."""
     if estimator not in ADV_ESTIMATORS:
         raise ValueError(f"adv_estimator must be one of {ADV_ESTIMATORS}, got {estimator!r}")
-    tok = outcome_token_rewards(scores, mask)
-    if token_penalty is not None:
-        tok = tok - token_penalty.float() * mask.float()
+    if estimator == "gae":
+        raise ValueError("adv_estimator='gae' needs the critic's values: gae_advantages(token_level_rewards(...))")
+    tok = token_level_rewards(scores, mask, token_penalty)
     rewards = tok.sum(-1)
     if estimator == "grpo":
         return grpo_advantages(rewards, group, norm_by_std, singleton=singleton), rewards
@@ -244,6 +292,19 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tenso
         loss = loss * weights.detach()
     ppo_kl = (-log_ratio.detach() * m).sum() / n
     return agg_loss(loss, mask, agg_mode, denominator, norm), clipfrac, ppo_kl, clipfrac_lower
+
+
+def value_loss(vpreds: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               cliprange_value: float = 0.5, agg_mode: str = "token-mean", denominator: float | None = None,
+               norm: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's clipped value loss: 0.5 * agg(max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2)); all [N, R].
+    Returns (loss, vf_clipfrac: the fraction of response tokens where the clipped term is the larger)."""
+    m = mask.to(vpreds.dtype)
+    clipped = old_values + (vpreds - old_values).clamp(-cliprange_value, cliprange_value)
+    l1, l2 = (vpreds - returns) ** 2, (clipped - returns) ** 2
+    loss = 0.5 * agg_loss(torch.maximum(l1, l2), mask, agg_mode, denominator, norm)
+    clipfrac = ((l2 > l1).to(m.dtype) * m).sum() / m.sum().clamp_min(1)
+    return loss, clipfrac
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:

@@ -1,7 +1,9 @@
 """Checkpoint / resume of an RL run: an HF directory for the policy (readable by transformers and
 by `load_model`), the reference policy beside it, and `trainer_state.pt` with the optimizer,
 LR scheduler, step counter, the adaptive KL controller's coefficient (kl_ctrl="adaptive"), data position
-and RNG states. Loading copies weights *in place* so the
+and RNG states. With a critic (PPO-GAE, rl/critic.py) its HF directory is `critic/` beside the policy (the
+backbone in HF names and the value head as `score.*`, readable as `critic_model_path`), its optimizer
+state in the trainer state's `critic`. Loading copies weights *in place* so the
 native engine, which reads the same tensors, keeps decoding with the restored policy; a rollout backend
 with its own copy of the policy (SGLang) gets the restored weights copied in.
 
@@ -35,13 +37,14 @@ from torch.distributed.tensor import DTensor
 
 from ..models import hf_to_rollplex, save_model
 from ..models.checkpoint import read_safetensors
+from .critic import HEAD, save_value_model, value_state
 from .step import RLStep
 
 STATE = "trainer_state.pt"
 
 
 # what a checkpoint reads or writes besides the policy: resident for the duration whatever the phase
-_HELD = ("ref_weights", "optimizer")
+_HELD = ("ref_weights", "optimizer", "critic_weights", "critic_optimizer")
 
 
 def _held(step: RLStep, modified: bool):
@@ -101,6 +104,8 @@ def _save(step: RLStep, path: Path, data_state: dict | None, tokenizer_dir) -> P
                        dtype=next(step.model.parameters()).dtype)
             if step.ref is not None:
                 save_model(step.ref, path / "ref", state=ref_state)
+            if step.critic is not None:
+                save_value_model(step.critic.model, path / "critic")
             (path / "rollplex_step.json").write_text(json.dumps({"global_step": step.step_idx}) + "\n")
         except OSError as e:
             err = e
@@ -117,6 +122,8 @@ def _save(step: RLStep, path: Path, data_state: dict | None, tokenizer_dir) -> P
     }
     if step.kl_ctrl is not None:
         state["kl_ctrl_value"] = step.kl_ctrl.value
+    if step.critic is not None:
+        state["critic"] = step.critic.state_dict(masters=masters)
     if par is not None:
         state["world"] = par.world
         if step.ref is not None:  # this rank's shards, restored as they are
@@ -241,8 +248,10 @@ def _read(step: RLStep, path: Path, name: str) -> dict:
         raise ValueError(f"{path / name}: {e}") from None
     # the policy: what the engine decodes, under a tensor-parallel engine this rank's shard (its plan)
     policy, full = _read_model(step.model, path, "the policy", None if par is None else par.tp)
-    out = {"state": state, "policy": policy, "full": full, "ref": None,
+    out = {"state": state, "policy": policy, "full": full, "ref": None, "critic": None,
            "weights_dtype": next(iter(full.values())).dtype}
+    if step.critic is not None:
+        out["critic"] = _read_critic(step, path, name, state)
     if step.ref is not None:
         if not (path / "ref").is_dir():
             raise ValueError(f"{path} has no reference policy (ref/) but this run uses one")
@@ -260,9 +269,38 @@ def _read(step: RLStep, path: Path, name: str) -> dict:
     return out
 
 
+def _read_critic(step: RLStep, path: Path, name: str, state: dict) -> dict[str, torch.Tensor]:
+    """The critic's tensors by `value_state`'s names from `critic/`, checked like the policy's; its optimizer
+    state checked against the live critic's."""
+    if not (path / "critic").is_dir() or "critic" not in state:
+        raise ValueError(f"{path} has no critic (critic/ and its trainer state) but this run trains one")
+    try:
+        step.critic.check_state_dict(state["critic"])
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"{path / name}: {e}") from None
+    own = value_state(step.critic.model)
+    try:
+        hf = read_safetensors(path / "critic")
+        got = {**hf_to_rollplex({k: v for k, v in hf.items() if k not in HEAD}, step.critic.model.cfg),
+               **{k: hf[k] for k in HEAD if k in hf}}
+    except Exception as e:  # noqa: BLE001 - a truncated or corrupt file: the checkpoint's fault
+        raise ValueError(f"the critic in {path / 'critic'} is not readable ({type(e).__name__}: {e})") from None
+    got.pop("lm_head.weight", None)
+    if set(got) != set(own) or any(got[k].shape != v.shape for k, v in own.items()):
+        raise ValueError(f"the critic in {path / 'critic'} does not match this run's (names or shapes)")
+    if not all(t.is_floating_point() and bool(torch.isfinite(t).all()) for t in got.values()):
+        raise ValueError(f"the critic in {path / 'critic'} has non-floating-point or non-finite values")
+    return got
+
+
 def _load(step: RLStep, read: dict, report: dict | None) -> dict:
     par, state = step.parallel, read["state"]
     _copy_into(step.model, read["policy"])
+    if step.critic is not None:
+        with torch.no_grad():
+            for k, v in value_state(step.critic.model).items():
+                v.copy_(read["critic"][k])
+        step.critic.load_state_dict(state["critic"], read["weights_dtype"])
     if par is not None:  # the trainer's shards that are not windows of the engine's tensors read it too
         par.weights.pull(read["full"])
     if step.ref is not None:

@@ -6,6 +6,12 @@ schedule advances once per train step (`lr_schedule_unit="optimizer_step"`: once
 the KL-in-reward penalty uses k1 (`kl_penalty`; it used `kl_loss_type`); dual clip 3.0
 (`dual_clip=None`: off). The estimators, losses and the differences that remain: rl/algos.py.
 
+PPO with a critic (`adv_estimator="gae"`, rl/critic.py): a value model (the policy's backbone and a scalar
+head, copied from the policy or read from `critic_model_path`) is trained beside the actor with its own
+AdamW (`critic_lr`), the clipped value loss (`cliprange_value`) and the actor's mini-batches and epochs;
+advantages are GAE(`gamma`, `lam`) of the token-level rewards. For the first `critic_warmup` steps only
+the critic is updated (the actor's weights, optimizer and LR schedule stay as they are).
+
 DAPO (verl's recipe: clip_ratio_low 0.2, clip_ratio_high 0.28, loss_agg_mode token-mean, use_kl_loss
 False, kl_coef 0) adds two options, both off by default as in verl:
 overlong reward shaping (`overlong_buffer_len` > 0, verl's reward_model.overlong_buffer): a response
@@ -43,10 +49,17 @@ class RLConfig:
     top_p: float = 1.0
     max_new_tokens: int = 64
     # algorithm
-    adv_estimator: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline
+    # grpo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | gae (PPO with a critic)
+    adv_estimator: str = "grpo"
     norm_adv_by_std: bool = True  # grpo only (dr_grpo is grpo without it)
     singleton_adv: str = "reward"  # a group of one sample: the reward itself (verl) | zero
-    gamma: float = 1.0  # reinforce_plus_plus: discount of the per-token return
+    gamma: float = 1.0  # reinforce_plus_plus, gae: discount of the per-token return (verl's algorithm.gamma)
+    # PPO with a critic (adv_estimator="gae", rl/critic.py; see the docstring)
+    lam: float = 1.0  # GAE's lambda (verl's algorithm.lam)
+    cliprange_value: float = 0.5  # the value loss's clip around the values scored before the update
+    critic_lr: float = 1e-5  # the critic's AdamW lr (constant; betas, weight decay and grad clip: the actor's)
+    critic_warmup: int = 0  # the first steps train the critic only (verl's trainer.critic_warmup)
+    critic_model_path: str | None = None  # HF directory of the critic; None: a copy of the policy
     policy_loss: str = "vanilla"  # vanilla (PPO-clip, dual clip) | gspo (sequence-level ratio)
     clip_ratio_low: float = 0.2  # gspo: verl's recipe uses 3e-4
     clip_ratio_high: float = 0.2  # gspo: verl's recipe uses 4e-4
@@ -146,8 +159,12 @@ class RLConfig:
         if self.adv_estimator == "dr_grpo" and self.loss_agg_mode != "seq-mean-token-sum-norm":
             raise ValueError("adv_estimator='dr_grpo' needs loss_agg_mode='seq-mean-token-sum-norm' (Dr.GRPO's "
                              "constant-normalised token sum)")
-        if not 0.0 <= self.gamma <= 1.0:
-            raise ValueError("gamma must be within [0, 1]")
+        if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
+            raise ValueError("gamma and lam must be within [0, 1]")
+        if not self.cliprange_value > 0 or not self.critic_lr > 0 or not self.critic_lr < float("inf"):
+            raise ValueError("cliprange_value and critic_lr must be finite and > 0")
+        if self.critic_warmup < 0:
+            raise ValueError("critic_warmup must be >= 0")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ValueError("dual_clip must be > 1 (or None)")
         for name in ("loss_agg_norm", "tis_imp_ratio_cap"):
@@ -190,6 +207,11 @@ class RLConfig:
     def agg_norm(self) -> float:
         """seq-mean-token-sum-norm's divisor per sequence."""
         return float(self.loss_agg_norm if self.loss_agg_norm is not None else self.max_new_tokens)
+
+    @property
+    def uses_critic(self) -> bool:
+        """PPO with a critic: the step trains a value model."""
+        return self.adv_estimator == "gae"
 
     @property
     def num_updates(self) -> int:

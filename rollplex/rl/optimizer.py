@@ -3,7 +3,8 @@
 Low-precision (bf16) parameters get fp32 master copies; fp32 parameters are their own masters. The
 gradient buffers are persistent (allocated once, in the `grads` region when a memory manager is
 given, and zeroed instead of freed) so the region can be released outside the update and backward
-accumulates into fixed addresses.
+accumulates into fixed addresses. `regions` names the (optimizer state, gradients) tags: the actor's
+`optimizer` / `grads`, the critic's `critic_optimizer` / `critic_grads`.
 
 `step()` walks the parameters in chunks of about `chunk_bytes`: only that chunk's fp32 gradients
 exist at once (not a full fp32 copy of every gradient). `offload` moves state to pinned host memory,
@@ -40,12 +41,13 @@ OFFLOAD_MODES = ("none", "moments", "all", "cpu")
 
 class MasterAdamW:
     def __init__(self, params: list[torch.nn.Parameter], chunk_bytes: int = 1 << 30, offload: str = "none",
-                 memory=None, **kw):
+                 memory=None, regions: tuple[str, str] = ("optimizer", "grads"), **kw):
         if not params:
             raise ValueError("no trainable parameters")
         if offload not in OFFLOAD_MODES:
             raise ValueError(f"optimizer offload must be one of {OFFLOAD_MODES}, got {offload!r}")
         self.params, self.memory = params, memory
+        self.state_tag, self.grads_tag = regions
         self.offload = offload in ("moments", "all")  # paged through the device in the step
         self._slots: dict[tuple[int, str], torch.Tensor] | None = None  # paged moments' host tensors
         self._page_masters = offload == "all"
@@ -54,7 +56,7 @@ class MasterAdamW:
         self._pin = offload != "none" and self.device.type == "cuda"
         # the tensors the step writes: the parameters themselves, or their shards' local tensors
         self.local = [_local(p.detach()) if isinstance(p, DTensor) else p for p in params]
-        with torch.no_grad(), self._region("optimizer"):
+        with torch.no_grad(), self._region(self.state_tag):
             if self._page_masters or self._cpu_step:
                 self.master = [self._host_copy(t.detach().float()) for t in self.local]
             elif params[0].dtype == torch.float32:
@@ -62,7 +64,7 @@ class MasterAdamW:
             else:
                 self.master = [t.detach().float().clone() for t in self.local]
         if memory is not None:
-            memory.preserve("optimizer", self.state_tensors)
+            memory.preserve(self.state_tag, self.state_tensors)
         self.opt = torch.optim.AdamW(self.master, **kw)
         self.param_groups = self.opt.param_groups
         self.chunks: list[list[int]] = [[]]
@@ -107,12 +109,12 @@ class MasterAdamW:
 
     # ---- gradients ----------------------------------------------------------------------------
     def _alloc_grads(self) -> None:
-        with self._region("grads"):
+        with self._region(self.grads_tag):
             for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)  # zeroed again by the caller
         if self.memory is not None:
-            self.memory.on_resume("grads", self.zero_grad)
+            self.memory.on_resume(self.grads_tag, self.zero_grad)
         self._grads_ready = True
 
     def zero_grad(self, set_to_none: bool = False) -> None:
@@ -153,7 +155,7 @@ class MasterAdamW:
     # ---- step ---------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> None:
-        with self._region("optimizer"):  # the moments are created at the first step: in the region
+        with self._region(self.state_tag):  # the moments are created at the first step: in the region
             self._step()
 
     def _step(self) -> None:
@@ -319,7 +321,7 @@ class MasterAdamW:
         parameter's dtype, or `weights_dtype` — the stored weights' — for fp32 parameters), otherwise the
         master is rebuilt from the parameter (the weights were edited since the save). Returns how many
         saved masters were rebuilt that way."""
-        with self._region("optimizer"):  # the loaded moments are new tensors: in the region
+        with self._region(self.state_tag):  # the loaded moments are new tensors: in the region
             self.opt.load_state_dict(sd["opt"])
         rebuilt = 0
         with torch.no_grad():

@@ -71,6 +71,9 @@ def fused_unsupported(cfg: RLConfig) -> str | None:
     """Why a step of `cfg` cannot be fused (None: it can), for what the config alone decides."""
     if cfg.filter_groups:
         return "filter_groups (dynamic sampling) keeps a group only once the whole batch is scored"
+    if cfg.uses_critic:
+        return ("adv_estimator='gae' whitens its advantages over the whole batch and trains a critic on returns "
+                "known only then")
     if cfg.adv_estimator in BATCH_WIDE:
         return f"adv_estimator={cfg.adv_estimator!r} whitens advantages over the whole batch"
     if fused_loss_norm(cfg) is None:

@@ -1,6 +1,10 @@
 """One synchronous GRPO/PPO step: rollout -> rewards -> reference logprobs -> (old logprobs) -> update.
 
-Advantages come from `cfg.adv_estimator` (rl/algos.py: grpo, dr_grpo, rloo, reinforce_plus_plus[_baseline]).
+Advantages come from `cfg.adv_estimator` (rl/algos.py: grpo, dr_grpo, rloo, reinforce_plus_plus[_baseline],
+gae). With gae the step holds a critic (rl/critic.py, `self.critic`): its values are scored in the `ref`
+phase after the reference's logprobs, GAE gives advantages and returns, and in the `update` phase the
+critic is trained before the actor (the actor not at all during the first `critic_warmup` steps, which
+still count as steps).
 With `use_kl_loss=False` the KL to the reference (`cfg.kl_penalty`, k1 by default as in verl) is a
 per-token reward penalty, its coefficient `kl_coef` or, with `kl_ctrl="adaptive"`, verl's controller,
 moved after each step that changed the weights (`actor/reward_kl_penalty[_coeff]`, `actor/kl_coef`).
@@ -66,9 +70,10 @@ from ..engine import Engine, SamplingParams
 from ..memory import Footprint, MemoryConfig, MemoryFit, MemoryManager, activation_bytes, device_capacity, host_memory
 from ..models import ModelConfig, Qwen25VL
 from .actor import Actor, mini_batch_sizes
-from .algos import AdaptiveKLController, compute_advantages, kl_penalty
+from .algos import AdaptiveKLController, compute_advantages, gae_advantages, kl_penalty, token_level_rewards
 from .batch import RolloutBatch
 from .config import RLConfig
+from .critic import Critic, build_value_model
 from .dynamic_sampling import sample_groups
 from .errors import TrainOOM, TrainStepError
 from .pipeline import GroupPipeline, fallback_on, fused_unsupported
@@ -142,6 +147,20 @@ class RLStep:
                 ref, par = self.ref, self.parallel
                 memory.preserve("ref_weights", lambda: [*ref.parameters(), *ref.buffers()] if par is None
                                 else par.local_tensors(ref))
+        # PPO-GAE's value model (rl/critic.py), in its region before the plan is fitted: its bytes are planned
+        self.critic: Critic | None = None
+        value_model = None
+        if cfg.uses_critic:
+            if parallel is not None:
+                raise ValueError("adv_estimator='gae' trains a critic on one process only: a data-parallel step "
+                                 "supports the critic-free estimators")
+            with self._region("critic_weights"):
+                value_model = build_value_model(model, cfg.critic_model_path, cfg.seed)
+            if cfg.freeze_vision_tower:
+                value_model.backbone.visual.requires_grad_(False)
+            if memory is not None:
+                memory.preserve("critic_weights", lambda: [*value_model.parameters(), *value_model.buffers()])
+        self._value_model = value_model
         # before the trainer is built: what fits the device decides its checkpointing and where its optimizer
         # state lives (memory/fit.py); without a memory manager what is left to the plan stays off
         self.memory_fit = fit = self._fit_memory(model) if memory is not None else None
@@ -156,6 +175,9 @@ class RLStep:
             self.actor = self.parallel.actor(model, cfg, memory, self.memory_cfg.optimizer_offload)
         else:
             self.actor = Actor(model, cfg, memory, self.memory_cfg.optimizer_offload)
+        if value_model is not None:
+            self.critic = Critic(value_model, cfg, memory, self.memory_cfg.optimizer_offload)
+        del self._value_model
         self.step_idx = 0
         self.device = model.inv_freq.device
         self.cosched = CoScheduler(cosched or CoschedConfig(), self.device, memory=memory)
@@ -211,7 +233,16 @@ class RLStep:
             weights=_nbytes(self.model.parameters()) + (self.parallel.weight_bytes() if self.parallel else 0),
             ref_weights=self._ref_bytes(), kv_cache=self.backend.kv_cache_bytes() if self.backend is not None else 0,
             trainable=sum(p.numel() for p in params), param_bytes=params[0].element_size(),
+            **self._critic_footprint(self.critic.model if self.critic is not None else None),
         ).sizes(optimizer_offload or self.memory_cfg.optimizer_offload)
+
+    @staticmethod
+    def _critic_footprint(value_model) -> dict[str, int]:
+        """The critic's bytes and trainable parameters for `Footprint` (none without a critic)."""
+        if value_model is None:
+            return {}
+        return {"critic_weights": _nbytes([*value_model.parameters(), *value_model.buffers()]),
+                "critic_trainable": sum(p.numel() for p in value_model.parameters() if p.requires_grad)}
 
     def _ref_bytes(self) -> int:
         return _nbytes(_local(p.detach()) for p in self.ref.parameters()) if self.ref is not None else 0
@@ -230,7 +261,8 @@ class RLStep:
             decoder = True if self.parallel.fsdp.activation_checkpointing else decoder
             vision = True if self.parallel.fsdp.vision_activation_checkpointing else vision
         footprint = Footprint(weights, self._ref_bytes(),
-                              self.backend.kv_cache_bytes() if self.backend is not None else 0, n, param_bytes)
+                              self.backend.kv_cache_bytes() if self.backend is not None else 0, n, param_bytes,
+                              **self._critic_footprint(self._value_model))
         capacity = device_capacity(model.inv_freq.device, self.memory.backend, self.memory_cfg.device_capacity_gib)
         return fit_memory(model.cfg, replace(self.cfg, gradient_checkpointing=decoder,
                                              vision_gradient_checkpointing=vision),
@@ -365,19 +397,32 @@ class RLStep:
         cfg, m = cfg or self.cfg, {}
         if batch.rewards is None:
             raise ValueError("the batch has no rewards")
+        if cfg.uses_critic and self.critic is None:
+            raise ValueError("adv_estimator='gae' needs the critic, which is built with the step: build it (start the "
+                             "server) with adv_estimator='gae'")
         batch, ref_batch = self.training_views(batch)
-        ref_lp = None
+        ref_lp = values = returns = None
         tl = self.timeline
         if self.uses_reference(cfg):
             with _timer(m, "ref", self.device, tl), self._phase("ref"):
                 self._complete_handover(batch, "ref", m)
                 ref_lp = self.reference_logprobs(ref_batch, cfg)
+        if cfg.uses_critic:  # the values of the responses before the update: GAE's baseline, the value clip's centre
+            with _timer(m, "values", self.device, tl), self._phase("ref"):
+                values = self.critic.values(batch, cfg)
         penalty, reward_kl, kl_m = self.kl_reward_penalty(batch, ref_lp, cfg)
         m.update(kl_m)
-        adv, rewards = compute_advantages(cfg.adv_estimator, batch.rewards, batch.group, batch.mask, penalty,
-                                          cfg.norm_adv_by_std, cfg.gamma, cfg.singleton_adv)
+        if cfg.uses_critic:
+            tok = token_level_rewards(batch.rewards, batch.mask, penalty)
+            adv, returns = gae_advantages(tok, values, batch.mask, cfg.gamma, cfg.lam)
+            rewards = tok.sum(-1)
+        else:
+            adv, rewards = compute_advantages(cfg.adv_estimator, batch.rewards, batch.group, batch.mask, penalty,
+                                              cfg.norm_adv_by_std, cfg.gamma, cfg.singleton_adv)
+        # verl's trainer.critic_warmup: the first steps update the critic only
+        train_actor = not (cfg.uses_critic and self.step_idx < cfg.critic_warmup)
         old = old_logprobs
-        if old is None:
+        if old is None and train_actor:
             with _timer(m, "old_log_prob", self.device, tl), self._phase("ref"):
                 self._complete_handover(batch, "old", m)
                 if self.parallel is not None and cfg.num_updates > 1 and self.parallel.holds_policy:
@@ -386,12 +431,26 @@ class RLStep:
                 else:
                     old = self.actor.old_logprobs(batch, cfg)
         batch.prefix = {}  # the prefix states are consumed: free them before the update
-        with _timer(m, "update_actor", self.device, tl), self._phase("update"):
-            stats, first_lp = self._applying(reward_kl, batch.num_samples, lambda: self.actor.update(
-                batch, adv, ref_lp if cfg.use_kl_loss else None, old, self.step_idx, cfg, nonfinite))
+        if cfg.uses_critic:  # before the actor's, as verl orders them
+            with _timer(m, "update_critic", self.device, tl), self._phase("update"):
+                m.update(self.critic.update(batch, returns, values, self.step_idx, cfg, nonfinite))
+        train_lp = None
+        if train_actor:
+            with _timer(m, "update_actor", self.device, tl), self._phase("update"):
+                stats, first_lp = self._applying(reward_kl, batch.num_samples, lambda: self.actor.update(
+                    batch, adv, ref_lp if cfg.use_kl_loss else None, old, self.step_idx, cfg, nonfinite))
+            train_lp = old if old is not None and old_logprobs is None else first_lp
+        else:
+            stats = {"rollplex/critic_warmup": 1.0}
         self._after_update(m, stats, reward_kl, batch.num_samples)
-        train_lp = old if old is not None and old_logprobs is None else first_lp
         m.update(self._batch_metrics(batch, adv, rewards, train_lp, cfg))
+        if cfg.uses_critic:
+            sel = batch.mask > 0
+            # verl's: how much of the returns' variance the values explain (1: all; <= 0: none)
+            m["critic/vf_explained_var"] = float(1 - (returns[sel] - values[sel]).var() / (returns[sel].var() + 1e-5))
+            m.update({"critic/values/mean": float(values[sel].mean()), "critic/values/max": float(values[sel].max()),
+                      "critic/values/min": float(values[sel].min()), "critic/returns/mean": float(returns[sel].mean()),
+                      "critic/returns/max": float(returns[sel].max()), "critic/returns/min": float(returns[sel].min())})
         return m
 
     # ---- the stages the schedules share (train() above, the group pipeline in rl/pipeline.py) ---------------
@@ -456,9 +515,9 @@ class RLStep:
             m.update(self.memory.take_metrics())
 
     def _batch_metrics(self, batch: RolloutBatch, adv: torch.Tensor, rewards: torch.Tensor,
-                       train_lp: torch.Tensor, cfg: RLConfig) -> dict:
+                       train_lp: torch.Tensor | None, cfg: RLConfig) -> dict:
         m = {}
-        if batch.rollout_logprobs is not None:
+        if batch.rollout_logprobs is not None and train_lp is not None:
             sel = batch.mask > 0
             diff = (batch.rollout_logprobs.exp() - train_lp.exp()).abs()[sel]
             m["training/rollout_probs_diff_mean"] = float(diff.mean())

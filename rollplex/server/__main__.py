@@ -32,6 +32,13 @@ HELP = {
     "temperature": "default sampling temperature of /rollout",
     "top_p": "default top_p of /rollout",
     "max_new_tokens": "default for /generate and /rollout",
+    "adv_estimator": "grpo, dr_grpo (no std; needs --loss-agg-mode seq-mean-token-sum-norm), rloo (leave-one-out "
+                     "baseline), reinforce_plus_plus (discounted per-token return, batch-whitened), "
+                     "reinforce_plus_plus_baseline (group mean subtracted, batch-whitened), gae (PPO with a critic: "
+                     "the server builds a value model; /train_step may choose gae only on such a server)",
+    "critic_warmup": "the first steps train the critic only (gae); not a /train_step override",
+    "critic_model_path": "HF directory of the critic (gae; default: a copy of the policy and a fresh value head); "
+                         "not a /train_step override",
     "kl_ctrl": "KL-in-reward coefficient: fixed (kl_coef) or adaptive (verl's controller, from kl_coef towards "
                "kl_target over kl_horizon samples); not a /train_step override",
     "lr_schedule_unit": "what advances the LR schedule: step (one train step, verl) or optimizer_step (each "

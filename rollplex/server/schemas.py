@@ -213,10 +213,12 @@ class TrainStepRequest(BaseModel):
     # to what a step can use (an lr of 1000 destroys the policy in one step): lr <= 1e-2, a clip range
     # within [0, 1] below and [0, 10] above, coefficients <= 10 (entropy within [-1, 1]), grad_clip <= 1e4,
     # at most 16 epochs x 256 mini-batches, micro-batches of at most 4096 prompts / 65536 samples / 2^24 tokens,
-    # gamma within [0, 1], a TIS cap within (0, 100], a token-sum divisor within (0, 2^20], an overlong buffer
-    # within [0, 2^20] tokens (and max_new_tokens) and its penalty factor within [0, 10]; names of an
-    # estimator / loss / filter metric are checked by RLConfig (400 with the allowed values). The LR-schedule
-    # unit and the KL controller are startup flags only: they define what persists across steps;
+    # gamma and lam within [0, 1], critic_lr <= 1e-2, cliprange_value within (0, 100], a TIS cap within (0, 100],
+    # a token-sum divisor within (0, 2^20], an overlong buffer within [0, 2^20] tokens (and max_new_tokens) and its
+    # penalty factor within [0, 10]; names of an estimator / loss / filter metric are checked by RLConfig (400 with
+    # the allowed values). The LR-schedule unit, the KL controller, the critic's warm-up and checkpoint are startup
+    # flags only: they define what persists across steps (adv_estimator gae needs a server started with it: it
+    # builds the critic);
     # max_num_gen_batches and filter_groups_partial do not apply to a server (it rolls out nothing itself).
     lr: float | None = Field(None, gt=0.0, le=1e-2, allow_inf_nan=False)
     kl_coef: float | None = Field(None, ge=0.0, le=10.0, allow_inf_nan=False)
@@ -231,6 +233,9 @@ class TrainStepRequest(BaseModel):
     adv_estimator: str | None = None
     singleton_adv: str | None = None
     gamma: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    lam: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    critic_lr: float | None = Field(None, gt=0.0, le=1e-2, allow_inf_nan=False)
+    cliprange_value: float | None = Field(None, gt=0.0, le=100.0, allow_inf_nan=False)
     policy_loss: str | None = None
     loss_agg_norm: float | None = Field(None, gt=0.0, le=float(1 << 20), allow_inf_nan=False)
     tis_imp_ratio_cap: float | None = Field(None, gt=0.0, le=100.0, allow_inf_nan=False)

@@ -311,6 +311,9 @@ class ServerState:
         if cfg.kl_coef > 0 and self.rl.ref is None:
             raise ValueError("this server holds no reference model (started with --kl-coef 0): "
                              "restart it with --kl-coef > 0 to use a KL term")
+        if cfg.uses_critic and self.rl.critic is None:
+            raise ValueError("this server holds no critic (started without --adv-estimator gae): restart it with "
+                             "--adv-estimator gae to train PPO with a critic")
         old = entry.batch.rollout_logprobs if stale else None
         if stale and old is None:
             raise ValueError("this rollout has no engine logprobs to train it off-policy")

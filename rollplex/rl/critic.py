@@ -1,0 +1,239 @@
+"""PPO's critic (`adv_estimator="gae"`): a value model and its trainer.
+
+The value model is the policy's architecture without its LM head — the Qwen2.5-VL backbone — plus a
+scalar head `score` (hidden -> 1, with a bias), as verl's critic is an AutoModelForTokenClassification
+with num_labels=1. It wraps a `Qwen25VL` (the model class knows nothing of critics) and reads the
+backbone's final-normed hidden states through the same path as the actor's logprobs
+(`scoring.response_hidden`): the value of response token t is the head applied to the hidden state
+*predicting* token t, i.e. at the position before it (verl: values = logits[:, -R-1:-1]). So the modes
+work as they do for the actor:
+
+    rollplex: each prompt (vision tower + prompt tokens) computed once per micro-batch, its n responses
+              attending to it (packed, or a prefix pass then the padded responses); the backward
+              of the value loss flows through the one shared prefix graph
+    serial:   every sample a full sequence, its image re-encoded (verl's order)
+
+The critic never reuses the rollout's vision encodings or co-scheduled prefix states (they are the
+actor's / reference's): its vision tower runs once per prompt per pass in rollplex mode.
+
+Initialisation (`build_value_model`): a copy of the policy's weights with a fresh head (normal(0, 0.02)
+weight, zero bias, seeded), or an HF directory (`critic_model_path`): its backbone tensors read with
+rollplex's checkpoint adapter (an `lm_head` in it is ignored), its head from `score.weight` / `score.bias`
+when present, else fresh. `save_value_model` writes such a directory (the backbone in HF names plus
+`score.*`, no LM head). The vocabulary must be the policy's (the critic reads the same token ids).
+
+The trainer (`Critic`) follows the actor's update: the same mini-batches (`actor.mini_batches`) and
+epochs, micro-batches from the step's `micro_batching`, losses divided by the whole mini-batch's
+normaliser so that both modes accumulate the same gradient; AdamW over fp32 masters (`MasterAdamW`,
+its state and gradients in the `critic_optimizer` / `critic_grads` memory regions), gradient clipping at
+the actor's `grad_clip`, a constant lr `critic_lr` (a step's config may override it). The loss is verl's
+clipped value loss (rl/algos.py `value_loss`) against the returns of GAE, clipped around the values
+scored before the update. Metrics use verl's names: critic/vf_loss, critic/vf_clipfrac,
+critic/vpred_mean, critic/grad_norm, critic/lr (and, from the step, critic/values/*, critic/returns/*,
+critic/vf_explained_var).
+
+Not (yet) like the actor: no out-of-memory back-off (an OOM in the critic's passes raises), no
+data-parallel placement (RLStep refuses gae under a process group), no entropy/KL terms.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from ..models import ModelConfig, Qwen25VL, hf_to_rollplex, save_model
+from ..models.checkpoint import empty_model, read_safetensors
+from ..models.transfer import to_device
+from .actor import mini_batches
+from .algos import agg_denominator, value_loss
+from .batch import RolloutBatch
+from .checkpointing import set_activation_checkpointing
+from .config import RLConfig
+from .errors import NonFiniteUpdate
+from .microbatch import micro_batches
+from .optimizer import MasterAdamW
+from .scoring import response_hidden
+
+HEAD = ("score.weight", "score.bias")  # AutoModelForTokenClassification's names
+METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean")
+
+
+class ValueModel(nn.Module):
+    """A Qwen2.5-VL backbone (its LM head dropped) and a scalar value head."""
+
+    def __init__(self, backbone: Qwen25VL, seed: int = 0, std: float = 0.02):
+        super().__init__()
+        backbone.lm_head = None  # the critic computes no logits: no [V, H] matrix to keep or train
+        self.backbone = backbone
+        p = next(backbone.parameters())
+        self.score = nn.Linear(backbone.cfg.text.hidden_size, 1, device=p.device, dtype=p.dtype)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            self.score.weight.copy_(torch.randn(self.score.weight.shape, generator=g) * std)
+            self.score.bias.zero_()
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.backbone.cfg
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        return self.backbone.inv_freq
+
+    def values(self, mb: RolloutBatch, mode: str, packed: bool) -> torch.Tensor:
+        """V of each response token [n, R] (fp32): the head on the hidden state before that token."""
+        hidden = response_hidden(self.backbone, mb, mode, packed)
+        return self.score(hidden).squeeze(-1).float()
+
+
+def build_value_model(policy: Qwen25VL, path: str | Path | None = None, seed: int = 0) -> ValueModel:
+    """The critic for `policy`: a copy of its weights (path None) or the HF directory `path`, in the
+    policy's device and dtype; a head missing from the directory is initialised. ValueError for a
+    directory that is not a checkpoint of a model with the policy's vocabulary."""
+    if path is None:
+        return ValueModel(copy.deepcopy(policy), seed)
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise ValueError(f"critic_model_path {str(path)!r} is not an HF checkpoint directory (no config.json)")
+    cfg = ModelConfig.from_hf(str(path))
+    if cfg.text.vocab_size != policy.cfg.text.vocab_size:
+        raise ValueError(f"the critic at {path} has a vocabulary of {cfg.text.vocab_size} tokens, the policy "
+                         f"{policy.cfg.text.vocab_size}")
+    p = next(policy.parameters())
+    hf = read_safetensors(path)
+    head = {k: hf.pop(k) for k in HEAD if k in hf}
+    state = hf_to_rollplex(hf, cfg)
+    state.pop("lm_head.weight", None)
+    vm = ValueModel(empty_model(cfg, p.device, p.dtype), seed)
+    own = vm.backbone.state_dict()
+    missing, unknown = set(own) - set(state), set(state) - set(own)
+    if missing or unknown:
+        raise ValueError(f"the critic at {path} does not match its config: "
+                         + (f"lacks {sorted(missing)[:3]}" if missing else f"has unknown {sorted(unknown)[:3]}"))
+    wrong = [k for k, v in own.items() if state[k].shape != v.shape]
+    if wrong or any(head[k].shape != getattr(vm.score, k.split(".")[1]).shape for k in head):
+        raise ValueError(f"the critic at {path} has other shapes for {(wrong or list(head))[:3]}")
+    with torch.no_grad():
+        for k, v in own.items():
+            v.copy_(state[k])
+        for k, t in head.items():
+            getattr(vm.score, k.split(".")[1]).copy_(t)
+    return vm
+
+
+def value_state(vm: ValueModel) -> dict[str, torch.Tensor]:
+    """The critic's tensors by their checkpoint names (the backbone's, then `score.*`)."""
+    return {**vm.backbone.state_dict(), "score.weight": vm.score.weight, "score.bias": vm.score.bias}
+
+
+def save_value_model(vm: ValueModel, path: str | Path) -> Path:
+    """An HF directory `build_value_model` reads back (the backbone in HF names, the head as `score.*`)."""
+    return save_model(vm.backbone, path, state=value_state(vm))
+
+
+class Critic:
+    def __init__(self, model: ValueModel, cfg: RLConfig, memory=None, optimizer_offload: str = "none"):
+        self.model, self.cfg = model, cfg
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = MasterAdamW(params, memory=memory, offload=optimizer_offload,
+                                     regions=("critic_optimizer", "critic_grads"), lr=cfg.critic_lr,
+                                     betas=cfg.betas, weight_decay=cfg.weight_decay)
+        self.memory = memory
+        set_activation_checkpointing(model.backbone, bool(cfg.gradient_checkpointing),
+                                     bool(cfg.vision_gradient_checkpointing))
+        model.eval()
+
+    @staticmethod
+    def _own_view(batch: RolloutBatch) -> RolloutBatch:
+        """The batch without the rollout's vision encodings and prefix states (the policy's, not the critic's)."""
+        prompts = [p if p.vision_embeds is None else replace(p, vision_embeds=None) for p in batch.prompts]
+        return replace(batch, prompts=prompts, prefix={})
+
+    @torch.no_grad()
+    def values(self, batch: RolloutBatch, cfg: RLConfig | None = None) -> torch.Tensor:
+        """The critic's values [N, R] (fp32, host) of the batch's responses, zero on padding."""
+        cfg = cfg or self.cfg
+        batch = self._own_view(batch)
+        plan = cfg.micro_batching
+        out = torch.zeros(batch.responses.shape, dtype=torch.float32)
+        for mb, idx in micro_batches(batch, cfg.mode, plan):
+            v = self.model.values(mb, cfg.mode, plan.packed)
+            out[idx] = v.cpu() * mb.mask
+        return out
+
+    def update(self, batch: RolloutBatch, returns: torch.Tensor, old_values: torch.Tensor, step: int = 0,
+               cfg: RLConfig | None = None, nonfinite: str = "skip") -> dict:
+        """Train on the GAE returns [N, R] with the values scored before the update `old_values` [N, R];
+        returns the metrics averaged over the mini-batches. A mini-batch with a non-finite loss or
+        gradient norm is skipped (`critic/skipped_updates`) or raises NonFiniteUpdate (`nonfinite="raise"`)."""
+        cfg = cfg or self.cfg
+        batch = self._own_view(batch)
+        model, plan = self.model, cfg.micro_batching
+        model.train()
+        sums: dict[str, float] = {}
+        done = skipped = applied = 0
+        try:
+            for epoch in range(cfg.ppo_epochs):
+                for prompt_ids in mini_batches(cfg, batch, epoch, step):
+                    mini, mini_idx = batch.select_prompts(sorted(prompt_ids))
+                    stats = self._minibatch(cfg, plan, mini, mini_idx, returns, old_values)
+                    bad = [k for k, v in stats.items() if not math.isfinite(v)]
+                    if bad and nonfinite == "raise":
+                        raise NonFiniteUpdate(f"non-finite {', '.join(bad)} in the critic's mini-batch {done + 1}; "
+                                              "its optimizer step was skipped", applied)
+                    if bad:
+                        skipped += 1
+                    else:
+                        self.optimizer.step()
+                        applied += 1
+                    for k, v in stats.items():
+                        sums[k] = sums.get(k, 0.0) + v
+                    done += 1
+        finally:
+            self.optimizer.zero_grad(set_to_none=self.memory is None)
+            model.eval()
+        out = {k: v / max(done, 1) for k, v in sums.items()}
+        if skipped:
+            out["critic/skipped_updates"] = float(skipped)
+        return out
+
+    def _minibatch(self, cfg: RLConfig, plan, mini: RolloutBatch, mini_idx: torch.Tensor, returns: torch.Tensor,
+                   old_values: torch.Tensor) -> dict:
+        """Forward/backward of one mini-batch's micro-batches into zeroed gradients, clipped: its metrics."""
+        self.optimizer.zero_grad()
+        denom = agg_denominator(mini.mask, cfg.loss_agg_mode, cfg.agg_norm)
+        n_tok = max(float(mini.mask.sum()), 1.0)
+        dev = self.model.inv_freq.device
+        acc = torch.zeros(len(METRICS), device=dev)
+        for mb, idx in micro_batches(mini, cfg.mode, plan):
+            gidx = mini_idx[idx]
+            v = self.model.values(mb, cfg.mode, plan.packed)
+            mask = to_device(mb.mask, dev)
+            loss, clipfrac = value_loss(v, to_device(old_values[gidx], dev), to_device(returns[gidx], dev), mask,
+                                        cfg.cliprange_value, cfg.loss_agg_mode, denom, cfg.agg_norm)
+            loss.backward()
+            w = float(mb.mask.sum()) / n_tok  # token share of this micro-batch, for the token means
+            acc += torch.stack([loss.detach(), clipfrac.detach() * w, (v.detach() * mask).sum() / n_tok])
+        stats = dict(zip(METRICS, acc.tolist()))
+        stats["critic/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.optimizer.touched_params(),
+                                                                         cfg.grad_clip))
+        for g in self.optimizer.param_groups:
+            g["lr"] = cfg.critic_lr
+        stats["critic/lr"] = cfg.critic_lr
+        return stats
+
+    def state_dict(self, masters: bool = True) -> dict:
+        return {"optimizer": self.optimizer.state_dict(masters)}
+
+    def check_state_dict(self, sd) -> None:
+        if not isinstance(sd, dict) or "optimizer" not in sd:
+            raise ValueError("the critic state has no optimizer state")
+        self.optimizer.check_state_dict(sd["optimizer"])
+
+    def load_state_dict(self, sd: dict, weights_dtype: torch.dtype | None = None) -> int:
+        return self.optimizer.load_state_dict(sd["optimizer"], weights_dtype)
