@@ -60,7 +60,7 @@ from ..rl.actor import Actor
 from ..rl.batch import RolloutBatch
 from ..rl.config import RLConfig
 from ..rl.microbatch import MicroBatching, micro_batches
-from ..rl.placement import CollectiveOOM
+from ..rl.placement import CollectiveOOM, SingleProcess
 from ..rl.scoring import score
 from . import fsdp as fsdp_mod
 from .fsdp import FSDPConfig, apply_fsdp, local_tensor, sharded_call
@@ -399,24 +399,13 @@ class DataParallel:
         return self.world == 1
 
 
-class LocalPasses:
+class LocalPasses(SingleProcess):
     """The placement of one rank's fused stages (between `DataParallel.begin_local` and `end_local`): this
-    rank's groups alone, in the micro-batches one process plans, through the gathered units past FSDP2's
-    hooks (`direct_call`). No collective: each rank goes at its own rollout's pace."""
-
-    world = 1
-
-    def share(self, batch: RolloutBatch, mode: str) -> tuple[RolloutBatch, torch.Tensor]:
-        return batch, torch.arange(batch.num_samples)
-
-    def passes(self, local: RolloutBatch, mode: str, plan: MicroBatching, prefix: bool = False):
-        return micro_batches(local, mode, plan)
+    rank's groups alone, in the micro-batches one process plans (SingleProcess's), through the gathered
+    units past FSDP2's hooks (`direct_call`). No collective: each rank goes at its own rollout's pace."""
 
     def run(self, model: Qwen25VL, fn, *args):
         return fsdp_mod.direct_call(model, fn, *args)
-
-    def sum_(self, t: torch.Tensor) -> torch.Tensor:
-        return t
 
     def clip_grad_norm_(self, params, max_norm: float) -> torch.Tensor:
         raise AssertionError("the fused stages accumulate; the data-parallel placement clips")
@@ -426,15 +415,6 @@ class LocalPasses:
 
     def set_checkpointing(self, model: Qwen25VL, decoder: bool, vision: bool) -> None:
         fsdp_mod.set_checkpointing(model, decoder, vision)
-
-    def defer_oom(self) -> bool:
-        return False
-
-    def end_passes(self, model: Qwen25VL, forward) -> None:
-        pass
-
-    def recoverable_oom(self) -> bool:
-        return True
 
 
 def dp_score(model: Qwen25VL, dp: DataParallel, batch: RolloutBatch, mode: str, plan: MicroBatching,
