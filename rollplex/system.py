@@ -53,13 +53,18 @@ from .backends import BackendConfig, require_backend, rollout_backend
 from .cosched import CoschedConfig
 from .engine import Engine, EngineConfig
 from .memory import MemoryConfig, MemoryManager, PhasePlan
+from .models import load_model
+from .models.hub import looks_like_hub_id, resolve_model_dir
 from .parallel import new_rollout_group, tensor_parallel_copy
 from .parallel.colocated import data_parallel
 from .parallel.data_parallel import check_passes
 from .parallel.fsdp import FSDPConfig
 from .parallel.tp import TPConfig
+from .presets import random_model
 from .rl.config import RLConfig
 from .rl.step import RLStep
+from .rl.warmup import format_warmup
+from .tiny import ensure_tiny, shape_color
 
 log = logging.getLogger("rollplex.system")
 
@@ -130,23 +135,19 @@ def check_group(cfg: SystemConfig, world: int) -> None:
 
 def load_policy(cfg: SystemConfig):
     """(model dir or None, model in eval mode, processor or None) for `cfg.model`."""
-    from .models import load_model
-    from .models.hub import looks_like_hub_id, resolve_model_dir
-    from .processor import VLProcessor
 
     dtype = getattr(torch, cfg.dtype)
     if cfg.model is None:
-        from .tiny import ensure_tiny
-
         path = ensure_tiny()
     elif Path(cfg.model).is_dir() or looks_like_hub_id(cfg.model):  # a directory or a cached HF model id
         path = resolve_model_dir(cfg.model)
     else:  # a preset: the real shapes with random weights and no tokenizer (token-id prompts only)
-        from .presets import random_model
 
         model = random_model(cfg.model, cfg.device, dtype, seed=cfg.rl.seed)  # warns: random weights
         log.warning("preset %s has no tokenizer: prompts must be input_ids", cfg.model)
         return None, model.eval(), None
+    from .processor import VLProcessor  # transformers' tokenizers and image processors: seconds of import, paid on load
+
     return path, load_model(path, cfg.device, dtype).eval(), VLProcessor.from_pretrained(path)
 
 
@@ -221,8 +222,6 @@ def build(cfg: SystemConfig, *, model=None, processor=None, model_path: Path | N
     if cfg.format_warmup_steps:
         if out.processor is None:
             raise ValueError("--format-warmup-steps needs a model with a tokenizer")
-        from .rl.warmup import format_warmup
-        from .tiny import shape_color
 
         t0 = time.perf_counter()
         rows = warmup_rows if warmup_rows is not None else shape_color.make_rows(256, seed=cfg.rl.seed)

@@ -34,12 +34,13 @@ import torch
 from ..cli import ConfigParser
 from ..engine import EngineConfig, SamplingParams
 from ..memory import PHASES, PhasePlan
-from ..models import Qwen25VL, init_weights
+from ..models import ModelConfig, Qwen25VL, init_weights
 from ..presets import preset
 from ..rl.batch import RolloutBatch
 from ..rl.config import RLConfig
 from ..rl.step import RLStep
 from ..system import SystemConfig, build
+from ..tiny import ensure_tiny
 from .common import make_prompts, sync
 from .timing import env_info
 
@@ -55,8 +56,6 @@ WORKLOADS = {  # preset, prompts, n, new tokens, micro-batch prompts
 def _model_config(name: str):
     if name != "tiny":
         return preset(name)
-    from ..models import ModelConfig
-    from ..tiny import ensure_tiny
 
     return ModelConfig.from_hf(str(ensure_tiny() / "config.json"))
 

@@ -67,8 +67,9 @@ from ..engine import Engine
 from ..models import Qwen25VL
 from ..rl.config import RLConfig
 from ..rl.rollout import NativeRollout
+from ..rl.scoring import score_with_backoff
 from .data_parallel import DataParallelActor, LocalPasses, check_passes
-from .fsdp import FSDPConfig, apply_fsdp, full_tensor, local_tensor
+from .fsdp import FSDPConfig, apply_fsdp, can_call_directly, full_tensor, local_tensor
 from .lockstep import ShardGather
 from .rollout_groups import rollout_slots
 from .shared_weights import SharedWeights, column_sharded, meta_copy
@@ -179,7 +180,6 @@ class Colocated:
         passes; the prefixes its co-scheduler handed over for those prompts under `key` are used), and
         the shares are summed over the group. An out-of-memory error in this rank's passes backs off
         there alone (`backoff`: rl.scoring.score_with_backoff); its passes hold no collective."""
-        from ..rl.scoring import score_with_backoff
 
         device = policy.inv_freq.device
         out = torch.zeros(batch.responses.shape, dtype=torch.float32, device=device)
@@ -220,7 +220,6 @@ class Colocated:
     def fused_unsupported(self) -> str | None:
         """Why this group cannot run a fused step (None: it can): each rank's pipeline needs its own engine
         and passes that run no collective (`DataParallel.begin_local`)."""
-        from .fsdp import can_call_directly
 
         if self.rollout != "data":
             return "a tensor-parallel rollout decodes every group on several ranks: fused needs a per-rank engine"

@@ -19,6 +19,8 @@ import functools
 
 import torch
 
+from ..models.layers import compile_fn
+
 
 def _chunk_fwd(logits, targets, temperature: float):
     """logits [c, V] (weights' dtype) -> (logp of targets [c], logsumexp [c]) in fp32."""
@@ -50,8 +52,6 @@ def _chunk_fns(cuda: bool):
     over the [c, V] logits instead of ~6 (torch.compile)."""
     if not cuda:
         return _chunk_fwd, _chunk_fwd_entropy, _chunk_bwd
-    from ..models.layers import compile_fn
-
     return compile_fn(_chunk_fwd), compile_fn(_chunk_fwd_entropy), compile_fn(_chunk_bwd)
 
 

@@ -32,6 +32,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+from ..data import ground_truth, row_to_inputs
+from ..engine import Engine
 from ..engine.sampling_params import SamplingParams
 from .config import RLConfig
 
@@ -88,7 +90,6 @@ class NativeRollout:
 
 def as_rollout_backend(engine) -> RolloutBackend | None:
     """A RolloutBackend for `engine`: a rollplex Engine (wrapped), a backend (as is) or None."""
-    from ..engine import Engine
 
     if isinstance(engine, Engine):
         return NativeRollout(engine)
@@ -100,7 +101,6 @@ def as_rollout_backend(engine) -> RolloutBackend | None:
 def rollout_requests(processor, rows: list[dict], cfg: RLConfig, step_idx: int) -> tuple[list, list, dict]:
     """(prompts, sampling params, per-prompt extras) of step `step_idx`'s rollout of `rows`. The seeds
     depend only on (cfg.seed, step, prompt): wherever a prompt is generated, its samples are the same."""
-    from ..data import ground_truth, row_to_inputs
 
     prompts = [row_to_inputs(processor, r) for r in rows]
     params = [SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,

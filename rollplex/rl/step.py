@@ -65,6 +65,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..cosched import CoschedConfig, CoScheduler, PrefixRows, Timeline
+from ..cosched.scheduler import side_stream
 from ..cosched.timeline import DecodeMarks
 from ..engine import Engine, SamplingParams
 from ..memory import Footprint, MemoryConfig, MemoryFit, MemoryManager, activation_bytes, device_capacity, host_memory
@@ -686,8 +687,6 @@ class RLStep:
         if self.device.type != "cuda":
             return None
         if self._fused_stream is None:
-            from ..cosched.scheduler import side_stream
-
             self._fused_stream = side_stream(self.device, self.cfg.fuse_sms)  # (stream, its context)
         return self._fused_stream[0]
 

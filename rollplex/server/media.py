@@ -35,6 +35,7 @@ from pathlib import Path
 from PIL import Image
 
 from .limits import ServerLimits, flag
+from .schemas import _image_ref
 
 FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "GIF", "BMP", "TIFF")
 _BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
@@ -203,7 +204,5 @@ def _ref_string(x) -> str:
     if isinstance(x, str):
         return x
     if isinstance(x, dict):
-        from .schemas import _image_ref
-
         return _image_ref(x)
     raise ValueError(f"an image is a base64 string, data URL or file reference, not {type(x).__name__}")

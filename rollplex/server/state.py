@@ -62,8 +62,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..data import row_to_inputs
 from ..models import ModelInputs
+from ..parallel.fsdp import local_tensor
 from ..rl.actor import TrainOOM
+from ..rl.checkpoint import load_checkpoint, save_checkpoint
 from ..rl.config import RLConfig
 from ..system import SystemConfig, build
 from .group import collective_oom
@@ -263,7 +266,6 @@ class ServerState:
     def encode_prompt(self, p) -> ModelInputs:
         """ModelInputs for a RolloutPrompt (chat messages / verl row / ids); runs on an intake thread. Its
         images and videos are read and decoded under the media policy first (media.py)."""
-        from ..data import row_to_inputs
 
         if p.input_ids is not None:
             return ModelInputs(input_ids=list(p.input_ids))
@@ -369,7 +371,6 @@ class ServerState:
         """Write a checkpoint under the checkpoint root, never into the root itself, and over an existing
         checkpoint (a non-empty folder) only with `overwrite` (CheckpointExists otherwise); over a process
         group rank 0 checks the path, then every rank writes its part (rl/checkpoint.py)."""
-        from ..rl.checkpoint import save_checkpoint
 
         full = self.checkpoint_path(path)
         if not (self.world_size > 1 and self.commands is None):  # a follower writes where rank 0 checked
@@ -386,8 +387,6 @@ class ServerState:
         return {"path": str(out), "global_step": self.rl.step_idx, "ref_path": str(ref) if ref else None}
 
     def load(self, path: str) -> dict:
-        from ..rl.checkpoint import load_checkpoint
-
         full = self.checkpoint_path(path)
         if not full.is_dir():
             raise ValueError(f"checkpoint {full} is not a directory")
@@ -413,7 +412,6 @@ class ServerState:
         separate fp32 masters, both AdamW moments and the step counts. Under a process group the trainer's
         shards partition the optimizer state (and, under a tensor-parallel engine, the policy): the ranks'
         sums are added (a collective: rank 0 sends "checksum" to the followers)."""
-        from ..parallel.fsdp import local_tensor
 
         par, opt = self.rl.parallel, self.rl.actor.optimizer
         if par is not None and self.commands is not None:
