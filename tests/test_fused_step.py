@@ -4,7 +4,6 @@ reward penalty, trained and frozen vision tower, RLOO, groups finishing out of p
 step that fused work cannot reproduce, or whose fused stage runs out of memory, runs phased."""
 
 import dataclasses
-import time
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from rollplex.models import ModelInputs, load_model
 from rollplex.rl.actor import Actor
 from rollplex.rl.batch import RolloutBatch
 from rollplex.rl.config import RLConfig
-from rollplex.rl.pipeline import GroupPipeline, fused_unsupported
+from rollplex.rl.pipeline import fused_unsupported
 from rollplex.rl.step import RLStep, rollout_requests
 from rollplex.tiny import shape_color
 
@@ -47,23 +46,6 @@ def _run(rl: RLStep) -> tuple[dict, list[dict], dict]:
     params = [SamplingParams(n=p.n, max_new_tokens=k, seed=p.seed, ignore_eos=True) for p, k in zip(params, LENGTHS)]
     _, m = rl.run(prompts, params, **per_prompt)
     return m, grads, {n: p.detach().clone() for n, p in rl.model.named_parameters()}
-
-
-@pytest.fixture
-def tail(monkeypatch):
-    """The decode loop waits, once two groups are done, until the worker has trained them: the
-    rollout's tail made long enough that fused work runs beside it whatever the machine's speed."""
-    add = GroupPipeline.add
-
-    def slow_add(self, i, output):
-        add(self, i, output)
-        if len(self.order) == 2:  # both first groups trained (in chunks of one or two) before decode goes on
-            t0 = time.monotonic()
-            while (sum(len(r.prompts) for r in self.results) < 2 and self.error is None
-                   and time.monotonic() - t0 < 60):
-                time.sleep(0.005)
-
-    monkeypatch.setattr(GroupPipeline, "add", slow_add)
 
 
 def _assert_same_step(fused, phased, step=1, updates=1):

@@ -224,11 +224,15 @@ def test_rollout_backend_touches_only_contract_names():
     tree = ast.parse((ROOT / "engine_patches/sglang/backend.py").read_text())
     called = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
               and isinstance(n.func.value, ast.Attribute) and n.func.value.attr == "engine"}
-    assert called == {"generate", "shutdown"} and called <= engine
+    assert called == {"generate", "async_generate", "shutdown"} and called <= engine
+    read = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
+            and n.value.attr == "engine"}
+    assert read - called == {"loop"} and read - called <= _names(("self_attr",), "Engine")
+    assert _params("Engine", "async_generate") == _params("Engine", "generate")
     from engine_patches.sglang.outputs import generate_kwargs, sampling_dict
     from rollplex.engine import SamplingParams
 
-    assert set(generate_kwargs([], [], [])) - {"image_data"} <= _params("Engine", "generate")
+    assert set(generate_kwargs([], [], [])) - {"image_data"} <= _params("Engine", "generate")  # and async_generate
     assert "image_data" in _params("Engine", "generate")
     assert set(sampling_dict(SamplingParams(stop=["x"], stop_token_ids=[1]), 0)) == set(contract.ROLLOUT_SAMPLING)
     assert set(contract.ROLLOUT_SAMPLING) <= set(contract.SAMPLING_FIELDS)

@@ -34,7 +34,7 @@ from rollplex.engine import Engine, EngineConfig, SamplingParams
 from rollplex.memory import MemoryConfig, MemoryManager, PhasePlan
 from rollplex.models import ModelInputs, load_model
 from rollplex.rl.config import RLConfig
-from rollplex.rl.step import RLStep
+from rollplex.rl.step import RLStep, rollout_requests
 from rollplex.tiny import shape_color
 
 FAKE = Path(__file__).resolve().parent / "fake_sglang"
@@ -74,6 +74,14 @@ def _sglang(tiny_dir, proc, memory=None, memory_cfg=None, backend: BackendConfig
     rollout = backends.rollout_backend(backend or BackendConfig("sglang"), str(tiny_dir), proc, "float32", seed=0)
     return RLStep(model, rollout, RLConfig(**{**BASE, **cfg}), proc, reward_fn="shape_color", memory=memory,
                   memory_cfg=memory_cfg)
+
+
+def _varied(batch, prompt_ids):
+    """Scores that vary within each group (non-zero advantages), from (prompt, sample j of its group) alone:
+    the same whichever groups the batch holds."""
+    group = batch.group.tolist()
+    j = [k - group.index(g) for k, g in enumerate(group)]
+    return torch.tensor([float((prompt_ids[g] + jj) % 3 == 0) for g, jj in zip(group, j)]), {}
 
 
 def _weights(model) -> dict:
@@ -183,6 +191,36 @@ def test_sglang_backend_takes_the_native_steps(fake_sglang, tiny_dir, proc):
         assert be.engine.hook_metrics()["rollplex/sglang_decode_steps"] >= 2 * 5
     finally:
         be.close()
+
+
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
+def test_fused_on_sglang_trains_groups_as_they_finish(fake_sglang, tiny_dir, proc, tail):
+    """SGLang reports each prompt's group as its samples finish (one batch request per prompt, answered in
+    the order of their lengths): the fused schedule trains the first groups while the others still
+    decode, in finishing order, and updates the policy as the phased step does."""
+    lengths = [3, 9, 5, 12]  # the groups answer in the order 0, 2, 1, 3 (0 first and 3 last on a busy machine)
+    runs = []
+    for schedule in ("phased", "fused"):
+        rl = _sglang(tiny_dir, proc, schedule=schedule, lr=1e-4)
+        try:
+            prompts, params, per_prompt = rollout_requests(rl.processor, ROWS, rl.cfg, rl.step_idx)
+            params = [SamplingParams(n=p.n, max_new_tokens=k, seed=p.seed, ignore_eos=True)
+                      for p, k in zip(params, lengths)]
+            w0 = _weights(rl.model)
+            batch, m = rl.run(prompts, params, rewards=_varied, **per_prompt)
+            runs.append((batch, m, w0, _weights(rl.model)))
+        finally:
+            rl.backend.close()
+    (phased, mp, w0, wp), (fused, mf, _, wf) = runs
+    assert mf["rollplex/fused"] == 1.0 and mf["rollplex/fused_groups"] == 4
+    assert mf["rollplex/fused_groups_in_rollout"] >= 2  # trained while the other groups still decoded
+    order = fused.finish_order()  # groups answered together are reported in prompt order
+    assert sorted(order) == [0, 1, 2, 3] and order[0] == 0 and order[-1] == 3
+    assert torch.equal(fused.responses, phased.responses) and torch.equal(fused.rewards, phased.rewards)
+    assert_fp32_close(mf["actor/pg_loss"], mp["actor/pg_loss"], "pg_loss", scale=1.0)
+    assert max(float((wp[n] - w0[n]).abs().max()) for n in w0) > 1e-5  # the step moved the policy
+    for name in wp:
+        assert_weights_close(wf[name], wp[name], name)
 
 
 def test_phases_follow_the_memory_plan_and_report_transitions(fake_sglang, tiny_dir, proc):

@@ -2,8 +2,10 @@
 
     SGLangRollout(engine, processor, ...)   engine: SGLang's Engine (RollplexEngine, engine.py), already
                                             started on the policy's checkpoint
-    generate(prompts, params)               one SGLang request per sample (outputs.generate_kwargs),
-                                            answers as RequestOutputs (outputs.request_outputs)
+    generate(prompts, params, on_output=)   one SGLang request per sample (outputs.generate_kwargs),
+                                            answers as RequestOutputs (outputs.request_outputs);
+                                            with on_output(i, output), each prompt's group is reported
+                                            as its n samples finish (below)
     attach(model, memory)                   the trainer's policy (whose weights SGLang mirrors) and the
                                             step's memory manager (its phase plan and ledger)
     enter_phase(phase)                      SGLang's memory by the plan (memory.SGLangMemoryAdapter);
@@ -18,6 +20,14 @@ once per step, when the next rollout phase begins — after the update phase's o
 went back to the memory manager, and before SGLang's KV cache is resumed — not after each of a step's
 mini-batch optimizer steps, since nothing samples in between.
 
+Groups as they finish (`reports_groups`: the fused schedule trains finished groups beside the rollout's
+tail): each prompt's n sample requests go to SGLang as one batch request (`Engine.async_generate`), all
+of them at once on the Engine's event loop, so SGLang's scheduler batches every sample as in one
+`generate` call; a batch request answers when its last sample finishes, and its prompt is reported
+then, in finishing order (`meta["finish_index"]`, the native engine's convention). The requests and
+seeds are those of one `generate` call, prompt-major. If reporting fails, the prompts still decoding
+are cancelled and the error is raised.
+
 SGLang keeps no vision encodings for the trainer, so `keep_vision` has no effect here: a frozen vision
 tower runs in scoring as without it. Its KV cache lives in SGLang's memory pool, outside the step's
 memory manager (`kv_cache_bytes()` is 0).
@@ -25,6 +35,7 @@ memory manager (`kv_cache_bytes()` is 0).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import random
 from collections.abc import Sequence
@@ -38,6 +49,7 @@ from .outputs import generate_kwargs, request_outputs, sample_seeds
 
 class SGLangRollout:
     name = "sglang"
+    reports_groups = True
 
     def __init__(self, engine, processor=None, release_weights: bool = True, weights_cpu_backup: bool = False,
                  bucket_bytes: int = 512 << 20, seed: int = 0, version: str | None = None):
@@ -71,7 +83,7 @@ class SGLangRollout:
         self.memory_adapter.refresh_weights(hf_named_tensors(self.model))
         self.weight_pushes += 1
 
-    def generate(self, prompts: Sequence, params: Sequence, keep_vision: bool = False) -> list:
+    def generate(self, prompts: Sequence, params: Sequence, keep_vision: bool = False, on_output=None) -> list:
         if len(prompts) != len(params):
             raise ValueError("one SamplingParams per prompt")
         if not prompts:
@@ -82,13 +94,43 @@ class SGLangRollout:
         if self.memory_adapter.phase != "rollout":
             self.enter_phase("rollout")
         kw = generate_kwargs(prompts, params, sample_seeds(params, self._rng))
-        raw = self.engine.generate(**kw)
-        decode = None
-        if self.processor is not None:
-            def decode(ids, skip):
-                return self.processor.decode(ids, skip_special_tokens=skip)
         rids = [f"sglang-{next(self._ids)}" for _ in prompts]
-        return request_outputs(prompts, params, raw, decode, rids)
+        if on_output is not None:
+            return self.engine.loop.run_until_complete(self._grouped(prompts, params, kw, rids, on_output))
+        return request_outputs(prompts, params, self.engine.generate(**kw), self._decode, rids)
+
+    async def _grouped(self, prompts: Sequence, params: Sequence, kw: dict, rids: list, on_output) -> list:
+        """`generate`'s requests as one batch request per prompt, each reported when it answers."""
+        starts = list(itertools.accumulate((sp.n for sp in params), initial=0))
+
+        async def group(i: int):  # prompt i's samples: rows starts[i]:starts[i + 1] of the flat request lists
+            part = {k: (v[starts[i]:starts[i + 1]] if isinstance(v, list) else v) for k, v in kw.items()}
+            return i, await self.engine.async_generate(**part)
+
+        pending = {asyncio.ensure_future(group(i)) for i in range(len(prompts))}
+        outs: list = [None] * len(prompts)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=lambda t: t.result()[0]):  # ties: prompt order
+                    i, raw = task.result()
+                    out = request_outputs([prompts[i]], [params[i]], raw, self._decode, [rids[i]])[0]
+                    out.meta["finish_index"] = sum(o is not None for o in outs)
+                    outs[i] = out
+                    on_output(i, out)
+        finally:
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+        return outs
+
+    @property
+    def _decode(self):
+        """Token ids -> text by the processor; None: SGLang's own text is kept."""
+        if self.processor is None:
+            return None
+        return lambda ids, skip: self.processor.decode(ids, skip_special_tokens=skip)
 
     def kv_cache_bytes(self) -> int:
         return 0

@@ -1,12 +1,15 @@
 """An Engine with SGLang's shape: launches `self.run_scheduler_process_func` in a spawned process and
 reaches it by collective_rpc. `run_script(script)` runs scripted batches there and waits for their results.
 
-Started with `model_path`, it also generates (tiny_runtime.TinyRuntime: Rollplex's engine over its own
-copy of the checkpoint, answers in SGLang's shape) and its weight and memory calls act on that copy;
-each generate also runs the matching prefill and decode batches through the scheduler process, so its
-hook sees the rollout's decode steps.
+Started with `model_path`, it also generates with tiny_runtime.TinyRuntime (Rollplex's engine over its
+own copy of the checkpoint, answers in SGLang's shape), and its weight and memory calls act on that
+copy. Each `generate` also runs the matching prefill and decode batches through the scheduler process,
+so its hook sees the rollout's decode steps. `async_generate` (on `self.loop`) answers a batch request
+after 20 ms per token of its longest `max_new_tokens`, so requests sent together answer in the order
+of their lengths, as from a scheduler decoding them side by side.
 """
 
+import asyncio
 import multiprocessing as mp
 
 from sglang.srt.managers.io_struct import RpcReqInput, RpcReqOutput
@@ -29,6 +32,7 @@ class Engine:
             self.proc.kill()
             raise RuntimeError("the scheduler process did not start")
         self.scheduler_info = reader.recv()
+        self.loop = asyncio.new_event_loop()
         self.runtime = None
         if kwargs.get("model_path") is not None:
             from tiny_runtime import TinyRuntime
@@ -48,6 +52,17 @@ class Engine:
         script += [("DECODE", sum(n > k for n in lens), 0, 1.0) for k in range(1, max(lens))]
         self.run_script(script)
         return answers
+
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, image_data=None,
+                             return_logprob=False):
+        if self.runtime is None:
+            raise RuntimeError("this fake engine was started without model_path")
+        if prompt is not None or input_ids is None or not isinstance(input_ids[0], list):
+            raise NotImplementedError("the fake takes a batch of input_ids")
+        if isinstance(sampling_params, dict):
+            sampling_params = [sampling_params] * len(input_ids)
+        await asyncio.sleep(0.02 * max(sp["max_new_tokens"] for sp in sampling_params))
+        return self.runtime.generate(input_ids, sampling_params, image_data, return_logprob)
 
     def collective_rpc(self, method: str, **kwargs):
         obj = RpcReqInput(method=method, parameters=kwargs)
@@ -76,6 +91,7 @@ class Engine:
             self.runtime.update(named_tensors)
 
     def shutdown(self):
+        self.loop.close()
         if self.proc.is_alive():
             self.send_to_rpc.send(("shutdown",))
             self.proc.join(30)
