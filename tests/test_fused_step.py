@@ -15,6 +15,7 @@ from rollplex.models import ModelInputs, load_model
 from rollplex.rl.actor import Actor
 from rollplex.rl.batch import RolloutBatch
 from rollplex.rl.config import RLConfig
+from rollplex.rl.fuse_gate import BUCKETS, FuseGate, _Bucket
 from rollplex.rl.pipeline import fused_unsupported
 from rollplex.rl.step import RLStep, rollout_requests
 from rollplex.tiny import shape_color
@@ -246,3 +247,18 @@ def test_fused_unsupported_names_the_reason():
         RLConfig(fuse_below=0.0)
     with pytest.raises(ValueError, match="schedule"):
         RLConfig(schedule="pipelined")
+
+
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
+def test_a_gate_holding_every_bucket_trains_after_the_rollout(tiny_dir, proc):
+    """fuse_admission="pays" where every decode-batch bucket cost more decode time than it saved: no chunk
+    runs beside decode, all run after the rollout, and the update is the phased one."""
+    phased = _run(_step(tiny_dir, proc))
+    rl = _step(tiny_dir, proc, schedule="fused", fuse_admission="pays")
+    rl.fuse_gate = FuseGate("pays", buckets={b: _Bucket(added=2.0, saved=1.0) for b in BUCKETS})
+    fused = _run(rl)
+    m = fused[0]
+    assert m["rollplex/fused"] == 1.0 and m["rollplex/fused_groups_in_rollout"] == 0
+    assert m["timing_s/fused_in_rollout"] == 0 and m["rollplex/fused_held_buckets"] == len(BUCKETS)
+    assert rl.fuse_gate.ms_per_token > 0  # learnt from the chunks that ran alone
+    _assert_same_step(fused, phased)

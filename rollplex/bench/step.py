@@ -36,6 +36,7 @@ from ..models import ModelConfig, Qwen25VL, init_weights
 from ..presets import preset
 from ..rl.batch import RolloutBatch
 from ..rl.config import RLConfig
+from ..rl.fuse_gate import FuseGate
 from ..rl.step import RLStep
 from ..system import System, SystemConfig, build
 from .common import PEAK_TFLOPS, make_prompts, sync, update_flops
@@ -162,17 +163,20 @@ _TFLOPS: dict[str, float] = {}
 
 
 def fused_step(system: System, prompts, params, rl_kw: dict, fuse: tuple, cfg, grid, label: str,
-               step: str, frozen: bool, init: dict, ref, seed: int, timeline: Timeline | None = None) -> dict:
-    """A whole step on the fused schedule (fuse: (fuse_sms, fuse_below, fuse_chunk_tokens)): groups scored
-    and trained beside the rollout's tail, the rest after it, one optimizer step. Its rewards are the
-    phased rows' (the same random 0/1 per sample, in prompt order), so the losses and gradient norms
-    compare."""
+               step: str, frozen: bool, init: dict, ref, seed: int, timeline: Timeline | None = None,
+               gate: FuseGate | None = None) -> dict:
+    """A whole step on the fused schedule (fuse: (fuse_sms, fuse_below, fuse_chunk_tokens, fuse_admission)):
+    groups scored and trained beside the rollout's tail, the rest after it, one optimizer step. Its rewards
+    are the phased rows' (the same random 0/1 per sample, in prompt order), so the losses and gradient
+    norms compare. gate: the admission gate of the row's earlier steps (its measurements carry over)."""
     restore(system.model, init, frozen)
-    sms, below, tokens = fuse
+    sms, below, tokens, admission = fuse
     rl = system.rl_step(RLConfig(mode="rollplex", schedule="fused", fuse_sms=sms, fuse_below=below,
-                                 fuse_chunk_tokens=tokens, freeze_vision_tower=frozen, **rl_kw),
+                                 fuse_chunk_tokens=tokens, fuse_admission=admission, freeze_vision_tower=frozen,
+                                 **rl_kw),
                         reward_fn="exact", ref_model=ref)
     rl.timeline = timeline
+    rl.fuse_gate = gate
     offsets = [0]
     for p in params:
         offsets.append(offsets[-1] + p.n)
@@ -195,10 +199,13 @@ def fused_step(system: System, prompts, params, rl_kw: dict, fuse: tuple, cfg, g
          "update_actor_s": round(m["timing_s/update_actor"], 3),
          "in_rollout_s": round(m.get("timing_s/fused_in_rollout", 0.0), 3),
          "groups_in_rollout": m.get("rollplex/fused_groups_in_rollout", 0.0),
+         "decode_added_s": round(m.get("rollplex/fused_decode_added_s", 0.0), 3),
+         "held_buckets": m.get("rollplex/fused_held_buckets", 0.0), "admission": admission,
          "groups": batch.num_prompts, "pg_loss": m["actor/pg_loss"], "kl_loss": m["actor/kl_loss"],
          "grad_norm": m["actor/grad_norm"],
          "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else 0}
     print(json.dumps(r), flush=True)
+    r["gate"] = rl.fuse_gate
     del rl, batch
     _free()
     return r
@@ -231,7 +238,8 @@ DEFAULTS = {"rl": RLConfig(kl_coef=0.01, lr=1e-6),
             "engine": EngineConfig(max_num_seqs=256, max_model_len=2048, gpu_memory_utilization=0.2,
                                    max_num_batched_tokens=40000),
             "memory": MemoryConfig(memory_plan="resident")}
-PER_ROW = ("mode", "cosched", "schedule", "fuse_sms", "fuse_below", "fuse_chunk_tokens", "freeze_vision_tower")
+PER_ROW = ("mode", "cosched", "schedule", "fuse_sms", "fuse_below", "fuse_chunk_tokens", "fuse_admission",
+           "freeze_vision_tower")
 SKIP = ("model", "format_warmup_steps", "memory", "backend", "fsdp", "tp", "cosched.slowdown_bound", "cosched.side_sms",
         *(f"rl.{f}" for f in PER_ROW if f != "fuse_chunk_tokens"))
 
@@ -255,6 +263,9 @@ def parser() -> ConfigParser:
                     "beside the rollout's tail; cosched: sharing + the prefix co-scheduler")
     ap.add_argument("--fuse-sms", default="0", help="fused: comma list, one row per value (crossed with "
                     "--fuse-below); N > 0 confines the fused work to a green context of N SMs")
+    ap.add_argument("--fuse-admission", default="always", help="fused: comma list (always, pays), one row per "
+                    "value; pays holds chunks in decode-batch buckets where they cost decode more than they saved "
+                    "in the row's earlier steps")
     ap.add_argument("--fuse-below", default="1.0", help="fused: comma list; start when at most this fraction of "
                     "the groups is still decoding")
     ap.add_argument("--vision", default="trained,frozen", help="trained and/or frozen (freeze_vision_tower)")
@@ -298,8 +309,9 @@ def main(argv=None) -> None:
     eng = system.engine
     print(json.dumps({"bench": "step_setup", "kv_blocks": eng.runner.num_blocks, **env_info()}), flush=True)
     modes = args.modes.split(",")
-    fuses = [(int(a), float(b), scfg.rl.fuse_chunk_tokens) for a in args.fuse_sms.split(",")
-             for b in args.fuse_below.split(",")]
+    fuses = [(int(a), float(b), scfg.rl.fuse_chunk_tokens, c) for a in args.fuse_sms.split(",")
+             for b in args.fuse_below.split(",") for c in args.fuse_admission.split(",")]
+    gates: dict = {}  # (workload, vision, fuse) -> the fused rows' admission gate, carried from step to step
     co_cfgs = [replace(scfg.cosched, slowdown_bound=float(b), side_sms=int(v))
                for b in args.slowdown_bound.split(",") for v in args.side_sms.split(",")]
     rl_kw = {f.name: getattr(scfg.rl, f.name) for f in fields(RLConfig) if f.init and f.name not in PER_ROW}
@@ -350,8 +362,11 @@ def main(argv=None) -> None:
                     if args.trace and step != "cold" and not traced:
                         tl, traced = Timeline(torch.device(device)), True
                     r = fused_step(system, prompts, params(seed), rl_kw, fuse, cfg, grid, label, step, frozen,
-                                   init, ref, seed, tl)
-                    frow = {**row, "fuse_sms": fuse[0], "fuse_below": fuse[1], "fused": r["step_s"],
+                                   init, ref, seed, tl, gates.get((label, vis, fuse)))
+                    gates[(label, vis, fuse)] = r.pop("gate")
+                    frow = {**row, "fuse_sms": fuse[0], "fuse_below": fuse[1], "admission": fuse[3],
+                            "decode_added_s": r["decode_added_s"], "held_buckets": r["held_buckets"],
+                            "fused": r["step_s"],
                             "fused_gen_s": r["gen_s"], "fused_tail_s": r["tail_s"],
                             "fused_update_s": r["update_actor_s"],
                             "in_rollout_s": r["in_rollout_s"], "groups_in_rollout": r["groups_in_rollout"],
@@ -398,8 +413,9 @@ def _fused_table(rows: list[dict]) -> None:
     """Fused against phased. Movable: the reference + update work of every chunk but the last (the last
     can only start when the rollout ends); limit: the phased step minus it; share: of it hidden."""
     print("\n| workload | vision | step | serial s | phased s (gen) | fused s (gen / tail / update) | SMs | below | "
-          "in rollout s | movable s | limit s | share | fused vs phased | vs serial |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "admission (held buckets) | in rollout s | decode added s | movable s | limit s | share | fused vs phased "
+          "| vs serial |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)  # noqa: E731
     for r in rows:
         phased, fused, base = r.get("rollplex"), r["fused"], r.get("serial")
@@ -412,7 +428,8 @@ def _fused_table(rows: list[dict]) -> None:
               f"{fmt(phased)} ({fmt(r.get('gen_s'))}) | "
               f"{fused:.2f} ({r['fused_gen_s']:.2f} / {r['fused_tail_s']:.2f} / {r['fused_update_s']:.2f})"
               f"{'' if r['fused_on'] else ' phased'} | {r['fuse_sms'] or 'all'} | {r['fuse_below']:g} | "
-              f"{r['in_rollout_s']:.2f} | {fmt(movable)} | {fmt(limit)} | {fmt(share, '{:.0%}')} | "
+              f"{r['admission']} ({r['held_buckets']:g}) | {r['in_rollout_s']:.2f} | {r['decode_added_s']:.2f} | "
+              f"{fmt(movable)} | {fmt(limit)} | {fmt(share, '{:.0%}')} | "
               f"{fmt(phased / fused - 1 if phased else None, '{:+.1%}')} | {fmt(base / fused if base else None)}x |")
 
 

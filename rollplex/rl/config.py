@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .algos import ADV_ESTIMATORS, AGG_MODES, KL_KINDS, POLICY_LOSSES, SINGLETON_ADV
+from .fuse_gate import POLICIES as FUSE_ADMISSIONS
+from .fuse_gate import parse_sms_by_batch
 from .microbatch import MicroBatching
 
 MODES = ("rollplex", "serial")
@@ -142,6 +144,12 @@ class RLConfig:
     # fused, on a GPU: the work beside decode runs in a green context of this many SMs (0: a low-priority
     # stream over every SM); decode keeps the primary context
     fuse_sms: int = 0
+    # fused, on a GPU: the partition by decode batch, "MIN_BATCH:SMS" entries ("64:66": while at least 64
+    # sequences decode, a chunk starts in a green context of 66 SMs); below every entry, fuse_sms
+    fuse_sms_by_batch: tuple[str, ...] = ()
+    # fused: "always" runs finished chunks beside decode; "pays" holds them in decode-batch buckets where the
+    # decode time they added exceeded the time they saved, as measured over earlier steps (rl/fuse_gate.py)
+    fuse_admission: str = "always"
     # fused: a chunk of groups closes at micro_batch_prompts groups, or at this many tokens (None: no budget)
     fuse_chunk_tokens: int | None = None
     seed: int = 0
@@ -153,7 +161,8 @@ class RLConfig:
                               ("policy_loss", POLICY_LOSSES), ("loss_agg_mode", AGG_MODES),
                               ("kl_loss_type", KL_KINDS), ("kl_penalty", KL_KINDS), ("kl_ctrl", KL_CTRLS),
                               ("lr_schedule", LR_SCHEDULES), ("lr_schedule_unit", LR_SCHEDULE_UNITS),
-                              ("schedule", SCHEDULES), ("filter_groups_metric", FILTER_GROUPS_METRICS)):
+                              ("schedule", SCHEDULES), ("filter_groups_metric", FILTER_GROUPS_METRICS),
+                              ("fuse_admission", FUSE_ADMISSIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.adv_estimator == "dr_grpo" and self.loss_agg_mode != "seq-mean-token-sum-norm":
@@ -202,6 +211,7 @@ class RLConfig:
             raise ValueError("fuse_chunk_tokens must be >= 1 (or None)")
         if self.fuse_sms < 0:
             raise ValueError("fuse_sms must be >= 0 (0: share every SM)")
+        parse_sms_by_batch(self.fuse_sms_by_batch)
 
     @property
     def agg_norm(self) -> float:

@@ -21,9 +21,12 @@ equals the phased step up to the order of the gradient sums and one division (rl
 
 Where the chunks run (RLConfig.schedule = "fused"): those completed while the rollout decodes go
 through the stages on a worker thread, on a side stream — on a GPU the stream of a green context of
-`fuse_sms` SMs, so decode, in the primary context on a high-priority stream, keeps the rest of the
-device — once at most `fuse_below` of the groups are still decoding. What is left when the rollout
-ends runs on the caller's thread and stream.
+`fuse_sms` SMs (or the partition `fuse_sms_by_batch` gives the decode batch at the chunk's start), so
+decode, in the primary context on a high-priority stream, keeps the rest of the device — once at most
+`fuse_below` of the groups are still decoding, and where the gate (rl/fuse_gate.py,
+`fuse_admission="pays"`) has not measured that fusing costs decode more time than it saves. The
+pipeline is a decode hook of the native engine: it hands the gate each decode step. What is left when
+the rollout ends runs on the caller's thread and stream.
 
 Several updates per rollout (ppo_mini_batches x ppo_epochs > 1): only the first mini-batch can start
 early — the others need the weights its optimizer step makes. The actor cuts the first epoch's
@@ -61,6 +64,7 @@ from .algos import compute_advantages
 from .batch import RolloutBatch
 from .config import RLConfig
 from .errors import TrainOOM, is_oom
+from .fuse_gate import FuseGate
 
 BATCH_WIDE = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")  # whiten advantages over the batch
 # the decode loop's host work waits for the GIL while the worker launches kernels: switch threads often
@@ -102,9 +106,12 @@ class GroupPipeline:
     actor, reward and vision settings); `rewards(chunk, prompt_ids) -> (scores [n], metrics)`."""
 
     def __init__(self, step, prompts: list, samples: list[int], per_prompt: dict, rewards, stream=None,
-                 timeline=None, expected: int | None = None, trained: int | None = None):
+                 timeline=None, expected: int | None = None, trained: int | None = None,
+                 gate: FuseGate | None = None, stream_for=None):
         """expected: how many groups this pipeline gets (default: all; a data-parallel rank its share);
-        trained: how many of them, the first to finish, are trained (default: the first mini-batch's)."""
+        trained: how many of them, the first to finish, are trained (default: the first mini-batch's);
+        gate: admission beside decode (default: always); stream_for(sms): the side stream of a partition
+        of `sms` SMs (default: `stream` whatever the partition)."""
         self.step, self.prompts, self.per_prompt, self.rewards = step, prompts, per_prompt, rewards
         self.cfg = cfg = step.cfg
         self.expected = len(prompts) if expected is None else expected
@@ -117,6 +124,10 @@ class GroupPipeline:
         self.chunk_tokens = cfg.fuse_chunk_tokens or float("inf")
         self.stream, self.timeline = stream, timeline
         self.cuda = stream is not None
+        self.gate = gate if gate is not None else FuseGate()
+        self.stream_for = stream_for
+        self._streams = [stream] if stream is not None else []  # the side streams chunks ran on
+        self._held = False  # a chunk is ready but the gate holds it: decode steps wake the worker
         self.outputs: dict[int, object] = {}
         self.order: list[int] = []  # finished prompts, finishing order
         self.taken = 0  # groups of `order` already in a chunk
@@ -138,8 +149,16 @@ class GroupPipeline:
             self.order.append(i)
             self._cond.notify()
 
+    def on_decode_step(self, info) -> None:
+        """The decode loop's hook: the step goes to the gate; a held chunk is re-examined."""
+        self.gate.on_decode_step(info)
+        if self._held and self.gate.admit():
+            with self._cond:
+                self._cond.notify()
+
     def start(self) -> None:
         """Zero the gradients and start the worker (its stream ordered after the caller's work)."""
+        self.gate.begin()
         self.step.actor.begin_groups()
         if self.cuda:
             idx = self.step.device.index
@@ -163,7 +182,8 @@ class GroupPipeline:
             sys.setswitchinterval(self._switch)
             self._switch = None
         if self.cuda:
-            torch.cuda.current_stream().wait_stream(self.stream)
+            for s in self._streams:
+                torch.cuda.current_stream().wait_stream(s)
 
     def _admitted(self) -> bool:
         left = self.expected - len(self.order)
@@ -176,9 +196,12 @@ class GroupPipeline:
                 if self._stopping or self.error is not None:
                     return None
                 ids = self._chunk(final=False)
-                if ids is not None and self._admitted():
+                ready = ids is not None and self._admitted()
+                if ready and self.gate.admit():
+                    self._held = False
                     self.taken += len(ids)
                     return ids
+                self._held = ready
                 self._cond.wait()
 
     def _chunk(self, final: bool) -> list[int] | None:
@@ -186,30 +209,50 @@ class GroupPipeline:
         groups or `chunk_tokens` tokens (prompt once, responses), or reaches the end of the groups
         trained (the first mini-batch); with `final` (every group is done) also a shorter one at the end.
         A function of the finishing order alone, whoever calls it."""
-        ids, tokens = [], 0
+        ids = []
         end = self.trained if self.taken < self.trained else len(self.prompts)
         for i in self.order[self.taken : end]:
-            out = self.outputs[i]
             ids.append(i)
-            tokens += len(out.prompt_token_ids) + sum(len(s.token_ids) for s in out.samples)
-            if len(ids) == self.chunk or tokens >= self.chunk_tokens:
+            if len(ids) == self.chunk or self._tokens(ids) >= self.chunk_tokens:
                 return ids
         return ids if ids and (final or self.taken + len(ids) == self.trained) else None
+
+    def _tokens(self, ids: list[int]) -> int:
+        """The chunk's tokens: each prompt once, every response."""
+        return sum(len(self.outputs[i].prompt_token_ids) + sum(len(s.token_ids) for s in self.outputs[i].samples)
+                   for i in ids)
 
     def _work(self) -> None:
         if self.cuda:  # the step's device (a new thread starts on device 0)
             torch.cuda.set_device(self._device_index)
-        ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
-        with ctx:
-            while (ids := self._next_chunk()) is not None:
-                t0 = self._mark()
-                try:
+        prev = self.stream
+        while (ids := self._next_chunk()) is not None:
+            stream = self._chunk_stream(prev)
+            self.gate.start(self._tokens(ids))
+            try:
+                with torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext():
+                    t0 = self._mark()
                     self._run(ids)
-                except BaseException as e:  # noqa: BLE001 - handed to the caller after the rollout
-                    self.error = e
-                    return
-                self.in_rollout += 1
-                self._record(t0, ids, "beside decode")
+                    self.in_rollout += 1
+                    self._record(t0, ids, "beside decode")
+            except BaseException as e:  # noqa: BLE001 - handed to the caller after the rollout
+                self.error = e
+                return
+            finally:
+                self.gate.end()
+            prev = stream
+
+    def _chunk_stream(self, prev):
+        """The side stream of the partition the gate gives the current decode batch, ordered after `prev`
+        (the chunks accumulate into the same gradients)."""
+        if not self.cuda or self.stream_for is None:
+            return self.stream
+        stream = self.stream_for(self.gate.sms(self.gate.batch))
+        if stream is not prev:
+            stream.wait_stream(prev)
+            if all(stream is not s for s in self._streams):
+                self._streams.append(stream)
+        return stream
 
     # ---- the caller's side, after the rollout -----------------------------------------------------
     def drain(self) -> None:
@@ -248,11 +291,15 @@ class GroupPipeline:
                 self.timeline.host_span("fused", name, t0, t1)
 
     def resolve_times(self) -> None:
-        """The worker's chunk times from their CUDA events (after the caller's stream has waited for it)."""
+        """The chunks' times from their CUDA events (after the caller's stream has waited for the worker);
+        the gate learns the standalone cost from the chunks that ran after the rollout, then settles."""
         for res, a, b in self._events:
             b.synchronize()
             res.seconds = a.elapsed_time(b) / 1e3
         self._events.clear()
+        for res in self.results[self.in_rollout:]:
+            self.gate.alone(self._tokens(res.prompts), res.seconds)
+        self.gate.settle()
 
     # ---- the stages of one chunk --------------------------------------------------------------------
     def _run(self, ids: list[int]) -> None:
@@ -331,7 +378,7 @@ class GroupPipeline:
         """counts: (groups trained beside decode, groups) over every rank (default: `counts()`)."""
         beside = self.results[: self.in_rollout]
         trained, groups = counts or self.counts()
-        return {"rollplex/fused": 1.0,
+        return {**self.gate.metrics(), "rollplex/fused": 1.0,
                 "rollplex/fused_groups_in_rollout": float(trained),
                 "rollplex/fused_groups": float(groups),
                 "timing_s/fused_in_rollout": sum(r.seconds for r in beside),

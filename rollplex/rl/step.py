@@ -77,6 +77,7 @@ from .config import RLConfig
 from .critic import Critic, build_value_model
 from .dynamic_sampling import sample_groups
 from .errors import TrainOOM, TrainStepError
+from .fuse_gate import FuseGate, parse_sms_by_batch
 from .pipeline import GroupPipeline, fallback_on, fused_unsupported
 from .rewards import RewardFn, get_reward_fn, score_batch
 from .rollout import NativeRollout, RolloutBackend, as_rollout_backend, rollout_requests
@@ -184,7 +185,10 @@ class RLStep:
         self.cosched = CoScheduler(cosched or CoschedConfig(), self.device, memory=memory)
         self.timeline: Timeline | None = None  # set one to record phases and co-scheduled work
         self.rollout_metrics: dict = {}  # the last rollout's co-scheduling metrics
-        self._fused_stream = None  # (side stream, its green context) of the fused schedule, made on first use
+        self._fused_streams: dict[int, tuple] = {}  # SMs -> (side stream, its green context), made on first use
+        # the fused schedule's admission (rl/fuse_gate.py): its measurements span steps; a gate set here carries
+        # them in (made from the config on first use, remade when its settings change)
+        self.fuse_gate: FuseGate | None = None
         self._fused_warned: set[str] = set()
         if memory is not None:
             fit = self.memory_fit
@@ -682,13 +686,24 @@ class RLStep:
         """Whether rollouts keep the prefill's vision encodings for scoring and the update."""
         return self.cfg.freeze_vision_tower and self.cfg.mode == "rollplex"
 
-    def _fuse_stream(self):
-        """The side stream of fused work (a green context of `fuse_sms` SMs), made once; None on CPU."""
+    def _fuse_stream(self, sms: int | None = None):
+        """The side stream of fused work in a green context of `sms` SMs (default `fuse_sms`; 0: all SMs at
+        low priority), made once per partition; None on CPU."""
         if self.device.type != "cuda":
             return None
-        if self._fused_stream is None:
-            self._fused_stream = side_stream(self.device, self.cfg.fuse_sms)  # (stream, its context)
-        return self._fused_stream[0]
+        sms = self.cfg.fuse_sms if sms is None else sms
+        if sms not in self._fused_streams:
+            self._fused_streams[sms] = side_stream(self.device, sms)  # (stream, its context)
+        return self._fused_streams[sms][0]
+
+    def _fuse_gate_for(self, cfg: RLConfig) -> FuseGate:
+        """The admission gate, kept across steps (remade when its settings change)."""
+        g = self.fuse_gate
+        want = (cfg.fuse_admission, tuple(sorted(parse_sms_by_batch(cfg.fuse_sms_by_batch), reverse=True)),
+                cfg.fuse_sms)
+        if g is None or (g.policy, g.sms_by_batch, g.default_sms) != want:
+            self.fuse_gate = g = FuseGate(*want)
+        return g
 
     def _fused(self, prompts: list, params: list, rewards, per_prompt: dict, m: dict) -> RolloutBatch:
         """Rollout with the group pipeline beside it, then the optimizer step. When a fused stage runs
@@ -711,14 +726,15 @@ class RLStep:
             first = mini_batch_sizes(len(prompts), cfg.ppo_mini_batches)[0]
             mine, trained = par.fused_share(len(prompts), first)
         pipe = GroupPipeline(self, prompts, [p.n for p in params], per_prompt, rewards, self._fuse_stream(), tl,
-                             None if mine is None else len(mine), trained)
+                             None if mine is None else len(mine), trained, self._fuse_gate_for(cfg), self._fuse_stream)
         marks = DecodeMarks(tl) if tl is not None and self.engine is not None else None
+        hooked = [h for h in (pipe, marks) if h is not None and self.engine is not None]
         with _timer(m, "gen", self.device, tl):  # in the rollout phase, entered by `_fused`
             if par is not None:  # the trainer (and a sharded reference) gathered: no collective until `end_fused`
                 par.begin_fused(self.actor, self.ref if self.uses_reference(cfg) else None)
             pipe.start()
-            if marks is not None:
-                self.engine.hooks.append(marks)
+            for h in hooked:
+                self.engine.hooks.append(h)
             done = False
             try:
                 with self.cosched.decode_priority():  # decode on a high-priority stream
@@ -727,8 +743,9 @@ class RLStep:
                 done = True
             finally:
                 pipe.stop()
+                for h in hooked:
+                    self.engine.hooks.remove(h)
                 if marks is not None:
-                    self.engine.hooks.remove(marks)
                     marks.close()
                 if not done:  # a failed rollout: what the chunks accumulated goes with it
                     if par is not None:
