@@ -10,17 +10,18 @@ from rollplex.rl.fuse_gate import FuseGate, _Bucket, bucket_of, parse_sms_by_bat
 
 
 def _simulate(gate: FuseGate, steps: list[tuple[int, float, bool]], tokens: int = 300) -> None:
-    """Launch decode steps (batch, duration ms, beside a chunk?); as in the engine, a step's duration is
-    reported at the launch `lag` = 2 steps later (two clean launches at the end report the last ones)."""
-    active = False
-    steps = steps + [(steps[-1][0], 0.0, False)] * 2
-    for k, (batch, _, busy) in enumerate(steps):
+    """Launch decode steps (batch, ms until the next launch, beside a chunk?), then end the rollout."""
+    active, now = False, 0.0
+    for k, (batch, ms, busy) in enumerate(steps):
         if busy and not active:
             gate.start(tokens)
         elif active and not busy:
             gate.end()
         active = busy
-        gate.on_decode_step(SimpleNamespace(step=k, batch_size=batch, last_step_ms=steps[k - 2][1] if k >= 2 else None))
+        gate.on_decode_step(SimpleNamespace(step=k, batch_size=batch), now)
+        now += ms / 1e3
+    gate.end()
+    gate.finish(now)
 
 
 def _step_with_chunk(gate: FuseGate, batch: int, clean_ms: float, loaded_ms: float, tokens: int) -> None:
@@ -91,6 +92,7 @@ def test_a_bucket_without_clean_steps_borrows_the_nearest_baseline():
     gate.begin()
     # batch 8 never ran clean: the 64 bucket's 5 ms stands in for its baseline
     _simulate(gate, [(64, 5.0, False)] * 4 + [(8, 9.0, True)] * 4)
+    # the last period closes when the rollout ends
     assert gate.added_ms == pytest.approx(4 * 4.0) and gate.clean_ms == pytest.approx(4 * 5.0)
     assert gate.metrics()["rollplex/fused_decode_slowdown"] == pytest.approx(0.8)
     assert bucket_of(8) == 8 and bucket_of(300) == 256 and bucket_of(3) == 4

@@ -8,10 +8,12 @@ leaves most of the device idle. `FuseGate` measures both per decode-batch bucket
 holds chunks in buckets where fusing did not pay: they wait for the batch to shrink into a bucket that
 pays, or for the rollout's end. Torch-free: times come in as arguments.
 
-    on_decode_step(info)       the decode loop's hook. A measured step (`info.last_step_ms`, the step
-                               `lag` launches back) that ran with no chunk in flight is clean: it moves
-                               its bucket's baseline. One that ran beside a chunk adds
-                               `step - baseline` to that chunk's decode cost
+    on_decode_step(info, now)  the decode loop's hook, at each launch (`now`: host seconds). The loop's
+                               period from one launch to the next (what the rollout's wall time is made
+                               of, host gaps included) belongs to the step launched first: with no chunk
+                               in flight at its launch it is clean and moves its batch bucket's baseline;
+                               beside a chunk, `period - baseline` is decode time the chunk added
+    finish(now)                the rollout ended: the last period closes
     admit()                    whether a chunk may start now: `policy="always"`, or `"pays"` where the
                                current bucket's measured (added decode time) < (chunk time saved), where
                                nothing is measured yet, and once every `reprobe_steps` steps in a held
@@ -56,7 +58,6 @@ class FuseGate:
     policy: str = "always"
     sms_by_batch: tuple[tuple[int, int], ...] = ()
     default_sms: int = 0
-    lag: int = 2  # a reported step time belongs to the step this many launches back
     baseline_ema: float = 0.2
     stats_ema: float = 0.5
     reprobe_steps: int = 8
@@ -72,25 +73,30 @@ class FuseGate:
     # ---- one step ---------------------------------------------------------------------------------
     def begin(self) -> None:
         self._baseline: dict[int, float] = {}
-        # decode step -> (the chunk in flight at its launch, its batch)
-        self._launched: dict[int, tuple[_Chunk | None, int]] = {}
+        self._open: tuple[float, _Chunk | None, int] | None = None  # (launch time, chunk in flight, batch)
         self._chunks: list[_Chunk] = []
         self._current: _Chunk | None = None
         self._admitted_held: set[int] = set()
         self.batch = 0
         self.clean_ms = self.added_ms = 0.0
 
-    def on_decode_step(self, info) -> None:
+    def on_decode_step(self, info, now: float) -> None:
+        self._close(now)
+        self._open = (now, self._current, info.batch_size)
         self.batch = info.batch_size
-        self._launched[info.step] = (self._current, info.batch_size)
-        chunk, batch = self._launched.pop(info.step - self.lag, (None, None))
-        ms = info.last_step_ms
-        if ms is None or batch is None:
+
+    def finish(self, now: float) -> None:
+        self._close(now)
+        self._open = None
+
+    def _close(self, now: float) -> None:
+        if self._open is None:
             return
-        b = bucket_of(batch)
+        t0, chunk, batch = self._open
+        ms, b = (now - t0) * 1e3, bucket_of(batch)
         if chunk is None:
             old = self._baseline.get(b)
-            # a faster clean step replaces the baseline at once (hiccups only slow steps); slower ones drift it up
+            # a faster clean period replaces the baseline at once (hiccups only slow steps); slower ones drift it up
             self._baseline[b] = ms if old is None or ms < old else old + self.baseline_ema * (ms - old)
             self.clean_ms += ms
             return
@@ -151,8 +157,7 @@ class FuseGate:
             st.added = added if st.added is None else st.added + w * (added - st.added)
             st.saved = saved if st.saved is None else st.saved + w * (saved - st.saved)
             st.held_steps = 0
-        self._launched.clear()
-        self._current = None
+        self._open = self._current = None
 
     def sms(self, batch: int) -> int:
         for min_batch, n in self.sms_by_batch:

@@ -151,7 +151,7 @@ class GroupPipeline:
 
     def on_decode_step(self, info) -> None:
         """The decode loop's hook: the step goes to the gate; a held chunk is re-examined."""
-        self.gate.on_decode_step(info)
+        self.gate.on_decode_step(info, time.perf_counter())
         if self._held and self.gate.admit():
             with self._cond:
                 self._cond.notify()
@@ -172,6 +172,7 @@ class GroupPipeline:
     def stop(self) -> None:
         """The rollout is over (or failed): the worker ends after its current chunk; the caller's stream
         then waits for the worker's."""
+        self.gate.finish(time.perf_counter())
         with self._cond:
             self._stopping = True
             self._cond.notify()
