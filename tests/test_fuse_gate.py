@@ -92,9 +92,9 @@ def test_a_bucket_without_clean_steps_borrows_the_nearest_baseline():
     gate.begin()
     # batch 8 never ran clean: the 64 bucket's 5 ms stands in for its baseline
     _simulate(gate, [(64, 5.0, False)] * 4 + [(8, 9.0, True)] * 4)
-    # the last period closes when the rollout ends
-    assert gate.added_ms == pytest.approx(4 * 4.0) and gate.clean_ms == pytest.approx(4 * 5.0)
-    assert gate.metrics()["rollplex/fused_decode_slowdown"] == pytest.approx(0.8)
+    # the chunk starts during the fourth period (charged: 5 - 5 = 0); the last period closes when the rollout ends
+    assert gate.added_ms == pytest.approx(4 * 4.0) and gate.clean_ms == pytest.approx(3 * 5.0)
+    assert gate.metrics()["rollplex/fused_decode_slowdown"] == pytest.approx(16 / 15)
     assert bucket_of(8) == 8 and bucket_of(300) == 256 and bucket_of(3) == 4
 
 
@@ -108,3 +108,15 @@ def test_partition_by_decode_batch():
         RLConfig(fuse_sms_by_batch=("64",))
     with pytest.raises(ValueError, match="fuse_admission"):
         RLConfig(fuse_admission="sometimes")
+
+
+def test_a_chunk_started_after_the_last_launch_is_charged_the_rollouts_end():
+    """The chunk starts during the last decode period (the first groups finished one step before the
+    rest): the device, busy with it, delays the last step, and the end of the rollout shows it."""
+    gate = FuseGate("pays")
+    gate.begin()
+    for k in range(4):
+        gate.on_decode_step(SimpleNamespace(step=k, batch_size=128), k * 0.005)
+    gate.start(300)  # during the period launched at 15 ms
+    gate.finish(0.015 + 0.400)
+    assert gate.added_ms == pytest.approx(395.0) and gate.clean_ms == pytest.approx(15.0)

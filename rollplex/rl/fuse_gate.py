@@ -11,8 +11,10 @@ pays, or for the rollout's end. Torch-free: times come in as arguments.
     on_decode_step(info, now)  the decode loop's hook, at each launch (`now`: host seconds). The loop's
                                period from one launch to the next (what the rollout's wall time is made
                                of, host gaps included) belongs to the step launched first: with no chunk
-                               in flight at its launch it is clean and moves its batch bucket's baseline;
-                               beside a chunk, `period - baseline` is decode time the chunk added
+                               in flight during it, it is clean and moves its batch bucket's baseline;
+                               beside a chunk (in flight at its launch, or started during it: a chunk
+                               started after the last launch delays the rollout's end), `period -
+                               baseline` is decode time the chunk added
     finish(now)                the rollout ended: the last period closes
     admit()                    whether a chunk may start now: `policy="always"`, or `"pays"` where the
                                current bucket's measured (added decode time) < (chunk time saved), where
@@ -129,6 +131,8 @@ class FuseGate:
             self._admitted_held.add(b)
         self._current = _Chunk(b, tokens)
         self._chunks.append(self._current)
+        if self._open is not None and self._open[1] is None:  # the open period runs beside it from here on
+            self._open = (self._open[0], self._current, self._open[2])
 
     def end(self) -> None:
         self._current = None
