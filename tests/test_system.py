@@ -55,6 +55,12 @@ def test_build_without_a_memory_plan_has_no_manager(tiny_dir):
     # a caller's engine (the parallel bench shares one across its paths) is used as is
     again = build(dataclasses.replace(cfg, format_warmup_steps=0), model=system.model, engine=system.engine, group=None)
     assert again.engine is system.engine is again.rl.engine and again.model is system.model and again.rl.ref is None
+    # one part of the system (the disaggregated layout's ranks): the step without a rollout backend, or the engine
+    cfg = dataclasses.replace(cfg, format_warmup_steps=0)
+    trainer = build(cfg, model=system.model, group=None, part="trainer")
+    assert trainer.engine is trainer.rollout is None and trainer.rl.engine is None and trainer.rl.backend is None
+    rollout = build(cfg, model=system.model, group=None, part="rollout")
+    assert rollout.rl is None and rollout.engine is not None and rollout.engine.model is system.model
 
 
 def _argv(cfg, default) -> list[str]:
@@ -188,6 +194,10 @@ def test_the_parallel_bench_places_its_steps_through_build():
     # takes it and makes the step with the path's placement
     calls = _calls("rollplex/bench/parallel_paths.py")
     assert "build" in calls and not calls & {"RLStep", "data_parallel", "MemoryManager"}
+    # the disaggregated step is given its rank's part, built from one config by build_disaggregated
+    assert {"build_disaggregated"} <= calls & _calls("rollplex/bench/parallel.py")
+    assert not _calls("rollplex/parallel/disaggregated_step.py") & {"Engine", "RLStep", "data_parallel",
+                                                                    "apply_tensor_parallel"}
 
 
 @pytest.mark.parametrize("path", PARSERS)

@@ -35,7 +35,6 @@ from ..engine import Engine, EngineConfig, SamplingParams
 from ..models import ModelConfig, ModelInputs, Qwen25VL, init_weights, load_model
 from ..parallel.data_parallel import DataParallelActor
 from ..parallel.disaggregated import DisaggregatedLayout
-from ..parallel.disaggregated_step import DisaggregatedStep
 from ..parallel.fsdp import DTYPES, FSDPConfig, full_state_dict, full_tensor
 from ..parallel.launch import Process, init_from_env
 from ..parallel.tp import apply_tensor_parallel
@@ -44,6 +43,7 @@ from ..rl.actor import Actor
 from ..rl.algos import grpo_advantages
 from ..rl.batch import RolloutBatch
 from ..rl.config import RLConfig
+from ..system import SystemConfig, build_disaggregated
 from ..tiny import ensure_tiny
 from . import parallel_step
 
@@ -193,7 +193,9 @@ def cmd_disaggregated(proc: Process, args) -> dict:
     prompts = synthetic_prompts(model.cfg, args.prompts, args.prompt_len, args.image_grid, args.seed)
     params = [SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, n=args.samples,
                              seed=args.seed * 1_000_003 + i * 101, ignore_eos=True) for i in range(len(prompts))]
-    step = DisaggregatedStep(layout, model, None, _rl(args), "exact", _engine_cfg(args), _fsdp(args))
+    cfg = SystemConfig(device=proc.device.type, dtype=args.dtype, compile=False, rl=_rl(args),
+                       engine=_engine_cfg(args), fsdp=_fsdp(args))
+    step = build_disaggregated(cfg, layout, model=model, reward_fn="exact")
     metrics = {}
     for i in range(args.steps):
         g = torch.Generator().manual_seed(args.seed + i)

@@ -17,13 +17,12 @@ from ..engine import Engine, EngineConfig, SamplingParams
 from ..memory import MemoryConfig
 from ..models import Qwen25VL
 from ..parallel.disaggregated import DisaggregatedLayout
-from ..parallel.disaggregated_step import DisaggregatedStep
 from ..parallel.fsdp import FSDPConfig, full_tensor
 from ..parallel.rollout_groups import new_rollout_group
 from ..parallel.tp import tensor_parallel_copy
 from ..rl.config import RLConfig
 from ..rl.step import RLStep
-from ..system import SystemConfig, build
+from ..system import SystemConfig, build, build_disaggregated
 
 
 def sync_device(device: torch.device) -> None:
@@ -149,7 +148,9 @@ class BenchPath:
                                 gpu_memory_utilization=args.kv_memory, max_num_batched_tokens=40000,
                                 compile_decode=None if engine_fn.compile_decode else False)
             layout = disaggregated_layout(args, dist.get_world_size(), wire_dtype)
-            self.ds = DisaggregatedStep(layout, model, None, rl_cfg, "exact", ecfg, fsdp)
+            cfg = SystemConfig(device=model.inv_freq.device.type, dtype=wire_dtype, compile=False, rl=rl_cfg,
+                               engine=ecfg, fsdp=fsdp or FSDPConfig())
+            self.ds = build_disaggregated(cfg, layout, model=model, reward_fn="exact")
             self.rl = self.ds.rl  # None on rollout ranks
         else:
             # the path's placement (one process: group None; data-parallel over `group`) and its engine, shared
