@@ -111,7 +111,7 @@ def test_generated_flags_round_trip_a_config():
 
 
 def test_entry_points_keep_their_flags_and_defaults():
-    from rollplex.bench import memory, step
+    from rollplex.bench import memory, parallel_step, step
     from rollplex.bench import parallel as bench_parallel
     from rollplex.demo import train
     from rollplex.server import __main__ as server
@@ -138,7 +138,7 @@ def test_entry_points_keep_their_flags_and_defaults():
     # for the demo's --warmup-steps, its format warm-up's name from before the flags were generated (the LR
     # warm-up's everywhere else)
     seen: dict[str, str] = {}
-    for ap in [server.parser(), demo, bench, mem, bench_parallel.parser()]:
+    for ap in [server.parser(), demo, bench, mem, bench_parallel.parser(), parallel_step.parser()]:
         for action in ap._actions:
             if action.dest in ap.config_dests:
                 for flag in action.option_strings:
@@ -175,7 +175,7 @@ def test_invalid_combinations_fail_the_command_line_and_the_group_check():
 ENTRY_POINTS = ["rollplex/server/state.py", "rollplex/demo/train.py", "rollplex/bench/step.py",
                 "rollplex/bench/memory.py"]
 PARSERS = ["rollplex/server/__main__.py", "rollplex/demo/train.py", "rollplex/bench/step.py",
-           "rollplex/bench/memory.py", "rollplex/bench/parallel.py"]
+           "rollplex/bench/memory.py", "rollplex/bench/parallel.py", "rollplex/bench/parallel_step.py"]
 
 
 def _calls(path: str) -> set[str]:
