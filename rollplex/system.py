@@ -34,9 +34,13 @@ group (its size) are `check_group`'s, called by build before any rank loads a mo
 The placement (one process, data-parallel over torchrun's group, or a given group) is build's
 `group` argument, not a config field: a process group is a runtime handle. A caller may hand build
 its own policy (`model`: the benchmarks' random weights) and native engine (`engine`: the parallel
-benchmark shares one across its paths). The disaggregated step
-(parallel/disaggregated_step.py: trainer and rollout ranks apart, weights broadcast) assembles its
-two roles itself and is not built here.
+benchmark shares one across its paths).
+
+A rank may hold one part of the system (`build(..., part=)`): "trainer", the RL step with no rollout
+backend (it trains batches others roll out), or "rollout", the engine alone, its model split in place
+over a given tensor-parallel group. `build_disaggregated` builds the disaggregated step
+(parallel/disaggregated_step.py: trainer and rollout ranks apart, weights broadcast) from one config:
+each rank its role's part.
 """
 
 from __future__ import annotations
@@ -58,8 +62,11 @@ from .models.hub import looks_like_hub_id, resolve_model_dir
 from .parallel import new_rollout_group, tensor_parallel_copy
 from .parallel.colocated import data_parallel
 from .parallel.data_parallel import check_passes
+from .parallel.disaggregated import DisaggregatedLayout, init_disaggregated
+from .parallel.disaggregated_step import DisaggregatedStep
+from .parallel.fsdp import DTYPES as FSDP_DTYPES
 from .parallel.fsdp import FSDPConfig
-from .parallel.tp import TPConfig
+from .parallel.tp import TPConfig, apply_tensor_parallel
 from .presets import random_model
 from .rl.config import RLConfig
 from .rl.step import RLStep
@@ -70,6 +77,7 @@ log = logging.getLogger("rollplex.system")
 
 DEVICES = ("cuda", "cpu")
 DTYPES = ("bfloat16", "float32")
+PARTS = ("whole", "trainer", "rollout")
 
 
 @dataclass
@@ -194,7 +202,8 @@ class System:
 
 def build(cfg: SystemConfig, *, model=None, processor=None, model_path: Path | None = None, reward_fn=None,
           ref_model=None, group="auto", step: bool = True, warmup_rows: list | None = None,
-          managed: bool | None = None, engine: Engine | None = None, logger: logging.Logger | None = None) -> System:
+          managed: bool | None = None, engine: Engine | None = None, logger: logging.Logger | None = None,
+          part: str = "whole", tp_group=None) -> System:
     """Assemble `cfg` (see the module docstring). model / processor / model_path: a policy built by the
     caller (a benchmark's random weights) instead of loading cfg.model; reward_fn, ref_model: the RLStep's;
     group: the data-parallel placement ("auto": torchrun's default group when it has more than one rank,
@@ -202,8 +211,15 @@ def build(cfg: SystemConfig, *, model=None, processor=None, model_path: Path | N
     them); warmup_rows: the format warm-up's rows (default: 256 shape-colour rows); managed: whether a
     memory manager is built (default: cfg.memory.managed); engine: a native engine the caller built over
     `model` or its tensor-parallel shard, used as is (the parallel benchmark shares one across its paths);
-    logger: where the startup phases are logged. The global RNG is seeded (rl.seed) when the policy is
-    loaded here; a caller's model comes with the caller's RNG state."""
+    logger: where the startup phases are logged; part: the whole system, or only its "trainer" (the RL step
+    without a rollout backend) or its "rollout" (the engine, no step) part; tp_group: the process group a
+    "rollout" part's engine is tensor-parallel over, its model split in place (None: cfg.tp's engines).
+    The global RNG is seeded (rl.seed) when the policy is loaded here; a caller's model comes with the
+    caller's RNG state."""
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+    if tp_group is not None and part != "rollout":
+        raise ValueError("tp_group is the group of a rollout part's engine (part='rollout')")
     lg = logger or log
     out = System(cfg, None, processor, model_path, None, None, None, None, _parallel_group=group)
 
@@ -237,7 +253,9 @@ def build(cfg: SystemConfig, *, model=None, processor=None, model_path: Path | N
                     dist.broadcast(t.data, src=0)
     decoded, plan = model, None  # what the engine decodes: the policy, or this rank's tensor-parallel shard
     tp = cfg.tp.tensor_parallel
-    if tp > 1 and engine is None:
+    if tp_group is not None:
+        plan = apply_tensor_parallel(model, tp_group)
+    elif tp > 1 and engine is None and part != "trainer":
         if world % tp:
             raise ValueError(f"--tensor-parallel {tp} needs a torchrun group of a multiple of as many ranks "
                              f"(this one has {world})")
@@ -250,10 +268,12 @@ def build(cfg: SystemConfig, *, model=None, processor=None, model_path: Path | N
         if decoded is not model:
             decoded.compile()
     # the phase-aware memory manager: the KV cache is released outside rollout, the rest follows the plan
-    if (cfg.memory.managed if managed is None else managed) and engine is None:
+    if (cfg.memory.managed if managed is None else managed) and engine is None and part != "trainer":
         out.memory = MemoryManager(PhasePlan.releases_only(), cfg.device, backend=cfg.memory.memory_backend)
     t0 = time.perf_counter()
-    if cfg.backend.rollout_backend != "native":
+    if part == "trainer":
+        pass  # the batches it trains are rolled out elsewhere
+    elif cfg.backend.rollout_backend != "native":
         if out.model_path is None:
             raise ValueError(f"the {cfg.backend.rollout_backend} rollout backend starts on a checkpoint directory: "
                              "give --model DIR (a preset has none)")
@@ -275,9 +295,9 @@ def build(cfg: SystemConfig, *, model=None, processor=None, model_path: Path | N
                 "of %d tokens", phase("engine", t0), runner.startup_s["kv_sizing"], runner.startup_s["tuning"],
                 runner.startup_s["capture"], out.engine.blocks.num_blocks, out.engine.cfg.block_size)
     out._policy = out.model = model
-    if step:
+    if step and part != "rollout":
         t0 = time.perf_counter()
-        out.rl = out.rl_step(reward_fn=reward_fn, ref_model=ref_model)
+        out.rl = out.rl_step(reward_fn=reward_fn, ref_model=ref_model, rollout=part != "trainer")
         lg.info("startup: trainer in %.1fs (reference model: %s)", phase("trainer", t0),
                 "yes" if out.rl.ref is not None else "no")
         # the step's model: the policy, or this rank's tensor-parallel shard of it, in which case the whole
@@ -288,3 +308,19 @@ def build(cfg: SystemConfig, *, model=None, processor=None, model_path: Path | N
             lg.info("memory (%s backend):\n%s", out.memory.backend.name,
                     out.memory.plan.table(out.rl.memory_sizes(), out.rl.activation_estimate()))
     return out
+
+
+def build_disaggregated(cfg: SystemConfig, layout: DisaggregatedLayout, *, model, processor=None,
+                        reward_fn=None) -> DisaggregatedStep:
+    """This rank's part of the disaggregated step (parallel/disaggregated_step.py) over torchrun's group: a
+    trainer rank builds the "trainer" part, data-parallel over the trainer ranks; a rollout rank the "rollout"
+    part over its engine's ranks, `model` cast to the layout's wire dtype. model: the initial policy, the same
+    full weights on every rank. No memory manager: the layout keeps every tensor resident."""
+    d = init_disaggregated(layout, model.inv_freq.device.type)
+    if d.role == "train":
+        system = build(cfg, model=model, processor=processor, reward_fn=reward_fn, group=d.train_mesh.get_group(),
+                       managed=False, part="trainer")
+        return DisaggregatedStep(d, cfg.rl, processor, rl=system.rl)
+    system = build(cfg, model=model.to(FSDP_DTYPES[layout.wire_dtype]), processor=processor, group=None,
+                   managed=False, part="rollout", tp_group=d.tp_group)
+    return DisaggregatedStep(d, cfg.rl, processor, engine=system.engine)

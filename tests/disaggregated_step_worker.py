@@ -10,15 +10,17 @@ from parallel_step_worker import parity_reward
 
 from rollplex.engine import EngineConfig
 from rollplex.models import load_model
-from rollplex.parallel.disaggregated_step import DisaggregatedStep
 from rollplex.processor import VLProcessor
+from rollplex.system import SystemConfig, build_disaggregated
 
 
 def worker(rank: int, world: int, init: str, tiny_dir, rows, cfg, layout, want: list[dict]) -> None:
     init_group(rank, world, init)
     try:
-        step = DisaggregatedStep(layout, load_model(tiny_dir), VLProcessor.from_pretrained(tiny_dir), cfg,
-                                 parity_reward, EngineConfig(max_num_seqs=64, max_model_len=256))
+        system = SystemConfig(device="cpu", dtype="float32", rl=cfg,
+                              engine=EngineConfig(max_num_seqs=64, max_model_len=256))
+        step = build_disaggregated(system, layout, model=load_model(tiny_dir),
+                                   processor=VLProcessor.from_pretrained(tiny_dir), reward_fn=parity_reward)
         for w in want:
             m = step.step(rows)
             if step.role == "train":  # the same rollout, metrics and updated policy as one process

@@ -69,7 +69,7 @@ def tp_worker(rank: int, world: int, init: str, tp_size: int, tie: bool, best: b
     shards alias the engine's storage (an update is visible to the engine before any rebuild), the rest
     is rebuilt equal to the gathered truth's TP shards."""
     from rollplex.parallel import new_rollout_group, shard_state_dict, tensor_parallel_copy
-    from rollplex.parallel.fsdp import local_tensor
+    from rollplex.parallel.fsdp import layer_ops, local_tensor
     from rollplex.parallel.rollout_groups import rollout_slots
     from rollplex.parallel.shared_weights import column_sharded
 
@@ -115,10 +115,10 @@ def tp_worker(rank: int, world: int, init: str, tp_size: int, tie: bool, best: b
         assert trainer["model.layers.0.mlp.down_proj.weight"].placements[0].dim == (1 if one else 0)
         qkv = "model.layers.0.self_attn.qkv_proj.weight"
         if one and tp_size <= cfg.text.num_key_value_heads:
-            assert qkv in shared.shared and (qkv in shared.rows) and actor.model.model.row_order is not None
+            assert qkv in shared.shared and (qkv in shared.rows) and layer_ops(actor.model) is not None
         elif not one:
             assert (qkv in shared.shared) == (rank < (1 if best else 2)), sorted(shared.shared)
-            assert not shared.rows and actor.model.model.row_order is None
+            assert not shared.rows and layer_ops(actor.model) is None
         for name in shared.shared:  # same storage, at the plan's offset
             assert local_tensor(trainer[name]).untyped_storage().data_ptr() == params[name].untyped_storage().data_ptr()
         report = shared.report()

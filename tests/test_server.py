@@ -596,6 +596,31 @@ def test_train_step_overrides_are_rl_config_fields():
     assert dataclasses.replace(RLConfig(), **req.overrides()) == RLConfig(lr=1e-4, micro_batch_prompts=2)
 
 
+def test_a_per_step_bound_declared_in_the_config_is_the_servers():
+    import dataclasses
+
+    import pydantic
+
+    from rollplex.rl.config import PER_STEP, per_step
+    from rollplex.server.schemas import TrainStepRequest, overrides_model
+
+    lr = next(f for f in dataclasses.fields(RLConfig) if f.name == "lr").metadata[PER_STEP]
+    assert TrainStepRequest.model_json_schema()["properties"]["lr"]["anyOf"][0]["maximum"] == lr["le"]
+
+    @dataclasses.dataclass
+    class Wider(RLConfig):  # one new field with a bound and one without: only the first is overridable
+        probe: float = per_step(0.5, ge=0.0, le=2.0)
+        startup_only: int = 3
+
+    model = overrides_model(Wider)
+    assert "probe" in model.model_fields and "startup_only" not in model.model_fields
+    assert model.model_json_schema()["properties"]["probe"]["anyOf"][0] == {"type": "number", "minimum": 0.0,
+                                                                           "maximum": 2.0}
+    assert model(probe=1.5).probe == 1.5
+    with pytest.raises(pydantic.ValidationError, match="probe"):
+        model(probe=2.5)
+
+
 def test_train_step_oom_is_507_and_changes_nothing(client, server, monkeypatch):
     import torch
 

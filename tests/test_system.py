@@ -55,6 +55,12 @@ def test_build_without_a_memory_plan_has_no_manager(tiny_dir):
     # a caller's engine (the parallel bench shares one across its paths) is used as is
     again = build(dataclasses.replace(cfg, format_warmup_steps=0), model=system.model, engine=system.engine, group=None)
     assert again.engine is system.engine is again.rl.engine and again.model is system.model and again.rl.ref is None
+    # one part of the system (the disaggregated layout's ranks): the step without a rollout backend, or the engine
+    cfg = dataclasses.replace(cfg, format_warmup_steps=0)
+    trainer = build(cfg, model=system.model, group=None, part="trainer")
+    assert trainer.engine is trainer.rollout is None and trainer.rl.engine is None and trainer.rl.backend is None
+    rollout = build(cfg, model=system.model, group=None, part="rollout")
+    assert rollout.rl is None and rollout.engine is not None and rollout.engine.model is system.model
 
 
 def _argv(cfg, default) -> list[str]:
@@ -105,7 +111,8 @@ def test_generated_flags_round_trip_a_config():
 
 
 def test_entry_points_keep_their_flags_and_defaults():
-    from rollplex.bench import memory, step
+    from rollplex.bench import memory, parallel_step, step
+    from rollplex.bench import parallel as bench_parallel
     from rollplex.demo import train
     from rollplex.server import __main__ as server
 
@@ -131,7 +138,7 @@ def test_entry_points_keep_their_flags_and_defaults():
     # for the demo's --warmup-steps, its format warm-up's name from before the flags were generated (the LR
     # warm-up's everywhere else)
     seen: dict[str, str] = {}
-    for ap in [server.parser(), demo, bench, mem]:
+    for ap in [server.parser(), demo, bench, mem, bench_parallel.parser(), parallel_step.parser()]:
         for action in ap._actions:
             if action.dest in ap.config_dests:
                 for flag in action.option_strings:
@@ -168,7 +175,7 @@ def test_invalid_combinations_fail_the_command_line_and_the_group_check():
 ENTRY_POINTS = ["rollplex/server/state.py", "rollplex/demo/train.py", "rollplex/bench/step.py",
                 "rollplex/bench/memory.py"]
 PARSERS = ["rollplex/server/__main__.py", "rollplex/demo/train.py", "rollplex/bench/step.py",
-           "rollplex/bench/memory.py"]
+           "rollplex/bench/memory.py", "rollplex/bench/parallel.py", "rollplex/bench/parallel_step.py"]
 
 
 def _calls(path: str) -> set[str]:
@@ -188,6 +195,10 @@ def test_the_parallel_bench_places_its_steps_through_build():
     # takes it and makes the step with the path's placement
     calls = _calls("rollplex/bench/parallel_paths.py")
     assert "build" in calls and not calls & {"RLStep", "data_parallel", "MemoryManager"}
+    # the disaggregated step is given its rank's part, built from one config by build_disaggregated
+    assert {"build_disaggregated"} <= calls & _calls("rollplex/bench/parallel.py")
+    assert not _calls("rollplex/parallel/disaggregated_step.py") & {"Engine", "RLStep", "data_parallel",
+                                                                    "apply_tensor_parallel"}
 
 
 @pytest.mark.parametrize("path", PARSERS)

@@ -16,12 +16,17 @@ under its older name.
 the largest difference (train: weights after the update; decode: tokens, logprobs). --model: a
 checkpoint directory or a preset name (random weights, seeded); default: the embedded tiny checkpoint.
 --device cuda: NCCL, one GPU per process (torchrun's LOCAL_RANK).
+
+The flags are SystemConfig's (rollplex/cli.py: the RL step's and the engine's sections, `--model`,
+`--device`, `--dtype`, `--seed`), with this bench's defaults; `--samples` and `--new-tokens` are
+`--n` and `--max-new-tokens`. The bench's own: the synthetic workload, the disaggregated layout,
+`--steps`, `--check`, and the rollout `--temperature` (0: greedy).
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
+import dataclasses
 import json
 import sys
 import time
@@ -31,11 +36,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from ..engine import Engine, EngineConfig, SamplingParams
+from ..cli import ConfigParser
+from ..engine import Engine, SamplingParams
 from ..models import ModelConfig, ModelInputs, Qwen25VL, init_weights, load_model
 from ..parallel.data_parallel import DataParallelActor
 from ..parallel.disaggregated import DisaggregatedLayout
-from ..parallel.disaggregated_step import DisaggregatedStep
 from ..parallel.fsdp import DTYPES, FSDPConfig, full_state_dict, full_tensor
 from ..parallel.launch import Process, init_from_env
 from ..parallel.tp import apply_tensor_parallel
@@ -44,6 +49,7 @@ from ..rl.actor import Actor
 from ..rl.algos import grpo_advantages
 from ..rl.batch import RolloutBatch
 from ..rl.config import RLConfig
+from ..system import SystemConfig, build_disaggregated
 from ..tiny import ensure_tiny
 from . import parallel_step
 
@@ -91,13 +97,9 @@ def synthetic_batch(cfg: ModelConfig, prompts: list[ModelInputs], n: int, max_le
     return RolloutBatch.from_samples(prompts, group, responses, pad_id=0, rewards=rewards)
 
 
-def _rl(args) -> RLConfig:
-    return RLConfig(n=args.samples, lr=args.lr, micro_batch_prompts=args.micro_batch_prompts, seed=args.seed)
-
-
-def _fsdp(args) -> FSDPConfig:
+def _fsdp(cfg: SystemConfig) -> FSDPConfig:
     # fp32 shards are the masters; bf16 only as the layers' compute dtype
-    return FSDPConfig(param_dtype="bfloat16", reduce_dtype="float32") if args.dtype == "bfloat16" else FSDPConfig()
+    return FSDPConfig(param_dtype="bfloat16", reduce_dtype="float32") if cfg.dtype == "bfloat16" else FSDPConfig()
 
 
 def _sync(proc: Process) -> None:
@@ -105,14 +107,15 @@ def _sync(proc: Process) -> None:
         torch.cuda.synchronize(proc.device)
 
 
-def cmd_train(proc: Process, args) -> dict:
-    model = build_model(proc, args.model, torch.float32, args.seed)
+def cmd_train(proc: Process, args, system: SystemConfig) -> dict:
+    rl = system.rl
+    model = build_model(proc, system.model, torch.float32, rl.seed)
     ref = copy.deepcopy(model) if args.check and proc.rank == 0 else None
     cfg = model.cfg
-    batch = synthetic_batch(cfg, synthetic_prompts(cfg, args.prompts, args.prompt_len, args.image_grid, args.seed),
-                            args.samples, args.new_tokens, args.seed)
+    batch = synthetic_batch(cfg, synthetic_prompts(cfg, args.prompts, args.prompt_len, args.image_grid, rl.seed),
+                            rl.n, rl.max_new_tokens, rl.seed)
     adv = grpo_advantages(batch.rewards, batch.group)
-    actor = DataParallelActor(model, _rl(args), init_device_mesh(proc.device.type, (proc.world,)), _fsdp(args))
+    actor = DataParallelActor(model, rl, init_device_mesh(proc.device.type, (proc.world,)), _fsdp(system))
     grads = _first_step_grads(actor.optimizer, model) if args.check else {}
     times, metrics = [], {}
     for s in range(args.steps):
@@ -124,7 +127,7 @@ def cmd_train(proc: Process, args) -> dict:
     if args.check:
         full = full_state_dict(model)
         if ref is not None:
-            single = Actor(ref, _rl(args))
+            single = Actor(ref, rl)
             want_grads = _first_step_grads(single.optimizer, ref)
             for s in range(args.steps):
                 want, _ = single.update(batch, adv, None, step=s)
@@ -153,51 +156,49 @@ def _first_step_grads(optimizer, model: Qwen25VL) -> dict:
     return out
 
 
-def _generate(engine: Engine, prompts: list[ModelInputs], args) -> tuple[list, float]:
-    sp = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, n=args.samples, seed=args.seed,
+def _generate(engine: Engine, prompts: list[ModelInputs], args, rl: RLConfig) -> tuple[list, float]:
+    sp = SamplingParams(max_new_tokens=rl.max_new_tokens, temperature=args.temperature, n=rl.n, seed=rl.seed,
                         ignore_eos=True)
     t0 = time.perf_counter()
     outs = engine.generate(prompts, sp)
     return outs, time.perf_counter() - t0
 
 
-def _engine_cfg(args) -> EngineConfig:
-    return EngineConfig(max_model_len=args.prompt_len + args.new_tokens + 64, cuda_graph=not args.no_cuda_graph)
-
-
-def cmd_decode(proc: Process, args) -> dict:
-    model = build_model(proc, args.model, DTYPES[args.dtype], args.seed)
+def cmd_decode(proc: Process, args, system: SystemConfig) -> dict:
+    model = build_model(proc, system.model, DTYPES[system.dtype], system.rl.seed)
     ref = copy.deepcopy(model) if args.check and proc.rank == 0 else None
-    prompts = synthetic_prompts(model.cfg, args.prompts, args.prompt_len, args.image_grid, args.seed)
+    prompts = synthetic_prompts(model.cfg, args.prompts, args.prompt_len, args.image_grid, system.rl.seed)
     tp = apply_tensor_parallel(model)
-    outs, dt = _generate(Engine(model, None, _engine_cfg(args), tp=tp), prompts, args)
+    outs, dt = _generate(Engine(model, None, system.engine, tp=tp), prompts, args, system.rl)
     tokens = sum(len(s.token_ids) for o in outs for s in o.samples)
     out = {"generate_s": round(dt, 4), "tokens_per_s": round(tokens / dt, 1)}
     if ref is not None:
-        want, _ = _generate(Engine(ref, None, _engine_cfg(args)), prompts, args)
+        want, _ = _generate(Engine(ref, None, system.engine), prompts, args, system.rl)
         pairs = [(a, b) for o, r in zip(outs, want) for a, b in zip(o.samples, r.samples)]
         out["check"] = {"tokens_equal": all(a.token_ids == b.token_ids for a, b in pairs),
                         "max_logprob_diff": max(abs(x - y) for a, b in pairs for x, y in zip(a.logprobs, b.logprobs))}
     return out
 
 
-def cmd_disaggregated(proc: Process, args) -> dict:
+def cmd_disaggregated(proc: Process, args, system: SystemConfig) -> dict:
     """The disaggregated RL step (`DisaggregatedStep`) on synthetic prompts with random rewards: trainer
     ranks first, then rollout engines of `--rollout-tp` ranks; per-rank timings and the trainer's metrics."""
     if (proc.world - args.train_ranks) % args.rollout_tp or proc.world <= args.train_ranks:
         raise ValueError(f"{proc.world} ranks: {args.train_ranks} trainer ranks leave no whole engines of "
                          f"{args.rollout_tp} ranks")
     layout = DisaggregatedLayout(args.train_ranks, args.rollout_tp, (proc.world - args.train_ranks) // args.rollout_tp,
-                                 wire_dtype=args.dtype)
-    model = build_model(proc, args.model, torch.float32, args.seed)  # a rollout rank casts its shards
-    prompts = synthetic_prompts(model.cfg, args.prompts, args.prompt_len, args.image_grid, args.seed)
-    params = [SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, n=args.samples,
-                             seed=args.seed * 1_000_003 + i * 101, ignore_eos=True) for i in range(len(prompts))]
-    step = DisaggregatedStep(layout, model, None, _rl(args), "exact", _engine_cfg(args), _fsdp(args))
+                                 wire_dtype=system.dtype)
+    rl = system.rl
+    model = build_model(proc, system.model, torch.float32, rl.seed)  # a rollout rank casts its shards
+    prompts = synthetic_prompts(model.cfg, args.prompts, args.prompt_len, args.image_grid, rl.seed)
+    params = [SamplingParams(max_new_tokens=rl.max_new_tokens, temperature=args.temperature, n=rl.n,
+                             seed=rl.seed * 1_000_003 + i * 101, ignore_eos=True) for i in range(len(prompts))]
+    step = build_disaggregated(dataclasses.replace(system, fsdp=_fsdp(system)), layout, model=model,
+                               reward_fn="exact")
     metrics = {}
     for i in range(args.steps):
-        g = torch.Generator().manual_seed(args.seed + i)
-        metrics = step.run(prompts, params, rewards=torch.rand(len(prompts) * args.samples, generator=g).round())
+        g = torch.Generator().manual_seed(rl.seed + i)
+        metrics = step.run(prompts, params, rewards=torch.rand(len(prompts) * rl.n, generator=g).round())
     timing = {k.removeprefix("timing_s/"): round(v, 4) for k, v in metrics.items() if k.startswith("timing_s/")}
     every = [None] * proc.world
     dist.all_gather_object(every, {"role": step.role, **timing})
@@ -210,39 +211,52 @@ def cmd_disaggregated(proc: Process, args) -> dict:
 
 COMMANDS = {"train": cmd_train, "decode": cmd_decode, "disaggregated": cmd_disaggregated}
 
+# The bench's defaults over SystemConfig's; what it sets itself (compile off, FSDP from --dtype, the engine's
+# max_model_len from the prompt and decode lengths unless given) and the rollout's temperature (greedy by
+# default, which RLConfig's temperature does not allow) are its own
+DEFAULTS = {"device": "cpu", "dtype": "float32", "rl": RLConfig(n=2, max_new_tokens=8, lr=1e-4, micro_batch_prompts=2)}
+SKIP = ("compile", "format_warmup_steps", "memory", "backend", "fsdp", "tp", "cosched", "rl.temperature")
+
+
+def parser() -> ConfigParser:
+    ap = ConfigParser(SystemConfig, DEFAULTS, skip=SKIP, description=__doc__.splitlines()[0],
+                      prog="python -m torch.distributed.run --nproc-per-node N -m rollplex.bench parallel",
+                      aliases={"rl.n": ("--samples",), "rl.max_new_tokens": ("--new-tokens",)},
+                      help={"device": "cpu (gloo) or cuda (NCCL, one GPU per process)",
+                            "dtype": "rollout weights / training compute dtype (training keeps fp32 shards)",
+                            "max_new_tokens": "decode length (train: longest random response)",
+                            "max_model_len": "default: the prompt and decode lengths + 64"})
+    ap.add_argument("command", choices=[*sorted(COMMANDS), "step"])
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=24)
+    ap.add_argument("--image-grid", type=int, default=4, help="image patches per side on even prompts (0: none)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="rollout temperature (0: greedy)")
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--train-ranks", type=int, default=1, help="disaggregated: trainer ranks")
+    ap.add_argument("--rollout-tp", type=int, default=1, help="disaggregated: ranks per rollout engine")
+    ap.add_argument("--check", action="store_true", help="train / decode: compare with one process on rank 0")
+    return ap
+
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["step"]:
         parallel_step.main(argv[1:])
         return
-    ap = argparse.ArgumentParser(prog="python -m torch.distributed.run --nproc-per-node N -m rollplex.bench parallel",
-                                 description=__doc__.splitlines()[0])
-    ap.add_argument("command", choices=[*sorted(COMMANDS), "step"])
-    ap.add_argument("--model", default=None, help="checkpoint directory or preset name (default: embedded tiny)")
-    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                    help="rollout weights / training compute dtype (training keeps fp32 shards)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--samples", type=int, default=2, help="samples per prompt (GRPO group size)")
-    ap.add_argument("--prompt-len", type=int, default=24)
-    ap.add_argument("--image-grid", type=int, default=4, help="image patches per side on even prompts (0: none)")
-    ap.add_argument("--new-tokens", type=int, default=8, help="decode length (train: longest random response)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="rollout temperature (0: greedy)")
-    ap.add_argument("--steps", type=int, default=1)
-    ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--micro-batch-prompts", type=int, default=2)
-    ap.add_argument("--train-ranks", type=int, default=1, help="disaggregated: trainer ranks")
-    ap.add_argument("--rollout-tp", type=int, default=1, help="disaggregated: ranks per rollout engine")
-    ap.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly on CUDA")
-    ap.add_argument("--check", action="store_true", help="train / decode: compare with one process on rank 0")
+    ap = parser()
     args = ap.parse_args(argv)
-    if min(args.steps, args.prompts, args.samples, args.new_tokens) < 1:
-        ap.error("--steps, --prompts, --samples and --new-tokens must be >= 1")
-    proc = init_from_env(args.device)
+    given = ap.given(args)
+    max_len = {} if "engine.max_model_len" in given else {
+        "engine.max_model_len": args.prompt_len + given.get("rl.max_new_tokens", DEFAULTS["rl"].max_new_tokens) + 64}
     try:
-        report = {"command": args.command, "world": proc.world, **COMMANDS[args.command](proc, args)}
+        system = ap.config(args, **max_len)
+    except ValueError as e:
+        ap.error(str(e))
+    if min(args.steps, args.prompts, system.rl.n, system.rl.max_new_tokens) < 1:
+        ap.error("--steps, --prompts, --samples and --new-tokens must be >= 1")
+    proc = init_from_env(system.device)
+    try:
+        report = {"command": args.command, "world": proc.world, **COMMANDS[args.command](proc, args, system)}
         dist.barrier()
         if proc.rank == 0:
             print(json.dumps(report), flush=True)

@@ -5,7 +5,6 @@ prompts and rewards, so their results can be compared and their times set side b
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import time
@@ -17,13 +16,12 @@ from ..engine import Engine, EngineConfig, SamplingParams
 from ..memory import MemoryConfig
 from ..models import Qwen25VL
 from ..parallel.disaggregated import DisaggregatedLayout
-from ..parallel.disaggregated_step import DisaggregatedStep
 from ..parallel.fsdp import FSDPConfig, full_tensor
 from ..parallel.rollout_groups import new_rollout_group
 from ..parallel.tp import tensor_parallel_copy
 from ..rl.config import RLConfig
 from ..rl.step import RLStep
-from ..system import SystemConfig, build
+from ..system import SystemConfig, build, build_disaggregated
 
 
 def sync_device(device: torch.device) -> None:
@@ -47,10 +45,13 @@ def sampling_params(n_prompts: int, n: int, new_tokens: int, seed: int) -> list[
             for i in range(n_prompts)]
 
 
-def policy_engine(model: Qwen25VL, args, max_len: int, compile_decode: bool) -> Engine:
-    return Engine(model, None, EngineConfig(max_num_seqs=256, max_model_len=max_len,
-                                            gpu_memory_utilization=args.kv_memory, max_num_batched_tokens=40000,
-                                            compile_decode=None if compile_decode else False))
+def engine_config(system: SystemConfig, max_len: int, compile_decode: bool) -> EngineConfig:
+    """The bench's engine settings with the length its prompts need and decode compiled with the model or not."""
+    return dataclasses.replace(system.engine, max_model_len=max_len, compile_decode=None if compile_decode else False)
+
+
+def policy_engine(model: Qwen25VL, system: SystemConfig, max_len: int, compile_decode: bool) -> Engine:
+    return Engine(model, None, engine_config(system, max_len, compile_decode))
 
 
 def capture_grads(rl: RLStep) -> list[dict]:
@@ -126,12 +127,12 @@ def base(label: str) -> str:
     return label.partition(":")[0]
 
 
-def disaggregated_layout(args, world: int, wire_dtype: str) -> DisaggregatedLayout:
-    train = args.train_ranks or world // 2
-    if not 0 < train < world or (world - train) % args.rollout_tp:
+def disaggregated_layout(train_ranks: int, rollout_tp: int, world: int, wire_dtype: str) -> DisaggregatedLayout:
+    train = train_ranks or world // 2
+    if not 0 < train < world or (world - train) % rollout_tp:
         raise ValueError(f"disaggregated: {train} trainer ranks of {world} leave no whole rollout engines of "
-                         f"--rollout-tp {args.rollout_tp} ranks")
-    return DisaggregatedLayout(train, args.rollout_tp, (world - train) // args.rollout_tp, wire_dtype=wire_dtype)
+                         f"--rollout-tp {rollout_tp} ranks")
+    return DisaggregatedLayout(train, rollout_tp, (world - train) // rollout_tp, wire_dtype=wire_dtype)
 
 
 class BenchPath:
@@ -141,15 +142,16 @@ class BenchPath:
         self.ds = None
         if base(label) == "parallel-serial":  # serial colocation: every sample its own sequence, no prefix sharing
             # (and nothing to co-schedule: the baseline runs its phases in turn)
-            rl_cfg = dataclasses.replace(rl_cfg, mode="serial", cosched=False, micro_batch_prompts=1,
-                                         micro_batch_samples=args.serial_samples)
+            rl_cfg = dataclasses.replace(rl_cfg, mode="serial", cosched=False, micro_batch_prompts=1)
         if base(label) == "disaggregated":
             rl_cfg = dataclasses.replace(rl_cfg, cosched=False)  # its trainer ranks never decode
-            ecfg = EngineConfig(max_num_seqs=256, max_model_len=engine_fn.max_len,
-                                gpu_memory_utilization=args.kv_memory, max_num_batched_tokens=40000,
-                                compile_decode=None if engine_fn.compile_decode else False)
-            layout = disaggregated_layout(args, dist.get_world_size(), wire_dtype)
-            self.ds = DisaggregatedStep(layout, model, None, rl_cfg, "exact", ecfg, fsdp)
+            system = engine_fn.system
+            ecfg = engine_config(system, engine_fn.max_len, engine_fn.compile_decode)
+            layout = disaggregated_layout(args.train_ranks, system.tp.tensor_parallel, dist.get_world_size(),
+                                          wire_dtype)
+            cfg = SystemConfig(device=model.inv_freq.device.type, dtype=wire_dtype, compile=False, rl=rl_cfg,
+                               engine=ecfg, fsdp=fsdp or FSDPConfig())
+            self.ds = build_disaggregated(cfg, layout, model=model, reward_fn="exact")
             self.rl = self.ds.rl  # None on rollout ranks
         else:
             # the path's placement (one process: group None; data-parallel over `group`) and its engine, shared
@@ -176,30 +178,29 @@ class EngineFactory:
     """Builds a colocated path's engine (`path_engine`); the disaggregated path reads its settings."""
 
     model: Qwen25VL
-    args: argparse.Namespace
+    system: SystemConfig  # its engine and tp sections
     max_len: int
     compile_decode: bool
     engine: Engine | None = None  # reuse: the engine built for the previous path of the same kind
 
     def __call__(self, group) -> Engine:
-        tp = group is not None and self.args.rollout_tp > 1
+        tp = group is not None and self.system.tp.tensor_parallel > 1
         if self.engine is None or (self.engine.model is not self.model) != tp:
             self.engine = None
             free_memory()
-            self.engine = path_engine(self.model, self.args, self.max_len, self.compile_decode, group)
+            self.engine = path_engine(self.model, self.system, self.max_len, self.compile_decode, group)
         return self.engine
 
 
-def path_engine(model: Qwen25VL, args, max_len: int, compile_decode: bool, group) -> Engine:
+def path_engine(model: Qwen25VL, system: SystemConfig, max_len: int, compile_decode: bool, group) -> Engine:
     """The engine a path rolls out with: the policy itself, or under a group with `--rollout-tp` N > 1 this
     rank's tensor-parallel copy of it over its engine's N ranks (`new_rollout_group`: a data-parallel
     rollout group)."""
-    if group is None or args.rollout_tp == 1:
-        return policy_engine(model, args, max_len, compile_decode)
-    vision = getattr(args, "vision_tp", False)  # the vision tower's blocks split over the engine too
-    tp_model, tp = tensor_parallel_copy(model, new_rollout_group(model.cfg, args.rollout_tp, vision=vision), vision)
+    size = system.tp.tensor_parallel
+    if group is None or size == 1:
+        return policy_engine(model, system, max_len, compile_decode)
+    vision = system.tp.tensor_parallel_vision  # the vision tower's blocks split over the engine too
+    tp_model, tp = tensor_parallel_copy(model, new_rollout_group(model.cfg, size, vision=vision), vision)
     if compile_decode:
         tp_model.compile()
-    return Engine(tp_model, None, EngineConfig(max_num_seqs=256, max_model_len=max_len,
-                                               gpu_memory_utilization=args.kv_memory, max_num_batched_tokens=40000,
-                                               compile_decode=None if compile_decode else False), tp=tp)
+    return Engine(tp_model, None, engine_config(system, max_len, compile_decode), tp=tp)

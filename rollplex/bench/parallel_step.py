@@ -31,11 +31,17 @@ RL step through `RLStep`'s data-parallel path (parallel/colocated.py) against th
 On CPU (`--device cpu`) everything runs over gloo in fp32 with the same code, for tiny shapes:
 `--preset tiny` (the embedded tiny checkpoint's shapes) or a checkpoint directory. Rewards are random
 0/1 per sample (seeded): a model with random weights earns no task reward.
+
+The flags are SystemConfig's (rollplex/cli.py: `--device`, `--compile`, the RL step's, the engine's and
+the tensor-parallel sections) with the bench's defaults; its names from before are aliases: `--samples`
+(`--n`), `--new-tokens` (`--max-new-tokens`), `--micro-prompts`, `--serial-samples`
+(`--micro-batch-samples`), `--kv-memory` (`--gpu-memory-utilization`), `--rollout-tp`
+(`--tensor-parallel`), `--vision-tp`. The workload, the paths, the check's sizes and the step counts
+are its own.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import json
@@ -48,11 +54,14 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 
+from ..cli import ConfigParser
+from ..engine import EngineConfig
 from ..models import ModelConfig, Qwen25VL, init_weights
 from ..parallel.launch import Process, init_from_env
 from ..presets import preset
 from ..rl.config import RLConfig
 from ..rl.step import RLStep
+from ..system import SystemConfig
 from ..tiny import ensure_tiny
 from .common import make_prompts
 from .parallel_paths import BenchPath, EngineFactory, base, bench_paths, capture_grads, free_memory, sampling_params
@@ -86,7 +95,7 @@ def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, com
     return model
 
 
-def check(proc: Process, args) -> dict:
+def check(proc: Process, args, system: SystemConfig) -> dict:
     """The reduced fp32 step on one process and data-parallel (see the module docstring)."""
     cfg = reduced(model_config(args.preset), args.check_layers)
     model = random_model(cfg, proc.device, torch.float32, compile_=False)
@@ -95,13 +104,14 @@ def check(proc: Process, args) -> dict:
     # lr 1e-6: Adam's first step is ~lr * sign(grad), so rounding noise in a near-zero gradient moves a weight
     # by at most 2 lr, under the tolerance; the gradients are the sharper comparison
     rl_cfg = RLConfig(n=args.check_samples, kl_coef=0.01, lr=1e-6, micro_batch_prompts=2,
-                      max_new_tokens=args.check_tokens, cosched=args.cosched)
+                      micro_batch_samples=system.rl.micro_batch_samples, max_new_tokens=args.check_tokens,
+                      cosched=system.rl.cosched)
     params = sampling_params(len(prompts), args.check_samples, args.check_tokens, seed=3)
     max_len = len(prompts[0].input_ids) + args.check_tokens + 16
     out = {}
     for label, group, fsdp in bench_paths(args):
         m = copy.deepcopy(model)
-        engine_fn = EngineFactory(m, args, max_len, False)
+        engine_fn = EngineFactory(m, system, max_len, False)
         path = BenchPath(label, m, engine_fn, rl_cfg, group, fsdp, args, "float32")
         grads = capture_grads(path.rl) if path.rl is not None else None
         metrics, tokens = path.step(prompts, params, seed=3, device=proc.device)
@@ -124,7 +134,7 @@ def check(proc: Process, args) -> dict:
                                       for b in out.values() for n, w in b["weights"].items()),
            "weights_moved": any(not torch.equal(a["weights"][n], w.detach().cpu())
                                 for n, w in model.named_parameters())}
-    if args.cosched:  # per path: prefix work hidden beside decode, and whether a sharded model's ran as a sweep
+    if system.rl.cosched:  # per path: prefix work hidden beside decode, and whether a sharded model's ran as a sweep
         res["cosched"] = cosched
     res["passed"] = bool(res["tokens_equal"] and res["weights_moved"] and
                          max(res["max_rel_grad_diff"], res["max_rel_metric_diff"], res["max_abs_weight_diff"])
@@ -132,20 +142,20 @@ def check(proc: Process, args) -> dict:
     return res
 
 
-def bench(proc: Process, args) -> list[dict]:
+def bench(proc: Process, args, system: SystemConfig) -> list[dict]:
     """The warm W3B step on one process, then data-parallel (see the module docstring)."""
     cuda = proc.device.type == "cuda"
+    compiled = cuda and system.compile is not False
+    rl_cfg = system.rl
     cfg = model_config(args.preset)
     dtype = torch.bfloat16 if cuda else torch.float32
-    model = random_model(cfg, proc.device, dtype, compile_=cuda and not args.no_compile)
+    model = random_model(cfg, proc.device, dtype, compile_=compiled)
     prompts, _ = make_prompts(cfg, args.prompts, args.frames, size=args.image_size, text=args.text_tokens,
                               device=proc.device, dtype=dtype)
-    max_len = len(prompts[0].input_ids) + args.new_tokens + 64
-    engine_fn = EngineFactory(model, args, max_len, cuda and not args.no_compile)
+    max_len = len(prompts[0].input_ids) + rl_cfg.max_new_tokens + 64
+    engine_fn = EngineFactory(model, system, max_len, compiled)
     engine_fn(None)  # the policy's engine, built (and its decode compiled) before any path is timed
     init = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-    rl_cfg = RLConfig(n=args.samples, kl_coef=0.01, lr=1e-6, micro_batch_prompts=args.micro_prompts,
-                      max_new_tokens=args.new_tokens, cosched=args.cosched)
     rows, finals = [], {}
     for label, group, fsdp in bench_paths(args):
         with torch.no_grad():  # every path starts from the same weights (the reference is copied from them)
@@ -167,7 +177,7 @@ def bench(proc: Process, args) -> list[dict]:
             if cuda:
                 torch.cuda.reset_peak_memory_stats(proc.device)
             prof = _profile_update(rl) if step == "profiled" and rl is not None else None
-            params = sampling_params(len(prompts), args.samples, args.new_tokens, seed)
+            params = sampling_params(len(prompts), rl_cfg.n, rl_cfg.max_new_tokens, seed)
             m, _ = path.step(prompts, params, seed, proc.device)
             if prof is not None and proc.rank == 0:
                 print(json.dumps({"bench": "update_profile", "path": label, **prof}), flush=True)
@@ -261,22 +271,43 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m torch.distributed.run --nproc-per-node N -m rollplex.bench "
-                                      "parallel step",
-                                 description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+# The bench's defaults over SystemConfig's: the W3B step's RL settings and engine. The model (--preset), its
+# dtype (bf16 on CUDA, the check in fp32), FSDP (per path, --paths), the engine's length and decode compile
+# (from the prompts and --compile) are the bench's to set; the rollout samples at temperature 1; --warmup-steps
+# are its untimed steps, not the LR schedule's
+DEFAULTS = {"device": "cuda",
+            "rl": RLConfig(n=8, kl_coef=0.01, lr=1e-6, micro_batch_prompts=4, micro_batch_samples=8,
+                           max_new_tokens=512),
+            "engine": EngineConfig(max_num_seqs=256, gpu_memory_utilization=0.2, max_num_batched_tokens=40000)}
+SKIP = ("model", "dtype", "format_warmup_steps", "memory", "backend", "fsdp", "cosched", "rl.temperature",
+        "rl.warmup_steps", "engine.max_model_len", "engine.compile_decode")
+
+
+def parser() -> ConfigParser:
+    ap = ConfigParser(SystemConfig, DEFAULTS, skip=SKIP, description=__doc__.splitlines()[0],
+                      prog="python -m torch.distributed.run --nproc-per-node N -m rollplex.bench parallel step",
+                      aliases={"rl.n": ("--samples",), "rl.max_new_tokens": ("--new-tokens",),
+                               "rl.micro_batch_prompts": ("--micro-prompts",),
+                               "rl.micro_batch_samples": ("--serial-samples",),
+                               "engine.gpu_memory_utilization": ("--kv-memory",),
+                               "tp.tensor_parallel": ("--rollout-tp",), "tp.tensor_parallel_vision": ("--vision-tp",)},
+                      help={"device": "cpu (gloo, fp32) or cuda (NCCL, one GPU per process)",
+                            "compile": "torch.compile the model and the engine's decode (CUDA); --no-compile: eager",
+                            "micro_batch_samples": "parallel-serial path: sequences per forward/backward",
+                            "gpu_memory_utilization": "share of GPU memory for the KV cache",
+                            "tensor_parallel": "data-parallel paths roll out with tensor-parallel engines of this many "
+                                               "ranks (and the disaggregated path's engines have as many)",
+                            "tensor_parallel_vision": "with --rollout-tp > 1: the engines split the vision tower's "
+                                                      "blocks too",
+                            "cosched": "co-schedule the reference's prefixes beside decode on the rollplex-mode "
+                                       "colocated paths (a sharded reference as a sweep in lockstep over the ranks; "
+                                       "the serial and disaggregated baselines run their phases in turn)"})
     ap.add_argument("--check", action="store_true", help="compare with one process first (fails past --tol)")
     ap.add_argument("--bench", action="store_true", help="time the warm step on one process and data-parallel")
     ap.add_argument("--preset", default="qwen2.5-vl-3b", help="preset name, tiny, checkpoint dir or config.json")
-    ap.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
     ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--samples", type=int, default=8, help="samples per prompt (GRPO group size)")
-    ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--image-size", type=int, default=448, help="image side in pixels")
     ap.add_argument("--text-tokens", type=int, default=96)
-    ap.add_argument("--micro-prompts", type=int, default=4, help="prompts (x n samples) per forward/backward")
-    ap.add_argument("--kv-memory", type=float, default=0.2, help="share of GPU memory for the KV cache")
-    ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--warmup-steps", type=int, default=2, help="untimed steps per path before the timed ones")
     ap.add_argument("--timed-steps", type=int, default=2, help="timed steps per path (the table compares medians)")
     ap.add_argument("--paths", default="single,parallel",
@@ -286,43 +317,42 @@ def main(argv=None) -> None:
                          "parallel:layers_per_unit=4;reshard_after_forward=false")
     ap.add_argument("--frames", type=int, default=1,
                     help="1: one image per prompt; more: one video of this many frames (W3B-video: 8)")
-    ap.add_argument("--serial-samples", type=int, default=8,
-                    help="parallel-serial path: sequences per forward/backward")
     ap.add_argument("--train-ranks", type=int, default=0,
                     help="disaggregated path: trainer ranks (default: half the world); the rest roll out")
-    ap.add_argument("--rollout-tp", type=int, default=1,
-                    help="data-parallel paths roll out with tensor-parallel engines of this many ranks")
-    ap.add_argument("--vision-tp", action="store_true",
-                    help="with --rollout-tp > 1: the engines split the vision tower's blocks too")
     ap.add_argument("--profile", action="store_true",
                     help="one more, untimed step per path with its update profiled (GPU time by kernel family)")
-    ap.add_argument("--cosched", action="store_true",
-                    help="co-schedule the reference's prefixes beside decode on the rollplex-mode colocated paths "
-                         "(a sharded reference as a sweep in lockstep over the ranks; the serial and disaggregated "
-                         "baselines run their phases in turn)")
     ap.add_argument("--check-layers", type=int, default=2, help="decoder layers and vision blocks of the check")
     ap.add_argument("--check-prompts", type=int, default=4)
     ap.add_argument("--check-samples", type=int, default=4)
     ap.add_argument("--check-tokens", type=int, default=16)
     ap.add_argument("--tol", type=float, default=1e-5, help="largest relative gradient / metric and absolute "
                     "weight difference the check accepts")
+    return ap
+
+
+def main(argv=None) -> None:
+    ap = parser()
     args = ap.parse_args(argv)
+    try:
+        system = ap.config(args)
+    except ValueError as e:
+        ap.error(str(e))
     if not (args.check or args.bench):
         ap.error("nothing to do: pass --check and/or --bench")
     if args.warmup_steps < 0 or args.timed_steps < 1:
         ap.error("--warmup-steps must be >= 0 and --timed-steps >= 1")
-    proc = init_from_env(args.device)
-    if args.rollout_tp < 1 or proc.world % args.rollout_tp:
-        ap.error(f"--rollout-tp {args.rollout_tp} must divide the world size {proc.world}")
+    proc = init_from_env(system.device)
+    if proc.world % system.tp.tensor_parallel:
+        ap.error(f"--rollout-tp {system.tp.tensor_parallel} must divide the world size {proc.world}")
     failed = False
     try:
         if args.check:
-            res = check(proc, args)
+            res = check(proc, args, system)
             failed = not res["passed"]
             if proc.rank == 0:
                 print(json.dumps({"bench": "dp_step_check", "world": proc.world, **res}), flush=True)
         if args.bench and not failed:
-            rows = bench(proc, args)
+            rows = bench(proc, args, system)
             if proc.rank == 0:
                 for r in rows:
                     if "final_weight_max_abs_diff" in r:

@@ -226,7 +226,7 @@ class Qwen25VL(nn.Module):
                        ops: ForwardOps | None = None) -> torch.Tensor:
         """Incremental path: embeds [B, L, C], positions [3, B, L], attend owns K/V -> normed hidden."""
         cos, sin = self.rope(positions, embeds.dtype)
-        return self.model(embeds, cos, sin, attend, None if ops is None else ops.text_post)
+        return self.model(embeds, cos, sin, attend, ops)
 
     # ---- prefix / response / full -----------------------------------------------------------
     def _run_prompts(self, prompts: Sequence[ModelInputs], keep_kv: bool,

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from .config import TextConfig
 from .layers import GatedMLP, RMSNorm, apply_rotary, compile_fn, rms_norm
+from .ops import ForwardOps
 
 # attend(layer_idx, q [B, H, L, D], k [B, Hkv, L, D], v [B, Hkv, L, D]) -> out [B, H, L, D]; q and k
 # are rotated
@@ -95,10 +96,6 @@ class TextDecoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self._pre, self._post, self._final = _pre_attention, _post_attention, _final_norm
-        # (qkv, gate_up) row indices that put the fused projections' rows back in order when they are
-        # stored permuted (a trainer whose shards are a tensor-parallel engine's: parallel/shared_weights.py);
-        # None: stored in order
-        self.row_order: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def compile(self, **kwargs) -> TextDecoder:
         """Fuse norms, rotary, residuals and SwiGLU with torch.compile (GPU): ~4x fewer kernels per
@@ -109,28 +106,27 @@ class TextDecoder(nn.Module):
         return self
 
     def layer(self, i: int, x: torch.Tensor, delta: torch.Tensor | None, cos, sin,
-              attend: AttendFn, post: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              attend: AttendFn, ops: ForwardOps | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i on the residual stream x + delta (delta: the previous layer's MLP output, or None)
-        -> (residual after attention, this layer's MLP output). post: the post-attention function to run
-        instead of the decoder's own (`_post_attention`'s signature; ops.ForwardOps.text_post)."""
+        -> (residual after attention, this layer's MLP output). ops: the caller's steps for this call
+        (`ops.text_weights`, `ops.text_post`; ops.ForwardOps), None: the decoder's own."""
         lyr = self.layers[i]
         a, m, eps = lyr.self_attn, lyr.mlp, self.cfg.rms_norm_eps
         qkv_w, qkv_b, gate_up_w = a.qkv_proj.weight, a.qkv_proj.bias, m.gate_up_proj.weight
-        if self.row_order is not None:  # one gather of each fused weight per use; its backward scatters back
-            qkv_rows, gate_up_rows = self.row_order
-            qkv_w, qkv_b, gate_up_w = qkv_w[qkv_rows], qkv_b[qkv_rows], gate_up_w[gate_up_rows]
+        if ops is not None and ops.text_weights is not None:
+            qkv_w, qkv_b, gate_up_w = ops.text_weights(qkv_w, qkv_b, gate_up_w)
         q, k, v, x = self._pre(x, delta, lyr.input_layernorm.weight, qkv_w, qkv_b, cos, sin, eps, a.num_heads,
                                a.num_kv_heads)
         out = attend(i, q, k, v)  # [B, H, L, D]
-        return (post or self._post)(x, out, a.o_proj.weight, lyr.post_attention_layernorm.weight, gate_up_w,
-                          m.down_proj.weight, eps)
+        post = self._post if ops is None or ops.text_post is None else ops.text_post
+        return post(x, out, a.o_proj.weight, lyr.post_attention_layernorm.weight, gate_up_w, m.down_proj.weight, eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn,
-                post: Callable | None = None) -> torch.Tensor:
-        """x [B, L, C] embeddings; cos/sin [B, L, D] -> final-normed hidden [B, L, C]. post: see `layer`."""
+                ops: ForwardOps | None = None) -> torch.Tensor:
+        """x [B, L, C] embeddings; cos/sin [B, L, D] -> final-normed hidden [B, L, C]. ops: see `layer`."""
         delta = None
         for i in range(len(self.layers)):
-            x, delta = self.layer(i, x, delta, cos, sin, attend, post)
+            x, delta = self.layer(i, x, delta, cos, sin, attend, ops)
         return self.finish(x, delta)
 
     def finish(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:

@@ -25,40 +25,35 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..engine import Engine, EngineConfig
+from ..engine import Engine
 from ..models import Qwen25VL
 from ..rl.batch import RolloutBatch
 from ..rl.config import RLConfig
 from ..rl.step import RLStep, rollout_requests
-from .colocated import data_parallel
-from .disaggregated import DisaggregatedLayout, init_disaggregated
-from .fsdp import DTYPES, FSDPConfig
-from .tp import apply_tensor_parallel
+from .disaggregated import Disaggregated
 
 
 class DisaggregatedStep:
-    """This rank's part of the disaggregated RL step (see the module docstring). `model`: the initial
-    policy, the same full weights on every rank; a rollout rank keeps only its tensor-parallel shard."""
+    """This rank's part of the disaggregated RL step (see the module docstring), over the layout's groups
+    `d`: a trainer rank's `rl` (RLStep without a rollout backend, data-parallel over the trainer ranks), or a
+    rollout rank's `engine` (its model the engine's tensor-parallel shard over `d.tp_group`).
+    rollplex.system.build_disaggregated builds both parts from one config."""
 
-    def __init__(self, layout: DisaggregatedLayout, model: Qwen25VL, processor, cfg: RLConfig, reward_fn,
-                 engine_cfg: EngineConfig | None = None, fsdp: FSDPConfig | None = None):
+    def __init__(self, d: Disaggregated, cfg: RLConfig, processor, *, rl: RLStep | None = None,
+                 engine: Engine | None = None):
         if cfg.filter_groups:  # its rollout ranks would have to follow the trainer's refills
             raise ValueError("the disaggregated step has no dynamic sampling (filter_groups): use RLStep")
-        device = model.inv_freq.device
-        self.d = init_disaggregated(layout, device.type)
-        self.layout, self.cfg, self.processor, self.device = layout, cfg, processor, device
+        if (d.role == "train") != (rl is not None) or (rl is None) == (engine is None):
+            raise ValueError(f"a {d.role} rank of the disaggregated step holds "
+                             f"{'an RL step' if d.role == 'train' else 'an engine'} alone")
+        self.d, self.layout, self.cfg, self.processor = d, d.layout, cfg, processor
         self.step_idx = 0
-        self.rl = self.engine = None
-        self.tp = None  # a rollout rank's plan: its model is its engine's tensor-parallel shard
+        self.rl, self.engine = rl, engine
+        # a rollout rank's plan: its model is its engine's tensor-parallel shard
+        self.tp = None if engine is None else engine.tp
+        self.model: Qwen25VL = rl.model if rl is not None else engine.model
+        self.device = self.model.inv_freq.device
         self.last_batch: RolloutBatch | None = None  # the last rollout with its rewards (trainer ranks)
-        if self.d.role == "train":
-            self.model = model
-            self.rl = RLStep(model, None, cfg, processor, reward_fn=reward_fn,
-                             parallel=data_parallel(model, None, cfg, self.d.train_mesh.get_group(), fsdp))
-        else:
-            self.model = model.to(DTYPES[layout.wire_dtype])
-            self.tp = apply_tensor_parallel(self.model, self.d.tp_group)
-            self.engine = Engine(self.model, processor, engine_cfg, tp=self.tp)
 
     @property
     def role(self) -> str:

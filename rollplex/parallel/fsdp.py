@@ -12,10 +12,12 @@ each layer through one: the layer module gets a `forward` that runs the decoder'
 (or whatever sits in the decoder's `layer` slot when the plan is applied: an activation-checkpointing
 wrapper composes, as in torchtitan where checkpointing is applied before FSDP), and the decoder's
 `layer` slot — an instance attribute, the hook `rl.checkpointing` uses too — dispatches to that module
-call. The vision tower's `block` slot likewise. The root has no single forward either (training calls
-`group_hidden`, then the LM head): it gets `run_sharded(fn, *args)`, registered as an FSDP forward
-method, that runs `fn` with the root's parameters gathered; the logprob pass of a micro-batch runs
-inside it (`sharded_call`).
+call. The vision tower's `block` slot likewise. Every routed layer call runs with the forward ops
+the sharding's owner set (`set_layer_ops`; models.ForwardOps), e.g. the reads of fused projections
+a trainer stores in a tensor-parallel engine's row order (shared_weights.py). The root has no single
+forward either (training calls `group_hidden`, then the LM head): it gets `run_sharded(fn, *args)`,
+registered as an FSDP forward method, that runs `fn` with the root's parameters gathered; the logprob
+pass of a micro-batch runs inside it (`sharded_call`).
 
 Gradients are *summed* over ranks, not averaged (`set_gradient_divide_factor(1)`): the data-parallel
 trainer divides each rank's loss by the whole mini-batch's normaliser, so the sum is the
@@ -32,6 +34,7 @@ collectives pair up by order): the caller keeps the micro-batch structure equal 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -43,7 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Shard
 
-from ..models import Qwen25VL
+from ..models import ForwardOps, Qwen25VL
 from ..rl.checkpointing import set_activation_checkpointing
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -106,13 +109,44 @@ def _route_through_modules(model: Qwen25VL) -> None:
     for blk in vis.blocks:
         blk.forward = functools.partial(block_fn, blk)
     direct = _direct_flag(model)  # set: the module's own forward, past FSDP2's hooks (`direct_call`)
-    text.layer = lambda i, *args: (text.layers[i].forward if direct[0] else text.layers[i])(*args)
+    routed = _layer_ops(model)  # the forward ops every layer call runs with (`set_layer_ops`)
+
+    def layer(i, x, delta, cos, sin, attend, ops=None):
+        ops = _merged(ops, routed[0])
+        return (text.layers[i].forward if direct[0] else text.layers[i])(x, delta, cos, sin, attend, ops)
+
+    text.layer = layer
     vis.block = lambda blk, *args: (blk.forward if direct[0] else blk)(*args)
 
 
 def _direct_flag(model: nn.Module) -> list[bool]:
     """The model's one-element switch between module calls (FSDP2's hooks) and direct forwards."""
     return vars(model).setdefault("_fsdp_direct", [False])
+
+
+def _layer_ops(model: nn.Module) -> list[ForwardOps | None]:
+    return vars(model).setdefault("_fsdp_layer_ops", [None])
+
+
+def _merged(ops: ForwardOps | None, routed: ForwardOps | None) -> ForwardOps | None:
+    """The caller's ops with the routed ones filling the steps it leaves to the model."""
+    if ops is None or routed is None:
+        return routed if ops is None else ops
+    return dataclasses.replace(routed, **{f.name: v for f in dataclasses.fields(ops)
+                                          if (v := getattr(ops, f.name)) is not None})
+
+
+def set_layer_ops(model: nn.Module, ops: ForwardOps | None) -> None:
+    """Run every decoder layer call of a model `apply_fsdp` sharded with `ops` (models.ForwardOps; the steps
+    a caller's own ops leave to the model): how the sharding's owner has the layers read what it stores,
+    e.g. fused projections stored in another row order (shared_weights.py). Kept across `set_checkpointing`;
+    the model object's class and methods are untouched."""
+    _layer_ops(model)[0] = ops
+
+
+def layer_ops(model: nn.Module) -> ForwardOps | None:
+    """The ops `set_layer_ops` gave the layers of `model` (None: the model's own steps)."""
+    return _layer_ops(model)[0]
 
 
 def apply_fsdp(model: Qwen25VL, mesh: DeviceMesh, cfg: FSDPConfig | None = None,

@@ -4,9 +4,10 @@ A colocated rank holds the weights its engine decodes — the policy whole (per-
 tensor-parallel shard of the policy (a TP engine over a group of ranks) — and the
 trainer's FSDP2 shard of every parameter. The training layout is `weights.runtime_train_layout`: with
 one TP engine over every rank, o / down are sharded by columns and the fused q/k/v and gate/up stored
-in blocked order (rows grouped by TP shard; the trainer's layers read them back in order through
-`TextDecoder.row_order`, and `natural` restores the order of anything gathered whole), so each of the
-engine's text shards is the rank's FSDP2 shard. `rollplex.weights` plans training layout FSDP(W) against
+in blocked order (rows grouped by TP shard; the trainer's layers read them back in order through the
+forward ops its FSDP routing passes every layer call, `fsdp.set_layer_ops`, and `natural` restores the
+order of anything gathered whole), so each of the engine's text shards is the rank's FSDP2 shard.
+`rollplex.weights` plans training layout FSDP(W) against
 rollout layout TP(N) (N = 1 for a per-rank engine) with each rank at the rollout slot its engine's
 group gives it (`rollout_groups`): where the rank's training shard lies inside its rollout
 tensor at a fixed offset, the trainer adopts that window as its shard's storage (`_adopt`, before the
@@ -42,13 +43,22 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..models import ForwardOps
 from ..weights import ModelPlan, ParamPlan, RolloutLayout, model_specs, plan, realised, runtime_train_layout
 from ..weights.mapping import Mapping
 from ..weights.storage import cut, rebuild
-from .fsdp import unit_params, units
+from .fsdp import set_layer_ops, unit_params, units
 from .tp import TPPlan
 
 BUCKET_BYTES = 256 << 20  # rollout bytes per rebuild exchange: bounds its packing buffers
+
+
+def _in_order(qkv_rows: torch.Tensor, gate_up_rows: torch.Tensor):
+    """A layer's fused weights read in the parameters' row order (models.ForwardOps.text_weights)."""
+    def read(qkv_w, qkv_b, gate_up_w):  # one gather of each fused weight per use; its backward scatters back
+        return qkv_w[qkv_rows], qkv_b[qkv_rows], gate_up_w[gate_up_rows]
+
+    return read
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -113,7 +123,7 @@ class SharedWeights:
                 self._adopt(spec.name, fps[spec.name], rollout_params[spec.name], source_params[spec.name],
                             self.plan.param(spec.name, self.rank))
         # parameters stored in another row order (blocked: the engine's TP shards contiguous): each stored
-        # row's parameter row, and the trainer's layers told how to read them back in order
+        # row's parameter row, and the trainer's layers given the reads that put them back in order
         self.rows = {s.name: torch.tensor(r) for s in specs if (r := layout.storage_rows(s)) is not None}
         if self.rows:
             dev = next(iter(rollout_params.values())).device
@@ -121,7 +131,7 @@ class SharedWeights:
             for kind in ("layers.0.self_attn.qkv_proj.weight", "layers.0.mlp.gate_up_proj.weight"):
                 name = next(n for n in self.rows if n.endswith(kind))
                 order.append(torch.argsort(self.rows[name]).to(dev))
-            trainer.model.row_order = tuple(order)
+            set_layer_ops(trainer, ForwardOps(text_weights=_in_order(*order)))
         trainable = [s for s in specs if fps[s.name].sharded_param.requires_grad]
         self.buckets: list[ModelPlan] = []  # the plan over buckets of parameters: one exchange each
         cur, size = [], 0

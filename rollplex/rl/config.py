@@ -21,16 +21,33 @@ dynamic sampling (`filter_groups`, verl's algorithm.filter_groups): groups whose
 the same `filter_groups_metric` are dropped and more prompts rolled out until the step holds as many
 groups as it was given prompts, at most `max_num_gen_batches` rollouts (0: unbounded), then a
 ValueError, or training on the groups kept with `filter_groups_partial` (rl/dynamic_sampling.py).
+
+Per-step overrides: the fields declared with `per_step(default, **bounds)` are the ones a server's
+/train_step may set for one step, bounded to what a step can use (an lr of 1000 destroys the policy in
+one step); names of an estimator / loss / filter metric are checked by `__post_init__`. The LR-schedule
+unit, the KL controller, the critic's warm-up and checkpoint are not: they define what persists across
+steps; max_num_gen_batches and filter_groups_partial do not apply to a server (it rolls out nothing
+itself).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .algos import ADV_ESTIMATORS, AGG_MODES, KL_KINDS, POLICY_LOSSES, SINGLETON_ADV
 from .fuse_gate import POLICIES as FUSE_ADMISSIONS
 from .fuse_gate import parse_sms_by_batch
 from .microbatch import MicroBatching
+
+PER_STEP = "per_step"  # the field metadata key of a per-step override's bounds
+
+
+def per_step(default, **bounds):
+    """A field that a server's /train_step may override for one step, within `bounds` (pydantic's gt / ge /
+    lt / le; none: any value RLConfig accepts). The request schema is built from these fields
+    (server/schemas.py): declaring one here is what makes it overridable."""
+    return field(default=default, metadata={PER_STEP: bounds})
+
 
 MODES = ("rollplex", "serial")
 LR_SCHEDULES = ("constant", "cosine")
@@ -52,66 +69,71 @@ class RLConfig:
     max_new_tokens: int = 64
     # algorithm
     # grpo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | gae (PPO with a critic)
-    adv_estimator: str = "grpo"
-    norm_adv_by_std: bool = True  # grpo only (dr_grpo is grpo without it)
-    singleton_adv: str = "reward"  # a group of one sample: the reward itself (verl) | zero
-    gamma: float = 1.0  # reinforce_plus_plus, gae: discount of the per-token return (verl's algorithm.gamma)
+    adv_estimator: str = per_step("grpo")
+    norm_adv_by_std: bool = per_step(True)  # grpo only (dr_grpo is grpo without it)
+    singleton_adv: str = per_step("reward")  # a group of one sample: the reward itself (verl) | zero
+    # reinforce_plus_plus, gae: discount of the per-token return (verl's algorithm.gamma)
+    gamma: float = per_step(1.0, ge=0.0, le=1.0)
     # PPO with a critic (adv_estimator="gae", rl/critic.py; see the docstring)
-    lam: float = 1.0  # GAE's lambda (verl's algorithm.lam)
-    cliprange_value: float = 0.5  # the value loss's clip around the values scored before the update
-    critic_lr: float = 1e-5  # the critic's AdamW lr (constant; betas, weight decay and grad clip: the actor's)
+    lam: float = per_step(1.0, ge=0.0, le=1.0)  # GAE's lambda (verl's algorithm.lam)
+    # the value loss's clip around the values scored before the update
+    cliprange_value: float = per_step(0.5, gt=0.0, le=100.0)
+    # the critic's AdamW lr (constant; betas, weight decay and grad clip: the actor's)
+    critic_lr: float = per_step(1e-5, gt=0.0, le=1e-2)
     critic_warmup: int = 0  # the first steps train the critic only (verl's trainer.critic_warmup)
     critic_model_path: str | None = None  # HF directory of the critic; None: a copy of the policy
-    policy_loss: str = "vanilla"  # vanilla (PPO-clip, dual clip) | gspo (sequence-level ratio)
-    clip_ratio_low: float = 0.2  # gspo: verl's recipe uses 3e-4
-    clip_ratio_high: float = 0.2  # gspo: verl's recipe uses 4e-4
-    dual_clip: float | None = 3.0  # verl's clip_ratio_c; None disables
-    loss_agg_mode: str = "token-mean"
-    loss_agg_norm: float | None = None  # seq-mean-token-sum-norm's constant divisor (default: max_new_tokens)
+    policy_loss: str = per_step("vanilla")  # vanilla (PPO-clip, dual clip) | gspo (sequence-level ratio)
+    clip_ratio_low: float = per_step(0.2, ge=0.0, le=1.0)  # gspo: verl's recipe uses 3e-4
+    clip_ratio_high: float = per_step(0.2, ge=0.0, le=10.0)  # gspo: verl's recipe uses 4e-4
+    dual_clip: float | None = per_step(3.0, gt=1.0, le=100.0)  # verl's clip_ratio_c; None disables
+    loss_agg_mode: str = per_step("token-mean")
+    # seq-mean-token-sum-norm's constant divisor (default: max_new_tokens)
+    loss_agg_norm: float | None = per_step(None, gt=0.0, le=float(1 << 20))
     # truncated importance sampling (verl's tis_imp_ratio_cap): the pg loss per token times
     # min(exp(old - rollout logprob), cap) when the batch has rollout logprobs; None: off
-    tis_imp_ratio_cap: float | None = None
-    kl_coef: float = 0.0
-    use_kl_loss: bool = True  # True: KL term in the loss (GRPO); False: KL penalty in the reward
-    kl_loss_type: str = "low_var_kl"  # the KL loss's estimator
-    kl_penalty: str = "kl"  # the KL-in-reward estimator (verl's algorithm.kl_penalty, default k1)
+    tis_imp_ratio_cap: float | None = per_step(None, gt=0.0, le=100.0)
+    kl_coef: float = per_step(0.0, ge=0.0, le=10.0)
+    use_kl_loss: bool = per_step(True)  # True: KL term in the loss (GRPO); False: KL penalty in the reward
+    kl_loss_type: str = per_step("low_var_kl")  # the KL loss's estimator
+    kl_penalty: str = per_step("kl")  # the KL-in-reward estimator (verl's algorithm.kl_penalty, default k1)
     # KL-in-reward coefficient: fixed (kl_coef) or verl's adaptive controller, started at kl_coef and
     # moved towards kl_target each step (horizon kl_horizon samples); adaptive needs use_kl_loss=False
     kl_ctrl: str = "fixed"
     kl_target: float = 0.1
     kl_horizon: int = 10000
-    entropy_coeff: float = 0.0
+    entropy_coeff: float = per_step(0.0, ge=-1.0, le=1.0)
     # DAPO's overlong reward shaping (verl's reward_model.overlong_buffer): 0 turns it off; see the docstring
-    overlong_buffer_len: int = 0
-    overlong_penalty_factor: float = 1.0
+    overlong_buffer_len: int = per_step(0, ge=0, le=1 << 20)
+    overlong_penalty_factor: float = per_step(1.0, ge=0.0, le=10.0)
     # DAPO's dynamic sampling (verl's algorithm.filter_groups): see the docstring
-    filter_groups: bool = False
-    filter_groups_metric: str = "seq_reward"
+    filter_groups: bool = per_step(False)
+    filter_groups_metric: str = per_step("seq_reward")
     max_num_gen_batches: int = 0  # rollouts per step at most; 0: unbounded (verl)
     filter_groups_partial: bool = False  # at the bound, train on the groups kept instead of raising (verl raises)
     # optimisation
-    lr: float = 1e-6
+    lr: float = per_step(1e-6, gt=0.0, le=1e-2)
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
+    grad_clip: float = per_step(1.0, gt=0.0, le=1e4)
     warmup_steps: int = 0
     lr_schedule: str = "constant"  # constant | cosine
     # what advances the schedule: one train step (verl), or each optimizer step (mini-batch)
     lr_schedule_unit: str = "step"
     total_steps: int = 1000  # for the cosine schedule
-    ppo_epochs: int = 1
+    ppo_epochs: int = per_step(1, ge=1, le=16)
     # mini-batches per rollout (each is one optimizer step). The first epoch's are consecutive runs of the order
     # the groups finished decoding in (prompt order where the backend does not report it), so the first holds
     # the groups that finished first; later epochs deal a seeded permutation (rl/actor.py)
-    ppo_mini_batches: int = 1
+    ppo_mini_batches: int = per_step(1, ge=1, le=256)
     # micro-batches (`micro_batching`, microbatch.py): what one forward/backward of scoring or the update holds
-    micro_batch_prompts: int = 4  # prompts per forward/backward (all their samples together)
-    micro_batch_samples: int = 8  # serial mode: sequences per forward/backward
+    # prompts per forward/backward (all their samples together)
+    micro_batch_prompts: int = per_step(4, ge=1, le=4096)
+    micro_batch_samples: int = per_step(8, ge=1, le=65536)  # serial mode: sequences per forward/backward
     # token budget per forward/backward (verl: use_dynamic_bsz + ppo_max_token_len_per_gpu): when set, a
     # micro-batch takes prompts with all their samples (rollplex) or sequences (serial), in order, while
     # their tokens fit, at least one; it replaces the two counts above. Tokens are what the pass
     # computes: rollplex counts each prompt once, serial counts it per sequence.
-    micro_batch_max_tokens: int | None = None
+    micro_batch_max_tokens: int | None = per_step(None, ge=1, le=1 << 24)
     # rollplex mode: True packs a micro-batch's prompts and responses into one sequence (one pass, no
     # padding, one varlen attention call per layer); False runs a prefix pass, then the padded
     # responses over its PrefixState. Same values (tests hold both to the serial mode). Packed is the

@@ -11,9 +11,13 @@ rejected with a clear message otherwise; `sampling_seed` is SGLang's name for `s
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+
+from ..rl.config import PER_STEP, RLConfig
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 # |reward| bound, for client rewards and reward functions' alike (ServerState.train): far past any score a
@@ -192,11 +196,28 @@ class RolloutRequest(BaseModel):
     for_training: bool = True
 
 
-class TrainStepRequest(BaseModel):
-    """rollout_id (+ more_rollout_ids) + rewards (one per sample) or a reward name, + per-step algorithm
-    overrides."""
+def overrides_model(config: type = RLConfig) -> type[BaseModel]:
+    """The per-step overrides of a config dataclass as a pydantic model: every field declared with
+    `rl.config.per_step`, optional (None: not overridden), within the bounds declared there (floats finite)."""
+    hints = typing.get_type_hints(config)
+    fields = {}
+    for f in dataclasses.fields(config):
+        if PER_STEP not in f.metadata:
+            continue
+        kind = next(a for a in (typing.get_args(hints[f.name]) or (hints[f.name],)) if a is not type(None))
+        finite = {"allow_inf_nan": False} if kind is float else {}
+        fields[f.name] = (kind | None, Field(None, **f.metadata[PER_STEP], **finite))
+    return create_model(f"{config.__name__}Overrides", __config__=ConfigDict(extra="forbid", strict=True), **fields)
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+
+RLOverrides = overrides_model()
+
+
+class TrainStepRequest(RLOverrides):
+    """rollout_id (+ more_rollout_ids) + rewards (one per sample) or a reward name, + per-step algorithm
+    overrides: RLConfig's fields declared overridable there (`rl.config.per_step`, with their bounds), for
+    this step only; adv_estimator gae needs a server started with it (it builds the critic)."""
+
     rollout_id: str = Field(min_length=1)
     # further retained rollouts trained in the same step, their groups after rollout_id's (dynamic
     # sampling's refill: the client rolls out more prompts until filter_groups keeps train_batch_size groups)
@@ -209,47 +230,6 @@ class TrainStepRequest(BaseModel):
     # train a rollout sampled from older weights (otherwise 409): its sampling logprobs become the
     # PPO ratio's old logprobs, so the clipped ratio corrects for the policy having moved
     off_policy: bool = False
-    # algorithm overrides for this step only: RLConfig field names (verl's where verl has one), bounded
-    # to what a step can use (an lr of 1000 destroys the policy in one step): lr <= 1e-2, a clip range
-    # within [0, 1] below and [0, 10] above, coefficients <= 10 (entropy within [-1, 1]), grad_clip <= 1e4,
-    # at most 16 epochs x 256 mini-batches, micro-batches of at most 4096 prompts / 65536 samples / 2^24 tokens,
-    # gamma and lam within [0, 1], critic_lr <= 1e-2, cliprange_value within (0, 100], a TIS cap within (0, 100],
-    # a token-sum divisor within (0, 2^20], an overlong buffer within [0, 2^20] tokens (and max_new_tokens) and its
-    # penalty factor within [0, 10]; names of an estimator / loss / filter metric are checked by RLConfig (400 with
-    # the allowed values). The LR-schedule unit, the KL controller, the critic's warm-up and checkpoint are startup
-    # flags only: they define what persists across steps (adv_estimator gae needs a server started with it: it
-    # builds the critic);
-    # max_num_gen_batches and filter_groups_partial do not apply to a server (it rolls out nothing itself).
-    lr: float | None = Field(None, gt=0.0, le=1e-2, allow_inf_nan=False)
-    kl_coef: float | None = Field(None, ge=0.0, le=10.0, allow_inf_nan=False)
-    clip_ratio_low: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
-    clip_ratio_high: float | None = Field(None, ge=0.0, le=10.0, allow_inf_nan=False)
-    dual_clip: float | None = Field(None, gt=1.0, le=100.0, allow_inf_nan=False)
-    loss_agg_mode: str | None = None
-    entropy_coeff: float | None = Field(None, ge=-1.0, le=1.0, allow_inf_nan=False)
-    use_kl_loss: bool | None = None
-    kl_loss_type: str | None = None
-    norm_adv_by_std: bool | None = None
-    adv_estimator: str | None = None
-    singleton_adv: str | None = None
-    gamma: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
-    lam: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
-    critic_lr: float | None = Field(None, gt=0.0, le=1e-2, allow_inf_nan=False)
-    cliprange_value: float | None = Field(None, gt=0.0, le=100.0, allow_inf_nan=False)
-    policy_loss: str | None = None
-    loss_agg_norm: float | None = Field(None, gt=0.0, le=float(1 << 20), allow_inf_nan=False)
-    tis_imp_ratio_cap: float | None = Field(None, gt=0.0, le=100.0, allow_inf_nan=False)
-    kl_penalty: str | None = None
-    grad_clip: float | None = Field(None, gt=0.0, le=1e4, allow_inf_nan=False)
-    ppo_epochs: int | None = Field(None, ge=1, le=16)
-    ppo_mini_batches: int | None = Field(None, ge=1, le=256)
-    micro_batch_prompts: int | None = Field(None, ge=1, le=4096)
-    micro_batch_samples: int | None = Field(None, ge=1, le=65536)
-    micro_batch_max_tokens: int | None = Field(None, ge=1, le=1 << 24)
-    overlong_buffer_len: int | None = Field(None, ge=0, le=1 << 20)
-    overlong_penalty_factor: float | None = Field(None, ge=0.0, le=10.0, allow_inf_nan=False)
-    filter_groups: bool | None = None
-    filter_groups_metric: str | None = None
 
     @model_validator(mode="after")
     def _one_reward(self):
@@ -262,8 +242,7 @@ class TrainStepRequest(BaseModel):
 
     def overrides(self) -> dict:
         """The given overrides, as RLConfig fields."""
-        skip = {"rollout_id", "more_rollout_ids", "train_batch_size", "rewards", "reward", "off_policy"}
-        return {k: v for k, v in self.model_dump().items() if k not in skip and v is not None}
+        return {k: v for k in RLOverrides.model_fields if (v := getattr(self, k)) is not None}
 
 
 class SaveRequest(BaseModel):
