@@ -54,7 +54,6 @@ first epoch's mini-batches are cut from the order the groups finished in, in bot
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import time
 from collections.abc import Callable
@@ -65,22 +64,19 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..cosched import CoschedConfig, CoScheduler, PrefixRows, Timeline
-from ..cosched.scheduler import side_stream
-from ..cosched.timeline import DecodeMarks
 from ..engine import Engine, SamplingParams
 from ..memory import Footprint, MemoryConfig, MemoryFit, MemoryManager, activation_bytes, device_capacity, host_memory
 from ..models import ModelConfig, Qwen25VL
-from .actor import Actor, mini_batch_sizes
 from .algos import AdaptiveKLController, compute_advantages, gae_advantages, kl_penalty, token_level_rewards
 from .batch import RolloutBatch
 from .config import RLConfig
 from .critic import Critic, build_value_model
 from .dynamic_sampling import sample_groups
-from .errors import TrainOOM, TrainStepError
-from .pipeline import GroupPipeline, fallback_on, fused_unsupported
+from .errors import TrainStepError
 from .rewards import RewardFn, get_reward_fn, score_batch
 from .rollout import NativeRollout, RolloutBackend, as_rollout_backend, rollout_requests
-from .scoring import score_with_backoff as score_logprobs
+from .runtime import LocalRuntime, Runtime
+from .schedule import schedule_of, why_not_fused
 from .timing import phase_timer as _timer
 
 log = logging.getLogger("rollplex.rl")
@@ -110,51 +106,30 @@ class RLStep:
         if cfg.cosched and self.backend is not None and self.engine is None:
             raise ValueError(f"cosched needs the native rollout backend: with {self.backend.name} the co-scheduler "
                              "runs in its scheduler (engine_patches.sglang.CoschedHook), which RLStep does not drive")
-        if parallel is not None and self.backend is not None and self.engine is None:
-            raise ValueError(f"a data-parallel RL step needs the native rollout backend, not {self.backend.name}")
-        if parallel is not None and parallel.engine is not self.engine:
-            raise ValueError("the data-parallel placement was built over another engine than the step's")
-        if self.backend is not None and parallel is None:
-            self.backend.attach(model, memory)
-        elif self.engine is not None and memory is not None and self.engine.memory is not memory:
-            raise ValueError("the engine and the RL step must share one memory manager")
-        self.model, self.cfg = model, cfg
+        # where the step runs: this process alone, or the data-parallel rank injected (rl/runtime.py)
+        self.runtime: Runtime = parallel or LocalRuntime(model, self.backend)
+        self.runtime.attach(self.backend, self.engine, model, memory)
+        self.runtime.check(cfg)
+        self.model, self.cfg = self.runtime.policy, cfg  # what the engine decodes: the policy or its TP shard
         self.memory, self.memory_cfg = memory, memory_cfg or MemoryConfig()
         self.processor = processor or (self.backend.processor if self.backend is not None else None)
-        self.parallel = parallel
-        if parallel is not None:
-            self.model = parallel.policy  # what the engine decodes: the policy or its TP shard
+        self.parallel = parallel  # the data-parallel runtime or None, for what reads its group (checkpoints)
         if cfg.freeze_vision_tower:  # before the optimizer is built: the vision tower has no trainable state
             model.visual.requires_grad_(False)
         self.reward_fn = reward_fn if callable(reward_fn) else get_reward_fn(reward_fn)
         # the KL-in-reward coefficient under kl_ctrl="adaptive" (verl's controller), moved after each step
         self.kl_ctrl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) \
             if cfg.kl_ctrl == "adaptive" else None
-        self.ref = ref_model
-        # the reference whole on this process: one process, or a group that does not shard it
-        whole_ref = self.parallel is None or not self.parallel.fsdp.shard_reference
-        if self.ref is None and cfg.kl_coef > 0:
-            if whole_ref:
-                with self._region("ref_weights"):
-                    self.ref = copy.deepcopy(model)
-            else:
-                self.ref = copy.deepcopy(model)  # transient full copy: only its shards go into the region
-        if self.ref is not None and not whole_ref:
-            with self._region("ref_weights"):
-                self.ref = self.parallel.shard_reference(self.ref)
+        self.ref = self.runtime.reference(model, ref_model, cfg.kl_coef > 0, lambda: self._region("ref_weights"))
         if self.ref is not None:
             self.ref.requires_grad_(False).eval()
             if memory is not None:
-                ref, par = self.ref, self.parallel
-                memory.preserve("ref_weights", lambda: [*ref.parameters(), *ref.buffers()] if par is None
-                                else par.local_tensors(ref))
+                ref, runtime = self.ref, self.runtime
+                memory.preserve("ref_weights", lambda: runtime.local_tensors(ref))
         # PPO-GAE's value model (rl/critic.py), in its region before the plan is fitted: its bytes are planned
         self.critic: Critic | None = None
         value_model = None
         if cfg.uses_critic:
-            if parallel is not None:
-                raise ValueError("adv_estimator='gae' trains a critic on one process only: a data-parallel step "
-                                 "supports the critic-free estimators")
             with self._region("critic_weights"):
                 value_model = build_value_model(model, cfg.critic_model_path, cfg.seed)
             if cfg.freeze_vision_tower:
@@ -172,10 +147,7 @@ class RLStep:
             else bool(cfg.vision_gradient_checkpointing))
         self.memory_cfg = replace(self.memory_cfg, optimizer_offload=fit.optimizer_offload if fit
                                   else "none" if offload == "auto" else offload)
-        if self.parallel is not None:
-            self.actor = self.parallel.actor(model, cfg, memory, self.memory_cfg.optimizer_offload)
-        else:
-            self.actor = Actor(model, cfg, memory, self.memory_cfg.optimizer_offload)
+        self.actor = self.runtime.actor(model, cfg, memory, self.memory_cfg.optimizer_offload)
         if value_model is not None:
             self.critic = Critic(value_model, cfg, memory, self.memory_cfg.optimizer_offload)
         del self._value_model
@@ -184,8 +156,7 @@ class RLStep:
         self.cosched = CoScheduler(cosched or CoschedConfig(), self.device, memory=memory)
         self.timeline: Timeline | None = None  # set one to record phases and co-scheduled work
         self.rollout_metrics: dict = {}  # the last rollout's co-scheduling metrics
-        self._fused_stream = None  # (side stream, its green context) of the fused schedule, made on first use
-        self._fused_warned: set[str] = set()
+        self.schedule = schedule_of(cfg)  # the order of `run`'s work (rl/schedule.py)
         if memory is not None:
             fit = self.memory_fit
             memory.set_plan(fit.plan, fit.to_dict())
@@ -231,7 +202,7 @@ class RLStep:
         trainer = [_local(p.detach()) for p in self.actor.model.parameters()]
         params = [t for t, p in zip(trainer, self.actor.model.parameters()) if p.requires_grad]
         return Footprint(
-            weights=_nbytes(self.model.parameters()) + (self.parallel.weight_bytes() if self.parallel else 0),
+            weights=_nbytes(self.model.parameters()) + self.runtime.weight_bytes(),
             ref_weights=self._ref_bytes(), kv_cache=self.backend.kv_cache_bytes() if self.backend is not None else 0,
             trainable=sum(p.numel() for p in params), param_bytes=params[0].element_size(),
             **self._critic_footprint(self.critic.model if self.critic is not None else None),
@@ -254,13 +225,10 @@ class RLStep:
         trainable = [p for p in model.parameters() if p.requires_grad]
         n, param_bytes = sum(p.numel() for p in trainable), trainable[0].element_size()
         weights = _nbytes(self.model.parameters())
-        decoder, vision = self.cfg.gradient_checkpointing, self.cfg.vision_gradient_checkpointing
-        if self.parallel is not None:
-            n = -(-n // self.parallel.world)
-            weights += 0 if self.parallel.fsdp.share_policy_storage else n * param_bytes
-            # FSDP's own checkpointing flags are choices given too
-            decoder = True if self.parallel.fsdp.activation_checkpointing else decoder
-            vision = True if self.parallel.fsdp.vision_activation_checkpointing else vision
+        # a data-parallel rank's share of the trainer, and its own checkpointing flags as choices given
+        n, trainer_bytes, decoder, vision = self.runtime.trainer_footprint(
+            n, param_bytes, self.cfg.gradient_checkpointing, self.cfg.vision_gradient_checkpointing)
+        weights += trainer_bytes
         footprint = Footprint(weights, self._ref_bytes(),
                               self.backend.kv_cache_bytes() if self.backend is not None else 0, n, param_bytes,
                               **self._critic_footprint(self._value_model))
@@ -309,10 +277,7 @@ class RLStep:
                 self.engine.hooks.append(self.cosched)
             try:
                 with self.cosched.decode_priority() if jobs else contextlib.nullcontext():
-                    if self.parallel is not None:  # this rank's share, gathered (or a tensor-parallel engine)
-                        outs = self.parallel.generate(prompts, params, keep_vision=frozen)
-                    else:
-                        outs = self.backend.generate(prompts, params, keep_vision=frozen)
+                    outs = self.runtime.generate(prompts, params, keep_vision=frozen)
             finally:
                 if jobs:
                     self.engine.hooks.remove(self.cosched)
@@ -338,10 +303,8 @@ class RLStep:
         group, where each rank samples its share)."""
         if self.backend is None:
             raise ValueError("this RLStep has no rollout engine")
-        with self._phase("rollout"):
-            if self.parallel is not None:  # this rank's share, gathered (a collective: every rank calls it)
-                return self.parallel.generate(prompts, params, keep_vision=keep_vision)
-            return self.backend.generate(prompts, params, keep_vision=keep_vision)
+        with self._phase("rollout"):  # data-parallel: a collective every rank calls
+            return self.runtime.generate(prompts, params, keep_vision=keep_vision)
 
     def _plan_handover(self, prompts: list, frozen: bool) -> dict[str, PrefixRows]:
         """Prefix jobs to run beside decode, by consumer: the reference's (when the memory plan keeps
@@ -352,22 +315,18 @@ class RLStep:
         per_job = self.cosched.config.job_prompts
         # under a group, each rank its share of the prompts (those its engine prefilled): on a model it
         # holds whole alone, on a sharded one as a sweep in lockstep with the other ranks' (`gather`)
-        par = self.parallel
-        only = par.share(len(prompts)) if par is not None else None
+        only = self.runtime.share(len(prompts))
         if self.ref is not None and cfg.kl_coef > 0 and (
                 self.memory is None or self.memory.plan.get("rollout", "ref_weights") == "resident"):
             # a frozen tower's encodings come from the engine's prefill, unless the reference's tower differs
             shared = frozen and self._ref_same_vision
             ref_prompts = prompts if shared or not frozen else [replace(p, vision_embeds=None) for p in prompts]
-            gather = par.sweep_gather(self.ref) if par is not None and par.fsdp.shard_reference else None
             out["ref"] = PrefixRows.plan(self.ref, ref_prompts, per_job, "ref", external_vision=shared, only=only,
+                                         gather=self.runtime.reference_gather(self.ref))
+        if cfg.num_updates > 1:  # the policy, or the trainer's shards (a tensor-parallel engine holds only its own)
+            model, gather = self.runtime.old_policy(self.model, self.actor.model)
+            out["old"] = PrefixRows.plan(model, prompts, per_job, "old", external_vision=frozen, only=only,
                                          gather=gather)
-        if cfg.num_updates > 1:
-            if par is None or par.holds_policy:
-                out["old"] = PrefixRows.plan(self.model, prompts, per_job, "old", external_vision=frozen, only=only)
-            else:  # the trainer's shards: a tensor-parallel engine holds only its own
-                out["old"] = PrefixRows.plan(self.actor.model, prompts, per_job, "old", external_vision=frozen,
-                                             only=only, gather=par.sweep_gather(self.actor.model))
         return out
 
     def compute_rewards(self, batch: RolloutBatch, reward: RewardFn | str | None = None, cfg: RLConfig | None = None,
@@ -426,11 +385,7 @@ class RLStep:
         if old is None and train_actor:
             with _timer(m, "old_log_prob", self.device, tl), self._phase("ref"):
                 self._complete_handover(batch, "old", m)
-                if self.parallel is not None and cfg.num_updates > 1 and self.parallel.holds_policy:
-                    old = self.parallel.share_logprobs(self.model, batch, cfg, "old",  # each rank its share
-                                                       self.actor.score_backoff)
-                else:
-                    old = self.actor.old_logprobs(batch, cfg)
+                old = self.runtime.old_logprobs(self.model, self.actor, batch, cfg)
         batch.prefix = {}  # the prefix states are consumed: free them before the update
         if cfg.uses_critic:  # before the actor's, as verl orders them
             with _timer(m, "update_critic", self.device, tl), self._phase("update"):
@@ -471,10 +426,7 @@ class RLStep:
 
     def reference_logprobs(self, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
         """The reference's logprobs [N, R] of the batch's responses (backs off on OOM, rl/scoring.py)."""
-        if self.parallel is not None and not self.parallel.fsdp.shard_reference:  # each rank its share
-            return self.parallel.share_logprobs(self.ref, batch, cfg, "ref", self.actor.score_backoff)
-        return score_logprobs(self.ref, batch, cfg.mode, cfg.micro_batching, cfg.temperature, prefix_key="ref",
-                              placement=self.actor.placement, backoff=self.actor.score_backoff)
+        return self.runtime.reference_logprobs(self.ref, self.actor, batch, cfg)
 
     def kl_reward_penalty(self, batch: RolloutBatch, ref_lp: torch.Tensor | None,
                           cfg: RLConfig) -> tuple[torch.Tensor | None, float | None, dict]:
@@ -499,18 +451,14 @@ class RLStep:
             if e.weights_changed:  # part of the step was applied: counted, and what the engine decodes follows
                 self.step_idx += 1
                 self._update_kl_ctrl(reward_kl, n)
-                if self.parallel is not None:
-                    self.parallel.sync_weights()
+                self.runtime.sync_weights()
             raise
 
     def _after_update(self, m: dict, stats: dict, reward_kl: float | None, n: int) -> None:
         self.step_idx += 1  # the weights changed: counted before anything else can fail
         self._update_kl_ctrl(reward_kl, n)
-        if self.parallel is not None:  # the trainer's new weights into what the engine decodes
-            with _timer(m, "sync_weights", self.device, self.timeline):
-                self.parallel.sync_weights()
-            m.update(self.parallel.weight_metrics())
-            m.update(self.actor.placement.take_metrics())
+        # data-parallel: the trainer's new weights into what the engine decodes
+        self.runtime.after_update(self.actor, m, lambda: _timer(m, "sync_weights", self.device, self.timeline))
         m.update(stats)
         if self.memory is not None:
             m.update(self.memory.take_metrics())
@@ -547,9 +495,7 @@ class RLStep:
         """{name: whole parameter} of the policy. Under a group whose engine holds tensor-parallel
         shards they are gathered from the trainer's shards: a collective every rank calls, the result
         (on the host) kept where `keep`. Otherwise the policy's own tensors (detached)."""
-        if self.parallel is None or self.parallel.holds_policy:
-            return {n: p.detach() for n, p in self.model.named_parameters()} if keep else None
-        return self.parallel.full_state(self.actor.model, keep)
+        return self.runtime.policy_state(self.model, self.actor.model, keep)
 
     def _complete_handover(self, batch: RolloutBatch, key: str, m: dict) -> None:
         """Run the handed-over prefix work that was never admitted beside decode, standalone (its
@@ -596,22 +542,7 @@ class RLStep:
         rewards = rewards or (lambda b, _ids: self.compute_rewards(b))
         m: dict = {}
         t0 = time.perf_counter()
-        why = self.fused_unsupported() if self.cfg.schedule == "fused" else None
-        if why is not None:
-            if why not in self._fused_warned:
-                self._fused_warned.add(why)
-                log.warning("schedule='fused' runs phased: %s", why)
-            m["rollplex/fused"] = 0.0
-        batch = self._fused(prompts, params, rewards, per_prompt, m) \
-            if self.cfg.schedule == "fused" and why is None else None
-        if batch is None:
-            with _timer(m, "gen", self.device, self.timeline):
-                batch = self.generate(prompts, params, **per_prompt)
-            m.update(self.rollout_metrics)
-            with _timer(m, "reward", self.device):
-                batch.rewards, extra = rewards(batch, list(range(batch.num_prompts)))
-            m.update(extra)
-            m.update(self.train(batch))
+        batch = self.schedule.run(self, prompts, params, rewards, per_prompt, m)
         return batch, self._step_metrics(batch, m, t0)
 
     def _step_metrics(self, batch: RolloutBatch, m: dict, t0: float) -> dict:
@@ -621,57 +552,9 @@ class RLStep:
         m["training/global_step"] = self.step_idx
         return m
 
-    # ---- the fused schedule (rl/pipeline.py) ----------------------------------------------------------
     def fused_unsupported(self) -> str | None:
-        """Why this step cannot run the fused schedule (None: it can)."""
-        why = fused_unsupported(self.cfg)
-        if why is not None:
-            return why
-        if self.backend is None or not getattr(self.backend, "reports_groups", False):
-            return f"the {self.rollout_backend} rollout backend does not report groups as they finish"
-        if self.parallel is not None and (why := self.parallel.fused_unsupported()) is not None:
-            return why
-        fit = self.memory_fit
-        if fit is not None and fit.budget is not None:
-            # the rollout phase holds, besides its own regions, what the plan releases there but the fused
-            # stages read (the gradients, the reference), and one update micro-batch's activations
-            sizes, acts = self.memory_sizes(), self.activation_estimate()
-            peak = fit.plan.peak("rollout", sizes, {}) + sum(sizes[t] for t in self._fused_regions()) + acts["update"]
-            if self.parallel is not None:  # the trainer's units and gradients, a sharded reference's, gathered
-                dp = self.actor.placement
-                peak += dp.unsharded_bytes + (dp.gathered_bytes if self.parallel.fsdp.shard_reference else 0)
-            if peak > fit.budget:
-                return (f"the fused rollout phase needs {peak / 2**30:.1f} GiB (the KV cache, gradients, reference "
-                        f"and one update micro-batch together), over the plan's budget of {fit.budget / 2**30:.1f} GiB")
-        return None
-
-    def fused_old_logprobs(self, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
-        """Old logprobs [n, R] of some finished groups, scored before the first optimizer step of the fused
-        schedule: `actor.old_logprobs` on them; a data-parallel rank on the policy its engine decodes."""
-        if self.parallel is None:
-            return self.actor.old_logprobs(batch, cfg)
-        return score_logprobs(self.model, batch, cfg.mode, cfg.micro_batching, cfg.temperature,
-                              backoff=self.actor.score_backoff, what="old-logprob")
-
-    def fused_reference_logprobs(self, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
-        """The reference's logprobs of some finished groups; a data-parallel rank scores them alone."""
-        if self.parallel is None:
-            return self.reference_logprobs(batch, cfg)
-        local = self.parallel.local_passes() if self.parallel.fsdp.shard_reference else None
-        return score_logprobs(self.ref, batch, cfg.mode, cfg.micro_batching, cfg.temperature, placement=local,
-                              backoff=self.actor.score_backoff)
-
-    def fused_placement(self):
-        """Where the fused stages' training passes run: the actor's placement, or a data-parallel rank's
-        local one."""
-        return self.parallel.local_passes() if self.parallel is not None else None
-
-    def _fused_regions(self) -> list[str]:
-        """Regions the fused stages read that the memory plan does not keep during the rollout."""
-        if self.memory is None:
-            return []
-        need = ["grads"] + (["ref_weights"] if self.uses_reference(self.cfg) else [])
-        return [t for t in need if self.memory.plan.get("rollout", t) != "resident"]
+        """Why this step cannot run the fused schedule (None: it can; rl/schedule.py)."""
+        return why_not_fused(self)
 
     @property
     def pad_id(self) -> int:
@@ -681,109 +564,6 @@ class RLStep:
     def keeps_vision(self) -> bool:
         """Whether rollouts keep the prefill's vision encodings for scoring and the update."""
         return self.cfg.freeze_vision_tower and self.cfg.mode == "rollplex"
-
-    def _fuse_stream(self):
-        """The side stream of fused work (a green context of `fuse_sms` SMs), made once; None on CPU."""
-        if self.device.type != "cuda":
-            return None
-        if self._fused_stream is None:
-            self._fused_stream = side_stream(self.device, self.cfg.fuse_sms)  # (stream, its context)
-        return self._fused_stream[0]
-
-    def _fused(self, prompts: list, params: list, rewards, per_prompt: dict, m: dict) -> RolloutBatch:
-        """Rollout with the group pipeline beside it, then the optimizer step. When a fused stage runs
-        out of memory: nothing was applied, and the step runs phased on the finished rollout."""
-        self._enter("rollout")
-        # the gradients and the reference stay resident from the rollout through the optimizer step: resumed
-        # after entering the rollout, and afterwards whatever the phase the step ends in gives them
-        for tag in self._fused_regions():
-            self.memory.resume(tag)
-        try:
-            return self._fused_step(prompts, params, rewards, per_prompt, m)
-        finally:
-            if self.memory is not None:
-                self.memory.enter(self.memory.current)
-
-    def _fused_step(self, prompts: list, params: list, rewards, per_prompt: dict, m: dict) -> RolloutBatch:
-        cfg, tl, par = self.cfg, self.timeline, self.parallel
-        mine = trained = None
-        if par is not None:  # this rank's engine's share, and how many of them are the first mini-batch's
-            first = mini_batch_sizes(len(prompts), cfg.ppo_mini_batches)[0]
-            mine, trained = par.fused_share(len(prompts), first)
-        pipe = GroupPipeline(self, prompts, [p.n for p in params], per_prompt, rewards, self._fuse_stream(), tl,
-                             None if mine is None else len(mine), trained)
-        marks = DecodeMarks(tl) if tl is not None and self.engine is not None else None
-        with _timer(m, "gen", self.device, tl):  # in the rollout phase, entered by `_fused`
-            if par is not None:  # the trainer (and a sharded reference) gathered: no collective until `end_fused`
-                par.begin_fused(self.actor, self.ref if self.uses_reference(cfg) else None)
-            pipe.start()
-            if marks is not None:
-                self.engine.hooks.append(marks)
-            done = False
-            try:
-                with self.cosched.decode_priority():  # decode on a high-priority stream
-                    gen = par.generate if par is not None else self.backend.generate
-                    outs = gen(prompts, params, keep_vision=self.keeps_vision, on_output=pipe.add)
-                done = True
-            finally:
-                pipe.stop()
-                if marks is not None:
-                    self.engine.hooks.remove(marks)
-                    marks.close()
-                if not done:  # a failed rollout: what the chunks accumulated goes with it
-                    if par is not None:
-                        par.abort_fused(self.actor, self.ref if self.uses_reference(cfg) else None)
-                    self.actor.discard_groups()
-        batch = self.rollout_batch(prompts, outs, **per_prompt)
-        with _timer(m, "fused_tail", self.device, tl):
-            pipe.drain()
-        results = counts = None
-        if par is not None:  # every rank agrees whether some rank's stage failed, then reduces the gradients once
-            err = pipe.error
-            oom, other = par.end_fused(self.actor, self.ref if self.uses_reference(cfg) else None,
-                                       [int(err is not None and fallback_on(err)),
-                                        int(err is not None and not fallback_on(err))])
-            if other and err is None:
-                pipe.error = RuntimeError("a fused stage failed on another data-parallel rank")
-            elif oom and err is None:
-                pipe.error = TrainOOM("a fused stage ran out of device memory on another data-parallel rank", 0)
-            if pipe.error is None:  # every rank's chunks, for the whole batch's metrics and later mini-batches
-                every = par.gather_objects((pipe.shareable(), pipe.counts()))
-                results = [r for part, _ in every for r in part]
-                counts = tuple(map(sum, zip(*(c for _, c in every))))
-        if pipe.error is not None:
-            self.actor.discard_groups()
-            if not fallback_on(pipe.error):
-                raise pipe.error
-            log.warning("fused schedule: a stage ran out of device memory (%s); this step runs phased",
-                        pipe.error)
-            m["rollplex/fused"], m["rollplex/fused_fallback_oom"] = 0.0, 1.0
-            with _timer(m, "reward", self.device):
-                batch.rewards, extra = rewards(batch, list(range(batch.num_prompts)))
-            m.update(extra)
-            m.update(self.train(batch))
-            return batch
-        pipe.resolve_times()
-        assert par is not None or pipe.order == batch.finish_order(), "the first mini-batch is the groups trained"
-        got = pipe.assemble(batch, results)
-        batch.rewards = got["rewards"]
-        m.update(got["reward_metrics"])
-        _, reward_kl, kl_m = self.kl_reward_penalty(batch, got["ref"], cfg)
-        m.update(kl_m)
-        with _timer(m, "update_actor", self.device, tl), self._phase("update"):
-            if cfg.num_updates == 1:
-                stats = self._applying(reward_kl, batch.num_samples, lambda: self.actor.apply_groups(
-                    cfg, got["accumulated"].metrics, batch.mask))
-            else:  # the first mini-batch's optimizer step, then the others as the phased update runs them
-                train_b, _ = self.training_views(batch)
-                stats, _ = self._applying(reward_kl, batch.num_samples, lambda: self.actor.update(
-                    train_b, got["advantages"], got["ref"] if cfg.use_kl_loss else None, got["old"], self.step_idx,
-                    cfg, accumulated=got["accumulated"]))
-        self._after_update(m, stats, reward_kl, batch.num_samples)
-        train_lp = got["old"] if got["old"] is not None else got["logprobs"]  # as phased: the old ones when scored
-        m.update(self._batch_metrics(batch, got["advantages"], got["seq_rewards"], train_lp, cfg))
-        m.update(pipe.metrics(m["timing_s/gen"], counts))
-        return batch
 
 
 def update_tokens(cfg: RLConfig, prompt_guess: int = 512) -> int:
