@@ -33,22 +33,26 @@ per-request overrides), derived from `self.cfg` with `dataclasses.replace`; `sel
 
 Under a memory manager the step is fitted to its device when built (`fit_memory`, memory/fit.py):
 the residency plan, and the activation checkpointing and optimizer offload the user left unset,
-chosen from the planned region sizes and `update_activations`; a ValueError when nothing fits.
+chosen from the planned region sizes and `update_activations` (rl/step_memory.py); a ValueError when
+nothing fits.
 
-Given a data-parallel placement (`parallel`: rollplex.parallel.data_parallel over a process group,
-injected: this module imports nothing of rollplex.parallel) the step is data-parallel: every rank calls it with the
-same rows, rolls out its share of the prompts (or all of them with a tensor-parallel engine), scores
-and trains its share of the prompt groups with FSDP2-sharded reference and trainer, and ends with the
+Where the step runs is a runtime (rl/runtime.py), what runs when a schedule (rl/schedule.py); the
+step itself branches on neither. `LocalRuntime` runs it on this process. Given a data-parallel
+runtime (`parallel`: rollplex.parallel.data_parallel over a process group, injected: this module
+imports nothing of rollplex.parallel) the step is data-parallel: every rank calls it with the same
+rows, rolls out its share of the prompts (or all of them with a tensor-parallel engine), scores and
+trains its share of the prompt groups with FSDP2-sharded reference and trainer, and ends with the
 same metrics and weights as one process; the trainer's shards are windows of the engine's own tensors
 where the sharing plan allows, so an update writes those in place and only the rest is rebuilt after
 it. With a tensor-parallel engine `RLStep.model` is this rank's shard of the policy (the engine's
 model): the step keeps no reference to the whole `model` it was built from, and `policy_state()`
 gathers the whole weights. Data-parallel runs need the native backend.
 
-`cfg.schedule` orders the whole step (`run`): "phased" rolls out, then scores and trains; "fused"
-(rl/pipeline.py) trains the first mini-batch's groups as they finish beside the rollout's tail —
-on one process or on each data-parallel rank's share — and equals phased up to summation order. The
-first epoch's mini-batches are cut from the order the groups finished in, in both schedules.
+`cfg.schedule` orders the whole step (`run`): "phased" rolls out, then scores and trains (`train`);
+"fused" (rl/pipeline.py) trains the first mini-batch's groups as they finish beside the rollout's
+tail — on one process or on each data-parallel rank's share — and equals phased up to summation
+order, falling back to phased where it cannot. The first epoch's mini-batches are cut from the order
+the groups finished in, in both schedules.
 """
 
 from __future__ import annotations
@@ -65,8 +69,8 @@ from torch.distributed.tensor import DTensor
 
 from ..cosched import CoschedConfig, CoScheduler, PrefixRows, Timeline
 from ..engine import Engine, SamplingParams
-from ..memory import Footprint, MemoryConfig, MemoryFit, MemoryManager, activation_bytes, device_capacity, host_memory
-from ..models import ModelConfig, Qwen25VL
+from ..memory import MemoryConfig, MemoryFit, MemoryManager
+from ..models import Qwen25VL
 from .algos import AdaptiveKLController, compute_advantages, gae_advantages, kl_penalty, token_level_rewards
 from .batch import RolloutBatch
 from .config import RLConfig
@@ -77,6 +81,8 @@ from .rewards import RewardFn, get_reward_fn, score_batch
 from .rollout import NativeRollout, RolloutBackend, as_rollout_backend, rollout_requests
 from .runtime import LocalRuntime, Runtime
 from .schedule import schedule_of, why_not_fused
+from .step_memory import fit_memory as fit_memory  # re-exported: its home before rl/step_memory.py
+from .step_memory import fit_step, step_sizes, update_activations
 from .timing import phase_timer as _timer
 
 log = logging.getLogger("rollplex.rl")
@@ -197,46 +203,11 @@ class RLStep:
     def memory_sizes(self, optimizer_offload: str | None = None) -> dict[str, int]:
         """Bytes per memory tag at steady state (the optimizer's moments exist only after its first step);
         optimizer_offload: the optimizer region's under that mode (default: the trainer's)."""
-        # a data-parallel rank holds what its engine decodes (the full policy or its TP shard), its
-        # shards of the reference, and the trainer's shards that are not windows of the engine's tensors
-        trainer = [_local(p.detach()) for p in self.actor.model.parameters()]
-        params = [t for t, p in zip(trainer, self.actor.model.parameters()) if p.requires_grad]
-        return Footprint(
-            weights=_nbytes(self.model.parameters()) + self.runtime.weight_bytes(),
-            ref_weights=self._ref_bytes(), kv_cache=self.backend.kv_cache_bytes() if self.backend is not None else 0,
-            trainable=sum(p.numel() for p in params), param_bytes=params[0].element_size(),
-            **self._critic_footprint(self.critic.model if self.critic is not None else None),
-        ).sizes(optimizer_offload or self.memory_cfg.optimizer_offload)
-
-    @staticmethod
-    def _critic_footprint(value_model) -> dict[str, int]:
-        """The critic's bytes and trainable parameters for `Footprint` (none without a critic)."""
-        if value_model is None:
-            return {}
-        return {"critic_weights": _nbytes([*value_model.parameters(), *value_model.buffers()]),
-                "critic_trainable": sum(p.numel() for p in value_model.parameters() if p.requires_grad)}
-
-    def _ref_bytes(self) -> int:
-        return _nbytes(_local(p.detach()) for p in self.ref.parameters()) if self.ref is not None else 0
+        return step_sizes(self, optimizer_offload)
 
     def _fit_memory(self, model: Qwen25VL) -> MemoryFit:
-        """The plan and trainer settings for this device (memory/fit.py), before the trainer is built: its
-        parameters are `model`'s trainable ones (a data-parallel rank's shards: its share of them)."""
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        n, param_bytes = sum(p.numel() for p in trainable), trainable[0].element_size()
-        weights = _nbytes(self.model.parameters())
-        # a data-parallel rank's share of the trainer, and its own checkpointing flags as choices given
-        n, trainer_bytes, decoder, vision = self.runtime.trainer_footprint(
-            n, param_bytes, self.cfg.gradient_checkpointing, self.cfg.vision_gradient_checkpointing)
-        weights += trainer_bytes
-        footprint = Footprint(weights, self._ref_bytes(),
-                              self.backend.kv_cache_bytes() if self.backend is not None else 0, n, param_bytes,
-                              **self._critic_footprint(self._value_model))
-        capacity = device_capacity(model.inv_freq.device, self.memory.backend, self.memory_cfg.device_capacity_gib)
-        return fit_memory(model.cfg, replace(self.cfg, gradient_checkpointing=decoder,
-                                             vision_gradient_checkpointing=vision),
-                          self.memory_cfg, footprint, capacity,
-                          host_memory() if model.inv_freq.is_cuda and capacity is not None else None)
+        """The plan and trainer settings for this device, before the trainer is built (rl/step_memory.py)."""
+        return fit_step(self, model, self._value_model)
 
     def activation_estimate(self, checkpointing: bool | None = None) -> dict[str, int]:
         """Transient bytes per phase for the plan (`update_activations`); checkpointing: default the trainer's."""
@@ -564,51 +535,3 @@ class RLStep:
     def keeps_vision(self) -> bool:
         """Whether rollouts keep the prefill's vision encodings for scoring and the update."""
         return self.cfg.freeze_vision_tower and self.cfg.mode == "rollplex"
-
-
-def update_tokens(cfg: RLConfig, prompt_guess: int = 512) -> int:
-    """Tokens of one update micro-batch, for the plan: rollplex mode computes each prompt once."""
-    mb = cfg.micro_batching
-    if mb.max_tokens is not None:
-        return mb.max_tokens
-    if cfg.mode == "rollplex":
-        return mb.prompts * (prompt_guess + cfg.n * cfg.max_new_tokens)
-    return mb.samples * (prompt_guess + cfg.max_new_tokens)
-
-
-def update_activations(model_cfg: ModelConfig, cfg: RLConfig, dtype_bytes: int, checkpointing: bool,
-                       logprob_chunk: int = 1024) -> dict[str, int]:
-    """Transient bytes per phase for the plan: one micro-batch of the update (the largest by far), and a
-    no-grad scoring pass of the same tokens in `ref` (one layer's intermediates at a time). Both add the
-    chunked logprob pass (rl/logprob.py): a [chunk, V] block of logits and their fp32 softmax; the
-    update also the head's fp32 gradient accumulator [V, H]."""
-    t, tokens = model_cfg.text, update_tokens(cfg)
-    chunk = min(tokens, logprob_chunk) * t.vocab_size * (dtype_bytes + 8)
-    update = activation_bytes(t.hidden_size, t.num_hidden_layers, tokens, dtype_bytes, checkpointing,
-                              t.intermediate_size) + chunk + 4 * t.vocab_size * t.hidden_size
-    ref = activation_bytes(t.hidden_size, 1, tokens, dtype_bytes, False, t.intermediate_size) + chunk
-    return {"rollout": 0, "ref": ref, "update": update}
-
-
-def fit_memory(model_cfg: ModelConfig, cfg: RLConfig, memory_cfg: MemoryConfig, footprint: Footprint,
-               capacity: int | None, host_capacity: int | None = None) -> MemoryFit:
-    """`memory_cfg.fit` for an RL step of `cfg` on a model of `model_cfg` with `footprint`'s regions: the
-    plan, checkpointing and optimizer offload that fit `capacity` bytes (None: unchecked). cfg's
-    checkpointing flags and memory_cfg's optimizer_offload as the user gave them (None / auto: the plan's);
-    host_capacity: bytes of host RAM the pinned offloads must fit (None: unchecked)."""
-    def estimate(checkpointing: bool, optimizer_offload: str):
-        return (footprint.sizes(optimizer_offload),
-                update_activations(model_cfg, cfg, footprint.param_bytes, checkpointing))
-
-    detail = (f"{update_tokens(cfg)} tokens per update micro-batch: micro_batch_prompts={cfg.micro_batch_prompts}, "
-              f"micro_batch_max_tokens={cfg.micro_batch_max_tokens}, n={cfg.n}, max_new_tokens={cfg.max_new_tokens}")
-    return memory_cfg.fit(estimate, capacity, cfg.gradient_checkpointing, cfg.vision_gradient_checkpointing, detail,
-                          host_capacity)
-
-
-def _nbytes(ts) -> int:
-    return sum(t.numel() * t.element_size() for t in ts)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
