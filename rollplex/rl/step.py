@@ -16,8 +16,8 @@ moved after each step that changed the weights (`actor/reward_kl_penalty[_coeff]
 * `serial`: verl's order and shapes — each sample is a full sequence with its image re-encoded.
 
 With `cosched` (rollplex mode) the reference's prefix — and the old policy's when several updates
-need old logprobs — runs beside the rollout's decode steps (rollplex.cosched), and scoring reads the
-prefix states it handed over in `RolloutBatch.prefix` instead of recomputing them. With
+need old logprobs — runs beside the rollout's decode steps (rollplex.cosched, rl/handover.py), and
+scoring reads the prefix states it handed over in `RolloutBatch.prefix` instead of recomputing them. With
 `freeze_vision_tower` the engine keeps its prefill's vision encodings and, in rollplex mode, the
 batch's prompts carry them (`ModelInputs.vision_embeds`), so the reference and the actor skip their
 vision passes: one vision-tower pass per prompt per step.
@@ -67,7 +67,7 @@ from dataclasses import replace
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..cosched import CoschedConfig, CoScheduler, PrefixRows, Timeline
+from ..cosched import CoschedConfig, CoScheduler, Timeline
 from ..engine import Engine, SamplingParams
 from ..memory import MemoryConfig, MemoryFit, MemoryManager
 from ..models import Qwen25VL
@@ -77,6 +77,7 @@ from .config import RLConfig
 from .critic import Critic, build_value_model
 from .dynamic_sampling import sample_groups
 from .errors import TrainStepError
+from .handover import co_scheduled, complete_handover, plan_handover
 from .rewards import RewardFn, get_reward_fn, score_batch
 from .rollout import NativeRollout, RolloutBackend, as_rollout_backend, rollout_requests
 from .runtime import LocalRuntime, Runtime
@@ -240,21 +241,9 @@ class RLStep:
         co-scheduled prefix states (`cfg.cosched`) and the vision encodings (`freeze_vision_tower`)
         it carries for scoring and the update. `per_prompt`: data_sources / ground_truths / extra_infos."""
         frozen = self.keeps_vision
-        handover = self._plan_handover(prompts, frozen)
-        jobs = [(job, i) for i, job in enumerate(j for rows in handover.values() for j in rows.jobs)]
-        with self._phase("rollout"):
-            if jobs:
-                self.cosched.begin(jobs, self.timeline, prefilled=prompts if frozen else ())
-                self.engine.hooks.append(self.cosched)
-            try:
-                with self.cosched.decode_priority() if jobs else contextlib.nullcontext():
-                    outs = self.runtime.generate(prompts, params, keep_vision=frozen)
-            finally:
-                if jobs:
-                    self.engine.hooks.remove(self.cosched)
-                    self.rollout_metrics = self.cosched.finish()
-        if not jobs:
-            self.rollout_metrics = {}
+        handover = plan_handover(self, prompts, frozen)  # rl/handover.py: nothing without cosched
+        with self._phase("rollout"), co_scheduled(self, handover, prompts if frozen else ()):
+            outs = self.runtime.generate(prompts, params, keep_vision=frozen)
         batch = self.rollout_batch(prompts, outs, **per_prompt)
         batch.prefix = handover
         return batch
@@ -276,29 +265,6 @@ class RLStep:
             raise ValueError("this RLStep has no rollout engine")
         with self._phase("rollout"):  # data-parallel: a collective every rank calls
             return self.runtime.generate(prompts, params, keep_vision=keep_vision)
-
-    def _plan_handover(self, prompts: list, frozen: bool) -> dict[str, PrefixRows]:
-        """Prefix jobs to run beside decode, by consumer: the reference's (when the memory plan keeps
-        its weights resident during the rollout) and the old policy's (several updates per rollout)."""
-        cfg, out = self.cfg, {}
-        if not cfg.cosched or self.engine is None:
-            return out
-        per_job = self.cosched.config.job_prompts
-        # under a group, each rank its share of the prompts (those its engine prefilled): on a model it
-        # holds whole alone, on a sharded one as a sweep in lockstep with the other ranks' (`gather`)
-        only = self.runtime.share(len(prompts))
-        if self.ref is not None and cfg.kl_coef > 0 and (
-                self.memory is None or self.memory.plan.get("rollout", "ref_weights") == "resident"):
-            # a frozen tower's encodings come from the engine's prefill, unless the reference's tower differs
-            shared = frozen and self._ref_same_vision
-            ref_prompts = prompts if shared or not frozen else [replace(p, vision_embeds=None) for p in prompts]
-            out["ref"] = PrefixRows.plan(self.ref, ref_prompts, per_job, "ref", external_vision=shared, only=only,
-                                         gather=self.runtime.reference_gather(self.ref))
-        if cfg.num_updates > 1:  # the policy, or the trainer's shards (a tensor-parallel engine holds only its own)
-            model, gather = self.runtime.old_policy(self.model, self.actor.model)
-            out["old"] = PrefixRows.plan(model, prompts, per_job, "old", external_vision=frozen, only=only,
-                                         gather=gather)
-        return out
 
     def compute_rewards(self, batch: RolloutBatch, reward: RewardFn | str | None = None, cfg: RLConfig | None = None,
                         max_new_tokens: int | None = None) -> tuple[torch.Tensor, dict]:
@@ -336,7 +302,7 @@ class RLStep:
         tl = self.timeline
         if self.uses_reference(cfg):
             with _timer(m, "ref", self.device, tl), self._phase("ref"):
-                self._complete_handover(batch, "ref", m)
+                complete_handover(self, batch, "ref", m)
                 ref_lp = self.reference_logprobs(ref_batch, cfg)
         if cfg.uses_critic:  # the values of the responses before the update: GAE's baseline, the value clip's centre
             with _timer(m, "values", self.device, tl), self._phase("ref"):
@@ -355,7 +321,7 @@ class RLStep:
         old = old_logprobs
         if old is None and train_actor:
             with _timer(m, "old_log_prob", self.device, tl), self._phase("ref"):
-                self._complete_handover(batch, "old", m)
+                complete_handover(self, batch, "old", m)
                 old = self.runtime.old_logprobs(self.model, self.actor, batch, cfg)
         batch.prefix = {}  # the prefix states are consumed: free them before the update
         if cfg.uses_critic:  # before the actor's, as verl orders them
@@ -467,27 +433,6 @@ class RLStep:
         shards they are gathered from the trainer's shards: a collective every rank calls, the result
         (on the host) kept where `keep`. Otherwise the policy's own tensors (detached)."""
         return self.runtime.policy_state(self.model, self.actor.model, keep)
-
-    def _complete_handover(self, batch: RolloutBatch, key: str, m: dict) -> None:
-        """Run the handed-over prefix work that was never admitted beside decode, standalone (its
-        normal phase); its time calibrates the co-scheduler's cost estimates."""
-        rows = batch.prefix.get(key)
-        if rows is None:
-            return
-        left = [j for j in rows.jobs if not j.done]
-        flops = sum(j.left_flops() for j in left)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            for j in left:
-                j.complete()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        dt = time.perf_counter() - t0
-        if left:
-            self.cosched.calibrate(flops, dt)
-        m[f"rollplex/prefix_{key}_normal_phase_s"] = dt
 
     def step(self, rows: list[dict], more_rows: Callable[[], list[dict]] | None = None) -> dict:
         """The full step on a batch of dataset rows; returns verl-named metrics. With `cfg.filter_groups`
