@@ -1,7 +1,7 @@
 """The RL step data-parallel over a process group, colocated: every rank rolls out, scores and trains.
 
-`data_parallel(model, engine, cfg, group)` builds one of these for `rl.step.RLStep(..., parallel=...)`.
-Per rank:
+`data_parallel(model, engine, cfg, group)` builds one of these for `rl.step.RLStep(..., parallel=...)`: the
+step's runtime (rl/runtime.py), whose step-facing operations live in parallel/step_runtime.py. Per rank:
 
     policy      what the engine decodes (`RLStep.model`): the full weights, as on one process
                 (per-rank rollout), or this rank's tensor-parallel shard of them (a TP engine: the
