@@ -255,10 +255,10 @@ def test_a_gate_holding_every_bucket_trains_after_the_rollout(tiny_dir, proc):
     runs beside decode, all run after the rollout, and the update is the phased one."""
     phased = _run(_step(tiny_dir, proc))
     rl = _step(tiny_dir, proc, schedule="fused", fuse_admission="pays")
-    rl.fuse_gate = FuseGate("pays", buckets={b: _Bucket(added=2.0, saved=1.0) for b in BUCKETS})
+    rl.schedule.gate = FuseGate("pays", buckets={b: _Bucket(added=2.0, saved=1.0) for b in BUCKETS})
     fused = _run(rl)
     m = fused[0]
     assert m["rollplex/fused"] == 1.0 and m["rollplex/fused_groups_in_rollout"] == 0
     assert m["timing_s/fused_in_rollout"] == 0 and m["rollplex/fused_held_buckets"] == len(BUCKETS)
-    assert rl.fuse_gate.ms_per_token > 0  # learnt from the chunks that ran alone
+    assert rl.schedule.gate.ms_per_token > 0  # learnt from the chunks that ran alone
     _assert_same_step(fused, phased)

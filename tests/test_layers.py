@@ -1,6 +1,7 @@
 """The package layering, read from the source's imports (those inside functions included): optional
 engines are plugins that rollplex/ never imports, the runtime imports no bench, demo or server, the
-engine and the RL step import no parallel, and the fixtures sit just above the model."""
+engine and the RL step import no parallel (the step reaches it through its runtime alone), and the
+fixtures sit just above the model."""
 
 import ast
 from pathlib import Path
@@ -63,3 +64,16 @@ def test_layering(files, banned):
     globs = [files.replace("{system,cli}", name) for name in ("system", "cli")] if "{" in files else [files]
     paths = [p for g in globs for p in ROOT.glob(g) if p != ROOT / "rollplex/parallel/__main__.py"]
     assert paths and offenders(paths, banned) == {}
+
+
+def test_the_rl_step_asks_its_runtime_and_schedule():
+    """rl/step.py reaches the data-parallel rank only through its runtime (rl/runtime.py) and runs `run` through
+    its schedule (rl/schedule.py): it reads `self.parallel` nowhere (the attribute is set for checkpoints and
+    the server) and never compares `schedule`."""
+    tree = ast.parse((ROOT / "rollplex/rl/step.py").read_text())
+    stores = {id(t) for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets}
+    reads = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "parallel"
+             and id(n) not in stores]
+    compares = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Compare)
+                and any(isinstance(x, ast.Attribute) and x.attr == "schedule" for x in ast.walk(n))]
+    assert reads == [] and compares == []

@@ -176,7 +176,7 @@ def fused_step(system: System, prompts, params, rl_kw: dict, fuse: tuple, cfg, g
                                  **rl_kw),
                         reward_fn="exact", ref_model=ref)
     rl.timeline = timeline
-    rl.fuse_gate = gate
+    rl.schedule.gate = gate
     offsets = [0]
     for p in params:
         offsets.append(offsets[-1] + p.n)
@@ -205,7 +205,7 @@ def fused_step(system: System, prompts, params, rl_kw: dict, fuse: tuple, cfg, g
          "grad_norm": m["actor/grad_norm"],
          "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else 0}
     print(json.dumps(r), flush=True)
-    r["gate"] = rl.fuse_gate
+    r["gate"] = rl.schedule.gate
     del rl, batch
     _free()
     return r

@@ -1,7 +1,7 @@
 """Fitting the RL step to its device: the measures the memory plan takes, cheapest first.
 
 The step's planned peak per phase is the bytes of the regions resident in it plus the activation
-estimate (rl/step.py: `update_activations`); it must stay within `memory_budget` x the device's
+estimate (rl/step_memory.py: `update_activations`); it must stay within `memory_budget` x the device's
 capacity (`manager.device_capacity`). Releasing — the KV cache outside rollout, gradients outside
 update — costs nothing and is always part of the `auto` plan. While a phase is over the budget,
 `fit` takes the next measure of this ladder, skipping one that lowers no phase over the budget:

@@ -1,7 +1,7 @@
 """The RL step data-parallel over a process group, colocated: every rank rolls out, scores and trains.
 
-`data_parallel(model, engine, cfg, group)` builds one of these for `rl.step.RLStep(..., parallel=...)`.
-Per rank:
+`data_parallel(model, engine, cfg, group)` builds one of these for `rl.step.RLStep(..., parallel=...)`: the
+step's runtime (rl/runtime.py), whose step-facing operations live in parallel/step_runtime.py. Per rank:
 
     policy      what the engine decodes (`RLStep.model`): the full weights, as on one process
                 (per-rank rollout), or this rank's tensor-parallel shard of them (a TP engine: the
@@ -68,11 +68,12 @@ from ..models import Qwen25VL
 from ..rl.config import RLConfig
 from ..rl.rollout import NativeRollout
 from ..rl.scoring import score_with_backoff
-from .data_parallel import DataParallelActor, LocalPasses, check_passes
-from .fsdp import FSDPConfig, apply_fsdp, can_call_directly, full_tensor, local_tensor
+from .data_parallel import DataParallelActor, check_passes
+from .fsdp import FSDPConfig, apply_fsdp, full_tensor, local_tensor
 from .lockstep import ShardGather
 from .rollout_groups import rollout_slots
 from .shared_weights import SharedWeights, column_sharded, meta_copy
+from .step_runtime import StepRuntime
 
 
 def data_parallel(model: Qwen25VL, engine, cfg: RLConfig, group: dist.ProcessGroup | str | None = "auto",
@@ -95,8 +96,9 @@ def data_parallel(model: Qwen25VL, engine, cfg: RLConfig, group: dist.ProcessGro
     return Colocated(group, model, engine, cfg, fsdp)
 
 
-class Colocated:
-    """This rank's part of the data-parallel RL step (see the module docstring)."""
+class Colocated(StepRuntime):
+    """This rank's part of the data-parallel RL step (see the module docstring); the runtime `RLStep` runs
+    over (rl/runtime.py: `StepRuntime`, parallel/step_runtime.py)."""
 
     def __init__(self, group: dist.ProcessGroup, model: Qwen25VL, engine, cfg: RLConfig,
                  fsdp: FSDPConfig | None = None):
@@ -215,54 +217,6 @@ class Colocated:
         if meta.get("finish_index") is None:
             return dict(meta)
         return {**meta, "finish_index": meta["finish_index"] * self.groups + self.rollout_group}
-
-    # ---- the fused schedule (rl/pipeline.py) ----------------------------------------------------------
-    def fused_unsupported(self) -> str | None:
-        """Why this group cannot run a fused step (None: it can): each rank's pipeline needs its own engine
-        and passes that run no collective (`DataParallel.begin_local`)."""
-
-        if self.rollout != "data":
-            return "a tensor-parallel rollout decodes every group on several ranks: fused needs a per-rank engine"
-        if not can_call_directly(self.fsdp):
-            return "fused data-parallel passes run past FSDP2's hooks, which a mixed-precision policy needs"
-        return None
-
-    def fused_share(self, num_prompts: int, first: int) -> tuple[list[int], int]:
-        """(the prompts this rank's engine generates, how many of them are among the `first` groups of the
-        whole rollout to finish): the finishing order interleaves the engines' (`_finished`), so this is
-        known before any group finishes."""
-        keys = sorted(k * self.groups + g for g in range(self.groups)
-                      for k in range(len(range(g, num_prompts, self.groups))))
-        cut = keys[first - 1] if first else -1
-        share = self.group_prompts(num_prompts)
-        return share, sum(k * self.groups + self.rollout_group <= cut for k in range(len(share)))
-
-    def begin_fused(self, actor: DataParallelActor, ref: Qwen25VL | None) -> None:
-        """The trainer and a sharded reference gathered on every rank for its local passes (a collective)."""
-        actor.dp.begin_local(actor.model, self._sharded(ref))
-
-    def end_fused(self, actor: DataParallelActor, ref: Qwen25VL | None, flags: list[int]) -> list[int]:
-        """After every rank's fused stages: `flags` agreed over the ranks and, unless one is set, the
-        trainer's gradients reduced once into its shards; everything resharded (`DataParallel.end_local`)."""
-        return actor.dp.end_local(actor.model, self._sharded(ref), flags)
-
-    def abort_fused(self, actor: DataParallelActor, ref: Qwen25VL | None) -> None:
-        """`begin_fused` undone on this rank alone (a failed rollout: no collective)."""
-        actor.dp.abort_local(actor.model, self._sharded(ref))
-
-    @staticmethod
-    def local_passes() -> LocalPasses:
-        """The placement of this rank's fused passes over a sharded model gathered by `begin_fused`."""
-        return LocalPasses()
-
-    def _sharded(self, ref: Qwen25VL | None) -> list[Qwen25VL]:
-        return [ref] if ref is not None and self.fsdp.shard_reference else []
-
-    def gather_objects(self, obj) -> list:
-        """Every rank's `obj` (picklable, on the host), in rank order."""
-        every: list = [None] * self.world
-        dist.all_gather_object(every, obj, group=self.group)
-        return every
 
     # ---- weights ------------------------------------------------------------------------------
     @property

@@ -310,17 +310,18 @@ class GroupPipeline:
         scores, reward_metrics = self.rewards(chunk, ids)
         chunk.rewards = scores
         train_b, ref_b = st.training_views(chunk)
-        ref = st.fused_reference_logprobs(ref_b, cfg) if st.uses_reference(cfg) else None
+        rt = st.runtime  # one process, or this data-parallel rank alone (no collective)
+        ref = rt.fused_reference_logprobs(st.ref, st.actor, ref_b, cfg) if st.uses_reference(cfg) else None
         # several updates: the ratio's denominator, by the weights the rollout sampled from (phased scores it
         # before the first optimizer step too)
-        old = st.fused_old_logprobs(train_b, cfg) if cfg.num_updates > 1 else None
+        old = rt.fused_old_logprobs(st.model, st.actor, train_b, cfg) if cfg.num_updates > 1 else None
         penalty, _, _ = st.kl_reward_penalty(chunk, ref, cfg)
         adv, seq_rewards = compute_advantages(cfg.adv_estimator, scores, chunk.group, chunk.mask, penalty,
                                               cfg.norm_adv_by_std, cfg.gamma, cfg.singleton_adv)
         logp = None
         if trained:
             acc, logp = st.actor.accumulate_groups(cfg, train_b, adv, ref if cfg.use_kl_loss else None, old,
-                                                   st.fused_placement())
+                                                   rt.fused_placement())
             self.acc = acc if self.acc is None else self.acc + acc
         rows = torch.cat([torch.arange(self.offsets[i], self.offsets[i + 1]) for i in ids])
         self.results.append(ChunkResult(ids, rows, scores, reward_metrics, ref, adv, seq_rewards, logp, old))

@@ -16,8 +16,8 @@ moved after each step that changed the weights (`actor/reward_kl_penalty[_coeff]
 * `serial`: verl's order and shapes — each sample is a full sequence with its image re-encoded.
 
 With `cosched` (rollplex mode) the reference's prefix — and the old policy's when several updates
-need old logprobs — runs beside the rollout's decode steps (rollplex.cosched), and scoring reads the
-prefix states it handed over in `RolloutBatch.prefix` instead of recomputing them. With
+need old logprobs — runs beside the rollout's decode steps (rollplex.cosched, rl/handover.py), and
+scoring reads the prefix states it handed over in `RolloutBatch.prefix` instead of recomputing them. With
 `freeze_vision_tower` the engine keeps its prefill's vision encodings and, in rollplex mode, the
 batch's prompts carry them (`ModelInputs.vision_embeds`), so the reference and the actor skip their
 vision passes: one vision-tower pass per prompt per step.
@@ -33,28 +33,31 @@ per-request overrides), derived from `self.cfg` with `dataclasses.replace`; `sel
 
 Under a memory manager the step is fitted to its device when built (`fit_memory`, memory/fit.py):
 the residency plan, and the activation checkpointing and optimizer offload the user left unset,
-chosen from the planned region sizes and `update_activations`; a ValueError when nothing fits.
+chosen from the planned region sizes and `update_activations` (rl/step_memory.py); a ValueError when
+nothing fits.
 
-Given a data-parallel placement (`parallel`: rollplex.parallel.data_parallel over a process group,
-injected: this module imports nothing of rollplex.parallel) the step is data-parallel: every rank calls it with the
-same rows, rolls out its share of the prompts (or all of them with a tensor-parallel engine), scores
-and trains its share of the prompt groups with FSDP2-sharded reference and trainer, and ends with the
+Where the step runs is a runtime (rl/runtime.py), what runs when a schedule (rl/schedule.py); the
+step itself branches on neither. `LocalRuntime` runs it on this process. Given a data-parallel
+runtime (`parallel`: rollplex.parallel.data_parallel over a process group, injected: this module
+imports nothing of rollplex.parallel) the step is data-parallel: every rank calls it with the same
+rows, rolls out its share of the prompts (or all of them with a tensor-parallel engine), scores and
+trains its share of the prompt groups with FSDP2-sharded reference and trainer, and ends with the
 same metrics and weights as one process; the trainer's shards are windows of the engine's own tensors
 where the sharing plan allows, so an update writes those in place and only the rest is rebuilt after
 it. With a tensor-parallel engine `RLStep.model` is this rank's shard of the policy (the engine's
 model): the step keeps no reference to the whole `model` it was built from, and `policy_state()`
 gathers the whole weights. Data-parallel runs need the native backend.
 
-`cfg.schedule` orders the whole step (`run`): "phased" rolls out, then scores and trains; "fused"
-(rl/pipeline.py) trains the first mini-batch's groups as they finish beside the rollout's tail —
-on one process or on each data-parallel rank's share — and equals phased up to summation order. The
-first epoch's mini-batches are cut from the order the groups finished in, in both schedules.
+`cfg.schedule` orders the whole step (`run`): "phased" rolls out, then scores and trains (`train`);
+"fused" (rl/pipeline.py) trains the first mini-batch's groups as they finish beside the rollout's
+tail — on one process or on each data-parallel rank's share — and equals phased up to summation
+order, falling back to phased where it cannot. The first epoch's mini-batches are cut from the order
+the groups finished in, in both schedules.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import time
 from collections.abc import Callable
@@ -64,24 +67,23 @@ from dataclasses import replace
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..cosched import CoschedConfig, CoScheduler, PrefixRows, Timeline
-from ..cosched.scheduler import side_stream
-from ..cosched.timeline import DecodeMarks
+from ..cosched import CoschedConfig, CoScheduler, Timeline
 from ..engine import Engine, SamplingParams
-from ..memory import Footprint, MemoryConfig, MemoryFit, MemoryManager, activation_bytes, device_capacity, host_memory
-from ..models import ModelConfig, Qwen25VL
-from .actor import Actor, mini_batch_sizes
+from ..memory import MemoryConfig, MemoryFit, MemoryManager
+from ..models import Qwen25VL
 from .algos import AdaptiveKLController, compute_advantages, gae_advantages, kl_penalty, token_level_rewards
 from .batch import RolloutBatch
 from .config import RLConfig
 from .critic import Critic, build_value_model
 from .dynamic_sampling import sample_groups
-from .errors import TrainOOM, TrainStepError
-from .fuse_gate import FuseGate, parse_sms_by_batch
-from .pipeline import GroupPipeline, fallback_on, fused_unsupported
+from .errors import TrainStepError
+from .handover import co_scheduled, complete_handover, plan_handover
 from .rewards import RewardFn, get_reward_fn, score_batch
 from .rollout import NativeRollout, RolloutBackend, as_rollout_backend, rollout_requests
-from .scoring import score_with_backoff as score_logprobs
+from .runtime import LocalRuntime, Runtime
+from .schedule import schedule_of, why_not_fused
+from .step_memory import fit_memory as fit_memory  # re-exported: its home before rl/step_memory.py
+from .step_memory import fit_step, step_sizes, update_activations
 from .timing import phase_timer as _timer
 
 log = logging.getLogger("rollplex.rl")
@@ -111,51 +113,30 @@ class RLStep:
         if cfg.cosched and self.backend is not None and self.engine is None:
             raise ValueError(f"cosched needs the native rollout backend: with {self.backend.name} the co-scheduler "
                              "runs in its scheduler (engine_patches.sglang.CoschedHook), which RLStep does not drive")
-        if parallel is not None and self.backend is not None and self.engine is None:
-            raise ValueError(f"a data-parallel RL step needs the native rollout backend, not {self.backend.name}")
-        if parallel is not None and parallel.engine is not self.engine:
-            raise ValueError("the data-parallel placement was built over another engine than the step's")
-        if self.backend is not None and parallel is None:
-            self.backend.attach(model, memory)
-        elif self.engine is not None and memory is not None and self.engine.memory is not memory:
-            raise ValueError("the engine and the RL step must share one memory manager")
-        self.model, self.cfg = model, cfg
+        # where the step runs: this process alone, or the data-parallel rank injected (rl/runtime.py)
+        self.runtime: Runtime = parallel or LocalRuntime(model, self.backend)
+        self.runtime.attach(self.backend, self.engine, model, memory)
+        self.runtime.check(cfg)
+        self.model, self.cfg = self.runtime.policy, cfg  # what the engine decodes: the policy or its TP shard
         self.memory, self.memory_cfg = memory, memory_cfg or MemoryConfig()
         self.processor = processor or (self.backend.processor if self.backend is not None else None)
-        self.parallel = parallel
-        if parallel is not None:
-            self.model = parallel.policy  # what the engine decodes: the policy or its TP shard
+        self.parallel = parallel  # the data-parallel runtime or None, for what reads its group (checkpoints)
         if cfg.freeze_vision_tower:  # before the optimizer is built: the vision tower has no trainable state
             model.visual.requires_grad_(False)
         self.reward_fn = reward_fn if callable(reward_fn) else get_reward_fn(reward_fn)
         # the KL-in-reward coefficient under kl_ctrl="adaptive" (verl's controller), moved after each step
         self.kl_ctrl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) \
             if cfg.kl_ctrl == "adaptive" else None
-        self.ref = ref_model
-        # the reference whole on this process: one process, or a group that does not shard it
-        whole_ref = self.parallel is None or not self.parallel.fsdp.shard_reference
-        if self.ref is None and cfg.kl_coef > 0:
-            if whole_ref:
-                with self._region("ref_weights"):
-                    self.ref = copy.deepcopy(model)
-            else:
-                self.ref = copy.deepcopy(model)  # transient full copy: only its shards go into the region
-        if self.ref is not None and not whole_ref:
-            with self._region("ref_weights"):
-                self.ref = self.parallel.shard_reference(self.ref)
+        self.ref = self.runtime.reference(model, ref_model, cfg.kl_coef > 0, lambda: self._region("ref_weights"))
         if self.ref is not None:
             self.ref.requires_grad_(False).eval()
             if memory is not None:
-                ref, par = self.ref, self.parallel
-                memory.preserve("ref_weights", lambda: [*ref.parameters(), *ref.buffers()] if par is None
-                                else par.local_tensors(ref))
+                ref, runtime = self.ref, self.runtime
+                memory.preserve("ref_weights", lambda: runtime.local_tensors(ref))
         # PPO-GAE's value model (rl/critic.py), in its region before the plan is fitted: its bytes are planned
         self.critic: Critic | None = None
         value_model = None
         if cfg.uses_critic:
-            if parallel is not None:
-                raise ValueError("adv_estimator='gae' trains a critic on one process only: a data-parallel step "
-                                 "supports the critic-free estimators")
             with self._region("critic_weights"):
                 value_model = build_value_model(model, cfg.critic_model_path, cfg.seed)
             if cfg.freeze_vision_tower:
@@ -173,10 +154,7 @@ class RLStep:
             else bool(cfg.vision_gradient_checkpointing))
         self.memory_cfg = replace(self.memory_cfg, optimizer_offload=fit.optimizer_offload if fit
                                   else "none" if offload == "auto" else offload)
-        if self.parallel is not None:
-            self.actor = self.parallel.actor(model, cfg, memory, self.memory_cfg.optimizer_offload)
-        else:
-            self.actor = Actor(model, cfg, memory, self.memory_cfg.optimizer_offload)
+        self.actor = self.runtime.actor(model, cfg, memory, self.memory_cfg.optimizer_offload)
         if value_model is not None:
             self.critic = Critic(value_model, cfg, memory, self.memory_cfg.optimizer_offload)
         del self._value_model
@@ -185,11 +163,7 @@ class RLStep:
         self.cosched = CoScheduler(cosched or CoschedConfig(), self.device, memory=memory)
         self.timeline: Timeline | None = None  # set one to record phases and co-scheduled work
         self.rollout_metrics: dict = {}  # the last rollout's co-scheduling metrics
-        self._fused_streams: dict[int, tuple] = {}  # SMs -> (side stream, its green context), made on first use
-        # the fused schedule's admission (rl/fuse_gate.py): its measurements span steps; a gate set here carries
-        # them in (made from the config on first use, remade when its settings change)
-        self.fuse_gate: FuseGate | None = None
-        self._fused_warned: set[str] = set()
+        self.schedule = schedule_of(cfg)  # the order of `run`'s work (rl/schedule.py)
         if memory is not None:
             fit = self.memory_fit
             memory.set_plan(fit.plan, fit.to_dict())
@@ -230,49 +204,11 @@ class RLStep:
     def memory_sizes(self, optimizer_offload: str | None = None) -> dict[str, int]:
         """Bytes per memory tag at steady state (the optimizer's moments exist only after its first step);
         optimizer_offload: the optimizer region's under that mode (default: the trainer's)."""
-        # a data-parallel rank holds what its engine decodes (the full policy or its TP shard), its
-        # shards of the reference, and the trainer's shards that are not windows of the engine's tensors
-        trainer = [_local(p.detach()) for p in self.actor.model.parameters()]
-        params = [t for t, p in zip(trainer, self.actor.model.parameters()) if p.requires_grad]
-        return Footprint(
-            weights=_nbytes(self.model.parameters()) + (self.parallel.weight_bytes() if self.parallel else 0),
-            ref_weights=self._ref_bytes(), kv_cache=self.backend.kv_cache_bytes() if self.backend is not None else 0,
-            trainable=sum(p.numel() for p in params), param_bytes=params[0].element_size(),
-            **self._critic_footprint(self.critic.model if self.critic is not None else None),
-        ).sizes(optimizer_offload or self.memory_cfg.optimizer_offload)
-
-    @staticmethod
-    def _critic_footprint(value_model) -> dict[str, int]:
-        """The critic's bytes and trainable parameters for `Footprint` (none without a critic)."""
-        if value_model is None:
-            return {}
-        return {"critic_weights": _nbytes([*value_model.parameters(), *value_model.buffers()]),
-                "critic_trainable": sum(p.numel() for p in value_model.parameters() if p.requires_grad)}
-
-    def _ref_bytes(self) -> int:
-        return _nbytes(_local(p.detach()) for p in self.ref.parameters()) if self.ref is not None else 0
+        return step_sizes(self, optimizer_offload)
 
     def _fit_memory(self, model: Qwen25VL) -> MemoryFit:
-        """The plan and trainer settings for this device (memory/fit.py), before the trainer is built: its
-        parameters are `model`'s trainable ones (a data-parallel rank's shards: its share of them)."""
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        n, param_bytes = sum(p.numel() for p in trainable), trainable[0].element_size()
-        weights = _nbytes(self.model.parameters())
-        decoder, vision = self.cfg.gradient_checkpointing, self.cfg.vision_gradient_checkpointing
-        if self.parallel is not None:
-            n = -(-n // self.parallel.world)
-            weights += 0 if self.parallel.fsdp.share_policy_storage else n * param_bytes
-            # FSDP's own checkpointing flags are choices given too
-            decoder = True if self.parallel.fsdp.activation_checkpointing else decoder
-            vision = True if self.parallel.fsdp.vision_activation_checkpointing else vision
-        footprint = Footprint(weights, self._ref_bytes(),
-                              self.backend.kv_cache_bytes() if self.backend is not None else 0, n, param_bytes,
-                              **self._critic_footprint(self._value_model))
-        capacity = device_capacity(model.inv_freq.device, self.memory.backend, self.memory_cfg.device_capacity_gib)
-        return fit_memory(model.cfg, replace(self.cfg, gradient_checkpointing=decoder,
-                                             vision_gradient_checkpointing=vision),
-                          self.memory_cfg, footprint, capacity,
-                          host_memory() if model.inv_freq.is_cuda and capacity is not None else None)
+        """The plan and trainer settings for this device, before the trainer is built (rl/step_memory.py)."""
+        return fit_step(self, model, self._value_model)
 
     def activation_estimate(self, checkpointing: bool | None = None) -> dict[str, int]:
         """Transient bytes per phase for the plan (`update_activations`); checkpointing: default the trainer's."""
@@ -305,24 +241,9 @@ class RLStep:
         co-scheduled prefix states (`cfg.cosched`) and the vision encodings (`freeze_vision_tower`)
         it carries for scoring and the update. `per_prompt`: data_sources / ground_truths / extra_infos."""
         frozen = self.keeps_vision
-        handover = self._plan_handover(prompts, frozen)
-        jobs = [(job, i) for i, job in enumerate(j for rows in handover.values() for j in rows.jobs)]
-        with self._phase("rollout"):
-            if jobs:
-                self.cosched.begin(jobs, self.timeline, prefilled=prompts if frozen else ())
-                self.engine.hooks.append(self.cosched)
-            try:
-                with self.cosched.decode_priority() if jobs else contextlib.nullcontext():
-                    if self.parallel is not None:  # this rank's share, gathered (or a tensor-parallel engine)
-                        outs = self.parallel.generate(prompts, params, keep_vision=frozen)
-                    else:
-                        outs = self.backend.generate(prompts, params, keep_vision=frozen)
-            finally:
-                if jobs:
-                    self.engine.hooks.remove(self.cosched)
-                    self.rollout_metrics = self.cosched.finish()
-        if not jobs:
-            self.rollout_metrics = {}
+        handover = plan_handover(self, prompts, frozen)  # rl/handover.py: nothing without cosched
+        with self._phase("rollout"), co_scheduled(self, handover, prompts if frozen else ()):
+            outs = self.runtime.generate(prompts, params, keep_vision=frozen)
         batch = self.rollout_batch(prompts, outs, **per_prompt)
         batch.prefix = handover
         return batch
@@ -342,37 +263,8 @@ class RLStep:
         group, where each rank samples its share)."""
         if self.backend is None:
             raise ValueError("this RLStep has no rollout engine")
-        with self._phase("rollout"):
-            if self.parallel is not None:  # this rank's share, gathered (a collective: every rank calls it)
-                return self.parallel.generate(prompts, params, keep_vision=keep_vision)
-            return self.backend.generate(prompts, params, keep_vision=keep_vision)
-
-    def _plan_handover(self, prompts: list, frozen: bool) -> dict[str, PrefixRows]:
-        """Prefix jobs to run beside decode, by consumer: the reference's (when the memory plan keeps
-        its weights resident during the rollout) and the old policy's (several updates per rollout)."""
-        cfg, out = self.cfg, {}
-        if not cfg.cosched or self.engine is None:
-            return out
-        per_job = self.cosched.config.job_prompts
-        # under a group, each rank its share of the prompts (those its engine prefilled): on a model it
-        # holds whole alone, on a sharded one as a sweep in lockstep with the other ranks' (`gather`)
-        par = self.parallel
-        only = par.share(len(prompts)) if par is not None else None
-        if self.ref is not None and cfg.kl_coef > 0 and (
-                self.memory is None or self.memory.plan.get("rollout", "ref_weights") == "resident"):
-            # a frozen tower's encodings come from the engine's prefill, unless the reference's tower differs
-            shared = frozen and self._ref_same_vision
-            ref_prompts = prompts if shared or not frozen else [replace(p, vision_embeds=None) for p in prompts]
-            gather = par.sweep_gather(self.ref) if par is not None and par.fsdp.shard_reference else None
-            out["ref"] = PrefixRows.plan(self.ref, ref_prompts, per_job, "ref", external_vision=shared, only=only,
-                                         gather=gather)
-        if cfg.num_updates > 1:
-            if par is None or par.holds_policy:
-                out["old"] = PrefixRows.plan(self.model, prompts, per_job, "old", external_vision=frozen, only=only)
-            else:  # the trainer's shards: a tensor-parallel engine holds only its own
-                out["old"] = PrefixRows.plan(self.actor.model, prompts, per_job, "old", external_vision=frozen,
-                                             only=only, gather=par.sweep_gather(self.actor.model))
-        return out
+        with self._phase("rollout"):  # data-parallel: a collective every rank calls
+            return self.runtime.generate(prompts, params, keep_vision=keep_vision)
 
     def compute_rewards(self, batch: RolloutBatch, reward: RewardFn | str | None = None, cfg: RLConfig | None = None,
                         max_new_tokens: int | None = None) -> tuple[torch.Tensor, dict]:
@@ -410,7 +302,7 @@ class RLStep:
         tl = self.timeline
         if self.uses_reference(cfg):
             with _timer(m, "ref", self.device, tl), self._phase("ref"):
-                self._complete_handover(batch, "ref", m)
+                complete_handover(self, batch, "ref", m)
                 ref_lp = self.reference_logprobs(ref_batch, cfg)
         if cfg.uses_critic:  # the values of the responses before the update: GAE's baseline, the value clip's centre
             with _timer(m, "values", self.device, tl), self._phase("ref"):
@@ -429,12 +321,8 @@ class RLStep:
         old = old_logprobs
         if old is None and train_actor:
             with _timer(m, "old_log_prob", self.device, tl), self._phase("ref"):
-                self._complete_handover(batch, "old", m)
-                if self.parallel is not None and cfg.num_updates > 1 and self.parallel.holds_policy:
-                    old = self.parallel.share_logprobs(self.model, batch, cfg, "old",  # each rank its share
-                                                       self.actor.score_backoff)
-                else:
-                    old = self.actor.old_logprobs(batch, cfg)
+                complete_handover(self, batch, "old", m)
+                old = self.runtime.old_logprobs(self.model, self.actor, batch, cfg)
         batch.prefix = {}  # the prefix states are consumed: free them before the update
         if cfg.uses_critic:  # before the actor's, as verl orders them
             with _timer(m, "update_critic", self.device, tl), self._phase("update"):
@@ -475,10 +363,7 @@ class RLStep:
 
     def reference_logprobs(self, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
         """The reference's logprobs [N, R] of the batch's responses (backs off on OOM, rl/scoring.py)."""
-        if self.parallel is not None and not self.parallel.fsdp.shard_reference:  # each rank its share
-            return self.parallel.share_logprobs(self.ref, batch, cfg, "ref", self.actor.score_backoff)
-        return score_logprobs(self.ref, batch, cfg.mode, cfg.micro_batching, cfg.temperature, prefix_key="ref",
-                              placement=self.actor.placement, backoff=self.actor.score_backoff)
+        return self.runtime.reference_logprobs(self.ref, self.actor, batch, cfg)
 
     def kl_reward_penalty(self, batch: RolloutBatch, ref_lp: torch.Tensor | None,
                           cfg: RLConfig) -> tuple[torch.Tensor | None, float | None, dict]:
@@ -503,18 +388,14 @@ class RLStep:
             if e.weights_changed:  # part of the step was applied: counted, and what the engine decodes follows
                 self.step_idx += 1
                 self._update_kl_ctrl(reward_kl, n)
-                if self.parallel is not None:
-                    self.parallel.sync_weights()
+                self.runtime.sync_weights()
             raise
 
     def _after_update(self, m: dict, stats: dict, reward_kl: float | None, n: int) -> None:
         self.step_idx += 1  # the weights changed: counted before anything else can fail
         self._update_kl_ctrl(reward_kl, n)
-        if self.parallel is not None:  # the trainer's new weights into what the engine decodes
-            with _timer(m, "sync_weights", self.device, self.timeline):
-                self.parallel.sync_weights()
-            m.update(self.parallel.weight_metrics())
-            m.update(self.actor.placement.take_metrics())
+        # data-parallel: the trainer's new weights into what the engine decodes
+        self.runtime.after_update(self.actor, m, lambda: _timer(m, "sync_weights", self.device, self.timeline))
         m.update(stats)
         if self.memory is not None:
             m.update(self.memory.take_metrics())
@@ -551,30 +432,7 @@ class RLStep:
         """{name: whole parameter} of the policy. Under a group whose engine holds tensor-parallel
         shards they are gathered from the trainer's shards: a collective every rank calls, the result
         (on the host) kept where `keep`. Otherwise the policy's own tensors (detached)."""
-        if self.parallel is None or self.parallel.holds_policy:
-            return {n: p.detach() for n, p in self.model.named_parameters()} if keep else None
-        return self.parallel.full_state(self.actor.model, keep)
-
-    def _complete_handover(self, batch: RolloutBatch, key: str, m: dict) -> None:
-        """Run the handed-over prefix work that was never admitted beside decode, standalone (its
-        normal phase); its time calibrates the co-scheduler's cost estimates."""
-        rows = batch.prefix.get(key)
-        if rows is None:
-            return
-        left = [j for j in rows.jobs if not j.done]
-        flops = sum(j.left_flops() for j in left)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            for j in left:
-                j.complete()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        dt = time.perf_counter() - t0
-        if left:
-            self.cosched.calibrate(flops, dt)
-        m[f"rollplex/prefix_{key}_normal_phase_s"] = dt
+        return self.runtime.policy_state(self.model, self.actor.model, keep)
 
     def step(self, rows: list[dict], more_rows: Callable[[], list[dict]] | None = None) -> dict:
         """The full step on a batch of dataset rows; returns verl-named metrics. With `cfg.filter_groups`
@@ -600,22 +458,7 @@ class RLStep:
         rewards = rewards or (lambda b, _ids: self.compute_rewards(b))
         m: dict = {}
         t0 = time.perf_counter()
-        why = self.fused_unsupported() if self.cfg.schedule == "fused" else None
-        if why is not None:
-            if why not in self._fused_warned:
-                self._fused_warned.add(why)
-                log.warning("schedule='fused' runs phased: %s", why)
-            m["rollplex/fused"] = 0.0
-        batch = self._fused(prompts, params, rewards, per_prompt, m) \
-            if self.cfg.schedule == "fused" and why is None else None
-        if batch is None:
-            with _timer(m, "gen", self.device, self.timeline):
-                batch = self.generate(prompts, params, **per_prompt)
-            m.update(self.rollout_metrics)
-            with _timer(m, "reward", self.device):
-                batch.rewards, extra = rewards(batch, list(range(batch.num_prompts)))
-            m.update(extra)
-            m.update(self.train(batch))
+        batch = self.schedule.run(self, prompts, params, rewards, per_prompt, m)
         return batch, self._step_metrics(batch, m, t0)
 
     def _step_metrics(self, batch: RolloutBatch, m: dict, t0: float) -> dict:
@@ -625,57 +468,9 @@ class RLStep:
         m["training/global_step"] = self.step_idx
         return m
 
-    # ---- the fused schedule (rl/pipeline.py) ----------------------------------------------------------
     def fused_unsupported(self) -> str | None:
-        """Why this step cannot run the fused schedule (None: it can)."""
-        why = fused_unsupported(self.cfg)
-        if why is not None:
-            return why
-        if self.backend is None or not getattr(self.backend, "reports_groups", False):
-            return f"the {self.rollout_backend} rollout backend does not report groups as they finish"
-        if self.parallel is not None and (why := self.parallel.fused_unsupported()) is not None:
-            return why
-        fit = self.memory_fit
-        if fit is not None and fit.budget is not None:
-            # the rollout phase holds, besides its own regions, what the plan releases there but the fused
-            # stages read (the gradients, the reference), and one update micro-batch's activations
-            sizes, acts = self.memory_sizes(), self.activation_estimate()
-            peak = fit.plan.peak("rollout", sizes, {}) + sum(sizes[t] for t in self._fused_regions()) + acts["update"]
-            if self.parallel is not None:  # the trainer's units and gradients, a sharded reference's, gathered
-                dp = self.actor.placement
-                peak += dp.unsharded_bytes + (dp.gathered_bytes if self.parallel.fsdp.shard_reference else 0)
-            if peak > fit.budget:
-                return (f"the fused rollout phase needs {peak / 2**30:.1f} GiB (the KV cache, gradients, reference "
-                        f"and one update micro-batch together), over the plan's budget of {fit.budget / 2**30:.1f} GiB")
-        return None
-
-    def fused_old_logprobs(self, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
-        """Old logprobs [n, R] of some finished groups, scored before the first optimizer step of the fused
-        schedule: `actor.old_logprobs` on them; a data-parallel rank on the policy its engine decodes."""
-        if self.parallel is None:
-            return self.actor.old_logprobs(batch, cfg)
-        return score_logprobs(self.model, batch, cfg.mode, cfg.micro_batching, cfg.temperature,
-                              backoff=self.actor.score_backoff, what="old-logprob")
-
-    def fused_reference_logprobs(self, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
-        """The reference's logprobs of some finished groups; a data-parallel rank scores them alone."""
-        if self.parallel is None:
-            return self.reference_logprobs(batch, cfg)
-        local = self.parallel.local_passes() if self.parallel.fsdp.shard_reference else None
-        return score_logprobs(self.ref, batch, cfg.mode, cfg.micro_batching, cfg.temperature, placement=local,
-                              backoff=self.actor.score_backoff)
-
-    def fused_placement(self):
-        """Where the fused stages' training passes run: the actor's placement, or a data-parallel rank's
-        local one."""
-        return self.parallel.local_passes() if self.parallel is not None else None
-
-    def _fused_regions(self) -> list[str]:
-        """Regions the fused stages read that the memory plan does not keep during the rollout."""
-        if self.memory is None:
-            return []
-        need = ["grads"] + (["ref_weights"] if self.uses_reference(self.cfg) else [])
-        return [t for t in need if self.memory.plan.get("rollout", t) != "resident"]
+        """Why this step cannot run the fused schedule (None: it can; rl/schedule.py)."""
+        return why_not_fused(self)
 
     @property
     def pad_id(self) -> int:
@@ -685,167 +480,3 @@ class RLStep:
     def keeps_vision(self) -> bool:
         """Whether rollouts keep the prefill's vision encodings for scoring and the update."""
         return self.cfg.freeze_vision_tower and self.cfg.mode == "rollplex"
-
-    def _fuse_stream(self, sms: int | None = None):
-        """The side stream of fused work in a green context of `sms` SMs (default `fuse_sms`; 0: all SMs at
-        low priority), made once per partition; None on CPU."""
-        if self.device.type != "cuda":
-            return None
-        sms = self.cfg.fuse_sms if sms is None else sms
-        if sms not in self._fused_streams:
-            self._fused_streams[sms] = side_stream(self.device, sms)  # (stream, its context)
-        return self._fused_streams[sms][0]
-
-    def _fuse_gate_for(self, cfg: RLConfig) -> FuseGate:
-        """The admission gate, kept across steps (remade when its settings change)."""
-        g = self.fuse_gate
-        want = (cfg.fuse_admission, tuple(sorted(parse_sms_by_batch(cfg.fuse_sms_by_batch), reverse=True)),
-                cfg.fuse_sms)
-        if g is None or (g.policy, g.sms_by_batch, g.default_sms) != want:
-            self.fuse_gate = g = FuseGate(*want)
-        return g
-
-    def _fused(self, prompts: list, params: list, rewards, per_prompt: dict, m: dict) -> RolloutBatch:
-        """Rollout with the group pipeline beside it, then the optimizer step. When a fused stage runs
-        out of memory: nothing was applied, and the step runs phased on the finished rollout."""
-        self._enter("rollout")
-        # the gradients and the reference stay resident from the rollout through the optimizer step: resumed
-        # after entering the rollout, and afterwards whatever the phase the step ends in gives them
-        for tag in self._fused_regions():
-            self.memory.resume(tag)
-        try:
-            return self._fused_step(prompts, params, rewards, per_prompt, m)
-        finally:
-            if self.memory is not None:
-                self.memory.enter(self.memory.current)
-
-    def _fused_step(self, prompts: list, params: list, rewards, per_prompt: dict, m: dict) -> RolloutBatch:
-        cfg, tl, par = self.cfg, self.timeline, self.parallel
-        mine = trained = None
-        if par is not None:  # this rank's engine's share, and how many of them are the first mini-batch's
-            first = mini_batch_sizes(len(prompts), cfg.ppo_mini_batches)[0]
-            mine, trained = par.fused_share(len(prompts), first)
-        pipe = GroupPipeline(self, prompts, [p.n for p in params], per_prompt, rewards, self._fuse_stream(), tl,
-                             None if mine is None else len(mine), trained, self._fuse_gate_for(cfg), self._fuse_stream)
-        marks = DecodeMarks(tl) if tl is not None and self.engine is not None else None
-        hooked = [h for h in (pipe, marks) if h is not None and self.engine is not None]
-        with _timer(m, "gen", self.device, tl):  # in the rollout phase, entered by `_fused`
-            if par is not None:  # the trainer (and a sharded reference) gathered: no collective until `end_fused`
-                par.begin_fused(self.actor, self.ref if self.uses_reference(cfg) else None)
-            pipe.start()
-            for h in hooked:
-                self.engine.hooks.append(h)
-            done = False
-            try:
-                with self.cosched.decode_priority():  # decode on a high-priority stream
-                    gen = par.generate if par is not None else self.backend.generate
-                    outs = gen(prompts, params, keep_vision=self.keeps_vision, on_output=pipe.add)
-                done = True
-            finally:
-                pipe.stop()
-                for h in hooked:
-                    self.engine.hooks.remove(h)
-                if marks is not None:
-                    marks.close()
-                if not done:  # a failed rollout: what the chunks accumulated goes with it
-                    if par is not None:
-                        par.abort_fused(self.actor, self.ref if self.uses_reference(cfg) else None)
-                    self.actor.discard_groups()
-        batch = self.rollout_batch(prompts, outs, **per_prompt)
-        with _timer(m, "fused_tail", self.device, tl):
-            pipe.drain()
-        results = counts = None
-        if par is not None:  # every rank agrees whether some rank's stage failed, then reduces the gradients once
-            err = pipe.error
-            oom, other = par.end_fused(self.actor, self.ref if self.uses_reference(cfg) else None,
-                                       [int(err is not None and fallback_on(err)),
-                                        int(err is not None and not fallback_on(err))])
-            if other and err is None:
-                pipe.error = RuntimeError("a fused stage failed on another data-parallel rank")
-            elif oom and err is None:
-                pipe.error = TrainOOM("a fused stage ran out of device memory on another data-parallel rank", 0)
-            if pipe.error is None:  # every rank's chunks, for the whole batch's metrics and later mini-batches
-                every = par.gather_objects((pipe.shareable(), pipe.counts()))
-                results = [r for part, _ in every for r in part]
-                counts = tuple(map(sum, zip(*(c for _, c in every))))
-        if pipe.error is not None:
-            self.actor.discard_groups()
-            if not fallback_on(pipe.error):
-                raise pipe.error
-            log.warning("fused schedule: a stage ran out of device memory (%s); this step runs phased",
-                        pipe.error)
-            m["rollplex/fused"], m["rollplex/fused_fallback_oom"] = 0.0, 1.0
-            with _timer(m, "reward", self.device):
-                batch.rewards, extra = rewards(batch, list(range(batch.num_prompts)))
-            m.update(extra)
-            m.update(self.train(batch))
-            return batch
-        pipe.resolve_times()
-        assert par is not None or pipe.order == batch.finish_order(), "the first mini-batch is the groups trained"
-        got = pipe.assemble(batch, results)
-        batch.rewards = got["rewards"]
-        m.update(got["reward_metrics"])
-        _, reward_kl, kl_m = self.kl_reward_penalty(batch, got["ref"], cfg)
-        m.update(kl_m)
-        with _timer(m, "update_actor", self.device, tl), self._phase("update"):
-            if cfg.num_updates == 1:
-                stats = self._applying(reward_kl, batch.num_samples, lambda: self.actor.apply_groups(
-                    cfg, got["accumulated"].metrics, batch.mask))
-            else:  # the first mini-batch's optimizer step, then the others as the phased update runs them
-                train_b, _ = self.training_views(batch)
-                stats, _ = self._applying(reward_kl, batch.num_samples, lambda: self.actor.update(
-                    train_b, got["advantages"], got["ref"] if cfg.use_kl_loss else None, got["old"], self.step_idx,
-                    cfg, accumulated=got["accumulated"]))
-        self._after_update(m, stats, reward_kl, batch.num_samples)
-        train_lp = got["old"] if got["old"] is not None else got["logprobs"]  # as phased: the old ones when scored
-        m.update(self._batch_metrics(batch, got["advantages"], got["seq_rewards"], train_lp, cfg))
-        m.update(pipe.metrics(m["timing_s/gen"], counts))
-        return batch
-
-
-def update_tokens(cfg: RLConfig, prompt_guess: int = 512) -> int:
-    """Tokens of one update micro-batch, for the plan: rollplex mode computes each prompt once."""
-    mb = cfg.micro_batching
-    if mb.max_tokens is not None:
-        return mb.max_tokens
-    if cfg.mode == "rollplex":
-        return mb.prompts * (prompt_guess + cfg.n * cfg.max_new_tokens)
-    return mb.samples * (prompt_guess + cfg.max_new_tokens)
-
-
-def update_activations(model_cfg: ModelConfig, cfg: RLConfig, dtype_bytes: int, checkpointing: bool,
-                       logprob_chunk: int = 1024) -> dict[str, int]:
-    """Transient bytes per phase for the plan: one micro-batch of the update (the largest by far), and a
-    no-grad scoring pass of the same tokens in `ref` (one layer's intermediates at a time). Both add the
-    chunked logprob pass (rl/logprob.py): a [chunk, V] block of logits and their fp32 softmax; the
-    update also the head's fp32 gradient accumulator [V, H]."""
-    t, tokens = model_cfg.text, update_tokens(cfg)
-    chunk = min(tokens, logprob_chunk) * t.vocab_size * (dtype_bytes + 8)
-    update = activation_bytes(t.hidden_size, t.num_hidden_layers, tokens, dtype_bytes, checkpointing,
-                              t.intermediate_size) + chunk + 4 * t.vocab_size * t.hidden_size
-    ref = activation_bytes(t.hidden_size, 1, tokens, dtype_bytes, False, t.intermediate_size) + chunk
-    return {"rollout": 0, "ref": ref, "update": update}
-
-
-def fit_memory(model_cfg: ModelConfig, cfg: RLConfig, memory_cfg: MemoryConfig, footprint: Footprint,
-               capacity: int | None, host_capacity: int | None = None) -> MemoryFit:
-    """`memory_cfg.fit` for an RL step of `cfg` on a model of `model_cfg` with `footprint`'s regions: the
-    plan, checkpointing and optimizer offload that fit `capacity` bytes (None: unchecked). cfg's
-    checkpointing flags and memory_cfg's optimizer_offload as the user gave them (None / auto: the plan's);
-    host_capacity: bytes of host RAM the pinned offloads must fit (None: unchecked)."""
-    def estimate(checkpointing: bool, optimizer_offload: str):
-        return (footprint.sizes(optimizer_offload),
-                update_activations(model_cfg, cfg, footprint.param_bytes, checkpointing))
-
-    detail = (f"{update_tokens(cfg)} tokens per update micro-batch: micro_batch_prompts={cfg.micro_batch_prompts}, "
-              f"micro_batch_max_tokens={cfg.micro_batch_max_tokens}, n={cfg.n}, max_new_tokens={cfg.max_new_tokens}")
-    return memory_cfg.fit(estimate, capacity, cfg.gradient_checkpointing, cfg.vision_gradient_checkpointing, detail,
-                          host_capacity)
-
-
-def _nbytes(ts) -> int:
-    return sum(t.numel() * t.element_size() for t in ts)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t

@@ -1,0 +1,191 @@
+"""What the RL step asks of a colocated data-parallel rank: `Colocated` as an `rl.runtime.Runtime`.
+
+`rl.step.RLStep` is one piece of code over a runtime (rl/runtime.py); `rl.runtime.LocalRuntime` runs
+it on one process, and `Colocated` (parallel/colocated.py), which mixes in `StepRuntime`, on each rank
+of a process group. The operations here are the data-parallel answers to the runtime's questions,
+written against the group Colocated builds (its engine, FSDP config, rollout groups, shared weights):
+
+    models     the trainer sharded over the group (`Colocated.actor`), the reference sharded like it
+               into its region (or whole on every rank), their local tensors for the memory regions
+    footprint  a rank's share of the trainable elements, the separate trainer shards' bytes, FSDP's
+               own checkpointing flags
+    scoring    a model each rank holds whole (the old policy with a per-rank engine, a reference not
+               sharded) is scored by each rank on its share (`share_logprobs`); a sharded one over the
+               trainer's placement
+    weights    after an update the engine's tensors rebuilt from the trainer's shards (`sync_weights`),
+               the whole policy gathered from them under a tensor-parallel engine (`full_state`)
+    fused      each rank's pipeline on its own engine's groups (rl/pipeline.py): the trainer and a
+               sharded reference gathered before the rollout, passes past FSDP2's hooks (`LocalPasses`),
+               one all-reduce after the last group that agrees on failures and reduces the gradients,
+               every rank's chunks shared for the whole batch's normalisers and metrics
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from ..models import Qwen25VL
+from ..rl.config import RLConfig
+from ..rl.scoring import score_with_backoff as score_logprobs
+from .data_parallel import DataParallelActor, LocalPasses
+from .fsdp import can_call_directly
+
+
+class StepRuntime:
+    """The RL step's runtime operations on a `Colocated` rank (see the module docstring). Reads Colocated's
+    engine, fsdp, world, groups, rollout_group, rollout, policy, weights and its rollout and weight methods."""
+
+    # ---- models and footprint -----------------------------------------------------------------------
+    def attach(self, backend, engine, model: Qwen25VL, memory) -> None:
+        """The step's rollout backend must be the engine this group was built over, under the step's memory."""
+        if backend is not None and engine is None:
+            raise ValueError(f"a data-parallel RL step needs the native rollout backend, not {backend.name}")
+        if self.engine is not engine:
+            raise ValueError("the data-parallel placement was built over another engine than the step's")
+        if engine is not None and memory is not None and engine.memory is not memory:
+            raise ValueError("the engine and the RL step must share one memory manager")
+
+    @staticmethod
+    def check(cfg: RLConfig) -> None:
+        if cfg.uses_critic:
+            raise ValueError("adv_estimator='gae' trains a critic on one process only: a data-parallel step "
+                             "supports the critic-free estimators")
+
+    def reference(self, model: Qwen25VL, ref: Qwen25VL | None, wanted: bool, region) -> Qwen25VL | None:
+        """`ref` as given or (`wanted`) a copy of `model`, sharded like the trainer into the region `region()`
+        enters; with `FSDPConfig(shard_reference=False)` whole on every rank, as on one process."""
+        shard = self.fsdp.shard_reference
+        if ref is None and wanted:
+            if shard:
+                ref = copy.deepcopy(model)  # transient full copy: only its shards go into the region
+            else:
+                with region():
+                    ref = copy.deepcopy(model)
+        if ref is not None and shard:
+            with region():
+                ref = self.shard_reference(ref)
+        return ref
+
+    def trainer_footprint(self, trainable: int, param_bytes: int, decoder, vision) -> tuple[int, int, bool, bool]:
+        """(this rank's share of the trainable elements, the bytes its shards add to the engine's weights where
+        they are not windows of them, checkpointing with FSDP's own flags as choices given)."""
+        n = -(-trainable // self.world)
+        weights = 0 if self.fsdp.share_policy_storage else n * param_bytes
+        return (n, weights, True if self.fsdp.activation_checkpointing else decoder,
+                True if self.fsdp.vision_activation_checkpointing else vision)
+
+    # ---- scoring ------------------------------------------------------------------------------------
+    def reference_logprobs(self, ref: Qwen25VL, actor: DataParallelActor, batch, cfg: RLConfig) -> torch.Tensor:
+        if not self.fsdp.shard_reference:  # each rank its share
+            return self.share_logprobs(ref, batch, cfg, "ref", actor.score_backoff)
+        return score_logprobs(ref, batch, cfg.mode, cfg.micro_batching, cfg.temperature, prefix_key="ref",
+                              placement=actor.placement, backoff=actor.score_backoff)
+
+    def old_logprobs(self, policy: Qwen25VL, actor: DataParallelActor, batch, cfg: RLConfig) -> torch.Tensor:
+        if cfg.num_updates > 1 and self.holds_policy:  # each rank its share, on the policy its engine decodes
+            return self.share_logprobs(policy, batch, cfg, "old", actor.score_backoff)
+        return actor.old_logprobs(batch, cfg)
+
+    def reference_gather(self, ref: Qwen25VL):
+        """The gather a co-scheduled sweep of the reference runs on: a sharded one's (None: held whole)."""
+        return self.sweep_gather(ref) if self.fsdp.shard_reference else None
+
+    def old_policy(self, policy: Qwen25VL, trainer: Qwen25VL) -> tuple[Qwen25VL, object]:
+        """(the model whose prefixes the old logprobs read, its sweep's gather): the policy a per-rank engine
+        decodes, or the trainer's shards (a tensor-parallel engine holds only its own)."""
+        if self.holds_policy:
+            return policy, None
+        return trainer, self.sweep_gather(trainer)
+
+    # ---- weights ------------------------------------------------------------------------------------
+    def after_update(self, actor: DataParallelActor, m: dict, timed) -> None:
+        """The trainer's new weights into what the engine decodes (timed by `timed()`), and the metrics."""
+        with timed():
+            self.sync_weights()
+        m.update(self.weight_metrics())
+        m.update(actor.placement.take_metrics())
+
+    def policy_state(self, policy: Qwen25VL, trainer: Qwen25VL, keep: bool) -> dict | None:
+        if self.holds_policy:
+            return {n: p.detach() for n, p in policy.named_parameters()} if keep else None
+        return self.full_state(trainer, keep)
+
+    # ---- the fused schedule (rl/pipeline.py) ----------------------------------------------------------
+    def fused_unsupported(self) -> str | None:
+        """Why this group cannot run a fused step (None: it can): each rank's pipeline needs its own engine
+        and passes that run no collective (`DataParallel.begin_local`)."""
+
+        if self.rollout != "data":
+            return "a tensor-parallel rollout decodes every group on several ranks: fused needs a per-rank engine"
+        if not can_call_directly(self.fsdp):
+            return "fused data-parallel passes run past FSDP2's hooks, which a mixed-precision policy needs"
+        return None
+
+    def fused_bytes(self, actor: DataParallelActor) -> int:
+        """What the fused rollout phase holds here besides one process's: the trainer's units and gradients,
+        and a sharded reference's units, gathered."""
+        dp = actor.placement
+        return dp.unsharded_bytes + (dp.gathered_bytes if self.fsdp.shard_reference else 0)
+
+    def fused_share(self, num_prompts: int, first: int) -> tuple[list[int], int]:
+        """(the prompts this rank's engine generates, how many of them are among the `first` groups of the
+        whole rollout to finish): the finishing order interleaves the engines' (`_finished`), so this is
+        known before any group finishes."""
+        keys = sorted(k * self.groups + g for g in range(self.groups)
+                      for k in range(len(range(g, num_prompts, self.groups))))
+        cut = keys[first - 1] if first else -1
+        share = self.group_prompts(num_prompts)
+        return share, sum(k * self.groups + self.rollout_group <= cut for k in range(len(share)))
+
+    def begin_fused(self, actor: DataParallelActor, ref: Qwen25VL | None) -> None:
+        """The trainer and a sharded reference gathered on every rank for its local passes (a collective)."""
+        actor.dp.begin_local(actor.model, self._sharded(ref))
+
+    def end_fused(self, actor: DataParallelActor, ref: Qwen25VL | None, flags: list[int]) -> list[int]:
+        """After every rank's fused stages: `flags` agreed over the ranks and, unless one is set, the
+        trainer's gradients reduced once into its shards; everything resharded (`DataParallel.end_local`)."""
+        return actor.dp.end_local(actor.model, self._sharded(ref), flags)
+
+    def abort_fused(self, actor: DataParallelActor, ref: Qwen25VL | None) -> None:
+        """`begin_fused` undone on this rank alone (a failed rollout: no collective)."""
+        actor.dp.abort_local(actor.model, self._sharded(ref))
+
+    def fused_results(self, pipe) -> tuple[list, tuple[int, int]]:
+        """Every rank's chunks (for the whole batch's metrics and later mini-batches) and its (groups trained
+        beside decode, groups) summed."""
+        every = self.gather_objects((pipe.shareable(), pipe.counts()))
+        return [r for part, _ in every for r in part], tuple(map(sum, zip(*(c for _, c in every))))
+
+    def fused_reference_logprobs(self, ref: Qwen25VL, actor: DataParallelActor, batch,
+                                 cfg: RLConfig) -> torch.Tensor:
+        """The reference's logprobs of some finished groups, scored by this rank alone."""
+        local = self.local_passes() if self.fsdp.shard_reference else None
+        return score_logprobs(ref, batch, cfg.mode, cfg.micro_batching, cfg.temperature, placement=local,
+                              backoff=actor.score_backoff)
+
+    def fused_old_logprobs(self, policy: Qwen25VL, actor: DataParallelActor, batch, cfg: RLConfig) -> torch.Tensor:
+        """Old logprobs of some finished groups, by this rank alone on the policy its engine decodes."""
+        return score_logprobs(policy, batch, cfg.mode, cfg.micro_batching, cfg.temperature,
+                              backoff=actor.score_backoff, what="old-logprob")
+
+    def fused_placement(self) -> LocalPasses:
+        """Where the fused stages' training passes run: this rank alone, over units `begin_fused` gathered."""
+        return self.local_passes()
+
+    @staticmethod
+    def local_passes() -> LocalPasses:
+        """The placement of this rank's fused passes over a sharded model gathered by `begin_fused`."""
+        return LocalPasses()
+
+    def _sharded(self, ref: Qwen25VL | None) -> list[Qwen25VL]:
+        return [ref] if ref is not None and self.fsdp.shard_reference else []
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's `obj` (picklable, on the host), in rank order."""
+        every: list = [None] * self.world
+        dist.all_gather_object(every, obj, group=self.group)
+        return every
+

@@ -1,0 +1,201 @@
+"""Where the RL step runs: this process alone, or one rank of a data-parallel group.
+
+`RLStep` (rl/step.py) is written once, against the small interface below; the runtime decides what
+the step's models are, where the rollout's samples come from, and which passes each process runs:
+
+    policy                      what the rollout decodes (`RLStep.model`)
+    attach(backend, engine, model, memory)   check and bind the rollout backend (ValueError)
+    check(cfg)                  ValueError for a config the runtime cannot run
+    reference(model, ref, wanted, region)    the frozen reference, built into the "ref_weights" region
+    local_tensors(model)        the tensors a model holds here (what its memory region keeps)
+    actor(model, cfg, memory, optimizer_offload)   the trainer (rl/actor.py)
+    trainer_footprint(trainable, param_bytes, decoder, vision)   (trainable elements held here, bytes
+                                the trainer adds to the weights, checkpointing flags) for the memory fit
+    weight_bytes()              bytes the built trainer adds to the weights the rollout decodes
+    generate(prompts, params, keep_vision, on_output)   the rollout's outputs of every prompt
+    share(num_prompts)          the prompts whose prefixes this process co-schedules (None: all)
+    reference_gather(ref) / old_policy(policy, trainer)   what a co-scheduled prefix sweep runs on
+    reference_logprobs / old_logprobs   the scoring passes of the phased step
+    sync_weights() / after_update(actor, m, timed)   the updated weights into what the rollout decodes
+    policy_state(policy, trainer, keep)  {name: whole parameter}
+
+and for the fused schedule (rl/schedule.py, rl/pipeline.py): `fused_unsupported`, `fused_bytes`,
+`fused_share`, `begin_fused` / `end_fused` / `abort_fused`, `fused_results`, and the scoring and
+training placement of the stages (`fused_reference_logprobs`, `fused_old_logprobs`, `fused_placement`).
+
+`LocalRuntime` is the identity runtime: the rollout backend given, every pass here, no communication.
+`rollplex.parallel.Colocated` (built by `rollplex.parallel.data_parallel` and injected as
+`RLStep(..., parallel=...)`: this package imports nothing of rollplex.parallel) is the data-parallel
+one. Because the step is the same code over both, the data-parallel step computes what the
+single-process one does; only the operations above differ.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Protocol
+
+import torch
+
+from ..models import Qwen25VL
+from .actor import Actor
+from .batch import RolloutBatch
+from .config import RLConfig
+from .scoring import score_with_backoff as score_logprobs
+
+
+class Runtime(Protocol):
+    policy: Qwen25VL
+
+    def attach(self, backend, engine, model: Qwen25VL, memory) -> None: ...
+
+    def check(self, cfg: RLConfig) -> None: ...
+
+    def reference(self, model: Qwen25VL, ref: Qwen25VL | None, wanted: bool, region) -> Qwen25VL | None: ...
+
+    def local_tensors(self, model: torch.nn.Module) -> list[torch.Tensor]: ...
+
+    def actor(self, model: Qwen25VL, cfg: RLConfig, memory, optimizer_offload: str) -> Actor: ...
+
+    def trainer_footprint(self, trainable: int, param_bytes: int, decoder, vision) -> tuple[int, int, bool, bool]: ...
+
+    def weight_bytes(self) -> int: ...
+
+    def generate(self, prompts: list, params: list, keep_vision: bool = False, on_output=None) -> list: ...
+
+    def share(self, num_prompts: int) -> list[int] | None: ...
+
+    def reference_gather(self, ref: Qwen25VL): ...
+
+    def old_policy(self, policy: Qwen25VL, trainer: Qwen25VL) -> tuple[Qwen25VL, object]: ...
+
+    def reference_logprobs(self, ref: Qwen25VL, actor: Actor, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor: ...
+
+    def old_logprobs(self, policy: Qwen25VL, actor: Actor, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor: ...
+
+    def sync_weights(self) -> None: ...
+
+    def after_update(self, actor: Actor, m: dict, timed) -> None: ...
+
+    def policy_state(self, policy: Qwen25VL, trainer: Qwen25VL, keep: bool) -> dict | None: ...
+
+    def fused_unsupported(self) -> str | None: ...
+
+    def fused_bytes(self, actor: Actor) -> int: ...
+
+    def fused_share(self, num_prompts: int, first: int) -> tuple[list[int], int]: ...
+
+    def begin_fused(self, actor: Actor, ref: Qwen25VL | None) -> None: ...
+
+    def end_fused(self, actor: Actor, ref: Qwen25VL | None, flags: list[int]) -> list[int]: ...
+
+    def abort_fused(self, actor: Actor, ref: Qwen25VL | None) -> None: ...
+
+    def fused_results(self, pipe) -> tuple[list | None, tuple[int, int] | None]: ...
+
+    def fused_reference_logprobs(self, ref: Qwen25VL, actor: Actor, batch: RolloutBatch,
+                                 cfg: RLConfig) -> torch.Tensor: ...
+
+    def fused_old_logprobs(self, policy: Qwen25VL, actor: Actor, batch: RolloutBatch,
+                           cfg: RLConfig) -> torch.Tensor: ...
+
+    def fused_placement(self): ...
+
+
+class LocalRuntime:
+    """The step on this process alone: `backend` (a RolloutBackend or None) rolls out `policy`, the
+    trainer's and the reference's passes run here (rl/placement.py `SingleProcess`)."""
+
+    def __init__(self, policy: Qwen25VL, backend):
+        self.policy, self.backend = policy, backend
+
+    def attach(self, backend, engine, model: Qwen25VL, memory) -> None:
+        if backend is not None:  # the backend checks it decodes `model` under the step's memory manager
+            backend.attach(model, memory)
+
+    def check(self, cfg: RLConfig) -> None:
+        """Every config runs on one process."""
+
+    def reference(self, model: Qwen25VL, ref: Qwen25VL | None, wanted: bool, region) -> Qwen25VL | None:
+        """`ref` as given, or (`wanted`) a copy of `model` in the region `region()` enters."""
+        if ref is None and wanted:
+            with region():
+                ref = copy.deepcopy(model)
+        return ref
+
+    @staticmethod
+    def local_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+        return [*model.parameters(), *model.buffers()]
+
+    def actor(self, model: Qwen25VL, cfg: RLConfig, memory, optimizer_offload: str) -> Actor:
+        return Actor(model, cfg, memory, optimizer_offload)
+
+    def trainer_footprint(self, trainable: int, param_bytes: int, decoder, vision) -> tuple[int, int, bool, bool]:
+        return trainable, 0, decoder, vision  # the trainer trains the weights the rollout decodes
+
+    def weight_bytes(self) -> int:
+        return 0
+
+    def generate(self, prompts: list, params: list, keep_vision: bool = False, on_output=None) -> list:
+        # on_output only to backends that report groups (the fused schedule asks for them only there)
+        kw = {} if on_output is None else {"on_output": on_output}
+        return self.backend.generate(prompts, params, keep_vision=keep_vision, **kw)
+
+    def share(self, num_prompts: int) -> list[int] | None:
+        return None
+
+    def reference_gather(self, ref: Qwen25VL):
+        return None
+
+    def old_policy(self, policy: Qwen25VL, trainer: Qwen25VL) -> tuple[Qwen25VL, object]:
+        return policy, None
+
+    def reference_logprobs(self, ref: Qwen25VL, actor: Actor, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
+        return score_logprobs(ref, batch, cfg.mode, cfg.micro_batching, cfg.temperature, prefix_key="ref",
+                              placement=actor.placement, backoff=actor.score_backoff)
+
+    def old_logprobs(self, policy: Qwen25VL, actor: Actor, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
+        return actor.old_logprobs(batch, cfg)
+
+    def sync_weights(self) -> None:
+        """Nothing to sync: the rollout decodes the trainer's own tensors (another backend copies them in
+        when it enters the rollout)."""
+
+    def after_update(self, actor: Actor, m: dict, timed) -> None:
+        pass
+
+    def policy_state(self, policy: Qwen25VL, trainer: Qwen25VL, keep: bool) -> dict | None:
+        return {n: p.detach() for n, p in policy.named_parameters()} if keep else None
+
+    # ---- the fused schedule -------------------------------------------------------------------------
+    def fused_unsupported(self) -> str | None:
+        return None
+
+    def fused_bytes(self, actor: Actor) -> int:
+        return 0
+
+    def fused_share(self, num_prompts: int, first: int) -> tuple[list[int], int]:
+        return list(range(num_prompts)), first
+
+    def begin_fused(self, actor: Actor, ref: Qwen25VL | None) -> None:
+        pass
+
+    def end_fused(self, actor: Actor, ref: Qwen25VL | None, flags: list[int]) -> list[int]:
+        return flags
+
+    def abort_fused(self, actor: Actor, ref: Qwen25VL | None) -> None:
+        pass
+
+    def fused_results(self, pipe) -> tuple[list | None, tuple[int, int] | None]:
+        return None, None  # the pipeline's own chunks are the whole batch's
+
+    def fused_reference_logprobs(self, ref: Qwen25VL, actor: Actor, batch: RolloutBatch,
+                                 cfg: RLConfig) -> torch.Tensor:
+        return self.reference_logprobs(ref, actor, batch, cfg)
+
+    def fused_old_logprobs(self, policy: Qwen25VL, actor: Actor, batch: RolloutBatch,
+                           cfg: RLConfig) -> torch.Tensor:
+        return actor.old_logprobs(batch, cfg)
+
+    def fused_placement(self):
+        return None  # the actor's own

@@ -1,0 +1,217 @@
+"""The order of one RL step's work: a schedule runs the rollout and the stages after it.
+
+    Phased   rollout, then rewards -> reference -> advantages -> update over the whole batch
+             (`RLStep.train`): today's order, and what every other schedule must equal
+    Fused    the same stages over prompt groups as they finish, beside the rollout's tail
+             (rl/pipeline.py `GroupPipeline`), then the first mini-batch's optimizer step and the
+             other mini-batches as phased runs them; equal to phased up to summation order
+
+`schedule_of(cfg)` picks one by `RLConfig.schedule`; `RLStep.run` hands it the step, the prompts and
+their sampling parameters, the reward function and the metrics to fill, and returns what it returns:
+the rolled-out batch with its rewards. A schedule asks the step's runtime (rl/runtime.py) where the
+work runs — one process or each data-parallel rank on its share — and never branches on it.
+
+Fused falls back to phased, reporting `rollplex/fused=0`: for a step it cannot reproduce
+(`fused_unsupported`: the config, a backend that does not report groups, the runtime, a fused rollout
+phase over the memory plan's budget), warned once per reason; and, with `rollplex/fused_fallback_oom=1`,
+when a fused stage runs out of memory (on any rank) — nothing was applied, and the finished rollout is
+scored and trained phased. Any other error in a fused stage is raised with nothing applied.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..cosched.scheduler import side_stream
+from ..cosched.timeline import DecodeMarks
+from .actor import mini_batch_sizes
+from .batch import RolloutBatch
+from .config import RLConfig
+from .errors import TrainOOM
+from .fuse_gate import FuseGate, parse_sms_by_batch
+from .pipeline import GroupPipeline, fallback_on, fused_unsupported
+from .timing import phase_timer as _timer
+
+log = logging.getLogger("rollplex.rl")
+
+
+class Phased:
+    """Roll out every prompt, then score and train the whole batch."""
+
+    def run(self, step, prompts: list, params: list, rewards, per_prompt: dict, m: dict) -> RolloutBatch:
+        with _timer(m, "gen", step.device, step.timeline):
+            batch = step.generate(prompts, params, **per_prompt)
+        m.update(step.rollout_metrics)
+        return self.after_rollout(step, batch, rewards, m)
+
+    @staticmethod
+    def after_rollout(step, batch: RolloutBatch, rewards, m: dict) -> RolloutBatch:
+        """Rewards, then reference, advantages and the update (`RLStep.train`) of a finished rollout."""
+        with _timer(m, "reward", step.device):
+            batch.rewards, extra = rewards(batch, list(range(batch.num_prompts)))
+        m.update(extra)
+        m.update(step.train(batch))
+        return batch
+
+
+class Fused:
+    """Train the first mini-batch's groups as they finish, beside the rollout (rl/pipeline.py); phased where
+    it cannot (see the module docstring)."""
+
+    def __init__(self):
+        self._streams: dict[int, tuple] = {}  # SMs -> (side stream, its green context), made on first use
+        self._warned: set[str] = set()
+        # the admission gate (rl/fuse_gate.py): its measurements span steps; one set here carries them in
+        # (made from the config on first use, remade when its settings change)
+        self.gate: FuseGate | None = None
+
+    def run(self, step, prompts: list, params: list, rewards, per_prompt: dict, m: dict) -> RolloutBatch:
+        why = step.fused_unsupported()
+        if why is None:
+            return self._fused(step, prompts, params, rewards, per_prompt, m)
+        if why not in self._warned:
+            self._warned.add(why)
+            log.warning("schedule='fused' runs phased: %s", why)
+        m["rollplex/fused"] = 0.0
+        return Phased().run(step, prompts, params, rewards, per_prompt, m)
+
+    def _side_stream(self, step, sms: int | None = None):
+        """The side stream of fused work in a green context of `sms` SMs (default `fuse_sms`; 0: all SMs at
+        low priority), made once per partition; None on CPU."""
+        if step.device.type != "cuda":
+            return None
+        sms = step.cfg.fuse_sms if sms is None else sms
+        if sms not in self._streams:
+            self._streams[sms] = side_stream(step.device, sms)  # (stream, its context)
+        return self._streams[sms][0]
+
+    def _gate(self, cfg: RLConfig) -> FuseGate:
+        want = (cfg.fuse_admission, tuple(sorted(parse_sms_by_batch(cfg.fuse_sms_by_batch), reverse=True)),
+                cfg.fuse_sms)
+        g = self.gate
+        if g is None or (g.policy, g.sms_by_batch, g.default_sms) != want:
+            self.gate = g = FuseGate(*want)
+        return g
+
+    def _fused(self, step, prompts: list, params: list, rewards, per_prompt: dict, m: dict) -> RolloutBatch:
+        """Rollout with the group pipeline beside it, then the optimizer step."""
+        step._enter("rollout")
+        # the gradients and the reference stay resident from the rollout through the optimizer step: resumed
+        # after entering the rollout, and afterwards whatever the phase the step ends in gives them
+        for tag in fused_regions(step):
+            step.memory.resume(tag)
+        try:
+            return self._fused_step(step, prompts, params, rewards, per_prompt, m)
+        finally:
+            if step.memory is not None:
+                step.memory.enter(step.memory.current)
+
+    def _fused_step(self, step, prompts: list, params: list, rewards, per_prompt: dict, m: dict) -> RolloutBatch:
+        cfg, tl, rt, actor = step.cfg, step.timeline, step.runtime, step.actor
+        ref = step.ref if step.uses_reference(cfg) else None
+        # this runtime's groups (a data-parallel rank: its engine's share), and how many of them are the first
+        # mini-batch's
+        mine, trained = rt.fused_share(len(prompts), mini_batch_sizes(len(prompts), cfg.ppo_mini_batches)[0])
+        pipe = GroupPipeline(step, prompts, [p.n for p in params], per_prompt, rewards, self._side_stream(step), tl,
+                             len(mine), trained, self._gate(cfg), lambda sms: self._side_stream(step, sms))
+        marks = DecodeMarks(tl) if tl is not None and step.engine is not None else None
+        hooked = [h for h in (pipe, marks) if h is not None and step.engine is not None]  # the gate hears decode
+        with _timer(m, "gen", step.device, tl):  # in the rollout phase, entered by `_fused`
+            rt.begin_fused(actor, ref)  # data-parallel: trainer and reference gathered, no collective until the end
+            pipe.start()
+            for h in hooked:
+                step.engine.hooks.append(h)
+            done = False
+            try:
+                with step.cosched.decode_priority():  # decode on a high-priority stream
+                    outs = rt.generate(prompts, params, keep_vision=step.keeps_vision, on_output=pipe.add)
+                done = True
+            finally:
+                pipe.stop()
+                for h in hooked:
+                    step.engine.hooks.remove(h)
+                if marks is not None:
+                    marks.close()
+                if not done:  # a failed rollout: what the chunks accumulated goes with it
+                    rt.abort_fused(actor, ref)
+                    actor.discard_groups()
+        batch = step.rollout_batch(prompts, outs, **per_prompt)
+        with _timer(m, "fused_tail", step.device, tl):
+            pipe.drain()
+        # every rank agrees whether some rank's stage failed, then the gradients are reduced once
+        err = pipe.error
+        oom, other = rt.end_fused(actor, ref, [int(err is not None and fallback_on(err)),
+                                               int(err is not None and not fallback_on(err))])
+        if other and err is None:
+            pipe.error = RuntimeError("a fused stage failed on another data-parallel rank")
+        elif oom and err is None:
+            pipe.error = TrainOOM("a fused stage ran out of device memory on another data-parallel rank", 0)
+        if pipe.error is not None:
+            actor.discard_groups()
+            if not fallback_on(pipe.error):
+                raise pipe.error
+            log.warning("fused schedule: a stage ran out of device memory (%s); this step runs phased", pipe.error)
+            m["rollplex/fused"], m["rollplex/fused_fallback_oom"] = 0.0, 1.0
+            return Phased.after_rollout(step, batch, rewards, m)
+        results, counts = rt.fused_results(pipe)  # every rank's chunks; None: this pipeline's are all
+        pipe.resolve_times()
+        assert len(mine) < len(prompts) or pipe.order == batch.finish_order(), "the first mini-batch is trained"
+        got = pipe.assemble(batch, results)
+        batch.rewards = got["rewards"]
+        m.update(got["reward_metrics"])
+        _, reward_kl, kl_m = step.kl_reward_penalty(batch, got["ref"], cfg)
+        m.update(kl_m)
+        with _timer(m, "update_actor", step.device, tl), step._phase("update"):
+            if cfg.num_updates == 1:
+                stats = step._applying(reward_kl, batch.num_samples, lambda: actor.apply_groups(
+                    cfg, got["accumulated"].metrics, batch.mask))
+            else:  # the first mini-batch's optimizer step, then the others as the phased update runs them
+                train_b, _ = step.training_views(batch)
+                stats, _ = step._applying(reward_kl, batch.num_samples, lambda: actor.update(
+                    train_b, got["advantages"], got["ref"] if cfg.use_kl_loss else None, got["old"], step.step_idx,
+                    cfg, accumulated=got["accumulated"]))
+        step._after_update(m, stats, reward_kl, batch.num_samples)
+        train_lp = got["old"] if got["old"] is not None else got["logprobs"]  # as phased: the old ones when scored
+        m.update(step._batch_metrics(batch, got["advantages"], got["seq_rewards"], train_lp, cfg))
+        m.update(pipe.metrics(m["timing_s/gen"], counts))
+        return batch
+
+
+SCHEDULES = {"phased": Phased, "fused": Fused}
+
+
+def schedule_of(cfg: RLConfig) -> Phased | Fused:
+    """A new schedule of `cfg.schedule` (a Fused one keeps its side stream and warnings per step)."""
+    return SCHEDULES[cfg.schedule]()
+
+
+def why_not_fused(step) -> str | None:
+    """Why `step` cannot run the fused schedule (None: it can): its config, its backend, its runtime, or the
+    memory the fused rollout phase needs."""
+    why = fused_unsupported(step.cfg)
+    if why is not None:
+        return why
+    if step.backend is None or not getattr(step.backend, "reports_groups", False):
+        return f"the {step.rollout_backend} rollout backend does not report groups as they finish"
+    if (why := step.runtime.fused_unsupported()) is not None:
+        return why
+    fit = step.memory_fit
+    if fit is not None and fit.budget is not None:
+        # the rollout phase holds, besides its own regions, what the plan releases there but the fused
+        # stages read (the gradients, the reference), and one update micro-batch's activations; a data-parallel
+        # rank also the trainer's units and gradients, and a sharded reference's, gathered
+        sizes, acts = step.memory_sizes(), step.activation_estimate()
+        peak = (fit.plan.peak("rollout", sizes, {}) + sum(sizes[t] for t in fused_regions(step)) + acts["update"]
+                + step.runtime.fused_bytes(step.actor))
+        if peak > fit.budget:
+            return (f"the fused rollout phase needs {peak / 2**30:.1f} GiB (the KV cache, gradients, reference "
+                    f"and one update micro-batch together), over the plan's budget of {fit.budget / 2**30:.1f} GiB")
+    return None
+
+
+def fused_regions(step) -> list[str]:
+    """Regions the fused stages read that the memory plan does not keep during the rollout."""
+    if step.memory is None:
+        return []
+    need = ["grads"] + (["ref_weights"] if step.uses_reference(step.cfg) else [])
+    return [t for t in need if step.memory.plan.get("rollout", t) != "resident"]
