@@ -40,12 +40,7 @@ class Engine:
             self.runtime = TinyRuntime(kwargs["model_path"], kwargs.get("enable_weights_cpu_backup", False))
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None, image_data=None, return_logprob=False):
-        if self.runtime is None:
-            raise RuntimeError("this fake engine was started without model_path")
-        if prompt is not None or input_ids is None or not isinstance(input_ids[0], list):
-            raise NotImplementedError("the fake takes a batch of input_ids")
-        if isinstance(sampling_params, dict):
-            sampling_params = [sampling_params] * len(input_ids)
+        sampling_params = self._batch(prompt, input_ids, sampling_params)
         answers = self.runtime.generate(input_ids, sampling_params, image_data, return_logprob)
         lens = [len(a["output_ids"]) for a in answers]
         script = [("EXTEND", len(lens), 0, 1.0)]
@@ -55,14 +50,17 @@ class Engine:
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, image_data=None,
                              return_logprob=False):
+        sampling_params = self._batch(prompt, input_ids, sampling_params)
+        await asyncio.sleep(0.02 * max(sp["max_new_tokens"] for sp in sampling_params))
+        return self.runtime.generate(input_ids, sampling_params, image_data, return_logprob)
+
+    def _batch(self, prompt, input_ids, sampling_params) -> list:
+        """One sampling-params dict per request of a batch of input_ids (what the fake takes)."""
         if self.runtime is None:
             raise RuntimeError("this fake engine was started without model_path")
         if prompt is not None or input_ids is None or not isinstance(input_ids[0], list):
             raise NotImplementedError("the fake takes a batch of input_ids")
-        if isinstance(sampling_params, dict):
-            sampling_params = [sampling_params] * len(input_ids)
-        await asyncio.sleep(0.02 * max(sp["max_new_tokens"] for sp in sampling_params))
-        return self.runtime.generate(input_ids, sampling_params, image_data, return_logprob)
+        return [sampling_params] * len(input_ids) if isinstance(sampling_params, dict) else sampling_params
 
     def collective_rpc(self, method: str, **kwargs):
         obj = RpcReqInput(method=method, parameters=kwargs)
