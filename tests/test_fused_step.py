@@ -9,6 +9,8 @@ import pytest
 import torch
 from helpers import assert_fp32_close, assert_weights_close, capture_grads
 
+from rollplex.cosched import CoschedConfig, PrefixJob
+from rollplex.cosched.controller import AdmissionController
 from rollplex.engine import Engine, EngineConfig, SamplingParams
 from rollplex.memory import MemoryConfig, MemoryManager, PhasePlan
 from rollplex.models import ModelInputs, load_model
@@ -29,7 +31,7 @@ def _reward(data_source, text, ground_truth, extra_info):
     return float(len(text) % 3 == 0)  # varied within groups: non-zero advantages
 
 
-def _step(tiny_dir, proc, memory_cfg: MemoryConfig | None = None, **cfg):
+def _step(tiny_dir, proc, memory_cfg: MemoryConfig | None = None, cosched_cfg: CoschedConfig | None = None, **cfg):
     model = load_model(tiny_dir)
     # the accounting backend poisons released regions: reading one outside its phases shows as NaN
     mm = MemoryManager(PhasePlan.releases_only(), backend="accounting") if memory_cfg is not None else None
@@ -37,14 +39,14 @@ def _step(tiny_dir, proc, memory_cfg: MemoryConfig | None = None, **cfg):
     # a small lr: Adam's first steps are ~lr * sign(grad), which turns last-bit noise into lr-sized differences
     base = dict(n=4, max_new_tokens=12, lr=1e-4, kl_coef=0.05, micro_batch_prompts=2, micro_batch_samples=3)
     return RLStep(model, engine, RLConfig(**{**base, **cfg}), proc, reward_fn=_reward, memory=mm,
-                  memory_cfg=memory_cfg)
+                  memory_cfg=memory_cfg, cosched=cosched_cfg)
 
 
-def _run(rl: RLStep) -> tuple[dict, list[dict], dict]:
-    """One whole step on ROWS with LENGTHS: (metrics, gradients at each optimizer step, updated weights)."""
+def _run(rl: RLStep, lengths: list[int] = LENGTHS) -> tuple[dict, list[dict], dict]:
+    """One whole step on ROWS with `lengths`: (metrics, gradients at each optimizer step, updated weights)."""
     grads = capture_grads(rl)
     prompts, params, per_prompt = rollout_requests(rl.processor, ROWS, rl.cfg, rl.step_idx)
-    params = [SamplingParams(n=p.n, max_new_tokens=k, seed=p.seed, ignore_eos=True) for p, k in zip(params, LENGTHS)]
+    params = [SamplingParams(n=p.n, max_new_tokens=k, seed=p.seed, ignore_eos=True) for p, k in zip(params, lengths)]
     _, m = rl.run(prompts, params, **per_prompt)
     return m, grads, {n: p.detach().clone() for n, p in rl.model.named_parameters()}
 
@@ -111,6 +113,55 @@ def test_fused_several_mini_batches_equals_phased(tiny_dir, proc, tail, monkeypa
     assert m["rollplex/fused"] == 1.0 and m["rollplex/fused_groups"] == 6
     assert 2 <= m["rollplex/fused_groups_in_rollout"] <= 3  # only the first mini-batch's groups are trained
     _assert_same_step(fused, phased, updates=4)
+
+
+# the prefix co-scheduler's jobs of two prompts each: ref/0 = prompts 0, 1 (they finish last), ref/1 = 2, 3,
+# ref/2 = 4, 5; groups finish 2, 4, 3, 5, 1, 0, so the first chunk (2, 4) needs ref/1 and ref/2
+COSCHED_LENGTHS = [12, 11, 3, 5, 4, 7]
+# admit eagerly (on CPU a chunk runs inline, so every loaded step is slow): the test is about exactness
+EAGER = CoschedConfig(slowdown_bound=0.9, baseline_samples=1, initial_budget=50.0, max_chunk_ms=1e6,
+                      max_in_flight=2, serial_after=1000, reprobe_every=0, job_prompts=2)
+
+
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
+def test_fused_with_the_prefix_coscheduler_equals_phased(tiny_dir, proc, tail, monkeypatch):
+    """The co-scheduler as a producer of the pipeline: it runs ref/0 beside decode (its admission is held to
+    that job), while the worker's first chunk, beside decode too, takes ref/1 and ref/2 over from it and runs
+    them itself. Every prefix unit runs once, and the step is the phased one, with or without the co-scheduler
+    (KL as a loss: the reference is scored over the handed-over prefix states)."""
+    phased = _run(_step(tiny_dir, proc), COSCHED_LENGTHS)
+    phased_co = _run(_step(tiny_dir, proc, cosched_cfg=EAGER, cosched=True), COSCHED_LENGTHS)
+    assert phased_co[0]["rollplex/prefix_hidden_s"] > 0
+
+    admit = AdmissionController.admit
+
+    def only_ref0(self, *a, **kw):
+        chunks = admit(self, *a, **kw)
+        for c in [c for c in chunks if not c.item.key.startswith("ref/0/")]:
+            self.cancel(c)  # back to the queue: the pipeline's chunks claim it
+        return [c for c in chunks if c.item.key.startswith("ref/0/")]
+
+    runs: dict[tuple[str, int], int] = {}
+    unit = PrefixJob._unit
+
+    def counted(self, u):
+        runs[self.key, u] = runs.get((self.key, u), 0) + 1
+        return unit(self, u)
+
+    monkeypatch.setattr(AdmissionController, "admit", only_ref0)
+    monkeypatch.setattr(PrefixJob, "_unit", counted)
+    rl = _step(tiny_dir, proc, schedule="fused", cosched_cfg=EAGER, cosched=True)
+    fused = _run(rl, COSCHED_LENGTHS)
+    m = fused[0]
+    assert m["rollplex/fused"] == 1.0 and m["rollplex/fused_groups_in_rollout"] >= 2
+    # both producers ran prefix work: ref/0 beside decode, ref/1 and ref/2 claimed by the worker's first chunk
+    assert m["rollplex/prefix_hidden_s"] > 0 and m["rollplex/cosched_chunks"] > 0
+    assert m["rollplex/prefix_claimed_s"] > 0 and m["rollplex/cosched_jobs_claimed"] == 2
+    assert m["rollplex/prefix_hidden_s"] + m["rollplex/prefix_in_flight_s"] + m["rollplex/prefix_claimed_s"] + \
+        m["rollplex/prefix_left_s"] == pytest.approx(m["rollplex/prefix_total_s"])
+    assert {k for k, _ in runs} == {"ref/0", "ref/1", "ref/2"} and set(runs.values()) == {1}
+    _assert_same_step(fused, phased)
+    _assert_same_step(fused, phased_co)
 
 
 def test_fused_data_parallel_equals_phased(tmp_path, tiny_dir):
@@ -241,8 +292,6 @@ def test_fused_unsupported_names_the_reason():
     assert "whitens" in fused_unsupported(RLConfig(adv_estimator="reinforce_plus_plus"))
     assert "gspo" in fused_unsupported(RLConfig(policy_loss="gspo", kl_coef=0.1))
     assert fused_unsupported(RLConfig(policy_loss="gspo", kl_coef=0.1, use_kl_loss=False)) is None
-    with pytest.raises(ValueError, match="choose one"):
-        RLConfig(schedule="fused", cosched=True)
     with pytest.raises(ValueError, match="fuse_below"):
         RLConfig(fuse_below=0.0)
     with pytest.raises(ValueError, match="schedule"):
