@@ -124,13 +124,16 @@ EAGER = CoschedConfig(slowdown_bound=0.9, baseline_samples=1, initial_budget=50.
 
 
 @pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
-def test_fused_with_the_prefix_coscheduler_equals_phased(tiny_dir, proc, tail, monkeypatch):
+@pytest.mark.parametrize("extra", [dict(), dict(ppo_mini_batches=2), dict(freeze_vision_tower=True)],
+                         ids=["kl-loss", "old-logprobs", "frozen-vision"])
+def test_fused_with_the_prefix_coscheduler_equals_phased(tiny_dir, proc, tail, monkeypatch, extra):
     """The co-scheduler as a producer of the pipeline: it runs ref/0 beside decode (its admission is held to
     that job), while the worker's first chunk, beside decode too, takes ref/1 and ref/2 over from it and runs
-    them itself. Every prefix unit runs once, and the step is the phased one, with or without the co-scheduler
+    them itself (with two mini-batches the old policy's jobs too; with the frozen tower over the engine's
+    encodings). Every prefix unit runs once, and the step is the phased one, with or without the co-scheduler
     (KL as a loss: the reference is scored over the handed-over prefix states)."""
-    phased = _run(_step(tiny_dir, proc), COSCHED_LENGTHS)
-    phased_co = _run(_step(tiny_dir, proc, cosched_cfg=EAGER, cosched=True), COSCHED_LENGTHS)
+    phased = _run(_step(tiny_dir, proc, **extra), COSCHED_LENGTHS)
+    phased_co = _run(_step(tiny_dir, proc, cosched_cfg=EAGER, cosched=True, **extra), COSCHED_LENGTHS)
     assert phased_co[0]["rollplex/prefix_hidden_s"] > 0
 
     admit = AdmissionController.admit
@@ -150,18 +153,23 @@ def test_fused_with_the_prefix_coscheduler_equals_phased(tiny_dir, proc, tail, m
 
     monkeypatch.setattr(AdmissionController, "admit", only_ref0)
     monkeypatch.setattr(PrefixJob, "_unit", counted)
-    rl = _step(tiny_dir, proc, schedule="fused", cosched_cfg=EAGER, cosched=True)
+    rl = _step(tiny_dir, proc, schedule="fused", cosched_cfg=EAGER, cosched=True, **extra)
     fused = _run(rl, COSCHED_LENGTHS)
     m = fused[0]
     assert m["rollplex/fused"] == 1.0 and m["rollplex/fused_groups_in_rollout"] >= 2
     # both producers ran prefix work: ref/0 beside decode, ref/1 and ref/2 claimed by the worker's first chunk
     assert m["rollplex/prefix_hidden_s"] > 0 and m["rollplex/cosched_chunks"] > 0
-    assert m["rollplex/prefix_claimed_s"] > 0 and m["rollplex/cosched_jobs_claimed"] == 2
+    assert m["rollplex/prefix_claimed_s"] > 0
+    old = ["old/1", "old/2"] if extra.get("ppo_mini_batches") else []  # the first chunk scores old logprobs too
+    # (old/0 is held back by the admission too: the last chunk or the normal phase runs it)
+    assert m["rollplex/cosched_jobs_claimed"] == 2 if not old else m["rollplex/cosched_jobs_claimed"] >= 4
     assert m["rollplex/prefix_hidden_s"] + m["rollplex/prefix_in_flight_s"] + m["rollplex/prefix_claimed_s"] + \
         m["rollplex/prefix_left_s"] == pytest.approx(m["rollplex/prefix_total_s"])
-    assert {k for k, _ in runs} == {"ref/0", "ref/1", "ref/2"} and set(runs.values()) == {1}
-    _assert_same_step(fused, phased)
-    _assert_same_step(fused, phased_co)
+    keys = ["ref/0", "ref/1", "ref/2"] + (["old/0", *old] if old else [])
+    assert sorted({k for k, _ in runs}) == sorted(keys) and set(runs.values()) == {1}
+    updates = extra.get("ppo_mini_batches", 1)
+    _assert_same_step(fused, phased, updates=updates)
+    _assert_same_step(fused, phased_co, updates=updates)
 
 
 def test_fused_data_parallel_equals_phased(tmp_path, tiny_dir):

@@ -17,6 +17,14 @@ queue and the controller backs off; `finish()` leaves whatever was never admitte
 normally runs it (`PrefixRows.gather` completes it there) — except a sharded model's sweep, whose rest
 runs at once on every rank (sharded.py) — joins the streams, and returns metrics.
 
+Under the fused schedule the co-scheduler is one producer of the step's pipeline of groups (rl/pipeline.py):
+a chunk of finished groups scored on the pipeline's worker thread may need a job before it is done. The
+worker then `claim`s it: under the lock the hook holds while it admits, launches and polls, the job's
+pending units leave the queue and its admitted chunks not yet launched are dropped, so the hook never
+runs a unit of it again; the worker's stream waits for the job's chunks in flight (their CUDA events)
+and the worker runs the rest (rl/handover.py `claim_handover`). Claimed work is counted apart from the
+hidden and the left (`rollplex/prefix_claimed_s`, `rollplex/cosched_jobs_claimed`).
+
 Costs are FLOP estimates over a throughput (TFLOP/s) calibrated from standalone runs of the same
 work (`calibrate`), so the controller's budgets are in standalone milliseconds. On CPU there is no
 second stream: chunks run inline, which keeps the logic (and its exactness) testable.
