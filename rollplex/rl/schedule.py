@@ -124,7 +124,8 @@ class Fused:
         mine, trained = rt.fused_share(len(prompts), mini_batch_sizes(len(prompts), cfg.ppo_mini_batches)[0])
         pipe = GroupPipeline(step, prompts, [p.n for p in params], per_prompt, rewards, self._side_stream(step), tl,
                              len(mine), trained, self._gate(cfg), lambda sms: self._side_stream(step, sms), handover)
-        marks = DecodeMarks(tl) if tl is not None and step.engine is not None else None
+        # the decode lane of the timeline: the co-scheduler draws it when it runs (with what it admitted)
+        marks = DecodeMarks(tl) if tl is not None and step.engine is not None and not handover else None
         hooked = [h for h in (pipe, marks) if h is not None and step.engine is not None]  # the gate hears decode
         with _timer(m, "gen", step.device, tl):  # in the rollout phase, entered by `_fused`
             rt.begin_fused(actor, ref)  # data-parallel: trainer and reference gathered, no collective until the end
