@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import assert_fp32_close, assert_weights_close, capture_grads
 
-from rollplex.cosched import CoschedConfig, PrefixJob
+from rollplex.cosched import CoschedConfig, CoScheduler, PrefixJob
 from rollplex.cosched.controller import AdmissionController
 from rollplex.engine import Engine, EngineConfig, SamplingParams
 from rollplex.memory import MemoryConfig, MemoryManager, PhasePlan
@@ -18,7 +18,7 @@ from rollplex.rl.actor import Actor
 from rollplex.rl.batch import RolloutBatch
 from rollplex.rl.config import RLConfig
 from rollplex.rl.fuse_gate import BUCKETS, FuseGate, _Bucket
-from rollplex.rl.pipeline import fused_unsupported
+from rollplex.rl.pipeline import GroupPipeline, fused_unsupported
 from rollplex.rl.step import RLStep, rollout_requests
 from rollplex.tiny import shape_color
 
@@ -31,11 +31,12 @@ def _reward(data_source, text, ground_truth, extra_info):
     return float(len(text) % 3 == 0)  # varied within groups: non-zero advantages
 
 
-def _step(tiny_dir, proc, memory_cfg: MemoryConfig | None = None, cosched_cfg: CoschedConfig | None = None, **cfg):
+def _step(tiny_dir, proc, memory_cfg: MemoryConfig | None = None, cosched_cfg: CoschedConfig | None = None,
+          seqs: int = 64, **cfg):
     model = load_model(tiny_dir)
     # the accounting backend poisons released regions: reading one outside its phases shows as NaN
     mm = MemoryManager(PhasePlan.releases_only(), backend="accounting") if memory_cfg is not None else None
-    engine = Engine(model, proc, EngineConfig(max_num_seqs=64, max_model_len=256), memory=mm)
+    engine = Engine(model, proc, EngineConfig(max_num_seqs=seqs, max_model_len=256), memory=mm)
     # a small lr: Adam's first steps are ~lr * sign(grad), which turns last-bit noise into lr-sized differences
     base = dict(n=4, max_new_tokens=12, lr=1e-4, kl_coef=0.05, micro_batch_prompts=2, micro_batch_samples=3)
     return RLStep(model, engine, RLConfig(**{**base, **cfg}), proc, reward_fn=_reward, memory=mm,
@@ -170,6 +171,38 @@ def test_fused_with_the_prefix_coscheduler_equals_phased(tiny_dir, proc, tail, m
     updates = extra.get("ppo_mini_batches", 1)
     _assert_same_step(fused, phased, updates=updates)
     _assert_same_step(fused, phased_co, updates=updates)
+
+
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
+def test_a_chunk_waits_for_the_prefill_of_its_jobs_prompts(tiny_dir, proc, monkeypatch):
+    """Frozen tower, one prompt decoding at a time: the first chunk (group 0) needs ref/0, whose prompt 1 the
+    engine prefills only once group 0 is done, with the encodings the job takes. The worker claims it while
+    decode is held, waits for that prefill, then takes the job over; the step is the phased one."""
+    import threading
+
+    extra = dict(freeze_vision_tower=True, micro_batch_prompts=1)
+    phased = _run(_step(tiny_dir, proc, seqs=4, **extra))
+    claim, claiming, waited = CoScheduler.claim, threading.Event(), []
+
+    def spy(self, jobs, cancelled=None):
+        waited.append(bool({j.key for j in jobs} & self._pending_jobs.keys()))
+        claiming.set()
+        return claim(self, jobs, cancelled)
+
+    add = GroupPipeline.add
+
+    def held_add(self, i, output):
+        add(self, i, output)
+        if len(self.order) == 1:  # decode (and the next prompt's prefill) waits until the worker claims
+            assert claiming.wait(60)
+
+    monkeypatch.setattr(CoScheduler, "claim", spy)
+    monkeypatch.setattr(GroupPipeline, "add", held_add)
+    rl = _step(tiny_dir, proc, seqs=4, schedule="fused", cosched_cfg=EAGER, cosched=True, **extra)
+    fused = _run(rl)
+    assert waited[0] and fused[0]["rollplex/cosched_jobs_waiting"] == 0
+    assert fused[0]["rollplex/fused"] == 1.0 and fused[0]["rollplex/cosched_jobs_claimed"] >= 1
+    _assert_same_step(fused, phased)
 
 
 def test_fused_data_parallel_equals_phased(tmp_path, tiny_dir):

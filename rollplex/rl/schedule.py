@@ -155,8 +155,11 @@ class Fused:
         with _timer(m, "fused_tail", step.device, tl):
             # prefix work no chunk claimed beside decode: in its normal phase, as the phased step runs it
             # (standalone, which calibrates the co-scheduler); the chunks left then find it done
-            for key in handover:
-                complete_handover(step, batch, key, m)
+            try:
+                for key in handover:
+                    complete_handover(step, batch, key, m)
+            except BaseException as e:  # noqa: BLE001 - as a fused stage's: chunks dropped, out of memory runs phased
+                pipe.error = pipe.error or e
             pipe.drain()
         # every rank agrees whether some rank's stage failed, then the gradients are reduced once
         err = pipe.error
