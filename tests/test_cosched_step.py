@@ -150,3 +150,51 @@ def test_packed_responses_over_a_given_prefix_equal_group_hidden(tiny_dir, proc,
         want = model.group_hidden(prompts, resp, lens, group)
         got = model.prefix_group_hidden(model.prefix(prompts), resp, lens, group)
     assert_fp32_close(got, want, "packed hidden states", FORWARD_TERMS)
+
+
+def test_a_claimed_job_never_runs_a_unit_twice(tiny_dir, proc, monkeypatch):
+    """A consumer claims a job the hook has run part of, between the step that admitted its next chunk and
+    that chunk's launch: the chunk is dropped, the consumer runs the rest, the hook never runs a unit of it
+    again (it goes on with the other job), and the accounting counts the claimed work apart."""
+    from types import SimpleNamespace
+
+    from rollplex.cosched import CoScheduler
+
+    model = load_model(tiny_dir).eval()
+    prompts = [row_to_inputs(proc, r) for r in ROWS[:4]]
+    with torch.no_grad():
+        want = model.prefix(prompts[:2])
+    a, b = PrefixRows.plan(model, prompts, per_job=2, key="ref").jobs
+    runs: dict[tuple[str, int], int] = {}
+    unit = PrefixJob._unit
+
+    def counted(self, u):
+        runs[self.key, u] = runs.get((self.key, u), 0) + 1
+        return unit(self, u)
+
+    monkeypatch.setattr(PrefixJob, "_unit", counted)
+    one_unit = CoschedConfig(slowdown_bound=0.9, baseline_samples=1, initial_budget=50.0, max_chunk_ms=1e-9,
+                             max_in_flight=1, serial_after=1000, reprobe_every=0)
+    sched = CoScheduler(one_unit, torch.device("cpu"))
+    sched.begin([(a, 0), (b, 1)])
+    info = lambda s: SimpleNamespace(step=s, batch_size=4, last_period_ms=None if s == 0 else 10.0)  # noqa: E731
+    s = 0
+    while a.next_unit < 2:  # one unit per step once the baseline is measured
+        sched.on_decode_step(info(s))
+        sched.after_decode_launch(info(s))
+        s += 1
+    sched.on_decode_step(info(s))  # admits a's next unit ...
+    assert sched.claim([a]) == []  # ... which the claim drops before its launch (CPU: nothing in flight)
+    sched.after_decode_launch(info(s))
+    assert a.next_unit == 2
+    state = a.complete()  # the consumer runs the rest
+    for t in range(s + 1, s + 3 * b.units):
+        sched.on_decode_step(info(t))
+        sched.after_decode_launch(info(t))
+    assert b.done
+    m = sched.finish()
+    assert runs == {**{("ref/0", u): 1 for u in range(a.units)}, **{("ref/1", u): 1 for u in range(b.units)}}
+    assert m["rollplex/cosched_jobs_claimed"] == 1 and m["rollplex/prefix_claimed_s"] > 0
+    assert m["rollplex/prefix_hidden_s"] + m["rollplex/prefix_claimed_s"] + m["rollplex/prefix_left_s"] + \
+        m["rollplex/prefix_in_flight_s"] == pytest.approx(m["rollplex/prefix_total_s"])
+    assert_fp32_close(state.last_hidden, want.last_hidden, "last hidden", FORWARD_TERMS)

@@ -9,6 +9,8 @@ import pytest
 import torch
 from helpers import assert_fp32_close, assert_weights_close, capture_grads
 
+from rollplex.cosched import CoschedConfig, CoScheduler, PrefixJob
+from rollplex.cosched.controller import AdmissionController
 from rollplex.engine import Engine, EngineConfig, SamplingParams
 from rollplex.memory import MemoryConfig, MemoryManager, PhasePlan
 from rollplex.models import ModelInputs, load_model
@@ -16,7 +18,7 @@ from rollplex.rl.actor import Actor
 from rollplex.rl.batch import RolloutBatch
 from rollplex.rl.config import RLConfig
 from rollplex.rl.fuse_gate import BUCKETS, FuseGate, _Bucket
-from rollplex.rl.pipeline import fused_unsupported
+from rollplex.rl.pipeline import GroupPipeline, fused_unsupported
 from rollplex.rl.step import RLStep, rollout_requests
 from rollplex.tiny import shape_color
 
@@ -29,22 +31,23 @@ def _reward(data_source, text, ground_truth, extra_info):
     return float(len(text) % 3 == 0)  # varied within groups: non-zero advantages
 
 
-def _step(tiny_dir, proc, memory_cfg: MemoryConfig | None = None, **cfg):
+def _step(tiny_dir, proc, memory_cfg: MemoryConfig | None = None, cosched_cfg: CoschedConfig | None = None,
+          seqs: int = 64, **cfg):
     model = load_model(tiny_dir)
     # the accounting backend poisons released regions: reading one outside its phases shows as NaN
     mm = MemoryManager(PhasePlan.releases_only(), backend="accounting") if memory_cfg is not None else None
-    engine = Engine(model, proc, EngineConfig(max_num_seqs=64, max_model_len=256), memory=mm)
+    engine = Engine(model, proc, EngineConfig(max_num_seqs=seqs, max_model_len=256), memory=mm)
     # a small lr: Adam's first steps are ~lr * sign(grad), which turns last-bit noise into lr-sized differences
     base = dict(n=4, max_new_tokens=12, lr=1e-4, kl_coef=0.05, micro_batch_prompts=2, micro_batch_samples=3)
     return RLStep(model, engine, RLConfig(**{**base, **cfg}), proc, reward_fn=_reward, memory=mm,
-                  memory_cfg=memory_cfg)
+                  memory_cfg=memory_cfg, cosched=cosched_cfg)
 
 
-def _run(rl: RLStep) -> tuple[dict, list[dict], dict]:
-    """One whole step on ROWS with LENGTHS: (metrics, gradients at each optimizer step, updated weights)."""
+def _run(rl: RLStep, lengths: list[int] = LENGTHS) -> tuple[dict, list[dict], dict]:
+    """One whole step on ROWS with `lengths`: (metrics, gradients at each optimizer step, updated weights)."""
     grads = capture_grads(rl)
     prompts, params, per_prompt = rollout_requests(rl.processor, ROWS, rl.cfg, rl.step_idx)
-    params = [SamplingParams(n=p.n, max_new_tokens=k, seed=p.seed, ignore_eos=True) for p, k in zip(params, LENGTHS)]
+    params = [SamplingParams(n=p.n, max_new_tokens=k, seed=p.seed, ignore_eos=True) for p, k in zip(params, lengths)]
     _, m = rl.run(prompts, params, **per_prompt)
     return m, grads, {n: p.detach().clone() for n, p in rl.model.named_parameters()}
 
@@ -111,6 +114,95 @@ def test_fused_several_mini_batches_equals_phased(tiny_dir, proc, tail, monkeypa
     assert m["rollplex/fused"] == 1.0 and m["rollplex/fused_groups"] == 6
     assert 2 <= m["rollplex/fused_groups_in_rollout"] <= 3  # only the first mini-batch's groups are trained
     _assert_same_step(fused, phased, updates=4)
+
+
+# the prefix co-scheduler's jobs of two prompts each: ref/0 = prompts 0, 1 (they finish last), ref/1 = 2, 3,
+# ref/2 = 4, 5; groups finish 2, 4, 3, 5, 1, 0, so the first chunk (2, 4) needs ref/1 and ref/2
+COSCHED_LENGTHS = [12, 11, 3, 5, 4, 7]
+# admit eagerly (on CPU a chunk runs inline, so every loaded step is slow): the test is about exactness
+EAGER = CoschedConfig(slowdown_bound=0.9, baseline_samples=1, initial_budget=50.0, max_chunk_ms=1e6,
+                      max_in_flight=2, serial_after=1000, reprobe_every=0, job_prompts=2)
+
+
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
+@pytest.mark.parametrize("extra", [dict(), dict(ppo_mini_batches=2), dict(freeze_vision_tower=True)],
+                         ids=["kl-loss", "old-logprobs", "frozen-vision"])
+def test_fused_with_the_prefix_coscheduler_equals_phased(tiny_dir, proc, tail, monkeypatch, extra):
+    """The co-scheduler as a producer of the pipeline: it runs ref/0 beside decode (its admission is held to
+    that job), while the worker's first chunk, beside decode too, takes ref/1 and ref/2 over from it and runs
+    them itself (with two mini-batches the old policy's jobs too; with the frozen tower over the engine's
+    encodings). Every prefix unit runs once, and the step is the phased one, with or without the co-scheduler
+    (KL as a loss: the reference is scored over the handed-over prefix states)."""
+    phased = _run(_step(tiny_dir, proc, **extra), COSCHED_LENGTHS)
+    phased_co = _run(_step(tiny_dir, proc, cosched_cfg=EAGER, cosched=True, **extra), COSCHED_LENGTHS)
+    assert phased_co[0]["rollplex/prefix_hidden_s"] > 0
+
+    admit = AdmissionController.admit
+
+    def only_ref0(self, *a, **kw):
+        chunks = admit(self, *a, **kw)
+        for c in [c for c in chunks if not c.item.key.startswith("ref/0/")]:
+            self.cancel(c)  # back to the queue: the pipeline's chunks claim it
+        return [c for c in chunks if c.item.key.startswith("ref/0/")]
+
+    runs: dict[tuple[str, int], int] = {}
+    unit = PrefixJob._unit
+
+    def counted(self, u):
+        runs[self.key, u] = runs.get((self.key, u), 0) + 1
+        return unit(self, u)
+
+    monkeypatch.setattr(AdmissionController, "admit", only_ref0)
+    monkeypatch.setattr(PrefixJob, "_unit", counted)
+    rl = _step(tiny_dir, proc, schedule="fused", cosched_cfg=EAGER, cosched=True, **extra)
+    fused = _run(rl, COSCHED_LENGTHS)
+    m = fused[0]
+    assert m["rollplex/fused"] == 1.0 and m["rollplex/fused_groups_in_rollout"] >= 2
+    # both producers ran prefix work: ref/0 beside decode, ref/1 and ref/2 claimed by the worker's first chunk
+    assert m["rollplex/prefix_hidden_s"] > 0 and m["rollplex/cosched_chunks"] > 0
+    assert m["rollplex/prefix_claimed_s"] > 0
+    old = ["old/1", "old/2"] if extra.get("ppo_mini_batches") else []  # the first chunk scores old logprobs too
+    # (old/0 is held back by the admission too: the last chunk or the normal phase runs it)
+    assert m["rollplex/cosched_jobs_claimed"] == 2 if not old else m["rollplex/cosched_jobs_claimed"] >= 4
+    assert m["rollplex/prefix_hidden_s"] + m["rollplex/prefix_in_flight_s"] + m["rollplex/prefix_claimed_s"] + \
+        m["rollplex/prefix_left_s"] == pytest.approx(m["rollplex/prefix_total_s"])
+    keys = ["ref/0", "ref/1", "ref/2"] + (["old/0", *old] if old else [])
+    assert sorted({k for k, _ in runs}) == sorted(keys) and set(runs.values()) == {1}
+    updates = extra.get("ppo_mini_batches", 1)
+    _assert_same_step(fused, phased, updates=updates)
+    _assert_same_step(fused, phased_co, updates=updates)
+
+
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
+def test_a_chunk_waits_for_the_prefill_of_its_jobs_prompts(tiny_dir, proc, monkeypatch):
+    """Frozen tower, one prompt decoding at a time: the first chunk (group 0) needs ref/0, whose prompt 1 the
+    engine prefills only once group 0 is done, with the encodings the job takes. The worker claims it while
+    decode is held, waits for that prefill, then takes the job over; the step is the phased one."""
+    import threading
+
+    extra = dict(freeze_vision_tower=True, micro_batch_prompts=1)
+    phased = _run(_step(tiny_dir, proc, seqs=4, **extra))
+    claim, claiming, waited = CoScheduler.claim, threading.Event(), []
+
+    def spy(self, jobs, cancelled=None):
+        waited.append(bool({j.key for j in jobs} & self._pending_jobs.keys()))
+        claiming.set()
+        return claim(self, jobs, cancelled)
+
+    add = GroupPipeline.add
+
+    def held_add(self, i, output):
+        add(self, i, output)
+        if len(self.order) == 1:  # decode (and the next prompt's prefill) waits until the worker claims
+            assert claiming.wait(60)
+
+    monkeypatch.setattr(CoScheduler, "claim", spy)
+    monkeypatch.setattr(GroupPipeline, "add", held_add)
+    rl = _step(tiny_dir, proc, seqs=4, schedule="fused", cosched_cfg=EAGER, cosched=True, **extra)
+    fused = _run(rl)
+    assert waited[0] and fused[0]["rollplex/cosched_jobs_waiting"] == 0
+    assert fused[0]["rollplex/fused"] == 1.0 and fused[0]["rollplex/cosched_jobs_claimed"] >= 1
+    _assert_same_step(fused, phased)
 
 
 def test_fused_data_parallel_equals_phased(tmp_path, tiny_dir):
@@ -241,8 +333,13 @@ def test_fused_unsupported_names_the_reason():
     assert "whitens" in fused_unsupported(RLConfig(adv_estimator="reinforce_plus_plus"))
     assert "gspo" in fused_unsupported(RLConfig(policy_loss="gspo", kl_coef=0.1))
     assert fused_unsupported(RLConfig(policy_loss="gspo", kl_coef=0.1, use_kl_loss=False)) is None
-    with pytest.raises(ValueError, match="choose one"):
-        RLConfig(schedule="fused", cosched=True)
+    RLConfig(schedule="fused", cosched=True)  # one process: the co-scheduler feeds the pipeline
+    from rollplex.parallel.step_runtime import StepRuntime
+
+    with pytest.raises(ValueError, match="one process only"):
+        StepRuntime.check(RLConfig(schedule="fused", cosched=True))
+    StepRuntime.check(RLConfig(schedule="fused"))
+    StepRuntime.check(RLConfig(cosched=True))
     with pytest.raises(ValueError, match="fuse_below"):
         RLConfig(fuse_below=0.0)
     with pytest.raises(ValueError, match="schedule"):

@@ -35,8 +35,9 @@ has one no-overlap step time):
   nothing is admitted for `oom_cooldown_steps`; whatever is never admitted runs in its normal phase.
 
 Accounting: hidden = estimated standalone cost of the chunks finished beside decode; overhead = the
-decode time added over the baseline; hidden + in flight + left = total, where "left" runs in its
-normal phase (`WorkQueue.remaining`).
+decode time added over the baseline; hidden + in flight + claimed + left = total, where "claimed" is
+work a consumer took away before it was admitted (the fused schedule's pipeline, which runs it itself:
+`claimed`) and "left" runs in its normal phase (`WorkQueue.remaining`).
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ class AdmissionController:
     _step: int = -1  # the last step admit() saw
     _stats: dict[str, float] = field(default_factory=lambda: dict(
         hidden_ms=0.0, overhead_ms=0.0, slowdown_sum=0.0, slowdown_max=0.0, loaded_measured=0, measured=0,
-        admitted=0, ooms=0))
+        admitted=0, ooms=0, claimed_ms=0.0))
 
     def bucket_of(self, batch_size: int) -> int:
         edges = self.config.buckets
@@ -267,6 +268,13 @@ class AdmissionController:
         del self._in_flight[id(chunk)]
         self.queue.put_back(chunk)
 
+    def claimed(self, cost_ms: float, chunk: Chunk | None = None) -> None:
+        """Work of `cost_ms` was taken away by its consumer (`WorkQueue.claim`), or (`chunk`) an admitted chunk
+        that was not launched: it is neither hidden nor left."""
+        if chunk is not None:
+            del self._in_flight[id(chunk)]
+        self._stats["claimed_ms"] += cost_ms
+
     def oom(self, chunk: Chunk) -> None:
         """The chunk failed for memory (memory is shared by all buckets, so all back off): requeue it,
         halve every budget and admit nothing for the cool-down."""
@@ -291,12 +299,14 @@ class AdmissionController:
 
     def metrics(self) -> dict[str, float]:
         """Hidden = estimated standalone cost of chunks finished beside decode; left = work that runs
-        in its normal phase; overhead = decode time added over the baseline (the price of hiding)."""
+        in its normal phase; claimed = work its consumer took away and ran itself, not beside decode;
+        overhead = decode time added over the baseline (the price of hiding)."""
         s, n = self._stats, self._stats["loaded_measured"]
         return {
             "rollplex/prefix_hidden_s": s["hidden_ms"] / 1e3,
             "rollplex/prefix_in_flight_s": self.in_flight_ms() / 1e3,
             "rollplex/prefix_left_s": self.queue.left_ms() / 1e3,
+            "rollplex/prefix_claimed_s": s["claimed_ms"] / 1e3,
             "rollplex/prefix_total_s": self.queue.total_ms() / 1e3,
             "rollplex/decode_overhead_s": s["overhead_ms"] / 1e3,
             # the bounded quantity: mean over every measured decode step (a clean one adds nothing)

@@ -17,6 +17,14 @@ queue and the controller backs off; `finish()` leaves whatever was never admitte
 normally runs it (`PrefixRows.gather` completes it there) — except a sharded model's sweep, whose rest
 runs at once on every rank (sharded.py) — joins the streams, and returns metrics.
 
+Under the fused schedule the co-scheduler is one producer of the step's pipeline of groups (rl/pipeline.py):
+a chunk of finished groups scored on the pipeline's worker thread may need a job before it is done. The
+worker then `claim`s it: under the lock the hook holds while it admits, launches and polls, the job's
+pending units leave the queue and its admitted chunks not yet launched are dropped, so the hook never
+runs a unit of it again; the worker's stream waits for the job's chunks in flight (their CUDA events)
+and the worker runs the rest (rl/handover.py `claim_handover`). Claimed work is counted apart from the
+hidden and the left (`rollplex/prefix_claimed_s`, `rollplex/cosched_jobs_claimed`).
+
 Costs are FLOP estimates over a throughput (TFLOP/s) calibrated from standalone runs of the same
 work (`calibrate`), so the controller's budgets are in standalone milliseconds. On CPU there is no
 second stream: chunks run inline, which keeps the logic (and its exactness) testable.
@@ -25,6 +33,7 @@ second stream: chunks run inline, which keeps the logic (and its exactness) test
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -72,6 +81,9 @@ class CoScheduler:
         self.decode_stream = torch.cuda.Stream(self.device, priority=-100) if self.cuda else None
         self.timeline: Timeline | None = None
         self._active = False
+        # the hook (the decode loop's thread) and `claim` (the fused pipeline's worker) share the queue and
+        # the jobs: whatever one of them reads or changes of either, it does holding this
+        self._lock = threading.RLock()
 
     # ---- a rollout --------------------------------------------------------------------------
     def begin(self, jobs: list[tuple[PrefixJob, int]], timeline: Timeline | None = None,
@@ -79,8 +91,13 @@ class CoScheduler:
         """Start a rollout's work: (job, priority) pairs. A job with prompts among `prefilled` (the
         engine's, asked to keep their vision encodings) is admitted once the engine has prefilled them,
         and takes their encodings instead of running a vision tower."""
+        with self._lock:
+            self._begin(jobs, timeline, prefilled)
+
+    def _begin(self, jobs: list[tuple[PrefixJob, int]], timeline: Timeline | None, prefilled: Sequence) -> None:
         self.queue = WorkQueue()
         self.ctrl = AdmissionController(self.config, self.queue)
+        self._claimed_jobs = 0
         self.timeline = timeline
         self.jobs: dict[str, PrefixJob] = {}
         self._waiting: dict[int, list[tuple[PrefixJob, int, object]]] = {}  # id(prompt) -> (job, row, what runs it)
@@ -129,6 +146,10 @@ class CoScheduler:
     def on_prefill(self, requests) -> None:
         if not self._active or not self._waiting:
             return
+        with self._lock:
+            self._prefilled(requests)
+
+    def _prefilled(self, requests) -> None:
         for req in requests:
             for member, r, job in self._waiting.pop(id(req.inputs), []):
                 if req.vision_embeds is None:
@@ -148,6 +169,10 @@ class CoScheduler:
     def on_decode_step(self, info) -> None:
         if not self._active:
             return
+        with self._lock:
+            self._admit(info)
+
+    def _admit(self, info) -> None:
         self._poll()
         # only end-to-end periods between consecutive decode steps: the first step after a prefill or an
         # idle gap has none (its own duration includes start-up effects and would inflate the baseline)
@@ -159,6 +184,10 @@ class CoScheduler:
     def after_decode_launch(self, info) -> None:
         if not self._active or not self._to_launch:
             return
+        with self._lock:  # a claim waits until the chunks are launched (on CPU: run)
+            self._launch_all()
+
+    def _launch_all(self) -> None:
         chunks, self._to_launch = self._to_launch, []
         t0 = time.perf_counter()
         for i, c in enumerate(chunks):
@@ -220,11 +249,62 @@ class CoScheduler:
             self.timeline.device_span("cosched", f"{chunk.item.key}[{chunk.start}:{chunk.stop}]", m0, m1,
                                       est_ms=round(chunk.cost_ms, 3))
 
+    # ---- a consumer that cannot wait ----------------------------------------------------------
+    def claim(self, jobs: Sequence[PrefixJob], cancelled=None) -> list:
+        """Take `jobs` away from beside decode: a consumer on another thread (the fused schedule's pipeline)
+        needs them now and runs what is left of them itself (`PrefixJob.complete`, on its own stream). Their
+        pending units leave the queue and their admitted chunks not yet launched are dropped, so the hook
+        never runs a unit of them again; a chunk being launched finishes launching first (the lock). Returns
+        the CUDA events the consumer's stream must wait for before it runs or reads them: the ends of their
+        chunks in flight and the prefill their vision encodings come from (none on CPU, where a chunk runs
+        inline). A job whose prompts the engine has yet to prefill is waited for (polling; `cancelled()`
+        true ends the wait with a RuntimeError). Claimed work counts as claimed, not hidden nor left."""
+        keys = {j.key for j in jobs}
+        while True:
+            with self._lock:
+                if not self._active:  # no rollout: nothing runs beside decode, whatever ran is on the side stream
+                    return [self._side_event()] if self.cuda else []
+                if not keys & self._pending_jobs.keys():
+                    return self._claim(keys)
+            if cancelled is not None and cancelled():
+                raise RuntimeError("the rollout ended before the engine prefilled the prompts of a claimed job")
+            time.sleep(1e-3)
+
+    def _claim(self, keys: set[str]) -> list:
+        events, claimed = [], set()
+        for k, item in self.queue.items.items():
+            key = k.rsplit("/", 1)[0]
+            if key in keys and (units := self.queue.claim(k)):
+                self.ctrl.claimed(units * item.unit_ms)
+                claimed.add(key)
+        keep = []
+        for c in self._to_launch:
+            key = c.item.key.rsplit("/", 1)[0]
+            if key in keys:
+                self.ctrl.claimed(c.cost_ms, c)
+                claimed.add(key)
+            else:
+                keep.append(c)
+        self._to_launch = keep
+        self._claimed_jobs += len(claimed)
+        events += [end for _, job, _, end in self._inflight if job.key in keys and end is not None]
+        events += [self._ready_event.pop(k) for k in keys if k in self._ready_event]
+        return events
+
+    def _side_event(self):
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
     # ---- end of the rollout -----------------------------------------------------------------
     def finish(self) -> dict[str, float]:
         """Stop admitting; the main stream waits for the chunks in flight, whose results it will read."""
         if not self._active:
             return {}
+        with self._lock:
+            return self._finish()
+
+    def _finish(self) -> dict[str, float]:
         self._active = False
         lockstep_s = self._complete_lockstep()
         if self.cuda:
@@ -248,6 +328,7 @@ class CoScheduler:
         if lockstep_s is not None:
             m["rollplex/prefix_sweep_rollout_end_s"] = lockstep_s
         m["rollplex/cosched_jobs_waiting"] = float(len(self._pending_jobs))
+        m["rollplex/cosched_jobs_claimed"] = float(self._claimed_jobs)
         return m
 
     def _complete_lockstep(self) -> float | None:

@@ -6,7 +6,8 @@ into `size` units (tokens or layers) of equal estimated cost, and never into pie
 `min_units`. The queue cuts chunks of a requested cost from the highest-priority item first (lower
 `priority` runs first: the reference prefix before the actor's encodings, since the reference has
 no other use for its idle phase). A chunk that fails is put back as a range, so whatever is never
-admitted stays pending and runs in the item's normal phase.
+admitted stays pending and runs in the item's normal phase. A consumer that needs an item before the
+queue has handed all of it out takes the rest away (`claim`): no chunk of it is cut afterwards.
 """
 
 from __future__ import annotations
@@ -102,6 +103,13 @@ class WorkQueue:
             if b > stop:
                 out.append((stop, b))
         self.pending[key] = out
+
+    def claim(self, key: str) -> int:
+        """Take away an item's pending units (whoever claims them runs them): no chunk of them is cut again;
+        how many there were."""
+        units = sum(b - a for a, b in self.pending[key])
+        self.pending[key] = []
+        return units
 
     def remaining(self, key: str) -> list[tuple[int, int]]:
         """Unit ranges of an item that were never done beside decode: its normal phase runs these."""

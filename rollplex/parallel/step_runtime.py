@@ -53,6 +53,11 @@ class StepRuntime:
         if cfg.uses_critic:
             raise ValueError("adv_estimator='gae' trains a critic on one process only: a data-parallel step "
                              "supports the critic-free estimators")
+        if cfg.cosched and cfg.schedule == "fused":
+            # each rank co-schedules the prefixes its engine prefilled, a sharded model's as one sweep in
+            # lockstep with the other ranks': a chunk's worker cannot take a job over without a collective
+            raise ValueError("cosched with schedule='fused' runs on one process only: a data-parallel step "
+                             "co-schedules prefixes with schedule='phased', or fuses without cosched")
 
     def reference(self, model: Qwen25VL, ref: Qwen25VL | None, wanted: bool, region) -> Qwen25VL | None:
         """`ref` as given or (`wanted`) a copy of `model`, sharded like the trainer into the region `region()`

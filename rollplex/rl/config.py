@@ -152,7 +152,8 @@ class RLConfig:
     freeze_vision_tower: bool = False
     # rollplex mode: run the reference's prefix (vision + prompt prefill; the old policy's too when
     # num_updates > 1) beside the rollout's decode steps on spare device capacity (rollplex.cosched), and
-    # hand the prefix states to scoring; same values as without it
+    # hand the prefix states to scoring; same values as without it. Under schedule="fused" each chunk of
+    # finished groups reads its prompts' prefix states, taking over the jobs not finished yet (rl/handover.py)
     cosched: bool = False
     # how a whole step (`RLStep.step`) runs its stages (rl/pipeline.py): "phased" rolls out, then scores and
     # trains the batch; "fused" feeds each prompt group, as its samples finish, through the reward, the
@@ -224,9 +225,6 @@ class RLConfig:
             raise ValueError("lr and grad_clip must be > 0")
         if self.cosched and self.mode != "rollplex":
             raise ValueError("cosched needs mode='rollplex' (it hands shared prefix states to scoring)")
-        if self.cosched and self.schedule == "fused":
-            raise ValueError("schedule='fused' runs the reference's whole scoring beside the rollout; the prefix "
-                             "co-scheduler (cosched) is for the phased schedule: choose one")
         if not 0.0 < self.fuse_below <= 1.0:
             raise ValueError("fuse_below must be within (0, 1]")
         if self.fuse_chunk_tokens is not None and self.fuse_chunk_tokens < 1:

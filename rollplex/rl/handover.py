@@ -7,6 +7,15 @@ reference's, and the old policy's when several updates need old logprobs — are
 run standalone in their normal phase (`complete_handover`), and their time calibrates the
 co-scheduler's cost estimates. Without cosched nothing is planned and the rollout runs as is.
 
+The co-scheduler is one producer of the step's pipeline of groups: under the fused schedule
+(rl/schedule.py `Fused`) the same jobs are planned and run beside decode, and each chunk of finished
+groups, scored on the pipeline's worker thread while the rollout goes on, reads its prompts' rows of the
+handover (`claim_handover`). A job that chunk needs and the co-scheduler has not finished is taken over:
+under the co-scheduler's lock its pending units leave the queue (`CoScheduler.claim`), the worker's stream
+waits for its chunks in flight on the co-scheduler's stream, and the worker runs the rest. No unit runs
+twice or on two streams at once, and the values are the same whoever runs a unit. Whatever no chunk
+claimed while the rollout ran completes in its normal phase, after the rollout, as in the phased step.
+
 Under a data-parallel runtime each rank plans its share of the prompts (those its engine prefilled:
 `Runtime.share`): on a model it holds whole alone, on a sharded one as a sweep in lockstep with the
 other ranks' (`Runtime.reference_gather`, `Runtime.old_policy`).
@@ -15,7 +24,7 @@ other ranks' (`Runtime.reference_gather`, `Runtime.old_policy`).
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 
 import torch
@@ -24,17 +33,18 @@ from ..cosched import PrefixRows
 from .batch import RolloutBatch
 
 
-def plan_handover(step, prompts: list, frozen: bool) -> dict[str, PrefixRows]:
+def plan_handover(step, prompts: list, frozen: bool, ref_resident: bool = False) -> dict[str, PrefixRows]:
     """Prefix jobs to run beside decode, by consumer: the reference's (when the memory plan keeps its
-    weights resident during the rollout) and the old policy's (several updates per rollout). frozen: the
-    prompts carry the engine's vision encodings (`RLStep.keeps_vision`)."""
+    weights resident during the rollout, or `ref_resident`: the fused schedule holds them there) and the
+    old policy's (several updates per rollout). frozen: the prompts carry the engine's vision encodings
+    (`RLStep.keeps_vision`)."""
     cfg, out = step.cfg, {}
     if not cfg.cosched or step.engine is None:
         return out
     per_job = step.cosched.config.job_prompts
     only = step.runtime.share(len(prompts))
     if step.ref is not None and cfg.kl_coef > 0 and (
-            step.memory is None or step.memory.plan.get("rollout", "ref_weights") == "resident"):
+            ref_resident or step.memory is None or step.memory.plan.get("rollout", "ref_weights") == "resident"):
         # a frozen tower's encodings come from the engine's prefill, unless the reference's tower differs
         shared = frozen and step._ref_same_vision
         ref_prompts = prompts if shared or not frozen else [replace(p, vision_embeds=None) for p in prompts]
@@ -47,10 +57,11 @@ def plan_handover(step, prompts: list, frozen: bool) -> dict[str, PrefixRows]:
 
 
 @contextmanager
-def co_scheduled(step, handover: dict[str, PrefixRows], prefilled):
-    """The rollout in the body with the handover's jobs beside its decode (decode on a high-priority stream);
-    afterwards `step.rollout_metrics` holds the co-scheduler's metrics (none without jobs). prefilled: the
-    prompts whose vision encodings the engine's prefill provides."""
+def co_scheduled(step, handover: dict[str, PrefixRows], prefilled, priority: bool = True):
+    """The rollout in the body with the handover's jobs beside its decode (with `priority`, decode on a
+    high-priority stream; without, the body enters it); afterwards `step.rollout_metrics` holds the
+    co-scheduler's metrics (none without jobs). prefilled: the prompts whose vision encodings the engine's
+    prefill provides."""
     jobs = [(job, i) for i, job in enumerate(j for rows in handover.values() for j in rows.jobs)]
     if not jobs:
         yield
@@ -59,7 +70,7 @@ def co_scheduled(step, handover: dict[str, PrefixRows], prefilled):
     step.cosched.begin(jobs, step.timeline, prefilled=prefilled)
     step.engine.hooks.append(step.cosched)
     try:
-        with step.cosched.decode_priority():
+        with step.cosched.decode_priority() if priority else nullcontext():
             yield
     finally:
         step.engine.hooks.remove(step.cosched)
@@ -86,3 +97,29 @@ def complete_handover(step, batch: RolloutBatch, key: str, m: dict) -> None:
     if left:
         step.cosched.calibrate(flops, dt)
     m[f"rollplex/prefix_{key}_normal_phase_s"] = dt
+
+
+def claim_handover(step, handover: dict[str, PrefixRows], prompt_ids: list[int], cancelled=None) -> dict:
+    """The handover's rows of prompts `prompt_ids` (a chunk's `RolloutBatch.prefix`), every job covering them
+    done: the fused pipeline's consumer side, on the caller's thread and current stream. Jobs the
+    co-scheduler has not finished are claimed from it (`CoScheduler.claim`: it never runs their units
+    again), the current stream waits for their chunks in flight, and the rest of their units runs here.
+    cancelled: see `CoScheduler.claim`."""
+    if not handover:
+        return {}
+    rows = {k: r.select(prompt_ids) for k, r in handover.items()}
+    jobs = list({id(j): j for r in rows.values() for j in r.jobs}.values())
+    events = step.cosched.claim(jobs, cancelled)
+    if step.device.type == "cuda":
+        cur = torch.cuda.current_stream(step.device)
+        for ev in events:
+            cur.wait_event(ev)
+        # made on the co-scheduler's stream (or the prefill's), read and freed on this one: the allocator
+        # must not hand their blocks to the co-scheduler's next chunk before this stream is done with them
+        for j in jobs:
+            for t in j.tensors():
+                t.record_stream(cur)
+    with torch.no_grad():
+        for j in jobs:
+            j.complete()
+    return rows

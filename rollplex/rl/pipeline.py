@@ -19,6 +19,13 @@ runs of the finishing order whoever runs them, so the result does not depend on 
 equals the phased step up to the order of the gradient sums and one division (rl/actor.py
 `accumulate_groups`, `apply_groups`).
 
+With the prefix co-scheduler (`RLConfig.cosched`) the reference's prompt prefixes (and the old policy's,
+several updates per rollout) are planned as prefix jobs and run beside decode as in the phased step; the
+co-scheduler is one producer of this pipeline. A chunk's scoring reads its prompts' prefix states from
+that handover (`claim_handover`, rl/handover.py): a job the co-scheduler has not finished yet is taken
+over from it under its lock (its pending units leave its queue, the chunk's stream waits for its chunks
+in flight) and finished by the chunk's thread, so no unit runs twice and the values do not change.
+
 Where the chunks run (RLConfig.schedule = "fused"): those completed while the rollout decodes go
 through the stages on a worker thread, on a side stream — on a GPU the stream of a green context of
 `fuse_sms` SMs (or the partition `fuse_sms_by_batch` gives the decode batch at the chunk's start), so
@@ -65,6 +72,7 @@ from .batch import RolloutBatch
 from .config import RLConfig
 from .errors import TrainOOM, is_oom
 from .fuse_gate import FuseGate
+from .handover import claim_handover
 
 BATCH_WIDE = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")  # whiten advantages over the batch
 # the decode loop's host work waits for the GIL while the worker launches kernels: switch threads often
@@ -107,11 +115,12 @@ class GroupPipeline:
 
     def __init__(self, step, prompts: list, samples: list[int], per_prompt: dict, rewards, stream=None,
                  timeline=None, expected: int | None = None, trained: int | None = None,
-                 gate: FuseGate | None = None, stream_for=None):
+                 gate: FuseGate | None = None, stream_for=None, handover: dict | None = None):
         """expected: how many groups this pipeline gets (default: all; a data-parallel rank its share);
         trained: how many of them, the first to finish, are trained (default: the first mini-batch's);
         gate: admission beside decode (default: always); stream_for(sms): the side stream of a partition
-        of `sms` SMs (default: `stream` whatever the partition)."""
+        of `sms` SMs (default: `stream` whatever the partition); handover: the co-scheduler's prefix rows
+        of the prompts, by consumer (rl/handover.py; default: none, scoring runs the prefixes)."""
         self.step, self.prompts, self.per_prompt, self.rewards = step, prompts, per_prompt, rewards
         self.cfg = cfg = step.cfg
         self.expected = len(prompts) if expected is None else expected
@@ -126,6 +135,7 @@ class GroupPipeline:
         self.cuda = stream is not None
         self.gate = gate if gate is not None else FuseGate()
         self.stream_for = stream_for
+        self.handover = handover or {}
         self._streams = [stream] if stream is not None else []  # the side streams chunks ran on
         self._held = False  # a chunk is ready but the gate holds it: decode steps wake the worker
         self.outputs: dict[int, object] = {}
@@ -307,6 +317,9 @@ class GroupPipeline:
         st, cfg = self.step, self.cfg
         trained = self.taken - len(ids) < self.trained  # a chunk never straddles the end of the groups trained
         chunk = self.chunk_batch(ids)
+        # the co-scheduler's prefix states of these prompts, taken over where it has not finished them (a
+        # worker that waits for a prefill gives up once the rollout is stopped)
+        chunk.prefix = claim_handover(st, self.handover, ids, lambda: self._stopping)
         scores, reward_metrics = self.rewards(chunk, ids)
         chunk.rewards = scores
         train_b, ref_b = st.training_views(chunk)
@@ -315,6 +328,7 @@ class GroupPipeline:
         # several updates: the ratio's denominator, by the weights the rollout sampled from (phased scores it
         # before the first optimizer step too)
         old = rt.fused_old_logprobs(st.model, st.actor, train_b, cfg) if cfg.num_updates > 1 else None
+        chunk.prefix.clear()  # consumed (the views share the dict): the update runs its own prefixes
         penalty, _, _ = st.kl_reward_penalty(chunk, ref, cfg)
         adv, seq_rewards = compute_advantages(cfg.adv_estimator, scores, chunk.group, chunk.mask, penalty,
                                               cfg.norm_adv_by_std, cfg.gamma, cfg.singleton_adv)

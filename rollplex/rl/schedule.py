@@ -6,6 +6,10 @@
              (rl/pipeline.py `GroupPipeline`), then the first mini-batch's optimizer step and the
              other mini-batches as phased runs them; equal to phased up to summation order
 
+Both run the prefix co-scheduler beside their rollout when `cfg.cosched` (rl/handover.py): Phased through
+`RLStep.generate`, Fused around its pipeline — the chunks read the prefix states it hands over and take
+over the jobs it has not finished when they need them; what no chunk claimed runs after the rollout.
+
 `schedule_of(cfg)` picks one by `RLConfig.schedule`; `RLStep.run` hands it the step, the prompts and
 their sampling parameters, the reward function and the metrics to fill, and returns what it returns:
 the rolled-out batch with its rewards. A schedule asks the step's runtime (rl/runtime.py) where the
@@ -29,6 +33,7 @@ from .batch import RolloutBatch
 from .config import RLConfig
 from .errors import TrainOOM
 from .fuse_gate import FuseGate, parse_sms_by_batch
+from .handover import co_scheduled, complete_handover, plan_handover
 from .pipeline import GroupPipeline, fallback_on, fused_unsupported
 from .timing import phase_timer as _timer
 
@@ -109,34 +114,52 @@ class Fused:
     def _fused_step(self, step, prompts: list, params: list, rewards, per_prompt: dict, m: dict) -> RolloutBatch:
         cfg, tl, rt, actor = step.cfg, step.timeline, step.runtime, step.actor
         ref = step.ref if step.uses_reference(cfg) else None
+        # the prefix co-scheduler (cfg.cosched) as one producer of the pipeline: its jobs run beside decode and
+        # each chunk reads (or takes over) the prefix states of its prompts; the reference stays resident
+        # through the rollout here (`fused_regions`), so its prefixes are planned whatever the memory plan
+        frozen = step.keeps_vision
+        handover = plan_handover(step, prompts, frozen, ref_resident=True)
         # this runtime's groups (a data-parallel rank: its engine's share), and how many of them are the first
         # mini-batch's
         mine, trained = rt.fused_share(len(prompts), mini_batch_sizes(len(prompts), cfg.ppo_mini_batches)[0])
         pipe = GroupPipeline(step, prompts, [p.n for p in params], per_prompt, rewards, self._side_stream(step), tl,
-                             len(mine), trained, self._gate(cfg), lambda sms: self._side_stream(step, sms))
-        marks = DecodeMarks(tl) if tl is not None and step.engine is not None else None
+                             len(mine), trained, self._gate(cfg), lambda sms: self._side_stream(step, sms), handover)
+        # the decode lane of the timeline: the co-scheduler draws it when it runs (with what it admitted)
+        marks = DecodeMarks(tl) if tl is not None and step.engine is not None and not handover else None
         hooked = [h for h in (pipe, marks) if h is not None and step.engine is not None]  # the gate hears decode
         with _timer(m, "gen", step.device, tl):  # in the rollout phase, entered by `_fused`
             rt.begin_fused(actor, ref)  # data-parallel: trainer and reference gathered, no collective until the end
-            pipe.start()
-            for h in hooked:
-                step.engine.hooks.append(h)
-            done = False
-            try:
-                with step.cosched.decode_priority():  # decode on a high-priority stream
-                    outs = rt.generate(prompts, params, keep_vision=step.keeps_vision, on_output=pipe.add)
-                done = True
-            finally:
-                pipe.stop()
+            # the co-scheduler finishes (its metrics, the main stream joins its stream) after the worker stopped:
+            # no claim comes in while it settles
+            with co_scheduled(step, handover, prompts if frozen else (), priority=False):
+                pipe.start()
                 for h in hooked:
-                    step.engine.hooks.remove(h)
-                if marks is not None:
-                    marks.close()
-                if not done:  # a failed rollout: what the chunks accumulated goes with it
-                    rt.abort_fused(actor, ref)
-                    actor.discard_groups()
+                    step.engine.hooks.append(h)
+                done = False
+                try:
+                    with step.cosched.decode_priority():  # decode on a high-priority stream
+                        outs = rt.generate(prompts, params, keep_vision=frozen, on_output=pipe.add)
+                    done = True
+                finally:
+                    pipe.stop()
+                    for h in hooked:
+                        step.engine.hooks.remove(h)
+                    if marks is not None:
+                        marks.close()
+                    if not done:  # a failed rollout: what the chunks accumulated goes with it
+                        rt.abort_fused(actor, ref)
+                        actor.discard_groups()
+        m.update(step.rollout_metrics)
         batch = step.rollout_batch(prompts, outs, **per_prompt)
+        batch.prefix = handover
         with _timer(m, "fused_tail", step.device, tl):
+            # prefix work no chunk claimed beside decode: in its normal phase, as the phased step runs it
+            # (standalone, which calibrates the co-scheduler); the chunks left then find it done
+            try:
+                for key in handover:
+                    complete_handover(step, batch, key, m)
+            except BaseException as e:  # noqa: BLE001 - as a fused stage's: chunks dropped, out of memory runs phased
+                pipe.error = pipe.error or e
             pipe.drain()
         # every rank agrees whether some rank's stage failed, then the gradients are reduced once
         err = pipe.error
@@ -152,7 +175,8 @@ class Fused:
                 raise pipe.error
             log.warning("fused schedule: a stage ran out of device memory (%s); this step runs phased", pipe.error)
             m["rollplex/fused"], m["rollplex/fused_fallback_oom"] = 0.0, 1.0
-            return Phased.after_rollout(step, batch, rewards, m)
+            return Phased.after_rollout(step, batch, rewards, m)  # reads the handover's prefix states
+        batch.prefix = {}  # consumed by the chunks: free them before the update
         results, counts = rt.fused_results(pipe)  # every rank's chunks; None: this pipeline's are all
         pipe.resolve_times()
         assert len(mine) < len(prompts) or pipe.order == batch.finish_order(), "the first mini-batch is trained"

@@ -17,7 +17,8 @@ moved after each step that changed the weights (`actor/reward_kl_penalty[_coeff]
 
 With `cosched` (rollplex mode) the reference's prefix — and the old policy's when several updates
 need old logprobs — runs beside the rollout's decode steps (rollplex.cosched, rl/handover.py), and
-scoring reads the prefix states it handed over in `RolloutBatch.prefix` instead of recomputing them. With
+scoring reads the prefix states it handed over in `RolloutBatch.prefix` instead of recomputing them (under
+the fused schedule each chunk of finished groups reads its prompts' states, rl/schedule.py). With
 `freeze_vision_tower` the engine keeps its prefill's vision encodings and, in rollplex mode, the
 batch's prompts carry them (`ModelInputs.vision_embeds`), so the reference and the actor skip their
 vision passes: one vision-tower pass per prompt per step.
