@@ -314,7 +314,10 @@ def parser() -> ConfigParser:
                                                    "w3b-video)",
                             "fuse_chunk_tokens": "fused: a chunk of groups also closes at this many tokens",
                             "compile": "torch.compile the model and the engine's decode; default: on cuda",
-                            "compile_decode": "default: as --compile"})
+                            "compile_decode": "default: as --compile",
+                            "memory_plan": "resident: nothing moves (the default; with --adv-estimator gae: auto); "
+                                           "auto: the cheapest residency plan that fits; release: KV cache and "
+                                           "gradients released when idle"})
     ap.add_argument("--preset", default="qwen2.5-vl-3b", help="a preset name or an HF config.json")
     ap.add_argument("--workloads", default="w3b,w3b-video,w3b-tail,w3b-video-tail")
     ap.add_argument("--modes", default="serial,rollplex,fused",
