@@ -105,19 +105,27 @@ def test_step_bench_without_warm_up_times_the_first_step(tiny_dir, capsys):
 
 def test_step_bench_reports_the_critics_cost(tiny_dir, capsys):
     """PPO with a critic (adv_estimator gae): each mode's row carries the critic's values scoring and update;
-    a table sets them side by side."""
+    a table sets them side by side. gae runs under the phase-aware plan (the memory flags reach it): here the
+    critic and the reference offloaded where they are not read, which the accounting backend poisons, so a
+    row that read a region the bench left paused would report a NaN loss."""
     from rollplex.bench import step
 
+    offload = "critic_weights:rollout=offloaded,critic_optimizer:*=offloaded,ref_weights:*=offloaded"
     step.main(["--preset", f"{tiny_dir}/config.json", "--workloads", "w3b", "--no-warm", "--vision", "frozen",
-               "--modes", "serial,rollplex", "--adv-estimator", "gae", "--kl-coef", "0", *STEP_ARGS])
+               "--modes", "serial,rollplex", "--adv-estimator", "gae", "--kl-coef", "0.01", "--memory-overrides",
+               offload, *STEP_ARGS])
     out = capsys.readouterr().out
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    setup = next(r for r in rows if r["bench"] == "step_setup")
+    assert setup["memory_plan"] == "auto" and setup["memory_backend"] == "accounting"
     ours = [r for r in rows if r["bench"] == "step" and r["workload"] == "w3b"]
     assert [r["mode"] for r in ours] == ["serial", "rollplex"]
     assert all(r["values_s"] > 0 and r["update_critic_s"] > 0 and math.isfinite(r["vf_loss"]) for r in ours)
+    assert all(r["memory_plan"] == f"auto + {offload}" and math.isfinite(r["kl_loss"]) for r in ours)
+    assert ours[1]["grad_norm"] == pytest.approx(ours[0]["grad_norm"], rel=1e-4)
     (summary,) = [r for r in rows if r["bench"] == "step_summary"]
     assert summary["serial_critic_s"] > 0 and summary["rollplex_critic_s"] > 0
-    assert "| serial s (critic s) | rollplex s (critic s) |" in out
+    assert "| serial s (critic s) | rollplex s (critic s) | critic vs serial | memory plan |" in out
 
 
 def test_memory_bench_runs_steps_under_the_manager(capsys):

@@ -17,6 +17,8 @@ from rollplex.rl.algos import compute_advantages, gae_advantages, value_loss
 from rollplex.rl.checkpoint import load_checkpoint, save_checkpoint
 from rollplex.rl.config import RLConfig
 from rollplex.rl.critic import build_value_model, save_value_model
+from rollplex.rl.errors import TrainOOM
+from rollplex.rl.optimizer import OptimizerStepOOM
 from rollplex.rl.pipeline import fused_unsupported
 from rollplex.rl.step import RLStep
 from rollplex.tiny import shape_color
@@ -115,6 +117,29 @@ def test_critic_warmup_trains_the_critic_only(tiny_dir, proc):
     m = rl.train(copy.deepcopy(batch))  # past the warm-up: the actor moves too
     assert any(not torch.equal(actor0[k], v) for k, v in _weights(rl.model).items())
     assert "actor/pg_loss" in m
+
+
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
+def test_an_actor_update_failing_before_its_optimizer_step_leaves_the_critic(tiny_dir, proc, monkeypatch):
+    rl = _step(tiny_dir, proc)
+    batch = _batch(rl)
+    rl.train(copy.deepcopy(batch))  # the critic's AdamW moments exist: the check covers them too
+    actor0, critic0 = _weights(rl.model), _weights(rl.critic.model)
+    opt0 = copy.deepcopy(rl.critic.optimizer.state_dict())
+
+    def oom(*_a, **_k):  # out of memory in the actor's first optimizer step, before any chunk was written
+        raise OptimizerStepOOM(0, len(rl.actor.optimizer.chunks), False)
+
+    monkeypatch.setattr(rl.actor.optimizer, "step", oom)
+    with pytest.raises(TrainOOM) as err:
+        rl.train(copy.deepcopy(batch))
+    assert not err.value.weights_changed and rl.step_idx == 1
+    assert all(torch.equal(actor0[k], v) for k, v in _weights(rl.model).items())
+    assert all(torch.equal(critic0[k], v) for k, v in _weights(rl.critic.model).items())
+    opt = rl.critic.optimizer.state_dict()
+    assert all(torch.equal(a, b) for a, b in zip(opt["master"], opt0["master"]))
+    for i, st in opt0["opt"]["state"].items():
+        assert all(torch.equal(opt["opt"]["state"][i][k], v) for k, v in st.items())
 
 
 def test_config_and_fused_fallback():

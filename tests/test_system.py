@@ -124,6 +124,13 @@ def test_entry_points_keep_their_flags_and_defaults():
     assert cfg == SystemConfig(device="cpu", dtype="float32", format_warmup_steps=2, rl=want_rl,
                                engine=dataclasses.replace(train.DEFAULTS["engine"], seed=3),
                                memory=MemoryConfig(memory_plan="resident"))
+    # rloo and reinforce_plus_plus bring their KL loss to the reference (and lr) unless the flags are given
+    rl = [train.config(demo, demo.parse_args(["--device", "cpu", "--adv-estimator", est, *flags])).rl
+          for est, flags in [("rloo", []), ("rloo", ["--kl-coef", "0"]), ("reinforce_plus_plus", []),
+                             ("reinforce_plus_plus", ["--lr", "1e-3"])]]
+    assert [(r.kl_coef, r.use_kl_loss, r.lr) for r in rl] == [(0.1, True, 1e-3), (0.0, True, 1e-3),
+                                                              (0.1, True, 1.5e-3), (0.1, True, 1e-3)]
+    assert cfg.rl.kl_coef == 0.0
     bench = step.parser()
     args = bench.parse_args(["--device", "cpu", "--micro-prompts", "3", "--micro-tokens", "64", "--no-packed"])
     got = bench.config(args).rl

@@ -16,10 +16,19 @@ The policy (random weights of `--preset`) and the engine are assembled by rollpl
 row's RL step by `System.rl_step`; the RL, engine and co-scheduler options are flags generated from
 SystemConfig (rollplex/cli.py: `--kl-coef`, `--micro-batch-prompts`, `--no-packed`, `--job-prompts`,
 ...), the older `--micro-prompts`, `--micro-samples` and `--micro-tokens` kept as aliases.
+
+Memory: every region stays resident (`--memory-plan resident`, the default) unless a memory flag says
+otherwise; PPO with a critic (`--adv-estimator gae`) defaults to the phase-aware plan (`auto`,
+memory/fit.py), because a 3B critic's weights, gradients and AdamW state do not fit one 141 GB GPU beside
+the resident GRPO step. Under a plan the bench enters the manager's phases around its own engine and
+reference work, allocates its reference in the `ref_weights` region, keeps the initial weights it restores
+between rows in host memory, and drops each row's trainer from the manager before the next row builds
+its own. Each row reports the plan it ran under (`memory_plan`: the plan's name with the measures taken).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import json
@@ -73,17 +82,69 @@ def run_modes(system: System, batch: RolloutBatch, rl_kw: dict, grid, label: str
     """Reference scoring + actor update of `batch` in each mode, each from the same initial weights
     (restored between the modes); one JSON row per mode."""
     model = system.model
-    init = init or {k: v.detach().clone() for k, v in model.state_dict().items()}
-    ref = ref or copy.deepcopy(model).requires_grad_(False)
+    init = init or initial_weights(system)
+    ref = ref or reference(system)
     rows = []
     for mode in modes:
         restore(model, init, frozen)
-        rl = system.rl_step(RLConfig(mode=mode, freeze_vision_tower=frozen, **rl_kw), rollout=False,
-                            reward_fn="exact", ref_model=ref)
+        rl = trainer(system, RLConfig(mode=mode, freeze_vision_tower=frozen, **rl_kw), rollout=False,
+                     reward_fn="exact", ref_model=ref)
         rows.append(_train_row(rl, copy.copy(batch), cfg, grid, label, step, mode, frozen))
         del rl
-        _free()
+        _drop_trainer(system)
     return rows
+
+
+def initial_weights(system: System) -> dict:
+    """A copy of the policy's weights to restore between rows: on the device, or in host memory under a memory
+    plan (whose budget does not count tensors outside its regions)."""
+    host = system.memory is not None
+    return {k: v.detach().to("cpu", copy=True) if host else v.detach().clone()
+            for k, v in system.model.state_dict().items()}
+
+
+def reference(system: System):
+    """The frozen reference every row shares: a copy of the policy, in the `ref_weights` region under a plan."""
+    mm = system.memory
+    with mm.region("ref_weights") if mm is not None else contextlib.nullcontext():
+        return copy.deepcopy(system.model).requires_grad_(False)
+
+
+def enter(system: System, phase: str) -> None:
+    """The memory manager's `phase` (no-op without one) before the bench's own work of that phase: the engine's
+    rollout (the KV cache), the reference's passes."""
+    if system.memory is not None:
+        system.memory.enter(phase)
+
+
+def trainer(system: System, rl: RLConfig, **kw) -> RLStep:
+    """A row's RL step (System.rl_step), built in `update`, where every region it allocates in is resident."""
+    enter(system, "update")
+    return system.rl_step(rl, **kw)
+
+
+def _drop_trainer(system: System) -> None:
+    """Let go of a row's trainer (deleted by the caller): the manager's offload and resume callbacks still
+    hold its optimizer state and value model, so the next row's would be built beside them. In `update`
+    every trainer region is resident, so nothing waits on a copy of what is dropped."""
+    mm = system.memory
+    if mm is not None:
+        mm.enter("update")
+        for tag in ("optimizer", "critic_weights", "critic_optimizer"):
+            mm.preserve(tag, list)
+        for tag in ("grads", "critic_grads"):
+            mm.on_resume(tag, lambda: None)
+    _free()
+
+
+def _plan_name(rl: RLStep) -> str:
+    """The memory plan a row ran under: `resident` (no manager), or the configured plan with the measures its
+    fit took (memory/fit.py) and the user's overrides."""
+    fit, mc = rl.memory_fit, rl.memory_cfg
+    if fit is None:
+        return "resident"
+    return (mc.memory_plan + (f" ({', '.join(fit.measures)})" if fit.measures else "")
+            + (f" + {mc.memory_overrides}" if mc.memory_overrides else ""))
 
 
 def restore(model, init: dict, frozen: bool) -> None:
@@ -121,7 +182,12 @@ def _train_row(rl: RLStep, batch: RolloutBatch, cfg, grid, label: str, step: str
          "pg_loss": m["actor/pg_loss"], "kl_loss": m["actor/kl_loss"], "grad_norm": m["actor/grad_norm"],
          "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else 0,
          "dynamo_graphs_compiled": counters["stats"]["unique_graphs"] - graphs0,
-         "prefix_normal_phase_s": round(m.get("rollplex/prefix_ref_normal_phase_s", 0.0), 3)}
+         "prefix_normal_phase_s": round(m.get("rollplex/prefix_ref_normal_phase_s", 0.0), 3),
+         "memory_plan": _plan_name(rl)}
+    if any(k.startswith("memory/") and k.endswith("/peak_gib") for k in m):
+        # under a plan, on the GPU: the manager's phase peaks, which leave out the regions paused in the phase
+        # (the allocator's peak above still counts their tensors)
+        r.update({f"{p}_peak_gib": round(m.get(f"memory/{p}/peak_gib", 0.0), 1) for p in ("ref", "update")})
     if "timing_s/update_critic" in m:  # PPO with a critic (adv_estimator gae): the critic's share of the step
         r.update(values_s=round(m["timing_s/values"], 3), update_critic_s=round(m["timing_s/update_critic"], 3),
                  vf_loss=m["critic/vf_loss"])
@@ -137,8 +203,8 @@ def cosched_step(system: System, prompts, params, rl_kw: dict, co_cfg: CoschedCo
     """A whole step with the co-scheduler: the rollout (the reference's prefix admitted beside decode),
     then scoring and the update consuming the prefix states it handed over."""
     restore(system.model, init, frozen)
-    rl = system.rl_step(RLConfig(mode="rollplex", cosched=True, freeze_vision_tower=frozen, **rl_kw),
-                        reward_fn="exact", ref_model=ref, cosched=co_cfg)
+    rl = trainer(system, RLConfig(mode="rollplex", cosched=True, freeze_vision_tower=frozen, **rl_kw),
+                 reward_fn="exact", ref_model=ref, cosched=co_cfg)
     rl.cosched.tflops = _TFLOPS.get(label, rl.cosched.tflops)
     rl.timeline = timeline
     sync()
@@ -155,7 +221,7 @@ def cosched_step(system: System, prompts, params, rl_kw: dict, co_cfg: CoschedCo
     row = _train_row(rl, batch, cfg, grid, label, step, "cosched", frozen, gen_s, extra)
     _TFLOPS[label] = rl.cosched.tflops  # calibrated: the next step of this workload starts from it
     del rl, batch
-    _free()
+    _drop_trainer(system)
     return row
 
 
@@ -171,10 +237,10 @@ def fused_step(system: System, prompts, params, rl_kw: dict, fuse: tuple, cfg, g
     norms compare. gate: the admission gate of the row's earlier steps (its measurements carry over)."""
     restore(system.model, init, frozen)
     sms, below, tokens, admission = fuse
-    rl = system.rl_step(RLConfig(mode="rollplex", schedule="fused", fuse_sms=sms, fuse_below=below,
-                                 fuse_chunk_tokens=tokens, fuse_admission=admission, freeze_vision_tower=frozen,
-                                 **rl_kw),
-                        reward_fn="exact", ref_model=ref)
+    rl = trainer(system, RLConfig(mode="rollplex", schedule="fused", fuse_sms=sms, fuse_below=below,
+                                  fuse_chunk_tokens=tokens, fuse_admission=admission, freeze_vision_tower=frozen,
+                                  **rl_kw),
+                 reward_fn="exact", ref_model=ref)
     rl.timeline = timeline
     rl.schedule.gate = gate
     offsets = [0]
@@ -203,11 +269,12 @@ def fused_step(system: System, prompts, params, rl_kw: dict, fuse: tuple, cfg, g
          "held_buckets": m.get("rollplex/fused_held_buckets", 0.0), "admission": admission,
          "groups": batch.num_prompts, "pg_loss": m["actor/pg_loss"], "kl_loss": m["actor/kl_loss"],
          "grad_norm": m["actor/grad_norm"],
-         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else 0}
+         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else 0,
+         "memory_plan": _plan_name(rl)}
     print(json.dumps(r), flush=True)
     r["gate"] = rl.schedule.gate
     del rl, batch
-    _free()
+    _drop_trainer(system)
     return r
 
 
@@ -240,7 +307,7 @@ DEFAULTS = {"rl": RLConfig(kl_coef=0.01, lr=1e-6),
             "memory": MemoryConfig(memory_plan="resident")}
 PER_ROW = ("mode", "cosched", "schedule", "fuse_sms", "fuse_below", "fuse_chunk_tokens", "fuse_admission",
            "freeze_vision_tower")
-SKIP = ("model", "format_warmup_steps", "memory", "backend", "fsdp", "tp", "cosched.slowdown_bound", "cosched.side_sms",
+SKIP = ("model", "format_warmup_steps", "backend", "fsdp", "tp", "cosched.slowdown_bound", "cosched.side_sms",
         *(f"rl.{f}" for f in PER_ROW if f != "fuse_chunk_tokens"))
 
 
@@ -255,7 +322,10 @@ def parser() -> ConfigParser:
                                                    "w3b-video)",
                             "fuse_chunk_tokens": "fused: a chunk of groups also closes at this many tokens",
                             "compile": "torch.compile the model and the engine's decode; default: on cuda",
-                            "compile_decode": "default: as --compile"})
+                            "compile_decode": "default: as --compile",
+                            "memory_plan": "resident: nothing moves (the default; with --adv-estimator gae: auto); "
+                                           "auto: the cheapest residency plan that fits; release: KV cache and "
+                                           "gradients released when idle"})
     ap.add_argument("--preset", default="qwen2.5-vl-3b", help="a preset name or an HF config.json")
     ap.add_argument("--workloads", default="w3b,w3b-video,w3b-tail,w3b-video-tail")
     ap.add_argument("--modes", default="serial,rollplex,fused",
@@ -296,6 +366,10 @@ def main(argv=None) -> None:
                                   if given.get("compile") is False and "engine.compile_decode" not in given else {}))
     except ValueError as e:
         ap.error(str(e))
+    plan_why = "given" if any(k.startswith("memory.") for k in given) else "default"
+    if scfg.rl.adv_estimator == "gae" and "memory.memory_plan" not in given:
+        # the critic's regions beside the resident GRPO step do not fit one GPU: the plan fits them (fit.py)
+        scfg, plan_why = replace(scfg, memory=replace(scfg.memory, memory_plan="auto")), "gae: the critic's regions"
     device = scfg.device
     cfg = preset(args.preset) if not args.preset.endswith(".json") else ModelConfig.from_hf(args.preset)
     dtype = getattr(torch, scfg.dtype)
@@ -307,7 +381,10 @@ def main(argv=None) -> None:
     # the engine over the policy (rollplex/system.py); each row's RL step is made over it (System.rl_step)
     system = build(replace(scfg, compile=False), model=model, step=False)
     eng = system.engine
-    print(json.dumps({"bench": "step_setup", "kv_blocks": eng.runner.num_blocks, **env_info()}), flush=True)
+    mm = system.memory
+    print(json.dumps({"bench": "step_setup", "kv_blocks": eng.runner.num_blocks, "memory_plan": scfg.memory.memory_plan,
+                      "memory_plan_why": plan_why, "memory_backend": mm.backend.name if mm is not None else None,
+                      **env_info()}), flush=True)
     modes = args.modes.split(",")
     fuses = [(int(a), float(b), scfg.rl.fuse_chunk_tokens, c) for a in args.fuse_sms.split(",")
              for b in args.fuse_below.split(",") for c in args.fuse_admission.split(",")]
@@ -315,8 +392,7 @@ def main(argv=None) -> None:
     co_cfgs = [replace(scfg.cosched, slowdown_bound=float(b), side_sms=int(v))
                for b in args.slowdown_bound.split(",") for v in args.side_sms.split(",")]
     rl_kw = {f.name: getattr(scfg.rl, f.name) for f in fields(RLConfig) if f.init and f.name not in PER_ROW}
-    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    ref = copy.deepcopy(model).requires_grad_(False)
+    init, ref = initial_weights(system), reference(system)
     summary, fused_rows, traced = [], [], False
     for label in args.workloads.split(","):
         frames = 8 if label.startswith("w3b-video") else 1
@@ -338,13 +414,17 @@ def main(argv=None) -> None:
         for frozen in [v == "frozen" for v in args.vision.split(",")]:
             vis = "frozen" if frozen else "trained"
             restore(model, init, frozen)
-            movable = prefix_standalone_s(ref, _with_engine_vision(eng, prompts) if frozen else prompts,
-                                          scfg.cosched.job_prompts)
+            if frozen:
+                enter(system, "rollout")
+            shown = _with_engine_vision(eng, prompts) if frozen else prompts
+            enter(system, "ref")
+            movable = prefix_standalone_s(ref, shown, scfg.cosched.job_prompts)
             steps = ([("cold", 1)] if not args.no_warm else []) + [("timed" if not args.no_warm else "first", 0)]
             for step, seed in steps:
                 row = {"workload": label, "vision": vis, "step": step, "movable_s": movable}
                 if "serial" in modes or "rollplex" in modes:
                     restore(model, init, frozen)  # the rollout's vision encodings come from these weights
+                    enter(system, "rollout")
                     batch, gen_s, _ = rollout(eng, prompts, params(seed), seed, keep_vision=frozen)
                     row["gen_s"] = gen_s
                     for mode in [m for m in ("serial", "rollplex") if m in modes]:
@@ -355,6 +435,7 @@ def main(argv=None) -> None:
                         row[mode + "_ref_s"], row[mode + "_update_s"] = r["ref_s"], r["update_actor_s"]
                         if "values_s" in r:
                             row[mode + "_critic_s"] = r["values_s"] + r["update_critic_s"]
+                        row["memory_plan"] = r["memory_plan"]
                     del batch
                     _free()
                 for fuse in fuses if "fused" in modes else []:
@@ -444,6 +525,7 @@ def _check(system: System, prompts, rl_kw, co_cfg, fuse, cfg, grid, label, init,
     model, eng = system.model, system.engine
     small = [SamplingParams(n=2, max_new_tokens=16, ignore_eos=True, seed=1 + i) for i in range(2)]
     restore(model, init, False)
+    enter(system, "rollout")
     sb, _, _ = rollout(eng, prompts[:2], small, seed=1)
     kw = {**rl_kw, "n": 2}
     rows = run_modes(system, strip_vision(sb), kw, grid, label + "-check", cfg, "check",
@@ -477,10 +559,11 @@ def _table(summary: list[dict]) -> None:
               f"{fmt(slow, '{:+.1%}')} | {fmt(base / co if base and co else None)}x |")
     critic = [r for r in summary if "rollplex_critic_s" in r or "serial_critic_s" in r]
     if critic:  # PPO with a critic: values scored + the critic's update, inside each mode's step
-        print("\n| workload | vision | step | serial s (critic s) | rollplex s (critic s) | critic vs serial |")
-        print("|---|---|---|---|---|---|")
+        print("\n| workload | vision | step | serial s (critic s) | rollplex s (critic s) | critic vs serial | "
+              "memory plan |")
+        print("|---|---|---|---|---|---|---|")
         for r in critic:
             cs, cr = r.get("serial_critic_s"), r.get("rollplex_critic_s")
             ratio = f"{cs / cr:.2f}x" if cs and cr else "-"
             print(f"| {r['workload']} | {r['vision']} | {r['step']} | {r.get('serial', 0):.2f} ({cs or 0:.2f}) | "
-                  f"{r.get('rollplex', 0):.2f} ({cr or 0:.2f}) | {ratio} |")
+                  f"{r.get('rollplex', 0):.2f} ({cr or 0:.2f}) | {ratio} | {r.get('memory_plan', '-')} |")

@@ -24,6 +24,11 @@ PPO with a critic (`--adv-estimator gae`, rl/critic.py): a value model copied fr
 is trained beside it (`--critic-lr`, default 1e-3 as the actor's `--lr`; `--critic-warmup`, `--gamma`,
 `--lam`).
 
+RLOO and REINFORCE++ train with a KL loss to the format-warmed reference (`--kl-coef 0.1`; REINFORCE++ also
+`--lr 1.5e-3`) unless those flags are given (`ESTIMATOR_DEFAULTS`): their advantages are not divided by each
+group's reward spread as GRPO's are, and without it the policy's entropy collapsed before the model had
+learnt the task.
+
 DAPO (`--filter-groups`, `--overlong-buffer-len`, `--clip-ratio-high 0.28`; rl/config.py): a step rolls
 out more prompts until it holds --prompts groups whose samples' rewards differ (`train/num_gen_batches`).
 """
@@ -72,7 +77,10 @@ def parser() -> ConfigParser:
                                      "demo trains)",
                             "format_warmup_steps": "format warm-up steps (random option letters)",
                             "seed": "data, warm-up and sampling seed",
-                            "loss_agg_mode": "loss aggregation (dr_grpo: seq-mean-token-sum-norm unless given)"})
+                            "loss_agg_mode": "loss aggregation (dr_grpo: seq-mean-token-sum-norm unless given)",
+                            "kl_coef": "KL coefficient (rloo, reinforce_plus_plus: 0.1 unless given, a KL loss to the "
+                                       "reference; else 0: no reference model)",
+                            "lr": "the actor's lr (reinforce_plus_plus: 1.5e-3 unless given)"})
     ap.add_argument("--steps", type=int, default=300, help="max GRPO steps (stops early at --target)")
     ap.add_argument("--target", type=float, default=0.8, help="stop when the mean reward of 3 steps reaches it")
     ap.add_argument("--prompts", type=int, default=32, help="prompts per step (with --filter-groups: groups kept)")
@@ -87,12 +95,22 @@ def parser() -> ConfigParser:
     return ap
 
 
+# Each estimator's own defaults on this task, where a flag does not set them. dr_grpo: its loss aggregation. rloo
+# and reinforce_plus_plus, whose advantages are not divided by each group's reward spread: without more, the
+# policy's entropy collapsed before it had learnt to see (every group's samples then answer alike and get advantage
+# 0); a KL loss to the format-warmed reference keeps it spread, and reinforce_plus_plus, whose baseline is the
+# batch's mean reward, needs a faster lr too (docs/BENCHMARKS.md: "Other estimators on the demo's task")
+ESTIMATOR_DEFAULTS = {"dr_grpo": {"rl.loss_agg_mode": "seq-mean-token-sum-norm"},
+                      "rloo": {"rl.kl_coef": 0.1},
+                      "reinforce_plus_plus": {"rl.kl_coef": 0.1, "rl.lr": 1.5e-3}}
+
+
 def config(ap: ConfigParser, args) -> SystemConfig:
-    """The demo's SystemConfig from its flags (ValueError when invalid): dr_grpo brings its loss aggregation
-    unless --loss-agg-mode is given."""
+    """The demo's SystemConfig from its flags (ValueError when invalid), with the estimator's ESTIMATOR_DEFAULTS
+    where no flag was given."""
     given = ap.given(args)
-    dr = given.get("rl.adv_estimator") == "dr_grpo" and "rl.loss_agg_mode" not in given
-    return ap.config(args, **({"rl.loss_agg_mode": "seq-mean-token-sum-norm"} if dr else {}))
+    own = ESTIMATOR_DEFAULTS.get(given.get("rl.adv_estimator"), {})
+    return ap.config(args, **{k: v for k, v in own.items() if k not in given})
 
 
 def main(argv=None) -> None:

@@ -3,8 +3,8 @@
 Advantages come from `cfg.adv_estimator` (rl/algos.py: grpo, dr_grpo, rloo, reinforce_plus_plus[_baseline],
 gae). With gae the step holds a critic (rl/critic.py, `self.critic`): its values are scored in the `ref`
 phase after the reference's logprobs, GAE gives advantages and returns, and in the `update` phase the
-critic is trained before the actor (the actor not at all during the first `critic_warmup` steps, which
-still count as steps).
+critic is trained after the actor (the actor not at all during the first `critic_warmup` steps, which
+still count as steps), so a failed actor update leaves the critic as it was.
 With `use_kl_loss=False` the KL to the reference (`cfg.kl_penalty`, k1 by default as in verl) is a
 per-token reward penalty, its coefficient `kl_coef` or, with `kl_ctrl="adaptive"`, verl's controller,
 moved after each step that changed the weights (`actor/reward_kl_penalty[_coeff]`, `actor/kl_coef`).
@@ -290,8 +290,9 @@ class RLStep:
         `actor/skipped_updates`) or raises NonFiniteUpdate ("raise"). `step_idx` counts the steps that
         changed the weights: a failure before the first optimizer step (TrainOOM / NonFiniteUpdate with
         nothing applied, or any error in scoring) leaves it, the weights, the optimizer state and the LR
-        schedule as they were; one after it (rl/errors.py) counts the step, as the LR schedule counts its
-        applied optimizer steps."""
+        schedule as they were, the critic's included; one after it (rl/errors.py) counts the step, as the LR
+        schedule counts its applied optimizer steps, and the critic is not trained in it. A failure in the
+        critic's update after the actor's counts the step too."""
         cfg, m = cfg or self.cfg, {}
         if batch.rewards is None:
             raise ValueError("the batch has no rewards")
@@ -325,9 +326,6 @@ class RLStep:
                 complete_handover(self, batch, "old", m)
                 old = self.runtime.old_logprobs(self.model, self.actor, batch, cfg)
         batch.prefix = {}  # the prefix states are consumed: free them before the update
-        if cfg.uses_critic:  # before the actor's, as verl orders them
-            with _timer(m, "update_critic", self.device, tl), self._phase("update"):
-                m.update(self.critic.update(batch, returns, values, self.step_idx, cfg, nonfinite))
         train_lp = None
         if train_actor:
             with _timer(m, "update_actor", self.device, tl), self._phase("update"):
@@ -336,6 +334,17 @@ class RLStep:
             train_lp = old if old is not None and old_logprobs is None else first_lp
         else:
             stats = {"rollplex/critic_warmup": 1.0}
+        if cfg.uses_critic:
+            # after the actor's (verl: before; neither reads the other's update), so that an actor failing before
+            # its first optimizer step leaves the critic as it was too; a critic failing after the actor's update
+            # counts the step, whose weights changed
+            try:
+                with _timer(m, "update_critic", self.device, tl), self._phase("update"):
+                    m.update(self.critic.update(batch, returns, values, self.step_idx, cfg, nonfinite))
+            except Exception:
+                if train_actor:
+                    self._after_update(m, stats, reward_kl, batch.num_samples)
+                raise
         self._after_update(m, stats, reward_kl, batch.num_samples)
         m.update(self._batch_metrics(batch, adv, rewards, train_lp, cfg))
         if cfg.uses_critic:
