@@ -16,7 +16,7 @@ from rollplex.models import load_model
 from rollplex.rl.algos import compute_advantages, gae_advantages, value_loss
 from rollplex.rl.checkpoint import load_checkpoint, save_checkpoint
 from rollplex.rl.config import RLConfig
-from rollplex.rl.critic import build_value_model, save_value_model
+from rollplex.rl.critic import ValueModel, build_value_model, save_value_model
 from rollplex.rl.errors import TrainOOM
 from rollplex.rl.optimizer import OptimizerStepOOM
 from rollplex.rl.pipeline import fused_unsupported
@@ -140,6 +140,37 @@ def test_an_actor_update_failing_before_its_optimizer_step_leaves_the_critic(tin
     assert all(torch.equal(a, b) for a, b in zip(opt["master"], opt0["master"]))
     for i, st in opt0["opt"]["state"].items():
         assert all(torch.equal(opt["opt"]["state"][i][k], v) for k, v in st.items())
+
+
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
+def test_critic_passes_back_off_on_out_of_memory(tiny_dir, proc, monkeypatch):
+    """A critic pass over more than one prompt runs out of memory: scoring and the update retry with one
+    prompt per pass, keep it for later steps, and update as a critic planned that way does. Out of memory
+    at one prompt per pass, with activation checkpointing: TrainOOM after the actor's update (the step
+    counts), the critic as it was."""
+    batch = _batch(_step(tiny_dir, proc))
+    small = _step(tiny_dir, proc, micro_batch_prompts=1)
+    small.train(copy.deepcopy(batch))
+    values = ValueModel.values
+
+    def tight(self, mb, mode, packed):
+        if mb.num_prompts > 1 or (self.training and always):
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return values(self, mb, mode, packed)
+
+    monkeypatch.setattr(ValueModel, "values", tight)
+    always = False
+    rl = _step(tiny_dir, proc)  # two prompts per pass
+    rl.train(copy.deepcopy(batch))
+    assert rl.critic.score_backoff.cap.prompts == 1 and rl.critic.train_backoff.cap.prompts == 1
+    for name, w in _weights(small.critic.model).items():
+        assert_weights_close(_weights(rl.critic.model)[name], w, f"critic {name}")
+    always = True
+    critic0 = _weights(rl.critic.model)
+    with pytest.raises(TrainOOM, match="critic's update ran out of device memory at one prompt"):
+        rl.train(copy.deepcopy(batch))
+    assert rl.step_idx == 2 and rl.critic._checkpointing == (True, True)
+    assert all(torch.equal(critic0[k], v) for k, v in _weights(rl.critic.model).items())
 
 
 def test_config_and_fused_fallback():

@@ -32,13 +32,18 @@ scored before the update. Metrics use verl's names: critic/vf_loss, critic/vf_cl
 critic/vpred_mean, critic/grad_norm, critic/lr (and, from the step, critic/values/*, critic/returns/*,
 critic/vf_explained_var).
 
-Not (yet) like the actor: no out-of-memory back-off (an OOM in the critic's passes raises), no
-data-parallel placement (RLStep refuses gae under a process group), no entropy/KL terms.
+Out of memory in the critic's passes backs off as the actor's do: the values' scoring and the update's
+forward/backward retry the pass with halved micro-batches (kept for later steps, one back-off for
+scoring and one for training), the update then with activation checkpointing, and at one prompt (one
+sequence) per pass raise TrainOOM — before the mini-batch's optimizer step, so a failed mini-batch
+changes nothing. Not (yet) like the actor: no data-parallel placement (RLStep refuses gae under a
+process group), no entropy/KL terms.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -54,10 +59,12 @@ from .algos import agg_denominator, value_loss
 from .batch import RolloutBatch
 from .checkpointing import set_activation_checkpointing
 from .config import RLConfig
-from .errors import NonFiniteUpdate
-from .microbatch import micro_batches
+from .errors import NonFiniteUpdate, TrainOOM, is_oom
+from .microbatch import Backoff, halve, micro_batches
 from .optimizer import MasterAdamW
 from .scoring import response_hidden
+
+log = logging.getLogger("rollplex.rl")
 
 HEAD = ("score.weight", "score.bias")  # AutoModelForTokenClassification's names
 METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean")
@@ -144,9 +151,11 @@ class Critic:
                                      regions=("critic_optimizer", "critic_grads"), lr=cfg.critic_lr,
                                      betas=cfg.betas, weight_decay=cfg.weight_decay)
         self.memory = memory
-        set_activation_checkpointing(model.backbone, bool(cfg.gradient_checkpointing),
-                                     bool(cfg.vision_gradient_checkpointing))
+        self._checkpointing = (bool(cfg.gradient_checkpointing), bool(cfg.vision_gradient_checkpointing))
+        set_activation_checkpointing(model.backbone, *self._checkpointing)
         model.eval()
+        # micro-batchings an out-of-memory back-off halved to, kept for later steps: scoring and training
+        self.score_backoff, self.train_backoff = Backoff(), Backoff()
 
     @staticmethod
     def _own_view(batch: RolloutBatch) -> RolloutBatch:
@@ -159,12 +168,18 @@ class Critic:
         """The critic's values [N, R] (fp32, host) of the batch's responses, zero on padding."""
         cfg = cfg or self.cfg
         batch = self._own_view(batch)
-        plan = cfg.micro_batching
-        out = torch.zeros(batch.responses.shape, dtype=torch.float32)
-        for mb, idx in micro_batches(batch, cfg.mode, plan):
-            v = self.model.values(mb, cfg.mode, plan.packed)
-            out[idx] = v.cpu() * mb.mask
-        return out
+        while True:
+            plan = self.score_backoff.plan(cfg.micro_batching)
+            out = torch.zeros(batch.responses.shape, dtype=torch.float32)
+            try:
+                for mb, idx in micro_batches(batch, cfg.mode, plan):
+                    v = self.model.values(mb, cfg.mode, plan.packed)
+                    out[idx] = v.cpu() * mb.mask
+                return out
+            except Exception as e:  # noqa: BLE001 - only OOM is retried
+                if not is_oom(e):
+                    raise
+                self._back_off(self.score_backoff, plan, cfg, "scoring the values", 0, e)
 
     def update(self, batch: RolloutBatch, returns: torch.Tensor, old_values: torch.Tensor, step: int = 0,
                cfg: RLConfig | None = None, nonfinite: str = "skip") -> dict:
@@ -173,7 +188,7 @@ class Critic:
         gradient norm is skipped (`critic/skipped_updates`) or raises NonFiniteUpdate (`nonfinite="raise"`)."""
         cfg = cfg or self.cfg
         batch = self._own_view(batch)
-        model, plan = self.model, cfg.micro_batching
+        model = self.model
         model.train()
         sums: dict[str, float] = {}
         done = skipped = applied = 0
@@ -181,7 +196,7 @@ class Critic:
             for epoch in range(cfg.ppo_epochs):
                 for prompt_ids in mini_batches(cfg, batch, epoch, step):
                     mini, mini_idx = batch.select_prompts(sorted(prompt_ids))
-                    stats = self._minibatch(cfg, plan, mini, mini_idx, returns, old_values)
+                    stats = self._minibatch_retrying(cfg, mini, mini_idx, returns, old_values, applied)
                     bad = [k for k, v in stats.items() if not math.isfinite(v)]
                     if bad and nonfinite == "raise":
                         raise NonFiniteUpdate(f"non-finite {', '.join(bad)} in the critic's mini-batch {done + 1}; "
@@ -201,6 +216,38 @@ class Critic:
         if skipped:
             out["critic/skipped_updates"] = float(skipped)
         return out
+
+    def _minibatch_retrying(self, cfg: RLConfig, mini: RolloutBatch, mini_idx: torch.Tensor, returns: torch.Tensor,
+                            old_values: torch.Tensor, applied: int) -> dict:
+        """`_minibatch` down the out-of-memory ladder: halved micro-batches, then activation checkpointing,
+        then TrainOOM (`applied`: the optimizer steps already taken in this update)."""
+        while True:
+            plan = self.train_backoff.plan(cfg.micro_batching)
+            try:
+                return self._minibatch(cfg, plan, mini, mini_idx, returns, old_values)
+            except Exception as e:  # noqa: BLE001 - only OOM is retried
+                if not is_oom(e):
+                    raise
+                self.optimizer.zero_grad(set_to_none=self.memory is None)
+                if halve(plan, cfg.mode) is None and self._checkpointing != (True, True):
+                    log.warning("critic update out of memory at the smallest micro-batch: turning on activation "
+                                "checkpointing for the rest of the run")
+                    self._checkpointing = (True, True)
+                    set_activation_checkpointing(self.model.backbone, True, True)
+                    continue
+                self._back_off(self.train_backoff, plan, cfg, "the critic's update", applied, e)
+
+    def _back_off(self, backoff: Backoff, plan, cfg: RLConfig, what: str, applied: int, err: BaseException) -> None:
+        """Halve `backoff`'s micro-batching below `plan`, or raise TrainOOM at the smallest."""
+        if self.model.inv_freq.device.type == "cuda":
+            torch.cuda.empty_cache()
+        smaller = halve(plan, cfg.mode)
+        if smaller is None:
+            raise TrainOOM(f"{what} ran out of device memory at one "
+                           f"{'prompt' if cfg.mode == 'rollplex' else 'sequence'} per micro-batch; lower n or "
+                           "max_new_tokens, or offload the critic (memory plan)", applied) from err
+        log.warning("%s out of memory: micro-batches of %s from now on", what, smaller)
+        backoff.cap = smaller
 
     def _minibatch(self, cfg: RLConfig, plan, mini: RolloutBatch, mini_idx: torch.Tensor, returns: torch.Tensor,
                    old_values: torch.Tensor) -> dict:
