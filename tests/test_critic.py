@@ -173,6 +173,18 @@ def test_critic_passes_back_off_on_out_of_memory(tiny_dir, proc, monkeypatch):
     assert all(torch.equal(critic0[k], v) for k, v in _weights(rl.critic.model).items())
 
 
+def test_critic_lr_warms_up_over_its_own_steps(tiny_dir, proc):
+    """critic_lr_warmup_steps=2: the critic's lr is critic_lr x 1/2, then x 2/2, one step at a time (the actor's
+    has no warm-up); the step index sets it, so a resumed run continues the schedule."""
+    rl = _step(tiny_dir, proc, critic_lr=2e-4, critic_lr_warmup_steps=2)
+    batch = _batch(rl)
+    lrs = [rl.train(copy.deepcopy(batch))["critic/lr"] for _ in range(3)]
+    assert lrs == pytest.approx([1e-4, 2e-4, 2e-4])
+    assert [g["lr"] for g in rl.critic.optimizer.param_groups] == pytest.approx([2e-4])
+    with pytest.raises(ValueError, match="critic_lr_warmup_steps"):
+        RLConfig(adv_estimator="gae", critic_lr_warmup_steps=-1)
+
+
 def test_config_and_fused_fallback():
     for bad in (dict(lam=1.5), dict(cliprange_value=0.0), dict(critic_lr=0.0), dict(critic_warmup=-1),
                 dict(critic_lr=float("nan"))):

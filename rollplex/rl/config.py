@@ -8,9 +8,10 @@ the KL-in-reward penalty uses k1 (`kl_penalty`; it used `kl_loss_type`); dual cl
 
 PPO with a critic (`adv_estimator="gae"`, rl/critic.py): a value model (the policy's backbone and a scalar
 head, copied from the policy or read from `critic_model_path`) is trained beside the actor with its own
-AdamW (`critic_lr`), the clipped value loss (`cliprange_value`) and the actor's mini-batches and epochs;
-advantages are GAE(`gamma`, `lam`) of the token-level rewards. For the first `critic_warmup` steps only
-the critic is updated (the actor's weights, optimizer and LR schedule stay as they are).
+AdamW (`critic_lr`, warmed up over `critic_lr_warmup_steps`), the clipped value loss (`cliprange_value`)
+and the actor's mini-batches and epochs; advantages are GAE(`gamma`, `lam`) of the token-level rewards.
+For the first `critic_warmup` steps only the critic is updated (the actor's weights, optimizer and LR
+schedule stay as they are).
 
 DAPO (verl's recipe: clip_ratio_low 0.2, clip_ratio_high 0.28, loss_agg_mode token-mean, use_kl_loss
 False, kl_coef 0) adds two options, both off by default as in verl:
@@ -81,6 +82,9 @@ class RLConfig:
     # the critic's AdamW lr (constant; betas, weight decay and grad clip: the actor's)
     critic_lr: float = per_step(1e-5, gt=0.0, le=1e-2)
     critic_warmup: int = 0  # the first steps train the critic only (verl's trainer.critic_warmup)
+    # the critic's lr: critic_lr warmed up linearly over this many steps, then `lr_schedule` over `total_steps`
+    # like the actor's, advanced once per step (verl's critic.optim.lr_warmup_steps and warmup_style)
+    critic_lr_warmup_steps: int = 0
     critic_model_path: str | None = None  # HF directory of the critic; None: a copy of the policy
     policy_loss: str = per_step("vanilla")  # vanilla (PPO-clip, dual clip) | gspo (sequence-level ratio)
     clip_ratio_low: float = per_step(0.2, ge=0.0, le=1.0)  # gspo: verl's recipe uses 3e-4
@@ -195,8 +199,8 @@ class RLConfig:
             raise ValueError("gamma and lam must be within [0, 1]")
         if not self.cliprange_value > 0 or not self.critic_lr > 0 or not self.critic_lr < float("inf"):
             raise ValueError("cliprange_value and critic_lr must be finite and > 0")
-        if self.critic_warmup < 0:
-            raise ValueError("critic_warmup must be >= 0")
+        if self.critic_warmup < 0 or self.critic_lr_warmup_steps < 0:
+            raise ValueError("critic_warmup and critic_lr_warmup_steps must be >= 0")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ValueError("dual_clip must be > 1 (or None)")
         for name in ("loss_agg_norm", "tis_imp_ratio_cap"):

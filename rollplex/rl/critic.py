@@ -26,7 +26,9 @@ The trainer (`Critic`) follows the actor's update: the same mini-batches (`actor
 epochs, micro-batches from the step's `micro_batching`, losses divided by the whole mini-batch's
 normaliser so that both modes accumulate the same gradient; AdamW over fp32 masters (`MasterAdamW`,
 its state and gradients in the `critic_optimizer` / `critic_grads` memory regions), gradient clipping at
-the actor's `grad_clip`, a constant lr `critic_lr` (a step's config may override it). The loss is verl's
+the actor's `grad_clip`, the lr `critic_lr` (a step's config may override it) times the actor's schedule
+shape with the critic's own warm-up (`critic_lr_warmup_steps`), at the step's index: once per step, as
+verl's critic scheduler, and nothing to checkpoint beyond the step count. The loss is verl's
 clipped value loss (rl/algos.py `value_loss`) against the returns of GAE, clipped around the values
 scored before the update. Metrics use verl's names: critic/vf_loss, critic/vf_clipfrac,
 critic/vpred_mean, critic/grad_norm, critic/lr (and, from the step, critic/values/*, critic/returns/*,
@@ -54,7 +56,7 @@ import torch.nn as nn
 from ..models import ModelConfig, Qwen25VL, hf_to_rollplex, save_model
 from ..models.checkpoint import empty_model, read_safetensors
 from ..models.transfer import to_device
-from .actor import mini_batches
+from .actor import lr_lambda, mini_batches
 from .algos import agg_denominator, value_loss
 from .batch import RolloutBatch
 from .checkpointing import set_activation_checkpointing
@@ -197,6 +199,7 @@ class Critic:
                 for prompt_ids in mini_batches(cfg, batch, epoch, step):
                     mini, mini_idx = batch.select_prompts(sorted(prompt_ids))
                     stats = self._minibatch_retrying(cfg, mini, mini_idx, returns, old_values, applied)
+                    stats["critic/lr"] = self._set_lr(cfg, step)
                     bad = [k for k, v in stats.items() if not math.isfinite(v)]
                     if bad and nonfinite == "raise":
                         raise NonFiniteUpdate(f"non-finite {', '.join(bad)} in the critic's mini-batch {done + 1}; "
@@ -269,10 +272,14 @@ class Critic:
         stats = dict(zip(METRICS, acc.tolist()))
         stats["critic/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.optimizer.touched_params(),
                                                                          cfg.grad_clip))
-        for g in self.optimizer.param_groups:
-            g["lr"] = cfg.critic_lr
-        stats["critic/lr"] = cfg.critic_lr
         return stats
+
+    def _set_lr(self, cfg: RLConfig, step: int) -> float:
+        """The critic's lr at train step `step`, set on its optimizer."""
+        lr = cfg.critic_lr * lr_lambda(replace(cfg, warmup_steps=cfg.critic_lr_warmup_steps))(step)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        return lr
 
     def state_dict(self, masters: bool = True) -> dict:
         return {"optimizer": self.optimizer.state_dict(masters)}
