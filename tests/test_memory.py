@@ -105,6 +105,20 @@ def test_phase_cycle_keeps_what_must_survive():
     assert mm.ledger.transition_s() == 0.0
 
 
+def test_forget_drops_an_owners_callbacks_and_copy():
+    mm, kv, ref, opt, grads = _setup()
+    mm.enter("rollout")
+    mm.enter("update")  # the optimizer's host copy exists; the gradients were zeroed on resume
+    for tag in ("optimizer", "grads"):
+        mm.forget(tag)
+    assert "optimizer" not in mm._copies
+    grads.fill_(3.0)
+    copies = mm.ledger.copy_bytes
+    mm.enter("rollout")
+    mm.enter("update")  # nothing copied out or in for the optimizer, nothing zeroes the gradients
+    assert mm.ledger.copy_bytes == copies and torch.isnan(opt).all() and torch.isnan(grads).all()
+
+
 def test_errors_are_exceptions():
     mm, kv, *_ = _setup()
     mm.pause("kv_cache")

@@ -130,10 +130,8 @@ def _drop_trainer(system: System) -> None:
     mm = system.memory
     if mm is not None:
         mm.enter("update")
-        for tag in ("optimizer", "critic_weights", "critic_optimizer"):
-            mm.preserve(tag, list)
-        for tag in ("grads", "critic_grads"):
-            mm.on_resume(tag, lambda: None)
+        for tag in ("optimizer", "grads", "critic_weights", "critic_optimizer", "critic_grads"):
+            mm.forget(tag)
     _free()
 
 

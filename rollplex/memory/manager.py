@@ -76,6 +76,14 @@ class MemoryManager:
         self._check_tag(tag)
         self._on_resume[tag] = fn
 
+    def forget(self, tag: str) -> None:
+        """Drop what `preserve` / `on_resume` registered for `tag`, and its host copy: its owner is gone (a new
+        one registers its own), and nothing here keeps the old owner's tensors alive."""
+        self._check_tag(tag)
+        self._preserve.pop(tag, None)
+        self._on_resume.pop(tag, None)
+        self._copies.pop(tag, None)
+
     def region_bytes(self, tag: str) -> int:
         return self.backend.region_bytes(tag)
 

@@ -183,6 +183,12 @@ class FuseGate:
         return m
 
 
+def gate_settings(cfg) -> tuple[str, tuple[tuple[int, int], ...], int]:
+    """A config's (policy, sms_by_batch largest first, default_sms): FuseGate's settings, as it holds them."""
+    return (cfg.fuse_admission, tuple(sorted(parse_sms_by_batch(cfg.fuse_sms_by_batch), reverse=True)),
+            cfg.fuse_sms)
+
+
 def bucket_of(batch: int) -> int:
     i = bisect.bisect_left(BUCKETS, batch)
     return BUCKETS[min(i, len(BUCKETS) - 1)]

@@ -220,11 +220,12 @@ class GroupPipeline:
         groups or `chunk_tokens` tokens (prompt once, responses), or reaches the end of the groups
         trained (the first mini-batch); with `final` (every group is done) also a shorter one at the end.
         A function of the finishing order alone, whoever calls it."""
-        ids = []
+        ids, tokens = [], 0
         end = self.trained if self.taken < self.trained else len(self.prompts)
         for i in self.order[self.taken : end]:
             ids.append(i)
-            if len(ids) == self.chunk or self._tokens(ids) >= self.chunk_tokens:
+            tokens += self._tokens([i])
+            if len(ids) == self.chunk or tokens >= self.chunk_tokens:
                 return ids
         return ids if ids and (final or self.taken + len(ids) == self.trained) else None
 

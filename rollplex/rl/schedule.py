@@ -32,7 +32,7 @@ from .actor import mini_batch_sizes
 from .batch import RolloutBatch
 from .config import RLConfig
 from .errors import TrainOOM
-from .fuse_gate import FuseGate, parse_sms_by_batch
+from .fuse_gate import FuseGate, gate_settings
 from .handover import co_scheduled, complete_handover, plan_handover
 from .pipeline import GroupPipeline, fallback_on, fused_unsupported
 from .timing import phase_timer as _timer
@@ -91,8 +91,7 @@ class Fused:
         return self._streams[sms][0]
 
     def _gate(self, cfg: RLConfig) -> FuseGate:
-        want = (cfg.fuse_admission, tuple(sorted(parse_sms_by_batch(cfg.fuse_sms_by_batch), reverse=True)),
-                cfg.fuse_sms)
+        want = gate_settings(cfg)
         g = self.gate
         if g is None or (g.policy, g.sms_by_batch, g.default_sms) != want:
             self.gate = g = FuseGate(*want)
