@@ -109,13 +109,14 @@ class SGLangRollout:
 
         pending = {asyncio.ensure_future(group(i)) for i in range(len(prompts))}
         outs: list = [None] * len(prompts)
+        finished = 0
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in sorted(done, key=lambda t: t.result()[0]):  # ties: prompt order
                     i, raw = task.result()
                     out = request_outputs([prompts[i]], [params[i]], raw, self._decode, [rids[i]])[0]
-                    out.meta["finish_index"] = sum(o is not None for o in outs)
+                    out.meta["finish_index"], finished = finished, finished + 1
                     outs[i] = out
                     on_output(i, out)
         finally:
