@@ -6,6 +6,8 @@ the server's flags and bounded overrides."""
 
 import copy
 
+import math
+
 import pytest
 import torch
 from helpers import assert_weights_close
@@ -196,14 +198,18 @@ def test_config_and_fused_fallback():
 @pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
 def test_critic_regions_follow_the_phase_plan(tiny_dir, proc):
     """Released or offloaded regions read as NaN under the accounting backend: the same weights as without
-    memory management mean the critic was read only where the plan keeps it."""
-    moves = "critic_weights:rollout=offloaded,critic_optimizer:*=offloaded"
+    memory management mean each trainer was read only where the plan keeps it — the critic trains in a phase
+    of its own, with the actor's gradients released and its optimizer state offloaded."""
+    moves = "critic_weights:rollout=offloaded,critic_optimizer:*=offloaded,optimizer:update_critic=offloaded"
     mm = MemoryManager(PhasePlan.releases_only(), backend="accounting")
     managed = _step(tiny_dir, proc, memory=mm, memory_cfg=MemoryConfig(memory_plan="release", memory_overrides=moves))
     plain = _step(tiny_dir, proc)
     plan = managed.memory.plan
-    assert [plan.get(p, "critic_grads") for p in ("rollout", "ref", "update")] == ["released", "released", "resident"]
+    phases = ("rollout", "ref", "update", "update_critic")
+    assert [plan.get(p, "critic_grads") for p in phases] == ["released", "released", "released", "resident"]
+    assert [plan.get(p, "grads") for p in phases] == ["released", "released", "resident", "released"]
     assert plan.get("rollout", "critic_weights") == "offloaded" and plan.get("ref", "critic_weights") == "resident"
+    assert plan.get("update", "critic_optimizer") == "offloaded"
     sizes = managed.memory_sizes()
     n = sum(p.numel() for p in managed.critic.model.parameters())
     assert sizes["critic_grads"] == 4 * n and sizes["critic_optimizer"] == 8 * n  # fp32: masters are the weights
@@ -212,11 +218,24 @@ def test_critic_regions_follow_the_phase_plan(tiny_dir, proc):
         assert m_managed["critic/vf_loss"] == m_plain["critic/vf_loss"]
     for (k, a), b in zip(_weights(plain.critic.model).items(), _weights(managed.critic.model).values()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=k)
+    for (k, a), b in zip(_weights(plain.model).items(), _weights(managed.model).values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=k)
     report = managed.memory.report()
     assert report["region_bytes"]["critic_weights"] > 0
     assert "critic_weights" not in report["phases"]["rollout"]["resident_bytes"]
-    assert "critic_grads" in report["phases"]["update"]["resident_bytes"]
-    assert "critic_grads" not in report["phases"]["ref"]["resident_bytes"]
+    resident = {p: report["phases"][p]["resident_bytes"] for p in phases}
+    assert "critic_grads" in resident["update_critic"] and "critic_grads" not in resident["update"]
+    assert "critic_optimizer" not in resident["update"] and "critic_grads" not in resident["ref"]
+    assert "grads" not in resident["update_critic"] and "optimizer" not in resident["update_critic"]
+    # a new step built over the same engine in `update_critic`, where the actor's regions are paused: the step
+    # resumes the regions it allocates in while it is built
+    assert mm.current == "update_critic" and mm.state["optimizer"] == "offloaded"
+    for tag in ("optimizer", "grads", "critic_weights", "critic_optimizer", "critic_grads"):
+        mm.forget(tag)
+    again = RLStep(managed.model, managed.engine, managed.cfg, proc, reward_fn="shape_color", memory=mm,
+                   memory_cfg=MemoryConfig(memory_plan="release", memory_overrides=moves))
+    assert mm.state["optimizer"] == "offloaded" and mm.state["critic_grads"] == "resident"
+    assert math.isfinite(again.step(ROWS)["critic/vf_loss"])
 
 
 @pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")

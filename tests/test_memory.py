@@ -291,3 +291,37 @@ def test_a_step_that_cannot_fit_names_what_was_tried():
     # regions that fit but activations that do not: the tokens per micro-batch are named
     with pytest.raises(ValueError, match="micro_batch_prompts=2, micro_batch_max_tokens=None, n=64"):
         _preset_fit("qwen2.5-vl-7b", {**_workload("w7b"), "n": 64, "max_new_tokens": 4096})
+
+
+def test_a_critic_trains_in_a_phase_of_its_own_and_regions_are_planned_at_their_mapped_bytes():
+    """PPO-GAE on W3B shapes (frozen tower, a 20 GiB KV cache): each trainer's update holds its own gradients
+    only, and the step fits the H200. A region whose pool already maps more bytes (a trainer of the whole
+    model dropped before: its pool keeps them; 44.5 GiB each measured on the H200) is planned at those, and
+    the plan then moves the critic out of the rollout."""
+    from rollplex.memory import Footprint, MemoryConfig
+    from rollplex.models import Qwen25VL
+    from rollplex.presets import preset
+    from rollplex.rl.config import RLConfig
+    from rollplex.rl.step import fit_memory
+
+    cfg = preset("qwen2.5-vl-3b")
+    with torch.device("meta"):
+        model = Qwen25VL(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    text = n - sum(p.numel() for p in model.visual.parameters())
+    footprint = Footprint(2 * n, 2 * n, 20 * GiB, text, 2, critic_weights=2 * n, critic_trainable=text)
+    rl = RLConfig(adv_estimator="gae", kl_coef=0.001, freeze_vision_tower=True, **_workload("w3b"))
+    fit = fit_memory(cfg, rl, MemoryConfig(), footprint, H200)
+    assert _fits(fit) and "critic offloaded" not in fit.measures
+    resident = {p: {t for t in fit.sizes if fit.plan.get(p, t) == "resident"} for p in ("update", "update_critic")}
+    assert "grads" in resident["update"] and "critic_grads" not in resident["update"]
+    assert "critic_grads" in resident["update_critic"] and "grads" not in resident["update_critic"]
+    # the critic's micro-batch: the backbone's activations without the logits
+    assert 0 < fit.activations["update_critic"] < fit.activations["update"]
+    assert fit_memory(cfg, replace(rl, adv_estimator="grpo"), MemoryConfig(), footprint, H200
+                      ).activations["update_critic"] == 0
+    mapped = {"optimizer": int(44.5 * GiB), "critic_optimizer": int(44.5 * GiB)}
+    big = fit_memory(cfg, rl, MemoryConfig(), footprint, H200, mapped=mapped)
+    assert big.sizes["optimizer"] == mapped["optimizer"] and big.sizes["grads"] == fit.sizes["grads"]
+    assert "critic offloaded" in big.measures and _fits(big)
+    assert big.plan.get("rollout", "critic_optimizer") == "offloaded"

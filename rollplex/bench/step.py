@@ -46,7 +46,7 @@ from ..presets import preset
 from ..rl.batch import RolloutBatch
 from ..rl.config import RLConfig
 from ..rl.fuse_gate import FuseGate
-from ..rl.step import RLStep
+from ..rl.step import TRAINER_REGIONS, RLStep
 from ..system import System, SystemConfig, build
 from .common import PEAK_TFLOPS, make_prompts, sync, update_flops
 from .timing import env_info
@@ -118,20 +118,22 @@ def enter(system: System, phase: str) -> None:
 
 
 def trainer(system: System, rl: RLConfig, **kw) -> RLStep:
-    """A row's RL step (System.rl_step), built in `update`, where every region it allocates in is resident."""
+    """A row's RL step (System.rl_step), built in `update` (the KV cache released); the step resumes the regions
+    it allocates in for that."""
     enter(system, "update")
     return system.rl_step(rl, **kw)
 
 
 def _drop_trainer(system: System) -> None:
     """Let go of a row's trainer (deleted by the caller): the manager's offload and resume callbacks still
-    hold its optimizer state and value model, so the next row's would be built beside them. In `update`
-    every trainer region is resident, so nothing waits on a copy of what is dropped."""
+    hold its optimizer state and value model, so the next row's would be built beside them. Forgotten before
+    the phase changes, so nothing copies what is dropped."""
     mm = system.memory
     if mm is not None:
+        for tag in TRAINER_REGIONS:
+            if tag != "ref_weights":  # the reference is the bench's own, shared by every row
+                mm.forget(tag)
         mm.enter("update")
-        for tag in ("optimizer", "grads", "critic_weights", "critic_optimizer", "critic_grads"):
-            mm.forget(tag)
     _free()
 
 
@@ -185,7 +187,8 @@ def _train_row(rl: RLStep, batch: RolloutBatch, cfg, grid, label: str, step: str
     if any(k.startswith("memory/") and k.endswith("/peak_gib") for k in m):
         # under a plan, on the GPU: the manager's phase peaks, which leave out the regions paused in the phase
         # (the allocator's peak above still counts their tensors)
-        r.update({f"{p}_peak_gib": round(m.get(f"memory/{p}/peak_gib", 0.0), 1) for p in ("ref", "update")})
+        r.update({f"{p}_peak_gib": round(m[f"memory/{p}/peak_gib"], 1) for p in ("ref", "update", "update_critic")
+                  if f"memory/{p}/peak_gib" in m})
     if "timing_s/update_critic" in m:  # PPO with a critic (adv_estimator gae): the critic's share of the step
         r.update(values_s=round(m["timing_s/values"], 3), update_critic_s=round(m["timing_s/update_critic"], 3),
                  vf_loss=m["critic/vf_loss"])
@@ -408,8 +411,9 @@ def main(argv=None) -> None:
             return [SamplingParams(n=scfg.rl.n, max_new_tokens=n, ignore_eos=True, seed=seed * 100_003 + i)
                     for i, n in enumerate(lens)]
 
-        _check(system, prompts, rl_kw, co_cfgs[0], fuses[0], cfg, grid, label, init, ref, modes)
-        for frozen in [v == "frozen" for v in args.vision.split(",")]:
+        visions = [v == "frozen" for v in args.vision.split(",")]
+        _check(system, prompts, rl_kw, co_cfgs[0], fuses[0], cfg, grid, label, init, ref, modes, visions[0])
+        for frozen in visions:
             vis = "frozen" if frozen else "trained"
             restore(model, init, frozen)
             if frozen:
@@ -518,25 +522,28 @@ def _with_engine_vision(eng: Engine, prompts: list) -> list:
     return [replace(p, vision_embeds=o.vision_embeds) for p, o in zip(prompts, outs)]
 
 
-def _check(system: System, prompts, rl_kw, co_cfg, fuse, cfg, grid, label, init, ref, modes) -> None:
-    """Correctness first, on two prompts: serial, rollplex, the co-scheduled and the fused step agree."""
+def _check(system: System, prompts, rl_kw, co_cfg, fuse, cfg, grid, label, init, ref, modes, frozen: bool) -> None:
+    """Correctness first, on two prompts: serial, rollplex, the co-scheduled and the fused step agree.
+    frozen: the vision tower as the first rows train it (under a memory plan a trainer region's pool keeps
+    what its largest trainer mapped, so a check training more parameters than the rows would make their
+    plan pay for its bytes)."""
     model, eng = system.model, system.engine
     small = [SamplingParams(n=2, max_new_tokens=16, ignore_eos=True, seed=1 + i) for i in range(2)]
-    restore(model, init, False)
+    restore(model, init, frozen)
     enter(system, "rollout")
     sb, _, _ = rollout(eng, prompts[:2], small, seed=1)
     kw = {**rl_kw, "n": 2}
     rows = run_modes(system, strip_vision(sb), kw, grid, label + "-check", cfg, "check",
-                     modes=[m for m in ("serial", "rollplex") if m in modes], init=init, ref=ref)
+                     modes=[m for m in ("serial", "rollplex") if m in modes], frozen=frozen, init=init, ref=ref)
     out = {"bench": "step_check", "workload": label}
     out.update({f"{r['mode']}_{k}": r[k] for r in rows for k in ("pg_loss", "kl_loss", "grad_norm")})
     if "cosched" in modes:
-        r = cosched_step(system, prompts[:2], small, kw, co_cfg, cfg, grid, label + "-check", "check", False,
+        r = cosched_step(system, prompts[:2], small, kw, co_cfg, cfg, grid, label + "-check", "check", frozen,
                          init, ref, seed=1)
         out.update({f"cosched_{k}": r[k] for k in ("pg_loss", "kl_loss", "grad_norm")})
     if "fused" in modes:
         r = fused_step(system, prompts[:2], small, {**kw, "micro_batch_prompts": 1}, fuse, cfg, grid,
-                       label + "-check", "check", False, init, ref, seed=1)
+                       label + "-check", "check", frozen, init, ref, seed=1)
         out.update({f"fused_{k}": r[k] for k in ("pg_loss", "kl_loss", "grad_norm")})
     print(json.dumps(out), flush=True)
 

@@ -9,11 +9,11 @@ update — costs nothing and is always part of the `auto` plan. While a phase is
 | measure | what changes | cost per W3B step on one H200 (docs/BENCHMARKS.md) |
 |---|---|---|
 | reference offloaded | ref_weights offloaded outside `ref` | a copy of the frozen weights in: 0.15 s |
-| critic offloaded | critic_weights / critic_optimizer offloaded in `rollout` | the critic's copy out and back |
+| critic offloaded | critic_weights in `rollout`, critic_optimizer outside `update_critic` | the critic's copies |
 | activation checkpointing | (vision_)gradient_checkpointing | one more forward: update 6.65 -> 7.44 s |
 | optimizer_offload=moments | AdamW moments paged from host memory | 16 bytes per parameter over the bus: +1.1 s |
 | optimizer_offload=all | the fp32 masters paged too | 24 bytes per parameter: about +1.6 s (by the bytes) |
-| optimizer offloaded | the optimizer region offloaded outside `update` | 42 GiB out and back: ~4.5 s at 20 GB/s |
+| optimizer offloaded | the actor's optimizer offloaded outside `update` (and `update_critic`) | 42 GiB out, in: 4.5 s |
 
 The last one only moves what `optimizer_offload` left on the device (a user's `none` or `moments`).
 `optimizer_offload=cpu` is never chosen: it frees no more device memory than `all`, for an AdamW
@@ -29,7 +29,9 @@ an optimizer_offload other than `auto`, a memory_plan other than `auto` (no offl
 memory_overrides (applied on top of every candidate). Their measures are skipped; when the rest do
 not make the step fit, the ValueError says which were kept as given, the phases over the budget
 and what would be needed. Without a capacity (CPU, unless one is given) nothing is checked and no
-measure is taken. The choice is made once, when the step is built, from planned sizes. Torch-free.
+measure is taken. The choice is made once, when the step is built, from planned sizes (step_memory.py
+plans a region at least at the bytes it already maps: a region's pool keeps what an earlier owner
+mapped, and a smaller owner does not give it back). Torch-free.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ class MemoryFit:
                 f"budget {self.budget / GiB:.1f} GiB of {self.capacity / GiB:.1f} GiB")
         return (f"plan '{self.plan.name}'; measures: {taken}; gradient_checkpointing={self.gradient_checkpointing}, "
                 f"vision_gradient_checkpointing={self.vision_gradient_checkpointing}, optimizer_offload="
-                f"{self.optimizer_offload}; planned peak GiB rollout / ref / update {peaks} ({room})")
+                f"{self.optimizer_offload}; planned peak GiB {' / '.join(PHASES)} {peaks} ({room})")
 
     def to_dict(self) -> dict:
         gib = lambda n: None if n is None else round(n / GiB, 2)  # noqa: E731
@@ -155,7 +157,8 @@ def fit(estimate: Estimate, capacity: int | None, *, memory_plan: str = "auto", 
     ladder: list[tuple[str, Callable[[_State], _State | None]]] = [
         ("reference offloaded", lambda s: replace(s, plan=s.plan.with_residency("ref_weights", "offloaded"))
          if offloads else None),
-        # PPO-GAE's value model: its weights outside `ref` / `update` (the rollout), its AdamW state outside `update`
+        # PPO-GAE's value model: its weights in the rollout, its AdamW state outside its own update (one copy out
+        # and back per step either way)
         ("critic offloaded", lambda s: replace(s, plan=s.plan.with_residency(
             "critic_weights", "offloaded", ["rollout"]).with_residency("critic_optimizer", "offloaded"))
          if offloads else None),

@@ -72,8 +72,8 @@ class Ledger:
 
     def table(self, tags) -> str:
         phases = list(self.phases)
-        rows = [f"{'GiB':<14}" + "".join(f"{p:>11}" for p in phases)]
+        rows = [f"{'GiB':<17}" + "".join(f"{p:>14}" for p in phases)]
         for tag in tags:
-            rows.append(f"{tag:<14}" + "".join(f"{self.phases[p].resident.get(tag, 0) / GiB:>11.2f}" for p in phases))
-        rows.append(f"{'peak':<14}" + "".join(f"{self.phases[p].peak / GiB:>11.2f}" for p in phases))
+            rows.append(f"{tag:<17}" + "".join(f"{self.phases[p].resident.get(tag, 0) / GiB:>14.2f}" for p in phases))
+        rows.append(f"{'peak':<17}" + "".join(f"{self.phases[p].peak / GiB:>14.2f}" for p in phases))
         return "\n".join(rows)

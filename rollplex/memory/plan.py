@@ -1,22 +1,27 @@
 """The phase plan: which memory regions are resident in which phase of an RL step.
 
-An RL step moves through three phases — `rollout` (the engine decodes), `ref` (reference and old
-logprobs are scored) and `update` (the actor's forward/backward/optimizer) — and each large
-allocation lives in a tagged region whose contents are needed only by some of them:
+An RL step moves through its phases — `rollout` (the engine decodes), `ref` (reference and old
+logprobs, and a critic's values, are scored), `update` (the actor's forward/backward/optimizer) and,
+with a critic, `update_critic` (the critic's) — and each large allocation lives in a tagged region
+whose contents are needed only by some of them:
 
 | tag | produced / read by |
 |---|---|
 | weights | the policy: the engine decodes with it, the trainer updates it (always resident) |
 | ref_weights | the frozen reference model: read only in `ref` |
 | kv_cache | the engine's paged KV cache: only in `rollout`; its contents never outlive a rollout |
-| optimizer | AdamW moments + fp32 master weights: only in `update`; mutable, so a CPU copy is rewritten each step |
-| grads | the persistent gradient buffers: only in `update`; zeroed before each use |
+| optimizer | the actor's AdamW moments + fp32 masters: only in `update`; mutable: a CPU copy is rewritten each step |
+| grads | the actor's persistent gradient buffers: only in `update`; zeroed before each use |
 | prefix_states | prompt prefix K/V and vision encodings made during rollout, consumed in `ref` / `update` |
-| critic_weights | the value model (PPO-GAE, rl/critic.py): its values are scored in `ref`, it is trained in `update` |
-| critic_optimizer | the critic's AdamW moments + masters: only in `update` |
-| critic_grads | the critic's persistent gradient buffers: only in `update`; zeroed before each use |
+| critic_weights | the value model (PPO-GAE, rl/critic.py): values scored in `ref`, trained in `update_critic` |
+| critic_optimizer | the critic's AdamW moments + masters: only in `update_critic` |
+| critic_grads | the critic's persistent gradient buffers: only in `update_critic`; zeroed before each use |
 
-The critic's regions are empty (zero bytes) unless the step trains one (`adv_estimator="gae"`).
+The critic's regions are empty (zero bytes) unless the step trains one (`adv_estimator="gae"`), and a
+step without one never enters `update_critic`. The two trainers' updates are phases of their own
+because neither reads the other's state: the gradients of the one not training are released for
+free, and its optimizer state may be offloaded — two 3B trainers' AdamW states and gradients (about
+80 GiB) and a micro-batch's activations do not fit one GPU beside the policy and the reference.
 
 In each phase a region is `resident`, `released` (its physical memory returned, contents dropped:
 free to do, nothing to copy back) or `offloaded` (a pinned CPU copy kept, contents restored on
@@ -32,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PHASES = ("rollout", "ref", "update")
+PHASES = ("rollout", "ref", "update", "update_critic")
 TAGS = ("weights", "ref_weights", "kv_cache", "optimizer", "grads", "prefix_states", "critic_weights",
         "critic_optimizer", "critic_grads")
 RESIDENCIES = ("resident", "released", "offloaded")
@@ -45,9 +50,9 @@ NEEDED = {
     "optimizer": {"update"},
     "grads": {"update"},
     "prefix_states": set(PHASES),
-    "critic_weights": {"ref", "update"},
-    "critic_optimizer": {"update"},
-    "critic_grads": {"update"},
+    "critic_weights": {"ref", "update_critic"},
+    "critic_optimizer": {"update_critic"},
+    "critic_grads": {"update_critic"},
 }
 # contents that must survive a pause (so only `offloaded` or `resident` keep them)
 PRESERVED = {"weights", "ref_weights", "optimizer", "prefix_states", "critic_weights", "critic_optimizer"}
@@ -94,14 +99,15 @@ class PhasePlan:
 
     @classmethod
     def releases_only(cls) -> PhasePlan:
-        """Release what costs nothing to drop: the KV cache outside rollout, gradients (the actor's and the
-        critic's) outside update."""
+        """Release what costs nothing to drop: the KV cache outside rollout, each trainer's gradients outside
+        its own update."""
         res = {p: {} for p in PHASES}
         for p in PHASES:
             if p != "rollout":
                 res[p]["kv_cache"] = "released"
             if p != "update":
                 res[p]["grads"] = "released"
+            if p != "update_critic":
                 res[p]["critic_grads"] = "released"
         return cls(res, name="release")
 
@@ -144,15 +150,15 @@ class PhasePlan:
     def table(self, sizes: dict[str, int] | None = None, activations: dict[str, int] | None = None) -> str:
         sizes = sizes or {}
         head = f"memory plan '{self.name}'"
-        rows = [f"{'tag':<14}" + ("" if not sizes else f"{'GiB':>7}") + "".join(f"{p:>11}" for p in PHASES)]
+        rows = [f"{'tag':<17}" + ("" if not sizes else f"{'GiB':>7}") + "".join(f"{p:>14}" for p in PHASES)]
         for tag in TAGS:
             size = "" if not sizes else f"{_fmt_gib(sizes.get(tag, 0)):>7}"
-            rows.append(f"{tag:<14}{size}" + "".join(f"{self.get(p, tag):>11}" for p in PHASES))
+            rows.append(f"{tag:<17}{size}" + "".join(f"{self.get(p, tag):>14}" for p in PHASES))
         if sizes:
             acts = activations or {}
-            rows.append(f"{'activations':<14}{'':>7}" + "".join(f"{_fmt_gib(acts.get(p, 0)):>11}" for p in PHASES))
-            rows.append(f"{'peak GiB':<14}{'':>7}" + "".join(
-                f"{_fmt_gib(self.peak(p, sizes, acts)):>11}" for p in PHASES))
+            rows.append(f"{'activations':<17}{'':>7}" + "".join(f"{_fmt_gib(acts.get(p, 0)):>14}" for p in PHASES))
+            rows.append(f"{'peak GiB':<17}{'':>7}" + "".join(
+                f"{_fmt_gib(self.peak(p, sizes, acts)):>14}" for p in PHASES))
         return "\n".join([head] + rows)
 
     def to_dict(self) -> dict:

@@ -10,9 +10,10 @@
                                              order (RolloutBatch.finished: the first mini-batch)
     attach(model, memory)                    the policy the rollouts sample from and the step's memory
                                              manager (its plan and ledger); called once by RLStep
-    enter_phase(phase)                       rollout / ref / update: release or resume the backend's own
-                                             memory for that phase; entering the rollout brings the
-                                             backend's weights up to date with the policy first
+    enter_phase(phase)                       rollout / ref / update / update_critic: release or resume
+                                             the backend's own memory for that phase; entering the
+                                             rollout brings the backend's weights up to date with the
+                                             policy first
     update_weights()                         the policy changed outside an update phase (a checkpoint
                                              load): copy it in
     kv_cache_bytes()                         bytes of KV cache the step's memory manager holds for it

@@ -2,9 +2,10 @@
 
 Advantages come from `cfg.adv_estimator` (rl/algos.py: grpo, dr_grpo, rloo, reinforce_plus_plus[_baseline],
 gae). With gae the step holds a critic (rl/critic.py, `self.critic`): its values are scored in the `ref`
-phase after the reference's logprobs, GAE gives advantages and returns, and in the `update` phase the
-critic is trained after the actor (the actor not at all during the first `critic_warmup` steps, which
-still count as steps), so a failed actor update leaves the critic as it was.
+phase after the reference's logprobs, GAE gives advantages and returns, and the critic is trained after
+the actor, in a phase of its own (`update_critic`: the memory plan keeps one trainer's state at a time
+on the device), so a failed actor update leaves the critic as it was (the actor is not trained at all
+during the first `critic_warmup` steps, which still count as steps).
 With `use_kl_loss=False` the KL to the reference (`cfg.kl_penalty`, k1 by default as in verl) is a
 per-token reward penalty, its coefficient `kl_coef` or, with `kl_ctrl="adaptive"`, verl's controller,
 moved after each step that changed the weights (`actor/reward_kl_penalty[_coeff]`, `actor/kl_coef`).
@@ -70,7 +71,7 @@ from torch.distributed.tensor import DTensor
 
 from ..cosched import CoschedConfig, CoScheduler, Timeline
 from ..engine import Engine, SamplingParams
-from ..memory import MemoryConfig, MemoryFit, MemoryManager
+from ..memory import MemoryConfig, MemoryManager
 from ..models import Qwen25VL
 from .algos import AdaptiveKLController, compute_advantages, gae_advantages, kl_penalty, token_level_rewards
 from .batch import RolloutBatch
@@ -87,6 +88,8 @@ from .step_memory import fit_memory as fit_memory  # re-exported: its home befor
 from .step_memory import fit_step, step_sizes, update_activations
 from .timing import phase_timer as _timer
 
+# the regions a step allocates in when built (resumed for that where the current phase has them paused)
+TRAINER_REGIONS = ("ref_weights", "optimizer", "grads", "critic_weights", "critic_optimizer", "critic_grads")
 log = logging.getLogger("rollplex.rl")
 
 
@@ -128,37 +131,9 @@ class RLStep:
         # the KL-in-reward coefficient under kl_ctrl="adaptive" (verl's controller), moved after each step
         self.kl_ctrl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) \
             if cfg.kl_ctrl == "adaptive" else None
-        self.ref = self.runtime.reference(model, ref_model, cfg.kl_coef > 0, lambda: self._region("ref_weights"))
-        if self.ref is not None:
-            self.ref.requires_grad_(False).eval()
-            if memory is not None:
-                ref, runtime = self.ref, self.runtime
-                memory.preserve("ref_weights", lambda: runtime.local_tensors(ref))
-        # PPO-GAE's value model (rl/critic.py), in its region before the plan is fitted: its bytes are planned
-        self.critic: Critic | None = None
-        value_model = None
-        if cfg.uses_critic:
-            with self._region("critic_weights"):
-                value_model = build_value_model(model, cfg.critic_model_path, cfg.seed)
-            if cfg.freeze_vision_tower:
-                value_model.backbone.visual.requires_grad_(False)
-            if memory is not None:
-                memory.preserve("critic_weights", lambda: [*value_model.parameters(), *value_model.buffers()])
-        self._value_model = value_model
-        # before the trainer is built: what fits the device decides its checkpointing and where its optimizer
-        # state lives (memory/fit.py); without a memory manager what is left to the plan stays off
-        self.memory_fit = fit = self._fit_memory(model) if memory is not None else None
-        offload = self.memory_cfg.optimizer_offload
-        self.cfg = cfg = replace(
-            cfg, gradient_checkpointing=fit.gradient_checkpointing if fit else bool(cfg.gradient_checkpointing),
-            vision_gradient_checkpointing=fit.vision_gradient_checkpointing if fit
-            else bool(cfg.vision_gradient_checkpointing))
-        self.memory_cfg = replace(self.memory_cfg, optimizer_offload=fit.optimizer_offload if fit
-                                  else "none" if offload == "auto" else offload)
-        self.actor = self.runtime.actor(model, cfg, memory, self.memory_cfg.optimizer_offload)
-        if value_model is not None:
-            self.critic = Critic(value_model, cfg, memory, self.memory_cfg.optimizer_offload)
-        del self._value_model
+        with self._resident(TRAINER_REGIONS):  # a step may be built in any phase of the plan it replaces
+            self._build_trainers(model, ref_model, cfg)
+        cfg = self.cfg
         self.step_idx = 0
         self.device = model.inv_freq.device
         self.cosched = CoScheduler(cosched or CoschedConfig(), self.device, memory=memory)
@@ -175,6 +150,40 @@ class RLStep:
                 log.warning("memory: the trainer as built exceeds the plan's budget of %.1f GiB:\n%s",
                             fit.budget / 2**30, fit.plan.table(sizes, acts))
         self.refresh_vision_check()
+
+    def _build_trainers(self, model: Qwen25VL, ref_model: Qwen25VL | None, cfg: RLConfig) -> None:
+        """The reference, the critic's value model, the memory fit, and the actor's and critic's trainers, each
+        allocated in its region."""
+        memory = self.memory
+        self.ref = self.runtime.reference(model, ref_model, cfg.kl_coef > 0, lambda: self._region("ref_weights"))
+        if self.ref is not None:
+            self.ref.requires_grad_(False).eval()
+            if memory is not None:
+                ref, runtime = self.ref, self.runtime
+                memory.preserve("ref_weights", lambda: runtime.local_tensors(ref))
+        # PPO-GAE's value model (rl/critic.py), in its region before the plan is fitted: its bytes are planned
+        self.critic: Critic | None = None
+        value_model = None
+        if cfg.uses_critic:
+            with self._region("critic_weights"):
+                value_model = build_value_model(model, cfg.critic_model_path, cfg.seed)
+            if cfg.freeze_vision_tower:
+                value_model.backbone.visual.requires_grad_(False)
+            if memory is not None:
+                memory.preserve("critic_weights", lambda: [*value_model.parameters(), *value_model.buffers()])
+        # before the trainer is built: what fits the device decides its checkpointing and where its optimizer
+        # state lives (memory/fit.py); without a memory manager what is left to the plan stays off
+        self.memory_fit = fit = fit_step(self, model, value_model) if memory is not None else None
+        offload = self.memory_cfg.optimizer_offload
+        self.cfg = cfg = replace(
+            cfg, gradient_checkpointing=fit.gradient_checkpointing if fit else bool(cfg.gradient_checkpointing),
+            vision_gradient_checkpointing=fit.vision_gradient_checkpointing if fit
+            else bool(cfg.vision_gradient_checkpointing))
+        self.memory_cfg = replace(self.memory_cfg, optimizer_offload=fit.optimizer_offload if fit
+                                  else "none" if offload == "auto" else offload)
+        self.actor = self.runtime.actor(model, cfg, memory, self.memory_cfg.optimizer_offload)
+        if value_model is not None:
+            self.critic = Critic(value_model, cfg, memory, self.memory_cfg.optimizer_offload)
 
     # ---- memory -------------------------------------------------------------------------------
     def _region(self, tag: str):
@@ -206,10 +215,6 @@ class RLStep:
         """Bytes per memory tag at steady state (the optimizer's moments exist only after its first step);
         optimizer_offload: the optimizer region's under that mode (default: the trainer's)."""
         return step_sizes(self, optimizer_offload)
-
-    def _fit_memory(self, model: Qwen25VL) -> MemoryFit:
-        """The plan and trainer settings for this device, before the trainer is built (rl/step_memory.py)."""
-        return fit_step(self, model, self._value_model)
 
     def activation_estimate(self, checkpointing: bool | None = None) -> dict[str, int]:
         """Transient bytes per phase for the plan (`update_activations`); checkpointing: default the trainer's."""
@@ -339,7 +344,7 @@ class RLStep:
             # its first optimizer step leaves the critic as it was too; a critic failing after the actor's update
             # counts the step, whose weights changed
             try:
-                with _timer(m, "update_critic", self.device, tl), self._phase("update"):
+                with _timer(m, "update_critic", self.device, tl), self._phase("update_critic"):
                     m.update(self.critic.update(batch, returns, values, self.step_idx, cfg, nonfinite))
             except Exception:
                 if train_actor:

@@ -6,7 +6,8 @@
     fit_step(step, model)   the plan, checkpointing and optimizer offload for the step's device, before
                             its trainer is built (`RLStep.memory_fit`; the trainer's share from the
                             step's runtime, rl/runtime.py)
-    update_activations      transient bytes per phase: one update micro-batch, a scoring pass
+    update_activations      transient bytes per phase: one update micro-batch (the actor's, a critic's), a
+                            scoring pass
     fit_memory              `MemoryConfig.fit` (memory/fit.py) for a step of a config on a model
 
 A data-parallel rank's models hold DTensor shards: their bytes are the local shards' (`_local`).
@@ -19,7 +20,7 @@ from dataclasses import replace
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..memory import Footprint, MemoryConfig, MemoryFit, activation_bytes, device_capacity, host_memory
+from ..memory import TAGS, Footprint, MemoryConfig, MemoryFit, activation_bytes, device_capacity, host_memory
 from ..models import ModelConfig, Qwen25VL
 from .config import RLConfig
 
@@ -67,8 +68,10 @@ def fit_step(step, model: Qwen25VL, value_model=None) -> MemoryFit:
                           **critic_footprint(value_model))
     capacity = device_capacity(model.inv_freq.device, step.memory.backend, step.memory_cfg.device_capacity_gib)
     cfg = replace(step.cfg, gradient_checkpointing=decoder, vision_gradient_checkpointing=vision)
+    # a region's pool keeps the bytes an earlier owner mapped (a trainer dropped for a smaller one)
+    mapped = {t: step.memory.region_bytes(t) for t in TAGS}
     return fit_memory(model.cfg, cfg, step.memory_cfg, footprint, capacity,
-                      host_memory() if model.inv_freq.is_cuda and capacity is not None else None)
+                      host_memory() if model.inv_freq.is_cuda and capacity is not None else None, mapped)
 
 
 def update_tokens(cfg: RLConfig, prompt_guess: int = 512) -> int:
@@ -86,24 +89,30 @@ def update_activations(model_cfg: ModelConfig, cfg: RLConfig, dtype_bytes: int, 
     """Transient bytes per phase for the plan: one micro-batch of the update (the largest by far), and a
     no-grad scoring pass of the same tokens in `ref` (one layer's intermediates at a time). Both add the
     chunked logprob pass (rl/logprob.py): a [chunk, V] block of logits and their fp32 softmax; the
-    update also the head's fp32 gradient accumulator [V, H]."""
+    update also the head's fp32 gradient accumulator [V, H]. A critic (PPO-GAE) trains on the same
+    micro-batches in `update_critic`: the backbone's activations, and a scalar head instead of logits."""
     t, tokens = model_cfg.text, update_tokens(cfg)
     chunk = min(tokens, logprob_chunk) * t.vocab_size * (dtype_bytes + 8)
-    update = activation_bytes(t.hidden_size, t.num_hidden_layers, tokens, dtype_bytes, checkpointing,
-                              t.intermediate_size) + chunk + 4 * t.vocab_size * t.hidden_size
+    backbone = activation_bytes(t.hidden_size, t.num_hidden_layers, tokens, dtype_bytes, checkpointing,
+                                t.intermediate_size)
+    update = backbone + chunk + 4 * t.vocab_size * t.hidden_size
     ref = activation_bytes(t.hidden_size, 1, tokens, dtype_bytes, False, t.intermediate_size) + chunk
-    return {"rollout": 0, "ref": ref, "update": update}
+    return {"rollout": 0, "ref": ref, "update": update, "update_critic": backbone if cfg.uses_critic else 0}
 
 
 def fit_memory(model_cfg: ModelConfig, cfg: RLConfig, memory_cfg: MemoryConfig, footprint: Footprint,
-               capacity: int | None, host_capacity: int | None = None) -> MemoryFit:
+               capacity: int | None, host_capacity: int | None = None,
+               mapped: dict[str, int] | None = None) -> MemoryFit:
     """`memory_cfg.fit` for an RL step of `cfg` on a model of `model_cfg` with `footprint`'s regions: the
     plan, checkpointing and optimizer offload that fit `capacity` bytes (None: unchecked). cfg's
     checkpointing flags and memory_cfg's optimizer_offload as the user gave them (None / auto: the plan's);
-    host_capacity: bytes of host RAM the pinned offloads must fit (None: unchecked)."""
+    host_capacity: bytes of host RAM the pinned offloads must fit (None: unchecked); mapped: bytes per tag the
+    regions already map, each region planned at least at them."""
+    floor = mapped or {}
+
     def estimate(checkpointing: bool, optimizer_offload: str):
-        return (footprint.sizes(optimizer_offload),
-                update_activations(model_cfg, cfg, footprint.param_bytes, checkpointing))
+        sizes = {t: max(n, floor.get(t, 0)) for t, n in footprint.sizes(optimizer_offload).items()}
+        return sizes, update_activations(model_cfg, cfg, footprint.param_bytes, checkpointing)
 
     detail = (f"{update_tokens(cfg)} tokens per update micro-batch: micro_batch_prompts={cfg.micro_batch_prompts}, "
               f"micro_batch_max_tokens={cfg.micro_batch_max_tokens}, n={cfg.n}, max_new_tokens={cfg.max_new_tokens}")
