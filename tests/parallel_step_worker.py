@@ -100,6 +100,8 @@ def run_steps(rl: RLStep, rows: list[dict], steps: int) -> list[dict]:
             metrics["rollout_metrics"] = dict(rl.rollout_metrics)
         out.append(dict(tokens=tokens[-1], metrics=metrics, grads=list(grads),
                         weights={n: p.clone() for n, p in rl.policy_state().items()}))
+        if rl.critic is not None:  # PPO's critic, gathered from its shards
+            out[-1]["critic"] = {n: full_tensor(p.detach()).clone() for n, p in rl.critic.model.named_parameters()}
         grads.clear()
     return out
 
@@ -121,6 +123,13 @@ def compare(got: list[dict], want: list[dict]) -> None:
                 assert_fp32_close(mine[n], t, f"grad {n}")
         for n, t in w["weights"].items():
             assert_weights_close(g["weights"][n], t, f"weight {n}")
+        assert ("critic" in g) == ("critic" in w)
+        if "critic" in w:  # the critic's values, loss and updated weights
+            for k in ("critic/vf_loss", "critic/grad_norm", "critic/values/mean", "critic/advantages/mean"):
+                assert_fp32_close(g["metrics"][k], w["metrics"][k], k, scale=1.0)
+            assert g["critic"].keys() == w["critic"].keys()
+            for n, t in w["critic"].items():
+                assert_weights_close(g["critic"][n], t, f"critic {n}")
 
 
 def inject_oom(kind: str) -> None:
@@ -155,6 +164,11 @@ def worker(rank: int, world: int, init: str, tiny_dir, rows, cfg: RLConfig, roll
         assert rl.parallel is not None and rl.parallel.world == world
         if oom is not None:
             inject_oom(oom)
+        if cfg.uses_critic:  # the critic's value model is sharded over the group, its passes dealt like the actor's
+            from torch.distributed.tensor import DTensor
+
+            assert rl.critic.placement is rl.critic.dp and rl.critic.dp.world == world
+            assert all(isinstance(p, DTensor) for p in rl.critic.model.parameters())
         got = run_steps(rl, rows, steps)
         # (old logprobs scored on the trainer's shards pack the prompts otherwise than the update's passes,
         # and co-scheduled prefixes are batched per job: other summation orders, within the same bound)
@@ -238,6 +252,8 @@ def checkpoint_worker(rank: int, world: int, init: str, tiny_dir, rows, cfg: RLC
         first = build(tiny_dir, cfg, rollout, group=dist.group.WORLD)
         first.step(rows)
         after_one = {n: p.clone() for n, p in first.policy_state().items()}
+        critic_one = {n: full_tensor(p.detach()).clone() for n, p in first.critic.model.named_parameters()} \
+            if first.critic is not None else None
         save_checkpoint(first, ckpt, data_state={"epoch": 3})
         want = run_steps(first, rows, 1)
         del first
@@ -248,6 +264,11 @@ def checkpoint_worker(rank: int, world: int, init: str, tiny_dir, rows, cfg: RLC
         # the HF directory holds the policy as it was saved, readable by one process
         saved = dict(load_model(ckpt).named_parameters())
         assert all(torch.equal(saved[n], w) for n, w in after_one.items())
+        if critic_one is not None:  # and the critic gathered from its shards, readable as critic_model_path
+            from rollplex.rl.critic import build_value_model
+
+            vm = dict(build_value_model(load_model(ckpt), Path(ckpt) / "critic").named_parameters())
+            assert vm.keys() == critic_one.keys() and all(torch.equal(vm[n], w) for n, w in critic_one.items())
         single = Path(ckpt).parent / "single"  # the same checkpoint as one process would have written it
         if rank == 0:
             shutil.copytree(ckpt, single)

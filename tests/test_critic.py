@@ -5,7 +5,6 @@ phase plan (accounting backend: a released region reads as NaN); checkpoint / re
 the server's flags and bounded overrides."""
 
 import copy
-
 import math
 
 import pytest
@@ -171,7 +170,7 @@ def test_critic_passes_back_off_on_out_of_memory(tiny_dir, proc, monkeypatch):
     critic0 = _weights(rl.critic.model)
     with pytest.raises(TrainOOM, match="critic's update ran out of device memory at one prompt"):
         rl.train(copy.deepcopy(batch))
-    assert rl.step_idx == 2 and rl.critic._checkpointing == (True, True)
+    assert rl.step_idx == 2 and rl.critic.placement.checkpointing(rl.critic.model) == (True, True)
     assert all(torch.equal(critic0[k], v) for k, v in _weights(rl.critic.model).items())
 
 

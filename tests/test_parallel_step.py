@@ -37,6 +37,8 @@ def _spawn(tmp_path, tiny_dir, world, cfg, rollout="data", steps=2, memory_cfg=N
     # and with the reference whole on every rank, its prefixes too (the frozen tower's encodings from the
     # rank's own prefill)
     (2, dict(cosched=True, ppo_mini_batches=2, freeze_vision_tower=True), FSDPConfig(shard_reference=False)),
+    # PPO with a critic: the value model sharded like the trainer, its values and update data-parallel
+    (2, dict(adv_estimator="gae", critic_lr=1e-4, ppo_mini_batches=2, use_kl_loss=False), None),
 ])
 def test_data_parallel_step_equals_single_process(tmp_path, tiny_dir, world, rl, fsdp):
     _spawn(tmp_path, tiny_dir, world, RLConfig(**{**BASE, **rl}), fsdp=fsdp)

@@ -40,6 +40,10 @@ every rank before the rollout, the stages' passes then run past FSDP2's hooks (`
 the reduce a mini-batch reduced once ends with — in one all-reduce that also agrees whether a rank's
 stage failed.
 
+PPO's critic runs on the same placement (`DataParallelCritic`: the value model sharded alike): every
+rank holds the whole batch, scores its share of the values and gets all of them, so GAE and the
+batch-wide whitening of its advantages are computed identically on every rank.
+
 The optimizer is `rl.optimizer.MasterAdamW` over the DTensor shards (stepped through their local
 tensors, so the memory regions and optimizer offload work per rank), with gradient clipping on the
 global norm and the actor's LR schedule.
@@ -59,6 +63,7 @@ from ..models import ModelConfig, ModelInputs, Qwen25VL
 from ..rl.actor import Actor
 from ..rl.batch import RolloutBatch
 from ..rl.config import RLConfig
+from ..rl.critic import Critic, ValueModel
 from ..rl.microbatch import MicroBatching, micro_batches
 from ..rl.placement import CollectiveOOM, SingleProcess
 from ..rl.scoring import score
@@ -423,6 +428,30 @@ def dp_score(model: Qwen25VL, dp: DataParallel, batch: RolloutBatch, mode: str, 
     return score(model, batch, mode, plan, temperature, placement=dp)
 
 
+def shard(model, cfg: RLConfig, mesh: DeviceMesh, fsdp: FSDPConfig | None = None, column_sharded=()) -> tuple:
+    """(`model` sharded in place by FSDP2 over `mesh` unless it is already, `cfg` with the checkpointing it
+    or `fsdp` asks for, the `DataParallel` placement over it): what a data-parallel trainer (the actor's, a
+    critic's) is built on."""
+    check_passes(cfg.mode, cfg.packed)
+    fsdp = fsdp or FSDPConfig()
+    cfg = dataclasses.replace(
+        cfg, gradient_checkpointing=cfg.gradient_checkpointing or fsdp.activation_checkpointing,
+        vision_gradient_checkpointing=cfg.vision_gradient_checkpointing or fsdp.vision_activation_checkpointing)
+    fsdp = dataclasses.replace(fsdp, activation_checkpointing=cfg.gradient_checkpointing,
+                               vision_activation_checkpointing=cfg.vision_gradient_checkpointing)
+    dtype = fsdp_mod.DTYPES.get(fsdp.param_dtype) or next(model.parameters()).dtype
+    dp = DataParallel(mesh, model.cfg, torch.empty((), dtype=dtype).element_size(), fsdp)
+    if not isinstance(model, fsdp_mod.FSDPModule):
+        model = apply_fsdp(model, mesh, fsdp, column_sharded)
+    # what reducing once per mini-batch holds: every parameter gathered, every trained one's gradient
+    # unsharded (in the reduce dtype where one is set)
+    grad_bytes = torch.empty((), dtype=fsdp_mod.DTYPES.get(fsdp.reduce_dtype) or dtype).element_size()
+    dp.unsharded_bytes = sum(p.numel() * (dp.dtype_bytes + (grad_bytes if p.requires_grad else 0))
+                             for p in model.parameters())
+    dp.gathered_bytes = sum(p.numel() for p in model.parameters()) * dp.dtype_bytes
+    return model, cfg, dp
+
+
 class DataParallelActor(Actor):
     """`rl.actor.Actor` with the model sharded by FSDP2 over `mesh` and the prompts dealt over its
     ranks (the `DataParallel` placement): same loss, mini-batches, clipping, schedule, metrics, OOM
@@ -433,22 +462,18 @@ class DataParallelActor(Actor):
 
     def __init__(self, model: Qwen25VL, cfg: RLConfig, mesh: DeviceMesh, fsdp: FSDPConfig | None = None,
                  memory=None, optimizer_offload: str = "none", adopt=None, column_sharded=()):
-        check_passes(cfg.mode, cfg.packed)
-        fsdp = fsdp or FSDPConfig()
-        cfg = dataclasses.replace(
-            cfg, gradient_checkpointing=cfg.gradient_checkpointing or fsdp.activation_checkpointing,
-            vision_gradient_checkpointing=cfg.vision_gradient_checkpointing or fsdp.vision_activation_checkpointing)
-        fsdp = dataclasses.replace(fsdp, activation_checkpointing=cfg.gradient_checkpointing,
-                                   vision_activation_checkpointing=cfg.vision_gradient_checkpointing)
-        dtype = fsdp_mod.DTYPES.get(fsdp.param_dtype) or next(model.parameters()).dtype
-        self.dp = DataParallel(mesh, model.cfg, torch.empty((), dtype=dtype).element_size(), fsdp)
-        model = apply_fsdp(model, mesh, fsdp, column_sharded)
-        # what reducing once per mini-batch holds: every parameter gathered, every trained one's gradient
-        # unsharded (in the reduce dtype where one is set)
-        grad_bytes = torch.empty((), dtype=fsdp_mod.DTYPES.get(fsdp.reduce_dtype) or dtype).element_size()
-        self.dp.unsharded_bytes = sum(p.numel() * (self.dp.dtype_bytes + (grad_bytes if p.requires_grad else 0))
-                                      for p in model.parameters())
-        self.dp.gathered_bytes = sum(p.numel() for p in model.parameters()) * self.dp.dtype_bytes
+        model, cfg, self.dp = shard(model, cfg, mesh, fsdp, column_sharded)
         if adopt is not None:
             adopt(model)
+        super().__init__(model, cfg, memory, optimizer_offload, placement=self.dp)
+
+
+class DataParallelCritic(Critic):
+    """`rl.critic.Critic` with the value model sharded by FSDP2 over `mesh` (here, or before: see
+    `StepRuntime.value_model`) and the prompts dealt over its ranks (the `DataParallel` placement), as
+    `DataParallelActor` for the actor: same values, loss, mini-batches, clipping, lr and OOM ladder."""
+
+    def __init__(self, model: ValueModel, cfg: RLConfig, mesh: DeviceMesh, fsdp: FSDPConfig | None = None,
+                 memory=None, optimizer_offload: str = "none"):
+        model, cfg, self.dp = shard(model, cfg, mesh, fsdp)
         super().__init__(model, cfg, memory, optimizer_offload, placement=self.dp)

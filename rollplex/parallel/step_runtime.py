@@ -6,7 +6,8 @@ of a process group. The operations here are the data-parallel answers to the run
 written against the group Colocated builds (its engine, FSDP config, rollout groups, shared weights):
 
     models     the trainer sharded over the group (`Colocated.actor`), the reference sharded like it
-               into its region (or whole on every rank), their local tensors for the memory regions
+               into its region (or whole on every rank), a critic's value model sharded like it too
+               into its region (`DataParallelCritic`), their local tensors for the memory regions
     footprint  a rank's share of the trainable elements, the separate trainer shards' bytes, FSDP's
                own checkpointing flags
     scoring    a model each rank holds whole (the old policy with a per-rank engine, a reference not
@@ -30,8 +31,8 @@ import torch.distributed as dist
 from ..models import Qwen25VL
 from ..rl.config import RLConfig
 from ..rl.scoring import score_with_backoff as score_logprobs
-from .data_parallel import DataParallelActor, LocalPasses
-from .fsdp import can_call_directly
+from .data_parallel import DataParallelActor, DataParallelCritic, LocalPasses
+from .fsdp import apply_fsdp, can_call_directly
 
 
 class StepRuntime:
@@ -50,9 +51,6 @@ class StepRuntime:
 
     @staticmethod
     def check(cfg: RLConfig) -> None:
-        if cfg.uses_critic:
-            raise ValueError("adv_estimator='gae' trains a critic on one process only: a data-parallel step "
-                             "supports the critic-free estimators")
         if cfg.cosched and cfg.schedule == "fused":
             # each rank co-schedules the prefixes its engine prefilled, a sharded model's as one sweep in
             # lockstep with the other ranks': a chunk's worker cannot take a job over without a collective
@@ -73,6 +71,17 @@ class StepRuntime:
             with region():
                 ref = self.shard_reference(ref)
         return ref
+
+    def value_model(self, build, region):
+        """PPO's value model sharded like the trainer: `build()` makes it whole on every rank, outside the region
+        (a transient copy), and only its shards are allocated in the region `region()` enters."""
+        vm = build()
+        with region():
+            return apply_fsdp(vm, self.mesh, self.fsdp)
+
+    def critic(self, value_model, cfg: RLConfig, memory, optimizer_offload: str) -> DataParallelCritic:
+        """PPO's critic over the sharded value model, its passes on the data-parallel placement."""
+        return DataParallelCritic(value_model, cfg, self.mesh, self.fsdp, memory, optimizer_offload)
 
     def trainer_footprint(self, trainable: int, param_bytes: int, decoder, vision) -> tuple[int, int, bool, bool]:
         """(this rank's share of the trainable elements, the bytes its shards add to the engine's weights where

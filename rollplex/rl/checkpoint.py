@@ -3,9 +3,11 @@ by `load_model`), the reference policy beside it, and `trainer_state.pt` with th
 LR scheduler, step counter, the adaptive KL controller's coefficient (kl_ctrl="adaptive"), data position
 and RNG states. With a critic (PPO-GAE, rl/critic.py) its HF directory is `critic/` beside the policy (the
 backbone in HF names and the value head as `score.*`, readable as `critic_model_path`), its optimizer
-state in the trainer state's `critic`. Loading copies weights *in place* so the
-native engine, which reads the same tensors, keeps decoding with the restored policy; a rollout backend
-with its own copy of the policy (SGLang) gets the restored weights copied in.
+state in the trainer state's `critic` (a data-parallel critic: gathered to rank 0 for the directory,
+and each rank's shards in its trainer state, restored as they are, like the reference's). Loading
+copies weights *in place* so the native engine, which reads the same tensors, keeps decoding with the
+restored policy; a rollout backend with its own copy of the policy (SGLang) gets the restored weights
+copied in.
 
 A data-parallel step (under a process group; every rank calls save / load together) writes the same HF
 directories from rank 0 (the policy whole as a per-rank engine holds it, or gathered from the trainer's
@@ -96,6 +98,10 @@ def _save(step: RLStep, path: Path, data_state: dict | None, tokenizer_dir) -> P
     ref_state = _full_state(step.ref, writer) if step.ref is not None else None  # every rank gathers shards
     # the policy: whole on this rank, or (a tensor-parallel engine's shards) gathered from the trainer's
     policy_state = None if par is None or par.holds_policy else par.full_state(step.actor.model, writer)
+    critic_state = None
+    if step.critic is not None and par is not None:  # every rank gathers the critic's shards
+        full = _full_state(step.critic.model, writer)
+        critic_state = {k.removeprefix("backbone."): v for k, v in full.items()} if full is not None else None
     err = None
     if writer:  # the HF directories
         try:
@@ -105,11 +111,11 @@ def _save(step: RLStep, path: Path, data_state: dict | None, tokenizer_dir) -> P
             if step.ref is not None:
                 save_model(step.ref, path / "ref", state=ref_state)
             if step.critic is not None:
-                save_value_model(step.critic.model, path / "critic")
+                save_value_model(step.critic.model, path / "critic", state=critic_state)
             (path / "rollplex_step.json").write_text(json.dumps({"global_step": step.step_idx}) + "\n")
         except OSError as e:
             err = e
-    del ref_state, policy_state
+    del ref_state, policy_state, critic_state
     _agree(step, err)
     # the HF files hold the weights: fp32 masters are stored again only where those files round them (bf16)
     masters = next(step.model.parameters()).dtype != torch.float32
@@ -128,6 +134,8 @@ def _save(step: RLStep, path: Path, data_state: dict | None, tokenizer_dir) -> P
         state["world"] = par.world
         if step.ref is not None:  # this rank's shards, restored as they are
             state["ref_shards"] = {k: _local(v).cpu() for k, v in step.ref.state_dict().items()}
+        if step.critic is not None:  # the critic's too
+            state["critic_shards"] = {k: _local(v).cpu() for k, v in value_state(step.critic.model).items()}
     err = None
     try:
         torch.save(state, path / _rank_file(step))
@@ -290,6 +298,13 @@ def _read_critic(step: RLStep, path: Path, name: str, state: dict) -> dict[str, 
         raise ValueError(f"the critic in {path / 'critic'} does not match this run's (names or shapes)")
     if not all(t.is_floating_point() and bool(torch.isfinite(t).all()) for t in got.values()):
         raise ValueError(f"the critic in {path / 'critic'} has non-floating-point or non-finite values")
+    if step.parallel is not None:  # a sharded critic restores this rank's shards as they are
+        shards = state.get("critic_shards")
+        if not isinstance(shards, dict) or set(shards) != set(own) or not all(
+                isinstance(shards[k], torch.Tensor) and shards[k].shape == _local(v).shape
+                and shards[k].is_floating_point() and bool(torch.isfinite(shards[k]).all()) for k, v in own.items()):
+            raise ValueError(f"{path / name} holds no critic shards for this run (names, shapes, finite)")
+        return shards
     return got
 
 
@@ -297,9 +312,9 @@ def _load(step: RLStep, read: dict, report: dict | None) -> dict:
     par, state = step.parallel, read["state"]
     _copy_into(step.model, read["policy"])
     if step.critic is not None:
-        with torch.no_grad():
+        with torch.no_grad():  # (a data-parallel rank's: its shards)
             for k, v in value_state(step.critic.model).items():
-                v.copy_(read["critic"][k])
+                _local(v).copy_(read["critic"][k])
         step.critic.load_state_dict(state["critic"], read["weights_dtype"])
     if par is not None:  # the trainer's shards that are not windows of the engine's tensors read it too
         par.weights.pull(read["full"])

@@ -38,8 +38,12 @@ Out of memory in the critic's passes backs off as the actor's do: the values' sc
 forward/backward retry the pass with halved micro-batches (kept for later steps, one back-off for
 scoring and one for training), the update then with activation checkpointing, and at one prompt (one
 sequence) per pass raise TrainOOM — before the mini-batch's optimizer step, so a failed mini-batch
-changes nothing. Not (yet) like the actor: no data-parallel placement (RLStep refuses gae under a
-process group), no entropy/KL terms.
+changes nothing. Not like the actor: no entropy/KL terms.
+
+The passes run over a placement (rl/placement.py), as the actor's: this process, or a data-parallel
+group (`rollplex.parallel.DataParallelCritic`: the value model sharded by FSDP2, each rank scoring and
+training its share of the prompt groups, losses divided by the whole mini-batch's normaliser and the
+gradients summed over the ranks), so the data-parallel critic computes what one process does.
 """
 
 from __future__ import annotations
@@ -56,14 +60,14 @@ import torch.nn as nn
 from ..models import ModelConfig, Qwen25VL, hf_to_rollplex, save_model
 from ..models.checkpoint import empty_model, read_safetensors
 from ..models.transfer import to_device
-from .actor import lr_lambda, mini_batches
+from .actor import _rows, lr_lambda, mini_batches
 from .algos import agg_denominator, value_loss
 from .batch import RolloutBatch
-from .checkpointing import set_activation_checkpointing
 from .config import RLConfig
 from .errors import NonFiniteUpdate, TrainOOM, is_oom
-from .microbatch import Backoff, halve, micro_batches
+from .microbatch import Backoff, halve
 from .optimizer import MasterAdamW
+from .placement import CollectiveOOM, Placement, SingleProcess
 from .scoring import response_hidden
 
 log = logging.getLogger("rollplex.rl")
@@ -93,6 +97,16 @@ class ValueModel(nn.Module):
     @property
     def inv_freq(self) -> torch.Tensor:
         return self.backbone.inv_freq
+
+    @property
+    def model(self) -> nn.Module:
+        """The backbone's decoder, and below its vision tower: what activation checkpointing and a data-parallel
+        placement's sharding (parallel/fsdp.py `apply_fsdp`) address on a Qwen25VL."""
+        return self.backbone.model
+
+    @property
+    def visual(self) -> nn.Module:
+        return self.backbone.visual
 
     def values(self, mb: RolloutBatch, mode: str, packed: bool) -> torch.Tensor:
         """V of each response token [n, R] (fp32): the head on the hidden state before that token."""
@@ -140,21 +154,26 @@ def value_state(vm: ValueModel) -> dict[str, torch.Tensor]:
     return {**vm.backbone.state_dict(), "score.weight": vm.score.weight, "score.bias": vm.score.bias}
 
 
-def save_value_model(vm: ValueModel, path: str | Path) -> Path:
-    """An HF directory `build_value_model` reads back (the backbone in HF names, the head as `score.*`)."""
-    return save_model(vm.backbone, path, state=value_state(vm))
+def save_value_model(vm: ValueModel, path: str | Path, state: dict[str, torch.Tensor] | None = None) -> Path:
+    """An HF directory `build_value_model` reads back (the backbone in HF names, the head as `score.*`);
+    state: the whole tensors by `value_state`'s names (a sharded critic's, gathered), default its own."""
+    return save_model(vm.backbone, path, state=state or value_state(vm))
 
 
 class Critic:
-    def __init__(self, model: ValueModel, cfg: RLConfig, memory=None, optimizer_offload: str = "none"):
+    def __init__(self, model: ValueModel, cfg: RLConfig, memory=None, optimizer_offload: str = "none",
+                 placement: Placement | None = None):
+        """placement: where the passes run (default: this process; `rollplex.parallel.DataParallelCritic`
+        gives a data-parallel one over an FSDP2-sharded value model, as for the actor)."""
         self.model, self.cfg = model, cfg
+        self.placement = placement or SingleProcess()
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = MasterAdamW(params, memory=memory, offload=optimizer_offload,
                                      regions=("critic_optimizer", "critic_grads"), lr=cfg.critic_lr,
                                      betas=cfg.betas, weight_decay=cfg.weight_decay)
         self.memory = memory
-        self._checkpointing = (bool(cfg.gradient_checkpointing), bool(cfg.vision_gradient_checkpointing))
-        set_activation_checkpointing(model.backbone, *self._checkpointing)
+        self.placement.set_checkpointing(model, bool(cfg.gradient_checkpointing),
+                                         bool(cfg.vision_gradient_checkpointing))
         model.eval()
         # micro-batchings an out-of-memory back-off halved to, kept for later steps: scoring and training
         self.score_backoff, self.train_backoff = Backoff(), Backoff()
@@ -167,27 +186,35 @@ class Critic:
 
     @torch.no_grad()
     def values(self, batch: RolloutBatch, cfg: RLConfig | None = None) -> torch.Tensor:
-        """The critic's values [N, R] (fp32, host) of the batch's responses, zero on padding."""
-        cfg = cfg or self.cfg
+        """The critic's values [N, R] (fp32, host) of the batch's responses, zero on padding; under a
+        data-parallel placement each rank scores its share and every rank gets the whole [N, R]."""
+        cfg, pl, model = cfg or self.cfg, self.placement, self.model
         batch = self._own_view(batch)
+        local, local_idx = pl.share(batch, cfg.mode)
         while True:
             plan = self.score_backoff.plan(cfg.micro_batching)
-            out = torch.zeros(batch.responses.shape, dtype=torch.float32)
+            out = torch.zeros(batch.responses.shape, dtype=torch.float32, device=model.inv_freq.device)
             try:
-                for mb, idx in micro_batches(batch, cfg.mode, plan):
-                    v = self.model.values(mb, cfg.mode, plan.packed)
-                    out[idx] = v.cpu() * mb.mask
-                return out
+                for mb, idx in pl.passes(local, cfg.mode, plan):
+                    v = pl.run(model, model.values, mb, cfg.mode, plan.packed)
+                    n = idx.shape[0]  # rows past n: a placement's masked-out dummies
+                    out[to_device(local_idx[idx], out.device)] = v[:n] * to_device(mb.mask[:n], out.device)
+                return pl.sum_(out).cpu()
             except Exception as e:  # noqa: BLE001 - only OOM is retried
                 if not is_oom(e):
                     raise
+                if not (isinstance(e, CollectiveOOM) or pl.recoverable_oom()):
+                    raise TrainOOM("scoring the critic's values ran out of device memory inside a data-parallel "
+                                   "pass (the other ranks wait in its collectives)", 0) from e
                 self._back_off(self.score_backoff, plan, cfg, "scoring the values", 0, e)
 
     def update(self, batch: RolloutBatch, returns: torch.Tensor, old_values: torch.Tensor, step: int = 0,
                cfg: RLConfig | None = None, nonfinite: str = "skip") -> dict:
         """Train on the GAE returns [N, R] with the values scored before the update `old_values` [N, R];
         returns the metrics averaged over the mini-batches. A mini-batch with a non-finite loss or
-        gradient norm is skipped (`critic/skipped_updates`) or raises NonFiniteUpdate (`nonfinite="raise"`)."""
+        gradient norm is skipped (`critic/skipped_updates`) or raises NonFiniteUpdate (`nonfinite="raise"`).
+        Under a data-parallel placement every rank calls it with the same arguments and gets the same
+        results (metrics summed and the gradients' norm taken over the ranks: every rank skips alike)."""
         cfg = cfg or self.cfg
         batch = self._own_view(batch)
         model = self.model
@@ -223,7 +250,10 @@ class Critic:
     def _minibatch_retrying(self, cfg: RLConfig, mini: RolloutBatch, mini_idx: torch.Tensor, returns: torch.Tensor,
                             old_values: torch.Tensor, applied: int) -> dict:
         """`_minibatch` down the out-of-memory ladder: halved micro-batches, then activation checkpointing,
-        then TrainOOM (`applied`: the optimizer steps already taken in this update)."""
+        then TrainOOM (`applied`: the optimizer steps already taken in this update). Under a data-parallel
+        placement the ranks back off together from a CollectiveOOM; an OOM inside a pass whose other ranks
+        wait in its collectives raises TrainOOM at once."""
+        pl = self.placement
         while True:
             plan = self.train_backoff.plan(cfg.micro_batching)
             try:
@@ -232,11 +262,14 @@ class Critic:
                 if not is_oom(e):
                     raise
                 self.optimizer.zero_grad(set_to_none=self.memory is None)
-                if halve(plan, cfg.mode) is None and self._checkpointing != (True, True):
+                if not (isinstance(e, CollectiveOOM) or pl.recoverable_oom()):
+                    raise TrainOOM("the critic's update ran out of device memory inside a data-parallel pass (the "
+                                   "other ranks wait in its collectives); lower micro_batch_prompts or turn on "
+                                   "gradient_checkpointing", applied) from e
+                if halve(plan, cfg.mode) is None and pl.checkpointing(self.model) != (True, True):
                     log.warning("critic update out of memory at the smallest micro-batch: turning on activation "
                                 "checkpointing for the rest of the run")
-                    self._checkpointing = (True, True)
-                    set_activation_checkpointing(self.model.backbone, True, True)
+                    pl.set_checkpointing(self.model, True, True)
                     continue
                 self._back_off(self.train_backoff, plan, cfg, "the critic's update", applied, e)
 
@@ -254,24 +287,36 @@ class Critic:
 
     def _minibatch(self, cfg: RLConfig, plan, mini: RolloutBatch, mini_idx: torch.Tensor, returns: torch.Tensor,
                    old_values: torch.Tensor) -> dict:
-        """Forward/backward of one mini-batch's micro-batches into zeroed gradients, clipped: its metrics."""
+        """Forward/backward of this process's share of one mini-batch's micro-batches into zeroed gradients,
+        each loss divided by the whole mini-batch's normaliser, then clipped on the global norm: its metrics
+        (summed over the placement's processes). Rows of a pass past its sample indices are a placement's
+        masked-out dummies."""
+        model, pl = self.model, self.placement
         self.optimizer.zero_grad()
         denom = agg_denominator(mini.mask, cfg.loss_agg_mode, cfg.agg_norm)
         n_tok = max(float(mini.mask.sum()), 1.0)
-        dev = self.model.inv_freq.device
+        dev = model.inv_freq.device
         acc = torch.zeros(len(METRICS), device=dev)
-        for mb, idx in micro_batches(mini, cfg.mode, plan):
-            gidx = mini_idx[idx]
-            v = self.model.values(mb, cfg.mode, plan.packed)
-            mask = to_device(mb.mask, dev)
-            loss, clipfrac = value_loss(v, to_device(old_values[gidx], dev), to_device(returns[gidx], dev), mask,
-                                        cfg.cliprange_value, cfg.loss_agg_mode, denom, cfg.agg_norm)
-            loss.backward()
-            w = float(mb.mask.sum()) / n_tok  # token share of this micro-batch, for the token means
-            acc += torch.stack([loss.detach(), clipfrac.detach() * w, (v.detach() * mask).sum() / n_tok])
-        stats = dict(zip(METRICS, acc.tolist()))
-        stats["critic/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.optimizer.touched_params(),
-                                                                         cfg.grad_clip))
+        local, local_idx = pl.share(mini, cfg.mode)
+        for mb, idx in pl.passes(local, cfg.mode, plan):
+            try:
+                n_all = mb.num_samples
+                gidx = mini_idx[local_idx[idx]]  # the real samples' indices in the whole batch
+                v = pl.run(model, model.values, mb, cfg.mode, plan.packed)
+                mask = to_device(mb.mask, dev)
+                loss, clipfrac = value_loss(v, to_device(_rows(old_values, gidx, n_all), dev),
+                                            to_device(_rows(returns, gidx, n_all), dev), mask, cfg.cliprange_value,
+                                            cfg.loss_agg_mode, denom, cfg.agg_norm)
+                loss.backward()
+                w = float(mb.mask.sum()) / n_tok  # token share of this micro-batch, for the token means
+                acc += torch.stack([loss.detach(), clipfrac.detach() * w, (v.detach() * mask).sum() / n_tok])
+            except Exception as err:  # noqa: BLE001 - only OOM is deferred
+                if not (is_oom(err) and pl.defer_oom()):
+                    raise
+                break  # this rank's part of the mini-batch is lost: `end_passes` backs every rank off
+        pl.end_passes(model, lambda mb: model.values(mb, cfg.mode, plan.packed))
+        stats = dict(zip(METRICS, pl.sum_(acc).tolist()))
+        stats["critic/grad_norm"] = float(pl.clip_grad_norm_(self.optimizer.touched_params(), cfg.grad_clip))
         return stats
 
     def _set_lr(self, cfg: RLConfig, step: int) -> float:

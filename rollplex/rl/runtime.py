@@ -9,6 +9,8 @@ the step's models are, where the rollout's samples come from, and which passes e
     reference(model, ref, wanted, region)    the frozen reference, built into the "ref_weights" region
     local_tensors(model)        the tensors a model holds here (what its memory region keeps)
     actor(model, cfg, memory, optimizer_offload)   the trainer (rl/actor.py)
+    value_model(build, region) / critic(value_model, cfg, memory, optimizer_offload)   PPO's value model
+                                (`build()`, its tensors in the "critic_weights" region) and critic (rl/critic.py)
     trainer_footprint(trainable, param_bytes, decoder, vision)   (trainable elements held here, bytes
                                 the trainer adds to the weights, checkpointing flags) for the memory fit
     weight_bytes()              bytes the built trainer adds to the weights the rollout decodes
@@ -41,6 +43,7 @@ from ..models import Qwen25VL
 from .actor import Actor
 from .batch import RolloutBatch
 from .config import RLConfig
+from .critic import Critic, ValueModel
 from .scoring import score_with_backoff as score_logprobs
 
 
@@ -56,6 +59,10 @@ class Runtime(Protocol):
     def local_tensors(self, model: torch.nn.Module) -> list[torch.Tensor]: ...
 
     def actor(self, model: Qwen25VL, cfg: RLConfig, memory, optimizer_offload: str) -> Actor: ...
+
+    def value_model(self, build, region) -> ValueModel: ...
+
+    def critic(self, value_model: ValueModel, cfg: RLConfig, memory, optimizer_offload: str) -> Critic: ...
 
     def trainer_footprint(self, trainable: int, param_bytes: int, decoder, vision) -> tuple[int, int, bool, bool]: ...
 
@@ -129,6 +136,15 @@ class LocalRuntime:
 
     def actor(self, model: Qwen25VL, cfg: RLConfig, memory, optimizer_offload: str) -> Actor:
         return Actor(model, cfg, memory, optimizer_offload)
+
+    @staticmethod
+    def value_model(build, region) -> ValueModel:
+        with region():
+            return build()
+
+    @staticmethod
+    def critic(value_model: ValueModel, cfg: RLConfig, memory, optimizer_offload: str) -> Critic:
+        return Critic(value_model, cfg, memory, optimizer_offload)
 
     def trainer_footprint(self, trainable: int, param_bytes: int, decoder, vision) -> tuple[int, int, bool, bool]:
         return trainable, 0, decoder, vision  # the trainer trains the weights the rollout decodes

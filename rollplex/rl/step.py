@@ -165,12 +165,14 @@ class RLStep:
         self.critic: Critic | None = None
         value_model = None
         if cfg.uses_critic:
-            with self._region("critic_weights"):
-                value_model = build_value_model(model, cfg.critic_model_path, cfg.seed)
+            value_model = self.runtime.value_model(  # (a data-parallel rank's: sharded)
+                lambda: build_value_model(model, cfg.critic_model_path, cfg.seed),
+                lambda: self._region("critic_weights"))
             if cfg.freeze_vision_tower:
                 value_model.backbone.visual.requires_grad_(False)
             if memory is not None:
-                memory.preserve("critic_weights", lambda: [*value_model.parameters(), *value_model.buffers()])
+                runtime = self.runtime
+                memory.preserve("critic_weights", lambda: runtime.local_tensors(value_model))
         # before the trainer is built: what fits the device decides its checkpointing and where its optimizer
         # state lives (memory/fit.py); without a memory manager what is left to the plan stays off
         self.memory_fit = fit = fit_step(self, model, value_model) if memory is not None else None
@@ -183,7 +185,7 @@ class RLStep:
                                   else "none" if offload == "auto" else offload)
         self.actor = self.runtime.actor(model, cfg, memory, self.memory_cfg.optimizer_offload)
         if value_model is not None:
-            self.critic = Critic(value_model, cfg, memory, self.memory_cfg.optimizer_offload)
+            self.critic = self.runtime.critic(value_model, cfg, memory, self.memory_cfg.optimizer_offload)
 
     # ---- memory -------------------------------------------------------------------------------
     def _region(self, tag: str):

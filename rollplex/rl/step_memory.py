@@ -44,8 +44,9 @@ def critic_footprint(value_model) -> dict[str, int]:
     """The critic's bytes and trainable parameters for `Footprint` (none without a critic)."""
     if value_model is None:
         return {}
-    return {"critic_weights": _nbytes([*value_model.parameters(), *value_model.buffers()]),
-            "critic_trainable": sum(p.numel() for p in value_model.parameters() if p.requires_grad)}
+    # (a data-parallel rank's, once sharded: its local shards)
+    return {"critic_weights": _nbytes(_local(t.detach()) for t in [*value_model.parameters(), *value_model.buffers()]),
+            "critic_trainable": sum(_local(p.detach()).numel() for p in value_model.parameters() if p.requires_grad)}
 
 
 def ref_bytes(ref: Qwen25VL | None) -> int:
