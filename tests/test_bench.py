@@ -128,6 +128,32 @@ def test_step_bench_reports_the_critics_cost(tiny_dir, capsys):
     assert "| serial s (critic s) | rollplex s (critic s) | critic vs serial | memory plan |" in out
 
 
+def test_step_bench_carries_a_rows_back_off_to_its_next_step(tiny_dir, capsys, monkeypatch):
+    """Each row builds its trainer afresh; the micro-batches an out-of-memory back-off halved to on the cold
+    step are kept for the timed one, as a training loop's trainer keeps them: it does not fail again."""
+    import torch
+
+    from rollplex.bench import step
+    from rollplex.rl.critic import ValueModel
+
+    values, ooms = ValueModel.values, []
+
+    def tight(self, mb, mode, packed):
+        if torch.is_grad_enabled() and mb.num_prompts > 1:
+            ooms.append(mb.num_prompts)
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return values(self, mb, mode, packed)
+
+    monkeypatch.setattr(ValueModel, "values", tight)
+    step.main(["--preset", f"{tiny_dir}/config.json", "--workloads", "w3b", "--vision", "frozen", "--modes",
+               "rollplex", "--adv-estimator", "gae", *STEP_ARGS])
+    rows = [r for r in _rows(capsys) if r["bench"] == "step"]
+    assert [(r["workload"], r["step"]) for r in rows] == [("w3b-check", "check"), ("w3b", "cold"), ("w3b", "timed")]
+    assert all(math.isfinite(r["vf_loss"]) for r in rows)
+    # 4 -> 2 -> 1 prompts per pass by the check's trainer and by the cold step's; the timed step kept 1
+    assert ooms == [2] * 4
+
+
 def test_memory_bench_runs_steps_under_the_manager(capsys):
     from rollplex.bench import memory
 

@@ -78,9 +78,12 @@ def strip_vision(batch: RolloutBatch) -> RolloutBatch:
 
 
 def run_modes(system: System, batch: RolloutBatch, rl_kw: dict, grid, label: str, cfg, step: str = "timed",
-              modes=("serial", "rollplex"), frozen: bool = False, init=None, ref=None) -> list[dict]:
+              modes=("serial", "rollplex"), frozen: bool = False, init=None, ref=None,
+              backoffs: dict | None = None) -> list[dict]:
     """Reference scoring + actor update of `batch` in each mode, each from the same initial weights
-    (restored between the modes); one JSON row per mode."""
+    (restored between the modes); one JSON row per mode. backoffs: the micro-batchings an out-of-memory
+    back-off halved to, carried from a row to the next of its workload and mode (filled here), as a
+    training loop's trainer keeps them from its first step on."""
     model = system.model
     init = init or initial_weights(system)
     ref = ref or reference(system)
@@ -89,10 +92,29 @@ def run_modes(system: System, batch: RolloutBatch, rl_kw: dict, grid, label: str
         restore(model, init, frozen)
         rl = trainer(system, RLConfig(mode=mode, freeze_vision_tower=frozen, **rl_kw), rollout=False,
                      reward_fn="exact", ref_model=ref)
+        key = (label, mode, frozen)
+        if backoffs is not None and key in backoffs:
+            _set_backoffs(rl, backoffs[key])
         rows.append(_train_row(rl, copy.copy(batch), cfg, grid, label, step, mode, frozen))
+        if backoffs is not None:
+            backoffs[key] = _backoffs(rl)
         del rl
         _drop_trainer(system)
     return rows
+
+
+def _backoffs(rl: RLStep) -> dict:
+    """The trainers' out-of-memory back-off state (rl/microbatch.py Backoff; the actor's training cap)."""
+    out = {"actor": rl.actor._backoff, "actor_score": rl.actor.score_backoff}
+    if rl.critic is not None:
+        out.update(critic_score=rl.critic.score_backoff, critic_train=rl.critic.train_backoff)
+    return out
+
+
+def _set_backoffs(rl: RLStep, kept: dict) -> None:
+    rl.actor._backoff, rl.actor.score_backoff = kept["actor"], kept["actor_score"]
+    if rl.critic is not None and "critic_train" in kept:
+        rl.critic.score_backoff, rl.critic.train_backoff = kept["critic_score"], kept["critic_train"]
 
 
 def initial_weights(system: System) -> dict:
@@ -390,6 +412,7 @@ def main(argv=None) -> None:
     fuses = [(int(a), float(b), scfg.rl.fuse_chunk_tokens, c) for a in args.fuse_sms.split(",")
              for b in args.fuse_below.split(",") for c in args.fuse_admission.split(",")]
     gates: dict = {}  # (workload, vision, fuse) -> the fused rows' admission gate, carried from step to step
+    backoffs: dict = {}  # (workload, mode, frozen) -> the serial / rollplex rows' OOM back-offs, likewise
     co_cfgs = [replace(scfg.cosched, slowdown_bound=float(b), side_sms=int(v))
                for b in args.slowdown_bound.split(",") for v in args.side_sms.split(",")]
     rl_kw = {f.name: getattr(scfg.rl, f.name) for f in fields(RLConfig) if f.init and f.name not in PER_ROW}
@@ -432,7 +455,7 @@ def main(argv=None) -> None:
                     for mode in [m for m in ("serial", "rollplex") if m in modes]:
                         b = strip_vision(batch) if mode == "serial" else batch
                         r = run_modes(system, b, rl_kw, grid, label, cfg, step, modes=(mode,), frozen=frozen,
-                                      init=init, ref=ref)[0]
+                                      init=init, ref=ref, backoffs=backoffs)[0]
                         row[mode] = gen_s + r["ref_plus_update_s"]
                         row[mode + "_ref_s"], row[mode + "_update_s"] = r["ref_s"], r["update_actor_s"]
                         if "values_s" in r:
