@@ -66,7 +66,6 @@ class MasterAdamW:
         if memory is not None:
             memory.preserve(self.state_tag, self.state_tensors)
         self.opt = torch.optim.AdamW(self.master, **kw)
-        self.param_groups = self.opt.param_groups
         self.chunks: list[list[int]] = [[]]
         size = 0
         for i, p in enumerate(params):
@@ -83,6 +82,12 @@ class MasterAdamW:
         touched = self.touched  # the hooks hold the set, not the optimizer: a dropped optimizer is freed
         self._hooks = [p.register_post_accumulate_grad_hook(lambda _p, i=i: touched.add(i))
                        for i, p in enumerate(params)]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """AdamW's param groups, read afresh: `load_state_dict` replaces the list (a reference kept across a
+        load would take lr writes the step no longer reads)."""
+        return self.opt.param_groups
 
     def _region(self, tag: str):
         return self.memory.region(tag) if self.memory is not None else contextlib.nullcontext()
