@@ -50,9 +50,10 @@ from .errors import NonFiniteUpdate, TrainOOM
 from .errors import is_oom as _is_oom
 from .microbatch import Backoff, MicroBatching, capped
 from .microbatch import halve as _halve
-from .optimizer import MasterAdamW, OptimizerStepOOM
+from .optimizer import MasterAdamW
 from .placement import CollectiveOOM, Placement, SingleProcess
 from .scoring import score_with_backoff, token_logprobs
+from .trainer import Trainer
 
 log = logging.getLogger("rollplex.rl")
 
@@ -102,20 +103,20 @@ METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac
            "actor/pg_clipfrac_lower")
 
 
-class Actor:
+class Actor(Trainer):
     def __init__(self, model: Qwen25VL, cfg: RLConfig, memory=None, optimizer_offload: str = "none",
                  placement: Placement | None = None):
         """placement: where the passes run (default: this process; `rollplex.parallel.DataParallelActor`
         gives a data-parallel one over an FSDP2-sharded model)."""
-        self.model, self.cfg, self.memory = model, cfg, memory
-        self.placement = placement or SingleProcess()
+        self.cfg = cfg
         params = [p for p in model.parameters() if p.requires_grad]
         kw = dict(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         # persistent gradient buffers in the `grads` region, masters and moments in `optimizer`
-        self.optimizer = MasterAdamW(params, memory=memory, offload=optimizer_offload, **kw)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer.opt, lr_lambda(cfg))
+        optimizer = MasterAdamW(params, memory=memory, offload=optimizer_offload, **kw)
         # the schedule's unit is the actor's (a step's config cannot change what its steps count)
-        self.per_optimizer_step = cfg.lr_schedule_unit == "optimizer_step"
+        super().__init__(model, optimizer, placement or SingleProcess(), memory,
+                         torch.optim.lr_scheduler.LambdaLR(optimizer.opt, lr_lambda(cfg)),
+                         cfg.lr_schedule_unit == "optimizer_step", name="the actor")
         self.placement.set_checkpointing(model, cfg.gradient_checkpointing, cfg.vision_gradient_checkpointing)
         # micro-batching that ran out of memory is halved for the rest of the run (OOM back-off)
         self._backoff: MicroBatching | None = None
@@ -200,8 +201,10 @@ class Actor:
                         sums[k] = sums.get(k, 0.0) + v
                     done += 1
         except BaseException as e:
+            self.applied = updates
             self._end_update(updates, e)
-            raise
+            raise self.failure(e, updates)  # noqa: B904 - the error itself, or one caused by it
+        self.applied = updates
         self._end_update(updates)
         for gidx, lp in first_parts:
             first_logp[gidx] = lp.cpu()
@@ -228,7 +231,7 @@ class Actor:
             except Exception as e:  # noqa: BLE001 - only OOM is retried
                 if not _is_oom(e):
                     raise
-                self._recover()
+                self.recover()
                 if first_parts is not None:
                     del first_parts[kept:]
                 if not (isinstance(e, CollectiveOOM) or pl.recoverable_oom()):
@@ -270,7 +273,7 @@ class Actor:
                 "lr and coefficients); its optimizer step was skipped", updates)
         if bad:  # no optimizer step and no LR-schedule step for it (verl skips it too)
             return stats, False
-        self._optimizer_step(updates)
+        self.optimizer_step(updates)
         if self.per_optimizer_step:
             self.scheduler.step()
         return stats, True
@@ -304,11 +307,13 @@ class Actor:
         as `update` applies one mini-batch (metrics, NonFiniteUpdate, TrainOOM and the LR schedule alike).
         With several updates per rollout, `update(accumulated=...)` applies it instead."""
         acc = self._normalise_groups(cfg, acc, mask)
+        self.applied = 0
         try:
             stats, applied = self._step_minibatch(cfg, acc, "the batch", 0, nonfinite)
         except BaseException as e:
             self._end_update(0, e)
             raise
+        self.applied = int(applied)
         self._end_update(int(applied))
         if not applied:
             stats["actor/skipped_updates"] = 1.0
@@ -330,19 +335,19 @@ class Actor:
     def _end_update(self, applied: int, error: BaseException | None = None) -> None:
         """After an update's optimizer steps (`applied` of them, or a failure `error`): a step that changed
         the weights, even part-way, advances a per-step LR schedule once (a per-optimizer-step one was
-        advanced by `_optimizer_step`); the gradients go (between updates the buffers are the memory
+        advanced by `optimizer_step`); the gradients go (between updates the buffers are the memory
         manager's to release; without one they are freed); the trainer is back in eval mode."""
         if not self.per_optimizer_step and (applied > 0 or getattr(error, "partial_update", False)):
             self.scheduler.step()
         if error is not None:
-            self._recover()
+            self.recover()
         else:
             self.optimizer.zero_grad(set_to_none=self.memory is None)
         self.model.eval()
 
     def discard_groups(self) -> None:
         """Drop what `accumulate_groups` accumulated (the step goes on another way)."""
-        self._recover()
+        self.recover()
         self.model.eval()
 
     @staticmethod
@@ -351,44 +356,6 @@ class Actor:
         denom = agg_denominator(mask, cfg.loss_agg_mode, cfg.agg_norm)
         pg_denom = agg_denominator(mask, "seq-mean-token-mean") if cfg.policy_loss == "gspo" else denom
         return denom, pg_denom, max(float(mask.sum()), 1.0)
-
-    def _optimizer_step(self, applied: int) -> None:
-        """The mini-batch's optimizer step. Out of memory inside it raises TrainOOM on every process of the
-        placement (they agree with one all-reduce over several), saying what was written: `applied` whole
-        steps before it, and whether this one wrote any chunk on some process, in which case it counts as
-        applied for the LR schedule (stepped here per optimizer step, by `update` per train step)."""
-        pl, err = self.placement, None
-        try:
-            self.optimizer.step()
-        except OptimizerStepOOM as e:
-            err = e
-        except Exception as e:  # noqa: BLE001 - an OOM outside MasterAdamW's chunks: assume it wrote some
-            if not _is_oom(e):
-                raise
-            err = OptimizerStepOOM(0, len(self.optimizer.chunks), True)
-            err.__cause__ = e
-        failed, changed = err is not None, err is None or err.changed
-        if pl.world > 1:
-            flags = pl.sum_(torch.tensor([float(failed), float(changed)]))
-            failed, changed = bool(flags[0] > 0), bool(flags[1] > 0)
-        if not failed:
-            return
-        self._recover()
-        if changed and self.per_optimizer_step:
-            self.scheduler.step()
-        written, chunks = (err.written, err.total) if err is not None else (len(self.optimizer.chunks),) * 2
-        cause = err if pl.world == 1 else CollectiveOOM("a data-parallel rank ran out of device memory in the "
-                                                        "optimizer step")
-        raise TrainOOM(f"the optimizer step ran out of device memory ({err or 'on another rank'}); offload the "
-                       "optimizer state (optimizer_offload) or lower the memory the step holds", applied,
-                       partial_update=changed, chunks_written=written, chunks_total=chunks,
-                       torn=err is not None and err.torn) from cause
-
-    def _recover(self) -> None:
-        """Drop a failed pass's gradients and cached blocks (its tensors are gone with the exception)."""
-        self.optimizer.zero_grad(set_to_none=self.memory is None)
-        if self.model.inv_freq.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     def _accumulate(self, cfg: RLConfig, mini: RolloutBatch, mini_idx: torch.Tensor, advantages: torch.Tensor,
                     ref_logprobs: torch.Tensor | None, old_all: torch.Tensor | None,

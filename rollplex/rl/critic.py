@@ -38,7 +38,9 @@ Out of memory in the critic's passes backs off as the actor's do: the values' sc
 forward/backward retry the pass with halved micro-batches (kept for later steps, one back-off for
 scoring and one for training), the update then with activation checkpointing, and at one prompt (one
 sequence) per pass raise TrainOOM — before the mini-batch's optimizer step, so a failed mini-batch
-changes nothing. Not like the actor: no entropy/KL terms.
+changes nothing. The optimizer step is the actor's (rl/trainer.py): agreed over a data-parallel
+placement's ranks, and any failure after one says what was applied. Not like the actor: no entropy/KL
+terms.
 
 The passes run over a placement (rl/placement.py), as the actor's: this process, or a data-parallel
 group (`rollplex.parallel.DataParallelCritic`: the value model sharded by FSDP2, each rank scoring and
@@ -69,6 +71,7 @@ from .microbatch import Backoff, halve
 from .optimizer import MasterAdamW
 from .placement import CollectiveOOM, Placement, SingleProcess
 from .scoring import response_hidden
+from .trainer import Trainer
 
 log = logging.getLogger("rollplex.rl")
 
@@ -160,18 +163,17 @@ def save_value_model(vm: ValueModel, path: str | Path, state: dict[str, torch.Te
     return save_model(vm.backbone, path, state=state or value_state(vm))
 
 
-class Critic:
+class Critic(Trainer):
     def __init__(self, model: ValueModel, cfg: RLConfig, memory=None, optimizer_offload: str = "none",
                  placement: Placement | None = None):
         """placement: where the passes run (default: this process; `rollplex.parallel.DataParallelCritic`
         gives a data-parallel one over an FSDP2-sharded value model, as for the actor)."""
-        self.model, self.cfg = model, cfg
-        self.placement = placement or SingleProcess()
+        self.cfg = cfg
         params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = MasterAdamW(params, memory=memory, offload=optimizer_offload,
-                                     regions=("critic_optimizer", "critic_grads"), lr=cfg.critic_lr,
-                                     betas=cfg.betas, weight_decay=cfg.weight_decay)
-        self.memory = memory
+        optimizer = MasterAdamW(params, memory=memory, offload=optimizer_offload,
+                                regions=("critic_optimizer", "critic_grads"), lr=cfg.critic_lr,
+                                betas=cfg.betas, weight_decay=cfg.weight_decay)
+        super().__init__(model, optimizer, placement or SingleProcess(), memory, name="the critic")
         self.placement.set_checkpointing(model, bool(cfg.gradient_checkpointing),
                                          bool(cfg.vision_gradient_checkpointing))
         model.eval()
@@ -220,7 +222,7 @@ class Critic:
         model = self.model
         model.train()
         sums: dict[str, float] = {}
-        done = skipped = applied = 0
+        done = skipped = applied = self.applied = 0
         try:
             for epoch in range(cfg.ppo_epochs):
                 for prompt_ids in mini_batches(cfg, batch, epoch, step):
@@ -233,12 +235,14 @@ class Critic:
                                               "its optimizer step was skipped", applied)
                     if bad:
                         skipped += 1
-                    else:
-                        self.optimizer.step()
-                        applied += 1
+                    else:  # agreed over a data-parallel placement's ranks, as the actor's
+                        self.optimizer_step(applied)
+                        applied = self.applied = applied + 1
                     for k, v in stats.items():
                         sums[k] = sums.get(k, 0.0) + v
                     done += 1
+        except BaseException as e:
+            raise self.failure(e, applied)  # noqa: B904 - the error itself, or one caused by it
         finally:
             self.optimizer.zero_grad(set_to_none=self.memory is None)
             model.eval()

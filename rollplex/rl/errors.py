@@ -4,7 +4,9 @@ A train step changes the weights only through optimizer steps (one per mini-batc
 fails before the first one (scoring, any pass of the first mini-batch, a non-finite loss or gradient
 norm there) leaves the weights, the optimizer state and the LR schedule as they were:
 `weights_changed` is False. A failure after an optimizer step cannot be undone without a copy of
-the whole model and optimizer, which the step does not keep; the error then says what was applied:
+the whole model and optimizer, which the step does not keep; whatever the error (out of memory
+`TrainOOM`, a non-finite update `NonFiniteUpdate`, any other `TrainStepFailed`, which it causes), it
+is then a TrainStepError saying what was applied:
 
     applied_updates   whole optimizer steps of this train step that were applied
     partial_update    the next optimizer step stopped part-way: it ran out of memory after updating
@@ -57,3 +59,8 @@ def is_oom(e: BaseException) -> bool:
     import torch
 
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+class TrainStepFailed(TrainStepError):
+    """Another error (not out of memory, not a non-finite update) after part of the step was applied: it
+    is the cause (`__cause__`); the step counts as one that changed the weights."""

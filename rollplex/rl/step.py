@@ -78,7 +78,7 @@ from .batch import RolloutBatch
 from .config import RLConfig
 from .critic import Critic, build_value_model
 from .dynamic_sampling import sample_groups
-from .errors import TrainStepError
+from .errors import TrainStepError, TrainStepFailed
 from .handover import co_scheduled, complete_handover, plan_handover
 from .rewards import RewardFn, get_reward_fn, score_batch
 from .rollout import NativeRollout, RolloutBackend, as_rollout_backend, rollout_requests
@@ -299,7 +299,14 @@ class RLStep:
         nothing applied, or any error in scoring) leaves it, the weights, the optimizer state and the LR
         schedule as they were, the critic's included; one after it (rl/errors.py) counts the step, as the LR
         schedule counts its applied optimizer steps, and the critic is not trained in it. A failure in the
-        critic's update after the actor's counts the step too."""
+        critic's update after the actor's counts the step too. Every error after an optimizer step is a
+        TrainStepError saying what was applied (TrainStepFailed, caused by it, for one that is neither out
+        of memory nor a non-finite update)."""
+        with self._failures_reported():
+            return self._train(batch, cfg, old_logprobs, nonfinite)
+
+    def _train(self, batch: RolloutBatch, cfg: RLConfig | None, old_logprobs: torch.Tensor | None,
+               nonfinite: str) -> dict:
         cfg, m = cfg or self.cfg, {}
         if batch.rewards is None:
             raise ValueError("the batch has no rewards")
@@ -348,10 +355,8 @@ class RLStep:
             try:
                 with _timer(m, "update_critic", self.device, tl), self._phase("update_critic"):
                     m.update(self.critic.update(batch, returns, values, self.step_idx, cfg, nonfinite))
-            except Exception:
-                if train_actor:
-                    self._after_update(m, stats, reward_kl, batch.num_samples)
-                raise
+            except Exception as e:
+                raise self._critic_failed(e, train_actor, m, stats, reward_kl, batch.num_samples)  # noqa: B904
         self._after_update(m, stats, reward_kl, batch.num_samples)
         m.update(self._batch_metrics(batch, adv, rewards, train_lp, cfg))
         if cfg.uses_critic:
@@ -407,6 +412,41 @@ class RLStep:
                 self._update_kl_ctrl(reward_kl, n)
                 self.runtime.sync_weights()
             raise
+
+    @contextmanager
+    def _failures_reported(self):
+        """Any error of the body once the step counted (its weights changed) as a TrainStepError saying what
+        was applied: the trainers' optimizer steps of this step."""
+        step0 = self.step_idx
+        for trainer in (self.actor, self.critic):
+            if trainer is not None:
+                trainer.applied = 0
+        try:
+            yield
+        except Exception as e:
+            if isinstance(e, TrainStepError) or self.step_idx == step0:
+                raise
+            applied = self.actor.applied + (self.critic.applied if self.critic is not None else 0)
+            raise TrainStepFailed(f"the train step failed after its update was applied: {type(e).__name__}: {e}",
+                                  applied) from e
+
+    def _critic_failed(self, error: Exception, trained_actor: bool, m: dict, stats: dict, reward_kl: float | None,
+                       n: int) -> Exception:
+        """What the step raises when the critic's update failed with `error`: the step counts when the actor's
+        update ran before it or the critic's applied an optimizer step, and the error then says what of the
+        whole step (the actor's optimizer steps and the critic's) was applied."""
+        critic_changed = isinstance(error, TrainStepError) and error.weights_changed
+        if trained_actor or critic_changed:
+            self._after_update(m, stats, reward_kl, n)
+        if not trained_actor or not self.actor.applied:
+            return error
+        kw = dict(partial_update=error.partial_update, chunks_written=error.chunks_written,
+                  chunks_total=error.chunks_total, torn=error.torn) if isinstance(error, TrainStepError) else {}
+        cls = type(error) if isinstance(error, TrainStepError) else TrainStepFailed
+        applied = self.actor.applied + (error.applied_updates if isinstance(error, TrainStepError) else 0)
+        out = cls(f"the critic's update failed after the actor's was applied: {error}", applied, **kw)
+        out.__cause__ = error
+        return out
 
     def _after_update(self, m: dict, stats: dict, reward_kl: float | None, n: int) -> None:
         self.step_idx += 1  # the weights changed: counted before anything else can fail
@@ -475,7 +515,8 @@ class RLStep:
         rewards = rewards or (lambda b, _ids: self.compute_rewards(b))
         m: dict = {}
         t0 = time.perf_counter()
-        batch = self.schedule.run(self, prompts, params, rewards, per_prompt, m)
+        with self._failures_reported():
+            batch = self.schedule.run(self, prompts, params, rewards, per_prompt, m)
         return batch, self._step_metrics(batch, m, t0)
 
     def _step_metrics(self, batch: RolloutBatch, m: dict, t0: float) -> dict:
