@@ -28,11 +28,12 @@
            A failed step changes nothing, or says exactly what changed: before its first optimizer
            step (scoring, the first mini-batch) weights, optimizer state, LR schedule, global_step,
            weights_version and the rollout store are as they were; after it (out of memory in a
-           later mini-batch or inside an optimizer step, a later mini-batch's non-finite loss) the
-           answer says how many optimizer steps were applied (and whether one stopped part-way),
-           global_step, the LR schedule and weights_version count them, and the retained rollout is
-           stale (off-policy only). Out of memory is 507; a non-finite loss or gradient norm skips
-           that optimizer step and is 422.
+           later mini-batch or inside an optimizer step, a later mini-batch's non-finite loss, any
+           other error) the answer says how many optimizer steps were applied (and whether one
+           stopped part-way), global_step, the LR schedule and weights_version count them, and the
+           retained rollout is stale (off-policy only). Out of memory is 507; a non-finite loss or
+           gradient norm skips that optimizer step and is 422; another error after an optimizer step
+           is 500.
 /save {"path", "data_state"?, "overwrite"?} -> HF checkpoint + trainer state; never into the root
            itself (400), and onto an existing checkpoint (a non-empty folder) only with overwrite:
            true (409 otherwise). /load {"path"} -> checks every file first (400, nothing changed, for
@@ -60,7 +61,7 @@ from fastapi.responses import Response
 
 from ..rl.batch import RolloutBatch
 from ..rl.dynamic_sampling import kept_groups
-from ..rl.errors import TrainOOM, TrainStepError
+from ..rl.errors import NonFiniteUpdate, TrainOOM, TrainStepError
 from ..rl.rewards import score_batch
 from . import limits
 from .errors import bad_request
@@ -186,16 +187,19 @@ def router(state) -> APIRouter:
             except ValueError as e:
                 raise bad_request(f"train step rejected: {e}") from None
             except TrainStepError as e:  # the rollout stays retained; stale when part of the step was applied
-                oom = isinstance(e, TrainOOM)
-                state.metrics.inc("rollplex_train_oom_total" if oom else "rollplex_train_nonfinite_total")
+                oom, nonfinite = isinstance(e, TrainOOM), isinstance(e, NonFiniteUpdate)
+                if oom or nonfinite:
+                    state.metrics.inc("rollplex_train_oom_total" if oom else "rollplex_train_nonfinite_total")
                 if e.weights_changed:
                     state.metrics.inc("rollplex_train_steps_partial_total")
                     left = (f"global_step is now {state.rl.step_idx} and weights_version {state.weights_version}: "
                             "the rollout is still retained but stale (train it with off_policy: true)")
                 else:
                     left = "the rollout is still retained"
-                # 507 Insufficient Storage: the step did not fit; 422: the loss or gradients were not finite
-                raise HTTPException(507 if oom else 422, f"{e} ({e.applied()}; {left})") from None
+                # 507 Insufficient Storage: the step did not fit; 422: the loss or gradients were not finite;
+                # 500: another error after part of the step was applied (TrainStepFailed)
+                code = 507 if oom else 422 if nonfinite else 500
+                raise HTTPException(code, f"{e} ({e.applied()}; {left})") from None
             m.update(extra)
             for i in ids:
                 state.store.pop(i)
