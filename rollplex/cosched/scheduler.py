@@ -50,6 +50,26 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
+def decode_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """A high-priority stream for decode, so the block scheduler hands free SMs to it before work on a
+    side stream; None off CUDA."""
+    return torch.cuda.Stream(device, priority=-100) if torch.device(device).type == "cuda" else None
+
+
+@contextlib.contextmanager
+def on_stream(stream: torch.cuda.Stream | None, device: torch.device):
+    """Run the body's work on `stream` (ordered after what came before, and before what follows); as it
+    is with None."""
+    if stream is None:
+        yield
+        return
+    cur = torch.cuda.current_stream(device)
+    stream.wait_stream(cur)
+    with torch.cuda.stream(stream):
+        yield
+    cur.wait_stream(stream)
+
+
 def side_stream(device: torch.device, sms: int) -> tuple[torch.cuda.Stream, object]:
     """The stream admitted work runs on, and what must outlive it: a low-priority stream over every SM, or
     (sms > 0) the stream of a green context holding `sms` SMs (the driver rounds the count up to its
@@ -78,7 +98,7 @@ class CoScheduler:
         # decode runs on a high-priority stream while work is co-scheduled and the work on a low-priority
         # one, so the block scheduler hands free SMs to decode first and the work fills what is left
         self.stream, self._green_context = side_stream(self.device, config.side_sms) if self.cuda else (None, None)
-        self.decode_stream = torch.cuda.Stream(self.device, priority=-100) if self.cuda else None
+        self.decode_stream = decode_stream(self.device)
         self.timeline: Timeline | None = None
         self._active = False
         # the hook (the decode loop's thread) and `claim` (the fused pipeline's worker) share the queue and
@@ -130,17 +150,9 @@ class CoScheduler:
     def _ms(self, flops: float) -> float:
         return flops / (self.tflops * 1e9)
 
-    @contextlib.contextmanager
     def decode_priority(self):
         """Run the engine's work inside on the high-priority stream (ordered after what came before)."""
-        if not self.cuda:
-            yield
-            return
-        cur = torch.cuda.current_stream(self.device)
-        self.decode_stream.wait_stream(cur)
-        with torch.cuda.stream(self.decode_stream):
-            yield
-        cur.wait_stream(self.decode_stream)
+        return on_stream(self.decode_stream, self.device)
 
     # ---- engine hook ------------------------------------------------------------------------
     def on_prefill(self, requests) -> None:

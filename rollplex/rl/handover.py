@@ -46,7 +46,7 @@ def plan_handover(step, prompts: list, frozen: bool, ref_resident: bool = False)
     if step.ref is not None and cfg.kl_coef > 0 and (
             ref_resident or step.memory is None or step.memory.plan.get("rollout", "ref_weights") == "resident"):
         # a frozen tower's encodings come from the engine's prefill, unless the reference's tower differs
-        shared = frozen and step._ref_same_vision
+        shared = frozen and step.ref_same_vision
         ref_prompts = prompts if shared or not frozen else [replace(p, vision_embeds=None) for p in prompts]
         out["ref"] = PrefixRows.plan(step.ref, ref_prompts, per_job, "ref", external_vision=shared, only=only,
                                      gather=step.runtime.reference_gather(step.ref))

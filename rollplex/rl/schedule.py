@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import logging
 
-from ..cosched.scheduler import side_stream
+import torch
+
+from ..cosched.scheduler import decode_stream, on_stream, side_stream
 from ..cosched.timeline import DecodeMarks
 from .actor import mini_batch_sizes
 from .batch import RolloutBatch
@@ -65,6 +67,7 @@ class Fused:
 
     def __init__(self):
         self._streams: dict[int, tuple] = {}  # SMs -> (side stream, its green context), made on first use
+        self._decode_stream = None  # decode's high-priority stream without the co-scheduler (which has one)
         self._warned: set[str] = set()
         # the admission gate (rl/fuse_gate.py): its measurements span steps; one set here carries them in
         # (made from the config on first use, remade when its settings change)
@@ -90,6 +93,14 @@ class Fused:
             self._streams[sms] = side_stream(step.device, sms)  # (stream, its context)
         return self._streams[sms][0]
 
+    def _decode_priority(self, step):
+        """Decode on a high-priority stream: the co-scheduler's when it runs, else this schedule's."""
+        if step.cosched is not None:
+            return step.cosched.decode_priority()
+        if self._decode_stream is None:
+            self._decode_stream = decode_stream(step.device)
+        return on_stream(self._decode_stream, step.device)
+
     def _gate(self, cfg: RLConfig) -> FuseGate:
         want = gate_settings(cfg)
         g = self.gate
@@ -99,7 +110,7 @@ class Fused:
 
     def _fused(self, step, prompts: list, params: list, rewards, per_prompt: dict, m: dict) -> RolloutBatch:
         """Rollout with the group pipeline beside it, then the optimizer step."""
-        step._enter("rollout")
+        step.enter("rollout")
         # the gradients and the reference stay resident from the rollout through the optimizer step: resumed
         # after entering the rollout, and afterwards whatever the phase the step ends in gives them
         for tag in fused_regions(step):
@@ -136,7 +147,7 @@ class Fused:
                     step.engine.hooks.append(h)
                 done = False
                 try:
-                    with step.cosched.decode_priority():  # decode on a high-priority stream
+                    with self._decode_priority(step):
                         outs = rt.generate(prompts, params, keep_vision=frozen, on_output=pipe.add)
                     done = True
                 finally:
@@ -184,18 +195,18 @@ class Fused:
         m.update(got["reward_metrics"])
         _, reward_kl, kl_m = step.kl_reward_penalty(batch, got["ref"], cfg)
         m.update(kl_m)
-        with _timer(m, "update_actor", step.device, tl), step._phase("update"):
-            if cfg.num_updates == 1:
-                stats = step._applying(reward_kl, batch.num_samples, lambda: actor.apply_groups(
-                    cfg, got["accumulated"].metrics, batch.mask))
-            else:  # the first mini-batch's optimizer step, then the others as the phased update runs them
-                train_b, _ = step.training_views(batch)
-                stats, _ = step._applying(reward_kl, batch.num_samples, lambda: actor.update(
-                    train_b, got["advantages"], got["ref"] if cfg.use_kl_loss else None, got["old"], step.step_idx,
-                    cfg, accumulated=got["accumulated"]))
-        step._after_update(m, stats, reward_kl, batch.num_samples)
         train_lp = got["old"] if got["old"] is not None else got["logprobs"]  # as phased: the old ones when scored
-        m.update(step._batch_metrics(batch, got["advantages"], got["seq_rewards"], train_lp, cfg))
+
+        def actor_update() -> tuple[dict, torch.Tensor]:
+            if cfg.num_updates == 1:
+                return actor.apply_groups(cfg, got["accumulated"].metrics, batch.mask), train_lp
+            # the first mini-batch's optimizer step, then the others as the phased update runs them
+            train_b, _ = step.training_views(batch)
+            stats, _ = actor.update(train_b, got["advantages"], got["ref"] if cfg.use_kl_loss else None, got["old"],
+                                    step.step_idx, cfg, accumulated=got["accumulated"])
+            return stats, train_lp
+
+        step.update(batch, got["advantages"], got["seq_rewards"], reward_kl, cfg, m, actor_update)
         m.update(pipe.metrics(m["timing_s/gen"], counts))
         return batch
 

@@ -136,7 +136,7 @@ class RLStep:
         cfg = self.cfg
         self.step_idx = 0
         self.device = model.inv_freq.device
-        self.cosched = CoScheduler(cosched or CoschedConfig(), self.device, memory=memory)
+        self._cosched_cfg, self._cosched = cosched or CoschedConfig(), None
         self.timeline: Timeline | None = None  # set one to record phases and co-scheduled work
         self.rollout_metrics: dict = {}  # the last rollout's co-scheduling metrics
         self.schedule = schedule_of(cfg)  # the order of `run`'s work (rl/schedule.py)
@@ -191,9 +191,10 @@ class RLStep:
     def _region(self, tag: str):
         return self.memory.region(tag) if self.memory is not None else contextlib.nullcontext()
 
-    def _enter(self, name: str) -> None:
-        """`name` on the memory manager and on the rollout backend, releases before resumes: leaving the
-        rollout the backend lets its memory go first; entering it the trainer's regions go first."""
+    def enter(self, name: str) -> None:
+        """Enter phase `name` (rollout / ref / update / update_critic) on the memory manager and on the
+        rollout backend, releases before resumes: leaving the rollout the backend lets its memory go
+        first; entering it the trainer's regions go first. It lasts until the next phase is entered."""
         backend_first = name != "rollout"
         if backend_first and self.backend is not None:
             self.backend.enter_phase(name)
@@ -202,11 +203,13 @@ class RLStep:
         if not backend_first and self.backend is not None:
             self.backend.enter_phase(name)
 
-    @contextmanager
-    def _phase(self, name: str):
-        """`_enter(name)` before the body (the phase lasts until the next one is entered)."""
-        self._enter(name)
-        yield
+    @property
+    def cosched(self) -> CoScheduler | None:
+        """The prefix co-scheduler (rollplex.cosched), built when first asked for with `cfg.cosched` on; None
+        while it is off."""
+        if self._cosched is None and self.cfg.cosched:
+            self._cosched = CoScheduler(self._cosched_cfg, self.device, memory=self.memory)
+        return self._cosched
 
     @property
     def rollout_backend(self) -> str | None:
@@ -232,7 +235,7 @@ class RLStep:
             with self._resident(["ref_weights"]):  # a data-parallel reference holds shards (DTensors)
                 same = all(torch.equal(a, b.full_tensor() if isinstance(b, DTensor) else b)
                            for a, b in zip(self.model.visual.parameters(), self.ref.visual.parameters()))
-        self._ref_same_vision = same
+        self.ref_same_vision = same
 
     def _resident(self, tags):
         return self.memory.resident(tags) if self.memory is not None else contextlib.nullcontext()
@@ -250,7 +253,8 @@ class RLStep:
         it carries for scoring and the update. `per_prompt`: data_sources / ground_truths / extra_infos."""
         frozen = self.keeps_vision
         handover = plan_handover(self, prompts, frozen)  # rl/handover.py: nothing without cosched
-        with self._phase("rollout"), co_scheduled(self, handover, prompts if frozen else ()):
+        self.enter("rollout")
+        with co_scheduled(self, handover, prompts if frozen else ()):
             outs = self.runtime.generate(prompts, params, keep_vision=frozen)
         batch = self.rollout_batch(prompts, outs, **per_prompt)
         batch.prefix = handover
@@ -271,8 +275,8 @@ class RLStep:
         group, where each rank samples its share)."""
         if self.backend is None:
             raise ValueError("this RLStep has no rollout engine")
-        with self._phase("rollout"):  # data-parallel: a collective every rank calls
-            return self.runtime.generate(prompts, params, keep_vision=keep_vision)
+        self.enter("rollout")
+        return self.runtime.generate(prompts, params, keep_vision=keep_vision)  # data-parallel: every rank calls
 
     def compute_rewards(self, batch: RolloutBatch, reward: RewardFn | str | None = None, cfg: RLConfig | None = None,
                         max_new_tokens: int | None = None) -> tuple[torch.Tensor, dict]:
@@ -317,11 +321,13 @@ class RLStep:
         ref_lp = values = returns = None
         tl = self.timeline
         if self.uses_reference(cfg):
-            with _timer(m, "ref", self.device, tl), self._phase("ref"):
+            with _timer(m, "ref", self.device, tl):
+                self.enter("ref")
                 complete_handover(self, batch, "ref", m)
                 ref_lp = self.reference_logprobs(ref_batch, cfg)
         if cfg.uses_critic:  # the values of the responses before the update: GAE's baseline, the value clip's centre
-            with _timer(m, "values", self.device, tl), self._phase("ref"):
+            with _timer(m, "values", self.device, tl):
+                self.enter("ref")
                 values = self.critic.values(batch, cfg)
         penalty, reward_kl, kl_m = self.kl_reward_penalty(batch, ref_lp, cfg)
         m.update(kl_m)
@@ -336,36 +342,19 @@ class RLStep:
         train_actor = not (cfg.uses_critic and self.step_idx < cfg.critic_warmup)
         old = old_logprobs
         if old is None and train_actor:
-            with _timer(m, "old_log_prob", self.device, tl), self._phase("ref"):
+            with _timer(m, "old_log_prob", self.device, tl):
+                self.enter("ref")
                 complete_handover(self, batch, "old", m)
                 old = self.runtime.old_logprobs(self.model, self.actor, batch, cfg)
         batch.prefix = {}  # the prefix states are consumed: free them before the update
-        train_lp = None
-        if train_actor:
-            with _timer(m, "update_actor", self.device, tl), self._phase("update"):
-                stats, first_lp = self._applying(reward_kl, batch.num_samples, lambda: self.actor.update(
-                    batch, adv, ref_lp if cfg.use_kl_loss else None, old, self.step_idx, cfg, nonfinite))
-            train_lp = old if old is not None and old_logprobs is None else first_lp
-        else:
-            stats = {"rollplex/critic_warmup": 1.0}
-        if cfg.uses_critic:
-            # after the actor's (verl: before; neither reads the other's update), so that an actor failing before
-            # its first optimizer step leaves the critic as it was too; a critic failing after the actor's update
-            # counts the step, whose weights changed
-            try:
-                with _timer(m, "update_critic", self.device, tl), self._phase("update_critic"):
-                    m.update(self.critic.update(batch, returns, values, self.step_idx, cfg, nonfinite))
-            except Exception as e:
-                raise self._critic_failed(e, train_actor, m, stats, reward_kl, batch.num_samples)  # noqa: B904
-        self._after_update(m, stats, reward_kl, batch.num_samples)
-        m.update(self._batch_metrics(batch, adv, rewards, train_lp, cfg))
-        if cfg.uses_critic:
-            sel = batch.mask > 0
-            # verl's: how much of the returns' variance the values explain (1: all; <= 0: none)
-            m["critic/vf_explained_var"] = float(1 - (returns[sel] - values[sel]).var() / (returns[sel].var() + 1e-5))
-            m.update({"critic/values/mean": float(values[sel].mean()), "critic/values/max": float(values[sel].max()),
-                      "critic/values/min": float(values[sel].min()), "critic/returns/mean": float(returns[sel].mean()),
-                      "critic/returns/max": float(returns[sel].max()), "critic/returns/min": float(returns[sel].min())})
+
+        def actor_update() -> tuple[dict, torch.Tensor | None]:
+            stats, first_lp = self.actor.update(batch, adv, ref_lp if cfg.use_kl_loss else None, old, self.step_idx,
+                                                cfg, nonfinite)
+            return stats, old if old is not None and old_logprobs is None else first_lp
+
+        self.update(batch, adv, rewards, reward_kl, cfg, m, actor_update if train_actor else None,
+                    (returns, values) if cfg.uses_critic else None, nonfinite)
         return m
 
     # ---- the stages the schedules share (train() above, the group pipeline in rl/pipeline.py) ---------------
@@ -376,7 +365,7 @@ class RLStep:
         if not self.cfg.freeze_vision_tower and any(p.vision_embeds is not None for p in batch.prompts):
             batch = replace(batch, prompts=[replace(p, vision_embeds=None) for p in batch.prompts])
         ref_batch = batch
-        if any(p.vision_embeds is not None for p in batch.prompts) and not self._ref_same_vision:
+        if any(p.vision_embeds is not None for p in batch.prompts) and not self.ref_same_vision:
             ref_batch = replace(batch, prompts=[replace(p, vision_embeds=None) for p in batch.prompts])
         return batch, ref_batch
 
@@ -400,6 +389,42 @@ class RLStep:
         reward_kl = float((kld.sum(-1) / mask.sum(-1).clamp_min(1)).mean())
         return coef * kld, reward_kl, {"critic/kl_penalty": float(kld.sum(-1).mean()),
                                        "actor/reward_kl_penalty": reward_kl, "actor/reward_kl_penalty_coeff": coef}
+
+    def update(self, batch: RolloutBatch, adv: torch.Tensor, rewards: torch.Tensor, reward_kl: float | None,
+               cfg: RLConfig, m: dict, actor_update: Callable[[], tuple[dict, torch.Tensor | None]] | None,
+               critic_targets: tuple[torch.Tensor, torch.Tensor] | None = None, nonfinite: str = "skip") -> None:
+        """The step's tail, both schedules': the actor's update (`actor_update() -> (its metrics, the
+        logprobs the trainer saw [N, R] or None)`, what writes its weights; None during the critic's
+        warm-up), then the critic's on `critic_targets` (GAE returns, values before the update [N, R]),
+        then the step counted and its metrics into `m`. adv: the advantages [N] or [N, R]; rewards: the
+        sequence rewards [N]; reward_kl: the KL measured for the adaptive controller."""
+        tl, n, train_lp = self.timeline, batch.num_samples, None
+        if actor_update is not None:
+            with _timer(m, "update_actor", self.device, tl):
+                self.enter("update")
+                stats, train_lp = self._applying(reward_kl, n, actor_update)
+        else:
+            stats = {"rollplex/critic_warmup": 1.0}
+        if critic_targets is not None:
+            returns, values = critic_targets
+            # after the actor's (verl: before; neither reads the other's update), so that an actor failing before
+            # its first optimizer step leaves the critic as it was too; a critic failing after the actor's update
+            # counts the step, whose weights changed
+            try:
+                with _timer(m, "update_critic", self.device, tl):
+                    self.enter("update_critic")
+                    m.update(self.critic.update(batch, returns, values, self.step_idx, cfg, nonfinite))
+            except Exception as e:
+                raise self._critic_failed(e, actor_update is not None, m, stats, reward_kl, n)  # noqa: B904
+        self._after_update(m, stats, reward_kl, n)
+        m.update(self._batch_metrics(batch, adv, rewards, train_lp, cfg))
+        if critic_targets is not None:
+            sel = batch.mask > 0
+            # verl's: how much of the returns' variance the values explain (1: all; <= 0: none)
+            m["critic/vf_explained_var"] = float(1 - (returns[sel] - values[sel]).var() / (returns[sel].var() + 1e-5))
+            m.update({"critic/values/mean": float(values[sel].mean()), "critic/values/max": float(values[sel].max()),
+                      "critic/values/min": float(values[sel].min()), "critic/returns/mean": float(returns[sel].mean()),
+                      "critic/returns/max": float(returns[sel].max()), "critic/returns/min": float(returns[sel].min())})
 
     def _applying(self, reward_kl: float | None, n: int, apply):
         """Run `apply` (what writes the weights); a failure after some weights changed still counts the step,
