@@ -6,28 +6,9 @@ import math
 
 import pytest
 
-from rollplex.bench import profile
-
 
 def _rows(capsys) -> list[dict]:
     return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
-
-
-def test_engine_profile_reports_steps_and_writes_a_trace(tiny_dir, tmp_path, capsys):
-    profile.main(["--preset", f"{tiny_dir}/config.json", "--parts", "engine", "--device", "cpu", "--batches", "4",
-                  "--trace", str(tmp_path)])
-    eng = [r for r in _rows(capsys) if r["bench"] == "engine_profile"]
-    assert len(eng) == 1 and eng[0]["batch"] == 4 and eng[0]["period_ms"] > 0
-    assert eng[0]["host_top"] and (tmp_path / "engine_b4.json.gz").stat().st_size > 0
-
-
-def test_layer_bench_runs_every_variant(tiny_dir, capsys):
-    from rollplex.bench import layer
-
-    layer.main(["--preset", f"{tiny_dir}/config.json", "--batches", "2", "--variants", "default,autotune"])
-    rows = _rows(capsys)
-    assert [r["variant"] for r in rows] == ["default", "autotune"]
-    assert all(r["ms"] > 0 and r["layers"] == 4 for r in rows)
 
 
 STEP_ARGS = ["--device", "cpu", "--no-compile", "--prompts", "2", "--video-prompts", "2", "--n", "2",

@@ -60,9 +60,8 @@ def test_imports_are_read_relative_ones_included():
                              "rollplex.system", "rollplex.cli")),
 ], ids=["no-plugin-imports", "server", "system", "parallel", "tiny", "engine", "rl"])
 def test_layering(files, banned):
-    # `python -m rollplex.parallel` is the bench's older name: its entry module alone forwards to the bench
     globs = [files.replace("{system,cli}", name) for name in ("system", "cli")] if "{" in files else [files]
-    paths = [p for g in globs for p in ROOT.glob(g) if p != ROOT / "rollplex/parallel/__main__.py"]
+    paths = [p for g in globs for p in ROOT.glob(g)]
     assert paths and offenders(paths, banned) == {}
 
 

@@ -1,6 +1,5 @@
 """`python -m torch.distributed.run -m rollplex.bench parallel ...` on CPU (gloo): the torchrun entry point
-runs the data-parallel update and the tensor-parallel engine and matches one process (--check);
-`-m rollplex.parallel ...` is the same program under its older name."""
+runs the data-parallel update and the tensor-parallel engine and matches one process (--check)."""
 
 import json
 import os
@@ -117,11 +116,3 @@ def test_init_from_env_needs_torchrun(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ValueError, match="torchrun"):
         init_from_env()
-
-
-def test_older_command_name_is_the_same_program():
-    import rollplex.bench.parallel as bench
-    import rollplex.parallel.__main__ as older
-    from rollplex.bench.__main__ import WORKLOADS
-
-    assert older.main is bench.main and WORKLOADS["parallel"] == bench.__name__

@@ -1,5 +1,6 @@
-"""skinny_linear (a benchmark-only Triton decode GEMM, bench/skinny_gemm.py) against F.linear (with CUDA, or
-on CPU under TRITON_INTERPRET=1), edge tiles and split-K included; argument checks everywhere."""
+"""skinny_linear (an experiment's Triton decode GEMM, experiments/kernels/skinny_gemm.py) against F.linear
+(with CUDA, or on CPU under TRITON_INTERPRET=1), edge tiles and split-K included; argument checks
+everywhere."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from helpers import recording_timer
 
-from rollplex.bench.skinny_gemm import GEMM_CANDIDATES, skinny_linear
+from experiments.kernels.skinny_gemm import GEMM_CANDIDATES, skinny_linear
 
 
 def _runnable() -> bool:
@@ -62,7 +63,7 @@ def test_bad_arguments_are_value_errors():
 
 def test_tune_linear_cycles_through_weights() -> None:
     """Given several weights, the timed calls use them round robin (each read from memory, not L2)."""
-    from rollplex.bench.skinny_gemm import tune_linear
+    from experiments.kernels.skinny_gemm import tune_linear
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 16, generator=g)

@@ -1,18 +1,13 @@
-"""`python -m rollplex.bench <workload> [...]` — GPU benchmarks; each checks correctness, then times."""
+"""`python -m rollplex.bench <workload> [...]` — the product's benchmarks; each checks correctness, then
+times. Kernel and engine experiments live outside the package (experiments/)."""
 
 import sys
 
 WORKLOADS = {
-    "model": "rollplex.bench.model",
-    "rollout": "rollplex.bench.rollout",
     "memory": "rollplex.bench.memory",
     "serve": "rollplex.bench.serve",
     "step": "rollplex.bench.step",
-    "weights": "rollplex.bench.weights",
-    "hook": "rollplex.bench.hook",
-    "profile": "rollplex.bench.profile",
-    "hostloop": "rollplex.bench.hostloop",
-    "layer": "rollplex.bench.layer",
+    "weights": "rollplex.bench.weights",  # the weight-sharing planner's tables (rollplex.weights)
     "parallel": "rollplex.bench.parallel",  # under torchrun: train | decode | disaggregated | step
 }
 

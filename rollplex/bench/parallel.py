@@ -1,7 +1,6 @@
 """`python -m torch.distributed.run --nproc-per-node N -m rollplex.bench parallel COMMAND`: the multi-process
 paths end to end, on a synthetic rollout (random prompts, every other one with an image; random
-responses and rewards). Rank 0 prints one JSON line. `-m rollplex.parallel COMMAND` is the same program
-under its older name.
+responses and rewards). Rank 0 prints one JSON line.
 
     train          FSDP2 data-parallel actor update(s) over all ranks (parallel/data_parallel.py)
     decode         the engine with the model tensor-parallel over all ranks (parallel/tp.py)

@@ -16,7 +16,7 @@
     launch.py          the default process group from torchrun's environment
 
 The commands that check and time these paths end to end live with the benches (rollplex/bench/parallel.py:
-`python -m rollplex.bench parallel ...`; `python -m rollplex.parallel ...` is its older name).
+`python -m rollplex.bench parallel ...`).
 """
 
 from .broadcast import bucket_plan, receive_weights, send_weights

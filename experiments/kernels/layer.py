@@ -1,4 +1,4 @@
-"""`python -m rollplex.bench layer`: the decode step's decoder layers under different GEMM choices.
+"""`python -m experiments.kernels.layer`: the decode step's decoder layers under different GEMM choices.
 
 Asks whether inductor's own GEMM choices beat the model's: in the graphed decode step at small batch
 most of the time goes to the four GEMMs of each layer, which stream their weights below the HBM
@@ -24,11 +24,11 @@ import json
 
 import torch
 
-from ..engine.decode_forward import _pre_attention
-from ..models import ModelConfig
-from ..models.text import _post_attention
-from ..presets import preset
-from .timing import env_info, time_ms
+from rollplex.bench.timing import env_info, time_ms
+from rollplex.engine.decode_forward import _pre_attention
+from rollplex.models import ModelConfig
+from rollplex.models.text import _post_attention
+from rollplex.presets import preset
 
 VARIANTS = {
     "default": {},
@@ -63,7 +63,7 @@ def run_layers(pre, post, x, layers, cfg: ModelConfig):
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m rollplex.bench layer")
+    ap = argparse.ArgumentParser(prog="python -m experiments.kernels.layer")
     ap.add_argument("--preset", default="qwen2.5-vl-3b", help="a preset name or an HF config.json")
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--variants", default=",".join(VARIANTS))

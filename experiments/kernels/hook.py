@@ -1,4 +1,4 @@
-"""`python -m rollplex.bench hook [--device cpu|cuda]`: the decode-loop hook's cost.
+"""`python -m experiments.kernels.hook [--device cpu|cuda]`: the decode-loop hook's cost.
 
 Runs the same greedy rollout three times per configuration — no hook, a no-op hook, a recording
 hook — alternating configurations, and reports the median wall time per decode step of each. The
@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from ..engine import Engine, EngineConfig, RecordingHook, SamplingParams
-from ..models import load_model
-from ..tiny import ensure_tiny
-from .timing import env_info
+from rollplex.bench.timing import env_info
+from rollplex.engine import Engine, EngineConfig, RecordingHook, SamplingParams
+from rollplex.models import load_model
+from rollplex.tiny import ensure_tiny
 
 
 class NoOpHook:
@@ -26,7 +26,7 @@ class NoOpHook:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m rollplex.bench hook")
+    ap = argparse.ArgumentParser(prog="python -m experiments.kernels.hook")
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batch", type=int, default=32)
@@ -60,3 +60,7 @@ def main(argv=None) -> None:
     print(f"\n| hook | ms per decode step (median of {args.repeats}) |\n|---|---|")
     for k, v in rows.items():
         print(f"| {k} | {v} |")
+
+
+if __name__ == "__main__":
+    main()

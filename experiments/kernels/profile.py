@@ -1,4 +1,4 @@
-"""`python -m rollplex.bench profile`: where the GPU time of a decode step and a training pass goes.
+"""`python -m experiments.kernels.profile`: where the GPU time of a decode step and a training pass goes.
 
 Not a benchmark with goals: a breakdown that tells which kernels to fuse or tune next.
 
@@ -20,15 +20,16 @@ import json
 import torch
 import torch.nn.functional as F
 
-from ..engine import Engine, EngineConfig
-from ..kernels.paged_attention import DECODE_CANDIDATES, attn_variant, fits, paged_decode_attention
-from ..kernels.tuning import graph_time_us, round_robin
-from ..models import ModelConfig, ModelInputs, Qwen25VL, init_weights
-from ..presets import preset
-from ..rl.batch import RolloutBatch
-from ..rl.scoring import token_logprobs
-from .common import gemms_str, make_prompts, set_decode_state, update_flops
-from .timing import env_info, time_ms
+from experiments.common import gemms_str, set_decode_state
+from rollplex.bench.common import make_prompts, update_flops
+from rollplex.bench.timing import env_info, time_ms
+from rollplex.engine import Engine, EngineConfig
+from rollplex.kernels.paged_attention import DECODE_CANDIDATES, attn_variant, fits, paged_decode_attention
+from rollplex.kernels.tuning import graph_time_us, round_robin
+from rollplex.models import ModelConfig, ModelInputs, Qwen25VL, init_weights
+from rollplex.presets import preset
+from rollplex.rl.batch import RolloutBatch
+from rollplex.rl.scoring import token_logprobs
 
 DT = {"cuda": torch.bfloat16, "cpu": torch.float32}
 CATEGORIES = (
@@ -239,7 +240,7 @@ def gemm_sweep(cfg, batches, rows: list, dev: str) -> None:
     calls cycling through GEMM_COPIES weights (read from HBM, as in the step; the smaller weights fit
     L2 and a single copy timed over and over measures L2):
     * cuBLAS `F.linear` (what the model runs) and the best Triton skinny-GEMM candidate
-      (`bench/skinny_gemm.py`)
+      (`experiments/kernels/skinny_gemm.py`)
     * `mm(W, x^T)`: the transposed problem, which cuBLAS tiles differently (output [N, M])
     * split-K as a batched GEMM with fp32 output, `bmm(x_s, W_s^T, out_dtype=fp32)` over S slices of
       K, alone (its reduction could fuse into the next norm kernel) and with an eager sum + cast."""
@@ -267,8 +268,8 @@ def swiglu_sweep(cfg, batches, rows: list, dev: str) -> None:
     against the compiled path first."""
     if dev != "cuda":
         return
-    from ..engine.decode_forward import _gate_up_swiglu
-    from ..kernels.swiglu_gemm import swiglu_linear, tune_swiglu
+    from rollplex.engine.decode_forward import _gate_up_swiglu
+    from rollplex.kernels.swiglu_gemm import swiglu_linear, tune_swiglu
 
     t = cfg.text
     compiled = torch.compile(_gate_up_swiglu)
@@ -289,7 +290,7 @@ def swiglu_sweep(cfg, batches, rows: list, dev: str) -> None:
 
 
 def _gemm_variants(B: int, N: int, K: int, has_bias: bool, g, dev: str) -> dict:
-    from .skinny_gemm import skinny_linear, tune_linear
+    from experiments.kernels.skinny_gemm import skinny_linear, tune_linear
 
     x = torch.randn(B, K, device=dev, dtype=DT[dev], generator=g)
     ws = [torch.randn(N, K, device=dev, dtype=DT[dev], generator=g) * 0.02 for _ in range(GEMM_COPIES)]
@@ -377,7 +378,7 @@ def engine_profile(model, batches, rows: list, dev: str, trace_dir: str | None =
     """The engine's decode loop as it runs (overlap scheduling, sampling, host bookkeeping): per step,
     wall period vs GPU kernel time, the GPU time outside the graph replay (sampler, copies), and the
     host ops that take the most time. The gap between period and kernel time is what the host adds."""
-    from ..engine import SamplingParams
+    from rollplex.engine import SamplingParams
 
     eng = Engine(model, None, EngineConfig(max_num_seqs=max(batches), max_model_len=2048,
                                            gpu_memory_utilization=0.6, max_num_batched_tokens=8192))
@@ -468,7 +469,7 @@ def train_profile(model, cfg, configs, rows: list, dev: str, resp_len: int, trac
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m rollplex.bench profile")
+    ap = argparse.ArgumentParser(prog="python -m experiments.kernels.profile")
     ap.add_argument("--preset", default="qwen2.5-vl-3b")
     ap.add_argument("--parts", default="attn,decode,train",
                     help="any of attn, attn-parts, gemm, swiglu, decode, engine, train")
@@ -561,3 +562,7 @@ def main(argv=None) -> None:
     for r in attn:
         print(f"| {r['batch']} | {r['num_splits']} | {r['tile']} | {r['us']} | {r['TBps']} | "
               f"{'best' if r.get('best') else 'default'} |")
+
+
+if __name__ == "__main__":
+    main()

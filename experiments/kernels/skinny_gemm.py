@@ -1,6 +1,6 @@
 """Decode-shaped GEMMs, y = x W^T (+ b) with few rows (M <= 256): a Triton candidate next to cuBLAS.
 
-Benchmark-only (`bench profile --parts gemm`): the engine does not run it. Why it is worth timing:
+Benchmark-only (`experiments.kernels.profile --parts gemm`): the engine does not run it. Why it is worth timing:
 most of a graphed decode step's time is GEMMs, and with M <= 256 each is a weight stream. cuBLAS's
 tiles leave most SMs idle on the small projections (qkv and o), so they stream well below the
 bandwidth the MLP's large weights reach, and the down projection runs split-K plus a separate reduce
@@ -18,7 +18,7 @@ Design:
   the same numerics as cuBLAS up to summation order.
 * `tune_linear` times cuBLAS (`F.linear`) and each candidate config inside a CUDA graph and returns
   the fastest, so a caller only ever swaps in the kernel where it times faster; the
-  `bench profile --parts gemm` table shows the comparison for the decode shapes.
+  `experiments.kernels.profile --parts gemm` table shows the comparison for the decode shapes.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..kernels.paged_attention_triton import require_triton
-from ..kernels.tuning import graph_time_us, round_robin
+from rollplex.kernels.paged_attention_triton import require_triton
+from rollplex.kernels.tuning import graph_time_us, round_robin
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)
 GEMM_CANDIDATES: tuple[tuple[int, ...], ...] = tuple(

@@ -1,4 +1,4 @@
-"""`python -m rollplex.bench model`: our Qwen2.5-VL vs transformers' on the GPU.
+"""`python -m experiments.engine.model`: our Qwen2.5-VL vs transformers' on the GPU.
 
 1. Correctness: W3B shapes (random bf16 weights shared by both models), one 448x448 image + 96
    text tokens: max/mean |logit difference| and argmax agreement, plus the ViT output difference.
@@ -14,14 +14,14 @@ import json
 
 import torch
 
-from ..models import Qwen25VL, hf_to_rollplex
-from ..presets import preset
-from .common import vit_flops
-from .timing import env_info, time_ms
+from rollplex.bench.common import vit_flops
+from rollplex.bench.timing import env_info, time_ms
+from rollplex.models import Qwen25VL, hf_to_rollplex
+from rollplex.presets import preset
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m rollplex.bench model")
+    ap = argparse.ArgumentParser(prog="python -m experiments.engine.model")
     ap.add_argument("--preset", default="qwen2.5-vl-3b")
     ap.add_argument("--images", type=int, default=32)
     ap.add_argument("--size", type=int, default=448)
@@ -119,3 +119,7 @@ def main(argv=None) -> None:
           f"{r2['hf_bf16_vs_fp32_mean_abs']:.4f} |")
     for name, ms in timings.items():
         print(f"| ViT {args.images}x{args.size}^2 {name} | {ms:.1f} ms ({flops / ms / 1e9:.0f} TFLOP/s) |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,4 @@
-"""`python -m rollplex.bench hostloop`: the engine's host work per decode step, without the model.
+"""`python -m experiments.kernels.hostloop`: the engine's host work per decode step, without the model.
 
 The model's decode forward and the sampler are replaced by stubs that return fixed logits and
 tokens, so what is timed is what the host does around them every step: scheduling and block
@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from ..engine import Engine, EngineConfig, SamplingParams
-from ..models import load_model
-from ..tiny import ensure_tiny
-from .timing import env_info
+from rollplex.bench.timing import env_info
+from rollplex.engine import Engine, EngineConfig, SamplingParams
+from rollplex.models import load_model
+from rollplex.tiny import ensure_tiny
 
 
 class StepClock:
@@ -32,7 +32,7 @@ class StepClock:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m rollplex.bench hostloop")
+    ap = argparse.ArgumentParser(prog="python -m experiments.kernels.hostloop")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=256)
@@ -63,3 +63,7 @@ def main(argv=None) -> None:
     r = {"bench": "hostloop", "batch": args.batch, "tokens": args.tokens, "with_sampler": args.with_sampler,
          "host_ms_per_decode_step": round(statistics.median(per_step), 3), **env_info()}
     print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,4 @@
-"""`python -m rollplex.bench rollout`: the native engine on W3B, and transformers on the same batch.
+"""`python -m experiments.engine.rollout`: the native engine on W3B, and transformers on the same batch.
 
 1. Correctness first: on the W3B model the engine's greedy tokens equal our reference decoder's for
    a few prompts, and its sampled-token logprobs equal a full forward's.
@@ -22,13 +22,13 @@ import time
 
 import torch
 
-from ..engine import Engine, EngineConfig, RecordingHook, SamplingParams
-from ..engine.sampler import SamplingTensors
-from ..generate import generate
-from ..models import ModelInputs, Qwen25VL, hf_to_rollplex, init_weights
-from ..presets import preset
-from .common import gemms_str, set_decode_state, w3b_prompts
-from .timing import env_info, time_ms
+from experiments.common import gemms_str, set_decode_state, w3b_prompts
+from rollplex.bench.timing import env_info, time_ms
+from rollplex.engine import Engine, EngineConfig, RecordingHook, SamplingParams
+from rollplex.engine.sampler import SamplingTensors
+from rollplex.generate import generate
+from rollplex.models import ModelInputs, Qwen25VL, hf_to_rollplex, init_weights
+from rollplex.presets import preset
 
 
 class WallHook:
@@ -53,7 +53,7 @@ def copy_bandwidth(device="cuda") -> float:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m rollplex.bench rollout")
+    ap = argparse.ArgumentParser(prog="python -m experiments.engine.rollout")
     ap.add_argument("--preset", default="qwen2.5-vl-3b")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=8)
@@ -202,3 +202,7 @@ def main(argv=None) -> None:
     for r in rows:
         print("| " + r["bench"] + " | " + ", ".join(f"{k}={v}" for k, v in r.items()
                                                   if k not in ("bench", "torch", "date", "transformers", "gpu")) + " |")
+
+
+if __name__ == "__main__":
+    main()
