@@ -1,16 +1,12 @@
-"""The actor update: PPO/GRPO loss over micro-batches, AdamW, grad clipping, LR schedule.
+"""The actor: a Trainer (rl/trainer.py: epochs x mini-batches, the OOM ladder, the agreed optimizer step)
+whose mini-batch is the PPO/GRPO policy loss over micro-batches, with its LR schedule.
 
-One rollout is split into `ppo_mini_batches` mini-batches of whole prompt groups (each one
-optimizer step) for `ppo_epochs` epochs. The first epoch cuts the order in which the groups finished
-decoding (`RolloutBatch.finish_order`; prompt order where the backend does not report it) into
-consecutive runs, so its first mini-batch holds the groups that finished first — what the fused
-schedule trains beside the rollout's tail (rl/pipeline.py); later epochs deal a permutation seeded by
-(seed, step, epoch). Mini-batch sizes differ by one at most, the first ones larger (the first epoch
-was once dealt from a seeded permutation too). Inside a mini-batch, micro-batches are what one
-forward/backward holds: in `rollplex` mode a few prompts with all their samples, so each prompt's
-prefix graph (vision tower + prompt) is built and backpropagated once for its n responses; in
-`serial` mode a few full sequences. Losses are normalised by the mini-batch's token/sequence count,
-so both modes accumulate the same gradient.
+Inside a mini-batch, micro-batches are what one forward/backward holds: in `rollplex` mode a few
+prompts with all their samples, so each prompt's prefix graph (vision tower + prompt) is built and
+backpropagated once for its n responses; in `serial` mode a few full sequences. Losses are normalised
+by the mini-batch's token/sequence count, so both modes accumulate the same gradient. The fused
+schedule accumulates the first mini-batch group by group beside the rollout (`accumulate_groups`,
+`apply_groups`).
 
 Old logprobs: with a single update per rollout the policy has not moved, so old = current
 (detached) and no extra pass runs; with several updates they are scored once, before the first.
@@ -35,7 +31,6 @@ policy at the next rollout. bf16 parameters (GPU) get fp32 master weights in the
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 
@@ -46,28 +41,19 @@ from ..models.transfer import to_device
 from .algos import agg_denominator, agg_loss, kl_penalty, ppo_policy_loss, tis_weights
 from .batch import RolloutBatch
 from .config import RLConfig
-from .errors import NonFiniteUpdate, TrainOOM
-from .errors import is_oom as _is_oom
-from .microbatch import Backoff, MicroBatching, capped
-from .microbatch import halve as _halve
+from .errors import NonFiniteUpdate as NonFiniteUpdate  # re-exported: where callers have long found them
+from .errors import TrainOOM as TrainOOM
+from .errors import is_oom
+from .microbatch import MicroBatching
 from .optimizer import MasterAdamW
-from .placement import CollectiveOOM, Placement, SingleProcess
+from .placement import Placement, SingleProcess
 from .scoring import score_with_backoff, token_logprobs
-from .trainer import Trainer
+from .trainer import Trainer, lr_lambda, retry_oom
 
-log = logging.getLogger("rollplex.rl")
-
-
-def lr_lambda(cfg: RLConfig):
-    def f(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.lr_schedule == "cosine":
-            t = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
-            return 0.5 * (1 + math.cos(math.pi * t))
-        return 1.0
-
-    return f
+# what to change when the update runs out of memory: inside a data-parallel pass; at the smallest micro-batch
+ACTOR_DP_HINT = "lower micro_batch_prompts / micro_batch_max_tokens or turn on gradient_checkpointing"
+ACTOR_HINT = ("lower n or max_new_tokens, turn on gradient_checkpointing, or offload the optimizer (optimizer_offload) "
+              "or the reference model")
 
 
 @dataclass
@@ -77,26 +63,6 @@ class Accumulated:
     metrics: torch.Tensor
     rows: torch.Tensor
     logprobs: torch.Tensor
-
-
-def mini_batch_sizes(num_prompts: int, k: int) -> list[int]:
-    """Prompts in each of the (at most) k mini-batches of a rollout of num_prompts: sizes that differ by
-    one at most, the first ones larger."""
-    return [n for n in (len(range(i, num_prompts, k)) for i in range(k)) if n]
-
-
-def mini_batches(cfg: RLConfig, batch: RolloutBatch, epoch: int, step: int) -> list[list[int]]:
-    """The prompts of each mini-batch of `epoch` of a step's update (see the module docstring); the
-    critic's follow the same."""
-    k = cfg.ppo_mini_batches
-    if epoch == 0:
-        order, out = batch.finish_order(), []
-        for n in mini_batch_sizes(batch.num_prompts, k):
-            out.append(order[sum(map(len, out)):][:n])
-        return out
-    g = torch.Generator().manual_seed(cfg.seed * 1000003 + step * 1009 + epoch)
-    order = torch.randperm(batch.num_prompts, generator=g).tolist()
-    return [order[i::k] for i in range(k) if order[i::k]]
 
 
 METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl",
@@ -116,14 +82,21 @@ class Actor(Trainer):
         # the schedule's unit is the actor's (a step's config cannot change what its steps count)
         super().__init__(model, optimizer, placement or SingleProcess(), memory,
                          torch.optim.lr_scheduler.LambdaLR(optimizer.opt, lr_lambda(cfg)),
-                         cfg.lr_schedule_unit == "optimizer_step", name="the actor")
+                         cfg.lr_schedule_unit == "optimizer_step", role="actor")
         self.placement.set_checkpointing(model, cfg.gradient_checkpointing, cfg.vision_gradient_checkpointing)
-        # micro-batching that ran out of memory is halved for the rest of the run (OOM back-off)
-        self._backoff: MicroBatching | None = None
-        self.score_backoff = Backoff()  # the same for no-grad scoring (reference and old logprobs)
 
-    def _mini_batches(self, cfg: RLConfig, batch: RolloutBatch, epoch: int, step: int) -> list[list[int]]:
-        return mini_batches(cfg, batch, epoch, step)
+    @property
+    def _backoff(self) -> MicroBatching | None:
+        """The update's out-of-memory back-off cap (`train_backoff.cap`)."""
+        return self.train_backoff.cap
+
+    @_backoff.setter
+    def _backoff(self, cap: MicroBatching | None) -> None:
+        self.train_backoff.cap = cap
+
+    def _plan(self, cfg: RLConfig) -> MicroBatching:
+        """The update's micro-batching: `cfg`'s, capped by the out-of-memory back-off."""
+        return self.train_backoff.plan(cfg.micro_batching)
 
     def _set_lr(self, cfg: RLConfig) -> float:
         """The lr of the next optimizer step, put into the optimizer: the schedule's, with `cfg.lr` as
@@ -142,9 +115,6 @@ class Actor(Trainer):
             return None
         return score_with_backoff(self.model, batch, cfg.mode, cfg.micro_batching, cfg.temperature, prefix_key="old",
                                   placement=self.placement, backoff=self.score_backoff, what="old-logprob")
-
-    def _plan(self, cfg: RLConfig) -> MicroBatching:
-        return capped(cfg.micro_batching, self._backoff)
 
     def update(self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None,
                old_all: torch.Tensor | None = None, step: int = 0,
@@ -173,110 +143,65 @@ class Actor(Trainer):
         (what the server does: the step's earlier optimizer steps, if any, are in its `applied_updates`)."""
         if nonfinite not in ("skip", "raise"):
             raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
-        cfg, model, pl = cfg or self.cfg, self.model, self.placement
-        model.train()
+        cfg, pl = cfg or self.cfg, self.placement
+        self.model.train()
         first_logp = torch.zeros(batch.responses.shape)
         seen = torch.zeros(batch.num_samples)
         first_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-        sums: dict[str, float] = {}
-        updates = done = skipped = 0  # optimizer steps applied; mini-batches done; skipped (non-finite)
-        total = sum(len(self._mini_batches(cfg, batch, e, step)) for e in range(cfg.ppo_epochs))
+
+        def minibatch(epoch: int, done: int, mini: RolloutBatch, mini_idx: torch.Tensor) -> dict:
+            if accumulated is not None and done == 0:
+                acc = self._normalise_groups(cfg, accumulated.metrics, mini.mask)
+                assert set(accumulated.rows.tolist()) <= set(mini_idx.tolist()), \
+                    "the groups accumulated are the first mini-batch's"
+                first_parts.append((accumulated.rows, accumulated.logprobs))
+            else:
+                acc = self._accumulate_retrying(cfg, mini, mini_idx, advantages, ref_logprobs, old_all,
+                                                first_parts if epoch == 0 else None, batch.rollout_logprobs)
+            return self._minibatch_stats(cfg, acc)
+
+        self.applied = 0
         try:
-            for epoch in range(cfg.ppo_epochs):
-                for prompt_ids in self._mini_batches(cfg, batch, epoch, step):
-                    mini, mini_idx = batch.select_prompts(sorted(prompt_ids))
-                    if accumulated is not None and done == 0:
-                        acc = self._normalise_groups(cfg, accumulated.metrics, mini.mask)
-                        assert set(accumulated.rows.tolist()) <= set(mini_idx.tolist()), \
-                            "the groups accumulated are the first mini-batch's"
-                        first_parts.append((accumulated.rows, accumulated.logprobs))
-                    else:
-                        acc = self._accumulate_retrying(cfg, mini, mini_idx, advantages, ref_logprobs, old_all,
-                                                        first_parts if epoch == 0 else None, batch.rollout_logprobs,
-                                                        updates)
-                    stats, applied = self._step_minibatch(cfg, acc, f"mini-batch {done + 1} of {total}", updates,
-                                                          nonfinite)
-                    updates, skipped = updates + applied, skipped + (not applied)
-                    for k, v in stats.items():
-                        sums[k] = sums.get(k, 0.0) + v
-                    done += 1
+            out = self.fit(cfg, batch, step, minibatch, nonfinite)
         except BaseException as e:
-            self.applied = updates
-            self._end_update(updates, e)
-            raise self.failure(e, updates)  # noqa: B904 - the error itself, or one caused by it
-        self.applied = updates
-        self._end_update(updates)
+            self._end_update(self.applied, e)
+            raise self.failure(e, self.applied)  # noqa: B904 - the error itself, or one caused by it
+        self._end_update(self.applied)
         for gidx, lp in first_parts:
             first_logp[gidx] = lp.cpu()
             seen[gidx] += 1
         pl.sum_(first_logp)
         pl.sum_(seen)
         assert bool((seen == 1).all())
-        out = {k: v / max(done, 1) for k, v in sums.items()}
-        if skipped:
-            out["actor/skipped_updates"] = float(skipped)
         return out, first_logp
 
     def _accumulate_retrying(self, cfg: RLConfig, mini: RolloutBatch, mini_idx: torch.Tensor,
                              advantages: torch.Tensor, ref_logprobs: torch.Tensor | None,
                              old_all: torch.Tensor | None, first_parts: list | None,
-                             rollout_all: torch.Tensor | None, updates: int) -> torch.Tensor:
-        """`_accumulate` of one mini-batch, retried down the OOM ladder (see `update`)."""
-        model, pl = self.model, self.placement
-        while True:
-            kept = len(first_parts) if first_parts is not None else 0
-            try:
-                return self._accumulate(cfg, mini, mini_idx, advantages, ref_logprobs, old_all, first_parts,
-                                        rollout_all)
-            except Exception as e:  # noqa: BLE001 - only OOM is retried
-                if not _is_oom(e):
-                    raise
-                self.recover()
-                if first_parts is not None:
-                    del first_parts[kept:]
-                if not (isinstance(e, CollectiveOOM) or pl.recoverable_oom()):
-                    raise TrainOOM(
-                        "the actor update ran out of device memory inside a data-parallel pass (the "
-                        "other ranks wait in its collectives, so it cannot be retried); lower "
-                        "micro_batch_prompts / micro_batch_max_tokens or turn on "
-                        "gradient_checkpointing", updates) from e
-                smaller = _halve(self._plan(cfg), cfg.mode)
-                if smaller is None and pl.checkpointing(model) != (True, True):
-                    # last rung: recompute activations in backward instead of keeping them
-                    log.warning("actor update out of memory at the smallest micro-batch: turning on "
-                                "activation checkpointing for the rest of the run")
-                    pl.set_checkpointing(model, True, True)
-                    continue
-                if smaller is None:
-                    raise TrainOOM(
-                        "the actor update ran out of device memory at one "
-                        f"{'prompt' if cfg.mode == 'rollplex' else 'sequence'} per micro-batch; lower "
-                        "n or max_new_tokens, turn on gradient_checkpointing, or offload the optimizer "
-                        "(optimizer_offload) or the reference model", updates) from e
-                self._backoff = smaller
+                             rollout_all: torch.Tensor | None) -> torch.Tensor:
+        """`_accumulate` of one mini-batch down the out-of-memory ladder (`retry_oom`, see `update`); a failed
+        attempt's gradients and first-pass logprobs are dropped."""
+        kept = len(first_parts) if first_parts is not None else 0
 
-    def _step_minibatch(self, cfg: RLConfig, acc: torch.Tensor, where: str, updates: int,
-                        nonfinite: str) -> tuple[dict, bool]:
-        """Clip and apply one mini-batch's accumulated gradients: (its metrics, whether its optimizer step
-        was applied). A non-finite loss or gradient norm skips it, or raises NonFiniteUpdate."""
+        def attempt(plan: MicroBatching) -> torch.Tensor:
+            if first_parts is not None:
+                del first_parts[kept:]
+            return self._accumulate(cfg, mini, mini_idx, advantages, ref_logprobs, old_all, first_parts, rollout_all,
+                                    plan=plan)
+
+        return retry_oom(attempt, cfg.micro_batching, cfg.mode, self.train_backoff, self.placement, self.model,
+                         "the actor update", (ACTOR_DP_HINT, ACTOR_HINT), self.applied, self.recover,
+                         checkpointing=True)
+
+    def _minibatch_stats(self, cfg: RLConfig, acc: torch.Tensor) -> dict:
+        """One mini-batch's metrics (summed over the placement's processes: one host sync per mini-batch), its
+        gradients clipped on their global norm and the lr of its optimizer step set."""
         pl = self.placement
-        # one host sync per mini-batch: the metrics summed over the placement's processes
         stats = dict(zip(METRICS, pl.sum_(acc).tolist()))
         grad_norm = pl.clip_grad_norm_(self.optimizer.touched_params(), cfg.grad_clip)
         stats["actor/grad_norm"] = float(grad_norm)
         stats["actor/lr"] = self._set_lr(cfg)
-        # the summed metrics and the global norm are the same on every process: all skip alike
-        bad = [k for k, v in stats.items() if not math.isfinite(v)]
-        if bad and nonfinite == "raise":
-            raise NonFiniteUpdate(
-                f"non-finite {', '.join(bad)} in {where} (the loss or the gradients overflowed: check the rewards, "
-                "lr and coefficients); its optimizer step was skipped", updates)
-        if bad:  # no optimizer step and no LR-schedule step for it (verl skips it too)
-            return stats, False
-        self.optimizer_step(updates)
-        if self.per_optimizer_step:
-            self.scheduler.step()
-        return stats, True
+        return stats
 
     # ---- the update as a stream of groups (rl/pipeline.py) ----------------------------------
     def begin_groups(self) -> None:
@@ -309,12 +234,13 @@ class Actor(Trainer):
         acc = self._normalise_groups(cfg, acc, mask)
         self.applied = 0
         try:
-            stats, applied = self._step_minibatch(cfg, acc, "the batch", 0, nonfinite)
+            stats = self._minibatch_stats(cfg, acc)
+            applied = self.apply(stats, "the batch", nonfinite)
         except BaseException as e:
             self._end_update(0, e)
             raise
         self.applied = int(applied)
-        self._end_update(int(applied))
+        self._end_update(self.applied)
         if not applied:
             stats["actor/skipped_updates"] = 1.0
         return stats
@@ -361,7 +287,7 @@ class Actor(Trainer):
                     ref_logprobs: torch.Tensor | None, old_all: torch.Tensor | None,
                     first_parts: list | None, rollout_all: torch.Tensor | None = None,
                     norms: tuple[float, float, float] | None = None, zero: bool = True,
-                    placement: Placement | None = None) -> torch.Tensor:
+                    placement: Placement | None = None, plan: MicroBatching | None = None) -> torch.Tensor:
         """Forward/backward of this process's share of one mini-batch's micro-batches into zeroed
         gradients; returns its part of the metrics in METRICS order (a device tensor: an .item() per
         micro-batch would make the host wait for the GPU each time and lose the run-ahead that hides
@@ -374,8 +300,9 @@ class Actor(Trainer):
 
         norms: (loss, policy-loss, token) normalisers to use instead of the mini-batch's (`accumulate_groups`
         passes ones); zero: start from zeroed gradients (False: add to what is there); placement: instead of
-        the actor's."""
-        model, plan, pl = self.model, self._plan(cfg), placement or self.placement
+        the actor's; plan: the micro-batching (default: the step's, capped by the update's back-off)."""
+        model, pl = self.model, placement or self.placement
+        plan = plan or self._plan(cfg)
         denom, pg_denom, n_tok = norms or self._norms(cfg, mini.mask)
         # verl aggregates GSPO's loss per sequence whatever the mode
         pg_mode = "seq-mean-token-mean" if cfg.policy_loss == "gspo" else cfg.loss_agg_mode
@@ -422,7 +349,7 @@ class Actor(Trainer):
                 acc += torch.stack([pg.detach(), kl.detach(), e.detach(), clipfrac.detach() * w,
                                     ppo_kl.detach() * w, clip_lower.detach() * w]).float()
             except Exception as err:  # noqa: BLE001 - only OOM is deferred
-                if not (_is_oom(err) and pl.defer_oom()):
+                if not (is_oom(err) and pl.defer_oom()):
                     raise
                 break  # this rank's part of the mini-batch is lost: `end_passes` backs every rank off
         # a placement whose passes accumulated gradients reduces them now (or raises CollectiveOOM)

@@ -22,17 +22,15 @@ rollplex's checkpoint adapter (an `lm_head` in it is ignored), its head from `sc
 when present, else fresh. `save_value_model` writes such a directory (the backbone in HF names plus
 `score.*`, no LM head). The vocabulary must be the policy's (the critic reads the same token ids).
 
-The trainer (`Critic`) follows the actor's update: the same mini-batches (`actor.mini_batches`) and
-epochs, micro-batches from the step's `micro_batching`, losses divided by the whole mini-batch's
-normaliser so that both modes accumulate the same gradient; AdamW over fp32 masters (`MasterAdamW`,
-its state and gradients in the `critic_optimizer` / `critic_grads` memory regions), gradient clipping at
-the actor's `grad_clip`, the lr `critic_lr` (a step's config may override it) times the actor's schedule
-shape with the critic's own warm-up (`critic_lr_warmup_steps`), at the step's index: once per step, as
-verl's critic scheduler, and nothing to checkpoint beyond the step count. The loss is verl's
-clipped value loss (rl/algos.py `value_loss`) against the returns of GAE, clipped around the values
-scored before the update. Metrics use verl's names: critic/vf_loss, critic/vf_clipfrac,
-critic/vpred_mean, critic/grad_norm, critic/lr (and, from the step, critic/values/*, critic/returns/*,
-critic/vf_explained_var).
+The trainer (`Critic`) is a Trainer as the actor is (rl/trainer.py: the same mini-batches and epochs,
+the OOM ladder, the agreed optimizer step), whose mini-batch is verl's clipped value loss (rl/algos.py
+`value_loss`) against the returns of GAE, clipped around the values scored before the update; AdamW over
+fp32 masters in the `critic_optimizer` / `critic_grads` memory regions, the actor's `grad_clip`, and the
+lr `critic_lr` (a step's config may override it) times the actor's schedule shape with the critic's own
+warm-up (`critic_lr_warmup_steps`), at the step's index: once per step, as verl's critic scheduler, and
+nothing to checkpoint beyond the step count. Metrics use verl's names: critic/vf_loss,
+critic/vf_clipfrac, critic/vpred_mean, critic/grad_norm, critic/lr (and, from the step,
+critic/values/*, critic/returns/*, critic/vf_explained_var).
 
 Out of memory in the critic's passes backs off as the actor's do: the values' scoring and the update's
 forward/backward retry the pass with halved micro-batches (kept for later steps, one back-off for
@@ -51,8 +49,6 @@ gradients summed over the ranks), so the data-parallel critic computes what one 
 from __future__ import annotations
 
 import copy
-import logging
-import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -62,18 +58,20 @@ import torch.nn as nn
 from ..models import ModelConfig, Qwen25VL, hf_to_rollplex, save_model
 from ..models.checkpoint import empty_model, read_safetensors
 from ..models.transfer import to_device
-from .actor import _rows, lr_lambda, mini_batches
+from .actor import _rows
 from .algos import agg_denominator, value_loss
 from .batch import RolloutBatch
 from .config import RLConfig
-from .errors import NonFiniteUpdate, TrainOOM, is_oom
-from .microbatch import Backoff, halve
+from .errors import is_oom
+from .microbatch import MicroBatching
 from .optimizer import MasterAdamW
-from .placement import CollectiveOOM, Placement, SingleProcess
+from .placement import Placement, SingleProcess
 from .scoring import response_hidden
-from .trainer import Trainer
+from .trainer import Trainer, lr_lambda, retry_oom
 
-log = logging.getLogger("rollplex.rl")
+# what to change when the critic runs out of memory: inside a data-parallel pass; at the smallest micro-batch
+CRITIC_DP_HINT = "lower micro_batch_prompts or turn on gradient_checkpointing"
+CRITIC_HINT = "lower n or max_new_tokens, or offload the critic (memory plan)"
 
 HEAD = ("score.weight", "score.bias")  # AutoModelForTokenClassification's names
 METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean")
@@ -173,12 +171,10 @@ class Critic(Trainer):
         optimizer = MasterAdamW(params, memory=memory, offload=optimizer_offload,
                                 regions=("critic_optimizer", "critic_grads"), lr=cfg.critic_lr,
                                 betas=cfg.betas, weight_decay=cfg.weight_decay)
-        super().__init__(model, optimizer, placement or SingleProcess(), memory, name="the critic")
+        super().__init__(model, optimizer, placement or SingleProcess(), memory, role="critic")
         self.placement.set_checkpointing(model, bool(cfg.gradient_checkpointing),
                                          bool(cfg.vision_gradient_checkpointing))
         model.eval()
-        # micro-batchings an out-of-memory back-off halved to, kept for later steps: scoring and training
-        self.score_backoff, self.train_backoff = Backoff(), Backoff()
 
     @staticmethod
     def _own_view(batch: RolloutBatch) -> RolloutBatch:
@@ -193,22 +189,17 @@ class Critic(Trainer):
         cfg, pl, model = cfg or self.cfg, self.placement, self.model
         batch = self._own_view(batch)
         local, local_idx = pl.share(batch, cfg.mode)
-        while True:
-            plan = self.score_backoff.plan(cfg.micro_batching)
+
+        def attempt(plan: MicroBatching) -> torch.Tensor:
             out = torch.zeros(batch.responses.shape, dtype=torch.float32, device=model.inv_freq.device)
-            try:
-                for mb, idx in pl.passes(local, cfg.mode, plan):
-                    v = pl.run(model, model.values, mb, cfg.mode, plan.packed)
-                    n = idx.shape[0]  # rows past n: a placement's masked-out dummies
-                    out[to_device(local_idx[idx], out.device)] = v[:n] * to_device(mb.mask[:n], out.device)
-                return pl.sum_(out).cpu()
-            except Exception as e:  # noqa: BLE001 - only OOM is retried
-                if not is_oom(e):
-                    raise
-                if not (isinstance(e, CollectiveOOM) or pl.recoverable_oom()):
-                    raise TrainOOM("scoring the critic's values ran out of device memory inside a data-parallel "
-                                   "pass (the other ranks wait in its collectives)", 0) from e
-                self._back_off(self.score_backoff, plan, cfg, "scoring the values", 0, e)
+            for mb, idx in pl.passes(local, cfg.mode, plan):
+                v = pl.run(model, model.values, mb, cfg.mode, plan.packed)
+                n = idx.shape[0]  # rows past n: a placement's masked-out dummies
+                out[to_device(local_idx[idx], out.device)] = v[:n] * to_device(mb.mask[:n], out.device)
+            return pl.sum_(out).cpu()
+
+        return retry_oom(attempt, cfg.micro_batching, cfg.mode, self.score_backoff, pl, model,
+                         "scoring the critic's values", (CRITIC_DP_HINT, CRITIC_HINT))
 
     def update(self, batch: RolloutBatch, returns: torch.Tensor, old_values: torch.Tensor, step: int = 0,
                cfg: RLConfig | None = None, nonfinite: str = "skip") -> dict:
@@ -219,75 +210,24 @@ class Critic(Trainer):
         results (metrics summed and the gradients' norm taken over the ranks: every rank skips alike)."""
         cfg = cfg or self.cfg
         batch = self._own_view(batch)
-        model = self.model
-        model.train()
-        sums: dict[str, float] = {}
-        done = skipped = applied = self.applied = 0
-        try:
-            for epoch in range(cfg.ppo_epochs):
-                for prompt_ids in mini_batches(cfg, batch, epoch, step):
-                    mini, mini_idx = batch.select_prompts(sorted(prompt_ids))
-                    stats = self._minibatch_retrying(cfg, mini, mini_idx, returns, old_values, applied)
-                    stats["critic/lr"] = self._set_lr(cfg, step)
-                    bad = [k for k, v in stats.items() if not math.isfinite(v)]
-                    if bad and nonfinite == "raise":
-                        raise NonFiniteUpdate(f"non-finite {', '.join(bad)} in the critic's mini-batch {done + 1}; "
-                                              "its optimizer step was skipped", applied)
-                    if bad:
-                        skipped += 1
-                    else:  # agreed over a data-parallel placement's ranks, as the actor's
-                        self.optimizer_step(applied)
-                        applied = self.applied = applied + 1
-                    for k, v in stats.items():
-                        sums[k] = sums.get(k, 0.0) + v
-                    done += 1
+        self.model.train()
+
+        def minibatch(epoch: int, done: int, mini: RolloutBatch, mini_idx: torch.Tensor) -> dict:
+            stats = retry_oom(lambda plan: self._minibatch(cfg, plan, mini, mini_idx, returns, old_values),
+                              cfg.micro_batching, cfg.mode, self.train_backoff, self.placement, self.model,
+                              "the critic's update", (CRITIC_DP_HINT, CRITIC_HINT), self.applied, self.recover,
+                              checkpointing=True)
+            stats["critic/lr"] = self._set_lr(cfg, step)
+            return stats
+
+        self.applied = 0
+        try:  # the optimizer step is agreed over a data-parallel placement's ranks, as the actor's
+            return self.fit(cfg, batch, step, minibatch, nonfinite)
         except BaseException as e:
-            raise self.failure(e, applied)  # noqa: B904 - the error itself, or one caused by it
+            raise self.failure(e, self.applied)  # noqa: B904 - the error itself, or one caused by it
         finally:
             self.optimizer.zero_grad(set_to_none=self.memory is None)
-            model.eval()
-        out = {k: v / max(done, 1) for k, v in sums.items()}
-        if skipped:
-            out["critic/skipped_updates"] = float(skipped)
-        return out
-
-    def _minibatch_retrying(self, cfg: RLConfig, mini: RolloutBatch, mini_idx: torch.Tensor, returns: torch.Tensor,
-                            old_values: torch.Tensor, applied: int) -> dict:
-        """`_minibatch` down the out-of-memory ladder: halved micro-batches, then activation checkpointing,
-        then TrainOOM (`applied`: the optimizer steps already taken in this update). Under a data-parallel
-        placement the ranks back off together from a CollectiveOOM; an OOM inside a pass whose other ranks
-        wait in its collectives raises TrainOOM at once."""
-        pl = self.placement
-        while True:
-            plan = self.train_backoff.plan(cfg.micro_batching)
-            try:
-                return self._minibatch(cfg, plan, mini, mini_idx, returns, old_values)
-            except Exception as e:  # noqa: BLE001 - only OOM is retried
-                if not is_oom(e):
-                    raise
-                self.optimizer.zero_grad(set_to_none=self.memory is None)
-                if not (isinstance(e, CollectiveOOM) or pl.recoverable_oom()):
-                    raise TrainOOM("the critic's update ran out of device memory inside a data-parallel pass (the "
-                                   "other ranks wait in its collectives); lower micro_batch_prompts or turn on "
-                                   "gradient_checkpointing", applied) from e
-                if halve(plan, cfg.mode) is None and pl.checkpointing(self.model) != (True, True):
-                    log.warning("critic update out of memory at the smallest micro-batch: turning on activation "
-                                "checkpointing for the rest of the run")
-                    pl.set_checkpointing(self.model, True, True)
-                    continue
-                self._back_off(self.train_backoff, plan, cfg, "the critic's update", applied, e)
-
-    def _back_off(self, backoff: Backoff, plan, cfg: RLConfig, what: str, applied: int, err: BaseException) -> None:
-        """Halve `backoff`'s micro-batching below `plan`, or raise TrainOOM at the smallest."""
-        if self.model.inv_freq.device.type == "cuda":
-            torch.cuda.empty_cache()
-        smaller = halve(plan, cfg.mode)
-        if smaller is None:
-            raise TrainOOM(f"{what} ran out of device memory at one "
-                           f"{'prompt' if cfg.mode == 'rollplex' else 'sequence'} per micro-batch; lower n or "
-                           "max_new_tokens, or offload the critic (memory plan)", applied) from err
-        log.warning("%s out of memory: micro-batches of %s from now on", what, smaller)
-        backoff.cap = smaller
+            self.model.eval()
 
     def _minibatch(self, cfg: RLConfig, plan, mini: RolloutBatch, mini_idx: torch.Tensor, returns: torch.Tensor,
                    old_values: torch.Tensor) -> dict:

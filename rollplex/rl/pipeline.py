@@ -66,13 +66,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .actor import METRICS, Accumulated, fused_loss_norm, mini_batch_sizes
+from .actor import METRICS, Accumulated, fused_loss_norm
 from .algos import compute_advantages
 from .batch import RolloutBatch
 from .config import RLConfig
 from .errors import TrainOOM, is_oom
 from .fuse_gate import FuseGate
 from .handover import claim_handover
+from .trainer import mini_batch_sizes
 
 BATCH_WIDE = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")  # whiten advantages over the batch
 # the decode loop's host work waits for the GIL while the worker launches kernels: switch threads often

@@ -30,7 +30,6 @@ import torch
 
 from ..cosched.scheduler import decode_stream, on_stream, side_stream
 from ..cosched.timeline import DecodeMarks
-from .actor import mini_batch_sizes
 from .batch import RolloutBatch
 from .config import RLConfig
 from .errors import TrainOOM
@@ -38,6 +37,7 @@ from .fuse_gate import FuseGate, gate_settings
 from .handover import co_scheduled, complete_handover, plan_handover
 from .pipeline import GroupPipeline, fallback_on, fused_unsupported
 from .timing import phase_timer as _timer
+from .trainer import mini_batch_sizes
 
 log = logging.getLogger("rollplex.rl")
 

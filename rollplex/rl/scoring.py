@@ -28,10 +28,10 @@ from ..models import Qwen25VL
 from ..models.transfer import to_device
 from .algos import entropy_from_logits
 from .batch import RolloutBatch
-from .errors import TrainOOM, is_oom
 from .logprob import token_logprob, token_logprob_entropy
-from .microbatch import Backoff, MicroBatching, halve
+from .microbatch import Backoff, MicroBatching
 from .placement import Placement, SingleProcess
+from .trainer import retry_oom
 
 ENTROPY = ("none", "metric", "grad")
 log = logging.getLogger("rollplex.rl")
@@ -112,24 +112,8 @@ def score_with_backoff(model: Qwen25VL, batch: RolloutBatch, mode: str, plan: Mi
     `backoff` for later calls); TrainOOM (nothing applied) at one prompt / sequence per pass, or at once
     inside a data-parallel pass whose other ranks wait in its collectives."""
     pl = placement or SingleProcess()
-    backoff = backoff or Backoff()
-    while True:
-        try:
-            return score(model, batch, mode, backoff.plan(plan), temperature, prefix_key, pl)
-        except Exception as e:  # noqa: BLE001 - only OOM is retried
-            if not is_oom(e):
-                raise
-            if model.inv_freq.device.type == "cuda":
-                torch.cuda.empty_cache()
-            unit = "prompt" if mode == "rollplex" else "sequence"
-            if not pl.recoverable_oom():
-                raise TrainOOM(f"the {what} scoring ran out of device memory inside a data-parallel pass (the other "
-                               "ranks wait in its collectives, so it cannot be retried); lower micro_batch_prompts / "
-                               "micro_batch_max_tokens or offload the reference model", 0) from e
-            smaller = halve(backoff.plan(plan), mode)
-            if smaller is None:
-                raise TrainOOM(f"the {what} scoring ran out of device memory at one {unit} per micro-batch; lower n "
-                               "or max_new_tokens, or offload the reference model (--memory-overrides "
-                               "ref_weights:*=offloaded)", 0) from e
-            log.warning("%s scoring out of memory: micro-batches halved for the rest of the run (%s)", what, smaller)
-            backoff.cap = smaller
+    return retry_oom(lambda mb_plan: score(model, batch, mode, mb_plan, temperature, prefix_key, pl), plan, mode,
+                     backoff or Backoff(), pl, model, f"the {what} scoring",
+                     ("lower micro_batch_prompts / micro_batch_max_tokens or offload the reference model",
+                      "lower n or max_new_tokens, or offload the reference model (--memory-overrides "
+                      "ref_weights:*=offloaded)"))

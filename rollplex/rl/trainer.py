@@ -1,30 +1,174 @@
 """What every trainer of a step shares (the actor's, the critic's): one model, its MasterAdamW, where its
-passes run, the optimizer step agreed over the placement's ranks, and what a failed update reports.
+passes run, and the loops written once.
 
-An update applies one optimizer step per mini-batch (`applied` counts them). `optimizer_step` runs one:
-out of memory inside it raises TrainOOM on every rank of a data-parallel placement (they agree with one
-all-reduce), saying what it wrote. `failure` is what an update raises for an error: as it is before the
-first optimizer step (nothing changed), TrainStepFailed saying what was applied after one (rl/errors.py).
+    fit(cfg, batch, step_idx, minibatch)   epochs x mini-batches: `minibatch` accumulates one mini-batch's
+                                           gradients and metrics, `apply` takes its optimizer step
+    apply(stats, where, nonfinite)         a non-finite metric skips the step (or raises NonFiniteUpdate),
+                                           else `optimizer_step` and, per optimizer step, the LR schedule
+    optimizer_step(applied)                agreed over a data-parallel placement's ranks (one all-reduce):
+                                           every rank raises the same TrainOOM / TrainStepFailed, saying
+                                           what was written
+    retry_oom(attempt, ...)                the out-of-memory ladder of every pass, trained or scored:
+                                           halved micro-batches, activation checkpointing, TrainOOM
+    failure(error, applied)                what a failed update raises: the error as it is before the first
+                                           optimizer step, TrainStepFailed saying what was applied after one
+
+Mini-batches (`mini_batches`): the first epoch cuts the order in which the groups finished decoding
+(`RolloutBatch.finish_order`) into consecutive runs, so its first mini-batch holds the groups that
+finished first — what the fused schedule trains beside the rollout's tail; later epochs deal a
+permutation seeded by (seed, step, epoch). Sizes differ by one at most, the first ones larger.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 
-from .errors import TrainOOM, TrainStepError, TrainStepFailed, is_oom
+from .batch import RolloutBatch
+from .config import RLConfig
+from .errors import NonFiniteUpdate, TrainOOM, TrainStepError, TrainStepFailed, is_oom
+from .microbatch import Backoff, MicroBatching, halve
 from .optimizer import MasterAdamW, OptimizerStepOOM
 from .placement import CollectiveOOM, Placement
+
+log = logging.getLogger("rollplex.rl")
+T = TypeVar("T")
+
+
+def lr_lambda(cfg: RLConfig) -> Callable[[int], float]:
+    """The LR schedule's factor at a step: linear warm-up over `warmup_steps`, then constant or cosine
+    down to `total_steps`."""
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "cosine":
+            t = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+            return 0.5 * (1 + math.cos(math.pi * t))
+        return 1.0
+
+    return f
+
+
+def mini_batch_sizes(num_prompts: int, k: int) -> list[int]:
+    """Prompts in each of the (at most) k mini-batches of a rollout of num_prompts: sizes that differ by
+    one at most, the first ones larger."""
+    return [n for n in (len(range(i, num_prompts, k)) for i in range(k)) if n]
+
+
+def mini_batches(cfg: RLConfig, batch: RolloutBatch, epoch: int, step_idx: int) -> list[list[int]]:
+    """The prompts of each mini-batch of `epoch` of an update at step `step_idx` (see the module docstring)."""
+    k = cfg.ppo_mini_batches
+    if epoch == 0:
+        order, out = batch.finish_order(), []
+        for n in mini_batch_sizes(batch.num_prompts, k):
+            out.append(order[sum(map(len, out)):][:n])
+        return out
+    g = torch.Generator().manual_seed(cfg.seed * 1000003 + step_idx * 1009 + epoch)
+    order = torch.randperm(batch.num_prompts, generator=g).tolist()
+    return [order[i::k] for i in range(k) if order[i::k]]
+
+
+def retry_oom(attempt: Callable[[MicroBatching], T], plan: MicroBatching, mode: str, backoff: Backoff,
+              placement: Placement, model: torch.nn.Module, what: str, hints: tuple[str, str], applied: int = 0,
+              recover: Callable[[], None] | None = None, checkpointing: bool = False) -> T:
+    """`attempt(micro-batching)` down the out-of-memory ladder: `plan` capped by `backoff`, halved on each
+    out-of-memory error (kept in `backoff` for the rest of the run), at one prompt (one sequence) per pass
+    activation checkpointing turned on (with `checkpointing`: a trained pass), then TrainOOM (`applied`
+    optimizer steps before it; `hints`: what to change inside a data-parallel pass, at the smallest).
+    Under a data-parallel placement the ranks back off together from a CollectiveOOM; an out-of-memory
+    error inside a pass whose other ranks wait in its collectives raises TrainOOM at once. recover: drops
+    what the failed attempt left (default: the allocator's cached blocks). Other errors propagate."""
+    unit = "prompt" if mode == "rollplex" else "sequence"
+    while True:
+        current = backoff.plan(plan)
+        try:
+            return attempt(current)
+        except Exception as e:  # noqa: BLE001 - only OOM is retried
+            if not is_oom(e):
+                raise
+            (recover or (lambda: _empty_cache(model)))()
+            if not (isinstance(e, CollectiveOOM) or placement.recoverable_oom()):
+                raise TrainOOM(f"{what} ran out of device memory inside a data-parallel pass (the other ranks wait "
+                               f"in its collectives, so it cannot be retried); {hints[0]}", applied) from e
+            smaller = halve(current, mode)
+            if smaller is None and checkpointing and placement.checkpointing(model) != (True, True):
+                # last rung: recompute activations in backward instead of keeping them
+                log.warning("%s out of memory at the smallest micro-batch: turning on activation checkpointing "
+                            "for the rest of the run", what)
+                placement.set_checkpointing(model, True, True)
+                continue
+            if smaller is None:
+                raise TrainOOM(f"{what} ran out of device memory at one {unit} per micro-batch; {hints[1]}",
+                               applied) from e
+            log.warning("%s out of memory: micro-batches of %s from now on", what, smaller)
+            backoff.cap = smaller
+
+
+def _empty_cache(model: torch.nn.Module) -> None:
+    if model.inv_freq.device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 class Trainer:
     def __init__(self, model: torch.nn.Module, optimizer: MasterAdamW, placement: Placement, memory=None,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, per_optimizer_step: bool = False,
-                 name: str = "the trainer"):
-        """scheduler: an LR schedule stepped here after an optimizer step that wrote weights and failed, when
-        `per_optimizer_step` (its unit); name: how errors call it ("the actor")."""
+                 role: str = "trainer"):
+        """scheduler: an LR schedule stepped after each applied optimizer step when `per_optimizer_step`
+        (its unit; otherwise the caller steps it per train step); role: the metrics' prefix ("actor")."""
         self.model, self.optimizer, self.placement, self.memory = model, optimizer, placement, memory
-        self.scheduler, self.per_optimizer_step, self.name = scheduler, per_optimizer_step, name
+        self.scheduler, self.per_optimizer_step, self.role = scheduler, per_optimizer_step, role
+        self.name = f"the {role}"  # how errors call it
         self.applied = 0  # optimizer steps the current (or last) update applied
+        # the micro-batchings out-of-memory back-offs halved to, kept for later steps: training and scoring
+        self.train_backoff, self.score_backoff = Backoff(), Backoff()
+
+    def fit(self, cfg: RLConfig, batch: RolloutBatch, step_idx: int,
+            minibatch: Callable[[int, int, RolloutBatch, torch.Tensor], dict], nonfinite: str) -> dict:
+        """`cfg.ppo_epochs` epochs of `mini_batches`: `minibatch(epoch, done, mini, mini_idx)` leaves one
+        mini-batch's gradients and returns its metrics (its samples' indices in `batch`: mini_idx), then
+        `apply` takes its optimizer step (counted in `applied`). Returns the metrics averaged over the
+        mini-batches, `<role>/skipped_updates` when some were skipped (non-finite)."""
+        total = sum(len(self._mini_batches(cfg, batch, e, step_idx)) for e in range(cfg.ppo_epochs))
+        sums: dict[str, float] = {}
+        done = skipped = 0
+        for epoch in range(cfg.ppo_epochs):
+            for prompt_ids in self._mini_batches(cfg, batch, epoch, step_idx):
+                mini, mini_idx = batch.select_prompts(sorted(prompt_ids))
+                stats = minibatch(epoch, done, mini, mini_idx)
+                if self.apply(stats, f"mini-batch {done + 1} of {total} of {self.name}'s update", nonfinite):
+                    self.applied += 1
+                else:
+                    skipped += 1
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                done += 1
+        out = {k: v / max(done, 1) for k, v in sums.items()}
+        if skipped:
+            out[f"{self.role}/skipped_updates"] = float(skipped)
+        return out
+
+    def _mini_batches(self, cfg: RLConfig, batch: RolloutBatch, epoch: int, step_idx: int) -> list[list[int]]:
+        return mini_batches(cfg, batch, epoch, step_idx)
+
+    def apply(self, stats: dict, where: str, nonfinite: str) -> bool:
+        """One mini-batch's optimizer step on its clipped gradients, whether applied: a non-finite metric
+        (loss, gradient norm; the same on every rank of a placement, which all skip alike) skips it with
+        no LR-schedule step (verl skips it too), or raises NonFiniteUpdate with `nonfinite="raise"`."""
+        bad = [k for k, v in stats.items() if not math.isfinite(v)]
+        if bad and nonfinite == "raise":
+            raise NonFiniteUpdate(
+                f"non-finite {', '.join(bad)} in {where} (the loss or the gradients overflowed: check the rewards, "
+                "lr and coefficients); its optimizer step was skipped", self.applied)
+        if bad:
+            return False
+        self.optimizer_step(self.applied)
+        if self.per_optimizer_step and self.scheduler is not None:
+            self.scheduler.step()
+        return True
 
     def optimizer_step(self, applied: int) -> None:
         """The mini-batch's optimizer step. Out of memory inside it raises TrainOOM on every process of the
@@ -67,8 +211,7 @@ class Trainer:
     def recover(self) -> None:
         """Drop a failed pass's gradients and cached blocks (its tensors are gone with the exception)."""
         self.optimizer.zero_grad(set_to_none=self.memory is None)
-        if self.model.inv_freq.device.type == "cuda":
-            torch.cuda.empty_cache()
+        _empty_cache(self.model)
 
     def failure(self, error: BaseException, applied: int) -> BaseException:
         """What an update that failed with `error` after `applied` optimizer steps raises: a TrainStepError
