@@ -92,23 +92,6 @@ def test_an_error_after_an_optimizer_step_is_reported_and_counted(error, monkeyp
     assert not all(torch.equal(x, y) for x, y in zip(w0, _weights(rl.actor)))
 
 
-def test_an_error_before_any_optimizer_step_is_raised_as_it_is(monkeypatch):
-    from rollplex.rl import actor as actor_mod
-
-    rl = RLStep(tiny_model(tiny_cfg()), None, CFG)
-    batch, _, _ = rollout_batch()
-
-    def fails(*a, **k):
-        raise KeyError("injected")
-
-    monkeypatch.setattr(actor_mod, "ppo_policy_loss", fails)
-    w0 = _weights(rl.actor)
-    with pytest.raises(KeyError):
-        rl.train(batch)
-    assert rl.step_idx == 0 and rl.actor.scheduler.last_epoch == 0
-    assert all(torch.equal(x, y) for x, y in zip(w0, _weights(rl.actor)))
-
-
 def test_an_error_after_the_update_says_it_was_applied(monkeypatch):
     """An error after the whole update (here in the step's metrics): the step counted, and the error says
     both optimizer steps were applied."""
