@@ -102,7 +102,8 @@ def router(state) -> APIRouter:
                                       f"prompts[{i}]")
         except ValueError as e:
             raise bad_request(str(e)) from None
-        encoders = [(lambda p=p: state.encode_prompt(p)) for p in req.prompts]
+        pixels = state.media.request()  # one decode budget for the request's images (media.py)
+        encoders = [(lambda p=p: state.encode_prompt(p, pixels)) for p in req.prompts]
         # a frozen vision tower's encodings from the prefill stand in for the trainer's vision passes; under a
         # process group the other ranks never prefilled these prompts, so every rank runs the frozen tower
         keep_vision = req.for_training and rl.freeze_vision_tower and rl.mode == "rollplex" and state.world_size == 1

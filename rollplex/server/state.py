@@ -71,7 +71,7 @@ from ..rl.config import RLConfig
 from ..system import SystemConfig, build
 from .group import collective_oom
 from .limits import ServerLimits
-from .media import MediaPolicy
+from .media import MediaPolicy, RequestPixels
 from .metrics import Metrics
 from .rewards import RewardRegistry
 from .schemas import MAX_ABS_REWARD
@@ -263,26 +263,27 @@ class ServerState:
         if self.memory is not None and self.memory.current != "rollout":
             self.memory.enter("rollout")
 
-    def encode_prompt(self, p) -> ModelInputs:
+    def encode_prompt(self, p, pixels: RequestPixels | None = None) -> ModelInputs:
         """ModelInputs for a RolloutPrompt (chat messages / verl row / ids); runs on an intake thread. Its
-        images and videos are read and decoded under the media policy first (media.py)."""
+        images and videos are read and decoded under the media policy first (media.py), their pixels
+        charged to the prompt's budget and to its request's (`pixels`, shared by the request's prompts)."""
 
         if p.input_ids is not None:
             return ModelInputs(input_ids=list(p.input_ids))
         if self.intake_processor is None:
             raise ValueError("this server has no tokenizer (a preset model): send `input_ids` prompts")
-        budget = self.media.budget()
+        budget = self.media.budget(pixels)
         messages = self.media.chat(p.chat(), budget)
         images, videos = self.media.prompt(p.images, p.videos, budget)
         return row_to_inputs(self.intake_processor, {"prompt": messages, "images": images, "videos": videos})
 
-    def encode_generate(self, prompt) -> ModelInputs:
+    def encode_generate(self, prompt, pixels: RequestPixels | None = None) -> ModelInputs:
         """ModelInputs for a /generate prompt (templated text, {"text", "images"}, or token ids); runs on an
-        intake thread, its images decoded under the media policy first."""
+        intake thread, its images decoded under the media policy first (charged as `encode_prompt`'s)."""
         if isinstance(prompt, list):  # token ids (prepared on the event loop): no processor copy for it
             return self.engine.encode(prompt)
         if isinstance(prompt, dict):
-            prompt = {**prompt, "images": self.media.images(prompt.get("images"))}
+            prompt = {**prompt, "images": self.media.images(prompt.get("images"), self.media.budget(pixels))}
         return self.engine.encode(prompt, self.intake_processor)
 
     def sample(self, inputs: list[ModelInputs], params: list, keep_vision: bool) -> tuple[list, int]:
