@@ -8,7 +8,7 @@
                                  | SGLang (cfg.backend.rollout_backend = "sglang"): no engine here; SGLang
                                    started on the checkpoint, the rollout backend of the RL step
                        rl     <- RLStep(model, engine | backend, cfg.rl)  ref = frozen copy when kl_coef > 0
-                       store  <- RolloutStore(ttl, cap);  worker <- EngineWorker(engine)
+                       store  <- RolloutStore(ttl, cap, bytes per client / all);  worker <- EngineWorker(engine)
                        rewards <- RewardRegistry: built-ins + --reward / --reward-module (rewards.py)
                        intake <- a few threads, each with its own copy of the processor: encode prompts,
                                  their images read and decoded by `media` (MediaPolicy, media.py)
@@ -107,7 +107,7 @@ class ServerConfig(SystemConfig):
     media_root: str | None = None
     intake_threads: int = 4  # threads that tokenise prompts and decode images, each with its own processor
     rollout_ttl_s: float = 600.0  # seconds a training rollout is retained
-    max_rollouts: int = 16  # retained rollouts (oldest evicted)
+    max_rollouts: int = 16  # retained rollouts per client (its oldest evicted)
     rl: RLConfig = field(default_factory=server_rl_config)  # the defaults; /train_step overrides per step
     limits: ServerLimits = field(default_factory=ServerLimits)  # request sizes (limits.py)
     # /save and /load read and write only under this folder (created on the first save);
@@ -193,7 +193,8 @@ class ServerState:
         self.model_path, self.processor, self.model = system.model_path, system.processor, system.model
         self.warmup_loss, self.world_size = system.warmup_loss, system.world_size
         self.memory, self.engine, self.rl = system.memory, system.engine, system.rl
-        self.store = RolloutStore(cfg.rollout_ttl_s, cfg.max_rollouts)
+        self.store = RolloutStore(cfg.rollout_ttl_s, cfg.max_rollouts, cfg.limits.max_client_rollout_bytes,
+                                  cfg.limits.max_retained_bytes)
         self.media = MediaPolicy(cfg.limits, cfg.media_root)
         self.intake = ThreadPoolExecutor(cfg.intake_threads, thread_name_prefix="rollplex-intake")
         # each intake thread copies this one on its first prompt (a tokenizer is not safe to share between
@@ -430,10 +431,14 @@ class ServerState:
         return w, o
 
     def fingerprint(self) -> dict:
-        """What a train step or a load changes (GET /checksum): weights and optimizer checksums, global step,
-        weights version, the LR schedule's position and the retained rollouts."""
+        """What a train step or a load changes (GET /checksum): weights and optimizer checksums (null, with
+        `weights_finite` / `optimizer_finite` false, when they hold NaN or inf), global step, weights
+        version, the LR schedule's position and the retained rollouts."""
         w, o = self.checksums()
-        return {"weights_checksum": w, "optimizer_checksum": o, "global_step": self.rl.step_idx,
+        # a non-finite sum (NaN or inf weights) is reported as such: null and finite: false, never a 500
+        return {"weights_checksum": w if math.isfinite(w) else None, "weights_finite": math.isfinite(w),
+                "optimizer_checksum": o if math.isfinite(o) else None, "optimizer_finite": math.isfinite(o),
+                "global_step": self.rl.step_idx,
                 "weights_version": self.weights_version, "lr_schedule_step": self.rl.actor.scheduler.last_epoch,
                 "retained_rollouts": self.store.ids()}
 
