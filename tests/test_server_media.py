@@ -25,7 +25,7 @@ from rollplex.server.limits import ServerLimits
 from rollplex.server.media import UNREADABLE, MediaPolicy
 from rollplex.tiny import write_tiny
 
-FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
+FORMATS = ("WEBP", "GIF", "BMP", "TIFF")  # beside PNG and JPEG, which always decoded
 GREEDY = {"temperature": 0, "max_new_tokens": 2}
 
 

@@ -67,6 +67,7 @@ from ..models import ModelInputs
 from ..parallel.fsdp import local_tensor
 from ..rl.actor import TrainOOM
 from ..rl.checkpoint import load_checkpoint, save_checkpoint
+from ..rl.checkpoint_checks import check_data_state
 from ..rl.config import RLConfig
 from ..system import SystemConfig, build
 from .group import collective_oom
@@ -371,17 +372,25 @@ class ServerState:
 
     def save(self, path: str, data_state: dict | None, overwrite: bool = False) -> dict:
         """Write a checkpoint under the checkpoint root, never into the root itself, and over an existing
-        checkpoint (a non-empty folder) only with `overwrite` (CheckpointExists otherwise); over a process
-        group rank 0 checks the path, then every rank writes its part (rl/checkpoint.py)."""
+        checkpoint (a non-empty folder) only with `overwrite` (CheckpointExists otherwise), which replaces
+        the folder whole, atomically (a folder that is not a checkpoint is never replaced); `data_state`
+        must round-trip (rl/checkpoint_checks.py). Over a process group rank 0 checks the path, then every
+        rank writes its part (rl/checkpoint.py)."""
 
         full = self.checkpoint_path(path)
         if not (self.world_size > 1 and self.commands is None):  # a follower writes where rank 0 checked
             if full == Path(self.cfg.checkpoint_root).resolve():
                 raise ValueError(f"{path!r} is the checkpoint root itself: save into a folder under it "
                                  "(e.g. run1/global_step_100)")
-            if full.is_dir() and any(full.iterdir()) and not overwrite:
-                raise CheckpointExists(f"{full} already exists (and is not empty); pass overwrite: true to replace "
-                                       "the checkpoint there, or save under another path")
+            if full.is_dir() and any(full.iterdir()):
+                if not overwrite:
+                    raise CheckpointExists(f"{full} already exists (and is not empty); pass overwrite: true to "
+                                           "replace the checkpoint there, or save under another path")
+                if not any(full.glob("trainer_state*.pt")) and not (full / "rollplex_step.json").exists():
+                    # overwrite replaces the whole folder: never one that holds other things (other runs)
+                    raise ValueError(f"{full} is not a checkpoint (no trainer state): overwrite replaces only a "
+                                     "checkpoint; save under another path")
+            check_data_state(data_state or {})  # before anything is written (and before the ranks are told)
         if self.commands is not None:
             self.commands.send("save", path, data_state)
         out = save_checkpoint(self.rl, full, data_state, tokenizer_dir=self.model_path)
