@@ -21,7 +21,13 @@ The weights are stored once: the HF files are the source of truth. `trainer_stat
 masters only where the HF files round them (bf16 weights); on load a master that no longer rounds to
 the HF weights (the files were edited) is rebuilt from them, and the load says how many were. A load
 reads and checks everything before it changes anything (`load_checkpoint`): a missing, truncated or
-corrupt file, other names or shapes, non-finite values are a ValueError with the run as it was.
+corrupt file, other names or shapes, values not finite in the live dtype, optimizer hyperparameters,
+flags or moments, scheduler or RNG states that would poison training, files outside the folder
+(checkpoint_checks.py) are a ValueError with the run as it was.
+
+A save is atomic (`save_checkpoint`): the data state is checked first, the files are written into
+`.NAME.partial` beside the target, synced, and renamed over it in one step, so a failed save or a
+killed process leaves the checkpoint that was there whole.
 """
 
 from __future__ import annotations
