@@ -54,6 +54,8 @@ class RetainedRollout:
 
     @property
     def nbytes(self) -> int:
+        if self.batch is None:  # an entry without samples holds no tensors
+            return 0
         return tensor_bytes([vars(p) if hasattr(p, "__dict__") else p for p in self.batch.prompts]) + tensor_bytes(
             [self.batch.group, self.batch.responses, self.batch.mask, self.batch.rollout_logprobs])
 
