@@ -100,7 +100,7 @@ def test_a_failed_overwrite_leaves_the_old_checkpoint(server, client, monkeypatc
     monkeypatch.setattr(torch, "save", disk_full)  # after the safetensors files were written
     r = client.post("/save", json={"path": "keep", "overwrite": True})
     monkeypatch.setattr(torch, "save", real)
-    assert r.status_code == 400 and "No space left" in _error(r), r.text
+    assert r.status_code == 507 and "No space left" in _error(r), r.text
     assert _files(root / "keep") == old
     assert sorted(p.name for p in root.iterdir() if p.name.startswith(".")) == []  # no temporary folder left
     loaded = client.post("/load", json={"path": "keep"})

@@ -38,7 +38,8 @@
            global_step, the LR schedule and weights_version count them, and the retained rollout is
            stale (off-policy only). Out of memory is 507; a non-finite loss or gradient norm skips
            that optimizer step and is 422.
-/save {"path", "data_state"?, "overwrite"?} -> HF checkpoint + trainer state; never into the root
+/save {"path", "data_state"?, "overwrite"?} -> HF checkpoint + trainer state, written atomically
+           (rl/checkpoint.py; a full disk is 507 with the old checkpoint kept); never into the root
            itself (400), and onto an existing checkpoint (a non-empty folder) only with overwrite:
            true (409 otherwise). /load {"path"} -> checks every file first (400, nothing changed, for
            a missing, truncated or corrupt one), then restores it, returns the saved data_state, how
@@ -55,6 +56,7 @@ before anything is tokenised, and images and videos are read under the media pol
 from __future__ import annotations
 
 import asyncio
+import errno
 import math
 import time
 from dataclasses import replace
@@ -190,7 +192,8 @@ def router(state) -> APIRouter:
             t0 = time.perf_counter()
             try:  # the RL step's reward loop, on a thread and outside the training lock: a slow reward
                 # function holds up no other client's step (it touches no model state)
-                scores, rewards, extra = await asyncio.to_thread(_score, state, entry, req.reward, cfg)
+                scores, rewards, extra = await asyncio.get_running_loop().run_in_executor(
+                    state.scoring, _score, state, entry, req.reward, cfg)
             except ValueError as e:
                 raise bad_request(str(e)) from None
             rewards = rewards.tolist()
@@ -234,7 +237,11 @@ def router(state) -> APIRouter:
             return await state.worker.run(lambda: state.save(req.path, req.data_state, req.overwrite), drain=True)
         except CheckpointExists as e:
             raise HTTPException(409, f"cannot save to {req.path!r}: {e}") from None
-        except (ValueError, OSError) as e:
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):  # 507 Insufficient Storage: the old checkpoint is kept
+                raise HTTPException(507, f"cannot save to {req.path!r}: {e}") from None
+            raise bad_request(f"cannot save to {req.path!r}: {e}") from None
+        except ValueError as e:
             raise bad_request(f"cannot save to {req.path!r}: {e}") from None
 
     @r.post("/load")

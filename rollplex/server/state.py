@@ -9,7 +9,8 @@
                                    started on the checkpoint, the rollout backend of the RL step
                        rl     <- RLStep(model, engine | backend, cfg.rl)  ref = frozen copy when kl_coef > 0
                        store  <- RolloutStore(ttl, cap, bytes per client / all);  worker <- EngineWorker(engine)
-                       rewards <- RewardRegistry: built-ins + --reward / --reward-module (rewards.py)
+                       rewards <- RewardRegistry: built-ins + --reward / --reward-module (rewards.py),
+                                  scored on `scoring`'s threads
                        intake <- a few threads, each with its own copy of the processor: encode prompts,
                                  their images read and decoded by `media` (MediaPolicy, media.py)
 
@@ -85,6 +86,8 @@ log = logging.getLogger("rollplex.server")
 # seconds an idle keep-alive connection stays open (uvicorn's default, 5, closes connections that a driver's
 # pool of hundreds, busy on its own CPU between uses, is about to send on: its next request fails)
 KEEP_ALIVE_S = 75.0
+# threads that score /train_step rewards (reward functions run outside the training lock: rewards.py)
+REWARD_THREADS = 2
 
 
 def server_rl_config() -> RLConfig:
@@ -198,6 +201,9 @@ class ServerState:
                                   cfg.limits.max_retained_bytes)
         self.media = MediaPolicy(cfg.limits, cfg.media_root)
         self.intake = ThreadPoolExecutor(cfg.intake_threads, thread_name_prefix="rollplex-intake")
+        # /train_step's reward functions, outside the training lock: threads of their own, so that slow ones
+        # occupy neither the intake threads nor the event loop's default executor
+        self.scoring = ThreadPoolExecutor(REWARD_THREADS, thread_name_prefix="rollplex-reward")
         # each intake thread copies this one on its first prompt (a tokenizer is not safe to share between
         # threads); it is touched only under the lock, to be copied
         self._intake_template = copy.deepcopy(self.processor)
@@ -233,6 +239,7 @@ class ServerState:
     def close(self) -> None:
         self.worker.close()
         self.intake.shutdown(wait=False, cancel_futures=True)
+        self.scoring.shutdown(wait=False, cancel_futures=True)
         self.rl.backend.close()
 
     def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
