@@ -195,6 +195,27 @@ def test_a_process_killed_mid_save_leaves_the_old_checkpoint(tiny_dir, tmp_path,
     assert all(torch.equal(a, b) for a, b in zip(fresh, step.model.parameters()))  # not the +1.0 weights
 
 
+@pytest.mark.parametrize("exchange", [True, False])
+def test_replace_dir_swaps_a_folder_in_whole(tmp_path, monkeypatch, exchange):
+    from rollplex.rl import atomic_dir
+
+    if not exchange:  # a kernel or file system without renameat2's exchange: two renames
+        monkeypatch.setattr(atomic_dir, "exchange", lambda a, b: False)
+    else:
+        seen = []
+        real = atomic_dir.exchange
+        monkeypatch.setattr(atomic_dir, "exchange", lambda a, b: seen.append(real(a, b)) or seen[-1])
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "old.txt").write_text("old")
+    (tmp_path / ".ck.partial" / "sub").mkdir(parents=True)
+    (tmp_path / ".ck.partial" / "sub" / "new.txt").write_text("new")
+    atomic_dir.sync_tree(tmp_path / ".ck.partial")
+    atomic_dir.replace_dir(tmp_path / ".ck.partial", tmp_path / "ck")
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["ck", "ck/sub", "ck/sub/new.txt"]
+    if exchange:
+        assert seen == [True]  # Linux: one atomic swap
+
+
 # ---- /load ----------------------------------------------------------------------------------------------
 def _edit_tensors(f: Path, fn) -> None:
     t = load_file(str(f))

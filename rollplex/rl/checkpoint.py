@@ -33,11 +33,8 @@ killed process leaves the checkpoint that was there whole.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import json
 import math
-import os
 import random
 import shutil
 from dataclasses import asdict
@@ -49,6 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from ..models import hf_to_rollplex, save_model
 from ..models.checkpoint import read_safetensors
+from .atomic_dir import replace_dir, sync_tree
 from .checkpoint_checks import (check_adamw, check_data_state, check_file, check_index, check_masters, check_rng,
                                 check_scheduler, check_weight, per_step_max)
 from .critic import HEAD, save_value_model, value_state
@@ -99,8 +97,8 @@ def save_checkpoint(step: RLStep, path: str | Path, data_state: dict | None = No
             err = None
             if lead:
                 try:
-                    _sync_tree(tmp)
-                    _replace(tmp, path)
+                    sync_tree(tmp)
+                    replace_dir(tmp, path)
                 except OSError as e:
                     err = e
             _agree(step, err)
@@ -109,55 +107,6 @@ def save_checkpoint(step: RLStep, path: str | Path, data_state: dict | None = No
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
         return path
-
-
-def _sync_tree(root: Path) -> None:
-    """fsync every file and folder under `root` (and root): its contents are on disk before the rename."""
-    for folder, _, files in os.walk(root, topdown=False):
-        for name in [*files, "."]:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-
-_RENAME_EXCHANGE = 2  # linux/fs.h
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where it is not available."""
-    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-    if fn is None:
-        return False
-    at_fdcwd = -100
-    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    e = ctypes.get_errno()
-    if e in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):  # the kernel or the file system lacks it
-        return False
-    raise OSError(e, os.strerror(e), str(b))
-
-
-def _replace(tmp: Path, path: Path) -> None:
-    """Put the folder `tmp` at `path`, over the checkpoint there if any: at every moment `path` holds the
-    old checkpoint or the new one, whole (where the exchange is not available the old one is moved aside
-    first, to `.NAME.old` beside it, for the instant between two renames)."""
-    if not path.exists():
-        os.rename(tmp, path)
-    elif _exchange(tmp, path):
-        shutil.rmtree(tmp)  # the old checkpoint, now at tmp
-    else:
-        old = path.parent / f".{path.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename itself
-    finally:
-        os.close(fd)
 
 
 def _full_state(model, keep: bool) -> dict | None:
