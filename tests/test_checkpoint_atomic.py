@@ -284,6 +284,10 @@ POISON = {
             "opt"]["state"])]["exp_avg"].shape, 1e300, dtype=torch.float64))), "master weights of parameter 0"),
     "scheduler lr_lambdas": (lambda d: _edit_state(d / "trainer_state.pt", lambda s: s["actor"]["scheduler"].update(
         lr_lambdas=[{"__call__": 1}])), "lr_lambdas"),
+    "an optimizer setting AdamW lacks": (lambda d: _edit_state(d / "trainer_state.pt", lambda s: _group(
+        s, "momentum", 0.9)), "other settings"),
+    "scheduler replacing its optimizer": (lambda d: _edit_state(d / "trainer_state.pt", lambda s: s["actor"][
+        "scheduler"].update(optimizer={})), "state is not this run's"),
     "scheduler base_lrs": (lambda d: _edit_state(d / "trainer_state.pt", lambda s: s["actor"]["scheduler"].update(
         base_lrs=[1e6])), "base_lrs"),
     "torch RNG state": (lambda d: _edit_state(d / "trainer_state.pt", lambda s: s["rng"]["torch"].fill_(255)),
@@ -325,3 +329,23 @@ def test_load_refuses_states_that_would_poison_training(server, client):
     assert loaded.status_code == 200, loaded.text
     assert _train(client, _rollout(client)).status_code == 200
     assert client.get("/checksum").json()["weights_finite"]
+
+
+def test_a_checkpoint_from_an_older_torch_still_loads(server, client):
+    """Settings a newer torch added (AdamW's decoupled_weight_decay, the scheduler's _is_initial) are absent
+    from older checkpoints: they take the live defaults instead of failing the load."""
+    import shutil
+
+    root = Path(server.state.cfg.checkpoint_root)
+    assert client.post("/save", json={"path": "older", "overwrite": True}).status_code == 200
+
+    def older(s):
+        for g in s["actor"]["optimizer"]["opt"]["param_groups"]:
+            g.pop("decoupled_weight_decay", None)
+        s["actor"]["scheduler"].pop("_is_initial", None)
+
+    _edit_state(root / "older" / "trainer_state.pt", older)
+    r = client.post("/load", json={"path": "older"})
+    assert r.status_code == 200, r.text
+    assert _train(client, _rollout(client)).status_code == 200
+    shutil.rmtree(root / "older")

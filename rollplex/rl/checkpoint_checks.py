@@ -157,7 +157,8 @@ def check_masters(saved, live: list[torch.Tensor]) -> None:
 def check_adamw(saved, live: dict, shapes: list[torch.Size], lr_max: float, dtype: torch.dtype = torch.float32,
                 what: str = "the optimizer") -> None:
     """`saved` (a torch AdamW state_dict) against `live` (the run's own optimizer's state_dict) over
-    parameters of `shapes`: the same groups and flags, lr in [0, lr_max], betas in [0, 1), eps in (0, 1],
+    parameters of `shapes`: the same groups, no setting the live ones lack, the live flags, lr in
+    [0, lr_max], betas in [0, 1), eps in (0, 1],
     weight decay in [0, 1], and per parameter at most a step count and the two moments (`dtype`, finite,
     exp_avg_sq >= 0)."""
     if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list) \
@@ -168,7 +169,8 @@ def check_adamw(saved, live: dict, shapes: list[torch.Size], lr_max: float, dtyp
         raise ValueError(f"{what}'s state has {len(groups)} parameter groups, this run {len(own)}")
     for j, (g, o) in enumerate(zip(groups, own)):
         where = f"{what}'s parameter group {j}"
-        if set(g) != set(o):
+        # a setting this torch's AdamW lacks is refused; one it added since the save takes its default
+        if not set(g) <= set(o) or not {"params", "lr", "betas", "eps", "weight_decay"} <= set(g):
             raise ValueError(f"{where} has other settings ({sorted(set(g) ^ set(o))[:4]})")
         for k, v in g.items():
             if k in ("lr", "initial_lr"):
@@ -207,10 +209,12 @@ def check_adamw(saved, live: dict, shapes: list[torch.Size], lr_max: float, dtyp
 
 
 def check_scheduler(saved, live: dict, lr_max: float, what: str = "the LR scheduler") -> None:
-    """`saved` (an LR scheduler's state_dict) against `live` (the run's own): the same keys, no
+    """`saved` (an LR scheduler's state_dict) against `live` (the run's own): none but the live keys, no
     `lr_lambdas` state, base and last lrs finite within [0, lr_max], counters within range."""
-    if not isinstance(saved, dict) or set(saved) != set(live):
-        got = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+    # torch sets every key as an attribute of the scheduler (an "optimizer" key would replace its optimizer):
+    # only the live scheduler's own keys, the counters and lrs among them
+    if not isinstance(saved, dict) or not set(saved) <= set(live) or not {"base_lrs", "last_epoch"} <= set(saved):
+        got = sorted(saved)[:8] if isinstance(saved, dict) else type(saved).__name__
         raise ValueError(f"{what}'s state is not this run's (keys {got})")
     n = len(live["base_lrs"])
     for k, v in saved.items():
