@@ -188,11 +188,12 @@ def test_media_root_confines_paths(tmp_path):
     (root / "big.png").write_bytes(png + b"\0" * 4096)
     os.mkfifo(root / "fifo.png")
     policy = MediaPolicy(ServerLimits(max_image_bytes=len(png) + 100), root)
-    for ok in ("a.png", f"file://{root}/a.png", str(root / "sub" / "b.png"), "sub/../a.png", "in.png",
+    for ok in ("a.png", f"file://{root}/a.png", str(root / "sub" / "b.png"),
                base64.b64encode(png).decode(), "data:image/png;base64," + base64.b64encode(png).decode()):
         assert policy.image(ok).size == (56, 56), ok
     refused = {}
-    for bad in ("../outside/secret.png", str(outside / "secret.png"), f"file://{outside}/secret.png", "out.png",
+    for bad in ("sub/../a.png", "in.png",  # not normalised; a symlink (even one that stays inside)
+                "../outside/secret.png", str(outside / "secret.png"), f"file://{outside}/secret.png", "out.png",
                 "missing.png", "sub", "fifo.png", "/dev/zero", "file:///dev/zero", "/etc/passwd", "a.png\0x",
                 "/proc/self/environ"):
         with pytest.raises(ValueError) as e:

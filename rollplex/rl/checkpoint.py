@@ -21,7 +21,13 @@ The weights are stored once: the HF files are the source of truth. `trainer_stat
 masters only where the HF files round them (bf16 weights); on load a master that no longer rounds to
 the HF weights (the files were edited) is rebuilt from them, and the load says how many were. A load
 reads and checks everything before it changes anything (`load_checkpoint`): a missing, truncated or
-corrupt file, other names or shapes, non-finite values are a ValueError with the run as it was.
+corrupt file, other names or shapes, values not finite in the live dtype, optimizer hyperparameters,
+flags or moments, scheduler or RNG states that would poison training, files outside the folder
+(checkpoint_checks.py) are a ValueError with the run as it was.
+
+A save is atomic (`save_checkpoint`): the data state is checked first, the files are written into
+`.NAME.partial` beside the target, synced, and renamed over it in one step, so a failed save or a
+killed process leaves the checkpoint that was there whole.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import contextlib
 import json
 import math
 import random
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -39,6 +46,9 @@ from torch.distributed.tensor import DTensor
 
 from ..models import hf_to_rollplex, save_model
 from ..models.checkpoint import read_safetensors
+from .atomic_dir import replace_dir, sync_tree
+from .checkpoint_checks import (check_adamw, check_data_state, check_file, check_index, check_masters, check_rng,
+                                check_scheduler, check_weight, per_step_max)
 from .critic import HEAD, save_value_model, value_state
 from .step import RLStep
 
@@ -61,9 +71,42 @@ def _rank_file(step: RLStep) -> str:
 
 def save_checkpoint(step: RLStep, path: str | Path, data_state: dict | None = None,
                     tokenizer_dir: str | Path | None = None) -> Path:
-    """Write the checkpoint (every rank of a data-parallel step calls this with the same path)."""
+    """Write the checkpoint (every rank of a data-parallel step calls this with the same path), atomically:
+    `data_state` is checked first (ValueError, nothing written), the files go into a temporary folder
+    beside `path`, are synced, and then replace `path` in one rename; until then a checkpoint already at
+    `path` is untouched, whatever fails (a full disk, a killed process)."""
+    check_data_state(data_state or {})
+    path = Path(path)
     with _held(step, modified=False):
-        return _save(step, Path(path), data_state, tokenizer_dir)
+        par = step.parallel
+        lead = par is None or par.rank == 0
+        tmp = path.parent / f".{path.name}.partial"  # the same file system as `path`: a rename, not a copy
+        err = None
+        if lead:
+            try:
+                if path.is_symlink() or (path.exists() and not path.is_dir()):
+                    raise NotADirectoryError(f"{path} exists and is not a folder")
+                path.parent.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed part-way
+                tmp.mkdir()
+            except OSError as e:
+                err = e
+        _agree(step, err)
+        try:
+            _save(step, tmp, data_state, tokenizer_dir)
+            err = None
+            if lead:
+                try:
+                    sync_tree(tmp)
+                    replace_dir(tmp, path)
+                except OSError as e:
+                    err = e
+            _agree(step, err)
+        except BaseException:
+            if lead:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return path
 
 
 def _full_state(model, keep: bool) -> dict | None:
@@ -154,6 +197,7 @@ def _read_model(model, path: Path, what: str, tp=None) -> tuple[dict[str, torch.
     (rollplex.parallel.TPPlan): its shards —, the whole tensors read) from the HF directory `path`, checked
     against `model`: every name present and none unknown, the same shapes, floating point, finite.
     ValueError otherwise (unreadable or truncated files included)."""
+    check_index(path)  # every file it reads is a regular file inside `path`
     try:
         hf = read_safetensors(path)
         full = state = hf_to_rollplex(hf, model.cfg)
@@ -162,6 +206,7 @@ def _read_model(model, path: Path, what: str, tp=None) -> tuple[dict[str, torch.
     except Exception as e:  # noqa: BLE001 - a truncated or corrupt file: the checkpoint's fault, not the server's
         raise ValueError(f"{what} in {path} is not readable ({type(e).__name__}: {e})") from None
     own = model.state_dict()
+    live = {k: v.dtype for k, v in own.items()}
     if tp is not None:
         missing = set(own) - set(state)
         if missing:
@@ -177,8 +222,7 @@ def _read_model(model, path: Path, what: str, tp=None) -> tuple[dict[str, torch.
     for k, t in full.items():
         if not t.is_floating_point():
             raise ValueError(f"{what} in {path}: {k} is {t.dtype}, not floating point")
-        if not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{what} in {path}: {k} has non-finite values")
+        check_weight(t, live.get(k, t.dtype), f"{what} in {path}: {k}")  # finite once cast to the live dtype
     return state, full
 
 
@@ -198,7 +242,7 @@ def load_checkpoint(step: RLStep, path: str | Path, report: dict | None = None) 
     together; a checkpoint of another world size is refused."""
     path = Path(path)
     name = _rank_file(step)
-    ok = (path / name).exists()
+    ok = (path / name).exists() or (path / name).is_symlink()
     if step.parallel is not None:  # every rank refuses together, or none does
         flag = torch.tensor([int(ok)], device=step.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=step.parallel.group)
@@ -232,13 +276,17 @@ def _read(step: RLStep, path: Path, name: str) -> dict:
     """Everything a load copies in, read and checked; no live state is touched."""
     par = step.parallel
     try:
+        check_file(path / name)  # a symlink or a FIFO is not read
         # weights_only: the state is tensors and plain containers; never unpickle arbitrary objects
         state = torch.load(path / name, map_location="cpu", weights_only=True)
+    except ValueError as e:
+        raise ValueError(f"{path / name} is not a readable trainer state ({e})") from None
     except Exception as e:  # noqa: BLE001 - truncated, garbage or not weights-only: the checkpoint's fault
         raise ValueError(f"{path / name} is not a readable trainer state ({type(e).__name__}: {e})") from None
     if not isinstance(state, dict) or not {"actor", "step_idx", "rng"} <= set(state):
         raise ValueError(f"{path / name} is not a Rollplex trainer state (it needs actor, step_idx, rng)")
-    if not isinstance(state["step_idx"], int) or state["step_idx"] < 0:
+    if not isinstance(state["step_idx"], int) or isinstance(state["step_idx"], bool) \
+            or not 0 <= state["step_idx"] < 1 << 62:
         raise ValueError(f"{path / name}: step_idx is not a step count")
     if not isinstance(state.get("data", {}), dict):
         raise ValueError(f"{path / name}: the data state is not a dict")
@@ -246,12 +294,12 @@ def _read(step: RLStep, path: Path, name: str) -> dict:
     if not (isinstance(kl, float) and math.isfinite(kl) and kl >= 0):
         raise ValueError(f"{path / name}: the adaptive KL coefficient is not a finite number >= 0")
     try:
+        check_data_state(state.get("data") or {})
         step.actor.check_state_dict(state["actor"])
-        rng = state["rng"]
-        random.Random().setstate(rng["python"])  # a throwaway generator: checks the state, changes nothing
-        if not (isinstance(rng["torch"], torch.Tensor) and rng["torch"].dtype == torch.uint8
-                and rng["torch"].shape == torch.get_rng_state().shape):
-            raise ValueError("the torch RNG state is not one")
+        _check_optimizer(step.actor, state["actor"], max(per_step_max("lr"), step.cfg.lr), "the optimizer")
+        check_scheduler(state["actor"]["scheduler"], step.actor.scheduler.state_dict(),
+                        max(per_step_max("lr"), step.cfg.lr))
+        check_rng(state["rng"])  # on throwaway generators: checks the state, changes nothing
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"{path / name}: {e}") from None
     # the policy: what the engine decodes, under a tensor-parallel engine this rank's shard (its plan)
@@ -271,9 +319,9 @@ def _read(step: RLStep, path: Path, name: str) -> dict:
                 raise ValueError(f"{path / name} holds no reference shards for this run")
             for k, v in own.items():
                 t = shards[k]
-                if not (isinstance(t, torch.Tensor) and t.shape == _local(v).shape and t.is_floating_point()
-                        and bool(torch.isfinite(t).all())):
-                    raise ValueError(f"{path / name}: the reference shard {k} is not this run's (shape, finite)")
+                if not (isinstance(t, torch.Tensor) and t.shape == _local(v).shape and t.is_floating_point()):
+                    raise ValueError(f"{path / name}: the reference shard {k} is not this run's (shape, dtype)")
+                check_weight(t, v.dtype, f"{path / name}: the reference shard {k}")
     return out
 
 
@@ -284,9 +332,15 @@ def _read_critic(step: RLStep, path: Path, name: str, state: dict) -> dict[str, 
         raise ValueError(f"{path} has no critic (critic/ and its trainer state) but this run trains one")
     try:
         step.critic.check_state_dict(state["critic"])
+        _check_optimizer(step.critic, state["critic"], max(per_step_max("critic_lr"), step.cfg.critic_lr),
+                         "the critic's optimizer")
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"{path / name}: {e}") from None
     own = value_state(step.critic.model)
+    try:
+        check_index(path / "critic")
+    except ValueError as e:
+        raise ValueError(f"the critic in {path / 'critic'}: {e}") from None
     try:
         hf = read_safetensors(path / "critic")
         got = {**hf_to_rollplex({k: v for k, v in hf.items() if k not in HEAD}, step.critic.model.cfg),
@@ -296,16 +350,27 @@ def _read_critic(step: RLStep, path: Path, name: str, state: dict) -> dict[str, 
     got.pop("lm_head.weight", None)
     if set(got) != set(own) or any(got[k].shape != v.shape for k, v in own.items()):
         raise ValueError(f"the critic in {path / 'critic'} does not match this run's (names or shapes)")
-    if not all(t.is_floating_point() and bool(torch.isfinite(t).all()) for t in got.values()):
-        raise ValueError(f"the critic in {path / 'critic'} has non-floating-point or non-finite values")
+    for k, t in got.items():  # finite once cast to the live dtype
+        check_weight(t, own[k].dtype, f"the critic in {path / 'critic'}: {k}")
     if step.parallel is not None:  # a sharded critic restores this rank's shards as they are
         shards = state.get("critic_shards")
         if not isinstance(shards, dict) or set(shards) != set(own) or not all(
-                isinstance(shards[k], torch.Tensor) and shards[k].shape == _local(v).shape
-                and shards[k].is_floating_point() and bool(torch.isfinite(shards[k]).all()) for k, v in own.items()):
-            raise ValueError(f"{path / name} holds no critic shards for this run (names, shapes, finite)")
+                isinstance(shards[k], torch.Tensor) and shards[k].shape == _local(v).shape for k, v in own.items()):
+            raise ValueError(f"{path / name} holds no critic shards for this run (names, shapes)")
+        for k, v in own.items():
+            check_weight(shards[k], v.dtype, f"{path / name}: the critic shard {k}")
         return shards
     return got
+
+
+def _check_optimizer(trainer, sd: dict, lr_max: float, what: str) -> None:
+    """The saved optimizer state of an actor or critic (`sd["optimizer"]`: MasterAdamW's) against the
+    trainer's live optimizer: AdamW's hyperparameters, flags and moments, and the fp32 masters."""
+    opt = trainer.optimizer
+    masters = opt.master
+    check_adamw(sd["optimizer"]["opt"], opt.opt.state_dict(), [m.shape for m in masters], lr_max,
+                masters[0].dtype, what)
+    check_masters(sd["optimizer"].get("master"), masters)
 
 
 def _load(step: RLStep, read: dict, report: dict | None) -> dict:

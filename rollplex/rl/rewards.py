@@ -10,10 +10,14 @@ with reward_model.overlong_buffer): with a buffer of L tokens and max_new_tokens
 length l (its EOS included) gets min(-(l - (M - L)) / L * factor, 0) added to its score: nothing up to
 M - L tokens, then linearly down to -factor at M. Its metrics, under verl's reward_extra_info names:
 `critic/score/overlong_reward` (the mean penalty) and `critic/score/overlong` (the share penalised).
+
+The built-ins run in time linear in their inputs (no pattern that backtracks over a client's ground
+truth) and refuse a response or ground truth over MAX_TEXT_CHARS characters (ValueError).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import math
@@ -27,12 +31,29 @@ if TYPE_CHECKING:
     from .batch import RolloutBatch
 
 RewardFn = Callable[..., "float | dict"]
+# characters of a response or ground truth the built-ins score: beyond any answer they compare, and a
+# bound on the work one sample can ask for
+MAX_TEXT_CHARS = 1 << 16
+
+
+def _capped(fn: RewardFn) -> RewardFn:
+    """A built-in that refuses texts over MAX_TEXT_CHARS before scoring them."""
+    @functools.wraps(fn)
+    def capped(data_source, solution_str, ground_truth, extra_info=None):
+        for what, x in (("response", solution_str), ("ground truth", ground_truth)):
+            n = len(x) if isinstance(x, str) else len(str(x))
+            if n > MAX_TEXT_CHARS:
+                raise ValueError(f"a {what} of {n} characters is over the built-in rewards' limit of {MAX_TEXT_CHARS}")
+        return fn(data_source, solution_str, ground_truth, extra_info)
+
+    return capped
 
 
 def _norm(s: str) -> str:
     return re.sub(r"\s+", " ", str(s)).strip().strip(".").lower()
 
 
+@_capped
 def exact_match(data_source, solution_str, ground_truth, extra_info=None) -> float:
     return float(_norm(solution_str) == _norm(ground_truth))
 
@@ -47,6 +68,7 @@ def extract_choice(text: str) -> str | None:
     return m.group(1) if m else None
 
 
+@_capped
 def choice(data_source, solution_str, ground_truth, extra_info=None) -> float:
     return float(extract_choice(solution_str) == str(ground_truth).strip().upper())
 
@@ -69,11 +91,13 @@ def last_boxed(text: str) -> str | None:
 
 def _math_norm(s: str) -> str:
     s = _norm(s).replace(" ", "").replace("\\left", "").replace("\\right", "").replace("$", "")
-    s = re.sub(r"\\(d|t)?frac\{([^}]*)\}\{([^}]*)\}", r"\2/\3", s)
+    # [^{}]: a scan from one \frac{ stops at the next brace, so no two scans overlap (linear time)
+    s = re.sub(r"\\(d|t)?frac\{([^{}]*)\}\{([^{}]*)\}", r"\2/\3", s)
     s = re.sub(r"\^\{?\\circ\}?|°|\\degree", "", s)
     return s.removeprefix("x=")
 
 
+@_capped
 def math_boxed(data_source, solution_str, ground_truth, extra_info=None) -> dict:
     """geo3k-style: score = 0.9 * accuracy + 0.1 * format (format: a \\boxed{} answer present)."""
     ans = last_boxed(solution_str)
@@ -82,6 +106,7 @@ def math_boxed(data_source, solution_str, ground_truth, extra_info=None) -> dict
     return {"score": 0.9 * acc + 0.1 * fmt, "acc": acc, "format": fmt}
 
 
+@_capped
 def shape_color(data_source, solution_str, ground_truth, extra_info=None) -> float:
     """The demo task: the answer is the option letter of the shape's colour."""
     return choice(data_source, solution_str, ground_truth, extra_info)

@@ -8,11 +8,12 @@ Modules, one job each:
     errors.py    the 400 the routes raise for values the runtime rejects
     sglang.py    SGLang request <-> rollplex SamplingParams / response dicts
     worker.py    the engine thread: continuous batching over all HTTP requests + exclusive jobs
-    store.py     retained rollouts (TTL + cap) waiting for their /train_step
+    store.py     retained rollouts (TTL, per-client count and bytes, bytes over all) waiting for /train_step
     state.py     ServerConfig (a rollplex.system.SystemConfig + the server's settings and ServerLimits) and
                  the hosted runtime (rollplex.system.build's model, processor, engine or SGLang, RLStep;
                  store, worker) + /memory ledger
-    limits.py    ServerLimits: request body, prompt count and length, image and video sizes
+    limits.py    ServerLimits: request body, prompt count and length, image and video sizes, pixels per
+                 request, retained bytes
     media.py     images and frames a request names -> decoded images (no local files without --media-root)
     rewards.py   the rewards a request may name: those registered at startup
     metrics.py   Prometheus counters and gauges for /metrics

@@ -8,7 +8,10 @@
                    before tokenising: a huge prompt is refused in microseconds instead of occupying an
                    intake thread; default: CHARS_PER_TOKEN characters per token of --max-model-len
     token ids      an `input_ids` prompt longer than --max-model-len: 400 before it is validated id by id
-    image bytes / pixels, pixels per prompt, frames per video: media.py, on the intake thread
+    image bytes / pixels, pixels per prompt and per request, frames per video: media.py, on the intake
+                   thread, from each image's header before its pixels are decoded
+    retained bytes one client's retained rollouts, and all clients' (store.py): a client's own oldest
+                   are evicted to fit, never another client's
 
 Every message names the limit and its flag, so a client knows what to send instead.
 """
@@ -31,10 +34,14 @@ class ServerLimits:
     max_image_pixels: int = 50_000_000  # width x height of one decoded image or frame, read from its header
     max_prompt_pixels: int = 256_000_000  # all images and frames of one prompt together
     max_video_frames: int = 768  # frames of one video
+    # ---- decode work per request, retained rollouts' bytes ----
+    max_request_pixels: int = 1_000_000_000  # all images and frames of one request, read from their headers
+    max_client_rollout_bytes: int = 8 << 30  # one client's retained rollouts (its oldest evicted to fit)
+    max_retained_bytes: int = 32 << 30  # every client's retained rollouts together (a rollout over it: 507)
 
     def __post_init__(self):
         for name in ("max_body_bytes", "max_prompts", "max_image_bytes", "max_image_pixels", "max_prompt_pixels",
-                     "max_video_frames"):
+                     "max_video_frames", "max_request_pixels", "max_client_rollout_bytes", "max_retained_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:

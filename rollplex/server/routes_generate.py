@@ -68,7 +68,8 @@ def router(state) -> APIRouter:
         check_sizes(state, req)
         specs, batched = sglang.expand(req, defaults, state.cfg.engine.max_num_seqs)
         fins = [_finalizer(state, s) if (req.return_text_in_logprobs and s.return_logprob) else None for s in specs]
-        encoders = [(lambda p=s.prompt: state.encode_generate(p)) for s in specs]
+        pixels = state.media.request()  # one decode budget for the request's images (media.py)
+        encoders = [(lambda p=s.prompt: state.encode_generate(p, pixels)) for s in specs]
         tickets, _ = await submit(state, encoders, [s.params for s in specs], stream=req.stream, finalize=fins,
                                   inline=req.input_ids is not None)
         offsets = [0]

@@ -3,14 +3,19 @@
 /rollout   prompts (chat messages + images, verl rows, or ids) x n samples through the shared engine
            -> {"rollout_id", "weights_version", "samples": [{"prompt_index", "sample_index", "token_ids",
            "text", "logprobs", "finish_reason"}], ...}; finish_reason has /generate's (SGLang's) dict
-           form. With for_training (default) the RolloutBatch is retained under rollout_id (TTL + cap,
-           store.py) with the weights version it was sampled from. Temperature must be > 0 for
-           training rollouts.
+           form (logprobs that are not finite, from non-finite weights, as null). With for_training
+           (default) the RolloutBatch is retained under rollout_id (TTL, and caps per client in count and
+           bytes and over all clients in bytes: store.py; a client's own oldest are evicted to fit, never
+           another's, and a rollout that cannot fit is 507) with the weights version it was sampled
+           from. Temperature must be > 0 for training rollouts.
 /train_step rollout_id + `rewards` (one per sample, prompt-major as returned) or `reward` (a name
            registered at startup, rewards.py: nothing a request names is imported; scored against the
            rows' ground truths; default: the server's --reward) + per-step overrides -> the step's
            verl-named metrics. One step at a time: a
-           second concurrent call gets 409 (it is not queued). Unknown / expired id -> 404. A request
+           call that arrives while a step trains gets 409 (it is not queued). Rewards are scored
+           before the step takes the training lock (on a thread), so a slow reward function holds up
+           no other client's step; once scored, a step waits for one in progress, and a rollout
+           another step trained meanwhile is 404. Unknown / expired id -> 404. A request
            rejected before training (bad rewards, bad overrides, failing reward function) leaves the
            rollout retained; it is consumed only by a successful step. On-policy by default: a
            rollout sampled before the weights changed (a train step or a load since) gets 409 and
@@ -34,10 +39,12 @@
            retained rollout is stale (off-policy only). Out of memory is 507; a non-finite loss or
            gradient norm skips that optimizer step and is 422; another error after an optimizer step
            is 500.
-/save {"path", "data_state"?, "overwrite"?} -> HF checkpoint + trainer state; never into the root
+/save {"path", "data_state"?, "overwrite"?} -> HF checkpoint + trainer state, written atomically
+           (rl/checkpoint.py; a full disk is 507 with the old checkpoint kept); never into the root
            itself (400), and onto an existing checkpoint (a non-empty folder) only with overwrite:
-           true (409 otherwise). /load {"path"} -> checks every file first (400, nothing changed, for
-           a missing, truncated or corrupt one), then restores it, returns the saved data_state, how
+           true (409 otherwise). /load {"path"} -> checks everything first (400, nothing changed, for
+           a missing, truncated or corrupt file, or values that would poison training:
+           rl/checkpoint_checks.py), then restores it, returns the saved data_state, how
            many fp32 masters were rebuilt from edited weights (`masters_rebuilt`), and drops retained
            rollouts (sampled from the previous weights).
            Paths lie under --checkpoint-root (relative ones are taken from it); others are 400.
@@ -51,6 +58,7 @@ before anything is tokenised, and images and videos are read under the media pol
 from __future__ import annotations
 
 import asyncio
+import errno
 import math
 import time
 from dataclasses import replace
@@ -69,7 +77,19 @@ from .inflight import ClientGone, collect, submit
 from .schemas import LoadRequest, RolloutRequest, SaveRequest, TrainStepRequest
 from .sglang import finish_reason, sampling_params
 from .state import CheckpointExists
-from .store import RetainedRollout, StaleRollout
+from .store import RetainedRollout, StaleRollout, StoreFull
+
+
+def _client(request: Request) -> str:
+    """Who sent a request, for the rollout store's per-client caps: the peer's address."""
+    return request.client.host if request.client is not None else ""
+
+
+def _json_floats(xs: list[float] | None) -> list[float | None] | None:
+    """Logprobs as JSON can carry them: NaN or inf (non-finite weights, see /checksum) as null."""
+    if xs is None or all(map(math.isfinite, xs)):
+        return xs
+    return [x if math.isfinite(x) else None for x in xs]
 
 
 def _finite(m: dict) -> dict:
@@ -103,7 +123,8 @@ def router(state) -> APIRouter:
                                       f"prompts[{i}]")
         except ValueError as e:
             raise bad_request(str(e)) from None
-        encoders = [(lambda p=p: state.encode_prompt(p)) for p in req.prompts]
+        pixels = state.media.request()  # one decode budget for the request's images (media.py)
+        encoders = [(lambda p=p: state.encode_prompt(p, pixels)) for p in req.prompts]
         # a frozen vision tower's encodings from the prefill stand in for the trainer's vision passes; under a
         # process group the other ranks never prefilled these prompts, so every rank runs the frozen tower
         keep_vision = req.for_training and rl.freeze_vision_tower and rl.mode == "rollplex" and state.world_size == 1
@@ -119,7 +140,7 @@ def router(state) -> APIRouter:
             version = tickets[0].weights_version
         gen_s = time.perf_counter() - t0
         samples = [{"prompt_index": i, "sample_index": j, "token_ids": s.token_ids, "text": s.text or "",
-                    "logprobs": s.logprobs,
+                    "logprobs": _json_floats(s.logprobs),
                     "finish_reason": finish_reason(s.finish_reason, s.matched_stop, len(s.token_ids))}
                    for i, out in enumerate(outs) for j, s in enumerate(out.samples)]
         state.metrics.inc("rollplex_rollouts_total")
@@ -133,8 +154,11 @@ def router(state) -> APIRouter:
                 batch.prompts = [p if o.vision_embeds is None else replace(p, vision_embeds=o.vision_embeds)
                                  for p, o in zip(batch.prompts, outs)]
             entry = RetainedRollout(batch, temperature=sp.temperature, gen_s=gen_s, weights_version=version,
-                                    max_new_tokens=sp.max_new_tokens)
-            state.store.put(entry)
+                                    max_new_tokens=sp.max_new_tokens, client=_client(request))
+            try:
+                state.store.put(entry)
+            except StoreFull as e:  # 507 Insufficient Storage: nothing was evicted
+                raise HTTPException(507, str(e)) from None
             rollout_id = entry.rollout_id
         return {"rollout_id": rollout_id, "weights_version": version, "num_prompts": len(req.prompts), "n": n,
                 "num_samples": len(samples), "samples": samples, "timing_s": gen_s,
@@ -144,41 +168,47 @@ def router(state) -> APIRouter:
     async def train_step(req: TrainStepRequest):
         if train_lock.locked():
             raise HTTPException(409, "a training step is already running; retry when it has finished")
-        async with train_lock:
-            ids = [req.rollout_id, *req.more_rollout_ids]
-            entries = [state.store.get(i) for i in ids]
-            for i, entry in zip(ids, entries):
-                if entry is None:
-                    raise HTTPException(404, f"unknown or expired rollout_id {i!r}")
-                if entry.weights_version != state.weights_version and not req.off_policy:  # before scoring rewards
-                    raise HTTPException(409, str(StaleRollout(entry.weights_version, state.weights_version)))
-            try:  # this step's config, for the reward shaping and the group filter (state.train checks it too)
-                cfg = replace(state.rl.cfg, **req.overrides())
-                entry = _combine(state, entries)
+        ids = [req.rollout_id, *req.more_rollout_ids]
+        entries = [state.store.get(i) for i in ids]
+        for i, entry in zip(ids, entries):
+            if entry is None:
+                raise HTTPException(404, f"unknown or expired rollout_id {i!r}")
+            if entry.weights_version != state.weights_version and not req.off_policy:  # before scoring rewards
+                raise HTTPException(409, str(StaleRollout(entry.weights_version, state.weights_version)))
+        try:  # this step's config, for the reward shaping and the group filter (state.train checks it too)
+            cfg = replace(state.rl.cfg, **req.overrides())
+            entry = _combine(state, entries)
+        except ValueError as e:
+            raise bad_request(f"train step rejected: {e}") from None
+        if req.train_batch_size is not None and not cfg.filter_groups:
+            raise bad_request("train_batch_size trims the groups filter_groups keeps: it needs filter_groups")
+        N = entry.batch.num_samples
+        extra, reward_s = {}, 0.0
+        if req.rewards is not None:
+            if len(req.rewards) != N:
+                raise bad_request(f"got {len(req.rewards)} rewards for {N} samples (one per sample, in the "
+                                  "order /rollout returned them, rollout after rollout); the rollout is still "
+                                  "retained")
+            rewards = scores = list(req.rewards)
+        else:
+            t0 = time.perf_counter()
+            try:  # the RL step's reward loop, on a thread and outside the training lock: a slow reward
+                # function holds up no other client's step (it touches no model state)
+                scores, rewards, extra = await asyncio.get_running_loop().run_in_executor(
+                    state.scoring, _score, state, entry, req.reward, cfg)
             except ValueError as e:
-                raise bad_request(f"train step rejected: {e}") from None
-            if req.train_batch_size is not None and not cfg.filter_groups:
-                raise bad_request("train_batch_size trims the groups filter_groups keeps: it needs filter_groups")
-            N = entry.batch.num_samples
-            extra, reward_s = {}, 0.0
-            if req.rewards is not None:
-                if len(req.rewards) != N:
-                    raise bad_request(f"got {len(req.rewards)} rewards for {N} samples (one per sample, in the "
-                                      "order /rollout returned them, rollout after rollout); the rollout is still "
-                                      "retained")
-                rewards = scores = list(req.rewards)
-            else:
-                t0 = time.perf_counter()
-                try:  # the RL step's reward loop, off the engine thread (it touches no model state)
-                    scores, rewards, extra = await asyncio.to_thread(_score, state, entry, req.reward, cfg)
-                except ValueError as e:
-                    raise bad_request(str(e)) from None
-                rewards = rewards.tolist()
-                reward_s = time.perf_counter() - t0
-            if cfg.filter_groups:  # dynamic sampling's filter over the step's rollouts (the refill is the client's)
-                entry, rewards, filtered = _filter_groups(entry, rewards, scores, cfg.filter_groups_metric,
-                                                          req.train_batch_size, len(ids))
-                extra.update(filtered)
+                raise bad_request(str(e)) from None
+            rewards = rewards.tolist()
+            reward_s = time.perf_counter() - t0
+        if cfg.filter_groups:  # dynamic sampling's filter over the step's rollouts (the refill is the client's)
+            entry, rewards, filtered = _filter_groups(entry, rewards, scores, cfg.filter_groups_metric,
+                                                      req.train_batch_size, len(ids))
+            extra.update(filtered)
+        async with train_lock:  # a step that began while these rewards were scored finishes first
+            for i, e in zip(ids, entries):  # another step may have trained (consumed) them meanwhile
+                if state.store.get(i) is not e:
+                    raise HTTPException(404, f"rollout_id {i!r} was trained or expired while its rewards were "
+                                             "scored")
             try:
                 m = await state.worker.run(lambda: state.train(entry, rewards, req.overrides(), reward_s,
                                                                off_policy=req.off_policy), drain=True)
@@ -212,7 +242,11 @@ def router(state) -> APIRouter:
             return await state.worker.run(lambda: state.save(req.path, req.data_state, req.overwrite), drain=True)
         except CheckpointExists as e:
             raise HTTPException(409, f"cannot save to {req.path!r}: {e}") from None
-        except (ValueError, OSError) as e:
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):  # 507 Insufficient Storage: the old checkpoint is kept
+                raise HTTPException(507, f"cannot save to {req.path!r}: {e}") from None
+            raise bad_request(f"cannot save to {req.path!r}: {e}") from None
+        except ValueError as e:
             raise bad_request(f"cannot save to {req.path!r}: {e}") from None
 
     @r.post("/load")

@@ -8,8 +8,9 @@
                                  | SGLang (cfg.backend.rollout_backend = "sglang"): no engine here; SGLang
                                    started on the checkpoint, the rollout backend of the RL step
                        rl     <- RLStep(model, engine | backend, cfg.rl)  ref = frozen copy when kl_coef > 0
-                       store  <- RolloutStore(ttl, cap);  worker <- EngineWorker(engine)
-                       rewards <- RewardRegistry: built-ins + --reward / --reward-module (rewards.py)
+                       store  <- RolloutStore(ttl, cap, bytes per client / all);  worker <- EngineWorker(engine)
+                       rewards <- RewardRegistry: built-ins + --reward / --reward-module (rewards.py),
+                                  scored on `scoring`'s threads
                        intake <- a few threads, each with its own copy of the processor: encode prompts,
                                  their images read and decoded by `media` (MediaPolicy, media.py)
 
@@ -67,11 +68,12 @@ from ..models import ModelInputs
 from ..parallel.fsdp import local_tensor
 from ..rl.actor import TrainOOM
 from ..rl.checkpoint import load_checkpoint, save_checkpoint
+from ..rl.checkpoint_checks import check_data_state
 from ..rl.config import RLConfig
 from ..system import SystemConfig, build
 from .group import collective_oom
 from .limits import ServerLimits
-from .media import MediaPolicy
+from .media import MediaPolicy, RequestPixels
 from .metrics import Metrics
 from .rewards import RewardRegistry
 from .schemas import MAX_ABS_REWARD
@@ -84,6 +86,8 @@ log = logging.getLogger("rollplex.server")
 # seconds an idle keep-alive connection stays open (uvicorn's default, 5, closes connections that a driver's
 # pool of hundreds, busy on its own CPU between uses, is about to send on: its next request fails)
 KEEP_ALIVE_S = 75.0
+# threads that score /train_step rewards (reward functions run outside the training lock: rewards.py)
+REWARD_THREADS = 2
 
 
 def server_rl_config() -> RLConfig:
@@ -107,7 +111,7 @@ class ServerConfig(SystemConfig):
     media_root: str | None = None
     intake_threads: int = 4  # threads that tokenise prompts and decode images, each with its own processor
     rollout_ttl_s: float = 600.0  # seconds a training rollout is retained
-    max_rollouts: int = 16  # retained rollouts (oldest evicted)
+    max_rollouts: int = 16  # retained rollouts per client (its oldest evicted)
     rl: RLConfig = field(default_factory=server_rl_config)  # the defaults; /train_step overrides per step
     limits: ServerLimits = field(default_factory=ServerLimits)  # request sizes (limits.py)
     # /save and /load read and write only under this folder (created on the first save);
@@ -193,9 +197,13 @@ class ServerState:
         self.model_path, self.processor, self.model = system.model_path, system.processor, system.model
         self.warmup_loss, self.world_size = system.warmup_loss, system.world_size
         self.memory, self.engine, self.rl = system.memory, system.engine, system.rl
-        self.store = RolloutStore(cfg.rollout_ttl_s, cfg.max_rollouts)
+        self.store = RolloutStore(cfg.rollout_ttl_s, cfg.max_rollouts, cfg.limits.max_client_rollout_bytes,
+                                  cfg.limits.max_retained_bytes)
         self.media = MediaPolicy(cfg.limits, cfg.media_root)
         self.intake = ThreadPoolExecutor(cfg.intake_threads, thread_name_prefix="rollplex-intake")
+        # /train_step's reward functions, outside the training lock: threads of their own, so that slow ones
+        # occupy neither the intake threads nor the event loop's default executor
+        self.scoring = ThreadPoolExecutor(REWARD_THREADS, thread_name_prefix="rollplex-reward")
         # each intake thread copies this one on its first prompt (a tokenizer is not safe to share between
         # threads); it is touched only under the lock, to be copied
         self._intake_template = copy.deepcopy(self.processor)
@@ -231,6 +239,7 @@ class ServerState:
     def close(self) -> None:
         self.worker.close()
         self.intake.shutdown(wait=False, cancel_futures=True)
+        self.scoring.shutdown(wait=False, cancel_futures=True)
         self.rl.backend.close()
 
     def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -263,26 +272,27 @@ class ServerState:
         if self.memory is not None and self.memory.current != "rollout":
             self.memory.enter("rollout")
 
-    def encode_prompt(self, p) -> ModelInputs:
+    def encode_prompt(self, p, pixels: RequestPixels | None = None) -> ModelInputs:
         """ModelInputs for a RolloutPrompt (chat messages / verl row / ids); runs on an intake thread. Its
-        images and videos are read and decoded under the media policy first (media.py)."""
+        images and videos are read and decoded under the media policy first (media.py), their pixels
+        charged to the prompt's budget and to its request's (`pixels`, shared by the request's prompts)."""
 
         if p.input_ids is not None:
             return ModelInputs(input_ids=list(p.input_ids))
         if self.intake_processor is None:
             raise ValueError("this server has no tokenizer (a preset model): send `input_ids` prompts")
-        budget = self.media.budget()
+        budget = self.media.budget(pixels)
         messages = self.media.chat(p.chat(), budget)
         images, videos = self.media.prompt(p.images, p.videos, budget)
         return row_to_inputs(self.intake_processor, {"prompt": messages, "images": images, "videos": videos})
 
-    def encode_generate(self, prompt) -> ModelInputs:
+    def encode_generate(self, prompt, pixels: RequestPixels | None = None) -> ModelInputs:
         """ModelInputs for a /generate prompt (templated text, {"text", "images"}, or token ids); runs on an
-        intake thread, its images decoded under the media policy first."""
+        intake thread, its images decoded under the media policy first (charged as `encode_prompt`'s)."""
         if isinstance(prompt, list):  # token ids (prepared on the event loop): no processor copy for it
             return self.engine.encode(prompt)
         if isinstance(prompt, dict):
-            prompt = {**prompt, "images": self.media.images(prompt.get("images"))}
+            prompt = {**prompt, "images": self.media.images(prompt.get("images"), self.media.budget(pixels))}
         return self.engine.encode(prompt, self.intake_processor)
 
     def sample(self, inputs: list[ModelInputs], params: list, keep_vision: bool) -> tuple[list, int]:
@@ -369,17 +379,25 @@ class ServerState:
 
     def save(self, path: str, data_state: dict | None, overwrite: bool = False) -> dict:
         """Write a checkpoint under the checkpoint root, never into the root itself, and over an existing
-        checkpoint (a non-empty folder) only with `overwrite` (CheckpointExists otherwise); over a process
-        group rank 0 checks the path, then every rank writes its part (rl/checkpoint.py)."""
+        checkpoint (a non-empty folder) only with `overwrite` (CheckpointExists otherwise), which replaces
+        the folder whole, atomically (a folder that is not a checkpoint is never replaced); `data_state`
+        must round-trip (rl/checkpoint_checks.py). Over a process group rank 0 checks the path, then every
+        rank writes its part (rl/checkpoint.py)."""
 
         full = self.checkpoint_path(path)
         if not (self.world_size > 1 and self.commands is None):  # a follower writes where rank 0 checked
             if full == Path(self.cfg.checkpoint_root).resolve():
                 raise ValueError(f"{path!r} is the checkpoint root itself: save into a folder under it "
                                  "(e.g. run1/global_step_100)")
-            if full.is_dir() and any(full.iterdir()) and not overwrite:
-                raise CheckpointExists(f"{full} already exists (and is not empty); pass overwrite: true to replace "
-                                       "the checkpoint there, or save under another path")
+            if full.is_dir() and any(full.iterdir()):
+                if not overwrite:
+                    raise CheckpointExists(f"{full} already exists (and is not empty); pass overwrite: true to "
+                                           "replace the checkpoint there, or save under another path")
+                if not any(full.glob("trainer_state*.pt")) and not (full / "rollplex_step.json").exists():
+                    # overwrite replaces the whole folder: never one that holds other things (other runs)
+                    raise ValueError(f"{full} is not a checkpoint (no trainer state): overwrite replaces only a "
+                                     "checkpoint; save under another path")
+            check_data_state(data_state or {})  # before anything is written (and before the ranks are told)
         if self.commands is not None:
             self.commands.send("save", path, data_state)
         out = save_checkpoint(self.rl, full, data_state, tokenizer_dir=self.model_path)
@@ -429,10 +447,14 @@ class ServerState:
         return w, o
 
     def fingerprint(self) -> dict:
-        """What a train step or a load changes (GET /checksum): weights and optimizer checksums, global step,
-        weights version, the LR schedule's position and the retained rollouts."""
+        """What a train step or a load changes (GET /checksum): weights and optimizer checksums (null, with
+        `weights_finite` / `optimizer_finite` false, when they hold NaN or inf), global step, weights
+        version, the LR schedule's position and the retained rollouts."""
         w, o = self.checksums()
-        return {"weights_checksum": w, "optimizer_checksum": o, "global_step": self.rl.step_idx,
+        # a non-finite sum (NaN or inf weights) is reported as such: null and finite: false, never a 500
+        return {"weights_checksum": w if math.isfinite(w) else None, "weights_finite": math.isfinite(w),
+                "optimizer_checksum": o if math.isfinite(o) else None, "optimizer_finite": math.isfinite(o),
+                "global_step": self.rl.step_idx,
                 "weights_version": self.weights_version, "lr_schedule_step": self.rl.actor.scheduler.last_epoch,
                 "retained_rollouts": self.store.ids()}
 

@@ -4,7 +4,10 @@ An entry holds the RolloutBatch (encoded prompts with their pixel tensors, respo
 logprobs, per-sample data sources / ground truths / texts), the sampling temperature the trainer
 must score at, the weights version it was sampled from, its max_new_tokens (overlong reward
 shaping measures responses against it), and the rollout's timing. Entries expire
-`ttl_s` after creation and at most `cap` are kept (the oldest is evicted first). `/train_step`
+`ttl_s` after creation. Each belongs to the client that sampled it (its address): a client keeps at
+most `cap` entries and `client_bytes` bytes, its own oldest evicted to fit a new one, and all clients
+together at most `total_bytes`; a rollout that cannot fit without evicting another client's is
+refused (StoreFull), never another client's evicted. `/train_step`
 removes its entry only when the step succeeded, so a rejected request (e.g. the wrong number of
 rewards, or a stale rollout without off_policy) leaves it trainable.
 Thread-safe (a lock): handlers use it on the event loop, ledgers read it from the engine thread.
@@ -20,6 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+
+class StoreFull(Exception):
+    """A rollout that does not fit the retained-bytes caps (507): nothing was evicted."""
 
 
 class StaleRollout(Exception):
@@ -43,9 +50,12 @@ class RetainedRollout:
     created: float = 0.0
     expires: float = 0.0
     rollout_id: str = field(default_factory=lambda: f"ro-{uuid.uuid4().hex[:16]}")
+    client: str = ""  # who sampled it (the peer address): its caps and evictions are that client's
 
     @property
     def nbytes(self) -> int:
+        if self.batch is None:  # an entry without samples holds no tensors
+            return 0
         return tensor_bytes([vars(p) if hasattr(p, "__dict__") else p for p in self.batch.prompts]) + tensor_bytes(
             [self.batch.group, self.batch.responses, self.batch.mask, self.batch.rollout_logprobs])
 
@@ -67,26 +77,48 @@ def tensor_bytes(obj, seen: set | None = None) -> int:
 
 
 class RolloutStore:
-    def __init__(self, ttl_s: float = 600.0, cap: int = 16, clock: Callable[[], float] = time.monotonic):
-        if ttl_s <= 0 or cap < 1:
-            raise ValueError("rollout TTL must be > 0 and the cap >= 1")
+    def __init__(self, ttl_s: float = 600.0, cap: int = 16, client_bytes: int = 8 << 30, total_bytes: int = 32 << 30,
+                 clock: Callable[[], float] = time.monotonic):
+        if ttl_s <= 0 or cap < 1 or client_bytes < 1 or total_bytes < 1:
+            raise ValueError("rollout TTL must be > 0, and the caps (count, bytes) >= 1")
         self.ttl_s, self.cap, self.clock = ttl_s, cap, clock
+        self.client_bytes, self.total_bytes = client_bytes, total_bytes
         self._items: OrderedDict[str, RetainedRollout] = OrderedDict()
+        self._bytes: dict[str, int] = {}  # rollout id -> bytes, measured once when it was retained
         self._lock = threading.Lock()
         self.num_expired = 0
         self.num_evicted = 0
 
     def put(self, entry: RetainedRollout) -> list[str]:
-        """Retain `entry`; returns the ids evicted to respect the cap."""
+        """Retain `entry`; returns the ids of its client's own rollouts evicted to fit it. StoreFull, with
+        nothing evicted, when it cannot fit without evicting another client's."""
+        size = entry.nbytes
         with self._lock:
             self._purge()
+            own = [k for k, v in self._items.items() if v.client == entry.client]  # oldest first
+            own_bytes = sum(self._bytes[k] for k in own)
+            total = sum(self._bytes.values())
+            k = 0  # evict the client's k oldest: the fewest that make room under every cap
+            while k <= len(own) and not (len(own) - k < self.cap and own_bytes + size <= self.client_bytes
+                                         and total + size <= self.total_bytes):
+                if k < len(own):
+                    own_bytes -= self._bytes[own[k]]
+                    total -= self._bytes[own[k]]
+                k += 1
+            if k > len(own):
+                why = (f"the limit of {self.client_bytes} bytes per client (--max-client-rollout-bytes)"
+                       if size > self.client_bytes else
+                       f"the {self.total_bytes} bytes every client's retained rollouts may hold (--max-retained-bytes; "
+                       f"{total} of them are other clients')")
+                raise StoreFull(f"this rollout ({size} bytes) cannot be retained for training: it is over {why}. "
+                                "Train or let expire retained rollouts, or roll out fewer prompts at a time")
+            evicted = own[:k]
+            for rid in evicted:
+                del self._items[rid], self._bytes[rid]
             entry.created = self.clock()
             entry.expires = entry.created + self.ttl_s
             self._items[entry.rollout_id] = entry
-            evicted = []
-            while len(self._items) > self.cap:
-                rid, _ = self._items.popitem(last=False)
-                evicted.append(rid)
+            self._bytes[entry.rollout_id] = size
             self.num_evicted += len(evicted)
             return evicted
 
@@ -97,12 +129,14 @@ class RolloutStore:
 
     def pop(self, rollout_id: str) -> RetainedRollout | None:
         with self._lock:
+            self._bytes.pop(rollout_id, None)
             return self._items.pop(rollout_id, None)
 
     def clear(self) -> int:
         with self._lock:
             n = len(self._items)
             self._items.clear()
+            self._bytes.clear()
             return n
 
     def purge(self) -> int:
@@ -113,7 +147,7 @@ class RolloutStore:
         now = self.clock()
         dead = [k for k, v in self._items.items() if v.expires <= now]
         for k in dead:
-            del self._items[k]
+            del self._items[k], self._bytes[k]
         self.num_expired += len(dead)
         return len(dead)
 
@@ -130,4 +164,4 @@ class RolloutStore:
 
     def nbytes(self) -> int:
         with self._lock:
-            return sum(e.nbytes for e in self._items.values())
+            return sum(self._bytes.values())
