@@ -269,7 +269,7 @@ def test_prompt_counts_and_sizes(client, server, retained):
         ("/generate", {"text": ["hi", "y " * 400_000]}, "prompt[1]: 800000 characters"),
         ("/rollout", {"prompts": [{"messages": [{"role": "user", "content": [
             {"type": "text", "text": "z" * 1_000_000}, {"type": "text", "text": "z" * 1_000_000}]}]}]},
-         "prompts[0]: 2000000 characters"),
+         "prompts[0]: 2000012 characters"),  # the role and the items' types count too
         ("/generate", {"input_ids": list(range(5, 100_005))}, "100000 prompt token ids exceed max_model_len=256"),
         ("/rollout", {"prompts": [{"input_ids": [5] * 300}]}, "prompts[0]: 300 prompt token ids"),
     ]

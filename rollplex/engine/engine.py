@@ -20,6 +20,13 @@ over the model's parameters (`DecodeForward`); a tensor-parallel model's split i
 is given (`tp`), never read off the model. The server and the RL step both drive it through
 `generate` (or add_request/step). `add_request` = `prepare` (encode + validate; touches no engine
 state, so the server runs it off the engine thread) + `add` (queue it; the engine's thread).
+
+Isolation: a request whose own work fails inside a step (its sampling row, its stop check, its output,
+its prefill) is dropped alone: its sequences are aborted, `step` returns its output with `error` set,
+and the other requests go on unchanged. A failing prefill batch is retried one request at a time to
+find the failing one; a failing sampling-row build is split the same way. Only these failure paths pay
+for it: the decode loop's normal path adds a try block and no work. A failure that no single request
+owns (the batched decode forward) still raises out of `step`.
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ class RequestOutput:
     input_token_logprobs: list[float | None] | None = None
     meta: dict = field(default_factory=dict)
     vision_embeds: torch.Tensor | None = None  # the prefill's visual features (add_request(keep_vision=True))
+    error: Exception | None = None  # the request failed in a step and was dropped (samples: what it had)
 
 
 class Engine:
@@ -86,6 +94,7 @@ class Engine:
         self._last_period_ms: float | None = None
         self._last_end: tuple[int, object] | None = None  # (step, end event) of the last resolved step
         self._inflight: _Inflight | None = None  # a launched decode step whose tokens are not applied yet
+        self._failed: dict[str, Exception] = {}  # requests dropped in this step, by id (see `_drop`)
         self.eos_token_id = model.cfg.eos_token_id
         on_gpu = self.runner.device.type == "cuda"
         self.stream = torch.cuda.current_stream(self.runner.device) if on_gpu else None
@@ -184,7 +193,8 @@ class Engine:
             return None
         if not req.finished:
             self.scheduler.abort(req)
-        return self._output(req)
+        self._failed.pop(request_id, None)
+        return self._safe_output(req)
 
     @property
     def has_work(self) -> bool:
@@ -212,7 +222,7 @@ class Engine:
             touched = [s for item in batch.prefill for s in (item.seq, *item.forks)]
             self._last_end = None  # the next decode step does not follow a decode step: no period
         elif batch.decode:
-            launched = self._launch_decode(batch.decode)
+            launched = self._launch_decode(batch.decode)  # None: every sequence's request was dropped
             touched = self._resolve()  # the previous step, while this one runs
             self._inflight = launched
             if not self.cfg.overlap_schedule:
@@ -228,8 +238,54 @@ class Engine:
 
     def _outputs(self, touched: list[Sequence]) -> list[RequestOutput]:
         done = {id(s.request): s.request for s in touched
-                if s.finished and s.request.finished and s.request.request_id in self.requests}
-        return [self._output(r) for r in done.values()]
+                if s.finished and s.request.finished and s.request.request_id in self.requests
+                and s.request.request_id not in self._failed}
+        outs = [self._safe_output(r) for r in done.values()]
+        for rid, error in self._failed.items():
+            req = self.requests.get(rid)
+            if req is not None:
+                self.requests.pop(rid)
+                outs.append(RequestOutput(rid, list(req.inputs.input_ids), [
+                    SampleOutput(s.output_ids, s.logprobs, "abort") for s in req.seqs], error=error))
+        self._failed.clear()
+        return outs
+
+    # ---- isolation: one request's failure is its own ------------------------------------------------
+    def _drop(self, req: Request, error: Exception) -> None:
+        """Abort a request whose own work failed; `step` returns it with `error` (the first one)."""
+        if req.request_id in self._failed or req.request_id not in self.requests:
+            return
+        if not req.finished:
+            self.scheduler.abort(req)
+        self._failed[req.request_id] = error
+
+    def _safe_output(self, req: Request) -> RequestOutput:
+        try:
+            return self._output(req)
+        except Exception as e:  # noqa: BLE001 - e.g. a detokenizer error on this request's tokens
+            self.requests.pop(req.request_id, None)
+            return RequestOutput(req.request_id, list(req.inputs.input_ids),
+                                 [SampleOutput(s.output_ids, s.logprobs, "abort") for s in req.seqs], error=e)
+
+    def _sampling_tensors(self, seqs: list[Sequence], vocab: int, device) -> tuple[list[Sequence], SamplingTensors | None]:
+        """(sequences, their sampling tensors); on a failure, the requests whose own row fails are dropped
+        and the rest built again (None: nothing left)."""
+        try:
+            return seqs, SamplingTensors.build([self._row(s) for s in seqs], vocab, device)
+        except Exception:  # noqa: BLE001 - find whose row it is, on the host (cheap: only on this path)
+            keep = []
+            for s in seqs:
+                try:
+                    SamplingTensors.build([self._row(s)], vocab, "cpu")
+                    keep.append(s)
+                except Exception as e:  # noqa: BLE001
+                    self._drop(s.request, e)
+            keep = [s for s in keep if not s.request.finished]
+            if len(keep) == len(seqs):
+                raise  # no single request owns it
+            if not keep:
+                return [], None
+            return keep, SamplingTensors.build([self._row(s) for s in keep], vocab, device)
 
     def _length_done(self, seq: Sequence, length: int) -> bool:
         """Whether a sequence of `length` tokens has reached max_new_tokens or max_model_len."""
@@ -240,6 +296,18 @@ class Engine:
         return (p.temperature, p.top_k, p.top_p, p.min_p, seq.seed, seq.num_output_tokens)
 
     def _prefill(self, items) -> None:
+        """Prefill a batch; when it fails, each request alone, dropping those that fail by themselves
+        (prefill writes only its own cache slots, so running it again is safe)."""
+        try:
+            self._prefill_batch(items)
+        except Exception as e:  # noqa: BLE001
+            if len(items) > 1:
+                for item in items:
+                    self._prefill([item])
+            else:
+                self._drop(items[0].seq.request, e)
+
+    def _prefill_batch(self, items) -> None:
         inputs, slots, rows, owners = [], [], [], []
         for item in items:
             seq, req = item.seq, item.seq.request
@@ -273,7 +341,7 @@ class Engine:
         # entries for prompt tokens start .. L-1; the first prompt token has no logprob
         seq.request.input_logprobs = [None] + lp if p.logprob_start_len == 0 else lp
 
-    def _launch_decode(self, seqs: list[Sequence]) -> _Inflight:
+    def _launch_decode(self, seqs: list[Sequence]) -> _Inflight | None:
         """Queue one decode step on the device (graph replay + sampling + copies of the sampled tokens
         to pinned host memory); nothing here waits for the GPU."""
         info = None
@@ -289,7 +357,9 @@ class Engine:
             start.record()
         # sampling parameters go up through fresh pinned buffers (as do the step's inputs in the runner):
         # a copy from pageable memory may make the host wait for the step still in flight
-        st = SamplingTensors.build([self._row(s) for s in seqs], self.model.cfg.text.vocab_size, self.runner.device)
+        seqs, st = self._sampling_tensors(seqs, self.model.cfg.text.vocab_size, self.runner.device)
+        if st is None:
+            return None
         prev = self._inflight
         src = None
         if prev is not None:  # input tokens of sequences in the step in flight come from its device output
@@ -347,7 +417,10 @@ class Engine:
                 continue
             seq.token_ids.append(tok)
             seq.logprobs.append(lp)
-            self._check_finish(seq, tok)
+            try:
+                self._check_finish(seq, tok)
+            except Exception as e:  # noqa: BLE001 - this request's stop check: it alone is dropped
+                self._drop(seq.request, e)
         return inf.seqs
 
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor, st: SamplingTensors | None = None) -> None:
@@ -355,9 +428,14 @@ class Engine:
             st = SamplingTensors.build([self._row(s) for s in seqs], logits.shape[-1], logits.device)
         tokens, logprobs = self.sampler(logits, st)
         for seq, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
+            if seq.finished:  # its request was dropped by a fork's failed stop check
+                continue
             seq.token_ids.append(tok)
             seq.logprobs.append(lp)
-            self._check_finish(seq, tok)
+            try:
+                self._check_finish(seq, tok)
+            except Exception as e:  # noqa: BLE001 - this request's stop check: it alone is dropped
+                self._drop(seq.request, e)
 
     def _check_finish(self, seq: Sequence, tok: int) -> None:
         p = seq.request.params
@@ -418,6 +496,10 @@ class Engine:
         index = {rid: i for i, rid in enumerate(ids)}
         while len(outputs) < len(ids):
             for out in self.step():
+                if out.error is not None:  # a prompt failed: so does the batch
+                    for rid in ids:
+                        self.abort(rid)
+                    raise out.error
                 out.meta["finish_index"] = len(outputs)
                 outputs[out.request_id] = out
                 if on_output is not None:

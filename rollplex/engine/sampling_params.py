@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+SEED_MAX = 2**63 - 1  # seeds are int64 on the device
+
 
 @dataclass
 class SamplingParams:
@@ -51,8 +53,10 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if self.seed is not None and not 0 <= int(self.seed) < 2**63:
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed}")
+        if self.seed is not None and not 0 <= int(self.seed) <= SEED_MAX - (self.n - 1):
+            # sample i draws with seed + i, an int64 on the device
+            raise ValueError(f"seed must be an integer in [0, 2**63 - n] (sample i uses seed + i, an int64), "
+                             f"got {self.seed} with n={self.n}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if self.logprob_start_len < -1:

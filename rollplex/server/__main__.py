@@ -52,7 +52,13 @@ HELP = {
                             "function's score before it (a client's rewards are both)",
     "max_prompt_chars": "characters of one text prompt, checked before tokenising; default: 32 x --max-model-len",
     "max_image_pixels": "width x height of one image or video frame, read from its header before decoding",
-    "api_key": "require 'Authorization: Bearer KEY' (default: $ROLLPLEX_API_KEY)",
+    "api_key": "require 'Authorization: Bearer KEY' (default: $ROLLPLEX_API_KEY; an empty key is an error)",
+    "max_samples": "prompts x n of one /generate or /rollout (bounds the answer's size)",
+    "max_json_containers": "'[' + '{' bytes of a request body, counted before it is parsed (413 over it)",
+    "header_timeout_s": "seconds a connection may take to send a request's headers (then it is closed)",
+    "body_timeout_s": "seconds a request's body may take to arrive (408 after it)",
+    "max_connections": "open HTTP connections; more are closed as they are accepted (default: half the "
+                       "descriptor limit)",
     "reward": "reward for /train_step without rewards (a built-in name, module:function or FILE.py:function, "
               "imported at startup)",
     "reward_modules": "register another reward /train_step requests may name (module:function or "
@@ -97,9 +103,13 @@ def parser():
 
 def config_from_args(args):
     """The ServerConfig of flags parsed by `parser()`; the API key from $ROLLPLEX_API_KEY when not given."""
+    from .app import check_api_key
+
     ap = parser()
     env = {} if "api_key" in ap.given(args) else {"api_key": os.environ.get("ROLLPLEX_API_KEY")}
-    return ap.config(args, **env)
+    cfg = ap.config(args, **env)
+    check_api_key(cfg.api_key)  # before the model loads
+    return cfg
 
 
 def _world_size() -> int:
@@ -120,10 +130,12 @@ def _join_group(cfg):
     return cfg, Commands()
 
 
-def _serve_group(app, host: str, port: int, log_level: str, keep_alive: float) -> None:
+def _serve_group(app, host: str, port: int, log_level: str, keep_alive: float, limits) -> None:
     """uvicorn.run for rank 0 of a group: ends on SIGINT/SIGTERM without re-raising the signal afterwards
     (uvicorn does, to die by it), so that rank 0 stops the other ranks and the group exits 0."""
     import uvicorn
+
+    from .http import uvicorn_options
 
     class GroupServer(uvicorn.Server):
         @contextlib.contextmanager
@@ -134,7 +146,8 @@ def _serve_group(app, host: str, port: int, log_level: str, keep_alive: float) -
                 finally:
                     self._captured_signals.clear()
 
-    server = GroupServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=keep_alive))
+    server = GroupServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                        **uvicorn_options(limits, keep_alive)))
     server.run()
     if not server.started:
         raise SystemExit(f"rollplex.server: could not serve on {host}:{port}")
@@ -147,6 +160,7 @@ def main(argv=None) -> None:
     import uvicorn
 
     from .app import create_app
+    from .http import uvicorn_options
     from .state import ServerState
 
     commands = None
@@ -174,10 +188,11 @@ def main(argv=None) -> None:
     try:
         if commands is None:
             uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level,
-                        timeout_keep_alive=args.timeout_keep_alive)
+                        **uvicorn_options(cfg.limits, args.timeout_keep_alive))
         else:
             state.commands = commands
-            _serve_group(create_app(state), args.host, args.port, args.log_level, args.timeout_keep_alive)
+            _serve_group(create_app(state), args.host, args.port, args.log_level, args.timeout_keep_alive,
+                         cfg.limits)
     finally:
         state.close()
         if commands is not None:

@@ -15,7 +15,12 @@
     POST /generate (routes_generate.py)   POST /rollout /train_step /save /load (routes_rl.py)
 
 Auth: with an API key, every route except /health and /metrics needs `Authorization: Bearer KEY`
-(checked before the body is read; 401 otherwise). Errors: `{"error": {"code", "message"}, "detail"}`;
+(checked before the body is read, for every method, OPTIONS included; 401 otherwise). An empty key is
+refused at startup (it would switch auth off without saying so). Only POSTs to the routes that take a
+body have it read (within --body-timeout-s: 408 after it; over --max-body-bytes: 413), and its JSON
+shape is bounded (--max-json-containers: 413) before it is parsed, off the event loop (body.py).
+Request counters have a fixed label set: route (unknown paths are "other"), method (unknown methods
+are "other"), status. Errors: `{"error": {"code", "message"}, "detail"}`;
 every bad request is 400, as with SGLang — malformed JSON, schema violations (wrong types, missing
 or unknown fields) and values the runtime rejects alike; unknown rollouts 404; a concurrent train
 step, a rollout sampled from older weights or a save onto an existing checkpoint 409; a train step that
@@ -38,13 +43,22 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import routes_generate, routes_rl
-from .limits import flag
+from .limits import containers_message, count_containers, flag
 from .state import ServerState
 
 log = logging.getLogger("rollplex.server")
 OPEN_ROUTES = ("/health", "/metrics")
-ROUTES = ("/health", "/checksum", "/metrics", "/memory", "/generate", "/rollout", "/train_step", "/save", "/load",
-          "/get_model_info")
+BODY_ROUTES = ("/generate", "/rollout", "/train_step", "/save", "/load")  # POST, JSON body
+ROUTES = ("/health", "/checksum", "/metrics", "/memory", "/get_model_info", *BODY_ROUTES)
+METHODS = ("GET", "POST", "HEAD", "OPTIONS", "PUT", "DELETE", "PATCH")  # metric labels; others are "other"
+
+
+def check_api_key(key: str | None) -> str | None:
+    """The API key, or ValueError for an empty one (it would switch auth off without a word)."""
+    if key is not None and not key.strip():
+        raise ValueError("the API key is empty: pass a non-empty --api-key (or $ROLLPLEX_API_KEY), or none to "
+                         "serve without auth")
+    return key
 
 
 def error(code: int, message: str, headers: dict | None = None) -> JSONResponse:
@@ -52,21 +66,23 @@ def error(code: int, message: str, headers: dict | None = None) -> JSONResponse:
 
 
 class AuthAndCount:
-    """Pure ASGI middleware (streaming- and disconnect-safe): bearer auth, the body-size limit, and per-route
-    request counters. The body is read here, after auth and before anything parses it: a Content-Length
-    over the limit is answered 413 at once, a streamed (chunked) body as soon as it passes the limit, and
+    """Pure ASGI middleware (streaming- and disconnect-safe): bearer auth, the body's limits, and per-route
+    request counters. The body is read here, after auth and before anything parses it, and only for a POST
+    to a route that takes one (no other route reads a body: uvicorn drops it with the connection): a
+    Content-Length over the limit is answered 413 at once, a streamed (chunked) body as soon as it passes
+    the limit, one that does not arrive within body_timeout_s 408, one with too many JSON containers 413;
     the app then receives the whole body as one message (its later receives, for disconnects, pass through)."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
-        key = state.cfg.api_key
-        self.key = key.encode() if key else None
-        self.max_body = state.cfg.limits.max_body_bytes
+        key = check_api_key(state.cfg.api_key)
+        self.key = key.encode() if key is not None else None
+        self.limits = state.cfg.limits
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope["path"]
+        path, method = scope["path"], scope["method"]
         route = path if path in ROUTES else "other"
         status = [500]
 
@@ -76,47 +92,59 @@ class AuthAndCount:
             await send(message)
 
         try:
-            if self.key is not None and path not in OPEN_ROUTES and scope["method"] != "OPTIONS":
+            if self.key is not None and path not in OPEN_ROUTES:
                 auth = dict(scope["headers"]).get(b"authorization", b"")
                 scheme, _, token = auth.partition(b" ")
                 if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key):
                     resp = error(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
-                                 {"WWW-Authenticate": "Bearer"})
+                                 {"WWW-Authenticate": "Bearer", "Connection": "close"})
                     return await resp(scope, receive, send_counted)
-            replay = await self._read_body(scope, receive)
-            if replay is None:
-                resp = error(413, f"request body is over the server's limit of {self.max_body} bytes "
-                                  f"({flag('max_body_bytes')})", {"Connection": "close"})
-                return await resp(scope, receive, send_counted)
-            await self.app(scope, replay, send_counted)
+            if method == "POST" and path in BODY_ROUTES:
+                replay, refusal = await self._read_body(scope, receive)
+                if refusal is not None:
+                    return await refusal(scope, receive, send_counted)
+                receive = replay
+            await self.app(scope, receive, send_counted)
         finally:
-            self.state.metrics.inc("rollplex_http_requests_total", route=route, method=scope["method"],
-                                   status=status[0])
+            self.state.metrics.inc("rollplex_http_requests_total", route=route,
+                                   method=method if method in METHODS else "other", status=status[0])
 
     async def _read_body(self, scope, receive):
-        """A receive channel that first gives the whole body; None when it is over the limit."""
+        """(a receive channel that first gives the whole body, None) or (None, the error response)."""
+        limit = self.limits.max_body_bytes
+        too_big = error(413, f"request body is over the server's limit of {limit} bytes ({flag('max_body_bytes')})",
+                        {"Connection": "close"})
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body:
-            return None
+        if length is not None and length.isdigit() and int(length) > limit:
+            return None, too_big
         chunks, size, first = [], 0, None
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left: the app sees that
-                first = message
-                break
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_body:
-                return None
-            if not message.get("more_body", False):
-                first = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-                break
+        try:
+            async with asyncio.timeout(self.limits.body_timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":  # the client left: the app sees that
+                        first = message
+                        break
+                    chunks.append(message.get("body", b""))
+                    size += len(chunks[-1])
+                    if size > limit:
+                        return None, too_big
+                    if not message.get("more_body", False):
+                        first = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                        break
+        except TimeoutError:
+            return None, error(408, f"request body not received within {self.limits.body_timeout_s:g} s "
+                                    f"({flag('body_timeout_s')})", {"Connection": "close"})
+        if first["type"] == "http.request":
+            count = count_containers(first["body"])
+            if count > self.limits.max_json_containers:
+                return None, error(413, containers_message(self.limits, count), {"Connection": "close"})
         pending = [first]
 
         async def replay():
             return pending.pop() if pending else await receive()
 
-        return replay
+        return replay, None
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -132,6 +160,7 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 
 def create_app(state: ServerState) -> FastAPI:
+    check_api_key(state.cfg.api_key)  # here too: the middleware stack is only built on the first request
     @contextlib.asynccontextmanager
     async def lifespan(app):
         async def purge():

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from .app import create_app
+from .app import check_api_key, create_app
+from .http import uvicorn_options
 from .state import KEEP_ALIVE_S, ServerConfig, ServerState
 
 
@@ -41,13 +42,15 @@ class EmbeddedServer:
 
 def serve_in_thread(cfg: ServerConfig | ServerState, host: str = "127.0.0.1", port: int = 0,
                     log_level: str = "warning", timeout: float = 60.0) -> EmbeddedServer:
+    check_api_key((cfg.cfg if isinstance(cfg, ServerState) else cfg).api_key)  # before the model loads
     state = cfg if isinstance(cfg, ServerState) else ServerState(cfg)
+    app = create_app(state)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level=log_level, timeout_graceful_shutdown=2,
-                                           timeout_keep_alive=KEEP_ALIVE_S))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2,
+                                           **uvicorn_options(state.cfg.limits, KEEP_ALIVE_S)))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="rollplex-http", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout

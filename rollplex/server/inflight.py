@@ -3,10 +3,12 @@
     tickets, inputs = await submit(state, encoders, params, stream=...)   # HTTP 400 if any prompt is bad
     results = await collect(state, tickets, request)                      # {index: (RequestOutput, extra)}
 
-`submit` prepares every prompt of the HTTP request off the engine thread: encoders run on one of the
-server's intake threads, each with its own processor, so a heavy request (a long prompt, large
-images) occupies one thread while other requests are prepared on the others (token-id prompts,
-which need no processor, are prepared right here), and `Engine.prepare` validates each result. If one prompt is bad
+`submit` prepares every prompt of the HTTP request off the engine thread: encoders run on the
+server's intake threads, each with its own processor, one prompt at a time and round-robin between
+HTTP requests (intake.py), so a heavy request (long prompts, large images) cannot keep the threads
+from other requests' prompts (token-id prompts, which need no processor, are prepared right here),
+and `Engine.prepare` validates each result. A client that disconnects while its prompts are prepared
+gets ClientGone (499) and its prompts not started yet are never prepared. If one prompt is bad
 (undecodable image, too long, placeholder mismatch, prompt + max_new_tokens over max_model_len) the
 whole request fails with 400 and nothing reaches the engine. The prepared requests are then queued
 as one worker job, which adds them between two engine steps and records the weights version they
@@ -26,6 +28,7 @@ from collections.abc import Callable
 from fastapi import HTTPException, Request
 
 from .errors import bad_request
+from .intake import FairIntake
 from .worker import Ticket
 
 PLACEHOLDER_HINT = " (text prompts need one <|vision_start|><|image_pad|><|vision_end|> per image)"
@@ -36,35 +39,51 @@ class ClientGone(Exception):
     """The HTTP client disconnected while its requests were running (they were aborted)."""
 
 
+def fair_intake(state) -> FairIntake:
+    """The server's intake threads as a fair queue (made on first use, on the event loop's thread)."""
+    intake = getattr(state, "_fair_intake", None)
+    if intake is None:
+        intake = state._fair_intake = FairIntake(state.intake, state.cfg.intake_threads)
+    return intake
+
+
+async def _client_gone(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def submit(state, encoders: list[Callable[[], object]], params: list, stream: bool = False,
-                 finalize: list | None = None, what: str = "prompt",
-                 inline: bool = False, keep_vision: bool = False) -> tuple[list[Ticket], list]:
+                 finalize: list | None = None, what: str = "prompt", inline: bool = False, keep_vision: bool = False,
+                 request: Request | None = None) -> tuple[list[Ticket], list]:
     """Prepare and queue one engine request per prompt; returns (tickets, encoded inputs).
 
-    encoders: one call per prompt returning its ModelInputs, run on an intake thread (they may use
+    encoders: one call per prompt returning its ModelInputs, run on the intake threads (they may use
     `state.intake_processor`, that thread's own); inline: run them on the event loop instead (token-id prompts: nothing
     to tokenize, a thread hop would cost more than the work); keep_vision: the outputs carry the
-    prefill's vision encodings (a frozen-vision trainer reuses them)."""
+    prefill's vision encodings (a frozen-vision trainer reuses them); request: the HTTP request, watched
+    for a disconnect while its prompts are prepared (ClientGone)."""
     engine, max_len = state.engine, state.cfg.engine.max_model_len
 
-    def prepare() -> list:
-        out = []
-        for i, (enc, sp) in enumerate(zip(encoders, params)):
-            try:
-                x = enc()
-            except Exception as e:  # processor / image errors: the client's input
-                hint = PLACEHOLDER_HINT if "placeholder" in str(e) else ""
-                raise ValueError(f"{what}[{i}]: {e}{hint}") from e
-            check_length(len(x.input_ids), sp.max_new_tokens, max_len, f"{what}[{i}]")
-            try:
-                out.append(engine.prepare(x, sp, keep_vision=keep_vision))
-            except ValueError as e:
-                raise ValueError(f"{what}[{i}]: {e}") from e
-        return out
+    def prepare(i: int):
+        enc, sp = encoders[i], params[i]
+        try:
+            x = enc()
+        except Exception as e:  # processor / image errors: the client's input
+            hint = PLACEHOLDER_HINT if "placeholder" in str(e) else ""
+            raise ValueError(f"{what}[{i}]: {e}{hint}") from e
+        check_length(len(x.input_ids), sp.max_new_tokens, max_len, f"{what}[{i}]")
+        try:
+            return engine.prepare(x, sp, keep_vision=keep_vision)
+        except ValueError as e:
+            raise ValueError(f"{what}[{i}]: {e}") from e
 
     loop = asyncio.get_running_loop()
     try:
-        requests = prepare() if inline else await loop.run_in_executor(state.intake, prepare)
+        if inline:
+            requests = [prepare(i) for i in range(len(encoders))]
+        else:
+            requests = await _prepared(fair_intake(state), [lambda i=i: prepare(i) for i in range(len(encoders))],
+                                       request)
     except ValueError as e:
         raise bad_request(str(e)) from None
     queue: asyncio.Queue = asyncio.Queue()
@@ -88,6 +107,24 @@ async def submit(state, encoders: list[Callable[[], object]], params: list, stre
 
     worker.call(admit)
     return tickets, [r.inputs for r in requests]
+
+
+async def _prepared(intake: FairIntake, tasks: list, request: Request | None) -> list:
+    """The tasks' results from the intake threads; ClientGone (the rest cancelled) if the client leaves first."""
+    batch = intake.run(tasks)
+    done = asyncio.wrap_future(batch.future)
+    if request is None:
+        return await done
+    gone = asyncio.create_task(_client_gone(request))
+    try:
+        await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not done.done():
+        batch.cancel()
+        done.cancel()
+        raise ClientGone()
+    return done.result()
 
 
 def check_length(prompt_tokens: int, max_new_tokens: int, max_model_len: int, where: str) -> None:

@@ -1,7 +1,8 @@
 """POST /generate: SGLang's request/response schema over the shared continuous batch (see sglang.py).
 
-The batch size and each prompt's length are checked before anything is tokenised (limits.py), and
-`image_data` is read and decoded under the server's media policy on an intake thread (media.py).
+The batch size, each prompt's length, its stop conditions, the rid and the number of samples are
+checked before anything is tokenised (limits.py), and `image_data` is read and decoded under the
+server's media policy on an intake thread (media.py). The body is decoded off the event loop (body.py).
 
 Served by the native engine only: with another rollout backend (`--rollout-backend sglang`), or by a
 tensor-parallel process group (`--tensor-parallel` > 1 under torchrun), it is a 400.
@@ -24,6 +25,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from . import limits, sglang
+from .body import JSONOffLoop
 from .errors import bad_request
 from .inflight import ClientGone, abort_unfinished, collect, next_event, release, submit
 from .schemas import GenerateRequest
@@ -39,7 +41,7 @@ def _finalizer(state, spec):
 
 
 def router(state) -> APIRouter:
-    r = APIRouter()
+    r = APIRouter(route_class=JSONOffLoop)
     defaults = {"max_new_tokens": state.cfg.rl.max_new_tokens}
 
     def sample_items(spec, t, out, extra, latency) -> list[dict]:
@@ -66,12 +68,15 @@ def router(state) -> APIRouter:
                               "for_training false for evaluation), which every rank decodes together")
         t0 = time.perf_counter()
         check_sizes(state, req)
-        specs, batched = sglang.expand(req, defaults, state.cfg.engine.max_num_seqs)
+        specs, batched = sglang.expand(req, defaults, state.cfg.engine.max_num_seqs, state.cfg.limits)
         fins = [_finalizer(state, s) if (req.return_text_in_logprobs and s.return_logprob) else None for s in specs]
         pixels = state.media.request()  # one decode budget for the request's images (media.py)
         encoders = [(lambda p=s.prompt: state.encode_generate(p, pixels)) for s in specs]
-        tickets, _ = await submit(state, encoders, [s.params for s in specs], stream=req.stream, finalize=fins,
-                                  inline=req.input_ids is not None)
+        try:
+            tickets, _ = await submit(state, encoders, [s.params for s in specs], stream=req.stream, finalize=fins,
+                                      inline=req.input_ids is not None, request=request)
+        except ClientGone:
+            return Response(status_code=499)
         offsets = [0]
         for s in specs:
             offsets.append(offsets[-1] + s.params.n)

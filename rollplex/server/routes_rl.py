@@ -72,10 +72,11 @@ from ..rl.dynamic_sampling import kept_groups
 from ..rl.errors import NonFiniteUpdate, TrainOOM, TrainStepError
 from ..rl.rewards import score_batch
 from . import limits
+from .body import JSONOffLoop
 from .errors import bad_request
 from .inflight import ClientGone, collect, submit
 from .schemas import LoadRequest, RolloutRequest, SaveRequest, TrainStepRequest
-from .sglang import finish_reason, sampling_params
+from .sglang import finish_reason, group_params, sampling_params
 from .state import CheckpointExists
 from .store import RetainedRollout, StaleRollout, StoreFull
 
@@ -97,7 +98,7 @@ def _finite(m: dict) -> dict:
 
 
 def router(state) -> APIRouter:
-    r = APIRouter()
+    r = APIRouter(route_class=JSONOffLoop)
     cfg, rl = state.cfg, state.cfg.rl
     train_lock = asyncio.Lock()
 
@@ -109,10 +110,10 @@ def router(state) -> APIRouter:
             raise bad_request(f"n={req.n} and sampling_params.n={sp_n} disagree")
         n = req.n or sp_n or rl.n
         defaults = {"max_new_tokens": rl.max_new_tokens, "temperature": rl.temperature, "top_p": rl.top_p}
-        sp = sampling_params(req.sampling_params, defaults, cfg.engine.max_num_seqs, n=n)
+        sp = sampling_params(req.sampling_params, defaults, cfg.engine.max_num_seqs, limits=cfg.limits, n=n)
         if req.for_training and sp.temperature <= 0:
             raise bad_request("training rollouts need temperature > 0 (the trainer scores that distribution)")
-        params = [sp if sp.seed is None else replace(sp, seed=sp.seed + i * n) for i in range(len(req.prompts))]
+        params = group_params(sp, len(req.prompts), cfg.limits)  # prompt i: seed + i*n (400 past int64)
         try:  # before any prompt is tokenised (limits.py)
             limits.check_count(cfg.limits, len(req.prompts), "prompts")
             for i, p in enumerate(req.prompts):
@@ -131,7 +132,11 @@ def router(state) -> APIRouter:
         if state.engine is None or state.world_size > 1:  # the backend, or every rank's engine, samples it whole
             outs, inputs, version = await _backend_rollout(state, encoders, params, keep_vision)
         else:
-            tickets, inputs = await submit(state, encoders, params, what="prompts", keep_vision=keep_vision)
+            try:
+                tickets, inputs = await submit(state, encoders, params, what="prompts", keep_vision=keep_vision,
+                                               request=request)
+            except ClientGone:
+                return Response(status_code=499)
             try:
                 results = await collect(state, tickets, request)
             except ClientGone:

@@ -15,7 +15,7 @@ import dataclasses
 import typing
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, create_model, field_validator, model_validator
 
 from ..rl.config import PER_STEP, RLConfig
 
@@ -92,12 +92,22 @@ class SGLangSamplingParams(BaseModel):
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
+def _ids_shape(v: Any) -> str:
+    return "batch" if isinstance(v, list) and v and isinstance(v[0], list) else "one"
+
+
+# one prompt's ids or a batch, told apart by the first element: a plain union would validate a batch as
+# one prompt first and build an error per element (seconds for a body of many short lists)
+TokenIds = Annotated[Annotated[list[int], Tag("one")] | Annotated[list[list[int]], Tag("batch")],
+                     Discriminator(_ids_shape)]
+
+
 class GenerateRequest(BaseModel):
     """SGLang's GenerateReqInput (the fields Rollplex implements)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: TokenIds | None = None
     image_data: str | list[str | list[str] | None] | None = None
     sampling_params: dict | list[dict] | None = None
     rid: str | list[str] | None = None

@@ -19,12 +19,15 @@ the last chunk of that sample, and `index` (position among the prompt-major samp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pydantic import BaseModel, ValidationError
 
 from ..engine import SamplingParams
+from ..engine.sampling_params import SEED_MAX
+from . import limits as caps
 from .errors import bad_request
+from .limits import ServerLimits
 from .schemas import GenerateRequest, SGLangSamplingParams
 
 
@@ -44,16 +47,38 @@ def validate(model: type[BaseModel], data, where: str):
 
 
 def sampling_params(raw: dict | None, defaults: dict, max_n: int, where: str = "sampling_params",
-                    **extra) -> SamplingParams:
-    """SGLang sampling_params (+ server defaults) -> SamplingParams; HTTP 400 on anything invalid."""
+                    limits: ServerLimits | None = None, **extra) -> SamplingParams:
+    """SGLang sampling_params (+ server defaults) -> SamplingParams; HTTP 400 on anything invalid, or
+    over the stop limits (limits.py) when given."""
     given = validate(SGLangSamplingParams, raw or {}, where).given()
     merged = {**defaults, **given, **extra}
     if merged.get("n", 1) > max_n:
         raise bad_request(f"{where}.n={merged['n']} exceeds the server's max_num_seqs={max_n}")
     try:
-        return SamplingParams(**merged)
+        sp = SamplingParams(**merged)
+        if limits is not None:
+            caps.check_stops(limits, sp.stop, sp.stop_token_ids, where)
+        return sp
     except (ValueError, TypeError) as e:
-        raise bad_request(f"{where}: {e}") from None
+        raise bad_request(f"{where}: {e}" if not str(e).startswith(where) else str(e)) from None
+
+
+def group_params(sp: SamplingParams, prompts: int, limits: ServerLimits | None = None) -> list[SamplingParams]:
+    """One SamplingParams per prompt of a /rollout: prompt i's samples draw with seed + i*n + j, so the
+    whole range must fit an int64 (400 otherwise, before any work), as must prompts x n the samples cap."""
+    try:
+        if limits is not None:
+            caps.check_samples(limits, prompts, sp.n)
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+    if sp.seed is None:
+        return [sp] * prompts
+    last = sp.seed + prompts * sp.n - 1
+    if last > SEED_MAX:
+        raise bad_request(f"sampling_params.seed={sp.seed}: prompt i's sample j draws with seed + i*n + j, and "
+                          f"{prompts} prompts x n={sp.n} reach {last}, over 2**63 - 1: pass a seed of at most "
+                          f"{SEED_MAX - prompts * sp.n + 1}")
+    return [replace(sp, seed=sp.seed + i * sp.n) for i in range(prompts)]
 
 
 @dataclass
@@ -87,8 +112,9 @@ def _images(image_data, batch: int, batched: bool) -> list[list[str]]:
     return [[] if x is None else [x] if isinstance(x, str) else list(x) for x in image_data]
 
 
-def expand(req: GenerateRequest, defaults: dict, max_n: int) -> tuple[list[PromptSpec], bool]:
-    """(one spec per prompt, batched?) for a /generate request."""
+def expand(req: GenerateRequest, defaults: dict, max_n: int,
+           limits: ServerLimits | None = None) -> tuple[list[PromptSpec], bool]:
+    """(one spec per prompt, batched?) for a /generate request; 400 over `limits` (stops, rid, samples)."""
     if req.text is not None:
         batched = isinstance(req.text, list)
         prompts = list(req.text) if batched else [req.text]
@@ -117,9 +143,19 @@ def expand(req: GenerateRequest, defaults: dict, max_n: int) -> tuple[list[Promp
         start = starts[i] if starts[i] is not None else -1
         if start < -1:
             raise bad_request("logprob_start_len must be -1 or >= 0")
-        params = sampling_params(sps[i], defaults, max_n, where, logprob_start_len=start if lp else -1)
+        params = sampling_params(sps[i], defaults, max_n, where, limits, logprob_start_len=start if lp else -1)
+        if limits is not None:
+            try:
+                caps.check_rid(limits, rids[i], f"rid[{i}]" if isinstance(req.rid, list) else "rid")
+            except ValueError as e:
+                raise bad_request(str(e)) from None
         prompt = {"text": p, "images": images[i]} if images[i] else p
         specs.append(PromptSpec(prompt, params, lp, rids[i]))
+    if limits is not None:
+        total = sum(s.params.n for s in specs)
+        if total > limits.max_samples:
+            raise bad_request(f"{B} prompts ask for {total} samples in one request; this server takes at most "
+                              f"{limits.max_samples} ({caps.flag('max_samples')}): split the batch")
     return specs, batched
 
 

@@ -25,8 +25,10 @@ loop iteration with one `call_soon_threadsafe` per event loop (not one per event
     ("error", ticket, exception)                                  the engine step (or admission) failed
 
 An abort (client gone) removes the request from the engine at the next iteration; a ticket aborted
-before its request was added is simply never added. An exception in `engine.step()` fails the
-in-flight tickets (500) and aborts their requests; the thread keeps serving.
+before its request was added is simply never added. A request that fails on its own inside a step
+(the engine drops it and returns it with `error`) fails its ticket alone; the others run on as if it
+had never been there. An exception out of `engine.step()` itself (no single request owns it) fails
+the in-flight tickets (500) and aborts their requests; the thread keeps serving.
 
 Without an engine (`engine=None`: the rollouts run on a backend outside this loop, SGLang) the worker
 runs jobs only, in order, on the one thread that touches the model and the trainer.
@@ -195,7 +197,13 @@ class EngineWorker:
         t.cancelled = True
         if t.rid is None or t.done or t.rid not in self._tickets:
             return
-        out = self.engine.abort(t.rid)
+        try:
+            out = self.engine.abort(t.rid)
+        except Exception:  # noqa: BLE001 - keep serving; the client is gone anyway
+            log.exception("aborting request %s failed", t.rid)
+            out = None
+            self._tickets.pop(t.rid, None)
+            self._streams.pop(t.rid, None)
         self.num_aborted += 1
         if out is not None:
             self._finish(out)
@@ -227,6 +235,11 @@ class EngineWorker:
         if t is None:
             return
         t.done = True
+        if out.error is not None:
+            log.error("request %s failed in the engine and was dropped (the others go on): %s: %s",
+                      out.request_id, type(out.error).__name__, out.error)
+            self._emit(t, "error", out.error)
+            return
         extra = None
         if t.finalize is not None:
             try:
