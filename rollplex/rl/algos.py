@@ -76,7 +76,13 @@ SINGLETON_ADV = ("reward", "zero")
 
 
 def _group_sums(x: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(count, sum) per group id; x, group: [N]."""
+    """(count, sum) per group id in float64; x, group: [N].
+
+    float64 because a float32 sum of n equal rewards is off by a few ulps, so a group whose rewards
+    are all equal got a mean != its reward, a std of that round-off, and (r - mean) / (std + eps) far
+    from 0 (64 samples rewarded 0.9: -0.35). A float32 reward has 24 significant bits, so the float64
+    sum of up to 2**29 of them is exact and mean == r exactly."""
+    x = x.double()
     n_groups = int(group.max()) + 1 if group.numel() else 0
     count = x.new_zeros(n_groups).index_add_(0, group, torch.ones_like(x))
     return count, x.new_zeros(n_groups).index_add_(0, group, x)
@@ -92,30 +98,30 @@ def grpo_advantages(rewards: torch.Tensor, group: torch.Tensor, norm_by_std: boo
     """Outcome advantage per sample: (r - mean_group) [/ (std_group + eps)]. rewards, group: [N].
     A group of one: mean 0, std 1 (verl: the reward itself) or, with singleton="zero", 0."""
     _check_singleton(singleton)
-    rewards = rewards.float()
-    count, total = _group_sums(rewards, group)
+    r = rewards.double()  # group statistics in float64: see _group_sums
+    count, total = _group_sums(r, group)
     mean = total / count
     if singleton == "reward":
         mean = torch.where(count > 1, mean, torch.zeros_like(mean))
-    centered = rewards - mean[group]
+    centered = r - mean[group]
     if not norm_by_std:
-        return centered
-    sq = rewards.new_zeros(count.shape).index_add_(0, group, centered**2)
+        return centered.float()
+    sq = r.new_zeros(count.shape).index_add_(0, group, centered**2)  # two-pass variance
     var = sq / (count - 1).clamp_min(1)  # unbiased
     std = torch.where(count > 1, var.sqrt(), torch.ones_like(var))  # verl: a group of one has std 1
-    return centered / (std[group] + eps)
+    return (centered / (std[group] + eps)).float()
 
 
 def rloo_advantages(rewards: torch.Tensor, group: torch.Tensor, singleton: str = "reward") -> torch.Tensor:
     """Leave-one-out: r_i - mean of the group's other samples = (n r_i - sum) / (n - 1); [N].
     A group of one: the reward itself (verl) or 0 (singleton="zero")."""
     _check_singleton(singleton)
-    rewards = rewards.float()
-    count, total = _group_sums(rewards, group)
+    r = rewards.double()
+    count, total = _group_sums(r, group)
     n, s = count[group], total[group]
-    loo = (n * rewards - s) / (n - 1).clamp_min(1)
-    lone = rewards if singleton == "reward" else torch.zeros_like(rewards)
-    return torch.where(n > 1, loo, lone)
+    loo = (n * r - s) / (n - 1).clamp_min(1)
+    lone = r if singleton == "reward" else torch.zeros_like(r)
+    return torch.where(n > 1, loo, lone).float()
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
