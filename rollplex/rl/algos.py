@@ -306,7 +306,9 @@ def value_loss(vpreds: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     """verl's clipped value loss: 0.5 * agg(max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2)); all [N, R].
     Returns (loss, vf_clipfrac: the fraction of response tokens where the clipped term is the larger)."""
     m = mask.to(vpreds.dtype)
-    clipped = old_values + (vpreds - old_values).clamp(-cliprange_value, cliprange_value)
+    # clamp v itself (verl's clip_by_value): old + clamp(v - old, ±c) is often 1 ulp from an unclipped v,
+    # and then "the clipped term is larger" counted tokens that were never clipped
+    clipped = torch.clamp(vpreds, old_values - cliprange_value, old_values + cliprange_value)
     l1, l2 = (vpreds - returns) ** 2, (clipped - returns) ** 2
     loss = 0.5 * agg_loss(torch.maximum(l1, l2), mask, agg_mode, denominator, norm)
     clipfrac = ((l2 > l1).to(m.dtype) * m).sum() / m.sum().clamp_min(1)
