@@ -10,8 +10,9 @@ response's last token; a KL-in-reward penalty is subtracted per token (verl's to
   dr_grpo                       r - mean_group (no std division, Dr.GRPO); meant with the
                                 `seq-mean-token-sum-norm` aggregation; [N]
   rloo                          r - mean of the group's *other* samples = (n r - sum) / (n - 1); [N]
-  reinforce_plus_plus           per-token discounted return G_t = r_t + gamma G_{t+1} (reset past
-                                the response), whitened over all response tokens of the batch
+  reinforce_plus_plus           per-token discounted return G_t = r_t + gamma G_{t+1} over the response
+                                tokens (carried through masked gaps inside a response, 0 past its end),
+                                whitened over all response tokens of the batch
                                 ((G - mean) / sqrt(var_unbiased + 1e-8), mean not added back); [N, R]
   reinforce_plus_plus_baseline  r - mean_group broadcast over the tokens, then whitened the same way; [N, R]
   gae                           PPO with a critic (rl/critic.py): per-token rewards r_t and values V_t (the
@@ -148,15 +149,17 @@ def outcome_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Ten
 
 def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
     """REINFORCE++ (verl's compute_reinforce_plus_plus_outcome_advantage): the discounted return of
-    each token, G_t = r_t + gamma G_{t+1}, reset past the response's end, whitened over all response
-    tokens of the batch; [N, R], zero outside the mask."""
+    each response token, G_t = r_t + gamma G_{t'} with t' the next response token, whitened over all
+    response tokens of the batch; [N, R], zero outside the mask. Masked positions are skipped: the
+    return is carried through them unchanged (an observation span inside a multi-turn response does not
+    cut the reward off from the tokens before it; past the end the return is 0) and their rewards dropped."""
     m = mask.float()
     returns = torch.zeros_like(token_rewards, dtype=torch.float32)
-    running = torch.zeros(token_rewards.shape[0])
+    running = torch.zeros(token_rewards.shape[0], device=token_rewards.device)
     for t in reversed(range(token_rewards.shape[1])):
-        running = token_rewards[:, t].float() + gamma * running
-        returns[:, t] = running
-        running = running * m[:, t]  # reset after EOS
+        step = token_rewards[:, t].float() + gamma * running
+        running = torch.where(m[:, t] > 0, step, running)
+        returns[:, t] = running * m[:, t]
     return masked_whiten(returns, m) * m
 
 
