@@ -38,7 +38,7 @@ import torch
 
 from ..models import Qwen25VL
 from ..models.transfer import to_device
-from .algos import agg_denominator, agg_loss, kl_penalty, ppo_policy_loss, tis_weights
+from .algos import agg_denominator, agg_loss, kl_penalty, policy_agg_mode, ppo_policy_loss, tis_weights
 from .batch import RolloutBatch
 from .config import RLConfig
 from .errors import NonFiniteUpdate as NonFiniteUpdate  # re-exported: where callers have long found them
@@ -280,7 +280,7 @@ class Actor(Trainer):
     def _norms(cfg: RLConfig, mask: torch.Tensor) -> tuple[float, float, float]:
         """(loss denominator, policy-loss denominator, tokens) of a mini-batch with response mask `mask`."""
         denom = agg_denominator(mask, cfg.loss_agg_mode, cfg.agg_norm)
-        pg_denom = agg_denominator(mask, "seq-mean-token-mean") if cfg.policy_loss == "gspo" else denom
+        pg_denom = agg_denominator(mask, policy_agg_mode(cfg.policy_loss, cfg.loss_agg_mode), cfg.agg_norm)
         return denom, pg_denom, max(float(mask.sum()), 1.0)
 
     def _accumulate(self, cfg: RLConfig, mini: RolloutBatch, mini_idx: torch.Tensor, advantages: torch.Tensor,
@@ -305,7 +305,7 @@ class Actor(Trainer):
         plan = plan or self._plan(cfg)
         denom, pg_denom, n_tok = norms or self._norms(cfg, mini.mask)
         # verl aggregates GSPO's loss per sequence whatever the mode
-        pg_mode = "seq-mean-token-mean" if cfg.policy_loss == "gspo" else cfg.loss_agg_mode
+        pg_mode = policy_agg_mode(cfg.policy_loss, cfg.loss_agg_mode)
         tis = cfg.tis_imp_ratio_cap is not None and rollout_all is not None
         local, local_idx = pl.share(mini, cfg.mode)
         # the entropy is a metric always (verl reports it): detached from the chunked pass, and through the
@@ -333,7 +333,7 @@ class Actor(Trainer):
                     weights = tis_weights(old, rollout, cfg.tis_imp_ratio_cap)
                 pg, clipfrac, ppo_kl, clip_lower = ppo_policy_loss(
                     logp, old, adv, mask, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.dual_clip, pg_mode, pg_denom,
-                    cfg.policy_loss, weights, cfg.agg_norm)
+                    cfg.policy_loss, weights, cfg.agg_norm, params=cfg.policy_loss_params)
                 loss = pg
                 w = float(mb.mask.sum()) / n_tok  # token share of this micro-batch, for metrics
                 kl = torch.zeros((), device=dev)
@@ -386,7 +386,7 @@ def fused_loss_norm(cfg: RLConfig) -> str | None:
     terms share `loss_agg_mode`'s), "pg" (only the policy loss is in it, by its own), or None when the
     terms are divided by two different ones (gspo's per-sequence policy loss beside a KL loss or an
     entropy bonus by tokens), which one division at the end cannot reproduce."""
-    if cfg.policy_loss != "gspo" or cfg.loss_agg_mode == "seq-mean-token-mean":
+    if policy_agg_mode(cfg.policy_loss, cfg.loss_agg_mode) == cfg.loss_agg_mode:
         return "loss"
     extra = (cfg.use_kl_loss and cfg.kl_coef > 0) or cfg.entropy_coeff > 0
     return None if extra else "pg"

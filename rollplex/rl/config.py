@@ -4,7 +4,8 @@ Defaults follow verl where Rollplex used to differ, each with a named option for
 a group of one sample gets the reward itself as advantage (`singleton_adv="zero"`: 0); the LR
 schedule advances once per train step (`lr_schedule_unit="optimizer_step"`: once per mini-batch);
 the KL-in-reward penalty uses k1 (`kl_penalty`; it used `kl_loss_type`); dual clip 3.0
-(`dual_clip=None`: off). The estimators, losses and the differences that remain: rl/algos.py.
+(`dual_clip=None`: off). The estimators, losses and the differences that remain: rl/algos.py; the table
+of every option with its verl name and default: docs/ALGORITHMS.md.
 
 PPO with a critic (`adv_estimator="gae"`, rl/critic.py): a value model (the policy's backbone and a scalar
 head, copied from the policy or read from `critic_model_path`) is trained beside the actor with its own
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .algos import ADV_ESTIMATORS, AGG_MODES, KL_KINDS, POLICY_LOSSES, SINGLETON_ADV
+from .algos import ADV_ESTIMATORS, AGG_MODES, KL_KINDS, POLICY_LOSSES, SINGLETON_ADV, PolicyLossParams
 from .fuse_gate import POLICIES as FUSE_ADMISSIONS
 from .fuse_gate import parse_sms_by_batch
 from .microbatch import MicroBatching
@@ -69,9 +70,10 @@ class RLConfig:
     top_p: float = 1.0
     max_new_tokens: int = 64
     # algorithm
-    # grpo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | gae (PPO with a critic)
+    # grpo | dr_grpo | rloo | opo | grpo_passk | gpg | reinforce_plus_plus | reinforce_plus_plus_baseline |
+    # gae (PPO with a critic); rl/algos.py, docs/ALGORITHMS.md
     adv_estimator: str = per_step("grpo")
-    norm_adv_by_std: bool = per_step(True)  # grpo only (dr_grpo is grpo without it)
+    norm_adv_by_std: bool = per_step(True)  # grpo and grpo_passk (dr_grpo is grpo without it)
     singleton_adv: str = per_step("reward")  # a group of one sample: the reward itself (verl) | zero
     # reinforce_plus_plus, gae: discount of the per-token return (verl's algorithm.gamma)
     gamma: float = per_step(1.0, ge=0.0, le=1.0)
@@ -86,7 +88,9 @@ class RLConfig:
     # like the actor's, advanced once per step (verl's critic.optim.lr_warmup_steps and warmup_style)
     critic_lr_warmup_steps: int = 0
     critic_model_path: str | None = None  # HF directory of the critic; None: a copy of the policy
-    policy_loss: str = per_step("vanilla")  # vanilla (PPO-clip, dual clip) | gspo (sequence-level ratio)
+    # vanilla (PPO-clip, dual clip) | gspo (sequence-level ratio) | sapo | cispo | gpg | clip_cov | kl_cov |
+    # geo_mean (GMPO) | reinforce; rl/algos.py, docs/ALGORITHMS.md
+    policy_loss: str = per_step("vanilla")
     clip_ratio_low: float = per_step(0.2, ge=0.0, le=1.0)  # gspo: verl's recipe uses 3e-4
     clip_ratio_high: float = per_step(0.2, ge=0.0, le=10.0)  # gspo: verl's recipe uses 4e-4
     dual_clip: float | None = per_step(3.0, gt=1.0, le=100.0)  # verl's clip_ratio_c; None disables
@@ -96,9 +100,22 @@ class RLConfig:
     # truncated importance sampling (verl's tis_imp_ratio_cap): the pg loss per token times
     # min(exp(old - rollout logprob), cap) when the batch has rollout logprobs; None: off
     tis_imp_ratio_cap: float | None = per_step(None, gt=0.0, le=100.0)
+    # sapo's gate temperatures where A > 0 / A <= 0 (verl's actor.tau_pos / tau_neg)
+    tau_pos: float = per_step(1.0, gt=0.0, le=100.0)
+    tau_neg: float = per_step(1.05, gt=0.0, le=100.0)
+    # clip_cov: the fraction of tokens cut, drawn from those with covariance in (lb, ub) (verl's
+    # actor.policy_loss.clip_cov_ratio / clip_cov_lb / clip_cov_ub)
+    clip_cov_ratio: float = per_step(0.0002, gt=0.0, le=1.0)
+    clip_cov_lb: float = per_step(1.0, ge=-1e6, le=1e6)
+    clip_cov_ub: float = per_step(5.0, ge=-1e6, le=1e6)
+    # kl_cov: the fraction of tokens of largest covariance given ppo_kl_coef |log ratio| (verl's
+    # actor.policy_loss.kl_cov_ratio / ppo_kl_coef)
+    kl_cov_ratio: float = per_step(0.0002, gt=0.0, le=1.0)
+    ppo_kl_coef: float = per_step(0.1, ge=0.0, le=100.0)
     kl_coef: float = per_step(0.0, ge=0.0, le=10.0)
     use_kl_loss: bool = per_step(True)  # True: KL term in the loss (GRPO); False: KL penalty in the reward
-    kl_loss_type: str = per_step("low_var_kl")  # the KL loss's estimator
+    # the KL loss's estimator; "+" (k1+, k3+, ...): its value, k2's gradient (straight-through)
+    kl_loss_type: str = per_step("low_var_kl")
     kl_penalty: str = per_step("kl")  # the KL-in-reward estimator (verl's algorithm.kl_penalty, default k1)
     # KL-in-reward coefficient: fixed (kl_coef) or verl's adaptive controller, started at kl_coef and
     # moved towards kl_target each step (horizon kl_horizon samples); adaptive needs use_kl_loss=False
@@ -192,6 +209,9 @@ class RLConfig:
                               ("fuse_admission", FUSE_ADMISSIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        _ = self.policy_loss_params  # ValueError on a bad sapo / clip_cov / kl_cov hyperparameter
+        if self.adv_estimator == "grpo_passk" and self.n < 2:
+            raise ValueError("adv_estimator='grpo_passk' compares a group's two best samples: it needs n >= 2")
         if self.adv_estimator == "dr_grpo" and self.loss_agg_mode != "seq-mean-token-sum-norm":
             raise ValueError("adv_estimator='dr_grpo' needs loss_agg_mode='seq-mean-token-sum-norm' (Dr.GRPO's "
                              "constant-normalised token sum)")
@@ -241,6 +261,12 @@ class RLConfig:
     def agg_norm(self) -> float:
         """seq-mean-token-sum-norm's divisor per sequence."""
         return float(self.loss_agg_norm if self.loss_agg_norm is not None else self.max_new_tokens)
+
+    @property
+    def policy_loss_params(self) -> PolicyLossParams:
+        """The hyperparameters of the sapo / clip_cov / kl_cov losses (validated on construction)."""
+        return PolicyLossParams(self.tau_pos, self.tau_neg, self.clip_cov_ratio, self.clip_cov_lb, self.clip_cov_ub,
+                                self.kl_cov_ratio, self.ppo_kl_coef)
 
     @property
     def uses_critic(self) -> bool:

@@ -75,7 +75,7 @@ from .fuse_gate import FuseGate
 from .handover import claim_handover
 from .trainer import mini_batch_sizes
 
-BATCH_WIDE = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")  # whiten advantages over the batch
+BATCH_WIDE = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg")  # whiten / scale over the batch
 # the decode loop's host work waits for the GIL while the worker launches kernels: switch threads often
 SWITCH_INTERVAL_S = 2e-4
 
@@ -88,10 +88,10 @@ def fused_unsupported(cfg: RLConfig) -> str | None:
         return ("adv_estimator='gae' whitens its advantages over the whole batch and trains a critic on returns "
                 "known only then")
     if cfg.adv_estimator in BATCH_WIDE:
-        return f"adv_estimator={cfg.adv_estimator!r} whitens advantages over the whole batch"
+        return f"adv_estimator={cfg.adv_estimator!r} whitens or scales advantages over the whole batch"
     if fused_loss_norm(cfg) is None:
-        return ("policy_loss='gspo' divides its loss by sequences and the KL loss / entropy bonus by tokens: one "
-                "division at the end cannot reproduce both")
+        return (f"policy_loss={cfg.policy_loss!r} divides its loss by sequences and the KL loss / entropy bonus by "
+                "tokens: one division at the end cannot reproduce both")
     return None
 
 
