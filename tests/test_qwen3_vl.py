@@ -204,3 +204,34 @@ def test_video_is_a_clear_error():
     p = replace(p, video_grid_thw=torch.tensor([[2, 2, 2]]), pixel_values_videos=torch.zeros(8, 1536))
     with pytest.raises(ValueError, match="video"):
         model([p])
+
+
+def test_the_family_seam_builds_qwen3():
+    """`Qwen25VL(cfg)` builds the model of cfg's family, so code written against it runs Qwen3-VL."""
+    from rollplex.models import Qwen25VL, build_model
+
+    cfg = ModelConfig.from_hf(tiny_qwen3_hf_config())
+    assert type(Qwen25VL(cfg)) is Qwen3VL and type(build_model(cfg)) is Qwen3VL
+    assert type(Qwen25VL(ModelConfig())) is Qwen25VL
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["tower", "vision_embeds"])
+def test_coscheduled_prefix_job_equals_prefix(frozen):
+    """The co-scheduler's unit-at-a-time prefix (tower blocks, embed, layers) adds the DeepStack
+    features as the model's own prefix does."""
+    from rollplex.cosched import PrefixJob
+
+    model = tiny_qwen3(seed=5).eval()
+    prompts, _, _, _ = _group(3)
+    with torch.no_grad():
+        ref = model.prefix(prompts)
+        if frozen:
+            e = model.embed_prompts(prompts)
+            prompts = [p if f is None else replace(p, vision_embeds=f) for p, f in zip(prompts, e.visual)]
+        job = PrefixJob(model, prompts, "k")
+        job.run(0, job.units)
+        got = job.complete()
+    assert torch.equal(got.lens, ref.lens) and torch.equal(got.rope_delta, ref.rope_delta)
+    assert_fp32_close(got.last_hidden, ref.last_hidden, "last hidden", FORWARD_TERMS)
+    for a, b in zip(got.keys + got.values, ref.keys + ref.values):
+        assert_fp32_close(a, b, "prefix K/V", FORWARD_TERMS)

@@ -98,6 +98,15 @@ class Qwen25VL(nn.Module):
     # DeepStack features of the first text layers (Qwen3-VL; vision_embeds keep the same layout)
     deepstack_layers = 0
 
+    def __new__(cls, cfg: ModelConfig | None = None, *args, **kwargs):
+        # `Qwen25VL(cfg)` builds the model of cfg's family (family.py), so code written against this
+        # class (benchmarks, weight plans) runs any family unchanged; a subclass is built as asked
+        if cls is Qwen25VL and cfg is not None and cfg.family != "qwen2_5_vl":
+            from .family import model_class
+
+            cls = model_class(cfg)
+        return super().__new__(cls)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
