@@ -56,7 +56,8 @@ def test_greedy_matches_transformers_generate(q3_dir, q3_proc):
     outs = eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True))
     for p, o in zip(prompts, outs):
         ids = torch.tensor([p.input_ids])
-        kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=(ids == q3_proc.image_token_id).int())
+        mm = (ids == q3_proc.image_token_id).int()
+        kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=mm)
         if p.pixel_values is not None:
             kw.update(pixel_values=p.pixel_values, image_grid_thw=p.image_grid_thw)
         with torch.no_grad():

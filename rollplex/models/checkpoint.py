@@ -31,8 +31,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ModelConfig
-from .layers import rotary_inv_freq
 from .family import build_model
+from .layers import rotary_inv_freq
 from .qwen2_5_vl import Qwen25VL
 
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

@@ -44,8 +44,6 @@ class Qwen3VL(Qwen25VL):
         return Qwen3VisionTower(cfg.vision)
 
     def embed_prompts(self, prompts: Sequence[ModelInputs], ops: ForwardOps | None = None) -> EmbeddedPrompts:
-        if ops is not None and ops.embed is not None:
-            raise ValueError("Qwen3-VL has no tensor-parallel path yet (ForwardOps.embed)")
         if any(p.video_grids for p in prompts):
             raise ValueError("Qwen3-VL video inputs are not supported yet (images and text are)")
         return super().embed_prompts(prompts, ops)

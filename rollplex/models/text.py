@@ -104,7 +104,8 @@ class TextAttention(nn.Module):
         if not hasattr(self, "q_norm"):
             return None
         D = self.head_dim
-        return torch.cat([self.q_norm.weight.expand(self.num_heads, D), self.k_norm.weight.expand(self.num_kv_heads, D)])
+        q, k = self.q_norm.weight.expand(self.num_heads, D), self.k_norm.weight.expand(self.num_kv_heads, D)
+        return torch.cat([q, k])
 
 
 class DecoderLayer(nn.Module):

@@ -12,8 +12,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..models import ModelConfig, Qwen3VisionConfig, Qwen3VLConfig, TextConfig, VisionConfig, build_model, \
-    init_weights, save_model
+from ..models import (
+    ModelConfig,
+    Qwen3VisionConfig,
+    Qwen3VLConfig,
+    TextConfig,
+    VisionConfig,
+    build_model,
+    init_weights,
+    save_model,
+)
 from ..models.config3 import qwen3_text
 from .tokenizer import write_tokenizer_files
 
