@@ -46,3 +46,27 @@ def test_tp_decode_equals_single_process(tmp_path):
                qwen3_prompt(g, text_len=(2, 2))]
     want = run(tiny_qwen3(seed=7).eval(), prompts)
     mp.spawn(worker, args=(2, f"file://{tmp_path}/store", prompts, want), nprocs=2, join=True)
+
+
+@pytest.fixture(scope="module")
+def q3_dir(tmp_path_factory):
+    from rollplex.tiny import write_tiny
+
+    return write_tiny(tmp_path_factory.mktemp("tiny_qwen3_dp"), seed=1, family="qwen3_vl")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,rollout,rl", [
+    (2, "data", dict(ppo_mini_batches=2)),
+    # the engine's encodings (DeepStack columns included) stand in for both frozen towers
+    (2, "data", dict(freeze_vision_tower=True)),
+    (2, "tensor", dict()),
+])
+def test_data_parallel_step_equals_single_process(tmp_path, q3_dir, world, rollout, rl):
+    """The FSDP-sharded RL step over gloo ranks (per-rank or tensor-parallel rollout) computes the
+    single-process step on the tiny Qwen3-VL: tokens, metrics, gradients, updated weights."""
+    from test_parallel_step import BASE, _spawn
+
+    from rollplex.rl.config import RLConfig
+
+    _spawn(tmp_path, q3_dir, world, RLConfig(**{**BASE, **rl}), rollout=rollout)
