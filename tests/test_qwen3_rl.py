@@ -67,3 +67,25 @@ def test_frozen_tower_encodes_each_prompt_once(q3_dir, q3_proc):
     assert sum(encoded) == len(ROWS)  # one image per row, encoded once for its n = 4 samples, policy and reference
     assert "actor/pg_loss" in metrics and metrics["rollplex/prefix_dedup_ratio"] == 4
     assert all(p.grad is None or p.grad.abs().sum() == 0 for p in rl.model.visual.parameters())
+
+
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
+@pytest.mark.parametrize("extra", [dict(), dict(freeze_vision_tower=True), dict(cosched=True)],
+                         ids=["kl-loss", "frozen-vision", "coscheduled-prefixes"])
+def test_fused_equals_phased(q3_dir, q3_proc, tail, extra):
+    """Groups scored and trained while the rollout still decodes (and, co-scheduled, their prefixes with
+    the DeepStack features computed beside decode) give the phased step's update."""
+    from test_fused_step import EAGER, _assert_same_step, _run
+    from test_fused_step import _step as fused_step
+
+    if extra.get("cosched"):
+        extra = dict(extra, cosched_cfg=EAGER)
+    # the phased step without the co-scheduler: its prefixes come from the model's own forward
+    phased = _run(fused_step(q3_dir, q3_proc, **{k: v for k, v in extra.items() if not k.startswith("cosched")}))
+    fused = _run(fused_step(q3_dir, q3_proc, schedule="fused", **extra))
+    m = fused[0]
+    assert m["rollplex/fused"] == 1.0 and m["rollplex/fused_groups"] == 6
+    assert m["rollplex/fused_groups_in_rollout"] >= 2
+    if extra.get("cosched"):
+        assert m["rollplex/prefix_hidden_s"] + m["rollplex/prefix_claimed_s"] > 0  # prefix jobs ran
+    _assert_same_step(fused, phased)
