@@ -41,10 +41,32 @@ def _prompts(proc):
     ]
 
 
-def test_processor_uses_the_checkpoint_patch_size(q3_proc):
-    p = _prompts(q3_proc)[0]
-    assert p.pixel_values.shape[1] == 3 * 2 * 16 * 16
-    assert p.input_ids.count(q3_proc.image_token_id) == int(p.image_grid_thw.prod()) // 4
+def test_processor_matches_transformers(q3_dir, q3_proc):
+    """Pixels and grids equal transformers' image processor configured from the checkpoint (16-pixel
+    patches), and each image takes the pad tokens `Qwen3VLProcessor.replace_image_token` gives it."""
+    import itertools
+    import json
+    from types import SimpleNamespace
+
+    import numpy as np
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    cfg = json.loads((q3_dir / "preprocessor_config.json").read_text())
+    keys = ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std")
+    hf_ip = Qwen2VLImageProcessorPil(**{k: cfg[k] for k in keys})
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for w, h in [(61, 93), (150, 40)]]
+    content = [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Which is red?"}]
+    out = q3_proc.encode(messages=[{"role": "user", "content": content}], images=images)
+    ref = hf_ip(images=images, return_tensors="pt")
+    assert out.pixel_values.shape[1] == 3 * 2 * 16 * 16
+    assert torch.equal(out.pixel_values, ref["pixel_values"]) and torch.equal(out.image_grid_thw, ref["image_grid_thw"])
+    fake = SimpleNamespace(image_processor=hf_ip, image_token="<|image_pad|>")
+    pads = [Qwen3VLProcessor.replace_image_token(fake, ref, i).count("<|image_pad|>") for i in range(2)]
+    ids, img = out.input_ids, q3_proc.image_token_id
+    runs = [sum(1 for _ in g) for k, g in itertools.groupby(ids) if k == img]
+    assert runs == pads
 
 
 def test_greedy_matches_transformers_generate(q3_dir, q3_proc):
