@@ -90,6 +90,9 @@ def test_config_rejects_bad_values():
         replace(cfg.text, mrope_section=(6, 5, 4))
     with pytest.raises(ValueError, match="Qwen3VLConfig"):
         Qwen3VL(ModelConfig())
+    for kind in ("qwen3_vl_moe", "qwen3_5"):  # other model types are refused, not misread
+        with pytest.raises(ValueError, match="not supported"):
+            ModelConfig.from_hf({**cfg.to_hf_dict(), "model_type": kind})
 
 
 @pytest.mark.parametrize("shard", [False, True], ids=["one_file", "sharded"])

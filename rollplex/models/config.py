@@ -115,7 +115,11 @@ class ModelConfig:
         `Qwen3VLConfig` (config3.py), so callers load either family through this one entry point."""
         from transformers import Qwen2_5_VLConfig
 
-        if cls is ModelConfig and model_type(hf) == "qwen3_vl":
+        kind = model_type(hf)
+        if kind not in (None, "qwen2_5_vl", "qwen3_vl"):
+            raise ValueError(f"model type {kind!r} is not supported (Qwen2.5-VL and dense Qwen3-VL are; "
+                             "docs/MODELS.md)")
+        if cls is ModelConfig and kind == "qwen3_vl":
             from .config3 import Qwen3VLConfig
 
             return Qwen3VLConfig.from_hf(hf)
