@@ -4,9 +4,9 @@ twin with identical weights) and random image prompts in its patch size."""
 from __future__ import annotations
 
 import torch
-from helpers import IMG, VE, VID, VS, make_prompt
+from helpers import IMG, VE, VID, VS, make_prompt, random_text_ids
 
-from rollplex.models import ModelConfig, Qwen3VL, hf_to_rollplex, init_weights
+from rollplex.models import ModelConfig, ModelInputs, Qwen3VL, hf_to_rollplex, init_weights
 
 PATCH_DIM = 3 * 2 * 16 * 16
 
@@ -55,3 +55,31 @@ def tiny_qwen3(seed: int = 0, tie: bool = False) -> Qwen3VL:
 
 def qwen3_prompt(gen: torch.Generator, images=(), text_len=(5, 4)):
     return make_prompt(gen, images=images, text_len=text_len, patch_dim=PATCH_DIM)
+
+
+def qwen3_video_prompt(gen: torch.Generator, video=(2, 4, 6), images=(), stamp_len: int = 3) -> ModelInputs:
+    """Text, the images, then a video as Qwen3-VL lays it out: per temporal patch, a timestamp (random
+    text tokens here) and the frame's `<|vision_start|><|video_pad|>... <|vision_end|>` block; more text."""
+    def text(n):
+        return random_text_ids(n, gen, 290).tolist()
+
+    p = qwen3_prompt(gen, images=images, text_len=(4, 0))
+    t, h, w = video
+    ids = list(p.input_ids)
+    for _ in range(t):
+        ids += text(stamp_len) + [VS] + [VID] * (h * w // 4) + [VE]
+    ids += text(3)
+    return ModelInputs(ids, p.pixel_values, p.image_grid_thw, torch.randn(t * h * w, PATCH_DIM, generator=gen),
+                       torch.tensor([video]))
+
+
+def hf_logits_qwen3(hf, p: ModelInputs) -> torch.Tensor:
+    """transformers' logits for one prompt (token types: 1 image, 2 video)."""
+    ids = torch.tensor([p.input_ids])
+    kw = dict(input_ids=ids, mm_token_type_ids=(ids == IMG).int() + 2 * (ids == VID).int())
+    if p.pixel_values is not None:
+        kw.update(pixel_values=p.pixel_values, image_grid_thw=p.image_grid_thw)
+    if p.pixel_values_videos is not None:
+        kw.update(pixel_values_videos=p.pixel_values_videos, video_grid_thw=p.video_grid_thw)
+    with torch.no_grad():
+        return hf(**kw).logits[0]

@@ -9,7 +9,14 @@ from dataclasses import replace
 import pytest
 import torch
 from helpers import FORWARD_TERMS, IMG, assert_fp32_close, hf_logits, random_text_ids
-from qwen3_helpers import qwen3_prompt, qwen3_twin, tiny_qwen3, tiny_qwen3_hf_config
+from qwen3_helpers import (
+    hf_logits_qwen3,
+    qwen3_prompt,
+    qwen3_twin,
+    qwen3_video_prompt,
+    tiny_qwen3,
+    tiny_qwen3_hf_config,
+)
 
 from rollplex.models import ModelConfig, Qwen3VL, Qwen3VLConfig, load_model, save_model
 from rollplex.models.rope import mrope_cos_sin
@@ -121,7 +128,7 @@ N = 3
 def _group(seed=0):
     g = torch.Generator().manual_seed(seed)
     prompts = [qwen3_prompt(g, images=[(1, 6, 4), (1, 2, 2)]), qwen3_prompt(g, text_len=(7, 2)),
-               qwen3_prompt(g, images=[(1, 4, 4)])]
+               qwen3_video_prompt(g, video=(2, 4, 4), images=[(1, 4, 4)])]
     lens = [5, 3, 7, 1, 6, 4, 7, 7, 2]
     resp = random_text_ids((len(prompts) * N, 7), g, vocab=290)
     resp[1, 2] = IMG  # a generated placeholder id is plain text
@@ -201,12 +208,23 @@ def test_reused_vision_embeds_skip_the_tower():
         model([replace(kept[0], vision_embeds=e.visual[0][:, :64])])
 
 
-def test_video_is_a_clear_error():
+@pytest.mark.parametrize("case", ["video", "image_and_video"])
+def test_video_logits_match_transformers(twins, case):
+    """Videos as Qwen3-VL lays them out (a timestamp before each frame block), alone and after an image."""
+    hf, ours = twins
+    images = [(1, 6, 4)] if case == "image_and_video" else []
+    p = qwen3_video_prompt(torch.Generator().manual_seed(7), video=(3, 4, 6), images=images)
+    ref = hf_logits_qwen3(hf, p)
+    with torch.no_grad():
+        got = ours([p])[0]
+    assert (got - ref).abs().max().item() <= 1e-4
+
+
+def test_video_placeholders_must_match_frames():
     model = tiny_qwen3()
-    p = qwen3_prompt(torch.Generator().manual_seed(0))
-    p = replace(p, video_grid_thw=torch.tensor([[2, 2, 2]]), pixel_values_videos=torch.zeros(8, 1536))
-    with pytest.raises(ValueError, match="video"):
-        model([p])
+    p = qwen3_video_prompt(torch.Generator().manual_seed(0), video=(2, 4, 4))
+    with pytest.raises(ValueError, match="visual tokens|placeholder"):
+        model([replace(p, video_grid_thw=torch.tensor([[2, 4, 8]]), pixel_values_videos=torch.zeros(64, 1536))])
 
 
 def test_the_family_seam_builds_qwen3():

@@ -164,7 +164,7 @@ class Qwen25VL(nn.Module):
             # placeholder id (the response path embeds them as text too)
             head = p.prompt_len
             pad[b, : len(x)] = torch.tensor(x)
-            pos, delta = mrope_positions(x[:head], cfg, p.image_grids, p.video_grids, p.second_per_grid_ts)
+            pos, delta = self.prompt_positions(x[:head], p)
             tail = torch.arange(len(x) - head).expand(3, -1) + (head + delta)
             positions[:, b, : len(x)] = torch.cat([pos, tail], dim=1)
             heads.append(head)
@@ -200,6 +200,11 @@ class Qwen25VL(nn.Module):
         lens = as_device_tensor([len(t) for t in ids], dev)
         return EmbeddedPrompts(x, to_device(positions, dev), lens, as_device_tensor(deltas, dev, torch.long), visual,
                                deepstack)
+
+    def prompt_positions(self, ids: list[int], p: ModelInputs) -> tuple[torch.Tensor, int]:
+        """M-RoPE positions [3, L] of prompt tokens `ids` with `p`'s images and videos, and the delta of the
+        tokens that follow (rope.mrope_positions); ValueError when the placeholders do not match them."""
+        return mrope_positions(ids, self.cfg, p.image_grids, p.video_grids, p.second_per_grid_ts)
 
     def _visual_features(self, prompts: Sequence[ModelInputs], ops: ForwardOps | None = None) -> list:
         """Per prompt, its merged visual features (images, then videos) or None without any: the

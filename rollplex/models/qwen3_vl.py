@@ -12,20 +12,21 @@ differs only in the parts those paths call:
   features added after the first K layers at the same rows (`text.DeepStack`). They are part of the
   prompt: a PrefixState's K/V hold them, responses never take any.
 
-Image positions are Qwen2.5-VL's (text after an image resumes at max + 1). Videos are not supported
-yet: Qwen3-VL puts timestamps as text between frames, which needs its own processor path.
+Image positions are Qwen2.5-VL's (text after an image resumes at max + 1). A video is a run of frame
+blocks, `<t seconds><|vision_start|><|video_pad|>...<|vision_end|>` per temporal patch: the timestamps
+are text, and each frame takes positions like a one-frame image (`prompt_positions`); the tower encodes
+the video whole (attention within each frame).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
+import torch
 import torch.nn as nn
 
 from .config3 import Qwen3VLConfig
 from .inputs import ModelInputs
-from .ops import ForwardOps
-from .qwen2_5_vl import EmbeddedPrompts, Qwen25VL
+from .qwen2_5_vl import Qwen25VL
+from .rope import mrope_positions
 from .vision3 import Qwen3VisionTower
 
 
@@ -43,7 +44,8 @@ class Qwen3VL(Qwen25VL):
     def vision_tower(cfg: Qwen3VLConfig) -> nn.Module:
         return Qwen3VisionTower(cfg.vision)
 
-    def embed_prompts(self, prompts: Sequence[ModelInputs], ops: ForwardOps | None = None) -> EmbeddedPrompts:
-        if any(p.video_grids for p in prompts):
-            raise ValueError("Qwen3-VL video inputs are not supported yet (images and text are)")
-        return super().embed_prompts(prompts, ops)
+    def prompt_positions(self, ids: list[int], p: ModelInputs) -> tuple[torch.Tensor, int]:
+        """Qwen3-VL's videos are frame blocks with their timestamps as text between them: each frame
+        (temporal patch) is a (1, h, w) block of its own, placed like an image."""
+        frames = [(1, h, w) for t, h, w in p.video_grids for _ in range(t)]
+        return mrope_positions(ids, self.cfg, p.image_grids, frames)

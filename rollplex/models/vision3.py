@@ -53,7 +53,8 @@ class Vision3Layout:
             index.append((hi[:, :, None] * side + wi[:, None, :]).reshape(-1, 4).repeat(t, 1))
             weight.append((hw_[:, :, None] * ww[:, None, :]).reshape(-1, 4).repeat(t, 1))
             hw_pos.append(torch.stack([rows, cols], -1).repeat(t, 1))
-            cu.extend(cu[-1] + (i + 1) * h * w for i in range(t))
+            base = cu[-1]
+            cu.extend(base + (i + 1) * h * w for i in range(t))  # one segment per frame
         return cls(to_device(torch.cat(hw_pos), device), to_device(torch.cat(index), device),
                    to_device(torch.cat(weight), device), Segments(cu, torch.device(device)))
 
