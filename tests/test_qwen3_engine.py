@@ -135,3 +135,58 @@ def test_preemption_under_tiny_kv_gives_same_outputs(q3_dir, q3_proc):
         assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
         for x, y in zip(a.samples, b.samples):
             assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) <= 1e-5
+
+
+def _video(n, size=(40, 56)):
+    return [Image.new("RGB", size, (40 * i % 255, 90, 200 - 30 * i)) for i in range(n)]
+
+
+@pytest.mark.parametrize("frames", [4, 3])  # 3: padded to 4 by the last frame, as the timestamps are
+def test_video_prompt_matches_transformers(q3_dir, q3_proc, frames):
+    """A video becomes `Qwen3VLProcessor.replace_video_token`'s timestamped frame blocks (the template's
+    wrapper dropped), token for token."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    assert q3_proc.video_timestamps
+    msgs = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What moves?"}]}]
+    out = q3_proc.encode(messages=msgs, videos=[_video(frames)], fps=2.0)
+    t, h, w = out.video_grid_thw[0].tolist()
+    assert t == 2 and out.pixel_values_videos.shape == (t * h * w, 3 * 2 * 16 * 16)
+    vp = q3_proc.video_processor
+    fake = SimpleNamespace(video_processor=vp, video_token="<|video_pad|>", vision_start_token="<|vision_start|>",
+                           vision_end_token="<|vision_end|>",
+                           _calculate_timestamps=lambda *a: Qwen3VLProcessor._calculate_timestamps(None, *a))
+    meta = SimpleNamespace(fps=2.0, frames_indices=list(range(frames)))
+    inputs = {"video_grid_thw": out.video_grid_thw, "video_metadata": [meta]}
+    blocks = Qwen3VLProcessor.replace_video_token(fake, inputs, 0)
+    text = q3_proc.apply_chat_template(msgs).replace("<|vision_start|><|video_pad|><|vision_end|>", blocks)
+    assert out.input_ids == AutoTokenizer.from_pretrained(q3_dir)(text, add_special_tokens=False)["input_ids"]
+
+
+def test_video_generation_matches_transformers(q3_dir, q3_proc):
+    from transformers import Qwen3VLForConditionalGeneration
+
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(q3_dir, attn_implementation="eager").eval()
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "Same?"}]}]
+    p = q3_proc.encode(messages=msgs, images=[demo_image("red")], videos=[_video(4)])
+    eng = _engine(q3_dir, q3_proc)
+    out = eng.generate([p], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))[0].samples[0]
+    ids = torch.tensor([p.input_ids])
+    mm = (ids == q3_proc.image_token_id).int() + 2 * (ids == q3_proc.video_token_id).int()
+    with torch.no_grad():
+        ref = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=mm,
+                          pixel_values=p.pixel_values, image_grid_thw=p.image_grid_thw,
+                          pixel_values_videos=p.pixel_values_videos, video_grid_thw=p.video_grid_thw,
+                          max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert out.token_ids == ref[0, ids.shape[1]:].tolist()
+    assert (torch.tensor(out.logprobs) - _full_logprobs(eng.model, p, out.token_ids)).abs().max().item() <= 1e-5
+
+
+def _full_logprobs(model, p, tokens):
+    with torch.no_grad():
+        logits = model([p.with_response(tokens)])[0]
+    P = len(p.input_ids)
+    return torch.log_softmax(logits[P - 1 : P - 1 + len(tokens)], -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
