@@ -82,3 +82,21 @@ def test_server_serves_the_tiny_qwen3(server):
         m = c.post("/train_step", json={"rollout_id": ro["rollout_id"], "rewards": [1, 0, 0, 1]})
         assert m.status_code == 200, m.text
         assert c.get("/checksum").json()["weights_checksum"] != before
+
+
+def test_vit_flops_counts_the_qwen3_tower():
+    """The benchmarks' FLOP count of a Qwen3-VL tower (two-matrix MLP, full attention, DeepStack mergers)
+    equals torch's count of its GEMMs plus the attention's 4 * tokens * frame * hidden per block (which
+    the counter does not see in the CPU attention path)."""
+    from qwen3_helpers import tiny_qwen3
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from rollplex.bench.common import vit_flops
+
+    model, grid = tiny_qwen3(), [(1, 8, 6), (2, 4, 4)]
+    n, v = sum(t * h * w for t, h, w in grid), model.cfg.vision
+    x = torch.randn(n, v.patch_dim)
+    with FlopCounterMode(display=False) as fc, torch.no_grad():
+        model.visual(x, grid)
+    attn = 4 * n * v.hidden_size * 48 * v.depth  # each patch attends to the largest frame's 48 patches (formula)
+    assert vit_flops(model.cfg, grid) == fc.get_total_flops() + attn
