@@ -20,14 +20,18 @@ the video whole (attention within each frame).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
+
 import torch
 import torch.nn as nn
 
 from .config3 import Qwen3VLConfig
 from .inputs import ModelInputs
+from .ops import ForwardOps
 from .qwen2_5_vl import Qwen25VL
 from .rope import mrope_positions
-from .vision3 import Qwen3VisionTower
+from .vision3 import Qwen3VisionTower, tensor_parallel_post
 
 
 class Qwen3VL(Qwen25VL):
@@ -43,6 +47,14 @@ class Qwen3VL(Qwen25VL):
     @staticmethod
     def vision_tower(cfg: Qwen3VLConfig) -> nn.Module:
         return Qwen3VisionTower(cfg.vision)
+
+    def _visual_features(self, prompts: Sequence[ModelInputs], ops: ForwardOps | None = None) -> list:
+        if ops is not None and ops.vision_post is not None:  # the tower's blocks are a rank's shards
+            if ops.reduce is None:
+                raise ValueError("a tensor-parallel Qwen3-VL tower needs ForwardOps.reduce (its blocks are not "
+                                 "Qwen2.5-VL's, whose vision_post it cannot run)")
+            ops = replace(ops, vision_post=tensor_parallel_post(ops.reduce))
+        return super()._visual_features(prompts, ops)
 
     def prompt_positions(self, ids: list[int], p: ModelInputs) -> tuple[torch.Tensor, int]:
         """Qwen3-VL's videos are frame blocks with their timestamps as text between them: each frame

@@ -85,6 +85,19 @@ def _post_attention(x, attn, proj_w, proj_b, n2_w, n2_b, fc1_w, fc1_b, fc2_w, fc
     return x + F.linear(F.gelu(F.linear(h, fc1_w, fc1_b), approximate=approximate), fc2_w, fc2_b)
 
 
+def tensor_parallel_post(reduce):
+    """`_post_attention` over a rank's shards (heads of proj's input, fc1's output features): the
+    row-parallel proj and fc2 outputs are summed over the ranks by `reduce`, then their (whole) biases
+    added, before they join the residual stream."""
+
+    def post(x, attn, proj_w, proj_b, n2_w, n2_b, fc1_w, fc1_b, fc2_w, fc2_b, approximate: str):
+        x = x + reduce(F.linear(attn.flatten(1), proj_w)) + proj_b
+        h = F.layer_norm(x, x.shape[-1:], n2_w, n2_b, 1e-6)
+        return x + reduce(F.linear(F.gelu(F.linear(h, fc1_w, fc1_b), approximate=approximate), fc2_w)) + fc2_b
+
+    return post
+
+
 class VisionAttention(nn.Module):
     def __init__(self, cfg: Qwen3VisionConfig):
         super().__init__()
@@ -171,13 +184,14 @@ class Qwen3VisionTower(nn.Module):
         self.attn_backend = backend
 
     def block(self, blk: VisionBlock, x, cos, sin, seg: Segments, post=None) -> torch.Tensor:
-        if post is not None:
-            raise ValueError("the Qwen3-VL vision tower has no tensor-parallel path (vision_post)")
+        """One block; post: the post-attention function to run instead of the tower's own (its
+        signature: `_post_attention`'s; `tensor_parallel_post` over a rank's shards)."""
         a, m = blk.attn, blk.mlp
         q, k, v = self._pre(x, blk.norm1.weight, blk.norm1.bias, a.qkv.weight, a.qkv.bias, cos, sin, a.num_heads)
         out = segment_attention(q, k, v, seg, self.attn_backend)
-        return self._post(x, out, a.proj.weight, a.proj.bias, blk.norm2.weight, blk.norm2.bias, m.linear_fc1.weight,
-                          m.linear_fc1.bias, m.linear_fc2.weight, m.linear_fc2.bias, self.approximate)
+        return (post or self._post)(x, out, a.proj.weight, a.proj.bias, blk.norm2.weight, blk.norm2.bias,
+                                    m.linear_fc1.weight, m.linear_fc1.bias, m.linear_fc2.weight, m.linear_fc2.bias,
+                                    self.approximate)
 
     def rotary(self, layout: Vision3Layout) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = layout.hw_pos[..., None].float() * self.inv_freq.float()  # [N, 2, D/4]
