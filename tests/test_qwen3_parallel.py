@@ -38,14 +38,15 @@ def test_shard_state_dict_cuts_qwen3_shards():
 
 
 @pytest.mark.slow
-def test_tp_decode_equals_single_process(tmp_path):
+@pytest.mark.parametrize("vision", [False, True], ids=["text", "text_and_vision"])
+def test_tp_decode_equals_single_process(tmp_path, vision):
     from parallel_tp_worker import run
 
     g = torch.Generator().manual_seed(1)
     prompts = [qwen3_prompt(g, text_len=(6, 3)), qwen3_prompt(g, images=[(1, 4, 6)], text_len=(4, 5)),
                qwen3_prompt(g, text_len=(2, 2))]
     want = run(tiny_qwen3(seed=7).eval(), prompts)
-    mp.spawn(worker, args=(2, f"file://{tmp_path}/store", prompts, want), nprocs=2, join=True)
+    mp.spawn(worker, args=(2, f"file://{tmp_path}/store", prompts, want, vision), nprocs=2, join=True)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +62,8 @@ def q3_dir(tmp_path_factory):
     # the engine's encodings (DeepStack columns included) stand in for both frozen towers
     (2, "data", dict(freeze_vision_tower=True)),
     (2, "tensor", dict()),
+    # the tower's blocks split over the engine's ranks too, their shards rebuilt after the update
+    (2, "tensor+vision", dict()),
 ])
 def test_data_parallel_step_equals_single_process(tmp_path, q3_dir, world, rollout, rl):
     """The FSDP-sharded RL step over gloo ranks (per-rank or tensor-parallel rollout) computes the
@@ -69,4 +72,5 @@ def test_data_parallel_step_equals_single_process(tmp_path, q3_dir, world, rollo
 
     from rollplex.rl.config import RLConfig
 
-    _spawn(tmp_path, q3_dir, world, RLConfig(**{**BASE, **rl}), rollout=rollout)
+    _spawn(tmp_path, q3_dir, world, RLConfig(**{**BASE, **rl}), rollout=rollout,
+           steps=1 if rollout == "tensor+vision" else 2)
