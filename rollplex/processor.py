@@ -18,6 +18,10 @@
   Caveat (images too): transformers' torchvision backends resize with torch's bicubic kernel, not PIL's;
   on CPU uint8 the two differ by 1-2 levels on <1% of pixels, on the float/GPU path by more.
 * ``second_per_grid_ts = temporal_patch_size / fps`` per video, as in ``Qwen2_5_VLProcessor``.
+* Qwen3-VL checkpoints (``video_timestamps``, from config.json's ``model_type``): each video placeholder
+  becomes one ``<{t:.1f} seconds><|vision_start|><|video_pad|>...<|vision_end|>`` block per temporal patch,
+  ``t`` the mean time of its frames (frame i at i / fps), exactly ``Qwen3VLProcessor.replace_video_token``;
+  the chat template's wrapper around the video is dropped, as there.
 """
 
 from __future__ import annotations
@@ -120,10 +124,12 @@ class VLProcessor:
         image_processor: Qwen2VLImageProcessorPil,
         video_processor: Qwen2VLImageProcessorPil | None = None,
         chat_template: str | None = None,
+        video_timestamps: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.video_processor = video_processor if video_processor is not None else image_processor
+        self.video_timestamps = video_timestamps  # Qwen3-VL's video layout (module docstring)
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
         if not self.chat_template:
             raise ValueError("no chat template: pass one or use a checkpoint with chat_template.jinja")
@@ -160,7 +166,10 @@ class VLProcessor:
                 with open(p, encoding="utf-8") as f:
                     template = f.read() if name.endswith(".jinja") else json.load(f)["chat_template"]
                 break
-        return cls(tokenizer, _vision_processor(image_cfg), _vision_processor(video_cfg), template)
+        from .models.config import model_type
+
+        timestamps = os.path.isfile(os.path.join(path, "config.json")) and model_type(path) == "qwen3_vl"
+        return cls(tokenizer, _vision_processor(image_cfg), _vision_processor(video_cfg), template, timestamps)
 
     @property
     def merge_size(self) -> int:
@@ -194,9 +203,14 @@ class VLProcessor:
             images, videos = _collect_media(messages, list(images or []), list(videos or []))
             text = self.apply_chat_template(messages, add_generation_prompt=True)
         images, videos = list(images or []), list(videos or [])
+        if fps <= 0:
+            raise ValueError(f"fps must be positive, got {fps}")
+        frames = [1] * len(videos)  # pad runs per video: one, or one per temporal patch (timestamps)
+        if self.video_timestamps and videos:
+            text, frames = self._timestamped(text, videos, fps)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         n_img, n_vid = ids.count(self.image_token_id), ids.count(self.video_token_id)
-        if n_img != len(images) or n_vid != len(videos):
+        if n_img != len(images) or n_vid != sum(frames):
             raise ValueError(
                 f"prompt has {n_img} image and {n_vid} video placeholders but got {len(images)} images and "
                 f"{len(videos)} videos"
@@ -210,18 +224,36 @@ class VLProcessor:
             merge = int(self.image_processor.merge_size) ** 2
             counts[self.image_token_id] = [int(g.prod()) // merge for g in out.image_grid_thw]
         if videos:
-            if fps <= 0:
-                raise ValueError(f"fps must be positive, got {fps}")
             pv, grids = zip(*(self._video_patches(v) for v in videos))
             out.pixel_values_videos = torch.from_numpy(np.concatenate(pv, axis=0))
             out.video_grid_thw = torch.tensor(grids, dtype=torch.long)
             out.second_per_grid_ts = [self.video_processor.temporal_patch_size / fps] * len(videos)
             merge = int(self.video_processor.merge_size) ** 2
-            counts[self.video_token_id] = [int(g.prod()) // merge for g in out.video_grid_thw]
+            if self.video_timestamps:  # one pad run per temporal patch
+                counts[self.video_token_id] = [int(h * w) // merge for t, h, w in out.video_grid_thw for _ in range(t)]
+            else:
+                counts[self.video_token_id] = [int(g.prod()) // merge for g in out.video_grid_thw]
         pending = {k: iter(v) for k, v in counts.items()}
         for i in ids:
             out.input_ids.extend([i] * next(pending[i]) if i in pending else [i])
         return out
+
+    def _timestamped(self, text: str, videos: list, fps: float) -> tuple[str, list[int]]:
+        """`text` with each video placeholder as Qwen3-VL's timestamped frame blocks (one pad token per
+        block, expanded after tokenization), and the number of blocks of each video."""
+        text = text.replace(VIDEO_PLACEHOLDER, "<|video_pad|>")  # the template's wrapper: each block has its own
+        parts = text.split("<|video_pad|>")
+        if len(parts) - 1 != len(videos):
+            raise ValueError(f"prompt has {len(parts) - 1} video placeholders but got {len(videos)} videos")
+        t_patch = int(self.video_processor.temporal_patch_size)
+        out, frames = [parts[0]], []
+        for video, rest in zip(videos, parts[1:]):
+            n = 1 if isinstance(video, (str, bytes)) else len(list(video))
+            idx = list(range(n)) + [n - 1] * (-n % t_patch)  # padded by the last frame, as the patches are
+            stamps = [(idx[i] + idx[i + t_patch - 1]) / 2 / fps for i in range(0, len(idx), t_patch)]
+            out += [f"<{s:.1f} seconds>{VIDEO_PLACEHOLDER}" for s in stamps] + [rest]
+            frames.append(len(stamps))
+        return "".join(out), frames
 
     def _video_patches(self, video: Any) -> tuple[np.ndarray, list[int]]:
         """Qwen2VLVideoProcessor's pixel_values_videos for one video (list of frames), via the PIL path."""

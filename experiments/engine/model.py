@@ -16,7 +16,7 @@ import torch
 
 from rollplex.bench.common import vit_flops
 from rollplex.bench.timing import env_info, time_ms
-from rollplex.models import Qwen25VL, hf_to_rollplex
+from rollplex.models import Qwen25VL, hf_model, hf_to_rollplex
 from rollplex.presets import preset
 
 
@@ -28,15 +28,11 @@ def main(argv=None) -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--skip-hf-vit", action="store_true")
     args = ap.parse_args(argv)
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
     dev, dt = "cuda", torch.bfloat16
     cfg = preset(args.preset)
-    hf_cfg = Qwen2_5_VLConfig.from_dict(cfg.to_hf_dict())
-    hf_cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(dev):
-        hf = Qwen2_5_VLForConditionalGeneration(hf_cfg).to(dt).eval()
+        hf = hf_model(cfg).to(dt).eval()  # transformers' model of the preset's family
     ours = Qwen25VL(cfg).to(dev)
     ours.load_state_dict(hf_to_rollplex(hf.state_dict(), cfg), strict=True)
     ours = ours.to(dt).eval()

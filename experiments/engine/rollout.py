@@ -27,7 +27,7 @@ from rollplex.bench.timing import env_info, time_ms
 from rollplex.engine import Engine, EngineConfig, RecordingHook, SamplingParams
 from rollplex.engine.sampler import SamplingTensors
 from rollplex.generate import generate
-from rollplex.models import ModelInputs, Qwen25VL, hf_to_rollplex, init_weights
+from rollplex.models import ModelInputs, Qwen25VL, hf_model, hf_to_rollplex, init_weights
 from rollplex.presets import preset
 
 
@@ -67,12 +67,8 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     hf = None
     if not args.skip_hf:  # transformers' twin holds the same weights (ours is loaded from it)
-        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-        hf_cfg = Qwen2_5_VLConfig.from_dict(cfg.to_hf_dict())
-        hf_cfg._attn_implementation = "sdpa"
         with torch.device(dev):
-            hf = Qwen2_5_VLForConditionalGeneration(hf_cfg).to(torch.bfloat16).eval()
+            hf = hf_model(cfg).to(torch.bfloat16).eval()  # transformers' model of the preset's family
         with torch.device(dev):
             model = Qwen25VL(cfg)
         model.load_state_dict(hf_to_rollplex(hf.state_dict(), cfg))

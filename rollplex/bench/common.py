@@ -55,18 +55,21 @@ def make_prompts(cfg: ModelConfig, n_prompts: int, frames: int, size: int = 448,
 
 
 def vit_flops(cfg: ModelConfig, grid: list[tuple[int, int, int]]) -> float:
-    """Forward FLOPs of the vision tower over the patches of `grid` (linears, window/full attention, merger)."""
+    """Forward FLOPs of the vision tower over the patches of `grid` (linears, window/full attention, merger;
+    a Qwen3-VL tower: a two-matrix MLP, full attention in every block, the DeepStack mergers too)."""
     v = cfg.vision
     n = sum(t * h * w for t, h, w in grid)
-    layer = 4 * v.hidden_size**2 + 3 * v.hidden_size * v.intermediate_size
+    windows = hasattr(v, "window_size")  # Qwen2.5-VL: SwiGLU MLP (3 matrices), window attention
+    layer = 4 * v.hidden_size**2 + (3 if windows else 2) * v.hidden_size * v.intermediate_size
     per_tok = 2 * (v.patch_dim * v.hidden_size + v.depth * layer)
-    win = (v.window_size // v.patch_size) ** 2
+    win = (v.window_size // v.patch_size) ** 2 if windows else 0
     frame = max(h * w for _, h, w in grid)
-    full = len(v.fullatt_block_indexes)
+    full = len(v.fullatt_block_indexes) if windows else v.depth
     attn = 4 * n * v.hidden_size * (full * frame + (v.depth - full) * win)
     merged = n // v.spatial_merge_size**2
     md = v.hidden_size * v.spatial_merge_size**2
-    return per_tok * n + attn + 2 * merged * (md * md + md * v.out_hidden_size)
+    mergers = 1 + len(getattr(v, "deepstack_visual_indexes", ()))
+    return per_tok * n + attn + 2 * merged * mergers * (md * md + md * v.out_hidden_size)
 
 
 def update_flops(cfg: ModelConfig, batch: RolloutBatch, mode: str, grid) -> float:

@@ -127,6 +127,7 @@ class PrefixJob:
             return sdpa(q, k, v, causal=True)  # right padding: valid queries never see pads
 
         x, delta = m.model.layer(i, self._x, self._delta, self._cos, self._sin, attend)
+        x, delta = m.model.add_deepstack(i, x, delta, self._e.deepstack)  # Qwen3-VL's, after the first layers
         if i == self.num_layers - 1:
             hidden = m.model.finish(x, delta)
             e = self._e

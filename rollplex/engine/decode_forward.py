@@ -38,17 +38,21 @@ from ..models.text import _post_attention
 RotaryAttendFn = Callable[..., torch.Tensor]
 
 
-def _pre_attention(x, delta, norm_w, qkv_w, qkv_b, eps: float, num_heads: int, num_kv_heads: int):
+def _pre_attention(x, delta, norm_w, qkv_w, qkv_b, eps: float, num_heads: int, num_kv_heads: int,
+                   qk_norm_w=None):
     """residual add (x + the previous layer's MLP output `delta`, if any; fp32 split-K partials are
-    summed here) -> input norm -> fused qkv. Returns un-rotated q [B, H, L, D], k/v [B, Hkv, L, D], the
-    residual."""
+    summed here) -> input norm -> fused qkv [-> q/k head RMSNorm, qk_norm_w [H + Hkv, D] (Qwen3)].
+    Returns un-rotated q [B, H, L, D], k/v [B, Hkv, L, D], the residual."""
     if delta is not None:
         x = add_linear_out(x, delta)
     B, L, _ = x.shape
     D = qkv_w.shape[0] // (num_heads + 2 * num_kv_heads)
     qk, v = F.linear(rms_norm(x, norm_w, eps), qkv_w, qkv_b).split(
         [(num_heads + num_kv_heads) * D, num_kv_heads * D], dim=-1)
-    qk = qk.view(B, L, num_heads + num_kv_heads, D).transpose(1, 2)
+    qk = qk.view(B, L, num_heads + num_kv_heads, D)
+    if qk_norm_w is not None:
+        qk = rms_norm(qk, qk_norm_w, eps)
+    qk = qk.transpose(1, 2)
     q, k = qk.split([num_heads, num_kv_heads], dim=1)
     return q, k, v.view(B, L, num_kv_heads, D).transpose(1, 2), x
 
@@ -94,7 +98,7 @@ class DecodeForward:
         lyr = text.layers[i]
         a, m, eps = lyr.self_attn, lyr.mlp, text.cfg.rms_norm_eps
         q, k, v, x = self.pre(x, delta, lyr.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, eps,
-                              a.num_heads, a.num_kv_heads)
+                              a.num_heads, a.num_kv_heads, a.qk_norm_weight())
         out = attend(i, q, k, v, cos, sin)  # [B, H, L, D]
         if gemms is None and self.reduce is None:
             return self.post(x, out, a.o_proj.weight, lyr.post_attention_layernorm.weight, m.gate_up_proj.weight,

@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models import ModelInputs, Qwen25VL
-from ..models.rope import mrope_positions
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .hooks import DecodeHook, DecodeStepInfo
@@ -157,8 +156,8 @@ class Engine:
         mcfg, delta = self.model.cfg, 0
         if inputs.image_grids or inputs.video_grids or not {mcfg.image_token_id, mcfg.video_token_id}.isdisjoint(
                 inputs.input_ids):  # text-only prompts: positions 0..L-1 on all three axes, delta 0
-            _, delta = mrope_positions(  # ValueError on placeholders that do not match the images
-                list(inputs.input_ids), mcfg, inputs.image_grids, inputs.video_grids, inputs.second_per_grid_ts)
+            # ValueError on placeholders that do not match the images (the model's family places them)
+            _, delta = self.model.prompt_positions(list(inputs.input_ids), inputs)
         req = Request("", inputs, params, [0] * params.n, rope_delta=delta)  # id and seeds: `add`
         req.max_len = min(req.num_prompt_tokens + params.max_new_tokens, self.cfg.max_model_len)
         req.keep_vision = keep_vision

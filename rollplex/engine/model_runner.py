@@ -203,7 +203,7 @@ class ModelRunner:
             self.v_cache[layer].view(kv_shape).index_copy_(0, flat_slots, v.transpose(1, 2)[valid])
             return sdpa(q, k, v, causal=True)
 
-        hidden = m.forward_embeds(e.embeds, e.positions, attend, self.ops)
+        hidden = m.forward_embeds(e.embeds, e.positions, attend, self.ops, e.deepstack)
         last = hidden[torch.arange(B, device=self.device), e.lens - 1]
         extra = [None if r is None else self.logits(hidden[i, r[0] : r[1]]).float() for i, r in enumerate(logprob_rows)]
         return self.logits(last).float(), extra, e.visual

@@ -11,7 +11,11 @@ Linear; the adapter maps both ways:
     [model.]visual.merger.mlp.{0,2}                         -> visual.merger.fc{1,2}
 
 We write the released checkpoints' names (`model.layers…`, `visual…`), which both transformers
-(through its conversion mapping) and our loader read; we read either spelling.
+(through its conversion mapping) and our loader read; we read either spelling. Qwen3-VL keeps HF's
+module names for its tower (vision3.py); its released checkpoints, and what we write for it, use
+`model.language_model.…` / `model.visual.…`, and its patch embedding has a bias.
+
+The model class comes from the config's family (family.py).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ModelConfig
+from .family import build_model
 from .layers import rotary_inv_freq
 from .qwen2_5_vl import Qwen25VL
 
@@ -43,6 +48,7 @@ def _canonical(name: str) -> str:
     name = re.sub(r"^model\.visual\.", "visual.", name)
     name = re.sub(r"^visual\.merger\.mlp\.0\.", "visual.merger.fc1.", name)
     name = re.sub(r"^visual\.merger\.mlp\.2\.", "visual.merger.fc2.", name)
+    name = name.replace("visual.patch_embed.proj.bias", "visual.patch_embed.bias")
     return name.replace("visual.patch_embed.proj.weight", "visual.patch_embed.weight")
 
 
@@ -85,9 +91,13 @@ def rollplex_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
         if name == "visual.patch_embed.weight":
             name = "visual.patch_embed.proj.weight"
             x = x.reshape(x.shape[0], v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+        name = name.replace("visual.patch_embed.bias", "visual.patch_embed.proj.bias")
         name = name.replace("visual.merger.fc1.", "visual.merger.mlp.0.")
         name = name.replace("visual.merger.fc2.", "visual.merger.mlp.2.")
         out[name] = x.contiguous()
+    if cfg.family == "qwen3_vl":  # the released Qwen3-VL layout
+        out = {re.sub(r"^(model|visual)\.", lambda m: "model.language_model." if m.group(1) == "model"
+                      else "model.visual.", k): x for k, x in out.items()}
     if t.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     return out
@@ -132,13 +142,13 @@ def init_weights(model: Qwen25VL, seed: int = 0, std: float = 0.02) -> Qwen25VL:
 def load_model(
     path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> Qwen25VL:
-    """Build our model from an HF Qwen2.5-VL directory (config.json + safetensors)."""
+    """Build our model from an HF Qwen2.5-VL or Qwen3-VL directory (config.json + safetensors)."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise ValueError(f"{path} is not an HF checkpoint directory (no config.json)")
     cfg = ModelConfig.from_hf(str(path))
     with torch.device("meta"):
-        model = Qwen25VL(cfg)
+        model = build_model(cfg)
     state = hf_to_rollplex(read_safetensors(path), cfg)
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
@@ -149,7 +159,7 @@ def empty_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype
     """The model with uninitialised parameters allocated once on `device` in `dtype` (no default init, no
     float32 copy): for `init_weights` or a state dict to fill."""
     with torch.device("meta"):
-        model = Qwen25VL(cfg).to(dtype)
+        model = build_model(cfg).to(dtype)
     return _with_rotary(model.to_empty(device=device), device)
 
 

@@ -1,4 +1,4 @@
-"""Typed model configuration read from (and written back to) HF `Qwen2_5_VLConfig`.
+"""Typed model configuration read from (and written back to) HF `Qwen2_5_VLConfig` / `Qwen3VLConfig`.
 
 transformers parses config.json for us (flat legacy layouts, nested `text_config`, `rope_scaling`
 vs `rope_parameters`); we copy the handful of fields the model needs into frozen dataclasses so the
@@ -62,10 +62,18 @@ class TextConfig:
     max_position_embeddings: int = 128000
     tie_word_embeddings: bool = True
     hidden_act: str = "silu"
+    # the Qwen3 decoder: no q/k/v bias, RMSNorm over each q/k head, a head dim of its own, M-RoPE
+    # frequencies interleaved over t/h/w (t h w t h w ... t t) instead of one section per axis
+    attention_bias: bool = True
+    qk_norm: bool = False
+    explicit_head_dim: int | None = None
+    mrope_interleaved: bool = False
 
     def __post_init__(self):
-        if self.hidden_size % self.num_attention_heads:
+        if self.explicit_head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError("hidden_size must be divisible by num_attention_heads")
+        if self.explicit_head_dim is not None and (self.explicit_head_dim <= 0 or self.explicit_head_dim % 2):
+            raise ValueError(f"head_dim {self.explicit_head_dim} must be a positive even number")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
         if 2 * sum(self.mrope_section) != self.head_dim:
@@ -75,7 +83,7 @@ class TextConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.explicit_head_dim or self.hidden_size // self.num_attention_heads
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,8 @@ class ModelConfig:
     eos_token_id: int | None = 151645
     pad_token_id: int | None = None
 
+    family = "qwen2_5_vl"  # the model type of config.json; models.family builds the model class for it
+
     def __post_init__(self):
         if self.vision.out_hidden_size != self.text.hidden_size:
             raise ValueError("vision out_hidden_size must equal text hidden_size")
@@ -100,9 +110,19 @@ class ModelConfig:
     # ---- HF interop -------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
-        """From a `Qwen2_5_VLConfig`, a config dict (flat or nested) or a checkpoint directory."""
+        """From a `Qwen2_5_VLConfig`, a config dict (flat or nested) or a checkpoint directory. On
+        `ModelConfig` itself this reads the family from `model_type`: a Qwen3-VL config gives a
+        `Qwen3VLConfig` (config3.py), so callers load either family through this one entry point."""
         from transformers import Qwen2_5_VLConfig
 
+        kind = model_type(hf)
+        if kind not in (None, "qwen2_5_vl", "qwen3_vl"):
+            raise ValueError(f"model type {kind!r} is not supported (Qwen2.5-VL and dense Qwen3-VL are; "
+                             "docs/MODELS.md)")
+        if cls is ModelConfig and kind == "qwen3_vl":
+            from .config3 import Qwen3VLConfig
+
+            return Qwen3VLConfig.from_hf(hf)
         if isinstance(hf, str) or hasattr(hf, "__fspath__"):
             hf = Qwen2_5_VLConfig.from_pretrained(str(hf))
         elif isinstance(hf, dict):
@@ -192,3 +212,19 @@ class ModelConfig:
             "torch_dtype": "bfloat16",
             "vision_config": vision,
         }
+
+
+def model_type(hf: Any) -> str | None:
+    """`model_type` of an HF config object, a config dict or a checkpoint directory's config.json."""
+    import json
+    from pathlib import Path
+
+    if isinstance(hf, str) or hasattr(hf, "__fspath__"):
+        path = Path(hf)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.exists():
+            raise ValueError(f"{hf}: no config.json")
+        hf = json.loads(path.read_text())
+    if isinstance(hf, dict):
+        return hf.get("model_type")
+    return getattr(hf, "model_type", None)

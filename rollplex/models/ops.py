@@ -12,6 +12,9 @@ replaced by the caller for one call, without touching the model object:
                                         norm, MLP): `text._post_attention`'s signature and result
     vision_post(...)                    the vision blocks' post-attention function (`vision._post_attention`'s
                                         signature); given, the tower's fused whole-block path is off
+    reduce(t) -> t                      the sum over the ranks of a row-parallel projection's partial output:
+                                        with it a family whose blocks differ from Qwen2.5-VL's builds its own
+                                        post-attention in place of `vision_post` (Qwen3-VL's tower)
 
 None (or a None field) is the model's own step. Whoever shards the model's parameters supplies the
 versions that combine the shards (rollplex.parallel.tp builds them for tensor parallelism and hands them
@@ -31,3 +34,4 @@ class ForwardOps:
     text_post: Callable | None = None
     vision_post: Callable | None = None
     text_weights: Callable | None = None
+    reduce: Callable | None = None

@@ -46,7 +46,7 @@ from .inputs import ModelInputs
 from .layers import rotary_inv_freq
 from .ops import ForwardOps
 from .rope import mrope_cos_sin, mrope_positions
-from .text import AttendFn, TextDecoder
+from .text import AttendFn, DeepStack, TextDecoder
 from .transfer import as_device_tensor, to_device
 from .vision import VisionTower
 
@@ -90,18 +90,36 @@ class EmbeddedPrompts:
     lens: torch.Tensor  # [B]
     rope_delta: torch.Tensor  # [B]
     visual: list[torch.Tensor | None] | None = None  # per prompt: merged visual features, images then videos
+    deepstack: DeepStack | None = None  # Qwen3-VL: features for the first layers at the visual rows of [B * Pmax]
 
 
 class Qwen25VL(nn.Module):
+    # a tower whose output rows carry, after the merged features, this many more [C] blocks: the
+    # DeepStack features of the first text layers (Qwen3-VL; vision_embeds keep the same layout)
+    deepstack_layers = 0
+
+    def __new__(cls, cfg: ModelConfig | None = None, *args, **kwargs):
+        # `Qwen25VL(cfg)` builds the model of cfg's family (family.py), so code written against this
+        # class (benchmarks, weight plans) runs any family unchanged; a subclass is built as asked
+        if cls is Qwen25VL and cfg is not None and cfg.family != "qwen2_5_vl":
+            from .family import model_class
+
+            cls = model_class(cfg)
+        return super().__new__(cls)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.visual = VisionTower(cfg.vision)
+        self.visual = self.vision_tower(cfg)
         self.model = TextDecoder(cfg.text)
         self.lm_head = None if cfg.text.tie_word_embeddings else nn.Linear(
             cfg.text.hidden_size, cfg.text.vocab_size, bias=False
         )
         self.register_buffer("inv_freq", rotary_inv_freq(cfg.text.head_dim, cfg.text.rope_theta), persistent=False)
+
+    @staticmethod
+    def vision_tower(cfg: ModelConfig) -> nn.Module:
+        return VisionTower(cfg.vision)
 
     def compile(self, **kwargs) -> Qwen25VL:
         """torch.compile the elementwise glue of the vision blocks and decoder layers (GPU); kwargs go
@@ -127,7 +145,8 @@ class Qwen25VL(nn.Module):
         return ops.embed(self.model.embed_tokens.weight, ids)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return mrope_cos_sin(positions, self.inv_freq, self.cfg.text.mrope_section, dtype)
+        t = self.cfg.text
+        return mrope_cos_sin(positions, self.inv_freq, t.mrope_section, dtype, t.mrope_interleaved)
 
     def embed_prompts(self, prompts: Sequence[ModelInputs], ops: ForwardOps | None = None) -> EmbeddedPrompts:
         """Token embeddings with every image/video of the batch encoded in one vision-tower call."""
@@ -145,7 +164,7 @@ class Qwen25VL(nn.Module):
             # placeholder id (the response path embeds them as text too)
             head = p.prompt_len
             pad[b, : len(x)] = torch.tensor(x)
-            pos, delta = mrope_positions(x[:head], cfg, p.image_grids, p.video_grids, p.second_per_grid_ts)
+            pos, delta = self.prompt_positions(x[:head], p)
             tail = torch.arange(len(x) - head).expand(3, -1) + (head + delta)
             positions[:, b, : len(x)] = torch.cat([pos, tail], dim=1)
             heads.append(head)
@@ -168,11 +187,24 @@ class Qwen25VL(nn.Module):
                                  f"{n_img} / {f.shape[0] - n_img} visual embeddings")
             flat += img + vid
             feats.append(f)
+        deepstack = None
         if flat:
-            x = x.flatten(0, 1).index_put((as_device_tensor(flat, dev, torch.long),),
-                                          torch.cat(feats).to(x.dtype)).view(B, P, -1)
+            rows = as_device_tensor(flat, dev, torch.long)
+            f = torch.cat(feats).to(x.dtype)  # [n, C * (1 + deepstack_layers)]
+            C, K = x.shape[-1], self.deepstack_layers
+            if f.shape[1] != C * (1 + K):
+                raise ValueError(f"visual features of width {f.shape[1]}, expected {C * (1 + K)}")
+            x = x.flatten(0, 1).index_put((rows,), f[:, :C]).view(B, P, -1)
+            if K:
+                deepstack = DeepStack(rows, list(f[:, C:].view(-1, K, C).unbind(1)), flat)
         lens = as_device_tensor([len(t) for t in ids], dev)
-        return EmbeddedPrompts(x, to_device(positions, dev), lens, as_device_tensor(deltas, dev, torch.long), visual)
+        return EmbeddedPrompts(x, to_device(positions, dev), lens, as_device_tensor(deltas, dev, torch.long), visual,
+                               deepstack)
+
+    def prompt_positions(self, ids: list[int], p: ModelInputs) -> tuple[torch.Tensor, int]:
+        """M-RoPE positions [3, L] of prompt tokens `ids` with `p`'s images and videos, and the delta of the
+        tokens that follow (rope.mrope_positions); ValueError when the placeholders do not match them."""
+        return mrope_positions(ids, self.cfg, p.image_grids, p.video_grids, p.second_per_grid_ts)
 
     def _visual_features(self, prompts: Sequence[ModelInputs], ops: ForwardOps | None = None) -> list:
         """Per prompt, its merged visual features (images, then videos) or None without any: the
@@ -223,10 +255,11 @@ class Qwen25VL(nn.Module):
         return out
 
     def forward_embeds(self, embeds: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
-                       ops: ForwardOps | None = None) -> torch.Tensor:
-        """Incremental path: embeds [B, L, C], positions [3, B, L], attend owns K/V -> normed hidden."""
+                       ops: ForwardOps | None = None, deepstack: DeepStack | None = None) -> torch.Tensor:
+        """Incremental path: embeds [B, L, C], positions [3, B, L], attend owns K/V -> normed hidden.
+        deepstack: `EmbeddedPrompts.deepstack` of these embeds (rows of [B * L]), when they hold prompts."""
         cos, sin = self.rope(positions, embeds.dtype)
-        return self.model(embeds, cos, sin, attend, ops)
+        return self.model(embeds, cos, sin, attend, ops, deepstack)
 
     # ---- prefix / response / full -----------------------------------------------------------
     def _run_prompts(self, prompts: Sequence[ModelInputs], keep_kv: bool,
@@ -240,7 +273,7 @@ class Qwen25VL(nn.Module):
                 values.append(v)
             return sdpa(q, k, v, causal=True)  # right padding: valid queries never see pads
 
-        return self.forward_embeds(e.embeds, e.positions, attend, ops), e, keys, values
+        return self.forward_embeds(e.embeds, e.positions, attend, ops, e.deepstack), e, keys, values
 
     def prefix(self, prompts: Sequence[ModelInputs]) -> PrefixState:
         hidden, e, keys, values = self._run_prompts(prompts, keep_kv=True)
@@ -305,7 +338,12 @@ class Qwen25VL(nn.Module):
         def attend(layer, q, k, v):
             return packed_attention(q, k, v, layout)
 
-        hidden = self.forward_embeds(x[None], positions[:, None], attend)[0]  # [T, C]
+        deepstack = None
+        if e.deepstack is not None:  # its rows of the padded [B * Pmax] -> rows of the packed prompts
+            starts = [sum(P[:b]) for b in range(len(P))]
+            packed = [starts[r // Pmax] + r % Pmax for r in e.deepstack.rows]
+            deepstack = DeepStack(as_device_tensor(packed, dev, torch.long), e.deepstack.feats, packed)
+        hidden = self.forward_embeds(x[None], positions[:, None], attend, deepstack=deepstack)[0]  # [T, C]
         # row j of response i predicts its token j: j = 0 is its prompt's last token, j >= 1 its input j - 1
         rows = torch.zeros(N, R, dtype=torch.long)
         keep = torch.zeros(N, R, dtype=torch.bool)

@@ -69,11 +69,26 @@ def mrope_positions(
 
 
 def mrope_cos_sin(
-    positions: torch.Tensor, inv_freq: torch.Tensor, section: tuple[int, int, int], dtype: torch.dtype
+    positions: torch.Tensor, inv_freq: torch.Tensor, section: tuple[int, int, int], dtype: torch.dtype,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [3, ...] -> cos, sin [..., head_dim] in `dtype` (frequency bands from t, h, w in turn)."""
+    """positions [3, ...] -> cos, sin [..., head_dim] in `dtype`. Frequency j comes from axis t, h or w:
+    in sections (t for the first section[0], then h, then w; Qwen2.5-VL) or interleaved (Qwen3-VL:
+    j = 1, 4, ... < 3 * section[1] from h, j = 2, 5, ... < 3 * section[2] from w, the rest from t)."""
     freqs = positions[..., None].float() * inv_freq.float()  # [3, ..., D/2]
-    bands = freqs.split(list(section), dim=-1)
-    freqs = torch.cat([b[i % 3] for i, b in enumerate(bands)], dim=-1)
+    if interleaved:
+        axis = mrope_axis(section, freqs.shape[-1]).to(freqs.device)  # [D/2] in {0, 1, 2}
+        freqs = torch.where(axis == 1, freqs[1], torch.where(axis == 2, freqs[2], freqs[0]))
+    else:
+        bands = freqs.split(list(section), dim=-1)
+        freqs = torch.cat([b[i % 3] for i, b in enumerate(bands)], dim=-1)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def mrope_axis(section: tuple[int, int, int], half: int) -> torch.Tensor:
+    """The axis (0 t, 1 h, 2 w) of each of the `half` = D/2 frequencies under interleaved M-RoPE."""
+    axis = torch.zeros(half, dtype=torch.long)
+    axis[1 : 3 * section[1] : 3] = 1
+    axis[2 : 3 * section[2] : 3] = 2
+    return axis

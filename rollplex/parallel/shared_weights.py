@@ -56,7 +56,7 @@ BUCKET_BYTES = 256 << 20  # rollout bytes per rebuild exchange: bounds its packi
 def _in_order(qkv_rows: torch.Tensor, gate_up_rows: torch.Tensor):
     """A layer's fused weights read in the parameters' row order (models.ForwardOps.text_weights)."""
     def read(qkv_w, qkv_b, gate_up_w):  # one gather of each fused weight per use; its backward scatters back
-        return qkv_w[qkv_rows], qkv_b[qkv_rows], gate_up_w[gate_up_rows]
+        return qkv_w[qkv_rows], None if qkv_b is None else qkv_b[qkv_rows], gate_up_w[gate_up_rows]  # Qwen3: no bias
 
     return read
 

@@ -83,7 +83,8 @@ class TPPlan:
 
     def __post_init__(self):
         object.__setattr__(self, "ops", ForwardOps(_vocab_parallel_embed(self), _tp_post_attention(self),
-                                                   _tp_vision_post(self) if self.vision else None))
+                                                   _tp_vision_post(self) if self.vision else None,
+                                                   reduce=self.reduce))
 
     @classmethod
     def of(cls, group: dist.ProcessGroup | None = None, vision: bool = False) -> TPPlan:

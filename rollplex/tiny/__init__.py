@@ -1,4 +1,4 @@
-"""The embedded tiny Qwen2.5-VL and its task: the fixtures the server, the demo, the benches and the tests
+"""The embedded tiny Qwen2.5-VL / Qwen3-VL and its task: the fixtures the server, the demo, the benches and the tests
 run on without downloading anything.
 
     checkpoint.py   the tiny checkpoint (random weights, real tokenizer files): `ensure_tiny()` writes it on
@@ -11,6 +11,6 @@ Only models and the tokenizer library lie below it; the demo program (`python -m
 server's default model and format warm-up sit above it.
 """
 
-from .checkpoint import TINY_PIXELS, ensure_tiny, tiny_config, write_tiny
+from .checkpoint import FAMILIES, TINY_PIXELS, ensure_tiny, tiny_config, tiny_qwen3_config, write_tiny
 
-__all__ = ["TINY_PIXELS", "ensure_tiny", "tiny_config", "write_tiny"]
+__all__ = ["FAMILIES", "TINY_PIXELS", "ensure_tiny", "tiny_config", "tiny_qwen3_config", "write_tiny"]

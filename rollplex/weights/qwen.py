@@ -1,4 +1,4 @@
-"""ParamSpecs of Rollplex's Qwen2.5-VL: the real parameter names and shapes, with their TP roles.
+"""ParamSpecs of Rollplex's Qwen2.5-VL and Qwen3-VL: the real parameter names and shapes, with their TP roles.
 
 Names and shapes come from `Qwen25VL(cfg)` built on the meta device (no weights allocated), so the
 plan follows the model as it is. Every parameter must match exactly one rule below; a new parameter
@@ -10,9 +10,11 @@ without a rule is a ValueError rather than a silently unplanned tensor.
     o_proj                          row-parallel, Shard(1) over heads
     gate_up_proj                    column-parallel per part: gate, up
     down_proj                       row-parallel, Shard(1)
-    norms                           replicated
+    norms                           replicated (Qwen3's q/k head norms too: one [head_dim] for all heads)
     vision blocks                   the same roles (qkv parts of num_heads heads; proj / down biases
                                     replicated); patch embed and merger replicated
+    Qwen3-VL tower                  its MLP (linear_fc1 column-, linear_fc2 row-parallel), LayerNorm
+                                    biases, position table and DeepStack mergers replicated
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def _vis_qkv(c: ModelConfig):
 RULES: tuple[tuple[str, str, _Rule], ...] = (
     (r"model\.embed_tokens\.weight|lm_head\.weight", "text",
      lambda c: (0, (Part(c.text.vocab_size, c.text.vocab_size),))),
-    (r"model\.(layers\.\d+\.(input|post_attention)_layernorm|norm)\.weight", "text", lambda c: (None, ())),
+    (r"model\.(layers\.\d+\.(input|post_attention)_layernorm|layers\.\d+\.self_attn\.[qk]_norm|norm)\.weight", "text",
+     lambda c: (None, ())),
     (r"model\.layers\.\d+\.self_attn\.qkv_proj\.(weight|bias)", "text", _text_qkv),
     (r"model\.layers\.\d+\.self_attn\.o_proj\.weight", "text",
      lambda c: (1, (Part(c.text.num_attention_heads * c.text.head_dim, c.text.num_attention_heads),))),
@@ -51,21 +54,25 @@ RULES: tuple[tuple[str, str, _Rule], ...] = (
      lambda c: (0, (Part(c.text.intermediate_size, c.text.intermediate_size),) * 2)),
     (r"model\.layers\.\d+\.mlp\.down_proj\.weight", "text",
      lambda c: (1, (Part(c.text.intermediate_size, c.text.intermediate_size),))),
-    (r"visual\.patch_embed\.weight|visual\.blocks\.\d+\.norm[12]\.weight|visual\.merger\..*", "vision",
-     lambda c: (None, ())),
+    (r"visual\.patch_embed\.(weight|bias)|visual\.pos_embed\.weight|visual\.blocks\.\d+\.norm[12]\.(weight|bias)"
+     r"|visual\.(merger|deepstack_merger_list)\..*", "vision", lambda c: (None, ())),
     (r"visual\.blocks\.\d+\.attn\.qkv\.(weight|bias)", "vision", _vis_qkv),
     (r"visual\.blocks\.\d+\.attn\.proj\.weight", "vision",
      lambda c: (1, (Part(c.vision.hidden_size, c.vision.num_heads),))),
-    (r"visual\.blocks\.\d+\.(attn\.proj|mlp\.down_proj)\.bias", "vision", lambda c: (None, ())),
+    (r"visual\.blocks\.\d+\.(attn\.proj|mlp\.down_proj|mlp\.linear_fc2)\.bias", "vision", lambda c: (None, ())),
     (r"visual\.blocks\.\d+\.mlp\.gate_up_proj\.(weight|bias)", "vision",
      lambda c: (0, (Part(c.vision.intermediate_size, c.vision.intermediate_size),) * 2)),
     (r"visual\.blocks\.\d+\.mlp\.down_proj\.weight", "vision",
+     lambda c: (1, (Part(c.vision.intermediate_size, c.vision.intermediate_size),))),
+    (r"visual\.blocks\.\d+\.mlp\.linear_fc1\.(weight|bias)", "vision",
+     lambda c: (0, (Part(c.vision.intermediate_size, c.vision.intermediate_size),))),
+    (r"visual\.blocks\.\d+\.mlp\.linear_fc2\.weight", "vision",
      lambda c: (1, (Part(c.vision.intermediate_size, c.vision.intermediate_size),))),
 )
 
 
 def param_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every parameter of Qwen25VL(cfg), built on the meta device."""
+    """(name, shape) of every parameter of Qwen25VL(cfg) (the model of cfg's family), built on the meta device."""
     import torch
 
     from ..models import Qwen25VL
