@@ -27,6 +27,9 @@ class RolloutBatch:
     prefix: dict = field(default_factory=dict)
     # [B] each prompt's place in the order the groups finished (sortable keys; None: unknown)
     finished: list[int] | None = None
+    # [N, R] the rollout correction's IS weights of the whole batch (rl/rollout_correction.py), set by the step
+    # for the update when they need the whole batch (batch normalisation); None: formed per micro-batch
+    is_weights: torch.Tensor | None = None
 
     @property
     def num_samples(self) -> int:
@@ -123,7 +126,8 @@ class RolloutBatch:
         pick = lambda t: None if t is None else t[idx]  # noqa: E731
         extras = {k: [v[i] for i in idx.tolist()] for k, v in self.extras.items()}
         return replace(self, prompts=prompts, group=group, responses=self.responses[idx], mask=self.mask[idx],
-                       rollout_logprobs=pick(self.rollout_logprobs), rewards=pick(self.rewards), extras=extras)
+                       rollout_logprobs=pick(self.rollout_logprobs), rewards=pick(self.rewards), extras=extras,
+                       is_weights=pick(self.is_weights))
 
 
 def mask_after_eos(responses: torch.Tensor, eos_id: int, mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -40,6 +40,7 @@ from .algos import ADV_ESTIMATORS, AGG_MODES, KL_KINDS, POLICY_LOSSES, SINGLETON
 from .fuse_gate import POLICIES as FUSE_ADMISSIONS
 from .fuse_gate import parse_sms_by_batch
 from .microbatch import MicroBatching
+from .rollout_correction import RolloutCorrection
 
 PER_STEP = "per_step"  # the field metadata key of a per-step override's bounds
 
@@ -100,6 +101,17 @@ class RLConfig:
     # truncated importance sampling (verl's tis_imp_ratio_cap): the pg loss per token times
     # min(exp(old - rollout logprob), cap) when the batch has rollout logprobs; None: off
     tis_imp_ratio_cap: float | None = per_step(None, gt=0.0, le=100.0)
+    # rollout correction (verl's algorithm.rollout_correction, rl/rollout_correction.py): IS weights per token or
+    # sequence truncated at rollout_is_threshold (optionally batch-normalised), rejection of the tokens (IcePop) or
+    # sequences whose weight lies outside [rollout_rs_threshold_lower, rollout_rs_threshold], and the veto of
+    # sequences with a token weight under rollout_token_veto_threshold; all off by default
+    rollout_is: str | None = per_step(None)  # token | sequence
+    rollout_is_threshold: float = per_step(2.0, gt=0.0, le=1e6)
+    rollout_is_batch_normalize: bool = per_step(False)
+    rollout_rs: str | None = per_step(None)  # token | sequence | geometric
+    rollout_rs_threshold: float | None = per_step(None, gt=0.0, le=1e6)
+    rollout_rs_threshold_lower: float | None = per_step(None, gt=0.0, le=1e6)  # default 1 / rollout_rs_threshold
+    rollout_token_veto_threshold: float | None = per_step(None, gt=0.0, le=1.0)
     # sapo's gate temperatures where A > 0 / A <= 0 (verl's actor.tau_pos / tau_neg)
     tau_pos: float = per_step(1.0, gt=0.0, le=100.0)
     tau_neg: float = per_step(1.05, gt=0.0, le=100.0)
@@ -210,6 +222,8 @@ class RLConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         _ = self.policy_loss_params  # ValueError on a bad sapo / clip_cov / kl_cov hyperparameter
+        if self.tis_imp_ratio_cap is not None and self.rollout_is is not None:
+            raise ValueError("tis_imp_ratio_cap is rollout_is='token' with rollout_is_threshold=cap: set one of them")
         if self.adv_estimator == "grpo_passk" and self.n < 2:
             raise ValueError("adv_estimator='grpo_passk' compares a group's two best samples: it needs n >= 2")
         if self.adv_estimator == "dr_grpo" and self.loss_agg_mode != "seq-mean-token-sum-norm":
@@ -256,6 +270,7 @@ class RLConfig:
         if self.fuse_sms < 0:
             raise ValueError("fuse_sms must be >= 0 (0: share every SM)")
         parse_sms_by_batch(self.fuse_sms_by_batch)
+        _ = self.rollout_corr  # ValueError on a bad rollout-correction option
 
     @property
     def agg_norm(self) -> float:
@@ -267,6 +282,17 @@ class RLConfig:
         """The hyperparameters of the sapo / clip_cov / kl_cov losses (validated on construction)."""
         return PolicyLossParams(self.tau_pos, self.tau_neg, self.clip_cov_ratio, self.clip_cov_lb, self.clip_cov_ub,
                                 self.kl_cov_ratio, self.ppo_kl_coef)
+
+    @property
+    def rollout_corr(self) -> RolloutCorrection:
+        """The rollout correction (rl/rollout_correction.py); tis_imp_ratio_cap is its token-level IS weights."""
+        if self.tis_imp_ratio_cap is not None:
+            return RolloutCorrection("token", self.tis_imp_ratio_cap, self.rollout_is_batch_normalize, self.rollout_rs,
+                                     self.rollout_rs_threshold, self.rollout_rs_threshold_lower,
+                                     self.rollout_token_veto_threshold)
+        return RolloutCorrection(self.rollout_is, self.rollout_is_threshold, self.rollout_is_batch_normalize,
+                                 self.rollout_rs, self.rollout_rs_threshold, self.rollout_rs_threshold_lower,
+                                 self.rollout_token_veto_threshold)
 
     @property
     def uses_critic(self) -> bool:

@@ -89,6 +89,9 @@ def fused_unsupported(cfg: RLConfig) -> str | None:
                 "known only then")
     if cfg.adv_estimator in BATCH_WIDE:
         return f"adv_estimator={cfg.adv_estimator!r} whitens or scales advantages over the whole batch"
+    if cfg.rollout_corr.needs_whole_batch:
+        return ("the rollout correction's batch normalisation, rejection or veto needs the whole batch's old "
+                "logprobs before the update")
     if fused_loss_norm(cfg) is None:
         return (f"policy_loss={cfg.policy_loss!r} divides its loss by sequences and the KL loss / entropy bonus by "
                 "tokens: one division at the end cannot reproduce both")
