@@ -160,7 +160,7 @@ def choices() -> dict[str, tuple]:
     rl_choices = {"mode": rl.MODES, "adv_estimator": rl.ADV_ESTIMATORS, "loss_agg_mode": AGG_MODES,
                   "kl_loss_type": KL_KINDS, "kl_penalty": KL_KINDS, "lr_schedule": rl.LR_SCHEDULES,
                   "lr_schedule_unit": rl.LR_SCHEDULE_UNITS, "kl_ctrl": rl.KL_CTRLS, "policy_loss": POLICY_LOSSES,
-                  "singleton_adv": SINGLETON_ADV, "filter_groups_metric": rl.FILTER_GROUPS_METRICS,
+                  "singleton_adv": SINGLETON_ADV,
                   "schedule": rl.SCHEDULES, "fuse_admission": rl.FUSE_ADMISSIONS}
     out.update({f"rl.{k}": v for k, v in rl_choices.items()})
     return out

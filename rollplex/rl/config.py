@@ -20,7 +20,7 @@ overlong reward shaping (`overlong_buffer_len` > 0, verl's reward_model.overlong
 longer than max_new_tokens - overlong_buffer_len loses overlong_penalty_factor x the tokens past
 that, over overlong_buffer_len, from its score (rl/rewards.py: `overlong_penalty`);
 dynamic sampling (`filter_groups`, verl's algorithm.filter_groups): groups whose samples all have
-the same `filter_groups_metric` are dropped and more prompts rolled out until the step holds as many
+the same `filter_groups_metric` (seq_reward, score, or a key the reward function returns such as acc) are dropped and more prompts rolled out until the step holds as many
 groups as it was given prompts, at most `max_num_gen_batches` rollouts (0: unbounded), then a
 ValueError, or training on the groups kept with `filter_groups_partial` (rl/dynamic_sampling.py).
 
@@ -58,7 +58,8 @@ LR_SCHEDULE_UNITS = ("step", "optimizer_step")
 SCHEDULES = ("phased", "fused")
 KL_CTRLS = ("fixed", "adaptive")
 # what dynamic sampling compares within a group (verl's filter_groups.metric): seq_reward, the reward
-# trained on (after overlong shaping); score, the reward function's score before it
+# trained on (after overlong shaping); score, the reward function's score before it; or any other key the
+# reward function returns in its dict (acc, format, ...), checked when the rewards are scored
 FILTER_GROUPS_METRICS = ("seq_reward", "score")
 
 
@@ -217,10 +218,13 @@ class RLConfig:
                               ("policy_loss", POLICY_LOSSES), ("loss_agg_mode", AGG_MODES),
                               ("kl_loss_type", KL_KINDS), ("kl_penalty", KL_KINDS), ("kl_ctrl", KL_CTRLS),
                               ("lr_schedule", LR_SCHEDULES), ("lr_schedule_unit", LR_SCHEDULE_UNITS),
-                              ("schedule", SCHEDULES), ("filter_groups_metric", FILTER_GROUPS_METRICS),
+                              ("schedule", SCHEDULES),
                               ("fuse_admission", FUSE_ADMISSIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not (isinstance(self.filter_groups_metric, str) and self.filter_groups_metric.isidentifier()):
+            raise ValueError(f"filter_groups_metric must be seq_reward, score or a key the reward function returns "
+                             f"(a name), got {self.filter_groups_metric!r}")
         _ = self.policy_loss_params  # ValueError on a bad sapo / clip_cov / kl_cov hyperparameter
         if self.tis_imp_ratio_cap is not None and self.rollout_is is not None:
             raise ValueError("tis_imp_ratio_cap is rollout_is='token' with rollout_is_threshold=cap: set one of them")

@@ -68,7 +68,7 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import Response
 
 from ..rl.batch import RolloutBatch
-from ..rl.dynamic_sampling import kept_groups
+from ..rl.dynamic_sampling import kept_groups, metric_values
 from ..rl.errors import NonFiniteUpdate, TrainOOM, TrainStepError
 from ..rl.rewards import score_batch
 from . import limits
@@ -290,8 +290,14 @@ def _filter_groups(entry: RetainedRollout, rewards: list, scores: list, metric: 
     """(entry, rewards) of the groups whose samples' `metric` differs (rl/dynamic_sampling.py), the first
     `target` of them when given, and the filter's metrics; 400 (the rollouts retained) when none is left
     to train, or fewer than `target`."""
-    values = torch.tensor(rewards if metric == "seq_reward" else scores, dtype=torch.float32)
     batch = entry.batch
+    if metric in ("seq_reward", "score"):
+        values = torch.tensor(rewards if metric == "seq_reward" else scores, dtype=torch.float32)
+    else:  # a key of the server's reward function's dict (a client's rewards have none)
+        try:
+            values = metric_values(metric, batch, None)
+        except ValueError as e:
+            raise bad_request(f"filter_groups: {e}") from None
     kept = kept_groups(values, batch.group, batch.num_prompts)
     if not kept or (target is not None and len(kept) < target):
         raise bad_request(f"filter_groups: {len(kept)} of the {batch.num_prompts} groups have samples whose {metric} "
