@@ -69,6 +69,7 @@ class RequestOutput:
     meta: dict = field(default_factory=dict)
     vision_embeds: torch.Tensor | None = None  # the prefill's visual features (add_request(keep_vision=True))
     error: Exception | None = None  # the request failed in a step and was dropped (samples: what it had)
+    greedy: list[SampleOutput] = field(default_factory=list)  # the n_greedy greedy continuations
 
 
 class Engine:
@@ -147,8 +148,8 @@ class Engine:
         keep_vision: return the prefill's visual features in the output (they can stand in for the
         vision tower of a frozen-vision trainer, `ModelInputs.vision_embeds`)."""
         params = params or SamplingParams()
-        if params.n > self.cfg.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.cfg.max_num_seqs}")
+        if params.num_seqs > self.cfg.max_num_seqs:
+            raise ValueError(f"n={params.n} (+ n_greedy={params.n_greedy}) exceeds max_num_seqs={self.cfg.max_num_seqs}")
         inputs = self.encode(prompt, processor)
         vocab = self.model.cfg.text.vocab_size
         if not inputs.input_ids or any(not 0 <= t < vocab for t in inputs.input_ids):
@@ -158,7 +159,7 @@ class Engine:
                 inputs.input_ids):  # text-only prompts: positions 0..L-1 on all three axes, delta 0
             # ValueError on placeholders that do not match the images (the model's family places them)
             _, delta = self.model.prompt_positions(list(inputs.input_ids), inputs)
-        req = Request("", inputs, params, [0] * params.n, rope_delta=delta)  # id and seeds: `add`
+        req = Request("", inputs, params, [0] * params.num_seqs, rope_delta=delta)  # id and seeds: `add`
         req.max_len = min(req.num_prompt_tokens + params.max_new_tokens, self.cfg.max_model_len)
         req.keep_vision = keep_vision
         self.scheduler.check(req)  # reads only the limits and the cache size
@@ -173,6 +174,7 @@ class Engine:
             raise ValueError(f"duplicate request id {rid!r}")
         base = req.params.seed
         req.seeds = [base + i if base is not None else self._rng.getrandbits(62) for i in range(req.params.n)]
+        req.seeds += [0] * req.params.n_greedy  # greedy continuations draw no noise
         for seq, seed in zip(req.seqs, req.seeds):
             seq.seed = seed
         req.request_id, req.arrival = rid, time.monotonic()
@@ -292,6 +294,8 @@ class Engine:
 
     def _row(self, seq: Sequence) -> tuple:
         p = seq.request.params
+        if seq.sample_index >= p.n:  # a greedy continuation (n_greedy)
+            return (0.0, -1, 1.0, 0.0, seq.seed, seq.num_output_tokens)
         return (p.temperature, p.top_k, p.top_p, p.min_p, seq.seed, seq.num_output_tokens)
 
     def _prefill(self, items) -> None:
@@ -456,7 +460,7 @@ class Engine:
 
     def _output(self, req: Request) -> RequestOutput:
         samples = []
-        for s in req.seqs:
+        for s in req.seqs:  # the n samples, then the greedy continuations
             text = None
             if self.processor is not None:
                 text = self.processor.decode(s.output_ids, skip_special_tokens=req.params.skip_special_tokens)
@@ -464,8 +468,10 @@ class Engine:
                     text = text[: text.index(s.matched_stop)]
             samples.append(SampleOutput(s.output_ids, s.logprobs, s.finish_reason, s.matched_stop, text))
         self.requests.pop(req.request_id, None)
-        return RequestOutput(req.request_id, list(req.inputs.input_ids), samples, req.input_logprobs,
-                             {"num_preemptions": sum(s.num_preemptions for s in req.seqs)}, req.vision_embeds)
+        n = req.params.n
+        return RequestOutput(req.request_id, list(req.inputs.input_ids), samples[:n], req.input_logprobs,
+                             {"num_preemptions": sum(s.num_preemptions for s in req.seqs)}, req.vision_embeds,
+                             greedy=samples[n:])
 
     # ---- batch API ----------------------------------------------------------------------------
     def generate(self, prompts: Seq, params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -33,6 +33,7 @@ from dataclasses import replace
 import torch
 
 from .batch import RolloutBatch
+from .remax import set_baselines
 from .rewards import REWARD_EXTRA_INFO, score_batch
 from .rollout import rollout_requests
 from .timing import phase_timer as _timer
@@ -100,6 +101,10 @@ def sample_groups(rl, rows: list[dict], more_rows: Callable[[], list[dict]] | No
         with _timer(m, "reward", rl.device):
             scores, batch.rewards, extra = score_batch(rl.reward_fn, batch, cfg.max_new_tokens, cfg.overlong_buffer_len,
                                                        cfg.overlong_penalty_factor)
+        if batch.greedy is not None:  # ReMax: the greedy responses' rewards, the kept groups' baselines
+            _, greedy_rewards, _ = score_batch(rl.reward_fn, batch.greedy, cfg.max_new_tokens, cfg.overlong_buffer_len,
+                                               cfg.overlong_penalty_factor)
+            set_baselines(batch, greedy_rewards)
         tries += 1
         for k, v in extra.items():  # averaged over every sample scored
             sums[k] = sums.get(k, 0.0) + v * batch.num_samples

@@ -36,6 +36,7 @@ from .errors import TrainOOM
 from .fuse_gate import FuseGate, gate_settings
 from .handover import co_scheduled, complete_handover, plan_handover
 from .pipeline import GroupPipeline, fallback_on, fused_unsupported
+from .remax import score_baselines
 from .timing import phase_timer as _timer
 from .trainer import mini_batch_sizes
 
@@ -56,6 +57,7 @@ class Phased:
         """Rewards, then reference, advantages and the update (`RLStep.train`) of a finished rollout."""
         with _timer(m, "reward", step.device):
             batch.rewards, extra = rewards(batch, list(range(batch.num_prompts)))
+            score_baselines(rewards, batch, list(range(batch.num_prompts)))  # ReMax's greedy responses
         m.update(extra)
         m.update(step.train(batch))
         return batch
@@ -191,7 +193,7 @@ class Fused:
         pipe.resolve_times()
         assert len(mine) < len(prompts) or pipe.order == batch.finish_order(), "the first mini-batch is trained"
         got = pipe.assemble(batch, results)
-        batch.rewards = got["rewards"]
+        batch.rewards, batch.baselines = got["rewards"], got["baselines"]
         m.update(got["reward_metrics"])
         _, reward_kl, kl_m = step.kl_reward_penalty(batch, got["ref"], cfg)
         m.update(kl_m)

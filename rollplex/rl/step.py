@@ -338,7 +338,7 @@ class RLStep:
             rewards = tok.sum(-1)
         else:
             adv, rewards = compute_advantages(cfg.adv_estimator, batch.rewards, batch.group, batch.mask, penalty,
-                                              cfg.norm_adv_by_std, cfg.gamma, cfg.singleton_adv)
+                                              cfg.norm_adv_by_std, cfg.gamma, cfg.singleton_adv, batch.baselines)
         # verl's trainer.critic_warmup: the first steps update the critic only
         train_actor = not (cfg.uses_critic and self.step_idx < cfg.critic_warmup)
         old = old_logprobs
