@@ -86,6 +86,9 @@ class SGLangRollout:
     def generate(self, prompts: Sequence, params: Sequence, keep_vision: bool = False, on_output=None) -> list:
         if len(prompts) != len(params):
             raise ValueError("one SamplingParams per prompt")
+        if any(getattr(sp, "n_greedy", 0) for sp in params):
+            raise ValueError("the sglang rollout backend does not roll out greedy continuations (n_greedy, "
+                             "adv_estimator='remax'): use the native backend")
         if not prompts:
             return []
         if not self.image_prompts and any(p.image_grids for p in prompts):
