@@ -49,6 +49,7 @@ from ..engine import EngineConfig
 from ..loggers import LoggerConfig, Tracker, add_arguments, resolve_run_dir
 from ..memory import MemoryConfig
 from ..plots import plot_rewards, reward_labels
+from ..rl.algos import AGG_MODE_HELP, describe
 from ..rl.config import RLConfig
 from ..system import SystemConfig, build, load_policy
 from ..tiny import shape_color
@@ -77,7 +78,8 @@ def parser() -> ConfigParser:
                                      "demo trains)",
                             "format_warmup_steps": "format warm-up steps (random option letters)",
                             "seed": "data, warm-up and sampling seed",
-                            "loss_agg_mode": "loss aggregation (dr_grpo: seq-mean-token-sum-norm unless given)",
+                            "loss_agg_mode": describe(AGG_MODE_HELP) + " (with --adv-estimator dr_grpo the demo "
+                                             "uses seq-mean-token-sum-norm unless given)",
                             "kl_coef": "KL coefficient (rloo, reinforce_plus_plus: 0.1 unless given, a KL loss to the "
                                        "reference; else 0: no reference model)",
                             "lr": "the actor's lr (reinforce_plus_plus: 1.5e-3 unless given)"})

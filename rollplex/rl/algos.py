@@ -90,17 +90,62 @@ from dataclasses import dataclass
 
 import torch
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
-_KL_BASE = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+# The menu: each option with what it is in a line (the flags' help is made from these, rollplex/cli.py)
+AGG_MODE_HELP = {
+    "token-mean": "sum of token losses / tokens of the mini-batch",
+    "seq-mean-token-mean": "mean over sequences of each one's token mean",
+    "seq-mean-token-sum": "mean over sequences of each one's token sum",
+    "seq-mean-token-sum-norm": "mean over sequences of token sum / loss_agg_norm (Dr.GRPO)",
+    "token-sum": "sum of token losses",
+}
+KL_HELP = {
+    "k1": "logp - ref", "kl": "k1", "abs": "|logp - ref|", "k2": "(logp - ref)^2 / 2", "mse": "k2",
+    "k3": "exp(ref - logp) - (ref - logp) - 1", "low_var_kl": "k3",
+}
+ADV_ESTIMATOR_HELP = {
+    "grpo": "(r - group mean) / (group std + 1e-6)",
+    "dr_grpo": "r - group mean, no std (needs --loss-agg-mode seq-mean-token-sum-norm)",
+    "rloo": "leave-one-out baseline",
+    "reinforce_plus_plus": "discounted per-token return, batch-whitened",
+    "reinforce_plus_plus_baseline": "group mean subtracted, batch-whitened",
+    "gae": "PPO with a critic (a value model trained beside the policy)",
+    "opo": "length-weighted group baseline",
+    "grpo_passk": "only each group's best sample, by its lead over the second (n >= 2)",
+    "gpg": "group-centred, times N / non-zero rewards of the batch",
+    "remax": "reward-to-go minus the reward of the prompt's greedy response, rolled out in the same call",
+}
+POLICY_LOSS_HELP = {
+    "vanilla": "PPO-clip per token with the dual clip",
+    "gspo": "sequence-level ratio clipped per sequence (verl's recipe clips at --clip-ratio-low 3e-4 "
+            "--clip-ratio-high 4e-4)",
+    "sapo": "soft adaptive gate instead of the clip (--tau-pos, --tau-neg)",
+    "cispo": "clipped, detached IS weight times -A logp",
+    "gpg": "-A logp",
+    "clip_cov": "PPO-clip, high-covariance tokens' gradient cut (--clip-cov-*)",
+    "kl_cov": "-A r plus a KL term on the highest-covariance tokens (--kl-cov-ratio, --ppo-kl-coef)",
+    "geo_mean": "GMPO, the geometric mean of the clipped token ratios per sequence",
+    "reinforce": "-A logp (verl's REINFORCE loss)",
+}
+AGG_MODES = tuple(AGG_MODE_HELP)
+_KL_BASE = tuple(KL_HELP)
 KL_KINDS = _KL_BASE + tuple(k + "+" for k in _KL_BASE)  # "+": straight-through, the gradient of k2
-ADV_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae", "opo",
-                  "grpo_passk", "gpg", "remax")
+ADV_ESTIMATORS = tuple(ADV_ESTIMATOR_HELP)
 # estimators whose advantages depend on the whole batch, not on each group alone (whitening, GPG's alpha)
 BATCH_WIDE_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg")
-POLICY_LOSSES = ("vanilla", "gspo", "sapo", "cispo", "gpg", "clip_cov", "kl_cov", "geo_mean", "reinforce")
+POLICY_LOSSES = tuple(POLICY_LOSS_HELP)
 # losses aggregated per sequence (seq-mean-token-mean) whatever loss_agg_mode says, as verl does
 SEQ_LEVEL_LOSSES = ("gspo", "sapo", "geo_mean")
 SINGLETON_ADV = ("reward", "zero")
+
+
+def describe(options: dict[str, str]) -> str:
+    """A flag's help listing every option of a menu: "name: what; name: what; ..."."""
+    return "; ".join(f"{k}: {v}" for k, v in options.items())
+
+
+def kl_help() -> str:
+    """The KL estimators' help: the base ones, and their straight-through "+" forms."""
+    return describe(KL_HELP) + "; a name with + (k1+, k3+, low_var_kl+, ...): its value with k2's gradient"
 
 
 @dataclass(frozen=True)
