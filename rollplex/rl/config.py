@@ -24,6 +24,10 @@ the same `filter_groups_metric` (seq_reward, score, or a key the reward function
 groups as it was given prompts, at most `max_num_gen_batches` rollouts (0: unbounded), then a
 ValueError, or training on the groups kept with `filter_groups_partial` (rl/dynamic_sampling.py).
 
+Rollout correction (verl's algorithm.rollout_correction: `rollout_is*`, `rollout_rs*`,
+`rollout_token_veto_threshold`; `tis_imp_ratio_cap` is its token-level IS weights) weights or rejects
+what the update trains on by the rollout–trainer logprob gap (rl/rollout_correction.py, `rollout_corr`).
+
 Per-step overrides: the fields declared with `per_step(default, **bounds)` are the ones a server's
 /train_step may set for one step, bounded to what a step can use (an lr of 1000 destroys the policy in
 one step); names of an estimator / loss / filter metric are checked by `__post_init__`. The LR-schedule
@@ -73,7 +77,7 @@ class RLConfig:
     max_new_tokens: int = 64
     # algorithm
     # grpo | dr_grpo | rloo | opo | grpo_passk | gpg | reinforce_plus_plus | reinforce_plus_plus_baseline |
-    # gae (PPO with a critic); rl/algos.py, docs/ALGORITHMS.md
+    # gae (PPO with a critic) | remax (greedy baseline, rl/remax.py); rl/algos.py, docs/ALGORITHMS.md
     adv_estimator: str = per_step("grpo")
     norm_adv_by_std: bool = per_step(True)  # grpo and grpo_passk (dr_grpo is grpo without it)
     singleton_adv: str = per_step("reward")  # a group of one sample: the reward itself (verl) | zero
