@@ -187,9 +187,10 @@ def rollout_correction(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask:
                        rc: RolloutCorrection) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
     """verl's compute_rollout_correction_and_rejection_mask over a whole batch: (the IS weights [N, R],
     truncated, batch-normalised when asked, detached — None without rollout_is; the response mask with the
-    rejected tokens and sequences zeroed [N, R]; the metrics, `rollout_corr/`-prefixed). ValueError for a batch
-    without response tokens."""
-    m = mask.to(old_logp.dtype)
+    rejected tokens and sequences zeroed [N, R]; the metrics, `rollout_corr/`-prefixed), on old_logp's device.
+    ValueError for a batch without response tokens."""
+    rollout_logp = rollout_logp.to(old_logp.device)
+    m = mask.to(old_logp.device, old_logp.dtype)
     if not bool((m > 0).any()):
         raise ValueError("rollout correction needs at least one response token")
     log_ratio = (old_logp - rollout_logp).detach()
@@ -243,4 +244,5 @@ def corrected_batch(batch, old_logp: torch.Tensor | None, cfg):
     if not rc.needs_whole_batch or batch.rollout_logprobs is None or old_logp is None:
         return batch
     weights, keep, _ = rollout_correction(old_logp, batch.rollout_logprobs, batch.mask, rc)
-    return replace(batch, mask=keep.to(batch.mask.dtype), is_weights=weights)
+    dev = batch.mask.device
+    return replace(batch, mask=keep.to(dev, batch.mask.dtype), is_weights=None if weights is None else weights.to(dev))
