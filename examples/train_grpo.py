@@ -66,8 +66,7 @@ from rollplex.loggers import LoggerConfig, Tracker, resolve_run_dir
 from rollplex.loggers import add_arguments as add_logger_arguments
 from rollplex.loggers import parse_names as parse_logger_names
 from rollplex.plots import plot_rewards, reward_labels
-from rollplex.rl.algos import (ADV_ESTIMATOR_HELP, ADV_ESTIMATORS, AGG_MODE_HELP, AGG_MODES, POLICY_LOSS_HELP,
-                               POLICY_LOSSES, describe)
+from rollplex.rl import algos
 from rollplex.rl.rewards import get_reward_fn, score
 
 
@@ -100,8 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature")
     ap.add_argument("--lr", type=float, default=None, help="default: 1e-3 for the demo, else the server's")
     ap.add_argument("--kl-coef", type=float, default=None, help="KL coefficient (default: the server's)")
-    ap.add_argument("--adv-estimator", default=None, choices=ADV_ESTIMATORS, help=describe(ADV_ESTIMATOR_HELP)
-                    + ". Sent with each /train_step (default: the server's; dr_grpo with loss aggregation "
+    ap.add_argument("--adv-estimator", default=None, choices=algos.ADV_ESTIMATORS,
+                    help=algos.describe(algos.ADV_ESTIMATOR_HELP) + ". Sent with each /train_step (default: the "
+                    "server's; dr_grpo with loss aggregation "
                     "seq-mean-token-sum-norm unless --loss-agg-mode says otherwise); gae and remax need a server "
                     "started with them (the in-process one is)")
     ap.add_argument("--critic-lr", type=float, default=None, help="gae: the critic's lr (default: the server's; the "
@@ -111,10 +111,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gamma", type=float, default=None, help="discount of gae's / reinforce_plus_plus's per-token "
                     "return (default: the server's)")
     ap.add_argument("--lam", type=float, default=None, help="gae's lambda (default: the server's)")
-    ap.add_argument("--policy-loss", default=None, choices=POLICY_LOSSES,
-                    help=describe(POLICY_LOSS_HELP) + " (default: the server's)")
-    ap.add_argument("--loss-agg-mode", default=None, choices=AGG_MODES,
-                    help=describe(AGG_MODE_HELP) + " (default: the server's)")
+    ap.add_argument("--policy-loss", default=None, choices=algos.POLICY_LOSSES,
+                    help=algos.describe(algos.POLICY_LOSS_HELP) + " (default: the server's)")
+    ap.add_argument("--loss-agg-mode", default=None, choices=algos.AGG_MODES,
+                    help=algos.describe(algos.AGG_MODE_HELP) + " (default: the server's)")
     ap.add_argument("--clip-ratio-low", type=float, default=None, help="PPO clip range below 1 (default: the server's)")
     ap.add_argument("--clip-ratio-high", type=float, default=None, help="PPO clip range above 1; DAPO's clip-higher: "
                     "0.28 (default: the server's)")

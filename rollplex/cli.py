@@ -57,7 +57,8 @@ HELP = {
                   "--rollout-is-threshold (default: off)",
     "rollout_is_batch_normalize": "rollout correction: the IS weights divided by their batch mean",
     "rollout_rs": "rollout correction's rejection (verl's rollout_rs): token (IcePop's mask), sequence or geometric "
-                  "weights outside [--rollout-rs-threshold-lower, --rollout-rs-threshold] leave the loss (default: off)",
+                  "weights outside [--rollout-rs-threshold-lower, --rollout-rs-threshold] leave the loss "
+                  "(default: off)",
     "rollout_rs_threshold_lower": "default: 1 / --rollout-rs-threshold",
     "rollout_token_veto_threshold": "rollout correction: a sequence with a token weight under this leaves the loss "
                                     "(default: off)",

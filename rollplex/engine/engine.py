@@ -149,7 +149,8 @@ class Engine:
         vision tower of a frozen-vision trainer, `ModelInputs.vision_embeds`)."""
         params = params or SamplingParams()
         if params.num_seqs > self.cfg.max_num_seqs:
-            raise ValueError(f"n={params.n} (+ n_greedy={params.n_greedy}) exceeds max_num_seqs={self.cfg.max_num_seqs}")
+            raise ValueError(f"n={params.n} (+ n_greedy={params.n_greedy}) exceeds "
+                             f"max_num_seqs={self.cfg.max_num_seqs}")
         inputs = self.encode(prompt, processor)
         vocab = self.model.cfg.text.vocab_size
         if not inputs.input_ids or any(not 0 <= t < vocab for t in inputs.input_ids):

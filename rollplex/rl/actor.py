@@ -39,7 +39,6 @@ import torch
 from ..models import Qwen25VL
 from ..models.transfer import to_device
 from .algos import agg_denominator, agg_loss, kl_penalty, policy_agg_mode, ppo_policy_loss
-from .rollout_correction import is_weights
 from .batch import RolloutBatch
 from .config import RLConfig
 from .errors import NonFiniteUpdate as NonFiniteUpdate  # re-exported: where callers have long found them
@@ -48,6 +47,7 @@ from .errors import is_oom
 from .microbatch import MicroBatching
 from .optimizer import MasterAdamW
 from .placement import Placement, SingleProcess
+from .rollout_correction import is_weights
 from .scoring import score_with_backoff, token_logprobs
 from .trainer import Trainer, lr_lambda, retry_oom
 

@@ -20,9 +20,10 @@ overlong reward shaping (`overlong_buffer_len` > 0, verl's reward_model.overlong
 longer than max_new_tokens - overlong_buffer_len loses overlong_penalty_factor x the tokens past
 that, over overlong_buffer_len, from its score (rl/rewards.py: `overlong_penalty`);
 dynamic sampling (`filter_groups`, verl's algorithm.filter_groups): groups whose samples all have
-the same `filter_groups_metric` (seq_reward, score, or a key the reward function returns such as acc) are dropped and more prompts rolled out until the step holds as many
-groups as it was given prompts, at most `max_num_gen_batches` rollouts (0: unbounded), then a
-ValueError, or training on the groups kept with `filter_groups_partial` (rl/dynamic_sampling.py).
+the same `filter_groups_metric` (seq_reward, score, or a key the reward function returns such as
+acc) are dropped and more prompts rolled out until the step holds as many groups as it was given
+prompts, at most `max_num_gen_batches` rollouts (0: unbounded), then a ValueError, or training on the
+groups kept with `filter_groups_partial` (rl/dynamic_sampling.py).
 
 Rollout correction (verl's algorithm.rollout_correction: `rollout_is*`, `rollout_rs*`,
 `rollout_token_veto_threshold`; `tis_imp_ratio_cap` is its token-level IS weights) weights or rejects

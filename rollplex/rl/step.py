@@ -81,8 +81,8 @@ from .dynamic_sampling import sample_groups
 from .errors import TrainStepError, TrainStepFailed
 from .handover import co_scheduled, complete_handover, plan_handover
 from .rewards import RewardFn, get_reward_fn, score_batch
-from .rollout_correction import corrected_batch, rollout_correction
 from .rollout import NativeRollout, RolloutBackend, as_rollout_backend, rollout_requests
+from .rollout_correction import corrected_batch, rollout_correction
 from .runtime import LocalRuntime, Runtime
 from .schedule import schedule_of, why_not_fused
 from .step_memory import fit_memory as fit_memory  # re-exported: its home before rl/step_memory.py

@@ -90,8 +90,8 @@ def parser():
     from .state import KEEP_ALIVE_S, ServerConfig
 
     ap = ConfigParser(ServerConfig, prog="python -m rollplex.server", description=__doc__.splitlines()[0],
-                      skip=NO_FLAG, help={**HELP, "adv_estimator": server_estimator_help()}, flags={"rollout_ttl_s": "--rollout-ttl",
-                                                      "reward_modules": "--reward-module"},
+                      skip=NO_FLAG, help={**HELP, "adv_estimator": server_estimator_help()},
+                      flags={"rollout_ttl_s": "--rollout-ttl", "reward_modules": "--reward-module"},
                       kwargs={"reward_modules": {"action": "append", "type": str, "nargs": None,
                                                  "metavar": "[NAME=]MODULE:FN"},
                               # read after parsing: a default would print the key in --help

@@ -151,7 +151,8 @@ def router(state) -> APIRouter:
                     "logprobs": _json_floats(s.logprobs),
                     "finish_reason": finish_reason(s.finish_reason, s.matched_stop, len(s.token_ids))}
                    for i, out in enumerate(outs) for j, s in enumerate(out.samples)]
-        greedy = [{"prompt_index": i, "token_ids": s.token_ids, "text": s.text or "", "logprobs": _json_floats(s.logprobs),
+        greedy = [{"prompt_index": i, "token_ids": s.token_ids, "text": s.text or "",
+                   "logprobs": _json_floats(s.logprobs),
                    "finish_reason": finish_reason(s.finish_reason, s.matched_stop, len(s.token_ids))}
                   for i, out in enumerate(outs) for s in getattr(out, "greedy", [])]
         state.metrics.inc("rollplex_rollouts_total")
