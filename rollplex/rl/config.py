@@ -160,6 +160,8 @@ class RLConfig:
     # responses over its PrefixState. Same values (tests hold both to the serial mode). Packed is the
     # default because it is faster and needs about half the memory of the padded responses, which is
     # what lets 4 prompts x 8 samples fit a micro-batch on one GPU (docs/BENCHMARKS.md).
+    # serial mode: True packs the micro-batch's full sequences without padding (verl's
+    # use_remove_padding, as its recipes run); False right-pads them to the longest ("serial-padded").
     packed: bool = True
     # per-layer activation checkpointing of the decoder / the vision tower in the actor's forward/backward
     # (verl: enable_gradient_checkpointing): activations stop growing with depth for about one extra forward.
