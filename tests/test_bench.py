@@ -157,6 +157,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_serve_rounds_plan_the_servers_memory_for_their_response_length():
+    from rollplex.bench.serve import plan_args
+
+    assert plan_args("--kl-coef 0.001", 512) == "--kl-coef 0.001 --max-new-tokens 512"
+    assert plan_args("", 64) == "--max-new-tokens 64"
+    for given in ("--max-new-tokens 256", "--max-new-tokens=256 --kl-coef 0"):
+        assert plan_args(given, 512) == given
+
+
 def test_serve_load_runs_end_to_end(tiny_dir, capsys, tmp_path, monkeypatch):
     """Cold start, check, the measurements (batched, raw-socket, httpx with a pool of N and the default one,
     the client ceiling against the canned endpoint, streamed), warm start, tables: the server a subprocess
