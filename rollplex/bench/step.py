@@ -9,9 +9,10 @@ and w3b-long-tail (16 x 16, log-normal lengths up to 4096, median 800); `--prese
 sequences packed without padding (use_remove_padding) in micro-batches cut by a token budget
 (use_dynamic_bsz, `--serial-max-tokens`: a comma list, one row per budget, the fastest the summary's
 `serial`), old logprobs skipped with one update per rollout. `serial-padded` is the older baseline:
-`--micro-samples` sequences per pass, right-padded to the longest. A step is one engine rollout, shared by both modes (the
-rollout is identical in both), then reference scoring and the actor update in each mode on that batch
-from the same initial weights. Correctness first: on a small batch the two modes' losses agree.
+`--micro-samples` sequences per pass, right-padded to the longest.
+
+A step is one engine rollout, shared by the modes (the rollout is identical in all), then reference
+scoring and the actor update in each mode on that batch from the same initial weights. Correctness first: on a small batch the two modes' losses agree.
 
 Every phase is timed warm: a warm-up step of the same shapes (its own rollout, with another seed, and
 both modes' scoring + update) runs first and pays the one-off costs (dynamo compiles and recompiles at
@@ -469,7 +470,8 @@ def main(argv=None) -> None:
     summary, fused_rows, traced = [], [], False
     for wl in loads:
         label, frames, n_prompts = wl.label, wl.frames, wl.prompts
-        serial_modes = [f"serial@{b}" for b in given_serial or [32768 if wl.long else 16384]] if "serial" in modes else []
+        budgets = given_serial or [32768 if wl.long else 16384]
+        serial_modes = [f"serial@{b}" for b in budgets] if "serial" in modes else []
         workload_kw(rl_kw, wl, given)
         prompts, grid = make_prompts(cfg, n_prompts, frames, size=args.image_size, text=args.text_tokens,
                                      device=device, dtype=dtype)
@@ -624,8 +626,8 @@ def _check(system: System, prompts, rl_kw, co_cfg, fuse, cfg, grid, label, init,
 
 
 def _table(summary: list[dict]) -> None:
-    print("\n| workload | vision | step | movable s | serial s (budget) | serial-padded s | rollplex s | bound | side SMs | "
-          "cosched s (gen s) | limit s | hidden of limit | decode slowdown | vs serial |")
+    print("\n| workload | vision | step | movable s | serial s (budget) | serial-padded s | rollplex s | bound | "
+          "side SMs | cosched s (gen s) | limit s | hidden of limit | decode slowdown | vs serial |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in summary:
         base, share, co = r.get("serial"), r.get("rollplex"), r.get("cosched")
