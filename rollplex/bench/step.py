@@ -12,7 +12,8 @@ sequences packed without padding (use_remove_padding) in micro-batches cut by a 
 `--micro-samples` sequences per pass, right-padded to the longest.
 
 A step is one engine rollout, shared by the modes (the rollout is identical in all), then reference
-scoring and the actor update in each mode on that batch from the same initial weights. Correctness first: on a small batch the two modes' losses agree.
+scoring and the actor update in each mode on that batch from the same initial weights. Correctness
+first: on a small batch the modes' losses agree.
 
 Every phase is timed warm: a warm-up step of the same shapes (its own rollout, with another seed, and
 both modes' scoring + update) runs first and pays the one-off costs (dynamo compiles and recompiles at
