@@ -44,6 +44,8 @@ FINISH_TYPES = {"stop": "stop", "length": "length", "abort": "abort"}
 
 def sampling_dict(sp: SamplingParams, seed: int) -> dict:
     """One sample's SGLang sampling_params (n = 1)."""
+    if sp.sample_max_new_tokens is not None:
+        raise ValueError("sample_max_new_tokens is the native engine's (SGLang has no per-sample length cap)")
     d = {"max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
          "top_k": sp.top_k, "min_p": sp.min_p, "ignore_eos": sp.ignore_eos,
          "skip_special_tokens": sp.skip_special_tokens, "sampling_seed": int(seed), "n": 1}

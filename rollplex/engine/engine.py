@@ -290,7 +290,11 @@ class Engine:
             return keep, SamplingTensors.build([self._row(s) for s in keep], vocab, device)
 
     def _length_done(self, seq: Sequence, length: int) -> bool:
-        """Whether a sequence of `length` tokens has reached max_new_tokens or max_model_len."""
+        """Whether a sequence of `length` tokens has reached max_new_tokens (its sample's own cap, when the
+        request gives one) or max_model_len."""
+        caps = seq.request.params.sample_max_new_tokens
+        if caps is not None and seq.sample_index < len(caps) and length >= seq.num_prompt_tokens + caps[seq.sample_index]:
+            return True
         return length >= seq.request.max_len
 
     def _row(self, seq: Sequence) -> tuple:

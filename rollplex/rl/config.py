@@ -60,7 +60,7 @@ def per_step(default, **bounds):
 MODES = ("rollplex", "serial")
 LR_SCHEDULES = ("constant", "cosine")
 LR_SCHEDULE_UNITS = ("step", "optimizer_step")
-SCHEDULES = ("phased", "fused")
+SCHEDULES = ("phased", "fused", "auto")
 KL_CTRLS = ("fixed", "adaptive")
 # what dynamic sampling compares within a group (verl's filter_groups.metric): seq_reward, the reward
 # trained on (after overlong shaping); score, the reward function's score before it; or any other key the
@@ -178,6 +178,8 @@ class RLConfig:
     # responses over its PrefixState. Same values (tests hold both to the serial mode). Packed is the
     # default because it is faster and needs about half the memory of the padded responses, which is
     # what lets 4 prompts x 8 samples fit a micro-batch on one GPU (docs/BENCHMARKS.md).
+    # serial mode: True packs the micro-batch's full sequences without padding (verl's
+    # use_remove_padding, as its recipes run); False right-pads them to the longest ("serial-padded").
     packed: bool = True
     # per-layer activation checkpointing of the decoder / the vision tower in the actor's forward/backward
     # (verl: enable_gradient_checkpointing): activations stop growing with depth for about one extra forward.
@@ -201,6 +203,12 @@ class RLConfig:
     # mini-batches only the first one's groups train beside the rollout; the others follow its optimizer
     # step as phased. Data-parallel: each rank's pipeline takes its own engine's groups
     schedule: str = "phased"
+    # "auto" (rl/auto_schedule.py) runs fused or phased per step, whichever took fewer seconds per token on
+    # earlier steps (fused by at least auto_margin, and only while it trains some group beside decode), trying
+    # the other one again every auto_reprobe_steps steps. Not the default: which one ran shows in the weights
+    # at the level of summation order, so a resumed run need not repeat a continuous one bit for bit
+    auto_reprobe_steps: int = 16
+    auto_margin: float = 0.01
     # fused: start consuming groups when at most this fraction of them is still decoding (1.0: at once)
     fuse_below: float = 1.0
     # fused, on a GPU: the work beside decode runs in a green context of this many SMs (0: a low-priority
@@ -272,6 +280,8 @@ class RLConfig:
             raise ValueError("lr and grad_clip must be > 0")
         if self.cosched and self.mode != "rollplex":
             raise ValueError("cosched needs mode='rollplex' (it hands shared prefix states to scoring)")
+        if self.auto_reprobe_steps < 2 or not 0.0 <= self.auto_margin < 1.0:
+            raise ValueError("auto_reprobe_steps must be >= 2 and auto_margin within [0, 1)")
         if not 0.0 < self.fuse_below <= 1.0:
             raise ValueError("fuse_below must be within (0, 1]")
         if self.fuse_chunk_tokens is not None and self.fuse_chunk_tokens < 1:
