@@ -345,9 +345,9 @@ class ModelRunner:
             index += dst
             r += c
         graph, out = self.verify_graphs[bucket]
-        self.static_vmeta.copy_(to_device(meta, self.device))
-        self.static_vbt.zero_()
-        self.static_vbt[:, :width].copy_(to_device(bt, self.device))
+        self.static_vmeta[:, :rows].copy_(to_device(meta, self.device))
+        # columns past `width` are never read: each row reads the blocks of its KV length only
+        self.static_vbt[:rows, :width].copy_(to_device(bt, self.device))
         graph.replay()
         return out[as_device_tensor(index, self.device, torch.long)]
 
