@@ -13,7 +13,8 @@ from rollplex.rl.config import RLConfig
 from rollplex.rl.step import RLStep
 from rollplex.tiny import shape_color
 
-SPEC = dict(speculative_tokens=3, speculative_max_batch=4096, speculative_max_fraction=1.0)
+# speculation in every decode step, however little it accepts
+SPEC = dict(speculative_tokens=3, speculative_max_batch=4096, speculative_max_fraction=1.0, speculative_min_accepted=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -155,10 +156,23 @@ def test_speculation_runs_only_while_the_batch_is_small(model, proc):
     assert off.spec is None and off.spec_stats == {}
 
 
+def test_drafts_that_fail_back_speculation_off(model, proc):
+    eng = _engine(model, proc, speculative_tokens=3, speculative_max_fraction=1.0)
+    eng.spec.drafts = lambda seqs, _: [[0, 0, 0] for _ in seqs]  # drafts greedy decoding never takes
+    params = SamplingParams(temperature=0, max_new_tokens=100, ignore_eos=True)
+    prompt = _prompts(proc)[3]
+    plain = _engine(model, proc).generate([prompt], params)[0].samples[0].token_ids
+    assert 0 not in plain
+    out = eng.generate([prompt], params)[0].samples[0].token_ids
+    assert out == plain
+    # verifications after 1, 2, 4, 8, 16, 32, 64 plain steps: 7 in the first 99 decode steps, then one per 65
+    assert eng.spec_stats["accepted"] == 0 and 6 <= eng.spec_stats["steps"] <= 8
+
+
 def test_speculative_options_are_validated():
     for bad in ({"speculative_tokens": -1}, {"speculative_tokens": 17}, {"speculative_max_batch": 0},
                 {"speculative_max_fraction": 0.0}, {"speculative_max_fraction": 1.5}, {"speculative_ngram": 0},
-                {"speculative_prompt_cache": -1}):
+                {"speculative_prompt_cache": -1}, {"speculative_min_accepted": -0.1}):
         with pytest.raises(ValueError, match="speculative"):
             EngineConfig(**bad)
 

@@ -66,6 +66,9 @@ class EngineConfig:
     # prompts whose earlier responses draft for a later request of the same prompt (images included
     # in the key); 0: only the request's own samples draft
     speculative_prompt_cache: int = 0
+    # a verification that accepts fewer draft tokens per sequence than this backs speculation off: the
+    # next 1, 2, 4 .. 64 decode steps (doubling while it keeps failing) run the plain overlapped path
+    speculative_min_accepted: float = 0.5
 
     def __post_init__(self):
         if self.block_size not in (None, 16, 32, 64):
@@ -93,6 +96,8 @@ class EngineConfig:
             raise ValueError(f"speculative_max_fraction must be in (0, 1], got {self.speculative_max_fraction}")
         if not 1 <= self.speculative_ngram <= 32:
             raise ValueError(f"speculative_ngram must be in [1, 32], got {self.speculative_ngram}")
+        if not 0.0 <= self.speculative_min_accepted <= 16.0:
+            raise ValueError(f"speculative_min_accepted must be in [0, 16], got {self.speculative_min_accepted}")
         if self.speculative_prompt_cache < 0:
             raise ValueError(f"speculative_prompt_cache must be >= 0, got {self.speculative_prompt_cache}")
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)

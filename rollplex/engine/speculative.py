@@ -11,6 +11,10 @@ replaces a decode step by a *verification* step:
 3. the rule below picks the tokens to keep; the K/V of the rest is rolled back (`BlockManager.trim`:
    blocks past the kept tokens are freed, slots inside a kept block lie past the sequence's length).
 
+Drafts that fail back it off: after a verification that accepted fewer than `speculative_min_accepted`
+draft tokens per sequence, the next 1, 2, 4 .. 64 decode steps run the plain overlapped path. Which
+steps verify never changes the tokens (below), only the time.
+
 The rule (`exact_rule`). Row j of a sequence (its last token + draft[:j] as input) gives the policy's
 distribution p_j for output token t + j. Sampling row j with the engine's own sampler — the Gumbel-max
 draw seeded by (seed, t + j), over the temperature-scaled, top-k/top-p/min-p-processed distribution
@@ -108,6 +112,9 @@ class Speculator:
         self.rule: Rule = exact_rule
         self.stats = SpecStats()
         self.peak = 0  # the most sequences decoding at once since the engine last had none running
+        self.skip, self.backoff = 0, 1  # decode steps left to run plain; the next failure's skip
+
+    MAX_BACKOFF = 64
 
     def active(self, running: int, waiting: int) -> bool:
         """Whether the next decode step verifies drafts (called once per engine step)."""
@@ -115,8 +122,12 @@ class Speculator:
             self.peak = 0
             return False
         self.peak = max(self.peak, running)
-        return (not waiting and running <= self.cfg.speculative_max_batch
-                and running <= self.cfg.speculative_max_fraction * self.peak)
+        if waiting or running > self.cfg.speculative_max_batch or running > self.cfg.speculative_max_fraction * self.peak:
+            return False
+        if self.skip:  # backed off after verifications that accepted too little
+            self.skip -= 1
+            return False
+        return True
 
     def drafts(self, seqs: list[Sequence], open_requests) -> list[list[int]]:
         """Up to k draft tokens per sequence (never past its request's length limit)."""
@@ -146,6 +157,11 @@ class Speculator:
         return prompt_key(req) if self.cfg.speculative_prompt_cache else None
 
     def count(self, drafts: list[list[int]], kept: list[int]) -> None:
+        """Count a verification; back off (skip decode steps, doubling) when it accepted too little."""
+        if sum(kept) - len(kept) < self.cfg.speculative_min_accepted * len(kept):
+            self.skip, self.backoff = self.backoff, min(2 * self.backoff, self.MAX_BACKOFF)
+        else:
+            self.backoff = 1
         self.stats.steps += 1
         self.stats.seq_steps += len(drafts)
         self.stats.drafted += sum(len(d) for d in drafts)
