@@ -188,3 +188,16 @@ def test_rl_step_trains_on_the_policys_logprobs_with_speculation(tiny_dir, proc)
         m = rl.step(rows)
         assert m["training/rollout_probs_diff_max"] < 1e-4  # engine and trainer agree on the sampled tokens
     assert engine.spec_stats["accepted"] > 0
+
+
+def test_spec_bench_checks_tokens_and_prints_its_table(tiny_dir, capsys):
+    from rollplex.bench import spec as bench
+
+    bench.main(["--model", str(tiny_dir), "--device", "cpu", "--prompts", "4", "--n", "2", "--max-new-tokens", "32",
+                "--image-size", "56", "--accept", "0,2"])
+    out = capsys.readouterr().out
+    assert "correctness: every speculative rollout gave the greedy tokens" in out
+    table = out.strip().splitlines()[-5:]
+    assert table[0].startswith("| drafts |") and table[2].startswith("| off |")
+    assert table[3].startswith("| replay a=0 |") and table[4].startswith("| replay a=2 |")
+    assert float(table[4].split("|")[6]) > 1.0  # mean accepted length of the a=2 replay

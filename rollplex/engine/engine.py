@@ -13,6 +13,13 @@ GPU decodes. Host-side lengths count the in-flight token (`Sequence.pending`); a
 token stops is found one step late and its extra token is dropped. Outputs equal the plain loop
 (`overlap_schedule=False`), which the tests hold.
 
+Speculative decoding (`EngineConfig.speculative_tokens`, off by default; speculative.py): in the
+rollout's tail (no request waiting, few sequences decoding) a decode step becomes a verification
+step — drafts from the request's other samples, one pass of the policy over each sequence's last token
++ draft, the engine's own seeded draws accept the draft while they match it — which keeps every
+token (and logprob) exactly what plain decoding gives. Verification steps are synchronous; the plain
+path is unchanged.
+
 The engine decodes with the model object it is given — the trainer's — so there is no weight copy
 and no sync phase. It reads that model and never modifies it: prefill runs the model's own forward
 (compiled if its owner compiled it, `Qwen25VL.compile`), decode runs the engine's own layer function
