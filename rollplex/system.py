@@ -121,7 +121,7 @@ class SystemConfig:
                              f"{self.backend.rollout_backend} backend has its own (leave --tensor-parallel at 1)")
         if not native:
             try:  # before any model is loaded: a missing SGLang fails the start at once
-                require_backend(self.backend.rollout_backend)
+                require_backend(self.backend.rollout_backend, self.backend)
             except ImportError as e:
                 raise ValueError(str(e)) from None
 

@@ -8,8 +8,9 @@ n samples distinct under SGLang's deterministic sampling too (it seeds unseeded 
     input_ids        Rollplex's token ids, image placeholders already expanded: SGLang decodes exactly
                      the prompt the trainer scores
     image_data       per request None, or one {"format": "processor_output", "pixel_values",
-                     "image_grid_thw"} with the prompt's preprocessed images (SGLang takes one such
-                     item per request); only for prompts with images
+                     "image_grid_thw"} with the prompt's preprocessed images on the host (SGLang takes
+                     one such item per request; a prompt's samples share one item); only for prompts
+                     with images
     sampling_params  SGLang's names: max_new_tokens, temperature, top_p, top_k, min_p, stop,
                      stop_token_ids, ignore_eos, skip_special_tokens, sampling_seed
     return_logprob   True: the sampled tokens' logprobs come back with them
@@ -60,7 +61,10 @@ def image_item(prompt) -> dict | None:
         raise ValueError("video prompts are not supported by the sglang rollout backend (text and image prompts are)")
     if not prompt.image_grids:
         return None
-    return {"format": PROCESSOR_OUTPUT, "pixel_values": prompt.pixel_values, "image_grid_thw": prompt.image_grid_thw}
+    # on the host, as an HF processor's output: SGLang moves them to its own device (and they cross to an
+    # engine in another process by value, never as a CUDA IPC handle it would have to share again)
+    return {"format": PROCESSOR_OUTPUT, "pixel_values": prompt.pixel_values.detach().cpu(),
+            "image_grid_thw": prompt.image_grid_thw.detach().cpu()}
 
 
 def sample_seeds(params: Sequence[SamplingParams], rng: random.Random) -> list[list[int]]:
