@@ -7,6 +7,7 @@ WORKLOADS = {
     "memory": "rollplex.bench.memory",
     "serve": "rollplex.bench.serve",
     "step": "rollplex.bench.step",
+    "sglang": "rollplex.bench.sglang",  # SGLang (in its own process) beside the native engine: smoke | rollout
     "weights": "rollplex.bench.weights",  # the weight-sharing planner's tables (rollplex.weights)
     "parallel": "rollplex.bench.parallel",  # under torchrun: train | decode | disaggregated | step
 }
