@@ -131,7 +131,8 @@ def release_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(x) for x in m.group(0).split(".")) if m else ()
 
 
-KINDS = ("class_attr", "method", "function", "fields", "any_field", "calls", "reads", "self_attr", "absent", "str_values",
+KINDS = ("class_attr", "method", "function", "fields", "any_field", "calls", "reads", "self_attr", "absent",
+         "str_values",
          "strings", "constant", "server_args")
 
 CONTRACT: tuple[Relied, ...] = (

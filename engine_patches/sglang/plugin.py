@@ -9,9 +9,11 @@ this module, and it is imported only when the SGLang backend is checked or built
     check_args(a)   ValueError when the further SGLang server arguments `a` set one the backend sets itself
     rollout(...)    SGLang's engine started on a checkpoint, as the RL step's RolloutBackend (SGLangRollout)
 
-and, for direct use, `engine_class()`: SGLang's Engine with Rollplex's hooked scheduler. SGLang itself is
-imported only by `engine_class()` (engine.load_engine_class). With `sglang_pythonpath` set, SGLang is never
-imported here: it runs in a process of its own with that PYTHONPATH first (remote.RemoteEngine).
+and, for direct use, `engine_class()`: SGLang's Engine with Rollplex's hooked scheduler; for the step
+benchmark's co-scheduled rows, `cosched_hook(...)` (the co-scheduler's HookSpec) and `received_rows(...)`.
+SGLang itself is imported only by `engine_class()` (engine.load_engine_class). With `sglang_pythonpath`
+set, SGLang is never imported here: it runs in a process of its own with that PYTHONPATH first
+(remote.RemoteEngine).
 """
 
 from __future__ import annotations
@@ -103,3 +105,19 @@ def rollout(cfg, model_path: str, processor=None, dtype: str = "bfloat16", seed:
                          weights_cpu_backup=cfg.sglang_weights_cpu_backup,
                          bucket_bytes=cfg.sglang_weight_bucket_mb << 20, seed=seed,
                          version=engine.version if remote else version, memory_saver=cfg.sglang_memory_saver)
+
+
+def cosched_hook(ref_path: str, dtype: str = "bfloat16", config: dict | None = None):
+    """The HookSpec of the co-scheduler as SGLang's scheduler hook (cosched_hook.CoschedHook), its reference
+    model loaded from `ref_path` in the scheduler process."""
+    from .spec import HookSpec
+
+    return HookSpec("engine_patches.sglang.cosched_hook:CoschedHook",
+                    {"ref_path": str(ref_path), "dtype": dtype, "config": dict(config or {})})
+
+
+def received_rows(exported: dict) -> dict:
+    """{consumer: PrefixRows} from the engine's prefix_states(), for RolloutBatch.prefix."""
+    from .cosched_hook import received_rows as rows
+
+    return rows(exported)

@@ -16,7 +16,8 @@ Rollplex's engine decode the same model. Prompts go as token ids + pixel values 
               both engines
 
 One JSON line per result, then a table. SGLang's settings: --attention-backend (triton JITs faster than
-flashinfer; the pack has no FA3), --sglang-mem-fraction, --sglang-cuda-graph, --sglang-args (JSON).
+flashinfer; the pack has no FA3, so the vision tower runs SGLang's triton_attn too), --sglang-mem-fraction,
+--sglang-cuda-graph, --sglang-args (JSON, over the defaults).
 """
 
 from __future__ import annotations
@@ -67,8 +68,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def sglang_config(args, cuda_graph: bool) -> BackendConfig:
+    # the vision tower's attention too: SGLang's default on Hopper is FA3, which the pack leaves out
     extra = {"load_format": "dummy", "skip_tokenizer_init": True, "attention_backend": args.attention_backend,
-             "sampling_backend": "pytorch", "disable_cuda_graph": not cuda_graph, "log_level": "warning"}
+             "mm_attention_backend": "triton_attn", "sampling_backend": "pytorch",
+             "disable_cuda_graph": not cuda_graph, "log_level": "info" if args.what == "smoke" else "warning"}
     if cuda_graph:
         extra["cuda_graph_max_bs"] = args.prompts * args.n
     extra.update(json.loads(args.sglang_args) if args.sglang_args else {})
@@ -184,8 +187,8 @@ def _rollout(args, cfg, model, rollout) -> None:
         eng = _native(args, args.prompts * args.n, len(prompts[0].input_ids) + max(lens) + 8, model)
         row = {"bench": "sglang_rollout", "workload": label, "prompts": args.prompts, "n": args.n}
         for name, gen in (("sglang", rollout.generate), ("native", eng.generate)):
-            _, cold = timed(lambda gen=gen: gen(prompts, params(1)))
-            outs, warm = timed(lambda gen=gen: gen(prompts, params(0)))
+            _, cold = timed(lambda gen=gen, prompts=prompts: gen(prompts, params(1)))
+            outs, warm = timed(lambda gen=gen, prompts=prompts: gen(prompts, params(0)))
             n_tok = tokens(outs)
             row.update({f"{name}_cold_s": cold, f"{name}_gen_s": warm, f"{name}_tokens": n_tok,
                         f"{name}_tok_s": n_tok / warm,

@@ -285,7 +285,8 @@ def fused_step(system: System, prompts, params, rl_kw: dict, fuse: tuple, cfg, g
     batch, m = rl.run(prompts, params, rewards=rewards)
     sync()
     wall = time.perf_counter() - t0
-    r = {"bench": "step", "workload": label, "step": step, "mode": "fused" if backend is None else f"{backend.name}-fused",
+    r = {"bench": "step", "workload": label, "step": step,
+         "mode": "fused" if backend is None else f"{backend.name}-fused",
          "vision": "frozen" if frozen else "trained",
          "fuse_sms": sms, "fuse_below": below, "fused": m.get("rollplex/fused", 0.0),
          "step_s": round(wall, 3), "gen_s": round(m["timing_s/gen"], 3),

@@ -1,8 +1,8 @@
 """`python -m rollplex.bench step --backend sglang`: the step's rows with SGLang decoding, beside the native ones.
 
 SGLang runs in its own process (`--sglang-pythonpath`, its pack with its own transformers) on the preset's
-directory (model_dir.py) with dummy weights, through the SGLang rollout backend (reached by
-rollplex.backends, never imported from engine_patches here). Each row restores the initial weights, so
+directory (model_dir.py) with dummy weights, through the SGLang rollout backend and its plugin (reached by
+name through rollplex.backends, never imported from engine_patches here). Each row restores the initial weights, so
 every SGLang row first hands the policy over (`SGLangRollout.update_weights`, timed: `weight_push_s`, the
 cost a training loop pays once per step), then:
 
@@ -30,20 +30,19 @@ from pathlib import Path
 
 import torch
 
-from ..backends import BackendConfig, rollout_backend
+from ..backends import BackendConfig, plugin, rollout_backend
 from ..rl.batch import RolloutBatch
 from ..rl.config import RLConfig
 from .common import sync
 from .model_dir import write_model_dir
-
-COSCHED_HOOK = "engine_patches.sglang.cosched_hook:CoschedHook"
 
 
 def add_args(ap) -> None:
     ap.add_argument("--backend", default="native", choices=["native", "sglang"],
                     help="sglang: also the rows with SGLang decoding (in its own process), beside the native ones")
     ap.add_argument("--sglang-pythonpath", default=None, help="SGLang's own site folder (e.g. /tmp/sgl)")
-    ap.add_argument("--sglang-attention-backend", default="triton", help="SGLang's attention (text and vision)")
+    ap.add_argument("--sglang-attention-backend", default="triton", help="SGLang's text attention (its vision "
+                    "tower: triton_attn, unless --sglang-args sets mm_attention_backend)")
     ap.add_argument("--sglang-mem-fraction", type=float, default=0.25)
     ap.add_argument("--sglang-cuda-graph", action="store_true", help="SGLang's CUDA graphs (a slower start)")
     ap.add_argument("--sglang-memory-saver", action="store_true",
@@ -66,13 +65,10 @@ def start(args, cfg, model, memory, cosched_config: dict | None):
         from ..models import save_model
 
         save_model(model, out)  # the hook's reference model loads from here (SGLang itself does not)
-        from importlib import import_module
-
-        spec_cls = import_module("engine_patches.sglang.spec").HookSpec
-        hook = spec_cls(COSCHED_HOOK, {"ref_path": str(out), "dtype": "bfloat16", "config": cosched_config or {}})
-    backend = "triton_attn" if args.sglang_attention_backend == "triton" else args.sglang_attention_backend
+        hook = plugin("sglang").cosched_hook(str(out), "bfloat16", cosched_config)
+    # the vision tower's attention too: SGLang's default on Hopper is FA3, which the pack leaves out
     extra = {"load_format": "dummy", "skip_tokenizer_init": True, "attention_backend": args.sglang_attention_backend,
-             "mm_attention_backend": backend, "sampling_backend": "pytorch", "log_level": "warning",
+             "mm_attention_backend": "triton_attn", "sampling_backend": "pytorch", "log_level": "warning",
              "disable_cuda_graph": not args.sglang_cuda_graph}
     extra.update(json.loads(args.sglang_args) if args.sglang_args else {})
     bcfg = BackendConfig("sglang", sglang_mem_fraction_static=args.sglang_mem_fraction,
@@ -113,11 +109,10 @@ def phased(step_mod, system, sgl, prompts, params, rl_kw: dict, cfg, grid, label
     batch = RolloutBatch.from_outputs(prompts, outs, pad_id=0)
     batch.rewards = torch.rand(batch.num_samples, generator=torch.Generator().manual_seed(seed)).round()
     if cosched:
-        from importlib import import_module
-
         co = sgl.engine.stop_admission()
         extra.update({k.split("/", 1)[1]: round(v, 4) for k, v in co.items()})
-        batch.prefix = import_module("engine_patches.sglang.cosched_hook").received_rows(sgl.engine.prefix_states())
+        batch.prefix = plugin("sglang").received_rows(sgl.engine.prefix_states())
+    sgl.enter_phase("ref")  # SGLang's memory goes back outside the rollout (with its memory saver)
     try:
         rl = step_mod.trainer(system, RLConfig(mode="rollplex", freeze_vision_tower=frozen, **rl_kw), rollout=False,
                               reward_fn="exact", ref_model=ref)

@@ -184,7 +184,6 @@ def test_rl_step_on_sglang_hands_the_policy_over_each_step(setup):
 def test_hooked_scheduler_times_decode_and_admits_prefix_work(setup):
     from engine_patches.sglang.cosched_hook import received_rows
     from rollplex.engine import SamplingParams
-
     from rollplex.models import load_model
 
     cfg, _, rollout, out = setup
