@@ -150,10 +150,14 @@ def main(argv=None) -> None:
         rollout.close()
 
 
-def _native(args, n_seqs: int, max_len: int, model) -> Engine:
+def _native(args, n_seqs: int, max_len: int, model, compile_decode: bool | None = None) -> Engine:
+    """Rollplex's engine over the policy, its KV cache sized for the workload's sequences (graphed decode up
+    to that batch; its decode compiled unless told otherwise, as in the step bench)."""
     kv = args.kv_cache_tokens or n_seqs * max_len
-    return Engine(model, None, EngineConfig(max_num_seqs=max(n_seqs, 8), max_model_len=max_len, kv_cache_tokens=kv,
-                                            max_num_batched_tokens=40000))
+    seqs = max(n_seqs, 8)
+    return Engine(model, None, EngineConfig(max_num_seqs=seqs, max_model_len=max_len, kv_cache_tokens=kv,
+                                            max_num_batched_tokens=40000, cuda_graph_max_bs=seqs,
+                                            compile_decode=compile_decode))
 
 
 def _smoke(args, cfg, model, rollout) -> None:
@@ -161,7 +165,7 @@ def _smoke(args, cfg, model, rollout) -> None:
     greedy = [SamplingParams(n=1, temperature=0, max_new_tokens=16, ignore_eos=True)]
     sgl, first_s = timed(lambda: rollout.generate(prompts, greedy))
     sgl2, again_s = timed(lambda: rollout.generate(prompts, greedy))
-    eng = _native(args, 8, len(prompts[0].input_ids) + 64, model)
+    eng = _native(args, 8, len(prompts[0].input_ids) + 64, model, compile_decode=False)  # a quick start
     nat, nat_s = timed(lambda: eng.generate(prompts, greedy))
     row = {"bench": "sglang_smoke", "prompt_tokens": len(prompts[0].input_ids), "sglang_first_generate_s": first_s,
            "sglang_generate_s": again_s, "native_generate_s": nat_s,
