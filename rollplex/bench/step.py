@@ -43,7 +43,7 @@ import copy
 import gc
 import json
 import time
-from dataclasses import fields, replace
+from dataclasses import asdict, fields, replace
 
 import torch
 
@@ -58,6 +58,7 @@ from ..rl.config import RLConfig
 from ..rl.fuse_gate import FuseGate
 from ..rl.step import TRAINER_REGIONS, RLStep
 from ..system import System, SystemConfig, build
+from . import step_sglang
 from .common import PEAK_TFLOPS, make_prompts, sync, update_flops
 from .timing import env_info
 from .workloads import Workload, workload
@@ -293,17 +294,20 @@ _TFLOPS: dict[str, float] = {}
 
 def fused_step(system: System, prompts, params, rl_kw: dict, fuse: tuple, cfg, grid, label: str,
                step: str, frozen: bool, init: dict, ref, seed: int, timeline: Timeline | None = None,
-               gate: FuseGate | None = None) -> dict:
+               gate: FuseGate | None = None, backend=None) -> dict:
     """A whole step on the fused schedule (fuse: (fuse_sms, fuse_below, fuse_chunk_tokens, fuse_admission)):
     groups scored and trained beside the rollout's tail, the rest after it, one optimizer step. Its rewards
     are the phased rows' (the same random 0/1 per sample, in prompt order), so the losses and gradient
-    norms compare. gate: the admission gate of the row's earlier steps (its measurements carry over)."""
+    norms compare. gate: the admission gate of the row's earlier steps (its measurements carry over).
+    backend: another rollout backend than the system's (SGLang): the restored policy is handed over to it
+    first (timed apart from the step)."""
     restore(system.model, init, frozen)
+    push_s = step_sglang.push(backend) if backend is not None else None
     sms, below, tokens, admission = fuse
     rl = trainer(system, RLConfig(mode="rollplex", schedule="fused", fuse_sms=sms, fuse_below=below,
                                   fuse_chunk_tokens=tokens, fuse_admission=admission, freeze_vision_tower=frozen,
                                   **rl_kw),
-                 reward_fn="exact", ref_model=ref)
+                 reward_fn="exact", ref_model=ref, backend=backend)
     rl.timeline = timeline
     rl.schedule.gate = gate
     offsets = [0]
@@ -321,7 +325,9 @@ def fused_step(system: System, prompts, params, rl_kw: dict, fuse: tuple, cfg, g
     batch, m = rl.run(prompts, params, rewards=rewards)
     sync()
     wall = time.perf_counter() - t0
-    r = {"bench": "step", "workload": label, "step": step, "mode": "fused", "vision": "frozen" if frozen else "trained",
+    r = {"bench": "step", "workload": label, "step": step,
+         "mode": "fused" if backend is None else f"{backend.name}-fused",
+         "vision": "frozen" if frozen else "trained",
          "fuse_sms": sms, "fuse_below": below, "fused": m.get("rollplex/fused", 0.0),
          "step_s": round(wall, 3), "gen_s": round(m["timing_s/gen"], 3),
          "tail_s": round(m.get("timing_s/fused_tail", 0.0), 3),
@@ -334,6 +340,8 @@ def fused_step(system: System, prompts, params, rl_kw: dict, fuse: tuple, cfg, g
          "grad_norm": m["actor/grad_norm"],
          "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else 0,
          "memory_plan": _plan_name(rl)}
+    if push_s is not None:
+        r["weight_push_s"] = round(push_s, 3)
     print(json.dumps(r), flush=True)
     r["gate"] = rl.schedule.gate
     del rl, batch
@@ -417,6 +425,7 @@ def parser() -> ConfigParser:
                     help="torch.compile shapes: all symbolic (true) or only those that change (auto)")
     ap.add_argument("--trace", default=None, help="write the first workload's timed co-scheduled step as a "
                     "Chrome/Perfetto trace (JSON) to this path")
+    step_sglang.add_args(ap)
     return ap
 
 
@@ -468,7 +477,8 @@ def main(argv=None) -> None:
                for b in args.slowdown_bound.split(",") for v in args.side_sms.split(",")]
     rl_kw = {f.name: getattr(scfg.rl, f.name) for f in fields(RLConfig) if f.init and f.name not in PER_ROW}
     init, ref = initial_weights(system), reference(system)
-    summary, fused_rows, traced = [], [], False
+    sgl = step_sglang.start(args, cfg, model, mm, asdict(scfg.cosched))
+    summary, fused_rows, sgl_rows, traced = [], [], [], False
     for wl in loads:
         label, frames, n_prompts = wl.label, wl.frames, wl.prompts
         budgets = given_serial or [32768 if wl.long else 16384]
@@ -517,6 +527,11 @@ def main(argv=None) -> None:
                         row["memory_plan"] = r["memory_plan"]
                     del batch
                     _free()
+                if sgl is not None:  # the same step with SGLang decoding: phased, then with its scheduler hook
+                    for co in (False, True) if args.sglang_cosched else (False,):
+                        r = step_sglang.phased(_this(), system, sgl, prompts, params(seed), rl_kw, cfg, grid,
+                                               label, step, frozen, init, ref, seed, cosched=co)
+                        step_sglang.summary(row, r, "sglang_cosched" if co else "sglang")
                 for fuse in fuses if "fused" in modes else []:
                     tl = None
                     if args.trace and step != "cold" and not traced:
@@ -524,6 +539,12 @@ def main(argv=None) -> None:
                     r = fused_step(system, prompts, params(seed), rl_kw, fuse, cfg, grid, label, step, frozen,
                                    init, ref, seed, tl, gates.get((label, vis, fuse)))
                     gates[(label, vis, fuse)] = r.pop("gate")
+                    if sgl is not None:
+                        rs = fused_step(system, prompts, params(seed), rl_kw, fuse, cfg, grid, label, step, frozen,
+                                        init, ref, seed, None, gates.get((label, vis, fuse, "sglang")), backend=sgl)
+                        gates[(label, vis, fuse, "sglang")] = rs.pop("gate")
+                        row.update(sglang_fused=rs["step_s"], sglang_fused_gen_s=rs["gen_s"],
+                                   sglang_fused_push_s=rs["weight_push_s"], sglang_fused_on=rs["fused"])
                     frow = {**row, "fuse_sms": fuse[0], "fuse_below": fuse[1], "admission": fuse[3],
                             "decode_added_s": r["decode_added_s"], "held_buckets": r["held_buckets"],
                             "fused": r["step_s"],
@@ -557,10 +578,38 @@ def main(argv=None) -> None:
                     print(json.dumps({"bench": "step_summary", **{k: round(v, 4) if isinstance(v, float) else v
                                                                    for k, v in vrow.items()}}), flush=True)
                     summary.append(vrow)
+                if sgl is not None:
+                    sgl_rows.append({**row, **({"fused": fused_rows[-1]["fused"]} if fused_rows and "fused" in modes
+                                               else {})})
+    if sgl is not None:
+        sgl.close()
     if summary:
         _table(summary)
     if fused_rows:
         _fused_table(fused_rows)
+    if sgl_rows:
+        _sglang_table(sgl_rows)
+
+
+def _this():
+    import sys
+
+    return sys.modules[__name__]
+
+
+def _sglang_table(rows: list[dict]) -> None:
+    """The same steps with SGLang decoding beside the native engine (phased and fused), the policy's
+    hand-over to SGLang apart, and the co-scheduler hook's admitted work."""
+    fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)  # noqa: E731
+    print("\n| workload | vision | step | native phased s (gen) | SGLang phased s (gen) | hand-over s | "
+          "native fused s | SGLang fused s (gen) | SGLang + hook s (chunks, hidden s) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        hook = (f"{fmt(r.get('sglang_cosched'))} ({fmt(r.get('sglang_cosched_cosched_chunks'), '{:.0f}')}, "
+                f"{fmt(r.get('sglang_cosched_prefix_hidden_s'), '{:.3f}')})" if "sglang_cosched" in r else "-")
+        print(f"| {r['workload']} | {r['vision']} | {r['step']} | {fmt(r.get('rollplex'))} ({fmt(r.get('gen_s'))}) | "
+              f"{fmt(r.get('sglang'))} ({fmt(r.get('sglang_gen_s'))}) | {fmt(r.get('sglang_push_s'))} | "
+              f"{fmt(r.get('fused'))} | {fmt(r.get('sglang_fused'))} ({fmt(r.get('sglang_fused_gen_s'))}) | {hook} |")
 
 
 def _write_timeline(tl: Timeline, path: str, title: str) -> None:
