@@ -39,7 +39,7 @@ from ..rl.microbatch import MicroBatching
 from ..rl.scoring import score
 from .common import make_prompts, sync
 from .model_dir import write_model_dir
-from .step import tail_lengths
+from .spec import tail_lengths
 from .timing import env_info
 
 
