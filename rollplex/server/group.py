@@ -70,7 +70,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ..rl.errors import NonFiniteUpdate, TrainOOM
+from ..rl.errors import NonFiniteUpdate, TrainOOM, TrainStepFailed
 from ..rl.placement import CollectiveOOM
 from ..system import check_group
 from .store import StaleRollout
@@ -175,3 +175,5 @@ def follow(state, commands: Commands) -> None:
             log.warning("rank %d: train step rejected as on rank 0: %s", commands.rank, e)
         except TrainOOM as e:  # agreed by every rank (one rank's OOM inside a pass ends its process: state.py)
             log.warning("rank %d: train step out of memory on every rank: %s", commands.rank, e)
+        except TrainStepFailed as e:  # agreed by every rank too (the trainers' optimizer step, rl/trainer.py)
+            log.warning("rank %d: train step failed on every rank after part of it was applied: %s", commands.rank, e)
