@@ -66,8 +66,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..engine import Engine
 from ..models import Qwen25VL
 from ..rl.config import RLConfig
+from ..rl.placement import SingleProcess
 from ..rl.rollout import NativeRollout
-from ..rl.scoring import score_with_backoff
+from ..rl.scoring import logprobs
+from ..rl.trainer import Trainer
 from .data_parallel import DataParallelActor, check_passes
 from .fsdp import FSDPConfig, apply_fsdp, full_tensor, local_tensor
 from .lockstep import ShardGather
@@ -176,21 +178,21 @@ class Colocated(StepRuntime):
         return self.group_prompts(num_prompts)[self.tp_rank :: self.tp_size]
 
     @torch.no_grad()
-    def share_logprobs(self, policy: Qwen25VL, batch, cfg: RLConfig, key: str, backoff=None) -> torch.Tensor:
+    def share_logprobs(self, scorer: Trainer, batch, cfg: RLConfig, key: str) -> torch.Tensor:
         """Logprobs [N, R] on every rank of a model each rank holds whole (the old policy, `key`
         "old"; a reference not sharded, "ref"): each rank scores its share (no collective inside the
         passes; the prefixes its co-scheduler handed over for those prompts under `key` are used), and
         the shares are summed over the group. An out-of-memory error in this rank's passes backs off
-        there alone (`backoff`: rl.scoring.score_with_backoff); its passes hold no collective."""
+        there alone (`scorer`: a Trainer over the model, placed on this process); its passes hold no
+        collective."""
 
-        device = policy.inv_freq.device
+        device = scorer.model.inv_freq.device
         out = torch.zeros(batch.responses.shape, dtype=torch.float32, device=device)
         mine = self.share(batch.num_prompts)
         if mine:
             sub, idx = batch.select_prompts(mine)
-            out[idx.to(device)] = score_with_backoff(policy, sub, cfg.mode, cfg.micro_batching, cfg.temperature,
-                                                     prefix_key=key, backoff=backoff,
-                                                     what="reference" if key == "ref" else "old-logprob").to(device)
+            out[idx.to(device)] = scorer.score(sub, logprobs(cfg.temperature), cfg, prefix_key=key,
+                                               placement=SingleProcess()).to(device)
         dist.all_reduce(out, group=self.group)
         return out.cpu()
 

@@ -1,6 +1,6 @@
 """Data-parallel scoring and actor update over FSDP2: each rank computes its share of the prompt groups.
 
-`DataParallel` is a placement (rl/placement.py): `rl.actor.Actor` and `rl.scoring.score` run their
+`DataParallel` is a placement (rl/placement.py): `rl.actor.Actor` and `Trainer.score` run their
 one loop over it, so the data-parallel update is the single-process update with five operations
 swapped, not a second implementation. `DataParallelActor` is `Actor` over an FSDP2-sharded model with
 this placement.
@@ -66,7 +66,6 @@ from ..rl.config import RLConfig
 from ..rl.critic import Critic, ValueModel
 from ..rl.microbatch import MicroBatching, micro_batches
 from ..rl.placement import CollectiveOOM, SingleProcess
-from ..rl.scoring import score
 from . import fsdp as fsdp_mod
 from .fsdp import FSDPConfig, apply_fsdp, local_tensor, sharded_call
 
@@ -420,12 +419,6 @@ class LocalPasses(SingleProcess):
 
     def set_checkpointing(self, model: Qwen25VL, decoder: bool, vision: bool) -> None:
         fsdp_mod.set_checkpointing(model, decoder, vision)
-
-
-def dp_score(model: Qwen25VL, dp: DataParallel, batch: RolloutBatch, mode: str, plan: MicroBatching,
-             temperature: float = 1.0) -> torch.Tensor:
-    """`rl.scoring.score` over an FSDP'd model: each rank scores its share; [N, R] on every rank."""
-    return score(model, batch, mode, plan, temperature, placement=dp)
 
 
 def shard(model, cfg: RLConfig, mesh: DeviceMesh, fsdp: FSDPConfig | None = None, column_sharded=()) -> tuple:

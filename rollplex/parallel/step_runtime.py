@@ -30,7 +30,9 @@ import torch.distributed as dist
 
 from ..models import Qwen25VL
 from ..rl.config import RLConfig
-from ..rl.scoring import score_with_backoff as score_logprobs
+from ..rl.placement import SingleProcess
+from ..rl.scoring import logprobs
+from ..rl.trainer import Trainer
 from .data_parallel import DataParallelActor, DataParallelCritic, LocalPasses
 from .fsdp import apply_fsdp, can_call_directly
 
@@ -92,15 +94,15 @@ class StepRuntime:
                 True if self.fsdp.vision_activation_checkpointing else vision)
 
     # ---- scoring ------------------------------------------------------------------------------------
-    def reference_logprobs(self, ref: Qwen25VL, actor: DataParallelActor, batch, cfg: RLConfig) -> torch.Tensor:
+    def reference_logprobs(self, reference: Trainer, batch, cfg: RLConfig) -> torch.Tensor:
         if not self.fsdp.shard_reference:  # each rank its share
-            return self.share_logprobs(ref, batch, cfg, "ref", actor.score_backoff)
-        return score_logprobs(ref, batch, cfg.mode, cfg.micro_batching, cfg.temperature, prefix_key="ref",
-                              placement=actor.placement, backoff=actor.score_backoff)
+            return self.share_logprobs(reference, batch, cfg, "ref")
+        return reference.score(batch, logprobs(cfg.temperature), cfg, prefix_key="ref")
 
     def old_logprobs(self, policy: Qwen25VL, actor: DataParallelActor, batch, cfg: RLConfig) -> torch.Tensor:
         if cfg.num_updates > 1 and self.holds_policy:  # each rank its share, on the policy its engine decodes
-            return self.share_logprobs(policy, batch, cfg, "old", actor.score_backoff)
+            return self.share_logprobs(Trainer(policy, role="old-logprob", score_backoff=actor.score_backoff), batch,
+                                       cfg, "old")
         return actor.old_logprobs(batch, cfg)
 
     def reference_gather(self, ref: Qwen25VL):
@@ -173,17 +175,15 @@ class StepRuntime:
         every = self.gather_objects((pipe.shareable(), pipe.counts()))
         return [r for part, _ in every for r in part], tuple(map(sum, zip(*(c for _, c in every))))
 
-    def fused_reference_logprobs(self, ref: Qwen25VL, actor: DataParallelActor, batch,
-                                 cfg: RLConfig) -> torch.Tensor:
+    def fused_reference_logprobs(self, reference: Trainer, batch, cfg: RLConfig) -> torch.Tensor:
         """The reference's logprobs of some finished groups, scored by this rank alone."""
-        local = self.local_passes() if self.fsdp.shard_reference else None
-        return score_logprobs(ref, batch, cfg.mode, cfg.micro_batching, cfg.temperature, placement=local,
-                              backoff=actor.score_backoff)
+        local = self.local_passes() if self.fsdp.shard_reference else SingleProcess()
+        return reference.score(batch, logprobs(cfg.temperature), cfg, placement=local)
 
     def fused_old_logprobs(self, policy: Qwen25VL, actor: DataParallelActor, batch, cfg: RLConfig) -> torch.Tensor:
         """Old logprobs of some finished groups, by this rank alone on the policy its engine decodes."""
-        return score_logprobs(policy, batch, cfg.mode, cfg.micro_batching, cfg.temperature,
-                              backoff=actor.score_backoff, what="old-logprob")
+        return Trainer(policy, role="old-logprob", score_backoff=actor.score_backoff).score(
+            batch, logprobs(cfg.temperature), cfg)
 
     def fused_placement(self) -> LocalPasses:
         """Where the fused stages' training passes run: this rank alone, over units `begin_fused` gathered."""

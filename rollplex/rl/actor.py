@@ -47,7 +47,7 @@ from .errors import is_oom
 from .microbatch import MicroBatching
 from .optimizer import MasterAdamW
 from .placement import Placement, SingleProcess
-from .scoring import score_with_backoff, token_logprobs
+from .scoring import logprobs, token_logprobs
 from .trainer import Trainer, lr_lambda, retry_oom
 
 # what to change when the update runs out of memory: inside a data-parallel pass; at the smallest micro-batch
@@ -113,8 +113,7 @@ class Actor(Trainer):
         cfg = cfg or self.cfg
         if cfg.num_updates == 1:
             return None
-        return score_with_backoff(self.model, batch, cfg.mode, cfg.micro_batching, cfg.temperature, prefix_key="old",
-                                  placement=self.placement, backoff=self.score_backoff, what="old-logprob")
+        return self.score(batch, logprobs(cfg.temperature), cfg, prefix_key="old", what="the old-logprob scoring")
 
     def update(self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None,
                old_all: torch.Tensor | None = None, step: int = 0,

@@ -47,8 +47,17 @@ from torch.distributed.tensor import DTensor
 from ..models import hf_to_rollplex, save_model
 from ..models.checkpoint import read_safetensors
 from .atomic_dir import replace_dir, sync_tree
-from .checkpoint_checks import (check_adamw, check_data_state, check_file, check_index, check_masters, check_rng,
-                                check_scheduler, check_weight, per_step_max)
+from .checkpoint_checks import (
+    check_adamw,
+    check_data_state,
+    check_file,
+    check_index,
+    check_masters,
+    check_rng,
+    check_scheduler,
+    check_weight,
+    per_step_max,
+)
 from .critic import HEAD, save_value_model, value_state
 from .step import RLStep
 

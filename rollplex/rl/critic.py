@@ -63,7 +63,6 @@ from .algos import agg_denominator, value_loss
 from .batch import RolloutBatch
 from .config import RLConfig
 from .errors import is_oom
-from .microbatch import MicroBatching
 from .optimizer import MasterAdamW
 from .placement import Placement, SingleProcess
 from .scoring import response_hidden
@@ -161,7 +160,15 @@ def save_value_model(vm: ValueModel, path: str | Path, state: dict[str, torch.Te
     return save_model(vm.backbone, path, state=state or value_state(vm))
 
 
+def token_values(model: ValueModel, mb: RolloutBatch, mode: str, packed: bool,
+                 prefix_key: str | None = None) -> torch.Tensor:
+    """The forward `Trainer.score` runs to score values: V of each response token [n, R]."""
+    return model.values(mb, mode, packed)
+
+
 class Critic(Trainer):
+    score_hints = (CRITIC_DP_HINT, CRITIC_HINT)
+
     def __init__(self, model: ValueModel, cfg: RLConfig, memory=None, optimizer_offload: str = "none",
                  placement: Placement | None = None):
         """placement: where the passes run (default: this process; `rollplex.parallel.DataParallelCritic`
@@ -182,24 +189,10 @@ class Critic(Trainer):
         prompts = [p if p.vision_embeds is None else replace(p, vision_embeds=None) for p in batch.prompts]
         return replace(batch, prompts=prompts, prefix={})
 
-    @torch.no_grad()
     def values(self, batch: RolloutBatch, cfg: RLConfig | None = None) -> torch.Tensor:
-        """The critic's values [N, R] (fp32, host) of the batch's responses, zero on padding; under a
-        data-parallel placement each rank scores its share and every rank gets the whole [N, R]."""
-        cfg, pl, model = cfg or self.cfg, self.placement, self.model
-        batch = self._own_view(batch)
-        local, local_idx = pl.share(batch, cfg.mode)
-
-        def attempt(plan: MicroBatching) -> torch.Tensor:
-            out = torch.zeros(batch.responses.shape, dtype=torch.float32, device=model.inv_freq.device)
-            for mb, idx in pl.passes(local, cfg.mode, plan):
-                v = pl.run(model, model.values, mb, cfg.mode, plan.packed)
-                n = idx.shape[0]  # rows past n: a placement's masked-out dummies
-                out[to_device(local_idx[idx], out.device)] = v[:n] * to_device(mb.mask[:n], out.device)
-            return pl.sum_(out).cpu()
-
-        return retry_oom(attempt, cfg.micro_batching, cfg.mode, self.score_backoff, pl, model,
-                         "scoring the critic's values", (CRITIC_DP_HINT, CRITIC_HINT))
+        """The critic's values [N, R] (fp32, host) of the batch's responses, zero on padding (`Trainer.score`:
+        under a data-parallel placement each rank scores its share and every rank gets the whole [N, R])."""
+        return self.score(self._own_view(batch), token_values, cfg or self.cfg, what="scoring the critic's values")
 
     def update(self, batch: RolloutBatch, returns: torch.Tensor, old_values: torch.Tensor, step: int = 0,
                cfg: RLConfig | None = None, nonfinite: str = "skip") -> dict:

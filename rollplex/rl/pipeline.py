@@ -22,7 +22,7 @@ equals the phased step up to the order of the gradient sums and one division (rl
 With the prefix co-scheduler (`RLConfig.cosched`) the reference's prompt prefixes (and the old policy's,
 several updates per rollout) are planned as prefix jobs and run beside decode as in the phased step; the
 co-scheduler is one producer of this pipeline. A chunk's scoring reads its prompts' prefix states from
-that handover (`claim_handover`, rl/handover.py): a job the co-scheduler has not finished yet is taken
+that handover (`claim`, cosched/handover.py): a job the co-scheduler has not finished yet is taken
 over from it under its lock (its pending units leave its queue, the chunk's stream waits for its chunks
 in flight) and finished by the chunk's thread, so no unit runs twice and the values do not change.
 
@@ -66,13 +66,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cosched.handover import claim
 from .actor import METRICS, Accumulated, fused_loss_norm
 from .algos import compute_advantages
 from .batch import RolloutBatch
 from .config import RLConfig
 from .errors import TrainOOM, is_oom
 from .fuse_gate import FuseGate
-from .handover import claim_handover
 from .trainer import mini_batch_sizes
 
 BATCH_WIDE = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg")  # whiten / scale over the batch
@@ -121,7 +121,7 @@ class GroupPipeline:
         trained: how many of them, the first to finish, are trained (default: the first mini-batch's);
         gate: admission beside decode (default: always); stream_for(sms): the side stream of a partition
         of `sms` SMs (default: `stream` whatever the partition); handover: the co-scheduler's prefix rows
-        of the prompts, by consumer (rl/handover.py; default: none, scoring runs the prefixes)."""
+        of the prompts, by consumer (cosched/handover.py; default: none, scoring runs the prefixes)."""
         self.step, self.prompts, self.per_prompt, self.rewards = step, prompts, per_prompt, rewards
         self.cfg = cfg = step.cfg
         self.expected = len(prompts) if expected is None else expected
@@ -321,12 +321,12 @@ class GroupPipeline:
         chunk = self.chunk_batch(ids)
         # the co-scheduler's prefix states of these prompts, taken over where it has not finished them (a
         # worker that waits for a prefill gives up once the rollout is stopped)
-        chunk.prefix = claim_handover(st, self.handover, ids, lambda: self._stopping)
+        chunk.prefix = claim(st.cosched, self.handover, ids, st.device, lambda: self._stopping)
         scores, reward_metrics = self.rewards(chunk, ids)
         chunk.rewards = scores
         train_b, ref_b = st.training_views(chunk)
         rt = st.runtime  # one process, or this data-parallel rank alone (no collective)
-        ref = rt.fused_reference_logprobs(st.ref, st.actor, ref_b, cfg) if st.uses_reference(cfg) else None
+        ref = rt.fused_reference_logprobs(st.reference, ref_b, cfg) if st.uses_reference(cfg) else None
         # several updates: the ratio's denominator, by the weights the rollout sampled from (phased scores it
         # before the first optimizer step too)
         old = rt.fused_old_logprobs(st.model, st.actor, train_b, cfg) if cfg.num_updates > 1 else None

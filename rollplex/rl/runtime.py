@@ -17,7 +17,8 @@ the step's models are, where the rollout's samples come from, and which passes e
     generate(prompts, params, keep_vision, on_output)   the rollout's outputs of every prompt
     share(num_prompts)          the prompts whose prefixes this process co-schedules (None: all)
     reference_gather(ref) / old_policy(policy, trainer)   what a co-scheduled prefix sweep runs on
-    reference_logprobs / old_logprobs   the scoring passes of the phased step
+    reference_logprobs(reference, ...) / old_logprobs   the scoring passes of the phased step (the
+                                reference a Trainer with no optimizer, rl/trainer.py `score`)
     sync_weights() / after_update(actor, m, timed)   the updated weights into what the rollout decodes
     policy_state(policy, trainer, keep)  {name: whole parameter}
 
@@ -44,7 +45,8 @@ from .actor import Actor
 from .batch import RolloutBatch
 from .config import RLConfig
 from .critic import Critic, ValueModel
-from .scoring import score_with_backoff as score_logprobs
+from .scoring import logprobs
+from .trainer import Trainer
 
 
 class Runtime(Protocol):
@@ -76,7 +78,7 @@ class Runtime(Protocol):
 
     def old_policy(self, policy: Qwen25VL, trainer: Qwen25VL) -> tuple[Qwen25VL, object]: ...
 
-    def reference_logprobs(self, ref: Qwen25VL, actor: Actor, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor: ...
+    def reference_logprobs(self, reference: Trainer, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor: ...
 
     def old_logprobs(self, policy: Qwen25VL, actor: Actor, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor: ...
 
@@ -100,8 +102,7 @@ class Runtime(Protocol):
 
     def fused_results(self, pipe) -> tuple[list | None, tuple[int, int] | None]: ...
 
-    def fused_reference_logprobs(self, ref: Qwen25VL, actor: Actor, batch: RolloutBatch,
-                                 cfg: RLConfig) -> torch.Tensor: ...
+    def fused_reference_logprobs(self, reference: Trainer, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor: ...
 
     def fused_old_logprobs(self, policy: Qwen25VL, actor: Actor, batch: RolloutBatch,
                            cfg: RLConfig) -> torch.Tensor: ...
@@ -166,9 +167,8 @@ class LocalRuntime:
     def old_policy(self, policy: Qwen25VL, trainer: Qwen25VL) -> tuple[Qwen25VL, object]:
         return policy, None
 
-    def reference_logprobs(self, ref: Qwen25VL, actor: Actor, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
-        return score_logprobs(ref, batch, cfg.mode, cfg.micro_batching, cfg.temperature, prefix_key="ref",
-                              placement=actor.placement, backoff=actor.score_backoff)
+    def reference_logprobs(self, reference: Trainer, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
+        return reference.score(batch, logprobs(cfg.temperature), cfg, prefix_key="ref")
 
     def old_logprobs(self, policy: Qwen25VL, actor: Actor, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
         return actor.old_logprobs(batch, cfg)
@@ -205,9 +205,8 @@ class LocalRuntime:
     def fused_results(self, pipe) -> tuple[list | None, tuple[int, int] | None]:
         return None, None  # the pipeline's own chunks are the whole batch's
 
-    def fused_reference_logprobs(self, ref: Qwen25VL, actor: Actor, batch: RolloutBatch,
-                                 cfg: RLConfig) -> torch.Tensor:
-        return self.reference_logprobs(ref, actor, batch, cfg)
+    def fused_reference_logprobs(self, reference: Trainer, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
+        return self.reference_logprobs(reference, batch, cfg)
 
     def fused_old_logprobs(self, policy: Qwen25VL, actor: Actor, batch: RolloutBatch,
                            cfg: RLConfig) -> torch.Tensor:

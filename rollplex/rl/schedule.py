@@ -6,7 +6,7 @@
              (rl/pipeline.py `GroupPipeline`), then the first mini-batch's optimizer step and the
              other mini-batches as phased runs them; equal to phased up to summation order
 
-Both run the prefix co-scheduler beside their rollout when `cfg.cosched` (rl/handover.py): Phased through
+Both run the prefix co-scheduler beside their rollout when `cfg.cosched` (cosched/handover.py): Phased through
 `RLStep.generate`, Fused around its pipeline — the chunks read the prefix states it hands over and take
 over the jobs it has not finished when they need them; what no chunk claimed runs after the rollout.
 
@@ -28,13 +28,13 @@ import logging
 
 import torch
 
+from ..cosched.handover import co_scheduled
 from ..cosched.scheduler import decode_stream, on_stream, side_stream
 from ..cosched.timeline import DecodeMarks
 from .batch import RolloutBatch
 from .config import RLConfig
 from .errors import TrainOOM
 from .fuse_gate import FuseGate, gate_settings
-from .handover import co_scheduled, complete_handover, plan_handover
 from .pipeline import GroupPipeline, fallback_on, fused_unsupported
 from .timing import phase_timer as _timer
 from .trainer import mini_batch_sizes
@@ -128,7 +128,7 @@ class Fused:
         # each chunk reads (or takes over) the prefix states of its prompts; the reference stays resident
         # through the rollout here (`fused_regions`), so its prefixes are planned whatever the memory plan
         frozen = step.keeps_vision
-        handover = plan_handover(step, prompts, frozen, ref_resident=True)
+        handover = step.plan_handover(prompts, frozen, ref_resident=True)
         # this runtime's groups (a data-parallel rank: its engine's share), and how many of them are the first
         # mini-batch's
         mine, trained = rt.fused_share(len(prompts), mini_batch_sizes(len(prompts), cfg.ppo_mini_batches)[0])
@@ -141,7 +141,8 @@ class Fused:
             rt.begin_fused(actor, ref)  # data-parallel: trainer and reference gathered, no collective until the end
             # the co-scheduler finishes (its metrics, the main stream joins its stream) after the worker stopped:
             # no claim comes in while it settles
-            with co_scheduled(step, handover, prompts if frozen else (), priority=False):
+            with co_scheduled(step.cosched, step.engine, handover, prompts if frozen else (), tl,
+                              priority=False) as cosched_metrics:
                 pipe.start()
                 for h in hooked:
                     step.engine.hooks.append(h)
@@ -159,7 +160,8 @@ class Fused:
                     if not done:  # a failed rollout: what the chunks accumulated goes with it
                         rt.abort_fused(actor, ref)
                         actor.discard_groups()
-        m.update(step.rollout_metrics)
+        step.rollout_metrics = cosched_metrics
+        m.update(cosched_metrics)
         batch = step.rollout_batch(prompts, outs, **per_prompt)
         batch.prefix = handover
         with _timer(m, "fused_tail", step.device, tl):
@@ -167,7 +169,7 @@ class Fused:
             # (standalone, which calibrates the co-scheduler); the chunks left then find it done
             try:
                 for key in handover:
-                    complete_handover(step, batch, key, m)
+                    step.complete_handover(batch, key, m)
             except BaseException as e:  # noqa: BLE001 - as a fused stage's: chunks dropped, out of memory runs phased
                 pipe.error = pipe.error or e
             pipe.drain()

@@ -17,7 +17,7 @@ moved after each step that changed the weights (`actor/reward_kl_penalty[_coeff]
 * `serial`: verl's order and shapes — each sample is a full sequence with its image re-encoded.
 
 With `cosched` (rollplex mode) the reference's prefix — and the old policy's when several updates
-need old logprobs — runs beside the rollout's decode steps (rollplex.cosched, rl/handover.py), and
+need old logprobs — runs beside the rollout's decode steps (rollplex.cosched, cosched/handover.py), and
 scoring reads the prefix states it handed over in `RolloutBatch.prefix` instead of recomputing them (under
 the fused schedule each chunk of finished groups reads its prompts' states, rl/schedule.py). With
 `freeze_vision_tower` the engine keeps its prefill's vision encodings and, in rollplex mode, the
@@ -69,7 +69,8 @@ from dataclasses import replace
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..cosched import CoschedConfig, CoScheduler, Timeline
+from ..cosched import CoschedConfig, CoScheduler, PrefixRows, Timeline
+from ..cosched.handover import co_scheduled, complete
 from ..engine import Engine, SamplingParams
 from ..memory import MemoryConfig, MemoryManager
 from ..models import Qwen25VL
@@ -79,7 +80,6 @@ from .config import RLConfig
 from .critic import Critic, build_value_model
 from .dynamic_sampling import sample_groups
 from .errors import TrainStepError, TrainStepFailed
-from .handover import co_scheduled, complete_handover, plan_handover
 from .rewards import RewardFn, get_reward_fn, score_batch
 from .rollout import NativeRollout, RolloutBackend, as_rollout_backend, rollout_requests
 from .runtime import LocalRuntime, Runtime
@@ -87,6 +87,7 @@ from .schedule import schedule_of, why_not_fused
 from .step_memory import fit_memory as fit_memory  # re-exported: its home before rl/step_memory.py
 from .step_memory import fit_step, step_sizes, update_activations
 from .timing import phase_timer as _timer
+from .trainer import Trainer
 
 # the regions a step allocates in when built (resumed for that where the current phase has them paused)
 TRAINER_REGIONS = ("ref_weights", "optimizer", "grads", "critic_weights", "critic_optimizer", "critic_grads")
@@ -155,12 +156,14 @@ class RLStep:
         """The reference, the critic's value model, the memory fit, and the actor's and critic's trainers, each
         allocated in its region."""
         memory = self.memory
-        self.ref = self.runtime.reference(model, ref_model, cfg.kl_coef > 0, lambda: self._region("ref_weights"))
-        if self.ref is not None:
-            self.ref.requires_grad_(False).eval()
+        ref = self.runtime.reference(model, ref_model, cfg.kl_coef > 0, lambda: self._region("ref_weights"))
+        if ref is not None:
+            ref.requires_grad_(False).eval()
             if memory is not None:
-                ref, runtime = self.ref, self.runtime
+                runtime = self.runtime
                 memory.preserve("ref_weights", lambda: runtime.local_tensors(ref))
+        # the reference: a trainer with no optimizer (it only scores), placed where the actor's passes run below
+        self.reference = None if ref is None else Trainer(ref, role="reference")
         # PPO-GAE's value model (rl/critic.py), in its region before the plan is fitted: its bytes are planned
         self.critic: Critic | None = None
         value_model = None
@@ -184,10 +187,17 @@ class RLStep:
         self.memory_cfg = replace(self.memory_cfg, optimizer_offload=fit.optimizer_offload if fit
                                   else "none" if offload == "auto" else offload)
         self.actor = self.runtime.actor(model, cfg, memory, self.memory_cfg.optimizer_offload)
+        if self.reference is not None:  # scored where the actor's passes run, backing off with its scoring
+            self.reference.placement, self.reference.score_backoff = self.actor.placement, self.actor.score_backoff
         if value_model is not None:
             self.critic = self.runtime.critic(value_model, cfg, memory, self.memory_cfg.optimizer_offload)
 
     # ---- memory -------------------------------------------------------------------------------
+    @property
+    def ref(self) -> Qwen25VL | None:
+        """The frozen reference model (None without one)."""
+        return self.reference.model if self.reference is not None else None
+
     def _region(self, tag: str):
         return self.memory.region(tag) if self.memory is not None else contextlib.nullcontext()
 
@@ -252,13 +262,45 @@ class RLStep:
         co-scheduled prefix states (`cfg.cosched`) and the vision encodings (`freeze_vision_tower`)
         it carries for scoring and the update. `per_prompt`: data_sources / ground_truths / extra_infos."""
         frozen = self.keeps_vision
-        handover = plan_handover(self, prompts, frozen)  # rl/handover.py: nothing without cosched
+        handover = self.plan_handover(prompts, frozen)  # nothing without cosched
         self.enter("rollout")
-        with co_scheduled(self, handover, prompts if frozen else ()):
+        with co_scheduled(self.cosched, self.engine, handover, prompts if frozen else (), self.timeline) as cm:
             outs = self.runtime.generate(prompts, params, keep_vision=frozen)
+        self.rollout_metrics = cm
         batch = self.rollout_batch(prompts, outs, **per_prompt)
         batch.prefix = handover
         return batch
+
+    def plan_handover(self, prompts: list, frozen: bool, ref_resident: bool = False) -> dict[str, PrefixRows]:
+        """The prefix jobs `cfg.cosched` runs beside decode, by consumer (rollplex/cosched/handover.py): the
+        reference's (when the memory plan keeps its weights resident during the rollout, or `ref_resident`:
+        the fused schedule holds them there) and the old policy's (several updates per rollout). frozen: the
+        prompts carry the engine's vision encodings (`keeps_vision`). A data-parallel rank plans its share
+        (`Runtime.share`), a sharded model's as a sweep in lockstep with the other ranks'."""
+        cfg, out = self.cfg, {}
+        if not cfg.cosched or self.engine is None:
+            return out
+        per_job = self.cosched.config.job_prompts
+        only = self.runtime.share(len(prompts))
+        if self.ref is not None and cfg.kl_coef > 0 and (
+                ref_resident or self.memory is None or self.memory.plan.get("rollout", "ref_weights") == "resident"):
+            # a frozen tower's encodings come from the engine's prefill, unless the reference's tower differs
+            shared = frozen and self.ref_same_vision
+            ref_prompts = prompts if shared or not frozen else [replace(p, vision_embeds=None) for p in prompts]
+            out["ref"] = PrefixRows.plan(self.ref, ref_prompts, per_job, "ref", external_vision=shared, only=only,
+                                         gather=self.runtime.reference_gather(self.ref))
+        if cfg.num_updates > 1:  # the policy, or the trainer's shards (a tensor-parallel engine holds only its own)
+            model, gather = self.runtime.old_policy(self.model, self.actor.model)
+            out["old"] = PrefixRows.plan(model, prompts, per_job, "old", external_vision=frozen, only=only,
+                                         gather=gather)
+        return out
+
+    def complete_handover(self, batch: RolloutBatch, key: str, m: dict) -> None:
+        """The handed-over prefix work under `key` never admitted beside decode, run standalone (its normal
+        phase, timed into `m`; it calibrates the co-scheduler)."""
+        rows = batch.prefix.get(key)
+        if rows is not None:
+            m[f"rollplex/prefix_{key}_normal_phase_s"] = complete(self.cosched, rows, self.device)
 
     def rollout_batch(self, prompts: list, outs: list, **per_prompt) -> RolloutBatch:
         """The backend's RequestOutputs of `prompts` as a RolloutBatch; its prompts carry the prefill's
@@ -323,7 +365,7 @@ class RLStep:
         if self.uses_reference(cfg):
             with _timer(m, "ref", self.device, tl):
                 self.enter("ref")
-                complete_handover(self, batch, "ref", m)
+                self.complete_handover(batch, "ref", m)
                 ref_lp = self.reference_logprobs(ref_batch, cfg)
         if cfg.uses_critic:  # the values of the responses before the update: GAE's baseline, the value clip's centre
             with _timer(m, "values", self.device, tl):
@@ -344,7 +386,7 @@ class RLStep:
         if old is None and train_actor:
             with _timer(m, "old_log_prob", self.device, tl):
                 self.enter("ref")
-                complete_handover(self, batch, "old", m)
+                self.complete_handover(batch, "old", m)
                 old = self.runtime.old_logprobs(self.model, self.actor, batch, cfg)
         batch.prefix = {}  # the prefix states are consumed: free them before the update
 
@@ -374,7 +416,7 @@ class RLStep:
 
     def reference_logprobs(self, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
         """The reference's logprobs [N, R] of the batch's responses (backs off on OOM, rl/scoring.py)."""
-        return self.runtime.reference_logprobs(self.ref, self.actor, batch, cfg)
+        return self.runtime.reference_logprobs(self.reference, batch, cfg)
 
     def kl_reward_penalty(self, batch: RolloutBatch, ref_lp: torch.Tensor | None,
                           cfg: RLConfig) -> tuple[torch.Tensor | None, float | None, dict]:

@@ -1,6 +1,8 @@
-"""What every trainer of a step shares (the actor's, the critic's): one model, its MasterAdamW, where its
-passes run, and the loops written once.
+"""What every model of a step shares (the actor's, the critic's, the reference's): one model, its
+MasterAdamW (none for the reference, which only scores), where its passes run, and the loops written once.
 
+    score(batch, forward, cfg)             no-grad [N, R] of `forward` over the batch's passes, down the
+                                           out-of-memory ladder (`retry_oom`); nothing is applied
     fit(cfg, batch, step_idx, minibatch)   epochs x mini-batches: `minibatch` accumulates one mini-batch's
                                            gradients and metrics, `apply` takes its optimizer step
     apply(stats, where, nonfinite)         a non-finite metric skips the step (or raises NonFiniteUpdate),
@@ -28,15 +30,23 @@ from typing import TypeVar
 
 import torch
 
+from ..models.transfer import to_device
 from .batch import RolloutBatch
 from .config import RLConfig
 from .errors import NonFiniteUpdate, TrainOOM, TrainStepError, TrainStepFailed, is_oom
 from .microbatch import Backoff, MicroBatching, halve
 from .optimizer import MasterAdamW, OptimizerStepOOM
-from .placement import CollectiveOOM, Placement
+from .placement import CollectiveOOM, Placement, SingleProcess
 
 log = logging.getLogger("rollplex.rl")
 T = TypeVar("T")
+# forward(model, micro-batch, mode, packed, prefix_key) -> [n, R]: what `Trainer.score` runs per pass
+# (rl/scoring.py `logprobs`, rl/critic.py `values`)
+Forward = Callable[[torch.nn.Module, RolloutBatch, str, bool, "str | None"], torch.Tensor]
+# what to change when scoring runs out of memory: inside a data-parallel pass; at the smallest micro-batch
+SCORE_HINTS = ("lower micro_batch_prompts / micro_batch_max_tokens or offload the reference model",
+               "lower n or max_new_tokens, or offload the reference model (--memory-overrides "
+               "ref_weights:*=offloaded)")
 
 
 def lr_lambda(cfg: RLConfig) -> Callable[[int], float]:
@@ -114,17 +124,53 @@ def _empty_cache(model: torch.nn.Module) -> None:
 
 
 class Trainer:
-    def __init__(self, model: torch.nn.Module, optimizer: MasterAdamW, placement: Placement, memory=None,
+    score_hints = SCORE_HINTS  # what `score`'s TrainOOM says to change (inside a data-parallel pass; at the smallest)
+
+    def __init__(self, model: torch.nn.Module, optimizer: MasterAdamW | None = None,
+                 placement: Placement | None = None, memory=None,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, per_optimizer_step: bool = False,
-                 role: str = "trainer"):
-        """scheduler: an LR schedule stepped after each applied optimizer step when `per_optimizer_step`
-        (its unit; otherwise the caller steps it per train step); role: the metrics' prefix ("actor")."""
-        self.model, self.optimizer, self.placement, self.memory = model, optimizer, placement, memory
+                 role: str = "trainer", score_backoff: Backoff | None = None):
+        """optimizer: None for a model that only scores (the reference); placement: where the passes run
+        (default: this process); scheduler: an LR schedule stepped after each applied optimizer step when
+        `per_optimizer_step` (its unit; otherwise the caller steps it per train step); role: the metrics'
+        prefix ("actor"); score_backoff: the scoring back-off to share (the reference's is the actor's)."""
+        self.model, self.optimizer, self.memory = model, optimizer, memory
+        self.placement = placement or SingleProcess()
         self.scheduler, self.per_optimizer_step, self.role = scheduler, per_optimizer_step, role
         self.name = f"the {role}"  # how errors call it
         self.applied = 0  # optimizer steps the current (or last) update applied
         # the micro-batchings out-of-memory back-offs halved to, kept for later steps: training and scoring
-        self.train_backoff, self.score_backoff = Backoff(), Backoff()
+        self.train_backoff, self.score_backoff = Backoff(), score_backoff or Backoff()
+
+    @torch.no_grad()
+    def score(self, batch: RolloutBatch, forward: Forward, cfg: RLConfig, prefix_key: str | None = None,
+              placement: Placement | None = None, what: str | None = None) -> torch.Tensor:
+        """No-grad `forward` of every response token [N, R] (fp32, host), zero on padding, every process of
+        the placement getting the whole of it; `prefix_key`: the passes read the rollout's prefix states for
+        that consumer (`batch.prefix`, rollplex mode) instead of running the prefix. placement: instead of the
+        trainer's (a data-parallel rank's fused stages score alone). An out-of-memory error halves the
+        micro-batches and retries (`retry_oom`, the halved plan kept in `score_backoff`), down to TrainOOM with
+        nothing applied; `what` names the scoring in its message (default: "the <role> scoring")."""
+        pl, model, mode = placement or self.placement, self.model, cfg.mode
+        if prefix_key is not None and (mode != "rollplex" or prefix_key not in batch.prefix):
+            prefix_key = None
+        rows = batch.prefix[prefix_key] if prefix_key is not None else None
+        if rows is not None and pl.world > 1:  # each process scores the prompts whose prefix states it holds
+            local, local_idx = batch.select_prompts(rows.planned())
+        else:
+            local, local_idx = pl.share(batch, mode)
+
+        def attempt(plan: MicroBatching) -> torch.Tensor:
+            out = torch.zeros(batch.responses.shape, dtype=torch.float32, device=model.inv_freq.device)
+            for mb, idx in pl.passes(local, mode, plan, prefix=prefix_key is not None):
+                v = pl.run(model, forward, model, mb, mode, plan.packed, prefix_key)
+                n = idx.shape[0]  # rows past n: a placement's masked-out dummies
+                # stays on the device: no sync per micro-batch
+                out[to_device(local_idx[idx], out.device)] = v[:n] * to_device(mb.mask[:n], out.device)
+            return pl.sum_(out).cpu()
+
+        return retry_oom(attempt, cfg.micro_batching, mode, self.score_backoff, pl, model,
+                         what or f"{self.name} scoring", self.score_hints)
 
     def fit(self, cfg: RLConfig, batch: RolloutBatch, step_idx: int,
             minibatch: Callable[[int, int, RolloutBatch, torch.Tensor], dict], nonfinite: str) -> dict:
