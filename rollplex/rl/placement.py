@@ -39,7 +39,7 @@ import torch
 
 from ..models import Qwen25VL
 from .batch import RolloutBatch
-from .checkpointing import activation_checkpointing, set_activation_checkpointing
+from .activation_checkpointing import activation_checkpointing, set_activation_checkpointing
 from .microbatch import MicroBatching, micro_batches
 
 
