@@ -1,60 +1,25 @@
-"""One synchronous GRPO/PPO step: rollout -> rewards -> reference logprobs -> (old logprobs) -> update.
+"""One synchronous GRPO/PPO step: rollout -> rewards -> reference logprobs -> (values, old logprobs) ->
+advantages -> update. `RLStep` keeps the algorithm; where its work runs and in what order are given.
 
-Advantages come from `cfg.adv_estimator` (rl/algos.py: grpo, dr_grpo, rloo, reinforce_plus_plus[_baseline],
-gae). With gae the step holds a critic (rl/critic.py, `self.critic`): its values are scored in the `ref`
-phase after the reference's logprobs, GAE gives advantages and returns, and the critic is trained after
-the actor, in a phase of its own (`update_critic`: the memory plan keeps one trainer's state at a time
-on the device), so a failed actor update leaves the critic as it was (the actor is not trained at all
-during the first `critic_warmup` steps, which still count as steps).
-With `use_kl_loss=False` the KL to the reference (`cfg.kl_penalty`, k1 by default as in verl) is a
-per-token reward penalty, its coefficient `kl_coef` or, with `kl_ctrl="adaptive"`, verl's controller,
-moved after each step that changed the weights (`actor/reward_kl_penalty[_coeff]`, `actor/kl_coef`).
+    run(prompts, params) / step(rows)   the whole step in `cfg.schedule`'s order (rl/schedule.py: phased,
+                                        or fused beside the rollout's tail, rl/pipeline.py)
+    generate / sample                   the rollout on the rollout backend (rl/rollout.py), with the
+                                        co-scheduler's prefix work beside decode (`cfg.cosched`,
+                                        cosched/handover.py)
+    train(batch, cfg)                   reference scoring, advantages and the update of a finished rollout
+    update(...)                         the tail both schedules end in: actor, critic, step counted
 
-`mode` changes where the work runs, never what is computed:
+The models are Trainers (rl/trainer.py): the actor (rl/actor.py), the critic under gae (rl/critic.py),
+the reference (one with no optimizer). Advantages come from `cfg.adv_estimator` (rl/algos.py); with
+`use_kl_loss=False` the KL to the reference is a per-token reward penalty (fixed or verl's adaptive
+controller). `mode` changes where the work runs, never what is computed: `rollplex` runs each prompt's
+prefix once for its n responses, `serial` every sample in full (verl's order).
 
-* `rollplex`: reference scoring and training run each prompt's prefix (vision tower + prompt) once
-  and let its n responses attend to it; the backward flows through the one shared prefix graph.
-* `serial`: verl's order and shapes — each sample is a full sequence with its image re-encoded.
-
-With `cosched` (rollplex mode) the reference's prefix — and the old policy's when several updates
-need old logprobs — runs beside the rollout's decode steps (rollplex.cosched, cosched/handover.py), and
-scoring reads the prefix states it handed over in `RolloutBatch.prefix` instead of recomputing them (under
-the fused schedule each chunk of finished groups reads its prompts' states, rl/schedule.py). With
-`freeze_vision_tower` the engine keeps its prefill's vision encodings and, in rollplex mode, the
-batch's prompts carry them (`ModelInputs.vision_embeds`), so the reference and the actor skip their
-vision passes: one vision-tower pass per prompt per step.
-
-The rollout runs on a `RolloutBackend` (rollout.py): Rollplex's engine (`NativeRollout`, built from
-the Engine given), which decodes with the actor's own parameter tensors, so there is no weight-sync
-phase; or SGLang (engine_patches.sglang.backend.SGLangRollout), which keeps its own copy of the policy:
-the step enters each phase on the backend too (SGLang releases its memory outside the rollout), and
-entering the rollout copies the updated policy in. The step is otherwise the same on both: the
-backend's outputs are the native engine's RequestOutputs. The reference model is a frozen copy of the
-initial policy. `train(batch, cfg)` takes an optional config for that step alone (the server's
-per-request overrides), derived from `self.cfg` with `dataclasses.replace`; `self.cfg` never changes.
-
-Under a memory manager the step is fitted to its device when built (`fit_memory`, memory/fit.py):
-the residency plan, and the activation checkpointing and optimizer offload the user left unset,
-chosen from the planned region sizes and `update_activations` (rl/step_memory.py); a ValueError when
-nothing fits.
-
-Where the step runs is a runtime (rl/runtime.py), what runs when a schedule (rl/schedule.py); the
-step itself branches on neither. `LocalRuntime` runs it on this process. Given a data-parallel
-runtime (`parallel`: rollplex.parallel.data_parallel over a process group, injected: this module
-imports nothing of rollplex.parallel) the step is data-parallel: every rank calls it with the same
-rows, rolls out its share of the prompts (or all of them with a tensor-parallel engine), scores and
-trains its share of the prompt groups with FSDP2-sharded reference and trainer, and ends with the
-same metrics and weights as one process; the trainer's shards are windows of the engine's own tensors
-where the sharing plan allows, so an update writes those in place and only the rest is rebuilt after
-it. With a tensor-parallel engine `RLStep.model` is this rank's shard of the policy (the engine's
-model): the step keeps no reference to the whole `model` it was built from, and `policy_state()`
-gathers the whole weights. Data-parallel runs need the native backend.
-
-`cfg.schedule` orders the whole step (`run`): "phased" rolls out, then scores and trains (`train`);
-"fused" (rl/pipeline.py) trains the first mini-batch's groups as they finish beside the rollout's
-tail — on one process or on each data-parallel rank's share — and equals phased up to summation
-order, falling back to phased where it cannot. The first epoch's mini-batches are cut from the order
-the groups finished in, in both schedules.
+Where the step runs is a runtime (rl/runtime.py): this process (`LocalRuntime`), or a data-parallel rank
+injected as `parallel` (rollplex.parallel; this module imports nothing of it), which computes what one
+process does. Under a memory manager the step is fitted to its device when built (rl/step_memory.py).
+`train(batch, cfg)` takes an optional config for that step alone; `self.cfg` never changes. What a failed
+step leaves is in rl/errors.py. More in docs/ARCHITECTURE.md ("The RL step").
 """
 
 from __future__ import annotations
