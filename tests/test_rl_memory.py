@@ -12,8 +12,8 @@ from rollplex.engine import Engine, EngineConfig, SamplingParams
 from rollplex.memory import MemoryConfig, MemoryManager, PhasePlan
 from rollplex.models import load_model
 from rollplex.rl import actor as actor_mod
-from rollplex.rl.actor import TrainOOM
 from rollplex.rl.activation_checkpointing import activation_checkpointing
+from rollplex.rl.actor import TrainOOM
 from rollplex.rl.config import RLConfig
 from rollplex.rl.step import RLStep
 from rollplex.tiny import shape_color

@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 from ..models import hf_to_rollplex, save_model
 from ..models.checkpoint import read_safetensors
 from .atomic_dir import replace_dir, sync_tree
+from .critic import HEAD, save_value_model, value_state
 from .run_state_checks import (
     check_adamw,
     check_data_state,
@@ -58,7 +59,6 @@ from .run_state_checks import (
     check_weight,
     per_step_max,
 )
-from .critic import HEAD, save_value_model, value_state
 from .step import RLStep
 
 STATE = "trainer_state.pt"

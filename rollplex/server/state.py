@@ -67,9 +67,9 @@ from ..data import row_to_inputs
 from ..models import ModelInputs
 from ..parallel.fsdp import local_tensor
 from ..rl.actor import TrainOOM
+from ..rl.config import RLConfig
 from ..rl.run_state import load_checkpoint, save_checkpoint
 from ..rl.run_state_checks import check_data_state
-from ..rl.config import RLConfig
 from ..system import SystemConfig, build
 from .group import collective_oom
 from .limits import ServerLimits
