@@ -75,7 +75,7 @@ from .fsdp import FSDPConfig, apply_fsdp, full_tensor, local_tensor
 from .lockstep import ShardGather
 from .rollout_groups import rollout_slots
 from .shared_weights import SharedWeights, column_sharded, meta_copy
-from .step_runtime import StepRuntime
+from .step_runtime import DataParallelFused, StepRuntime
 
 
 def data_parallel(model: Qwen25VL, engine, cfg: RLConfig, group: dist.ProcessGroup | str | None = "auto",
@@ -130,6 +130,7 @@ class Colocated(StepRuntime):
         self.policy = engine.model if self.rollout == "tensor" else model
         self.weights: SharedWeights | None = None  # set when the trainer is built
         self._sweep_group: dist.ProcessGroup | None = None  # the co-scheduled gathers' own group
+        self.fused = DataParallelFused(self)  # where the fused schedule's stages run (parallel/step_runtime.py)
 
     # ---- models -------------------------------------------------------------------------------
     def actor(self, model: Qwen25VL, cfg: RLConfig, memory, optimizer_offload: str) -> DataParallelActor:

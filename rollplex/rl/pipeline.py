@@ -45,7 +45,7 @@ mini-batches and epochs, as the phased update runs them (`Actor.update(accumulat
 
 Data-parallel (a per-rank engine, rollplex.parallel): each rank runs this pipeline on its own engine's
 groups, `expected` of them, `trained` of them in the first mini-batch of the whole rollout's finishing
-order (the engines' orders interleaved: `Colocated.fused_share`). Its stages run no collective — the
+order (the engines' orders interleaved: `DataParallelFused.share`). Its stages run no collective — the
 trainer and a sharded reference are gathered before the rollout and their passes go past FSDP2's
 hooks (`DataParallel.begin_local`) — and after every rank's last group one all-reduce agrees on
 failures and the gradients are reduce-scattered once (`end_local`); the ranks then share their
@@ -326,10 +326,10 @@ class GroupPipeline:
         chunk.rewards = scores
         train_b, ref_b = st.training_views(chunk)
         rt = st.runtime  # one process, or this data-parallel rank alone (no collective)
-        ref = rt.fused_reference_logprobs(st.reference, ref_b, cfg) if st.uses_reference(cfg) else None
+        ref = rt.fused.reference_logprobs(st.reference, ref_b, cfg) if st.uses_reference(cfg) else None
         # several updates: the ratio's denominator, by the weights the rollout sampled from (phased scores it
         # before the first optimizer step too)
-        old = rt.fused_old_logprobs(st.model, st.actor, train_b, cfg) if cfg.num_updates > 1 else None
+        old = rt.fused.old_logprobs(st.model, st.actor, train_b, cfg) if cfg.num_updates > 1 else None
         chunk.prefix.clear()  # consumed (the views share the dict): the update runs its own prefixes
         penalty, _, _ = st.kl_reward_penalty(chunk, ref, cfg)
         adv, seq_rewards = compute_advantages(cfg.adv_estimator, scores, chunk.group, chunk.mask, penalty,
@@ -337,7 +337,7 @@ class GroupPipeline:
         logp = None
         if trained:
             acc, logp = st.actor.accumulate_groups(cfg, train_b, adv, ref if cfg.use_kl_loss else None, old,
-                                                   rt.fused_placement())
+                                                   rt.fused.placement())
             self.acc = acc if self.acc is None else self.acc + acc
         rows = torch.cat([torch.arange(self.offsets[i], self.offsets[i + 1]) for i in ids])
         self.results.append(ChunkResult(ids, rows, scores, reward_metrics, ref, adv, seq_rewards, logp, old))

@@ -21,10 +21,9 @@ the step's models are, where the rollout's samples come from, and which passes e
                                 reference a Trainer with no optimizer, rl/trainer.py `score`)
     sync_weights() / after_update(actor, m, timed)   the updated weights into what the rollout decodes
     policy_state(policy, trainer, keep)  {name: whole parameter}
-
-and for the fused schedule (rl/schedule.py, rl/pipeline.py): `fused_unsupported`, `fused_bytes`,
-`fused_share`, `begin_fused` / `end_fused` / `abort_fused`, `fused_results`, and the scoring and
-training placement of the stages (`fused_reference_logprobs`, `fused_old_logprobs`, `fused_placement`).
+    fused                       where the fused schedule's stages run (`FusedPlacement`: its share of the
+                                groups, begin / end / abort around the rollout, every rank's results, the
+                                stages' scoring and training placement), read by rl/schedule.py only
 
 `LocalRuntime` is the identity runtime: the rollout backend given, every pass here, no communication.
 `rollplex.parallel.Colocated` (built by `rollplex.parallel.data_parallel` and injected as
@@ -51,6 +50,7 @@ from .trainer import Trainer
 
 class Runtime(Protocol):
     policy: Qwen25VL
+    fused: FusedPlacement  # where the fused schedule's stages run
 
     def attach(self, backend, engine, model: Qwen25VL, memory) -> None: ...
 
@@ -88,26 +88,30 @@ class Runtime(Protocol):
 
     def policy_state(self, policy: Qwen25VL, trainer: Qwen25VL, keep: bool) -> dict | None: ...
 
-    def fused_unsupported(self) -> str | None: ...
 
-    def fused_bytes(self, actor: Actor) -> int: ...
+class FusedPlacement(Protocol):
+    """Where the fused schedule's stages run (rl/schedule.py `Fused`, rl/pipeline.py): one process, or each
+    data-parallel rank on its own engine's groups with no collective until the end."""
 
-    def fused_share(self, num_prompts: int, first: int) -> tuple[list[int], int]: ...
+    def unsupported(self) -> str | None: ...  # why these ranks cannot run a fused step (None: they can)
 
-    def begin_fused(self, actor: Actor, ref: Qwen25VL | None) -> None: ...
+    def extra_bytes(self, actor: Actor) -> int: ...  # what the fused rollout phase holds besides one process's
 
-    def end_fused(self, actor: Actor, ref: Qwen25VL | None, flags: list[int]) -> list[int]: ...
+    def share(self, num_prompts: int, first: int) -> tuple[list[int], int]: ...  # (my prompts, how many first)
 
-    def abort_fused(self, actor: Actor, ref: Qwen25VL | None) -> None: ...
+    def begin(self, actor: Actor, ref: Qwen25VL | None) -> None: ...  # before the rollout: models gathered
 
-    def fused_results(self, pipe) -> tuple[list | None, tuple[int, int] | None]: ...
+    def end(self, actor: Actor, ref: Qwen25VL | None, flags: list[int]) -> list[int]: ...  # flags agreed, grads
 
-    def fused_reference_logprobs(self, reference: Trainer, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor: ...
+    def abort(self, actor: Actor, ref: Qwen25VL | None) -> None: ...  # `begin` undone here alone
 
-    def fused_old_logprobs(self, policy: Qwen25VL, actor: Actor, batch: RolloutBatch,
-                           cfg: RLConfig) -> torch.Tensor: ...
+    def results(self, pipe) -> tuple[list | None, tuple[int, int] | None]: ...  # every rank's chunks
 
-    def fused_placement(self): ...
+    def reference_logprobs(self, reference: Trainer, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor: ...
+
+    def old_logprobs(self, policy: Qwen25VL, actor: Actor, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor: ...
+
+    def placement(self): ...  # where the stages' training passes run (None: the actor's)
 
 
 class LocalRuntime:
@@ -116,6 +120,7 @@ class LocalRuntime:
 
     def __init__(self, policy: Qwen25VL, backend):
         self.policy, self.backend = policy, backend
+        self.fused = LocalFused(self)
 
     def attach(self, backend, engine, model: Qwen25VL, memory) -> None:
         if backend is not None:  # the backend checks it decodes `model` under the step's memory manager
@@ -183,34 +188,39 @@ class LocalRuntime:
     def policy_state(self, policy: Qwen25VL, trainer: Qwen25VL, keep: bool) -> dict | None:
         return {n: p.detach() for n, p in policy.named_parameters()} if keep else None
 
-    # ---- the fused schedule -------------------------------------------------------------------------
-    def fused_unsupported(self) -> str | None:
+
+class LocalFused:
+    """The fused schedule on this process alone: every group here, nothing to gather or agree."""
+
+    def __init__(self, runtime: LocalRuntime):
+        self.runtime = runtime
+
+    def unsupported(self) -> str | None:
         return None
 
-    def fused_bytes(self, actor: Actor) -> int:
+    def extra_bytes(self, actor: Actor) -> int:
         return 0
 
-    def fused_share(self, num_prompts: int, first: int) -> tuple[list[int], int]:
+    def share(self, num_prompts: int, first: int) -> tuple[list[int], int]:
         return list(range(num_prompts)), first
 
-    def begin_fused(self, actor: Actor, ref: Qwen25VL | None) -> None:
+    def begin(self, actor: Actor, ref: Qwen25VL | None) -> None:
         pass
 
-    def end_fused(self, actor: Actor, ref: Qwen25VL | None, flags: list[int]) -> list[int]:
+    def end(self, actor: Actor, ref: Qwen25VL | None, flags: list[int]) -> list[int]:
         return flags
 
-    def abort_fused(self, actor: Actor, ref: Qwen25VL | None) -> None:
+    def abort(self, actor: Actor, ref: Qwen25VL | None) -> None:
         pass
 
-    def fused_results(self, pipe) -> tuple[list | None, tuple[int, int] | None]:
+    def results(self, pipe) -> tuple[list | None, tuple[int, int] | None]:
         return None, None  # the pipeline's own chunks are the whole batch's
 
-    def fused_reference_logprobs(self, reference: Trainer, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
-        return self.reference_logprobs(reference, batch, cfg)
+    def reference_logprobs(self, reference: Trainer, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
+        return self.runtime.reference_logprobs(reference, batch, cfg)
 
-    def fused_old_logprobs(self, policy: Qwen25VL, actor: Actor, batch: RolloutBatch,
-                           cfg: RLConfig) -> torch.Tensor:
+    def old_logprobs(self, policy: Qwen25VL, actor: Actor, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
         return actor.old_logprobs(batch, cfg)
 
-    def fused_placement(self):
+    def placement(self):
         return None  # the actor's own

@@ -131,14 +131,14 @@ class Fused:
         handover = step.plan_handover(prompts, frozen, ref_resident=True)
         # this runtime's groups (a data-parallel rank: its engine's share), and how many of them are the first
         # mini-batch's
-        mine, trained = rt.fused_share(len(prompts), mini_batch_sizes(len(prompts), cfg.ppo_mini_batches)[0])
+        mine, trained = rt.fused.share(len(prompts), mini_batch_sizes(len(prompts), cfg.ppo_mini_batches)[0])
         pipe = GroupPipeline(step, prompts, [p.n for p in params], per_prompt, rewards, self._side_stream(step), tl,
                              len(mine), trained, self._gate(cfg), lambda sms: self._side_stream(step, sms), handover)
         # the decode lane of the timeline: the co-scheduler draws it when it runs (with what it admitted)
         marks = DecodeMarks(tl) if tl is not None and step.engine is not None and not handover else None
         hooked = [h for h in (pipe, marks) if h is not None and step.engine is not None]  # the gate hears decode
         with _timer(m, "gen", step.device, tl):  # in the rollout phase, entered by `_fused`
-            rt.begin_fused(actor, ref)  # data-parallel: trainer and reference gathered, no collective until the end
+            rt.fused.begin(actor, ref)  # data-parallel: trainer and reference gathered, no collective until the end
             # the co-scheduler finishes (its metrics, the main stream joins its stream) after the worker stopped:
             # no claim comes in while it settles
             with co_scheduled(step.cosched, step.engine, handover, prompts if frozen else (), tl,
@@ -158,7 +158,7 @@ class Fused:
                     if marks is not None:
                         marks.close()
                     if not done:  # a failed rollout: what the chunks accumulated goes with it
-                        rt.abort_fused(actor, ref)
+                        rt.fused.abort(actor, ref)
                         actor.discard_groups()
         step.rollout_metrics = cosched_metrics
         m.update(cosched_metrics)
@@ -175,7 +175,7 @@ class Fused:
             pipe.drain()
         # every rank agrees whether some rank's stage failed, then the gradients are reduced once
         err = pipe.error
-        oom, other = rt.end_fused(actor, ref, [int(err is not None and fallback_on(err)),
+        oom, other = rt.fused.end(actor, ref, [int(err is not None and fallback_on(err)),
                                                int(err is not None and not fallback_on(err))])
         if other and err is None:
             pipe.error = RuntimeError("a fused stage failed on another data-parallel rank")
@@ -189,7 +189,7 @@ class Fused:
             m["rollplex/fused"], m["rollplex/fused_fallback_oom"] = 0.0, 1.0
             return Phased.after_rollout(step, batch, rewards, m)  # reads the handover's prefix states
         batch.prefix = {}  # consumed by the chunks: free them before the update
-        results, counts = rt.fused_results(pipe)  # every rank's chunks; None: this pipeline's are all
+        results, counts = rt.fused.results(pipe)  # every rank's chunks; None: this pipeline's are all
         pipe.resolve_times()
         assert len(mine) < len(prompts) or pipe.order == batch.finish_order(), "the first mini-batch is trained"
         got = pipe.assemble(batch, results)
@@ -229,7 +229,7 @@ def why_not_fused(step) -> str | None:
         return why
     if step.backend is None or not getattr(step.backend, "reports_groups", False):
         return f"the {step.rollout_backend} rollout backend does not report groups as they finish"
-    if (why := step.runtime.fused_unsupported()) is not None:
+    if (why := step.runtime.fused.unsupported()) is not None:
         return why
     fit = step.memory_fit
     if fit is not None and fit.budget is not None:
@@ -238,7 +238,7 @@ def why_not_fused(step) -> str | None:
         # rank also the trainer's units and gradients, and a sharded reference's, gathered
         sizes, acts = step.memory_sizes(), step.activation_estimate()
         peak = (fit.plan.peak("rollout", sizes, {}) + sum(sizes[t] for t in fused_regions(step)) + acts["update"]
-                + step.runtime.fused_bytes(step.actor))
+                + step.runtime.fused.extra_bytes(step.actor))
         if peak > fit.budget:
             return (f"the fused rollout phase needs {peak / 2**30:.1f} GiB (the KV cache, gradients, reference "
                     f"and one update micro-batch together), over the plan's budget of {fit.budget / 2**30:.1f} GiB")
