@@ -137,6 +137,39 @@ class Fused:
         # the decode lane of the timeline: the co-scheduler draws it when it runs (with what it admitted)
         marks = DecodeMarks(tl) if tl is not None and step.engine is not None and not handover else None
         hooked = [h for h in (pipe, marks) if h is not None and step.engine is not None]  # the gate hears decode
+        outs = self._roll_out(step, prompts, params, pipe, handover, marks, hooked, ref, m)
+        batch = step.rollout_batch(prompts, outs, **per_prompt)
+        batch.prefix = handover
+        if not self._end_stages(step, batch, pipe, handover, ref, m):  # out of memory in a stage: phased
+            return Phased.after_rollout(step, batch, rewards, m)  # reads the handover's prefix states
+        batch.prefix = {}  # consumed by the chunks: free them before the update
+        results, counts = rt.fused.results(pipe)  # every rank's chunks; None: this pipeline's are all
+        pipe.resolve_times()
+        assert len(mine) < len(prompts) or pipe.order == batch.finish_order(), "the first mini-batch is trained"
+        got = pipe.assemble(batch, results)
+        batch.rewards = got["rewards"]
+        m.update(got["reward_metrics"])
+        _, reward_kl, kl_m = step.kl_reward_penalty(batch, got["ref"], cfg)
+        m.update(kl_m)
+        train_lp = got["old"] if got["old"] is not None else got["logprobs"]  # as phased: the old ones when scored
+
+        def actor_update() -> tuple[dict, torch.Tensor]:
+            if cfg.num_updates == 1:
+                return actor.apply_groups(cfg, got["accumulated"].metrics, batch.mask), train_lp
+            # the first mini-batch's optimizer step, then the others as the phased update runs them
+            train_b, _ = step.training_views(batch)
+            stats, _ = actor.update(train_b, got["advantages"], got["ref"] if cfg.use_kl_loss else None, got["old"],
+                                    step.step_idx, cfg, accumulated=got["accumulated"])
+            return stats, train_lp
+
+        step.update(batch, got["advantages"], got["seq_rewards"], reward_kl, cfg, m, actor_update)
+        m.update(pipe.metrics(m["timing_s/gen"], counts))
+        return batch
+
+    def _roll_out(self, step, prompts: list, params: list, pipe: GroupPipeline, handover: dict, marks, hooked: list,
+                  ref, m: dict) -> list:
+        """The rollout with the pipeline (and the co-scheduler) beside it: the backend's outputs."""
+        rt, tl, actor, frozen = step.runtime, step.timeline, step.actor, step.keeps_vision
         with _timer(m, "gen", step.device, tl):  # in the rollout phase, entered by `_fused`
             rt.fused.begin(actor, ref)  # data-parallel: trainer and reference gathered, no collective until the end
             # the co-scheduler finishes (its metrics, the main stream joins its stream) after the worker stopped:
@@ -162,9 +195,15 @@ class Fused:
                         actor.discard_groups()
         step.rollout_metrics = cosched_metrics
         m.update(cosched_metrics)
-        batch = step.rollout_batch(prompts, outs, **per_prompt)
-        batch.prefix = handover
-        with _timer(m, "fused_tail", step.device, tl):
+        return outs
+
+    @staticmethod
+    def _end_stages(step, batch: RolloutBatch, pipe: GroupPipeline, handover: dict, ref, m: dict) -> bool:
+        """The chunks left after the rollout, then every rank's agreement on the stages and the gradients reduced
+        once: whether the fused update goes on (False: a stage ran out of memory somewhere, the accumulated
+        chunks are dropped and the step runs phased); any other stage's error is raised."""
+        actor = step.actor
+        with _timer(m, "fused_tail", step.device, step.timeline):
             # prefix work no chunk claimed beside decode: in its normal phase, as the phased step runs it
             # (standalone, which calibrates the co-scheduler); the chunks left then find it done
             try:
@@ -175,42 +214,20 @@ class Fused:
             pipe.drain()
         # every rank agrees whether some rank's stage failed, then the gradients are reduced once
         err = pipe.error
-        oom, other = rt.fused.end(actor, ref, [int(err is not None and fallback_on(err)),
-                                               int(err is not None and not fallback_on(err))])
+        oom, other = step.runtime.fused.end(actor, ref, [int(err is not None and fallback_on(err)),
+                                                         int(err is not None and not fallback_on(err))])
         if other and err is None:
             pipe.error = RuntimeError("a fused stage failed on another data-parallel rank")
         elif oom and err is None:
             pipe.error = TrainOOM("a fused stage ran out of device memory on another data-parallel rank", 0)
-        if pipe.error is not None:
-            actor.discard_groups()
-            if not fallback_on(pipe.error):
-                raise pipe.error
-            log.warning("fused schedule: a stage ran out of device memory (%s); this step runs phased", pipe.error)
-            m["rollplex/fused"], m["rollplex/fused_fallback_oom"] = 0.0, 1.0
-            return Phased.after_rollout(step, batch, rewards, m)  # reads the handover's prefix states
-        batch.prefix = {}  # consumed by the chunks: free them before the update
-        results, counts = rt.fused.results(pipe)  # every rank's chunks; None: this pipeline's are all
-        pipe.resolve_times()
-        assert len(mine) < len(prompts) or pipe.order == batch.finish_order(), "the first mini-batch is trained"
-        got = pipe.assemble(batch, results)
-        batch.rewards = got["rewards"]
-        m.update(got["reward_metrics"])
-        _, reward_kl, kl_m = step.kl_reward_penalty(batch, got["ref"], cfg)
-        m.update(kl_m)
-        train_lp = got["old"] if got["old"] is not None else got["logprobs"]  # as phased: the old ones when scored
-
-        def actor_update() -> tuple[dict, torch.Tensor]:
-            if cfg.num_updates == 1:
-                return actor.apply_groups(cfg, got["accumulated"].metrics, batch.mask), train_lp
-            # the first mini-batch's optimizer step, then the others as the phased update runs them
-            train_b, _ = step.training_views(batch)
-            stats, _ = actor.update(train_b, got["advantages"], got["ref"] if cfg.use_kl_loss else None, got["old"],
-                                    step.step_idx, cfg, accumulated=got["accumulated"])
-            return stats, train_lp
-
-        step.update(batch, got["advantages"], got["seq_rewards"], reward_kl, cfg, m, actor_update)
-        m.update(pipe.metrics(m["timing_s/gen"], counts))
-        return batch
+        if pipe.error is None:
+            return True
+        actor.discard_groups()
+        if not fallback_on(pipe.error):
+            raise pipe.error
+        log.warning("fused schedule: a stage ran out of device memory (%s); this step runs phased", pipe.error)
+        m["rollplex/fused"], m["rollplex/fused_fallback_oom"] = 0.0, 1.0
+        return False
 
 
 SCHEDULES = {"phased": Phased, "fused": Fused}
