@@ -5,6 +5,8 @@ it on one process, and `Colocated` (parallel/colocated.py), which mixes in `Step
 of a process group. The operations here are the data-parallel answers to the runtime's questions,
 written against the group Colocated builds (its engine, FSDP config, rollout groups, shared weights):
 
+    rollout    `DataParallelRollout`: the rank's engine as the step's rollout backend, the prompts dealt
+               over the rollout groups and every output gathered to every rank
     models     the trainer sharded over the group (`Colocated.actor`), the reference sharded like it
                into its region (or whole on every rank), a critic's value model sharded like it too
                into its region (`DataParallelCritic`), their local tensors for the memory regions
@@ -15,10 +17,7 @@ written against the group Colocated builds (its engine, FSDP config, rollout gro
                trainer's placement
     weights    after an update the engine's tensors rebuilt from the trainer's shards (`sync_weights`),
                the whole policy gathered from them under a tensor-parallel engine (`full_state`)
-    fused      each rank's pipeline on its own engine's groups (rl/pipeline.py): the trainer and a
-               sharded reference gathered before the rollout, passes past FSDP2's hooks (`LocalPasses`),
-               one all-reduce after the last group that agrees on failures and reduces the gradients,
-               every rank's chunks shared for the whole batch's normalisers and metrics
+    fused      `DataParallelFused`: each rank's pipeline on its own engine's groups (rl/pipeline.py)
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ import torch.distributed as dist
 from ..models import Qwen25VL
 from ..rl.config import RLConfig
 from ..rl.placement import SingleProcess
+from ..rl.rollout import NativeRollout
 from ..rl.scoring import logprobs
 from ..rl.trainer import Trainer
 from .data_parallel import DataParallelActor, DataParallelCritic, LocalPasses
@@ -42,14 +42,19 @@ class StepRuntime:
     engine, fsdp, world, groups, rollout_group, rollout, policy, weights and its rollout and weight methods."""
 
     # ---- models and footprint -----------------------------------------------------------------------
-    def attach(self, backend, engine, model: Qwen25VL, memory) -> None:
-        """The step's rollout backend must be the engine this group was built over, under the step's memory."""
+    def bind_rollout(self, backend, model: Qwen25VL, memory):
+        """The backend this rank rolls out on (`DataParallelRollout` over the engine this group was built over,
+        or None without one): the step's must be that engine, under the step's memory."""
+        engine = backend.engine if isinstance(backend, NativeRollout) else None
         if backend is not None and engine is None:
             raise ValueError(f"a data-parallel RL step needs the native rollout backend, not {backend.name}")
         if self.engine is not engine:
             raise ValueError("the data-parallel placement was built over another engine than the step's")
-        if engine is not None and memory is not None and engine.memory is not memory:
-            raise ValueError("the engine and the RL step must share one memory manager")
+        if engine is None:
+            return None
+        out = DataParallelRollout(self)
+        out.attach(model, memory)
+        return out
 
     @staticmethod
     def check(cfg: RLConfig) -> None:
@@ -211,3 +216,24 @@ class DataParallelFused:
 
     def _sharded(self, ref: Qwen25VL | None) -> list[Qwen25VL]:
         return [ref] if ref is not None and self.rank.fsdp.shard_reference else []
+
+
+class DataParallelRollout(NativeRollout):
+    """A `Colocated` rank's engine as the step's rollout backend: the prompts dealt round-robin over the rollout
+    groups, each group's engine generating its share, every rank getting every output (`Colocated.generate`);
+    the co-scheduler's share is the prompts this rank's engine prefilled (`Colocated.share`)."""
+
+    def __init__(self, rank):
+        super().__init__(rank.engine)
+        self.rank = rank
+
+    def generate(self, prompts, params, keep_vision: bool = False, on_output=None) -> list:
+        return self.rank.generate(prompts, params, keep_vision=keep_vision, on_output=on_output)
+
+    def share(self, num_prompts: int) -> list[int]:
+        return self.rank.share(num_prompts)
+
+    def attach(self, model, memory) -> None:
+        """The engine decodes the rank's policy (or its tensor-parallel shard); it must share the step's memory."""
+        if memory is not None and self.engine.memory is not memory:
+            raise ValueError("the engine and the RL step must share one memory manager")

@@ -4,7 +4,9 @@
 the step's models are, where the rollout's samples come from, and which passes each process runs:
 
     policy                      what the rollout decodes (`RLStep.model`)
-    attach(backend, engine, model, memory)   check and bind the rollout backend (ValueError)
+    bind_rollout(backend, model, memory)   the rollout backend the step generates on, checked and bound to the
+                                policy and the step's memory (ValueError): the one given, or a data-parallel
+                                rank's over its engine (prompts dealt over the ranks, every output gathered)
     check(cfg)                  ValueError for a config the runtime cannot run
     reference(model, ref, wanted, region)    the frozen reference, built into the "ref_weights" region
     local_tensors(model)        the tensors a model holds here (what its memory region keeps)
@@ -14,8 +16,6 @@ the step's models are, where the rollout's samples come from, and which passes e
     trainer_footprint(trainable, param_bytes, decoder, vision)   (trainable elements held here, bytes
                                 the trainer adds to the weights, checkpointing flags) for the memory fit
     weight_bytes()              bytes the built trainer adds to the weights the rollout decodes
-    generate(prompts, params, keep_vision, on_output)   the rollout's outputs of every prompt
-    share(num_prompts)          the prompts whose prefixes this process co-schedules (None: all)
     reference_gather(ref) / old_policy(policy, trainer)   what a co-scheduled prefix sweep runs on
     reference_logprobs(reference, ...) / old_logprobs   the scoring passes of the phased step (the
                                 reference a Trainer with no optimizer, rl/trainer.py `score`)
@@ -44,6 +44,7 @@ from .actor import Actor
 from .batch import RolloutBatch
 from .config import RLConfig
 from .critic import Critic, ValueModel
+from .rollout import RolloutBackend
 from .scoring import logprobs
 from .trainer import Trainer
 
@@ -52,7 +53,7 @@ class Runtime(Protocol):
     policy: Qwen25VL
     fused: FusedPlacement  # where the fused schedule's stages run
 
-    def attach(self, backend, engine, model: Qwen25VL, memory) -> None: ...
+    def bind_rollout(self, backend: RolloutBackend | None, model: Qwen25VL, memory) -> RolloutBackend | None: ...
 
     def check(self, cfg: RLConfig) -> None: ...
 
@@ -69,10 +70,6 @@ class Runtime(Protocol):
     def trainer_footprint(self, trainable: int, param_bytes: int, decoder, vision) -> tuple[int, int, bool, bool]: ...
 
     def weight_bytes(self) -> int: ...
-
-    def generate(self, prompts: list, params: list, keep_vision: bool = False, on_output=None) -> list: ...
-
-    def share(self, num_prompts: int) -> list[int] | None: ...
 
     def reference_gather(self, ref: Qwen25VL): ...
 
@@ -115,16 +112,17 @@ class FusedPlacement(Protocol):
 
 
 class LocalRuntime:
-    """The step on this process alone: `backend` (a RolloutBackend or None) rolls out `policy`, the
-    trainer's and the reference's passes run here (rl/placement.py `SingleProcess`)."""
+    """The step on this process alone: the backend given rolls out `policy`, the trainer's and the
+    reference's passes run here (rl/placement.py `SingleProcess`)."""
 
-    def __init__(self, policy: Qwen25VL, backend):
-        self.policy, self.backend = policy, backend
+    def __init__(self, policy: Qwen25VL):
+        self.policy = policy
         self.fused = LocalFused(self)
 
-    def attach(self, backend, engine, model: Qwen25VL, memory) -> None:
+    def bind_rollout(self, backend: RolloutBackend | None, model: Qwen25VL, memory) -> RolloutBackend | None:
         if backend is not None:  # the backend checks it decodes `model` under the step's memory manager
             backend.attach(model, memory)
+        return backend
 
     def check(self, cfg: RLConfig) -> None:
         """Every config runs on one process."""
@@ -157,14 +155,6 @@ class LocalRuntime:
 
     def weight_bytes(self) -> int:
         return 0
-
-    def generate(self, prompts: list, params: list, keep_vision: bool = False, on_output=None) -> list:
-        # on_output only to backends that report groups (the fused schedule asks for them only there)
-        kw = {} if on_output is None else {"on_output": on_output}
-        return self.backend.generate(prompts, params, keep_vision=keep_vision, **kw)
-
-    def share(self, num_prompts: int) -> list[int] | None:
-        return None
 
     def reference_gather(self, ref: Qwen25VL):
         return None

@@ -182,7 +182,7 @@ class Fused:
                 done = False
                 try:
                     with self._decode_priority(step):
-                        outs = rt.generate(prompts, params, keep_vision=frozen, on_output=pipe.add)
+                        outs = step.backend.generate(prompts, params, keep_vision=frozen, on_output=pipe.add)
                     done = True
                 finally:
                     pipe.stop()

@@ -77,15 +77,16 @@ class RLStep:
         Data-parallel, `model` holds the full weights on every rank and the engine decodes it, or this
         rank's tensor-parallel shard of it (`parallel.tensor_parallel_copy`); then `self.model` is that
         shard, and `model` is read only here (drop it to free the whole weights)."""
-        self.backend = as_rollout_backend(engine)
+        backend = as_rollout_backend(engine)
+        if cfg.cosched and backend is not None and not isinstance(backend, NativeRollout):
+            raise ValueError(f"cosched needs the native rollout backend: with {backend.name} the co-scheduler "
+                             "runs in its scheduler (engine_patches.sglang.CoschedHook), which RLStep does not drive")
+        # where the step runs: this process alone, or the data-parallel rank injected (rl/runtime.py), and the
+        # backend it rolls out on (a data-parallel rank's deals the prompts over the ranks)
+        self.runtime: Runtime = parallel or LocalRuntime(model)
+        self.backend = self.runtime.bind_rollout(backend, model, memory)
         # the native engine, whose decode loop the co-scheduler hooks into; None with another backend
         self.engine = self.backend.engine if isinstance(self.backend, NativeRollout) else None
-        if cfg.cosched and self.backend is not None and self.engine is None:
-            raise ValueError(f"cosched needs the native rollout backend: with {self.backend.name} the co-scheduler "
-                             "runs in its scheduler (engine_patches.sglang.CoschedHook), which RLStep does not drive")
-        # where the step runs: this process alone, or the data-parallel rank injected (rl/runtime.py)
-        self.runtime: Runtime = parallel or LocalRuntime(model, self.backend)
-        self.runtime.attach(self.backend, self.engine, model, memory)
         self.runtime.check(cfg)
         self.model, self.cfg = self.runtime.policy, cfg  # what the engine decodes: the policy or its TP shard
         self.memory, self.memory_cfg = memory, memory_cfg or MemoryConfig()
@@ -230,7 +231,7 @@ class RLStep:
         handover = self.plan_handover(prompts, frozen)  # nothing without cosched
         self.enter("rollout")
         with co_scheduled(self.cosched, self.engine, handover, prompts if frozen else (), self.timeline) as cm:
-            outs = self.runtime.generate(prompts, params, keep_vision=frozen)
+            outs = self.backend.generate(prompts, params, keep_vision=frozen)
         self.rollout_metrics = cm
         batch = self.rollout_batch(prompts, outs, **per_prompt)
         batch.prefix = handover
@@ -241,12 +242,12 @@ class RLStep:
         reference's (when the memory plan keeps its weights resident during the rollout, or `ref_resident`:
         the fused schedule holds them there) and the old policy's (several updates per rollout). frozen: the
         prompts carry the engine's vision encodings (`keeps_vision`). A data-parallel rank plans its share
-        (`Runtime.share`), a sharded model's as a sweep in lockstep with the other ranks'."""
+        (`NativeRollout.share`), a sharded model's as a sweep in lockstep with the other ranks'."""
         cfg, out = self.cfg, {}
         if not cfg.cosched or self.engine is None:
             return out
         per_job = self.cosched.config.job_prompts
-        only = self.runtime.share(len(prompts))
+        only = self.backend.share(len(prompts))
         if self.ref is not None and cfg.kl_coef > 0 and (
                 ref_resident or self.memory is None or self.memory.plan.get("rollout", "ref_weights") == "resident"):
             # a frozen tower's encodings come from the engine's prefill, unless the reference's tower differs
@@ -283,7 +284,7 @@ class RLStep:
         if self.backend is None:
             raise ValueError("this RLStep has no rollout engine")
         self.enter("rollout")
-        return self.runtime.generate(prompts, params, keep_vision=keep_vision)  # data-parallel: every rank calls
+        return self.backend.generate(prompts, params, keep_vision=keep_vision)  # data-parallel: every rank calls
 
     def compute_rewards(self, batch: RolloutBatch, reward: RewardFn | str | None = None, cfg: RLConfig | None = None,
                         max_new_tokens: int | None = None) -> tuple[torch.Tensor, dict]:
