@@ -49,6 +49,7 @@ from ..engine import EngineConfig
 from ..loggers import LoggerConfig, Tracker, add_arguments, resolve_run_dir
 from ..memory import MemoryConfig
 from ..plots import plot_rewards, reward_labels
+from ..rl.algos import AGG_MODE_HELP, describe
 from ..rl.config import RLConfig
 from ..system import SystemConfig, build, load_policy
 from ..tiny import shape_color
@@ -77,7 +78,8 @@ def parser() -> ConfigParser:
                                      "demo trains)",
                             "format_warmup_steps": "format warm-up steps (random option letters)",
                             "seed": "data, warm-up and sampling seed",
-                            "loss_agg_mode": "loss aggregation (dr_grpo: seq-mean-token-sum-norm unless given)",
+                            "loss_agg_mode": describe(AGG_MODE_HELP) + " (with --adv-estimator dr_grpo the demo "
+                                             "uses seq-mean-token-sum-norm unless given)",
                             "kl_coef": "KL coefficient (rloo, reinforce_plus_plus: 0.1 unless given, a KL loss to the "
                                        "reference; else 0: no reference model)",
                             "lr": "the actor's lr (reinforce_plus_plus: 1.5e-3 unless given)"})
@@ -152,8 +154,7 @@ def _run(cfg: SystemConfig, args, tracker: Tracker) -> None:
                        warmup_rows=rows)
     except ValueError as e:
         raise SystemExit(f"rollplex.demo: {e}") from None
-    print(f"format warm-up: {cfg.format_warmup_steps} steps on random letters, loss {system.warmup_loss:.3f} "
-          f"({system.startup_s.get('format_warmup', 0.0):.1f}s)")
+    print(warmup_line(cfg.format_warmup_steps, system.warmup_loss, system.startup_s.get("format_warmup", 0.0)))
     model, engine, rl = system.model, system.engine, system.rl
     if args.trace:
         rl.timeline = Timeline(model.inv_freq.device)
@@ -197,6 +198,13 @@ def _run(cfg: SystemConfig, args, tracker: Tracker) -> None:
     print(f"mean reward: {first:.2f} (step 1) -> {last:.2f} (last 3 steps) in {len(history)} steps, "
           f"{time.perf_counter() - t0:.0f}s total")
     print(f"logs: {out}" + (f", plot: {png}" if png else ""))
+
+
+def warmup_line(steps: int, loss: float | None, seconds: float) -> str:
+    """What the demo says of its format warm-up (none ran when `loss` is None: --warmup-steps 0)."""
+    if loss is None:
+        return "format warm-up: off (--warmup-steps 0)"
+    return f"format warm-up: {steps} steps on random letters, loss {loss:.3f} ({seconds:.1f}s)"
 
 
 def _progress(args, model, engine, cfg: RLConfig, bar, shown: dict) -> StepProgress | None:

@@ -24,7 +24,7 @@ import torch
 
 from ..models import Qwen25VL
 from ..models.transfer import to_device
-from .algos import agg_denominator, agg_loss, kl_penalty, policy_agg_mode, ppo_policy_loss, tis_weights
+from .algos import agg_denominator, agg_loss, kl_penalty, policy_agg_mode, ppo_policy_loss
 from .batch import RolloutBatch
 from .config import RLConfig
 from .errors import NonFiniteUpdate as NonFiniteUpdate  # re-exported: where callers have long found them
@@ -32,6 +32,7 @@ from .errors import TrainOOM as TrainOOM
 from .microbatch import MicroBatching
 from .optimizer import MasterAdamW
 from .placement import Placement
+from .rollout_correction import is_weights
 from .scoring import logprobs, token_logprobs
 from .trainer import Trainer, lr_lambda
 
@@ -57,8 +58,9 @@ METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac
 class PolicyLoss:
     """The PPO/GRPO policy loss of one update's passes (a `Loss`, rl/trainer.py): the clipped policy loss of
     `cfg.policy_loss` against `advantages` [N] or [N, R], the KL to the reference's logprobs as a loss term
-    (`use_kl_loss`), the entropy (a metric, a bonus with `entropy_coeff`), truncated importance sampling
-    against the rollout's logprobs (`tis_imp_ratio_cap`); old logprobs [N, R] or None (old = current,
+    (`use_kl_loss`), the entropy (a metric, a bonus with `entropy_coeff`), the rollout correction's importance
+    weights (rl/rollout_correction.py: the batch's `is_weights` [N, R], or formed per pass against the rollout's
+    logprobs); old logprobs [N, R] or None (old = current,
     detached). first: where each pass's logprobs are kept ((rows, logprobs [n, R]), the first epoch's).
     Without advantages it only says a mini-batch's normalisers (`norms`, `scales`)."""
 
@@ -66,13 +68,15 @@ class PolicyLoss:
 
     def __init__(self, cfg: RLConfig, advantages: torch.Tensor | None, ref_logprobs: torch.Tensor | None = None,
                  old_logprobs: torch.Tensor | None = None, rollout_logprobs: torch.Tensor | None = None,
-                 first: list | None = None):
+                 first: list | None = None, is_weights: torch.Tensor | None = None):
         self.cfg, self.advantages, self.ref, self.old, self.rollout = (cfg, advantages, ref_logprobs, old_logprobs,
                                                                        rollout_logprobs)
+        self.is_weights = is_weights
         self.first, self._kept = first, len(first) if first is not None else 0
         # verl aggregates GSPO's loss per sequence whatever the mode
         self.pg_mode = policy_agg_mode(cfg.policy_loss, cfg.loss_agg_mode)
-        self.tis = cfg.tis_imp_ratio_cap is not None and rollout_logprobs is not None
+        rc = cfg.rollout_corr  # IS weights (rl/rollout_correction.py): the batch's, or formed per micro-batch
+        self.tis = rc.rollout_is is not None and (rollout_logprobs is not None or is_weights is not None)
         # the entropy is a metric always (verl reports it): detached from the chunked pass, and through the
         # full logits only when a bonus needs its gradient
         self.entropy = "grad" if cfg.entropy_coeff > 0 else "metric"
@@ -109,9 +113,12 @@ class PolicyLoss:
         old = logp.detach() if self.old is None else to_device(_rows(self.old, gidx, n_all), dev)
         adv = to_device(_rows(self.advantages, gidx, n_all), dev)
         weights = None
-        if self.tis:
+        if self.tis and self.is_weights is not None:
+            weights = to_device(_rows(self.is_weights, gidx, n_all), dev)
+        elif self.tis:
+            rc = cfg.rollout_corr
             rollout = to_device(_rows(self.rollout, gidx, n_all), dev)
-            weights = tis_weights(old, rollout, cfg.tis_imp_ratio_cap)
+            weights = is_weights(old, rollout, mask, rc.rollout_is, rc.rollout_is_threshold)
         pg, clipfrac, ppo_kl, clip_lower = ppo_policy_loss(
             logp, old, adv, mask, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.dual_clip, self.pg_mode, pg_denom,
             cfg.policy_loss, weights, cfg.agg_norm, params=cfg.policy_loss_params)
@@ -172,9 +179,10 @@ class Actor(Trainer):
         return lrs[0]
 
     def old_logprobs(self, batch: RolloutBatch, cfg: RLConfig | None = None) -> torch.Tensor | None:
-        """Scored once before the first update when there are several; None when old = current."""
+        """Scored once before the first update when there are several or the rollout correction needs them for
+        the whole batch (rl/rollout_correction.py); None when old = current."""
         cfg = cfg or self.cfg
-        if cfg.num_updates == 1:
+        if cfg.num_updates == 1 and not cfg.rollout_corr.needs_whole_batch:
             return None
         return self.score(batch, logprobs(cfg.temperature), cfg, prefix_key="old", what="the old-logprob scoring")
 
@@ -203,7 +211,7 @@ class Actor(Trainer):
 
         def minibatch(epoch: int, done: int, mini: RolloutBatch, mini_idx: torch.Tensor) -> dict:
             loss = PolicyLoss(cfg, advantages, ref_logprobs, old_all, batch.rollout_logprobs,
-                              first_parts if epoch == 0 else None)
+                              first_parts if epoch == 0 else None, batch.is_weights)
             if accumulated is None or done > 0:
                 return self.train_minibatch(cfg, mini, mini_idx, loss, step_idx)
             assert set(accumulated.rows.tolist()) <= set(mini_idx.tolist()), \
@@ -236,7 +244,7 @@ class Actor(Trainer):
         run (default: the actor's; a data-parallel rank's fused stages pass its local one).
         Returns (its unnormalised metrics in METRICS order, its logprobs [n, R] on the device)."""
         first: list = []
-        loss = PolicyLoss(cfg, advantages, ref_logprobs, old_logprobs, chunk.rollout_logprobs, first)
+        loss = PolicyLoss(cfg, advantages, ref_logprobs, old_logprobs, chunk.rollout_logprobs, first, chunk.is_weights)
         acc = self.accumulate(cfg, chunk, torch.arange(chunk.num_samples), loss, norms=(1.0, 1.0, 1.0), zero=False,
                               placement=placement)
         logp = torch.zeros(chunk.responses.shape, device=acc.device)
