@@ -245,7 +245,7 @@ def checkpoint_worker(rank: int, world: int, init: str, tiny_dir, rows, cfg: RLC
     import pytest
 
     from rollplex.models import load_model
-    from rollplex.rl.checkpoint import load_checkpoint, save_checkpoint
+    from rollplex.rl.run_state import load_checkpoint, save_checkpoint
 
     init_group(rank, world, init)
     try:

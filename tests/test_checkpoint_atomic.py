@@ -155,7 +155,7 @@ def test_overwrite_never_replaces_a_folder_that_is_not_a_checkpoint(server, clie
 KILLED_SAVE = textwrap.dedent("""
     import os, signal, sys, torch
     from rollplex.models import load_model
-    from rollplex.rl.checkpoint import save_checkpoint
+    from rollplex.rl.run_state import save_checkpoint
     from rollplex.rl.config import RLConfig
     from rollplex.rl.step import RLStep
 
@@ -170,7 +170,7 @@ KILLED_SAVE = textwrap.dedent("""
     if where == "trainer_state":  # after the policy's and the reference's safetensors were written
         torch.save = kill
     else:  # while the reference policy is written, the policy's files already there
-        import rollplex.rl.checkpoint as ck
+        import rollplex.rl.run_state as ck
         real = ck.save_model
         ck.save_model = lambda model, path, **k: kill() if path.name == "ref" else real(model, path, **k)
     save_checkpoint(step, out, data_state={"run": "second"})
@@ -186,7 +186,7 @@ def test_a_process_killed_mid_save_leaves_the_old_checkpoint(tiny_dir, tmp_path,
     assert p.returncode == -9 and "saved" in p.stdout and "not killed" not in p.stdout, p.stdout + p.stderr[-3000:]
 
     from rollplex.models import load_model
-    from rollplex.rl.checkpoint import load_checkpoint
+    from rollplex.rl.run_state import load_checkpoint
     from rollplex.rl.step import RLStep
 
     step = RLStep(load_model(tiny_dir), None, RLConfig(kl_coef=0.05))

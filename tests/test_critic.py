@@ -15,12 +15,12 @@ from rollplex.engine import Engine, EngineConfig
 from rollplex.memory import MemoryConfig, MemoryManager, PhasePlan
 from rollplex.models import load_model
 from rollplex.rl.algos import compute_advantages, gae_advantages, value_loss
-from rollplex.rl.checkpoint import load_checkpoint, save_checkpoint
 from rollplex.rl.config import RLConfig
 from rollplex.rl.critic import ValueModel, build_value_model, save_value_model
 from rollplex.rl.errors import TrainOOM
 from rollplex.rl.optimizer import OptimizerStepOOM
 from rollplex.rl.pipeline import fused_unsupported
+from rollplex.rl.run_state import load_checkpoint, save_checkpoint
 from rollplex.rl.step import RLStep
 from rollplex.tiny import shape_color
 

@@ -12,8 +12,8 @@ from rollplex.engine import Engine, EngineConfig, SamplingParams
 from rollplex.memory import MemoryConfig, MemoryManager, PhasePlan
 from rollplex.models import load_model
 from rollplex.rl import actor as actor_mod
+from rollplex.rl.activation_checkpointing import activation_checkpointing
 from rollplex.rl.actor import TrainOOM
-from rollplex.rl.checkpointing import activation_checkpointing
 from rollplex.rl.config import RLConfig
 from rollplex.rl.step import RLStep
 from rollplex.tiny import shape_color
@@ -177,7 +177,7 @@ def test_oom_at_the_smallest_micro_batch_leaves_state_unchanged(tiny_dir, proc, 
 def test_checkpoint_while_regions_are_offloaded(tiny_dir, proc, tmp_path):
     """Save and load from the rollout phase, where the reference model and AdamW state are offloaded:
     the checkpoint holds their real contents and the resumed run takes the same next step."""
-    from rollplex.rl.checkpoint import load_checkpoint, save_checkpoint
+    from rollplex.rl.run_state import load_checkpoint, save_checkpoint
 
     mem = MemoryConfig(memory_plan="release", memory_overrides=EVERYTHING_MOVES)
     a = _step(tiny_dir, proc, mem)

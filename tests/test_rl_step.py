@@ -12,8 +12,8 @@ from helpers import assert_fp32_close, assert_weights_close, capture_grads
 
 from rollplex.engine import Engine, EngineConfig
 from rollplex.models import ModelInputs, load_model
-from rollplex.rl.checkpoint import load_checkpoint, save_checkpoint
 from rollplex.rl.config import RLConfig
+from rollplex.rl.run_state import load_checkpoint, save_checkpoint
 from rollplex.rl.step import RLStep
 from rollplex.tiny import shape_color
 

@@ -430,7 +430,7 @@ def test_checkpoint_stores_the_weights_once_and_loads_edits(server, client):
 # ---- the library ------------------------------------------------------------------------------------
 def test_bf16_masters_restore_exactly_or_are_rebuilt_from_edited_weights(tiny_dir, tmp_path):
     from rollplex.models import load_model
-    from rollplex.rl.checkpoint import load_checkpoint, save_checkpoint
+    from rollplex.rl.run_state import load_checkpoint, save_checkpoint
     from rollplex.rl.step import RLStep
 
     def step():
@@ -460,7 +460,7 @@ def test_bf16_masters_restore_exactly_or_are_rebuilt_from_edited_weights(tiny_di
 def test_checkpoints_with_fp32_masters_still_load(tiny_dir, tmp_path):
     """Checkpoints written before the weights were stored once hold fp32 masters of fp32 weights too."""
     from rollplex.models import load_model
-    from rollplex.rl.checkpoint import load_checkpoint, save_checkpoint
+    from rollplex.rl.run_state import load_checkpoint, save_checkpoint
     from rollplex.rl.step import RLStep
 
     a = RLStep(load_model(tiny_dir), None, RLConfig(kl_coef=0.0))

@@ -249,7 +249,7 @@ def test_phases_follow_the_memory_plan_and_report_transitions(fake_sglang, tiny_
 
 
 def test_checkpoint_load_copies_the_policy_in(fake_sglang, tiny_dir, proc, tmp_path):
-    from rollplex.rl.checkpoint import load_checkpoint, save_checkpoint
+    from rollplex.rl.run_state import load_checkpoint, save_checkpoint
 
     rl = _sglang(tiny_dir, proc)
     be = rl.backend

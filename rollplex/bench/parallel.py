@@ -119,7 +119,7 @@ def cmd_train(proc: Process, args, system: SystemConfig) -> dict:
     times, metrics = [], {}
     for s in range(args.steps):
         t0 = time.perf_counter()
-        metrics, _ = actor.update(batch, adv, None, step=s)
+        metrics, _ = actor.update(batch, adv, None, step_idx=s)
         _sync(proc)
         times.append(round(time.perf_counter() - t0, 4))
     out = {"step_s": times, "metrics": metrics}
@@ -129,7 +129,7 @@ def cmd_train(proc: Process, args, system: SystemConfig) -> dict:
             single = Actor(ref, rl)
             want_grads = _first_step_grads(single.optimizer, ref)
             for s in range(args.steps):
-                want, _ = single.update(batch, adv, None, step=s)
+                want, _ = single.update(batch, adv, None, step_idx=s)
             w = dict(ref.named_parameters())
             out["check"] = {
                 # Adam's first steps are ~lr * sign(grad): rounding noise in a near-zero gradient element moves

@@ -35,8 +35,9 @@ from ..engine import Engine, EngineConfig, SamplingParams
 from ..models import Qwen25VL, init_weights
 from ..presets import preset
 from ..rl.batch import RolloutBatch
-from ..rl.microbatch import MicroBatching
-from ..rl.scoring import score
+from ..rl.config import RLConfig
+from ..rl.scoring import logprobs
+from ..rl.trainer import Trainer
 from .common import make_prompts, sync
 from .model_dir import write_model_dir
 from .spec import tail_lengths
@@ -97,7 +98,8 @@ def mismatch(model, prompts, outs) -> dict:
     """verl's rollout-trainer mismatch: |p_rollout - p_trainer| over response tokens (mean, max), and the
     largest logprob difference."""
     batch = RolloutBatch.from_outputs(prompts, outs, pad_id=0)
-    train = score(model, batch, "rollplex", MicroBatching(4, 8, None, True))
+    cfg = RLConfig(mode="rollplex", micro_batch_prompts=4, micro_batch_samples=8, packed=True)
+    train = Trainer(model).score(batch, logprobs(), cfg)
     sel = batch.mask.to(train.device) > 0
     roll = batch.rollout_logprobs.to(train.device)
     diff = (roll.exp() - train.exp()).abs()[sel]

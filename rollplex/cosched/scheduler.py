@@ -22,7 +22,7 @@ a chunk of finished groups scored on the pipeline's worker thread may need a job
 worker then `claim`s it: under the lock the hook holds while it admits, launches and polls, the job's
 pending units leave the queue and its admitted chunks not yet launched are dropped, so the hook never
 runs a unit of it again; the worker's stream waits for the job's chunks in flight (their CUDA events)
-and the worker runs the rest (rl/handover.py `claim_handover`). Claimed work is counted apart from the
+and the worker runs the rest (cosched/handover.py `claim`). Claimed work is counted apart from the
 hidden and the left (`rollplex/prefix_claimed_s`, `rollplex/cosched_jobs_claimed`).
 
 Costs are FLOP estimates over a throughput (TFLOP/s) calibrated from standalone runs of the same

@@ -31,7 +31,8 @@ from .tuning import graph_time_us, round_robin
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). The Triton kernel pays off at small batches,
 # where the GEMM streams weights, and not at large ones, where cuBLAS's Hopper GEMM is compute-efficient
-# (`bench profile --parts swiglu`, docs/BENCHMARKS.md): the tuner decides per batch size.
+# (`python -m experiments.kernels.profile --parts swiglu`, docs/BENCHMARKS.md): the tuner decides per
+# batch size.
 SWIGLU_CANDIDATES: tuple[tuple[int, ...], ...] = (
     (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 64, 8, 4), (128, 128, 64, 8, 3),
 )

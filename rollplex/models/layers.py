@@ -58,7 +58,8 @@ def compile_fn(fn, **kwargs):
     dim and head counts stay constants. With dynamic=True all of them are runtime values and the
     generated kernels' index math divides by them per element (64-bit div/mod), which makes the fused
     rotary backward several times slower and the training pass slower with it (docs/BENCHMARKS.md).
-    Pass dynamic=True to compare (`--compile-dynamic true` in `bench profile` / `bench step`)."""
+    Pass dynamic=True to compare (`--compile-dynamic true` in `experiments.kernels.profile` /
+    `bench step`)."""
     import torch._dynamo.config as dcfg
 
     dcfg.recompile_limit = max(dcfg.recompile_limit, RECOMPILE_LIMIT)

@@ -21,7 +21,7 @@ The commands that check and time these paths end to end live with the benches (r
 
 from .broadcast import bucket_plan, receive_weights, send_weights
 from .colocated import Colocated, data_parallel
-from .data_parallel import DataParallel, DataParallelActor, assign_prompts, dp_score
+from .data_parallel import DataParallel, DataParallelActor, assign_prompts
 from .disaggregated import Disaggregated, DisaggregatedLayout, init_disaggregated
 from .disaggregated_step import DisaggregatedStep
 from .fsdp import FSDPConfig, apply_fsdp, full_state_dict, full_tensor, sharded_call
@@ -31,7 +31,7 @@ from .tp import TPConfig, TPPlan, apply_tensor_parallel, shard_state_dict, tenso
 __all__ = [
     "Colocated", "DataParallel", "DataParallelActor", "Disaggregated", "DisaggregatedLayout", "DisaggregatedStep",
     "FSDPConfig", "TPConfig", "TPPlan", "apply_fsdp", "apply_tensor_parallel",
-    "assign_prompts", "best_rollout_groups", "bucket_plan", "dp_score", "full_state_dict", "full_tensor",
+    "assign_prompts", "best_rollout_groups", "bucket_plan", "full_state_dict", "full_tensor",
     "data_parallel", "init_disaggregated", "new_rollout_group", "receive_weights", "send_weights", "shard_state_dict",
     "sharded_call", "tensor_parallel_copy",
 ]

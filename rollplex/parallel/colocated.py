@@ -3,55 +3,22 @@
 `data_parallel(model, engine, cfg, group)` builds one of these for `rl.step.RLStep(..., parallel=...)`: the
 step's runtime (rl/runtime.py), whose step-facing operations live in parallel/step_runtime.py. Per rank:
 
-    policy      what the engine decodes (`RLStep.model`): the full weights, as on one process
-                (per-rank rollout), or this rank's tensor-parallel shard of them (a TP engine: the
-                whole policy the step was built from is not kept, so it is freed once the caller
-                drops it; the whole weights are then gathered from the trainer, `full_state`)
-    trainer     the policy sharded by FSDP2 over the group (`DataParallelActor`: the single-process
-                `Actor` loop over the `DataParallel` placement), its shards windows of the engine's
-                tensors where the sharing plan allows (`shared_weights`): an update writes those
-                elements of the engine's weights in place, and `sync_weights` rebuilds only the rest
-                (by local copies, and P2P for what other ranks' shards hold)
-    reference   the frozen reference, sharded by FSDP2 the same way; each rank scores its share of
-                the prompt groups and the logprobs are summed to every rank (`rl.scoring.score`).
-                `FSDPConfig(shard_reference=False)` keeps it whole on every rank instead
-    rollout     data-parallel over rollout groups: the prompts are dealt round-robin over the groups,
-                each group's engine generates its share, and the outputs are gathered so every rank
-                holds the whole batch. A group is one rank whose engine decodes the policy itself
-                (`rollout="data"`), or a group of ranks whose engines decode their tensor-parallel
-                shards of it together (`rollout="tensor"`: `tensor_parallel_copy` over the engine's
-                group: the whole group, consecutive blocks, or the groups `new_rollout_group` picks
-                for weight sharing); the ranks of an engine generate the same samples
+    policy      what the engine decodes (`RLStep.model`): the full weights (per-rank rollout), or this
+                rank's tensor-parallel shard of them (then the whole weights are gathered from the
+                trainer, `full_state`)
+    trainer     the policy sharded by FSDP2 over the group (`DataParallelActor`), its shards windows of
+                the engine's tensors where the sharing plan allows (`shared_weights`): an update writes
+                those in place and `sync_weights` rebuilds only the rest
+    reference   the frozen reference sharded the same way (or whole on every rank:
+                `FSDPConfig(shard_reference=False)`, each rank scoring its share, `share_logprobs`)
+    rollout     prompts dealt round-robin over rollout groups (a rank alone, or a tensor-parallel group of
+                ranks decoding its shards together), each group's engine generating its share, the
+                outputs gathered so every rank holds the whole batch
 
-Sampling is seeded per prompt and sample (`RLStep.rollout`), and the sampler's noise depends only on
-(seed, step, token) (engine/sampler.py), so a prompt's samples do not depend on which rank, or which
-other prompts, it is generated with: the data-parallel step computes the single-process step. One
-exception: with several mini-batches the first epoch's are cut from the finishing order (rl/actor.py),
-and over several rollout groups that is the engines' orders interleaved (each engine's k-th group
-before any engine's (k+1)-th, `_finished`), which equals one engine's order only where the groups
-finish alike (the same mini-batches, then).
-
-A frozen vision tower (`freeze_vision_tower`) gets no gradient and no optimizer state in the trainer.
-Its encodings from the engine's prefill are reused where the rank holds them: one tensor-parallel
-engine over the whole group prefilled every prompt on every rank, and one rank alone is one process;
-a rollout over several groups drops them at the gather (the scoring and training shares are dealt by cost after the
-rollout, not by who prefilled what), so the reference and the trainer run the frozen tower instead.
-
-The co-scheduler is per rank too (`cosched`): beside its decode, each rank computes the prefixes of
-its share of the prompts (`share`: those its engine prefilled). On a model the rank holds whole — the
-old policy (several updates per rollout) with a per-rank engine, a reference not sharded — the work
-needs no collective and no other rank's pace; the rank then scores that share itself
-(`share_logprobs`) and the shares are summed. A sharded model — the reference by default, the old
-policy under a TP engine (which holds only shards of it) — runs its share as one sweep of its units
-in lockstep with the other ranks' (cosched/sharded.py): every rank issues the same gathers of whole
-units in the same order on a process group of their own (`sweep_gather`), each at its decode's pace,
-and the rest of the sweep runs at the end of the rollout on every rank. Scoring then runs
-data-parallel over the trainer's placement with each rank scoring the prompts whose prefix states it
-holds (rl/scoring.py).
-
-The memory manager is per rank: each rank's engine, optimizer state, gradient buffers and reference
-shards live in its own regions (local shards, not whole tensors), and `RLStep`'s phases, the
-optimizer offload, activation checkpointing and the update's OOM ladder run as on one process.
+Sampling is seeded per prompt and sample, so the data-parallel step computes the single-process step
+(the first epoch's mini-batches follow the engines' interleaved finishing order). The co-scheduler runs
+per rank on the prompts its engine prefilled (`share`), a sharded model's prefixes as one sweep in
+lockstep with the other ranks' (`sweep_gather`). More in docs/PARALLEL.md ("The data-parallel RL step").
 """
 
 from __future__ import annotations
@@ -66,14 +33,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..engine import Engine
 from ..models import Qwen25VL
 from ..rl.config import RLConfig
+from ..rl.placement import SingleProcess
 from ..rl.rollout import NativeRollout
-from ..rl.scoring import score_with_backoff
+from ..rl.scoring import logprobs
+from ..rl.trainer import Trainer
 from .data_parallel import DataParallelActor, check_passes
 from .fsdp import FSDPConfig, apply_fsdp, full_tensor, local_tensor
 from .lockstep import ShardGather
 from .rollout_groups import rollout_slots
 from .shared_weights import SharedWeights, column_sharded, meta_copy
-from .step_runtime import StepRuntime
+from .step_runtime import DataParallelFused, StepRuntime
 
 
 def data_parallel(model: Qwen25VL, engine, cfg: RLConfig, group: dist.ProcessGroup | str | None = "auto",
@@ -128,6 +97,7 @@ class Colocated(StepRuntime):
         self.policy = engine.model if self.rollout == "tensor" else model
         self.weights: SharedWeights | None = None  # set when the trainer is built
         self._sweep_group: dist.ProcessGroup | None = None  # the co-scheduled gathers' own group
+        self.fused = DataParallelFused(self)  # where the fused schedule's stages run (parallel/step_runtime.py)
 
     # ---- models -------------------------------------------------------------------------------
     def actor(self, model: Qwen25VL, cfg: RLConfig, memory, optimizer_offload: str) -> DataParallelActor:
@@ -176,21 +146,21 @@ class Colocated(StepRuntime):
         return self.group_prompts(num_prompts)[self.tp_rank :: self.tp_size]
 
     @torch.no_grad()
-    def share_logprobs(self, policy: Qwen25VL, batch, cfg: RLConfig, key: str, backoff=None) -> torch.Tensor:
+    def share_logprobs(self, scorer: Trainer, batch, cfg: RLConfig, key: str) -> torch.Tensor:
         """Logprobs [N, R] on every rank of a model each rank holds whole (the old policy, `key`
         "old"; a reference not sharded, "ref"): each rank scores its share (no collective inside the
         passes; the prefixes its co-scheduler handed over for those prompts under `key` are used), and
         the shares are summed over the group. An out-of-memory error in this rank's passes backs off
-        there alone (`backoff`: rl.scoring.score_with_backoff); its passes hold no collective."""
+        there alone (`scorer`: a Trainer over the model, placed on this process); its passes hold no
+        collective."""
 
-        device = policy.inv_freq.device
+        device = scorer.model.inv_freq.device
         out = torch.zeros(batch.responses.shape, dtype=torch.float32, device=device)
         mine = self.share(batch.num_prompts)
         if mine:
             sub, idx = batch.select_prompts(mine)
-            out[idx.to(device)] = score_with_backoff(policy, sub, cfg.mode, cfg.micro_batching, cfg.temperature,
-                                                     prefix_key=key, backoff=backoff,
-                                                     what="reference" if key == "ref" else "old-logprob").to(device)
+            out[idx.to(device)] = scorer.score(sub, logprobs(cfg.temperature), cfg, prefix_key=key,
+                                               placement=SingleProcess()).to(device)
         dist.all_reduce(out, group=self.group)
         return out.cpu()
 

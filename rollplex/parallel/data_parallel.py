@@ -1,52 +1,19 @@
-"""Data-parallel scoring and actor update over FSDP2: each rank computes its share of the prompt groups.
+"""Data-parallel scoring and training over FSDP2: each rank computes its share of the prompt groups.
 
-`DataParallel` is a placement (rl/placement.py): `rl.actor.Actor` and `rl.scoring.score` run their
-one loop over it, so the data-parallel update is the single-process update with five operations
-swapped, not a second implementation. `DataParallelActor` is `Actor` over an FSDP2-sharded model with
-this placement.
+`DataParallel` is a placement (rl/placement.py): every `rl.trainer.Trainer` (the actor's `PolicyLoss`,
+the critic's `ValueLoss`, scoring) runs its one loop over it, so the data-parallel update is the
+single-process update with a placement's operations swapped, not a second implementation.
+`DataParallelActor` / `DataParallelCritic` are the actor and critic over an FSDP2-sharded model with it.
 
-Every rank holds the whole RolloutBatch (the rollout's output, gathered or generated identically)
-and the same RLConfig. A mini-batch is cut exactly as on one process; its prompts (each with all its
-samples: a GRPO group never straddles ranks, so its prefix is still computed once) are dealt to ranks
-by token cost (`assign_prompts`), and each rank runs its share in micro-batches.
-
-Loss normalisation: each micro-batch's loss is divided by the *whole mini-batch's* normaliser
-(`agg_denominator` over every rank's tokens or sequences), FSDP sums the gradients over ranks (no
-averaging, fsdp.py), so the summed gradient is the single-process step's — the same argument that
-makes micro-batching exact (rl/algos.py). Metrics and first-pass logprobs are summed over ranks.
-
-FSDP's collectives pair up by order, so every rank must run the same sequence of passes: the
-micro-batch count is the maximum over ranks, and in pass k either every rank runs the vision tower
-or none does. A rank short of passes runs a dummy one, and a rank whose pass has no image while
-another rank's has gets a dummy image prompt appended; dummies carry one masked-out sample, so they
-add exact zeros to the gradients (the vision tower still counts as touched exactly when some rank's
-pass used it, as in the single-process step, where every image of the mini-batch is in it).
-
-Out of memory: the same agreement decides, before a mini-batch's first pass, whether every rank's
-largest pass fits its device (`DataParallel.fits`: the activation estimate of the memory plan
-against free memory); if one does not, every rank raises `CollectiveOOM` at that point and the
-update's OOM ladder halves the micro-batches on all ranks together. When a mini-batch's gradients
-are reduced once (`FSDPConfig.reduce_every_pass`), its units are gathered before its first pass and
-reduced after its last (`end_passes`), so its passes run no collective: an OOM inside one is
-deferred (`defer_oom`), the ranks agree before the reduce (`end_passes`) and all raise CollectiveOOM.
-Where gradients are reduced after every pass, an OOM inside a pass cannot be retried with more than
-one rank (the others wait in the pass's collectives): the update raises TrainOOM on that rank. With
-one rank it is always retried as on one process.
-
-The fused schedule (rl/pipeline.py) trains each rank's own groups as its engine finishes them, at
-that rank's pace: `begin_local` gathers every unit of the trainer (and of a sharded reference) on
-every rank before the rollout, the stages' passes then run past FSDP2's hooks (`LocalPasses`,
-`direct_call`) with no collective, and `end_local` reduces the gradients once after the last group —
-the reduce a mini-batch reduced once ends with — in one all-reduce that also agrees whether a rank's
-stage failed.
-
-PPO's critic runs on the same placement (`DataParallelCritic`: the value model sharded alike): every
-rank holds the whole batch, scores its share of the values and gets all of them, so GAE and the
-batch-wide whitening of its advantages are computed identically on every rank.
-
-The optimizer is `rl.optimizer.MasterAdamW` over the DTensor shards (stepped through their local
-tensors, so the memory regions and optimizer offload work per rank), with gradient clipping on the
-global norm and the actor's LR schedule.
+Every rank holds the whole RolloutBatch and RLConfig; a mini-batch is cut as on one process and its
+prompts (each with all its samples) are dealt to ranks by token cost (`assign_prompts`). Each loss is
+divided by the whole mini-batch's normaliser and FSDP sums the gradients over ranks, so the summed
+gradient is the single-process step's. FSDP's collectives pair up by order, so every rank runs the same
+passes: short ranks run masked-out dummies (exact zeros). Out of memory is agreed before a mini-batch's
+first pass (`fits`) or, with the passes gathered and reduced once, after its last (`defer_oom`,
+`end_passes`): every rank raises `CollectiveOOM` together and backs off alike. The fused schedule's
+passes run past FSDP2's hooks on units gathered before the rollout (`begin_local`, `LocalPasses`,
+`end_local`). More in docs/PARALLEL.md ("Data-parallel training").
 """
 
 from __future__ import annotations
@@ -66,7 +33,6 @@ from ..rl.config import RLConfig
 from ..rl.critic import Critic, ValueModel
 from ..rl.microbatch import MicroBatching, micro_batches
 from ..rl.placement import CollectiveOOM, SingleProcess
-from ..rl.scoring import score
 from . import fsdp as fsdp_mod
 from .fsdp import FSDPConfig, apply_fsdp, local_tensor, sharded_call
 
@@ -420,12 +386,6 @@ class LocalPasses(SingleProcess):
 
     def set_checkpointing(self, model: Qwen25VL, decoder: bool, vision: bool) -> None:
         fsdp_mod.set_checkpointing(model, decoder, vision)
-
-
-def dp_score(model: Qwen25VL, dp: DataParallel, batch: RolloutBatch, mode: str, plan: MicroBatching,
-             temperature: float = 1.0) -> torch.Tensor:
-    """`rl.scoring.score` over an FSDP'd model: each rank scores its share; [N, R] on every rank."""
-    return score(model, batch, mode, plan, temperature, placement=dp)
 
 
 def shard(model, cfg: RLConfig, mesh: DeviceMesh, fsdp: FSDPConfig | None = None, column_sharded=()) -> tuple:

@@ -11,7 +11,7 @@ function serves every layer). FSDP2 gathers a unit around a *call of its module*
 each layer through one: the layer module gets a `forward` that runs the decoder's own layer function
 (or whatever sits in the decoder's `layer` slot when the plan is applied: an activation-checkpointing
 wrapper composes, as in torchtitan where checkpointing is applied before FSDP), and the decoder's
-`layer` slot — an instance attribute, the hook `rl.checkpointing` uses too — dispatches to that module
+`layer` slot — an instance attribute, the hook `rl.activation_checkpointing` uses too — dispatches to that module
 call. The vision tower's `block` slot likewise. Every routed layer call runs with the forward ops
 the sharding's owner set (`set_layer_ops`; models.ForwardOps), e.g. the reads of fused projections
 a trainer stores in a tensor-parallel engine's row order (shared_weights.py). The root has no single
@@ -47,7 +47,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from ..models import ForwardOps, Qwen25VL
-from ..rl.checkpointing import set_activation_checkpointing
+from ..rl.activation_checkpointing import set_activation_checkpointing
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ROOT_METHOD = "run_sharded"

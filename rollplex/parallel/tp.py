@@ -18,7 +18,7 @@ in place, and returns what it did as a `TPPlan`, which whoever runs, loads or sy
 The cut is `rollplex.weights`' rollout layout (`RolloutLayout`, Megatron order), so a TP shard is
 exactly the tensor the weight-sharing planner plans for; `shard_state_dict` (rollplex.weights.storage)
 is the state-dict adapter (full tensors -> this rank's shards, names unchanged), used here and by whoever
-loads or receives full weights into a TP model (`TPPlan.shard`: broadcast.py, rollplex.rl.checkpoint).
+loads or receives full weights into a TP model (`TPPlan.shard`: broadcast.py, rollplex.rl.run_state).
 
 Only parameters change: the model object keeps its modules, attributes and methods, and knows nothing
 of the split. Its attention modules read their head counts off the weights they hold, and what differs

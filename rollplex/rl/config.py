@@ -194,7 +194,7 @@ class RLConfig:
     # rollplex mode: run the reference's prefix (vision + prompt prefill; the old policy's too when
     # num_updates > 1) beside the rollout's decode steps on spare device capacity (rollplex.cosched), and
     # hand the prefix states to scoring; same values as without it. Under schedule="fused" each chunk of
-    # finished groups reads its prompts' prefix states, taking over the jobs not finished yet (rl/handover.py)
+    # finished groups reads its prompts' prefix states, taking over the jobs not finished yet (cosched/handover.py)
     cosched: bool = False
     # how a whole step (`RLStep.step`) runs its stages (rl/pipeline.py): "phased" rolls out, then scores and
     # trains the batch; "fused" feeds each prompt group, as its samples finish, through the reward, the

@@ -1,49 +1,19 @@
-"""PPO's critic (`adv_estimator="gae"`): a value model and its trainer.
+"""PPO's critic (`adv_estimator="gae"`): a `ValueModel`, its `ValueLoss`, and the Trainer of both.
 
-The value model is the policy's architecture without its LM head — the Qwen2.5-VL backbone — plus a
-scalar head `score` (hidden -> 1, with a bias), as verl's critic is an AutoModelForTokenClassification
-with num_labels=1. It wraps a `Qwen25VL` (the model class knows nothing of critics) and reads the
-backbone's final-normed hidden states through the same path as the actor's logprobs
-(`scoring.response_hidden`): the value of response token t is the head applied to the hidden state
-*predicting* token t, i.e. at the position before it (verl: values = logits[:, -R-1:-1]). So the modes
-work as they do for the actor:
+`ValueModel` is the policy's backbone without its LM head plus a scalar head `score` (verl's critic: an
+AutoModelForTokenClassification with num_labels=1); the value of response token t is the head on the
+hidden state predicting it, read through the actor's path (`scoring.response_hidden`), so `rollplex`
+mode computes each prompt once and `serial` mode every sample in full. `build_value_model` copies the
+policy with a fresh, seeded head or reads an HF directory (`critic_model_path`); `save_value_model`
+writes one back. The critic never reuses the rollout's vision encodings or prefix states (the policy's).
 
-    rollplex: each prompt (vision tower + prompt tokens) computed once per micro-batch, its n responses
-              attending to it (packed, or a prefix pass then the padded responses); the backward
-              of the value loss flows through the one shared prefix graph
-    serial:   every sample a full sequence, its image re-encoded (verl's order)
-
-The critic never reuses the rollout's vision encodings or co-scheduled prefix states (they are the
-actor's / reference's): its vision tower runs once per prompt per pass in rollplex mode.
-
-Initialisation (`build_value_model`): a copy of the policy's weights with a fresh head (normal(0, 0.02)
-weight, zero bias, seeded), or an HF directory (`critic_model_path`): its backbone tensors read with
-rollplex's checkpoint adapter (an `lm_head` in it is ignored), its head from `score.weight` / `score.bias`
-when present, else fresh. `save_value_model` writes such a directory (the backbone in HF names plus
-`score.*`, no LM head). The vocabulary must be the policy's (the critic reads the same token ids).
-
-The trainer (`Critic`) is a Trainer as the actor is (rl/trainer.py: the same mini-batches and epochs,
-the OOM ladder, the agreed optimizer step), whose mini-batch is verl's clipped value loss (rl/algos.py
-`value_loss`) against the returns of GAE, clipped around the values scored before the update; AdamW over
-fp32 masters in the `critic_optimizer` / `critic_grads` memory regions, the actor's `grad_clip`, and the
-lr `critic_lr` (a step's config may override it) times the actor's schedule shape with the critic's own
-warm-up (`critic_lr_warmup_steps`), at the step's index: once per step, as verl's critic scheduler, and
-nothing to checkpoint beyond the step count. Metrics use verl's names: critic/vf_loss,
-critic/vf_clipfrac, critic/vpred_mean, critic/grad_norm, critic/lr (and, from the step,
-critic/values/*, critic/returns/*, critic/vf_explained_var).
-
-Out of memory in the critic's passes backs off as the actor's do: the values' scoring and the update's
-forward/backward retry the pass with halved micro-batches (kept for later steps, one back-off for
-scoring and one for training), the update then with activation checkpointing, and at one prompt (one
-sequence) per pass raise TrainOOM — before the mini-batch's optimizer step, so a failed mini-batch
-changes nothing. The optimizer step is the actor's (rl/trainer.py): agreed over a data-parallel
-placement's ranks, and any failure after one says what was applied. Not like the actor: no entropy/KL
-terms.
-
-The passes run over a placement (rl/placement.py), as the actor's: this process, or a data-parallel
-group (`rollplex.parallel.DataParallelCritic`: the value model sharded by FSDP2, each rank scoring and
-training its share of the prompt groups, losses divided by the whole mini-batch's normaliser and the
-gradients summed over the ranks), so the data-parallel critic computes what one process does.
+`ValueLoss` is verl's clipped value loss (rl/algos.py `value_loss`) against GAE's returns, clipped
+around the values scored before the update. `Critic` trains it as the actor trains its loss (rl/trainer.py:
+the same mini-batches, OOM ladder, agreed optimizer step), with AdamW over fp32 masters in the
+`critic_optimizer` / `critic_grads` regions and the lr `critic_lr` times the actor's schedule shape with
+its own warm-up, at the step's index. Metrics use verl's names (critic/vf_loss, critic/vf_clipfrac,
+critic/vpred_mean, critic/grad_norm, critic/lr). A data-parallel critic (`rollplex.parallel.
+DataParallelCritic`) is the same over FSDP2 shards. More in docs/ARCHITECTURE.md ("The trainers").
 """
 
 from __future__ import annotations
@@ -62,12 +32,10 @@ from .actor import _rows
 from .algos import agg_denominator, value_loss
 from .batch import RolloutBatch
 from .config import RLConfig
-from .errors import is_oom
-from .microbatch import MicroBatching
 from .optimizer import MasterAdamW
-from .placement import Placement, SingleProcess
+from .placement import Placement
 from .scoring import response_hidden
-from .trainer import Trainer, lr_lambda, retry_oom
+from .trainer import Trainer, lr_lambda
 
 # what to change when the critic runs out of memory: inside a data-parallel pass; at the smallest micro-batch
 CRITIC_DP_HINT = "lower micro_batch_prompts or turn on gradient_checkpointing"
@@ -161,7 +129,47 @@ def save_value_model(vm: ValueModel, path: str | Path, state: dict[str, torch.Te
     return save_model(vm.backbone, path, state=state or value_state(vm))
 
 
+def token_values(model: ValueModel, mb: RolloutBatch, mode: str, packed: bool,
+                 prefix_key: str | None = None) -> torch.Tensor:
+    """The forward `Trainer.score` runs to score values: V of each response token [n, R]."""
+    return model.values(mb, mode, packed)
+
+
+class ValueLoss:
+    """verl's clipped value loss (rl/algos.py `value_loss`) of one update's passes (a `Loss`, rl/trainer.py):
+    the values against the GAE `returns` [N, R], clipped around the values scored before the update
+    `old_values` [N, R]."""
+
+    metrics = METRICS
+
+    def __init__(self, cfg: RLConfig, returns: torch.Tensor, old_values: torch.Tensor):
+        self.cfg, self.returns, self.old_values = cfg, returns, old_values
+
+    def start(self) -> None:
+        pass
+
+    def norms(self, mask: torch.Tensor) -> tuple[float, float]:
+        """(loss denominator, tokens) of a mini-batch with response mask `mask`."""
+        return agg_denominator(mask, self.cfg.loss_agg_mode, self.cfg.agg_norm), max(float(mask.sum()), 1.0)
+
+    def forward(self, model: ValueModel, mb: RolloutBatch, mode: str, packed: bool) -> torch.Tensor:
+        return model.values(mb, mode, packed)
+
+    def __call__(self, v: torch.Tensor, mb: RolloutBatch, gidx: torch.Tensor,
+                 norms: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg, (denom, n_tok), n_all, dev = self.cfg, norms, mb.num_samples, v.device
+        mask = to_device(mb.mask, dev)
+        loss, clipfrac = value_loss(v, to_device(_rows(self.old_values, gidx, n_all), dev),
+                                    to_device(_rows(self.returns, gidx, n_all), dev), mask, cfg.cliprange_value,
+                                    cfg.loss_agg_mode, denom, cfg.agg_norm)
+        w = float(mb.mask.sum()) / n_tok  # token share of this micro-batch, for the token means
+        return loss, torch.stack([loss.detach(), clipfrac.detach() * w, (v.detach() * mask).sum() / n_tok])
+
+
 class Critic(Trainer):
+    score_hints = train_hints = (CRITIC_DP_HINT, CRITIC_HINT)
+    update_name = "the critic's update"
+
     def __init__(self, model: ValueModel, cfg: RLConfig, memory=None, optimizer_offload: str = "none",
                  placement: Placement | None = None):
         """placement: where the passes run (default: this process; `rollplex.parallel.DataParallelCritic`
@@ -171,7 +179,7 @@ class Critic(Trainer):
         optimizer = MasterAdamW(params, memory=memory, offload=optimizer_offload,
                                 regions=("critic_optimizer", "critic_grads"), lr=cfg.critic_lr,
                                 betas=cfg.betas, weight_decay=cfg.weight_decay)
-        super().__init__(model, optimizer, placement or SingleProcess(), memory, role="critic")
+        super().__init__(model, optimizer, placement, memory, role="critic")
         self.placement.set_checkpointing(model, bool(cfg.gradient_checkpointing),
                                          bool(cfg.vision_gradient_checkpointing))
         model.eval()
@@ -182,90 +190,28 @@ class Critic(Trainer):
         prompts = [p if p.vision_embeds is None else replace(p, vision_embeds=None) for p in batch.prompts]
         return replace(batch, prompts=prompts, prefix={})
 
-    @torch.no_grad()
     def values(self, batch: RolloutBatch, cfg: RLConfig | None = None) -> torch.Tensor:
-        """The critic's values [N, R] (fp32, host) of the batch's responses, zero on padding; under a
-        data-parallel placement each rank scores its share and every rank gets the whole [N, R]."""
-        cfg, pl, model = cfg or self.cfg, self.placement, self.model
-        batch = self._own_view(batch)
-        local, local_idx = pl.share(batch, cfg.mode)
+        """The critic's values [N, R] (fp32, host) of the batch's responses, zero on padding (`Trainer.score`:
+        under a data-parallel placement each rank scores its share and every rank gets the whole [N, R])."""
+        return self.score(self._own_view(batch), token_values, cfg or self.cfg, what="scoring the critic's values")
 
-        def attempt(plan: MicroBatching) -> torch.Tensor:
-            out = torch.zeros(batch.responses.shape, dtype=torch.float32, device=model.inv_freq.device)
-            for mb, idx in pl.passes(local, cfg.mode, plan):
-                v = pl.run(model, model.values, mb, cfg.mode, plan.packed)
-                n = idx.shape[0]  # rows past n: a placement's masked-out dummies
-                out[to_device(local_idx[idx], out.device)] = v[:n] * to_device(mb.mask[:n], out.device)
-            return pl.sum_(out).cpu()
-
-        return retry_oom(attempt, cfg.micro_batching, cfg.mode, self.score_backoff, pl, model,
-                         "scoring the critic's values", (CRITIC_DP_HINT, CRITIC_HINT))
-
-    def update(self, batch: RolloutBatch, returns: torch.Tensor, old_values: torch.Tensor, step: int = 0,
+    def update(self, batch: RolloutBatch, returns: torch.Tensor, old_values: torch.Tensor, step_idx: int = 0,
                cfg: RLConfig | None = None, nonfinite: str = "skip") -> dict:
-        """Train on the GAE returns [N, R] with the values scored before the update `old_values` [N, R];
-        returns the metrics averaged over the mini-batches. A mini-batch with a non-finite loss or
-        gradient norm is skipped (`critic/skipped_updates`) or raises NonFiniteUpdate (`nonfinite="raise"`).
-        Under a data-parallel placement every rank calls it with the same arguments and gets the same
-        results (metrics summed and the gradients' norm taken over the ranks: every rank skips alike)."""
+        """`Trainer.fit` of the `ValueLoss` on the GAE returns [N, R] with the values scored before the update
+        `old_values` [N, R]; returns the metrics averaged over the mini-batches. A mini-batch with a non-finite
+        loss or gradient norm is skipped (`critic/skipped_updates`) or raises NonFiniteUpdate
+        (`nonfinite="raise"`). Under a data-parallel placement every rank calls it with the same arguments and
+        gets the same results (metrics summed and the gradients' norm taken over the ranks: every rank skips
+        alike); the optimizer step is agreed over the ranks, as the actor's."""
         cfg = cfg or self.cfg
-        batch = self._own_view(batch)
-        self.model.train()
+        loss = ValueLoss(cfg, returns, old_values)
+        return self.fit(cfg, self._own_view(batch), step_idx,
+                        lambda epoch, done, mini, mini_idx: self.train_minibatch(cfg, mini, mini_idx, loss, step_idx),
+                        nonfinite)
 
-        def minibatch(epoch: int, done: int, mini: RolloutBatch, mini_idx: torch.Tensor) -> dict:
-            stats = retry_oom(lambda plan: self._minibatch(cfg, plan, mini, mini_idx, returns, old_values),
-                              cfg.micro_batching, cfg.mode, self.train_backoff, self.placement, self.model,
-                              "the critic's update", (CRITIC_DP_HINT, CRITIC_HINT), self.applied, self.recover,
-                              checkpointing=True)
-            stats["critic/lr"] = self._set_lr(cfg, step)
-            return stats
-
-        self.applied = 0
-        try:  # the optimizer step is agreed over a data-parallel placement's ranks, as the actor's
-            return self.fit(cfg, batch, step, minibatch, nonfinite)
-        except BaseException as e:
-            raise self.failure(e, self.applied)  # noqa: B904 - the error itself, or one caused by it
-        finally:
-            self.optimizer.zero_grad(set_to_none=self.memory is None)
-            self.model.eval()
-
-    def _minibatch(self, cfg: RLConfig, plan, mini: RolloutBatch, mini_idx: torch.Tensor, returns: torch.Tensor,
-                   old_values: torch.Tensor) -> dict:
-        """Forward/backward of this process's share of one mini-batch's micro-batches into zeroed gradients,
-        each loss divided by the whole mini-batch's normaliser, then clipped on the global norm: its metrics
-        (summed over the placement's processes). Rows of a pass past its sample indices are a placement's
-        masked-out dummies."""
-        model, pl = self.model, self.placement
-        self.optimizer.zero_grad()
-        denom = agg_denominator(mini.mask, cfg.loss_agg_mode, cfg.agg_norm)
-        n_tok = max(float(mini.mask.sum()), 1.0)
-        dev = model.inv_freq.device
-        acc = torch.zeros(len(METRICS), device=dev)
-        local, local_idx = pl.share(mini, cfg.mode)
-        for mb, idx in pl.passes(local, cfg.mode, plan):
-            try:
-                n_all = mb.num_samples
-                gidx = mini_idx[local_idx[idx]]  # the real samples' indices in the whole batch
-                v = pl.run(model, model.values, mb, cfg.mode, plan.packed)
-                mask = to_device(mb.mask, dev)
-                loss, clipfrac = value_loss(v, to_device(_rows(old_values, gidx, n_all), dev),
-                                            to_device(_rows(returns, gidx, n_all), dev), mask, cfg.cliprange_value,
-                                            cfg.loss_agg_mode, denom, cfg.agg_norm)
-                loss.backward()
-                w = float(mb.mask.sum()) / n_tok  # token share of this micro-batch, for the token means
-                acc += torch.stack([loss.detach(), clipfrac.detach() * w, (v.detach() * mask).sum() / n_tok])
-            except Exception as err:  # noqa: BLE001 - only OOM is deferred
-                if not (is_oom(err) and pl.defer_oom()):
-                    raise
-                break  # this rank's part of the mini-batch is lost: `end_passes` backs every rank off
-        pl.end_passes(model, lambda mb: model.values(mb, cfg.mode, plan.packed))
-        stats = dict(zip(METRICS, pl.sum_(acc).tolist()))
-        stats["critic/grad_norm"] = float(pl.clip_grad_norm_(self.optimizer.touched_params(), cfg.grad_clip))
-        return stats
-
-    def _set_lr(self, cfg: RLConfig, step: int) -> float:
-        """The critic's lr at train step `step`, set on its optimizer."""
-        lr = cfg.critic_lr * lr_lambda(replace(cfg, warmup_steps=cfg.critic_lr_warmup_steps))(step)
+    def set_lr(self, cfg: RLConfig, step_idx: int) -> float:
+        """The critic's lr at train step `step_idx`, set on its optimizer."""
+        lr = cfg.critic_lr * lr_lambda(replace(cfg, warmup_steps=cfg.critic_lr_warmup_steps))(step_idx)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         return lr

@@ -38,8 +38,8 @@ from typing import Protocol
 import torch
 
 from ..models import Qwen25VL
+from .activation_checkpointing import activation_checkpointing, set_activation_checkpointing
 from .batch import RolloutBatch
-from .checkpointing import activation_checkpointing, set_activation_checkpointing
 from .microbatch import MicroBatching, micro_batches
 
 

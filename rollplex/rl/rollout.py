@@ -17,6 +17,8 @@
     update_weights()                         the policy changed outside an update phase (a checkpoint
                                              load): copy it in
     kv_cache_bytes()                         bytes of KV cache the step's memory manager holds for it
+    share(num_prompts)                       (the native engine's) the prompts whose prefill it runs, whose
+                                             prefixes the co-scheduler computes beside its decode (None: all)
     close()
 
 `rollout_requests` turns dataset rows into what `generate` takes, with seeds that depend only on the
@@ -85,6 +87,9 @@ class NativeRollout:
 
     def kv_cache_bytes(self) -> int:
         return self.engine.runner.kv_cache_bytes()
+
+    def share(self, num_prompts: int) -> list[int] | None:
+        return None  # every prompt: one engine
 
     def close(self) -> None:
         """The engine holds no process or thread of its own."""

@@ -4,7 +4,9 @@
 the step's models are, where the rollout's samples come from, and which passes each process runs:
 
     policy                      what the rollout decodes (`RLStep.model`)
-    attach(backend, engine, model, memory)   check and bind the rollout backend (ValueError)
+    bind_rollout(backend, model, memory)   the rollout backend the step generates on, checked and bound to the
+                                policy and the step's memory (ValueError): the one given, or a data-parallel
+                                rank's over its engine (prompts dealt over the ranks, every output gathered)
     check(cfg)                  ValueError for a config the runtime cannot run
     reference(model, ref, wanted, region)    the frozen reference, built into the "ref_weights" region
     local_tensors(model)        the tensors a model holds here (what its memory region keeps)
@@ -14,16 +16,14 @@ the step's models are, where the rollout's samples come from, and which passes e
     trainer_footprint(trainable, param_bytes, decoder, vision)   (trainable elements held here, bytes
                                 the trainer adds to the weights, checkpointing flags) for the memory fit
     weight_bytes()              bytes the built trainer adds to the weights the rollout decodes
-    generate(prompts, params, keep_vision, on_output)   the rollout's outputs of every prompt
-    share(num_prompts)          the prompts whose prefixes this process co-schedules (None: all)
     reference_gather(ref) / old_policy(policy, trainer)   what a co-scheduled prefix sweep runs on
-    reference_logprobs / old_logprobs   the scoring passes of the phased step
+    reference_logprobs(reference, ...) / old_logprobs   the scoring passes of the phased step (the
+                                reference a Trainer with no optimizer, rl/trainer.py `score`)
     sync_weights() / after_update(actor, m, timed)   the updated weights into what the rollout decodes
     policy_state(policy, trainer, keep)  {name: whole parameter}
-
-and for the fused schedule (rl/schedule.py, rl/pipeline.py): `fused_unsupported`, `fused_bytes`,
-`fused_share`, `begin_fused` / `end_fused` / `abort_fused`, `fused_results`, and the scoring and
-training placement of the stages (`fused_reference_logprobs`, `fused_old_logprobs`, `fused_placement`).
+    fused                       where the fused schedule's stages run (`FusedPlacement`: its share of the
+                                groups, begin / end / abort around the rollout, every rank's results, the
+                                stages' scoring and training placement), read by rl/schedule.py only
 
 `LocalRuntime` is the identity runtime: the rollout backend given, every pass here, no communication.
 `rollplex.parallel.Colocated` (built by `rollplex.parallel.data_parallel` and injected as
@@ -44,13 +44,16 @@ from .actor import Actor
 from .batch import RolloutBatch
 from .config import RLConfig
 from .critic import Critic, ValueModel
-from .scoring import score_with_backoff as score_logprobs
+from .rollout import RolloutBackend
+from .scoring import logprobs
+from .trainer import Trainer
 
 
 class Runtime(Protocol):
     policy: Qwen25VL
+    fused: FusedPlacement  # where the fused schedule's stages run
 
-    def attach(self, backend, engine, model: Qwen25VL, memory) -> None: ...
+    def bind_rollout(self, backend: RolloutBackend | None, model: Qwen25VL, memory) -> RolloutBackend | None: ...
 
     def check(self, cfg: RLConfig) -> None: ...
 
@@ -68,15 +71,11 @@ class Runtime(Protocol):
 
     def weight_bytes(self) -> int: ...
 
-    def generate(self, prompts: list, params: list, keep_vision: bool = False, on_output=None) -> list: ...
-
-    def share(self, num_prompts: int) -> list[int] | None: ...
-
     def reference_gather(self, ref: Qwen25VL): ...
 
     def old_policy(self, policy: Qwen25VL, trainer: Qwen25VL) -> tuple[Qwen25VL, object]: ...
 
-    def reference_logprobs(self, ref: Qwen25VL, actor: Actor, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor: ...
+    def reference_logprobs(self, reference: Trainer, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor: ...
 
     def old_logprobs(self, policy: Qwen25VL, actor: Actor, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor: ...
 
@@ -86,39 +85,44 @@ class Runtime(Protocol):
 
     def policy_state(self, policy: Qwen25VL, trainer: Qwen25VL, keep: bool) -> dict | None: ...
 
-    def fused_unsupported(self) -> str | None: ...
 
-    def fused_bytes(self, actor: Actor) -> int: ...
+class FusedPlacement(Protocol):
+    """Where the fused schedule's stages run (rl/schedule.py `Fused`, rl/pipeline.py): one process, or each
+    data-parallel rank on its own engine's groups with no collective until the end."""
 
-    def fused_share(self, num_prompts: int, first: int) -> tuple[list[int], int]: ...
+    def unsupported(self) -> str | None: ...  # why these ranks cannot run a fused step (None: they can)
 
-    def begin_fused(self, actor: Actor, ref: Qwen25VL | None) -> None: ...
+    def extra_bytes(self, actor: Actor) -> int: ...  # what the fused rollout phase holds besides one process's
 
-    def end_fused(self, actor: Actor, ref: Qwen25VL | None, flags: list[int]) -> list[int]: ...
+    def share(self, num_prompts: int, first: int) -> tuple[list[int], int]: ...  # (my prompts, how many first)
 
-    def abort_fused(self, actor: Actor, ref: Qwen25VL | None) -> None: ...
+    def begin(self, actor: Actor, ref: Qwen25VL | None) -> None: ...  # before the rollout: models gathered
 
-    def fused_results(self, pipe) -> tuple[list | None, tuple[int, int] | None]: ...
+    def end(self, actor: Actor, ref: Qwen25VL | None, flags: list[int]) -> list[int]: ...  # flags agreed, grads
 
-    def fused_reference_logprobs(self, ref: Qwen25VL, actor: Actor, batch: RolloutBatch,
-                                 cfg: RLConfig) -> torch.Tensor: ...
+    def abort(self, actor: Actor, ref: Qwen25VL | None) -> None: ...  # `begin` undone here alone
 
-    def fused_old_logprobs(self, policy: Qwen25VL, actor: Actor, batch: RolloutBatch,
-                           cfg: RLConfig) -> torch.Tensor: ...
+    def results(self, pipe) -> tuple[list | None, tuple[int, int] | None]: ...  # every rank's chunks
 
-    def fused_placement(self): ...
+    def reference_logprobs(self, reference: Trainer, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor: ...
+
+    def old_logprobs(self, policy: Qwen25VL, actor: Actor, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor: ...
+
+    def placement(self): ...  # where the stages' training passes run (None: the actor's)
 
 
 class LocalRuntime:
-    """The step on this process alone: `backend` (a RolloutBackend or None) rolls out `policy`, the
-    trainer's and the reference's passes run here (rl/placement.py `SingleProcess`)."""
+    """The step on this process alone: the backend given rolls out `policy`, the trainer's and the
+    reference's passes run here (rl/placement.py `SingleProcess`)."""
 
-    def __init__(self, policy: Qwen25VL, backend):
-        self.policy, self.backend = policy, backend
+    def __init__(self, policy: Qwen25VL):
+        self.policy = policy
+        self.fused = LocalFused(self)
 
-    def attach(self, backend, engine, model: Qwen25VL, memory) -> None:
+    def bind_rollout(self, backend: RolloutBackend | None, model: Qwen25VL, memory) -> RolloutBackend | None:
         if backend is not None:  # the backend checks it decodes `model` under the step's memory manager
             backend.attach(model, memory)
+        return backend
 
     def check(self, cfg: RLConfig) -> None:
         """Every config runs on one process."""
@@ -152,23 +156,14 @@ class LocalRuntime:
     def weight_bytes(self) -> int:
         return 0
 
-    def generate(self, prompts: list, params: list, keep_vision: bool = False, on_output=None) -> list:
-        # on_output only to backends that report groups (the fused schedule asks for them only there)
-        kw = {} if on_output is None else {"on_output": on_output}
-        return self.backend.generate(prompts, params, keep_vision=keep_vision, **kw)
-
-    def share(self, num_prompts: int) -> list[int] | None:
-        return None
-
     def reference_gather(self, ref: Qwen25VL):
         return None
 
     def old_policy(self, policy: Qwen25VL, trainer: Qwen25VL) -> tuple[Qwen25VL, object]:
         return policy, None
 
-    def reference_logprobs(self, ref: Qwen25VL, actor: Actor, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
-        return score_logprobs(ref, batch, cfg.mode, cfg.micro_batching, cfg.temperature, prefix_key="ref",
-                              placement=actor.placement, backoff=actor.score_backoff)
+    def reference_logprobs(self, reference: Trainer, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
+        return reference.score(batch, logprobs(cfg.temperature), cfg, prefix_key="ref")
 
     def old_logprobs(self, policy: Qwen25VL, actor: Actor, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
         return actor.old_logprobs(batch, cfg)
@@ -183,35 +178,39 @@ class LocalRuntime:
     def policy_state(self, policy: Qwen25VL, trainer: Qwen25VL, keep: bool) -> dict | None:
         return {n: p.detach() for n, p in policy.named_parameters()} if keep else None
 
-    # ---- the fused schedule -------------------------------------------------------------------------
-    def fused_unsupported(self) -> str | None:
+
+class LocalFused:
+    """The fused schedule on this process alone: every group here, nothing to gather or agree."""
+
+    def __init__(self, runtime: LocalRuntime):
+        self.runtime = runtime
+
+    def unsupported(self) -> str | None:
         return None
 
-    def fused_bytes(self, actor: Actor) -> int:
+    def extra_bytes(self, actor: Actor) -> int:
         return 0
 
-    def fused_share(self, num_prompts: int, first: int) -> tuple[list[int], int]:
+    def share(self, num_prompts: int, first: int) -> tuple[list[int], int]:
         return list(range(num_prompts)), first
 
-    def begin_fused(self, actor: Actor, ref: Qwen25VL | None) -> None:
+    def begin(self, actor: Actor, ref: Qwen25VL | None) -> None:
         pass
 
-    def end_fused(self, actor: Actor, ref: Qwen25VL | None, flags: list[int]) -> list[int]:
+    def end(self, actor: Actor, ref: Qwen25VL | None, flags: list[int]) -> list[int]:
         return flags
 
-    def abort_fused(self, actor: Actor, ref: Qwen25VL | None) -> None:
+    def abort(self, actor: Actor, ref: Qwen25VL | None) -> None:
         pass
 
-    def fused_results(self, pipe) -> tuple[list | None, tuple[int, int] | None]:
+    def results(self, pipe) -> tuple[list | None, tuple[int, int] | None]:
         return None, None  # the pipeline's own chunks are the whole batch's
 
-    def fused_reference_logprobs(self, ref: Qwen25VL, actor: Actor, batch: RolloutBatch,
-                                 cfg: RLConfig) -> torch.Tensor:
-        return self.reference_logprobs(ref, actor, batch, cfg)
+    def reference_logprobs(self, reference: Trainer, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
+        return self.runtime.reference_logprobs(reference, batch, cfg)
 
-    def fused_old_logprobs(self, policy: Qwen25VL, actor: Actor, batch: RolloutBatch,
-                           cfg: RLConfig) -> torch.Tensor:
+    def old_logprobs(self, policy: Qwen25VL, actor: Actor, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
         return actor.old_logprobs(batch, cfg)
 
-    def fused_placement(self):
+    def placement(self):
         return None  # the actor's own

@@ -8,7 +8,7 @@
     Auto     one of the two per step, chosen by what earlier steps measured (rl/auto_schedule.py);
              the update is the same whichever runs, up to summation order
 
-Both run the prefix co-scheduler beside their rollout when `cfg.cosched` (rl/handover.py): Phased through
+Both run the prefix co-scheduler beside their rollout when `cfg.cosched` (cosched/handover.py): Phased through
 `RLStep.generate`, Fused around its pipeline — the chunks read the prefix states it hands over and take
 over the jobs it has not finished when they need them; what no chunk claimed runs after the rollout.
 
@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from ..cosched.handover import co_scheduled
 from ..cosched.scheduler import decode_stream, on_stream, side_stream
 from ..cosched.timeline import DecodeMarks
 from .auto_schedule import AutoChooser
@@ -38,7 +39,6 @@ from .batch import RolloutBatch
 from .config import RLConfig
 from .errors import TrainOOM
 from .fuse_gate import FuseGate, gate_settings
-from .handover import co_scheduled, complete_handover, plan_handover
 from .pipeline import GroupPipeline, fallback_on, fused_unsupported
 from .remax import score_baselines
 from .timing import phase_timer as _timer
@@ -134,66 +134,22 @@ class Fused:
         # each chunk reads (or takes over) the prefix states of its prompts; the reference stays resident
         # through the rollout here (`fused_regions`), so its prefixes are planned whatever the memory plan
         frozen = step.keeps_vision
-        handover = plan_handover(step, prompts, frozen, ref_resident=True)
+        handover = step.plan_handover(prompts, frozen, ref_resident=True)
         # this runtime's groups (a data-parallel rank: its engine's share), and how many of them are the first
         # mini-batch's
-        mine, trained = rt.fused_share(len(prompts), mini_batch_sizes(len(prompts), cfg.ppo_mini_batches)[0])
+        mine, trained = rt.fused.share(len(prompts), mini_batch_sizes(len(prompts), cfg.ppo_mini_batches)[0])
         pipe = GroupPipeline(step, prompts, [p.n for p in params], per_prompt, rewards, self._side_stream(step), tl,
                              len(mine), trained, self._gate(cfg), lambda sms: self._side_stream(step, sms), handover)
         # the decode lane of the timeline: the co-scheduler draws it when it runs (with what it admitted)
         marks = DecodeMarks(tl) if tl is not None and step.engine is not None and not handover else None
         hooked = [h for h in (pipe, marks) if h is not None and step.engine is not None]  # the gate hears decode
-        with _timer(m, "gen", step.device, tl):  # in the rollout phase, entered by `_fused`
-            rt.begin_fused(actor, ref)  # data-parallel: trainer and reference gathered, no collective until the end
-            # the co-scheduler finishes (its metrics, the main stream joins its stream) after the worker stopped:
-            # no claim comes in while it settles
-            with co_scheduled(step, handover, prompts if frozen else (), priority=False):
-                pipe.start()
-                for h in hooked:
-                    step.engine.hooks.append(h)
-                done = False
-                try:
-                    with self._decode_priority(step):
-                        outs = rt.generate(prompts, params, keep_vision=frozen, on_output=pipe.add)
-                    done = True
-                finally:
-                    pipe.stop()
-                    for h in hooked:
-                        step.engine.hooks.remove(h)
-                    if marks is not None:
-                        marks.close()
-                    if not done:  # a failed rollout: what the chunks accumulated goes with it
-                        rt.abort_fused(actor, ref)
-                        actor.discard_groups()
-        m.update(step.rollout_metrics)
+        outs = self._roll_out(step, prompts, params, pipe, handover, marks, hooked, ref, m)
         batch = step.rollout_batch(prompts, outs, **per_prompt)
         batch.prefix = handover
-        with _timer(m, "fused_tail", step.device, tl):
-            # prefix work no chunk claimed beside decode: in its normal phase, as the phased step runs it
-            # (standalone, which calibrates the co-scheduler); the chunks left then find it done
-            try:
-                for key in handover:
-                    complete_handover(step, batch, key, m)
-            except BaseException as e:  # noqa: BLE001 - as a fused stage's: chunks dropped, out of memory runs phased
-                pipe.error = pipe.error or e
-            pipe.drain()
-        # every rank agrees whether some rank's stage failed, then the gradients are reduced once
-        err = pipe.error
-        oom, other = rt.end_fused(actor, ref, [int(err is not None and fallback_on(err)),
-                                               int(err is not None and not fallback_on(err))])
-        if other and err is None:
-            pipe.error = RuntimeError("a fused stage failed on another data-parallel rank")
-        elif oom and err is None:
-            pipe.error = TrainOOM("a fused stage ran out of device memory on another data-parallel rank", 0)
-        if pipe.error is not None:
-            actor.discard_groups()
-            if not fallback_on(pipe.error):
-                raise pipe.error
-            log.warning("fused schedule: a stage ran out of device memory (%s); this step runs phased", pipe.error)
-            m["rollplex/fused"], m["rollplex/fused_fallback_oom"] = 0.0, 1.0
+        if not self._end_stages(step, batch, pipe, handover, ref, m):  # out of memory in a stage: phased
             return Phased.after_rollout(step, batch, rewards, m)  # reads the handover's prefix states
         batch.prefix = {}  # consumed by the chunks: free them before the update
-        results, counts = rt.fused_results(pipe)  # every rank's chunks; None: this pipeline's are all
+        results, counts = rt.fused.results(pipe)  # every rank's chunks; None: this pipeline's are all
         pipe.resolve_times()
         assert len(mine) < len(prompts) or pipe.order == batch.finish_order(), "the first mini-batch is trained"
         got = pipe.assemble(batch, results)
@@ -215,6 +171,69 @@ class Fused:
         step.update(batch, got["advantages"], got["seq_rewards"], reward_kl, cfg, m, actor_update)
         m.update(pipe.metrics(m["timing_s/gen"], counts))
         return batch
+
+    def _roll_out(self, step, prompts: list, params: list, pipe: GroupPipeline, handover: dict, marks, hooked: list,
+                  ref, m: dict) -> list:
+        """The rollout with the pipeline (and the co-scheduler) beside it: the backend's outputs."""
+        rt, tl, actor, frozen = step.runtime, step.timeline, step.actor, step.keeps_vision
+        with _timer(m, "gen", step.device, tl):  # in the rollout phase, entered by `_fused`
+            rt.fused.begin(actor, ref)  # data-parallel: trainer and reference gathered, no collective until the end
+            # the co-scheduler finishes (its metrics, the main stream joins its stream) after the worker stopped:
+            # no claim comes in while it settles
+            with co_scheduled(step.cosched, step.engine, handover, prompts if frozen else (), tl,
+                              priority=False) as cosched_metrics:
+                pipe.start()
+                for h in hooked:
+                    step.engine.hooks.append(h)
+                done = False
+                try:
+                    with self._decode_priority(step):
+                        outs = step.backend.generate(prompts, params, keep_vision=frozen, on_output=pipe.add)
+                    done = True
+                finally:
+                    pipe.stop()
+                    for h in hooked:
+                        step.engine.hooks.remove(h)
+                    if marks is not None:
+                        marks.close()
+                    if not done:  # a failed rollout: what the chunks accumulated goes with it
+                        rt.fused.abort(actor, ref)
+                        actor.discard_groups()
+        step.rollout_metrics = cosched_metrics
+        m.update(cosched_metrics)
+        return outs
+
+    @staticmethod
+    def _end_stages(step, batch: RolloutBatch, pipe: GroupPipeline, handover: dict, ref, m: dict) -> bool:
+        """The chunks left after the rollout, then every rank's agreement on the stages and the gradients reduced
+        once: whether the fused update goes on (False: a stage ran out of memory somewhere, the accumulated
+        chunks are dropped and the step runs phased); any other stage's error is raised."""
+        actor = step.actor
+        with _timer(m, "fused_tail", step.device, step.timeline):
+            # prefix work no chunk claimed beside decode: in its normal phase, as the phased step runs it
+            # (standalone, which calibrates the co-scheduler); the chunks left then find it done
+            try:
+                for key in handover:
+                    step.complete_handover(batch, key, m)
+            except BaseException as e:  # noqa: BLE001 - as a fused stage's: chunks dropped, out of memory runs phased
+                pipe.error = pipe.error or e
+            pipe.drain()
+        # every rank agrees whether some rank's stage failed, then the gradients are reduced once
+        err = pipe.error
+        oom, other = step.runtime.fused.end(actor, ref, [int(err is not None and fallback_on(err)),
+                                                         int(err is not None and not fallback_on(err))])
+        if other and err is None:
+            pipe.error = RuntimeError("a fused stage failed on another data-parallel rank")
+        elif oom and err is None:
+            pipe.error = TrainOOM("a fused stage ran out of device memory on another data-parallel rank", 0)
+        if pipe.error is None:
+            return True
+        actor.discard_groups()
+        if not fallback_on(pipe.error):
+            raise pipe.error
+        log.warning("fused schedule: a stage ran out of device memory (%s); this step runs phased", pipe.error)
+        m["rollplex/fused"], m["rollplex/fused_fallback_oom"] = 0.0, 1.0
+        return False
 
 
 class Auto:
@@ -269,7 +288,7 @@ def why_not_fused(step) -> str | None:
         return why
     if step.backend is None or not getattr(step.backend, "reports_groups", False):
         return f"the {step.rollout_backend} rollout backend does not report groups as they finish"
-    if (why := step.runtime.fused_unsupported()) is not None:
+    if (why := step.runtime.fused.unsupported()) is not None:
         return why
     fit = step.memory_fit
     if fit is not None and fit.budget is not None:
@@ -278,7 +297,7 @@ def why_not_fused(step) -> str | None:
         # rank also the trainer's units and gradients, and a sharded reference's, gathered
         sizes, acts = step.memory_sizes(), step.activation_estimate()
         peak = (fit.plan.peak("rollout", sizes, {}) + sum(sizes[t] for t in fused_regions(step)) + acts["update"]
-                + step.runtime.fused_bytes(step.actor))
+                + step.runtime.fused.extra_bytes(step.actor))
         if peak > fit.budget:
             return (f"the fused rollout phase needs {peak / 2**30:.1f} GiB (the KV cache, gradients, reference "
                     f"and one update micro-batch together), over the plan's budget of {fit.budget / 2**30:.1f} GiB")

@@ -13,16 +13,11 @@ Both give, for each response token t, log softmax(logits / temperature)[t] — t
 engine sampled from — and, on request, the entropy of that distribution: `entropy="grad"` from the
 full [n, R, V] logits, differentiable (an entropy bonus in the loss); `entropy="metric"` detached,
 from the chunked logprob pass (rl/logprob.py), so the logits are never all materialised (the
-`actor/entropy` metric without a bonus). `score` runs a whole batch in the micro-batches a
-`MicroBatching` plans (microbatch.py), in this process or over a data-parallel group (placement.py).
-`score_with_backoff` (reference and old-logprob scoring in the RL step) backs off on out-of-memory errors
-like the update: it halves the micro-batches (kept for later calls) and retries, down to one prompt
-(one sequence) per pass, then raises TrainOOM; scoring changes no state, so nothing is applied.
+`actor/entropy` metric without a bonus). `logprobs(temperature)` is the forward of no-grad scoring: a
+trainer's `score` (rl/trainer.py) runs it over a whole batch, with the one out-of-memory ladder.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 
@@ -31,12 +26,8 @@ from ..models.transfer import to_device
 from .algos import entropy_from_logits
 from .batch import RolloutBatch
 from .logprob import token_logprob, token_logprob_entropy
-from .microbatch import Backoff, MicroBatching
-from .placement import Placement, SingleProcess
-from .trainer import retry_oom
 
 ENTROPY = ("none", "metric", "grad")
-log = logging.getLogger("rollplex.rl")
 
 
 def response_hidden(model: Qwen25VL, mb: RolloutBatch, mode: str, packed: bool,
@@ -85,39 +76,11 @@ def token_logprobs(model: Qwen25VL, mb: RolloutBatch, mode: str, packed: bool, t
     return lp, entropy_from_logits(logits)
 
 
-@torch.no_grad()
-def score(model: Qwen25VL, batch: RolloutBatch, mode: str, plan: MicroBatching,
-          temperature: float = 1.0, prefix_key: str | None = None,
-          placement: Placement | None = None) -> torch.Tensor:
-    """No-grad logprobs [N, R] (reference / old-policy scoring), zero on padding; `prefix_key`: use the
-    rollout's prefix states for that consumer (`batch.prefix`) instead of running the prefix.
-    placement: where the passes run (default: this process); every process gets the whole [N, R]."""
-    pl = placement or SingleProcess()
-    out = torch.zeros(batch.responses.shape, dtype=torch.float32, device=model.inv_freq.device)
-    if prefix_key is not None and (mode != "rollplex" or prefix_key not in batch.prefix):
-        prefix_key = None
-    rows = batch.prefix[prefix_key] if prefix_key is not None else None
-    if rows is not None and pl.world > 1:  # each process scores the prompts whose prefix states it holds
-        local, local_idx = batch.select_prompts(rows.planned())
-    else:
-        local, local_idx = pl.share(batch, mode)
-    for mb, idx in pl.passes(local, mode, plan, prefix=prefix_key is not None):
-        lp, _ = pl.run(model, token_logprobs, model, mb, mode, plan.packed, temperature, "none", prefix_key)
-        n = idx.shape[0]  # rows past n: a placement's masked-out dummies
-        # stays on the device: no sync per micro-batch
-        out[to_device(local_idx[idx], out.device)] = lp[:n] * to_device(mb.mask[:n], out.device)
-    return pl.sum_(out).cpu()
+def logprobs(temperature: float = 1.0):
+    """The forward `Trainer.score` runs to score logprobs (the reference's, the old policy's):
+    (model, micro-batch, mode, packed, prefix_key) -> [n, R], at `temperature`."""
+    def forward(model: Qwen25VL, mb: RolloutBatch, mode: str, packed: bool,
+                prefix_key: str | None = None) -> torch.Tensor:
+        return token_logprobs(model, mb, mode, packed, temperature, "none", prefix_key)[0]
 
-
-def score_with_backoff(model: Qwen25VL, batch: RolloutBatch, mode: str, plan: MicroBatching,
-                       temperature: float = 1.0, prefix_key: str | None = None, placement: Placement | None = None,
-                       backoff: Backoff | None = None, what: str = "reference") -> torch.Tensor:
-    """`score` that halves the micro-batches on an out-of-memory error and retries (the halved plan kept in
-    `backoff` for later calls); TrainOOM (nothing applied) at one prompt / sequence per pass, or at once
-    inside a data-parallel pass whose other ranks wait in its collectives."""
-    pl = placement or SingleProcess()
-    return retry_oom(lambda mb_plan: score(model, batch, mode, mb_plan, temperature, prefix_key, pl), plan, mode,
-                     backoff or Backoff(), pl, model, f"the {what} scoring",
-                     ("lower micro_batch_prompts / micro_batch_max_tokens or offload the reference model",
-                      "lower n or max_new_tokens, or offload the reference model (--memory-overrides "
-                      "ref_weights:*=offloaded)"))
+    return forward

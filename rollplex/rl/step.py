@@ -1,60 +1,25 @@
-"""One synchronous GRPO/PPO step: rollout -> rewards -> reference logprobs -> (old logprobs) -> update.
+"""One synchronous GRPO/PPO step: rollout -> rewards -> reference logprobs -> (values, old logprobs) ->
+advantages -> update. `RLStep` keeps the algorithm; where its work runs and in what order are given.
 
-Advantages come from `cfg.adv_estimator` (rl/algos.py: grpo, dr_grpo, rloo, reinforce_plus_plus[_baseline],
-gae). With gae the step holds a critic (rl/critic.py, `self.critic`): its values are scored in the `ref`
-phase after the reference's logprobs, GAE gives advantages and returns, and the critic is trained after
-the actor, in a phase of its own (`update_critic`: the memory plan keeps one trainer's state at a time
-on the device), so a failed actor update leaves the critic as it was (the actor is not trained at all
-during the first `critic_warmup` steps, which still count as steps).
-With `use_kl_loss=False` the KL to the reference (`cfg.kl_penalty`, k1 by default as in verl) is a
-per-token reward penalty, its coefficient `kl_coef` or, with `kl_ctrl="adaptive"`, verl's controller,
-moved after each step that changed the weights (`actor/reward_kl_penalty[_coeff]`, `actor/kl_coef`).
+    run(prompts, params) / step(rows)   the whole step in `cfg.schedule`'s order (rl/schedule.py: phased,
+                                        or fused beside the rollout's tail, rl/pipeline.py)
+    generate / sample                   the rollout on the rollout backend (rl/rollout.py), with the
+                                        co-scheduler's prefix work beside decode (`cfg.cosched`,
+                                        cosched/handover.py)
+    train(batch, cfg)                   reference scoring, advantages and the update of a finished rollout
+    update(...)                         the tail both schedules end in: actor, critic, step counted
 
-`mode` changes where the work runs, never what is computed:
+The models are Trainers (rl/trainer.py): the actor (rl/actor.py), the critic under gae (rl/critic.py),
+the reference (one with no optimizer). Advantages come from `cfg.adv_estimator` (rl/algos.py); with
+`use_kl_loss=False` the KL to the reference is a per-token reward penalty (fixed or verl's adaptive
+controller). `mode` changes where the work runs, never what is computed: `rollplex` runs each prompt's
+prefix once for its n responses, `serial` every sample in full (verl's order).
 
-* `rollplex`: reference scoring and training run each prompt's prefix (vision tower + prompt) once
-  and let its n responses attend to it; the backward flows through the one shared prefix graph.
-* `serial`: verl's order and shapes — each sample is a full sequence with its image re-encoded.
-
-With `cosched` (rollplex mode) the reference's prefix — and the old policy's when several updates
-need old logprobs — runs beside the rollout's decode steps (rollplex.cosched, rl/handover.py), and
-scoring reads the prefix states it handed over in `RolloutBatch.prefix` instead of recomputing them (under
-the fused schedule each chunk of finished groups reads its prompts' states, rl/schedule.py). With
-`freeze_vision_tower` the engine keeps its prefill's vision encodings and, in rollplex mode, the
-batch's prompts carry them (`ModelInputs.vision_embeds`), so the reference and the actor skip their
-vision passes: one vision-tower pass per prompt per step.
-
-The rollout runs on a `RolloutBackend` (rollout.py): Rollplex's engine (`NativeRollout`, built from
-the Engine given), which decodes with the actor's own parameter tensors, so there is no weight-sync
-phase; or SGLang (engine_patches.sglang.backend.SGLangRollout), which keeps its own copy of the policy:
-the step enters each phase on the backend too (SGLang releases its memory outside the rollout), and
-entering the rollout copies the updated policy in. The step is otherwise the same on both: the
-backend's outputs are the native engine's RequestOutputs. The reference model is a frozen copy of the
-initial policy. `train(batch, cfg)` takes an optional config for that step alone (the server's
-per-request overrides), derived from `self.cfg` with `dataclasses.replace`; `self.cfg` never changes.
-
-Under a memory manager the step is fitted to its device when built (`fit_memory`, memory/fit.py):
-the residency plan, and the activation checkpointing and optimizer offload the user left unset,
-chosen from the planned region sizes and `update_activations` (rl/step_memory.py); a ValueError when
-nothing fits.
-
-Where the step runs is a runtime (rl/runtime.py), what runs when a schedule (rl/schedule.py); the
-step itself branches on neither. `LocalRuntime` runs it on this process. Given a data-parallel
-runtime (`parallel`: rollplex.parallel.data_parallel over a process group, injected: this module
-imports nothing of rollplex.parallel) the step is data-parallel: every rank calls it with the same
-rows, rolls out its share of the prompts (or all of them with a tensor-parallel engine), scores and
-trains its share of the prompt groups with FSDP2-sharded reference and trainer, and ends with the
-same metrics and weights as one process; the trainer's shards are windows of the engine's own tensors
-where the sharing plan allows, so an update writes those in place and only the rest is rebuilt after
-it. With a tensor-parallel engine `RLStep.model` is this rank's shard of the policy (the engine's
-model): the step keeps no reference to the whole `model` it was built from, and `policy_state()`
-gathers the whole weights. Data-parallel runs need the native backend.
-
-`cfg.schedule` orders the whole step (`run`): "phased" rolls out, then scores and trains (`train`);
-"fused" (rl/pipeline.py) trains the first mini-batch's groups as they finish beside the rollout's
-tail — on one process or on each data-parallel rank's share — and equals phased up to summation
-order, falling back to phased where it cannot. The first epoch's mini-batches are cut from the order
-the groups finished in, in both schedules.
+Where the step runs is a runtime (rl/runtime.py): this process (`LocalRuntime`), or a data-parallel rank
+injected as `parallel` (rollplex.parallel; this module imports nothing of it), which computes what one
+process does. Under a memory manager the step is fitted to its device when built (rl/step_memory.py).
+`train(batch, cfg)` takes an optional config for that step alone; `self.cfg` never changes. What a failed
+step leaves is in rl/errors.py. More in docs/ARCHITECTURE.md ("The RL step").
 """
 
 from __future__ import annotations
@@ -69,7 +34,8 @@ from dataclasses import replace
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..cosched import CoschedConfig, CoScheduler, Timeline
+from ..cosched import CoschedConfig, CoScheduler, PrefixRows, Timeline
+from ..cosched.handover import co_scheduled, complete
 from ..engine import Engine, SamplingParams
 from ..memory import MemoryConfig, MemoryManager
 from ..models import Qwen25VL
@@ -79,7 +45,6 @@ from .config import RLConfig
 from .critic import Critic, build_value_model
 from .dynamic_sampling import sample_groups
 from .errors import TrainStepError, TrainStepFailed
-from .handover import co_scheduled, complete_handover, plan_handover
 from .rewards import RewardFn, get_reward_fn, score_batch
 from .rollout import NativeRollout, RolloutBackend, as_rollout_backend, rollout_requests
 from .rollout_correction import corrected_batch, rollout_correction
@@ -88,6 +53,7 @@ from .schedule import schedule_of, why_not_fused
 from .step_memory import fit_memory as fit_memory  # re-exported: its home before rl/step_memory.py
 from .step_memory import fit_step, step_sizes, update_activations
 from .timing import phase_timer as _timer
+from .trainer import Trainer
 
 # the regions a step allocates in when built (resumed for that where the current phase has them paused)
 TRAINER_REGIONS = ("ref_weights", "optimizer", "grads", "critic_weights", "critic_optimizer", "critic_grads")
@@ -112,15 +78,16 @@ class RLStep:
         Data-parallel, `model` holds the full weights on every rank and the engine decodes it, or this
         rank's tensor-parallel shard of it (`parallel.tensor_parallel_copy`); then `self.model` is that
         shard, and `model` is read only here (drop it to free the whole weights)."""
-        self.backend = as_rollout_backend(engine)
+        backend = as_rollout_backend(engine)
+        if cfg.cosched and backend is not None and not isinstance(backend, NativeRollout):
+            raise ValueError(f"cosched needs the native rollout backend: with {backend.name} the co-scheduler "
+                             "runs in its scheduler (engine_patches.sglang.CoschedHook), which RLStep does not drive")
+        # where the step runs: this process alone, or the data-parallel rank injected (rl/runtime.py), and the
+        # backend it rolls out on (a data-parallel rank's deals the prompts over the ranks)
+        self.runtime: Runtime = parallel or LocalRuntime(model)
+        self.backend = self.runtime.bind_rollout(backend, model, memory)
         # the native engine, whose decode loop the co-scheduler hooks into; None with another backend
         self.engine = self.backend.engine if isinstance(self.backend, NativeRollout) else None
-        if cfg.cosched and self.backend is not None and self.engine is None:
-            raise ValueError(f"cosched needs the native rollout backend: with {self.backend.name} the co-scheduler "
-                             "runs in its scheduler (engine_patches.sglang.CoschedHook), which RLStep does not drive")
-        # where the step runs: this process alone, or the data-parallel rank injected (rl/runtime.py)
-        self.runtime: Runtime = parallel or LocalRuntime(model, self.backend)
-        self.runtime.attach(self.backend, self.engine, model, memory)
         self.runtime.check(cfg)
         self.model, self.cfg = self.runtime.policy, cfg  # what the engine decodes: the policy or its TP shard
         self.memory, self.memory_cfg = memory, memory_cfg or MemoryConfig()
@@ -156,12 +123,14 @@ class RLStep:
         """The reference, the critic's value model, the memory fit, and the actor's and critic's trainers, each
         allocated in its region."""
         memory = self.memory
-        self.ref = self.runtime.reference(model, ref_model, cfg.kl_coef > 0, lambda: self._region("ref_weights"))
-        if self.ref is not None:
-            self.ref.requires_grad_(False).eval()
+        ref = self.runtime.reference(model, ref_model, cfg.kl_coef > 0, lambda: self._region("ref_weights"))
+        if ref is not None:
+            ref.requires_grad_(False).eval()
             if memory is not None:
-                ref, runtime = self.ref, self.runtime
+                runtime = self.runtime
                 memory.preserve("ref_weights", lambda: runtime.local_tensors(ref))
+        # the reference: a trainer with no optimizer (it only scores), placed where the actor's passes run below
+        self.reference = None if ref is None else Trainer(ref, role="reference")
         # PPO-GAE's value model (rl/critic.py), in its region before the plan is fitted: its bytes are planned
         self.critic: Critic | None = None
         value_model = None
@@ -185,10 +154,17 @@ class RLStep:
         self.memory_cfg = replace(self.memory_cfg, optimizer_offload=fit.optimizer_offload if fit
                                   else "none" if offload == "auto" else offload)
         self.actor = self.runtime.actor(model, cfg, memory, self.memory_cfg.optimizer_offload)
+        if self.reference is not None:  # scored where the actor's passes run, backing off with its scoring
+            self.reference.placement, self.reference.score_backoff = self.actor.placement, self.actor.score_backoff
         if value_model is not None:
             self.critic = self.runtime.critic(value_model, cfg, memory, self.memory_cfg.optimizer_offload)
 
     # ---- memory -------------------------------------------------------------------------------
+    @property
+    def ref(self) -> Qwen25VL | None:
+        """The frozen reference model (None without one)."""
+        return self.reference.model if self.reference is not None else None
+
     def _region(self, tag: str):
         return self.memory.region(tag) if self.memory is not None else contextlib.nullcontext()
 
@@ -253,13 +229,45 @@ class RLStep:
         co-scheduled prefix states (`cfg.cosched`) and the vision encodings (`freeze_vision_tower`)
         it carries for scoring and the update. `per_prompt`: data_sources / ground_truths / extra_infos."""
         frozen = self.keeps_vision
-        handover = plan_handover(self, prompts, frozen)  # rl/handover.py: nothing without cosched
+        handover = self.plan_handover(prompts, frozen)  # nothing without cosched
         self.enter("rollout")
-        with co_scheduled(self, handover, prompts if frozen else ()):
-            outs = self.runtime.generate(prompts, params, keep_vision=frozen)
+        with co_scheduled(self.cosched, self.engine, handover, prompts if frozen else (), self.timeline) as cm:
+            outs = self.backend.generate(prompts, params, keep_vision=frozen)
+        self.rollout_metrics = cm
         batch = self.rollout_batch(prompts, outs, **per_prompt)
         batch.prefix = handover
         return batch
+
+    def plan_handover(self, prompts: list, frozen: bool, ref_resident: bool = False) -> dict[str, PrefixRows]:
+        """The prefix jobs `cfg.cosched` runs beside decode, by consumer (rollplex/cosched/handover.py): the
+        reference's (when the memory plan keeps its weights resident during the rollout, or `ref_resident`:
+        the fused schedule holds them there) and the old policy's (several updates per rollout). frozen: the
+        prompts carry the engine's vision encodings (`keeps_vision`). A data-parallel rank plans its share
+        (`NativeRollout.share`), a sharded model's as a sweep in lockstep with the other ranks'."""
+        cfg, out = self.cfg, {}
+        if not cfg.cosched or self.engine is None:
+            return out
+        per_job = self.cosched.config.job_prompts
+        only = self.backend.share(len(prompts))
+        if self.ref is not None and cfg.kl_coef > 0 and (
+                ref_resident or self.memory is None or self.memory.plan.get("rollout", "ref_weights") == "resident"):
+            # a frozen tower's encodings come from the engine's prefill, unless the reference's tower differs
+            shared = frozen and self.ref_same_vision
+            ref_prompts = prompts if shared or not frozen else [replace(p, vision_embeds=None) for p in prompts]
+            out["ref"] = PrefixRows.plan(self.ref, ref_prompts, per_job, "ref", external_vision=shared, only=only,
+                                         gather=self.runtime.reference_gather(self.ref))
+        if cfg.num_updates > 1:  # the policy, or the trainer's shards (a tensor-parallel engine holds only its own)
+            model, gather = self.runtime.old_policy(self.model, self.actor.model)
+            out["old"] = PrefixRows.plan(model, prompts, per_job, "old", external_vision=frozen, only=only,
+                                         gather=gather)
+        return out
+
+    def complete_handover(self, batch: RolloutBatch, key: str, m: dict) -> None:
+        """The handed-over prefix work under `key` never admitted beside decode, run standalone (its normal
+        phase, timed into `m`; it calibrates the co-scheduler)."""
+        rows = batch.prefix.get(key)
+        if rows is not None:
+            m[f"rollplex/prefix_{key}_normal_phase_s"] = complete(self.cosched, rows, self.device)
 
     def rollout_batch(self, prompts: list, outs: list, **per_prompt) -> RolloutBatch:
         """The backend's RequestOutputs of `prompts` as a RolloutBatch; its prompts carry the prefill's
@@ -277,7 +285,7 @@ class RLStep:
         if self.backend is None:
             raise ValueError("this RLStep has no rollout engine")
         self.enter("rollout")
-        return self.runtime.generate(prompts, params, keep_vision=keep_vision)  # data-parallel: every rank calls
+        return self.backend.generate(prompts, params, keep_vision=keep_vision)  # data-parallel: every rank calls
 
     def compute_rewards(self, batch: RolloutBatch, reward: RewardFn | str | None = None, cfg: RLConfig | None = None,
                         max_new_tokens: int | None = None) -> tuple[torch.Tensor, dict]:
@@ -324,7 +332,7 @@ class RLStep:
         if self.uses_reference(cfg):
             with _timer(m, "ref", self.device, tl):
                 self.enter("ref")
-                complete_handover(self, batch, "ref", m)
+                self.complete_handover(batch, "ref", m)
                 ref_lp = self.reference_logprobs(ref_batch, cfg)
         if cfg.uses_critic:  # the values of the responses before the update: GAE's baseline, the value clip's centre
             with _timer(m, "values", self.device, tl):
@@ -345,7 +353,7 @@ class RLStep:
         if old is None and train_actor:
             with _timer(m, "old_log_prob", self.device, tl):
                 self.enter("ref")
-                complete_handover(self, batch, "old", m)
+                self.complete_handover(batch, "old", m)
                 old = self.runtime.old_logprobs(self.model, self.actor, batch, cfg)
         batch.prefix = {}  # the prefix states are consumed: free them before the update
         # rollout correction over the whole batch (batch-normalised weights, rejection): what the update trains
@@ -377,7 +385,7 @@ class RLStep:
 
     def reference_logprobs(self, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
         """The reference's logprobs [N, R] of the batch's responses (backs off on OOM, rl/scoring.py)."""
-        return self.runtime.reference_logprobs(self.ref, self.actor, batch, cfg)
+        return self.runtime.reference_logprobs(self.reference, batch, cfg)
 
     def kl_reward_penalty(self, batch: RolloutBatch, ref_lp: torch.Tensor | None,
                           cfg: RLConfig) -> tuple[torch.Tensor | None, float | None, dict]:

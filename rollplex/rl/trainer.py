@@ -1,6 +1,8 @@
-"""What every trainer of a step shares (the actor's, the critic's): one model, its MasterAdamW, where its
-passes run, and the loops written once.
+"""What every model of a step shares (the actor's, the critic's, the reference's): one model, its
+MasterAdamW (none for the reference, which only scores), where its passes run, and the loops written once.
 
+    score(batch, forward, cfg)             no-grad [N, R] of `forward` over the batch's passes, down the
+                                           out-of-memory ladder (`retry_oom`); nothing is applied
     fit(cfg, batch, step_idx, minibatch)   epochs x mini-batches: `minibatch` accumulates one mini-batch's
                                            gradients and metrics, `apply` takes its optimizer step
     apply(stats, where, nonfinite)         a non-finite metric skips the step (or raises NonFiniteUpdate),
@@ -24,19 +26,27 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
+from ..models.transfer import to_device
 from .batch import RolloutBatch
 from .config import RLConfig
 from .errors import NonFiniteUpdate, TrainOOM, TrainStepError, TrainStepFailed, is_oom
 from .microbatch import Backoff, MicroBatching, halve
 from .optimizer import MasterAdamW, OptimizerStepOOM
-from .placement import CollectiveOOM, Placement
+from .placement import CollectiveOOM, Placement, SingleProcess
 
 log = logging.getLogger("rollplex.rl")
 T = TypeVar("T")
+# forward(model, micro-batch, mode, packed, prefix_key) -> [n, R]: what `Trainer.score` runs per pass
+# (rl/scoring.py `logprobs`, rl/critic.py `values`)
+Forward = Callable[[torch.nn.Module, RolloutBatch, str, bool, "str | None"], torch.Tensor]
+# what to change when scoring runs out of memory: inside a data-parallel pass; at the smallest micro-batch
+SCORE_HINTS = ("lower micro_batch_prompts / micro_batch_max_tokens or offload the reference model",
+               "lower n or max_new_tokens, or offload the reference model (--memory-overrides "
+               "ref_weights:*=offloaded)")
 
 
 def lr_lambda(cfg: RLConfig) -> Callable[[int], float]:
@@ -108,30 +118,104 @@ def retry_oom(attempt: Callable[[MicroBatching], T], plan: MicroBatching, mode: 
             backoff.cap = smaller
 
 
+def _first(out):
+    """A pass's first output (a forward may return several)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 def _empty_cache(model: torch.nn.Module) -> None:
     if model.inv_freq.device.type == "cuda":
         torch.cuda.empty_cache()
 
 
+class Loss(Protocol):
+    """What a trainer's passes compute (`Trainer.accumulate`): rl/actor.py `PolicyLoss`, rl/critic.py `ValueLoss`."""
+    metrics: tuple[str, ...]  # the names of the metric vector `__call__` returns
+
+    def norms(self, mask: torch.Tensor) -> tuple: ...  # a mini-batch's normalisers (its response mask [n, R])
+
+    def forward(self, model: torch.nn.Module, mb: RolloutBatch, mode: str, packed: bool): ...  # one pass's outputs
+
+    def __call__(self, out, mb: RolloutBatch, rows: torch.Tensor,
+                 norms: tuple) -> tuple[torch.Tensor, torch.Tensor]: ...  # (loss to backward, metrics)
+
+    def start(self) -> None: ...  # before each attempt at a mini-batch: drop what a failed one kept
+
+    # the fused schedule's (PolicyLoss): what divides the gradients and each metric of an unnormalised mini-batch
+    def scales(self, mask: torch.Tensor) -> tuple[float, list[float]]: ...
+
+
 class Trainer:
-    def __init__(self, model: torch.nn.Module, optimizer: MasterAdamW, placement: Placement, memory=None,
+    score_hints = SCORE_HINTS  # what `score`'s TrainOOM says to change (inside a data-parallel pass; at the smallest)
+    train_hints = SCORE_HINTS  # ... and the update's (the actor's and the critic's their own)
+    update_name = "the update"  # how the update's TrainOOM calls it
+
+    def __init__(self, model: torch.nn.Module, optimizer: MasterAdamW | None = None,
+                 placement: Placement | None = None, memory=None,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, per_optimizer_step: bool = False,
-                 role: str = "trainer"):
-        """scheduler: an LR schedule stepped after each applied optimizer step when `per_optimizer_step`
-        (its unit; otherwise the caller steps it per train step); role: the metrics' prefix ("actor")."""
-        self.model, self.optimizer, self.placement, self.memory = model, optimizer, placement, memory
+                 role: str = "trainer", score_backoff: Backoff | None = None):
+        """optimizer: None for a model that only scores (the reference); placement: where the passes run
+        (default: this process); scheduler: an LR schedule stepped after each applied optimizer step when
+        `per_optimizer_step` (its unit; otherwise the caller steps it per train step); role: the metrics'
+        prefix ("actor"); score_backoff: the scoring back-off to share (the reference's is the actor's)."""
+        self.model, self.optimizer, self.memory = model, optimizer, memory
+        self.placement = placement or SingleProcess()
         self.scheduler, self.per_optimizer_step, self.role = scheduler, per_optimizer_step, role
         self.name = f"the {role}"  # how errors call it
         self.applied = 0  # optimizer steps the current (or last) update applied
         # the micro-batchings out-of-memory back-offs halved to, kept for later steps: training and scoring
-        self.train_backoff, self.score_backoff = Backoff(), Backoff()
+        self.train_backoff, self.score_backoff = Backoff(), score_backoff or Backoff()
+
+    @torch.no_grad()
+    def score(self, batch: RolloutBatch, forward: Forward, cfg: RLConfig, prefix_key: str | None = None,
+              placement: Placement | None = None, what: str | None = None) -> torch.Tensor:
+        """No-grad `forward` of every response token [N, R] (fp32, host), zero on padding, every process of
+        the placement getting the whole of it; `prefix_key`: the passes read the rollout's prefix states for
+        that consumer (`batch.prefix`, rollplex mode) instead of running the prefix. placement: instead of the
+        trainer's (a data-parallel rank's fused stages score alone). An out-of-memory error halves the
+        micro-batches and retries (`retry_oom`, the halved plan kept in `score_backoff`), down to TrainOOM with
+        nothing applied; `what` names the scoring in its message (default: "the <role> scoring")."""
+        pl, model, mode = placement or self.placement, self.model, cfg.mode
+        if prefix_key is not None and (mode != "rollplex" or prefix_key not in batch.prefix):
+            prefix_key = None
+        rows = batch.prefix[prefix_key] if prefix_key is not None else None
+        if rows is not None and pl.world > 1:  # each process scores the prompts whose prefix states it holds
+            local, local_idx = batch.select_prompts(rows.planned())
+        else:
+            local, local_idx = pl.share(batch, mode)
+
+        def attempt(plan: MicroBatching) -> torch.Tensor:
+            out = torch.zeros(batch.responses.shape, dtype=torch.float32, device=model.inv_freq.device)
+            for mb, idx in pl.passes(local, mode, plan, prefix=prefix_key is not None):
+                v = pl.run(model, forward, model, mb, mode, plan.packed, prefix_key)
+                n = idx.shape[0]  # rows past n: a placement's masked-out dummies
+                # stays on the device: no sync per micro-batch
+                out[to_device(local_idx[idx], out.device)] = v[:n] * to_device(mb.mask[:n], out.device)
+            return pl.sum_(out).cpu()
+
+        return retry_oom(attempt, cfg.micro_batching, mode, self.score_backoff, pl, model,
+                         what or f"{self.name} scoring", self.score_hints)
 
     def fit(self, cfg: RLConfig, batch: RolloutBatch, step_idx: int,
-            minibatch: Callable[[int, int, RolloutBatch, torch.Tensor], dict], nonfinite: str) -> dict:
-        """`cfg.ppo_epochs` epochs of `mini_batches`: `minibatch(epoch, done, mini, mini_idx)` leaves one
-        mini-batch's gradients and returns its metrics (its samples' indices in `batch`: mini_idx), then
-        `apply` takes its optimizer step (counted in `applied`). Returns the metrics averaged over the
-        mini-batches, `<role>/skipped_updates` when some were skipped (non-finite)."""
+            minibatch: Callable[[int, int, RolloutBatch, torch.Tensor], dict], nonfinite: str = "skip") -> dict:
+        """The update: `cfg.ppo_epochs` epochs of `mini_batches`, `minibatch(epoch, done, mini, mini_idx)` leaving
+        one mini-batch's gradients and returning its metrics (`train_minibatch`; its samples' indices in `batch`:
+        mini_idx), then `step_or_skip` takes its optimizer step (counted in `applied`). Returns the metrics
+        averaged over the mini-batches, `<role>/skipped_updates` when some were skipped (non-finite). A failure
+        raises what `failure` says; either way `end_update` runs and the model is back in eval mode."""
+        if nonfinite not in ("skip", "raise"):
+            raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
+        self.model.train()
+        self.applied = 0
+        try:
+            out = self._epochs(cfg, batch, step_idx, minibatch, nonfinite)
+        except BaseException as e:
+            self.end_update(self.applied, e)
+            raise self.failure(e, self.applied)  # noqa: B904 - the error itself, or one caused by it
+        self.end_update(self.applied)
+        return out
+
+    def _epochs(self, cfg: RLConfig, batch: RolloutBatch, step_idx: int, minibatch, nonfinite: str) -> dict:
         total = sum(len(self._mini_batches(cfg, batch, e, step_idx)) for e in range(cfg.ppo_epochs))
         sums: dict[str, float] = {}
         done = skipped = 0
@@ -139,7 +223,7 @@ class Trainer:
             for prompt_ids in self._mini_batches(cfg, batch, epoch, step_idx):
                 mini, mini_idx = batch.select_prompts(sorted(prompt_ids))
                 stats = minibatch(epoch, done, mini, mini_idx)
-                if self.apply(stats, f"mini-batch {done + 1} of {total} of {self.name}'s update", nonfinite):
+                if self.step_or_skip(stats, f"mini-batch {done + 1} of {total} of {self.name}'s update", nonfinite):
                     self.applied += 1
                 else:
                     skipped += 1
@@ -151,10 +235,117 @@ class Trainer:
             out[f"{self.role}/skipped_updates"] = float(skipped)
         return out
 
+    def train_minibatch(self, cfg: RLConfig, mini: RolloutBatch, mini_idx: torch.Tensor, loss: Loss,
+                        step_idx: int) -> dict:
+        """One mini-batch's gradients (`accumulate` into zeroed ones) down the out-of-memory ladder (`retry_oom`:
+        a failed attempt's gradients are dropped, `loss.start()` drops what it kept), then `stats`."""
+        def attempt(plan: MicroBatching) -> torch.Tensor:
+            loss.start()
+            return self.accumulate(cfg, mini, mini_idx, loss, plan)
+
+        acc = retry_oom(attempt, cfg.micro_batching, cfg.mode, self.train_backoff, self.placement, self.model,
+                        self.update_name, self.train_hints, self.applied, self.recover, checkpointing=True)
+        return self.stats(cfg, acc, loss, step_idx)
+
+    def accumulate(self, cfg: RLConfig, mini: RolloutBatch, mini_idx: torch.Tensor, loss: Loss,
+                   plan: MicroBatching | None = None, norms: tuple | None = None, zero: bool = True,
+                   placement: Placement | None = None) -> torch.Tensor:
+        """Forward/backward of this process's share of one mini-batch's micro-batches into the gradients;
+        returns its part of `loss.metrics` (a device tensor: an .item() per micro-batch would make the host
+        wait for the GPU each time; the caller sums it over the placement's processes).
+
+        Every loss term is divided by the *whole mini-batch's* normaliser (`loss.norms` over all processes'
+        tokens or sequences), so summing the gradients over micro-batches and processes gives the
+        mini-batch's gradient. Rows of a pass past its sample indices are a placement's masked-out dummies.
+        An out-of-memory error in a pass the placement defers (`defer_oom`) ends this process's passes, and
+        `end_passes` backs every process off together.
+
+        plan: the micro-batching (default: the step's, capped by the update's back-off); norms: instead of the
+        mini-batch's (the fused schedule passes ones); zero: start from zeroed gradients (False: add to what is
+        there); placement: instead of the trainer's."""
+        model, pl = self.model, placement or self.placement
+        plan = plan or self.train_backoff.plan(cfg.micro_batching)
+        norms = norms or loss.norms(mini.mask)
+        local, local_idx = pl.share(mini, cfg.mode)
+        if zero:
+            self.optimizer.zero_grad()
+        acc = torch.zeros(len(loss.metrics), device=model.inv_freq.device)
+        for mb, idx in pl.passes(local, cfg.mode, plan):
+            try:
+                gidx = mini_idx[local_idx[idx]]  # the real samples' indices in the whole batch
+                out = pl.run(model, loss.forward, model, mb, cfg.mode, plan.packed)
+                value, metrics = loss(out, mb, gidx, norms)
+                value.backward()
+                acc += metrics
+            except Exception as err:  # noqa: BLE001 - only OOM is deferred
+                if not (is_oom(err) and pl.defer_oom()):
+                    raise
+                break  # this rank's part of the mini-batch is lost: `end_passes` backs every rank off
+        # a placement whose passes accumulated gradients reduces them now (or raises CollectiveOOM)
+        pl.end_passes(model, lambda mb: _first(loss.forward(model, mb, cfg.mode, plan.packed)))
+        return acc
+
+    def stats(self, cfg: RLConfig, acc: torch.Tensor, loss: Loss, step_idx: int) -> dict:
+        """One mini-batch's metrics (summed over the placement's processes: one host sync per mini-batch), its
+        gradients clipped on their global norm and the lr of its optimizer step set (`set_lr`)."""
+        pl = self.placement
+        out = dict(zip(loss.metrics, pl.sum_(acc).tolist()))
+        out[f"{self.role}/grad_norm"] = float(pl.clip_grad_norm_(self.optimizer.touched_params(), cfg.grad_clip))
+        out[f"{self.role}/lr"] = self.set_lr(cfg, step_idx)
+        return out
+
+    def set_lr(self, cfg: RLConfig, step_idx: int) -> float:
+        """The lr of the next optimizer step, set on the optimizer (the actor's and the critic's schedules)."""
+        raise NotImplementedError(f"{self.name} has no LR schedule")
+
+    def apply(self, cfg: RLConfig, acc: torch.Tensor, loss: Loss, mask: torch.Tensor, step_idx: int,
+              nonfinite: str = "skip") -> dict:
+        """The optimizer step of a mini-batch accumulated unnormalised (`accumulate` with unit norms, the fused
+        schedule: mask is its [N, R]): gradients and metrics divided by the normalisers a whole-batch update
+        uses (`normalise`), then clipped and applied as `fit` applies one mini-batch (metrics,
+        NonFiniteUpdate, TrainOOM and the LR schedule alike)."""
+        acc = self.normalise(acc, loss, mask)
+        self.applied = 0
+        try:
+            stats = self.stats(cfg, acc, loss, step_idx)
+            applied = self.step_or_skip(stats, "the batch", nonfinite)
+        except BaseException as e:
+            self.end_update(0, e)
+            raise
+        self.applied = int(applied)
+        self.end_update(self.applied)
+        if not applied:
+            stats[f"{self.role}/skipped_updates"] = 1.0
+        return stats
+
+    def normalise(self, acc: torch.Tensor, loss: Loss, mask: torch.Tensor) -> torch.Tensor:
+        """Divide the gradients an unnormalised `accumulate` left by the mini-batch's normaliser (mask: its
+        response mask), as `loss.scales` says; returns the metrics `acc` divided alike."""
+        grad_scale, metric_scales = loss.scales(mask)
+        with torch.no_grad():
+            for p in self.optimizer.touched_params():
+                if p.grad is not None:
+                    p.grad.mul_(grad_scale)
+        return acc * torch.tensor(metric_scales, device=acc.device)
+
+    def end_update(self, applied: int, error: BaseException | None = None) -> None:
+        """After an update's optimizer steps (`applied` of them, or a failure `error`): a step that changed
+        the weights, even part-way, advances a per-step LR schedule once (a per-optimizer-step one was
+        advanced by `optimizer_step`); the gradients go (between updates the buffers are the memory
+        manager's to release; without one they are freed); the model is back in eval mode."""
+        if (self.scheduler is not None and not self.per_optimizer_step
+                and (applied > 0 or getattr(error, "partial_update", False))):
+            self.scheduler.step()
+        if error is not None:
+            self.recover()
+        else:
+            self.optimizer.zero_grad(set_to_none=self.memory is None)
+        self.model.eval()
+
     def _mini_batches(self, cfg: RLConfig, batch: RolloutBatch, epoch: int, step_idx: int) -> list[list[int]]:
         return mini_batches(cfg, batch, epoch, step_idx)
 
-    def apply(self, stats: dict, where: str, nonfinite: str) -> bool:
+    def step_or_skip(self, stats: dict, where: str, nonfinite: str) -> bool:
         """One mini-batch's optimizer step on its clipped gradients, whether applied: a non-finite metric
         (loss, gradient norm; the same on every rank of a placement, which all skip alike) skips it with
         no LR-schedule step (verl skips it too), or raises NonFiniteUpdate with `nonfinite="raise"`."""

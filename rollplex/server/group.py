@@ -12,7 +12,7 @@ commands on a gloo group of its own (`Commands`; `broadcast_object_list` of a tu
                                                                  and the outputs are gathered to every rank
     ("save", path, data_state) / ("load", path)                  `ServerState.save` / `load`: rank 0 writes the
                                                                  HF directories, every rank its trainer shards
-                                                                 (rl/checkpoint.py); a load restores every rank
+                                                                 (rl/run_state.py); a load restores every rank
     ("train", entry, rewards, overrides, reward_s, off_policy)   `ServerState.train` on the same retained
                                                                  rollout: every rank enters the step's
                                                                  collectives together and ends with the
@@ -51,7 +51,7 @@ prompts of a `/rollout` with the others (the weight sync rebuilds the shards aft
 rank holds the policy whole;
 `/generate` is then a 400, since its continuous batching steps rank 0's engine alone.
 
-/save and /load run on every rank (rl/checkpoint.py: rank 0 writes the HF directories, every rank its
+/save and /load run on every rank (rl/run_state.py: rank 0 writes the HF directories, every rank its
 trainer shards); they need the checkpoint root on a filesystem every rank sees (one node, or a shared
 one), and a checkpoint loads into a group of the size that wrote it. Refused under a group: the SGLang
 rollout backend, a tensor-parallel degree that does not divide the group, the prefix-state path (startup errors,
@@ -70,7 +70,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ..rl.errors import NonFiniteUpdate, TrainOOM
+from ..rl.errors import NonFiniteUpdate, TrainOOM, TrainStepFailed
 from ..rl.placement import CollectiveOOM
 from ..system import check_group
 from .store import StaleRollout
@@ -160,7 +160,7 @@ def follow(state, commands: Commands) -> None:
         if op == "checksum":  # the fingerprint from every rank's shards (optimizer state, TP policy shards)
             state.checksums()
             continue
-        if op in ("save", "load"):  # failures are agreed by every rank (rl/checkpoint.py): logged, not fatal
+        if op in ("save", "load"):  # failures are agreed by every rank (rl/run_state.py): logged, not fatal
             try:
                 state.save(*args) if op == "save" else state.load(*args)
             except (ValueError, OSError) as e:
@@ -175,3 +175,5 @@ def follow(state, commands: Commands) -> None:
             log.warning("rank %d: train step rejected as on rank 0: %s", commands.rank, e)
         except TrainOOM as e:  # agreed by every rank (one rank's OOM inside a pass ends its process: state.py)
             log.warning("rank %d: train step out of memory on every rank: %s", commands.rank, e)
+        except TrainStepFailed as e:  # agreed by every rank too (the trainers' optimizer step, rl/trainer.py)
+            log.warning("rank %d: train step failed on every rank after part of it was applied: %s", commands.rank, e)

@@ -40,11 +40,11 @@
            gradient norm skips that optimizer step and is 422; another error after an optimizer step
            is 500.
 /save {"path", "data_state"?, "overwrite"?} -> HF checkpoint + trainer state, written atomically
-           (rl/checkpoint.py; a full disk is 507 with the old checkpoint kept); never into the root
+           (rl/run_state.py; a full disk is 507 with the old checkpoint kept); never into the root
            itself (400), and onto an existing checkpoint (a non-empty folder) only with overwrite:
            true (409 otherwise). /load {"path"} -> checks everything first (400, nothing changed, for
            a missing, truncated or corrupt file, or values that would poison training:
-           rl/checkpoint_checks.py), then restores it, returns the saved data_state, how
+           rl/run_state_checks.py), then restores it, returns the saved data_state, how
            many fp32 masters were rebuilt from edited weights (`masters_rebuilt`), and drops retained
            rollouts (sampled from the previous weights).
            Paths lie under --checkpoint-root (relative ones are taken from it); others are 400.

@@ -67,9 +67,9 @@ from ..data import row_to_inputs
 from ..models import ModelInputs
 from ..parallel.fsdp import local_tensor
 from ..rl.actor import TrainOOM
-from ..rl.checkpoint import load_checkpoint, save_checkpoint
-from ..rl.checkpoint_checks import check_data_state
 from ..rl.config import RLConfig
+from ..rl.run_state import load_checkpoint, save_checkpoint
+from ..rl.run_state_checks import check_data_state
 from ..system import SystemConfig, build
 from .group import collective_oom
 from .limits import ServerLimits
@@ -395,8 +395,8 @@ class ServerState:
         """Write a checkpoint under the checkpoint root, never into the root itself, and over an existing
         checkpoint (a non-empty folder) only with `overwrite` (CheckpointExists otherwise), which replaces
         the folder whole, atomically (a folder that is not a checkpoint is never replaced); `data_state`
-        must round-trip (rl/checkpoint_checks.py). Over a process group rank 0 checks the path, then every
-        rank writes its part (rl/checkpoint.py)."""
+        must round-trip (rl/run_state_checks.py). Over a process group rank 0 checks the path, then every
+        rank writes its part (rl/run_state.py)."""
 
         full = self.checkpoint_path(path)
         if not (self.world_size > 1 and self.commands is None):  # a follower writes where rank 0 checked

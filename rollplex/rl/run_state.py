@@ -23,7 +23,7 @@ the HF weights (the files were edited) is rebuilt from them, and the load says h
 reads and checks everything before it changes anything (`load_checkpoint`): a missing, truncated or
 corrupt file, other names or shapes, values not finite in the live dtype, optimizer hyperparameters,
 flags or moments, scheduler or RNG states that would poison training, files outside the folder
-(checkpoint_checks.py) are a ValueError with the run as it was.
+(run_state_checks.py) are a ValueError with the run as it was.
 
 A save is atomic (`save_checkpoint`): the data state is checked first, the files are written into
 `.NAME.partial` beside the target, synced, and renamed over it in one step, so a failed save or a
@@ -47,9 +47,18 @@ from torch.distributed.tensor import DTensor
 from ..models import hf_to_rollplex, save_model
 from ..models.checkpoint import read_safetensors
 from .atomic_dir import replace_dir, sync_tree
-from .checkpoint_checks import (check_adamw, check_data_state, check_file, check_index, check_masters, check_rng,
-                                check_scheduler, check_weight, per_step_max)
 from .critic import HEAD, save_value_model, value_state
+from .run_state_checks import (
+    check_adamw,
+    check_data_state,
+    check_file,
+    check_index,
+    check_masters,
+    check_rng,
+    check_scheduler,
+    check_weight,
+    per_step_max,
+)
 from .step import RLStep
 
 STATE = "trainer_state.pt"
