@@ -46,6 +46,7 @@ each rank its role's part.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -242,7 +243,7 @@ def build(cfg: SystemConfig, *, model=None, processor=None, model_path: Path | N
         t0 = time.perf_counter()
         rows = warmup_rows if warmup_rows is not None else shape_color.make_rows(256, seed=cfg.rl.seed)
         out.warmup_loss = format_warmup(model, out.processor, rows, shape_color.LETTERS, cfg.format_warmup_steps,
-                                        lr=1e-3, seed=cfg.rl.seed)
+                                        lr=1e-3, seed=cfg.rl.seed, progress=sys.stderr.isatty())  # no bar in a log
         model.eval()
         lg.info("startup: format warm-up in %.1fs (%d steps, loss %.3f)", phase("format_warmup", t0),
                 cfg.format_warmup_steps, out.warmup_loss)
