@@ -115,3 +115,12 @@ def test_the_tiny_qwen3_vl_model(tmp_path, monkeypatch, capsys):
     assert f"writing the embedded tiny qwen3_vl model (random weights, ~4 MB) to {written}" in out
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["model"] == str(written)
     assert json.loads((written / "config.json").read_text())["model_type"] == "qwen3_vl"
+
+
+def test_a_fused_run_that_runs_phased_warns(tmp_path, capsys, tiny):
+    demo_train.main(["--model", tiny, *SMALL, "--steps", "1", "--schedule", "fused", "--adv-estimator", "gpg",
+                     "--log-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert "warning: schedule='fused' runs phased: adv_estimator='gpg'" in err
+    [line] = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(line)["rollplex/fused"] == 0.0

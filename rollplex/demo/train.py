@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import random
 import sys
@@ -182,6 +183,7 @@ def main(argv=None) -> None:
     threads_before = torch.get_num_threads()
     tracker = Tracker(logger_cfg)  # before the model: a missing logger package fails at once
     signals = Signals()
+    warnings = _show_warnings()
     try:
         with signals:
             _run(cfg, args, tracker, signals, threads=torch.get_num_threads())
@@ -191,6 +193,24 @@ def main(argv=None) -> None:
     finally:
         tracker.close()
         torch.set_num_threads(threads_before)  # a caller in the same process (a test) keeps its own
+        logging.getLogger("rollplex").removeHandler(warnings)
+
+
+class _BarSafeHandler(logging.Handler):
+    """Rollplex's warnings as `warning: ...` lines on stderr, written around the step bar (tqdm.write)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(f"warning: {self.format(record)}", file=sys.stderr)
+
+
+def _show_warnings() -> logging.Handler:
+    """Rollplex's warnings (a fused step that runs phased, a memory plan over budget, ...) printed, whatever
+    logging a caller set up; the handler, to remove at the end."""
+    handler = _BarSafeHandler(logging.WARNING)
+    logging.getLogger("rollplex").addHandler(handler)
+    return handler
 
 
 def _tiny_model(cfg: SystemConfig, family: str | None) -> SystemConfig:
