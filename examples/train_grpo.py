@@ -67,6 +67,7 @@ from rollplex.loggers import add_arguments as add_logger_arguments
 from rollplex.loggers import parse_names as parse_logger_names
 from rollplex.plots import plot_rewards, reward_labels
 from rollplex.rl.rewards import get_reward_fn, score
+from rollplex.threads import apply_threads
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -136,6 +137,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--target-reward", type=float, default=None, help="stop when the mean reward of the last 3"
                     " steps reaches it (default: 0.8 for the demo, else off)")
     ap.add_argument("--seed", type=int, default=0, help="data order, sampling and the in-process server")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads of this process (and its in-process "
+                    "server); default: $OMP_NUM_THREADS if set, else 1 for the tiny model on the CPU, else torch's "
+                    "(rollplex/threads.py)")
     ap.add_argument("--save-dir", default=None, help="checkpoints: SAVE_DIR/global_step_K; in-process: the server's"
                     " checkpoint root, with --server: a folder under that server's --checkpoint-root")
     ap.add_argument("--save-every", type=int, default=0, help="save every K steps (0: only at the end)")
@@ -393,6 +397,21 @@ def validation_metrics(samples: list[tuple[str, int, dict[str, float]]]) -> dict
 
 
 # ---- training -----------------------------------------------------------------------------------
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _threads(n: int | None = None) -> int:
+    """torch's intra-op threads (set to `n` first when given)."""
+    import torch
+
+    if n is not None:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.replaced and not args.resume:
@@ -401,6 +420,12 @@ def main(argv=None) -> dict:
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     rows = load_dataset(args)
     val_rows = load_val_dataset(args)
+    device = args.device or ("cuda" if args.server is None and _cuda() else "cpu")
+    threads_before = _threads()
+    try:
+        print(apply_threads(args.threads, device, tiny=args.model is None), flush=True)
+    except ValueError as e:
+        raise SystemExit(f"train_grpo.py: {e}") from None
     # the loggers first: a missing optional package fails before the server loads a model
     tracker = Tracker(LoggerConfig.from_args(args, append=bool(args.resume)))
     embedded = None
@@ -417,6 +442,7 @@ def main(argv=None) -> dict:
         tracker.close()
         if embedded is not None:
             embedded.stop()
+        _threads(threads_before)  # a caller in the same process (a test) keeps its own
 
 
 def _train(args, client: Client, rows: list[dict], val_rows: list[dict], tracker: Tracker) -> dict:
