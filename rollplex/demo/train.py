@@ -30,10 +30,11 @@ RLOO, REINFORCE++ and Dr.GRPO train with a KL loss to the format-warmed referenc
 REINFORCE++ also `--lr 1.5e-3`) unless those flags are given (`RUN_DEFAULTS`, said at the start of a run):
 their advantages are not divided by each group's reward spread as GRPO's are, and without it the policy's
 entropy collapsed before the model had learnt the task. DAPO (`--filter-groups`, `--clip-ratio-high 0.28`;
-rl/config.py) gets the same KL loss: a step rolls out more prompts until it holds --prompts groups whose
-samples' rewards differ (`train/num_gen_batches`). Its overlong shaping (`--overlong-buffer-len`) has no
-room on this task: an answer is a letter and the end of the turn (2 of the 4 new tokens), and a buffer of 2
-penalised every third token until the policy stopped answering.
+rl/config.py): a step rolls out more prompts until it holds --prompts groups whose samples' rewards differ
+(`train/num_gen_batches`). Its overlong shaping (`--overlong-buffer-len B`) gets room past the answer: an
+answer is a letter and the end of the turn, 2 of the demo's 4 new tokens, and a buffer inside those 4
+penalised every third token until the policy stopped answering; so the demo allows 4 + B new tokens unless
+`--max-new-tokens` is given.
 
 The run says how many CPU threads it uses (rollplex/threads.py: 1 for the tiny model unless `--threads` or
 $OMP_NUM_THREADS says otherwise), and where it writes the tiny checkpoint on its first run. Ctrl-C or
@@ -123,13 +124,12 @@ def parser() -> ConfigParser:
 # it brings). dr_grpo: its loss aggregation. rloo, reinforce_plus_plus and dr_grpo, whose advantages are not divided
 # by each group's reward spread: without more, the policy's entropy collapsed before it had learnt to see (every
 # group's samples then answer alike and get advantage 0); a KL loss to the format-warmed reference keeps it spread,
-# and reinforce_plus_plus, whose baseline is the batch's mean reward, needs a faster lr too. DAPO (--filter-groups)
-# trains only the groups whose samples differ, so every group pushes, and collapsed the same way without the KL
-# loss (docs/BENCHMARKS.md: "Other estimators on the demo's task", "Policy losses and DAPO on the demo's task")
+# and reinforce_plus_plus, whose baseline is the batch's mean reward, needs a faster lr too (docs/BENCHMARKS.md:
+# "Other estimators on the demo's task", "Policy losses and DAPO on the demo's task"). DAPO's overlong buffer: see
+# own_defaults.
 RUN_DEFAULTS = (("rl.adv_estimator", "dr_grpo", {"rl.loss_agg_mode": "seq-mean-token-sum-norm", "rl.kl_coef": 0.1}),
                 ("rl.adv_estimator", "rloo", {"rl.kl_coef": 0.1}),
-                ("rl.adv_estimator", "reinforce_plus_plus", {"rl.kl_coef": 0.1, "rl.lr": 1.5e-3}),
-                ("rl.filter_groups", True, {"rl.kl_coef": 0.1}))
+                ("rl.adv_estimator", "reinforce_plus_plus", {"rl.kl_coef": 0.1, "rl.lr": 1.5e-3}))
 RUN_DEFAULT_BASE = {"rl.adv_estimator": "grpo", "rl.policy_loss": "vanilla", "rl.filter_groups": False}
 
 
@@ -141,11 +141,18 @@ def config(ap: ConfigParser, args) -> SystemConfig:
 
 
 def own_defaults(given: dict) -> dict:
-    """The RUN_DEFAULTS that apply to a run with these given flags (ConfigParser.given), those flags left out."""
+    """The RUN_DEFAULTS that apply to a run with these given flags (ConfigParser.given), those flags left out.
+
+    DAPO's overlong buffer (`--overlong-buffer-len B`) gets its room: the task's answer is a letter and the end of
+    the turn, 2 of the demo's 4 new tokens, so a buffer inside those 4 penalised answers the task needs (with B = 2
+    every third token, until the policy stopped answering); unless --max-new-tokens is given, the demo allows
+    4 + B new tokens, and the penalty falls on what runs past the 4."""
     own: dict = {}
     for key, value, defaults in RUN_DEFAULTS:
         if given.get(key, RUN_DEFAULT_BASE.get(key)) == value:
             own.update({k: v for k, v in defaults.items() if k not in own})
+    if given.get("rl.overlong_buffer_len", 0) > 0:
+        own["rl.max_new_tokens"] = DEFAULTS["rl"].max_new_tokens + given["rl.overlong_buffer_len"]
     return {k: v for k, v in own.items() if k not in given}
 
 
