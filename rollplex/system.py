@@ -57,7 +57,7 @@ import torch.distributed as dist
 from .backends import BackendConfig, require_backend, rollout_backend
 from .cosched import CoschedConfig
 from .engine import Engine, EngineConfig
-from .memory import MemoryConfig, MemoryManager, PhasePlan
+from .memory import TAGS, MemoryConfig, MemoryManager, PhasePlan
 from .models import load_model
 from .models.hub import looks_like_hub_id, resolve_model_dir
 from .parallel import new_rollout_group, tensor_parallel_copy
@@ -306,8 +306,10 @@ def build(cfg: SystemConfig, *, model=None, processor=None, model_path: Path | N
         out.model = out.rl.model
         out._policy = None if out.model is not model else model
         if out.memory is not None:
+            held = tuple(t for t in TAGS if not ((t == "ref_weights" and out.rl.ref is None)
+                                                 or (t.startswith("critic_") and out.rl.critic is None)))
             lg.info("memory (%s backend):\n%s", out.memory.backend.name,
-                    out.memory.plan.table(out.rl.memory_sizes(), out.rl.activation_estimate()))
+                    out.memory.plan.table(out.rl.memory_sizes(), out.rl.activation_estimate(), held))
     return out
 
 
