@@ -121,9 +121,14 @@ def test_the_tiny_qwen3_vl_model(tmp_path, monkeypatch, capsys):
 
 
 def test_a_fused_run_that_runs_phased_warns(tmp_path, capsys, tiny):
+    import torch
+
+    before = torch.get_num_threads()
     demo_train.main(["--model", tiny, *SMALL, "--steps", "1", "--schedule", "fused", "--adv-estimator", "gpg",
-                     "--log-dir", str(tmp_path / "run")])
-    err = capsys.readouterr().err
+                     "--threads", str(before + 1), "--log-dir", str(tmp_path / "run")])
+    assert torch.get_num_threads() == before  # the run's threads are its own
+    out, err = capsys.readouterr()
+    assert f"CPU threads: {before + 1} (--threads)" in out
     assert "warning: schedule='fused' runs phased: adv_estimator='gpg'" in err
     [line] = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert json.loads(line)["rollplex/fused"] == 0.0
