@@ -132,3 +132,23 @@ def test_a_fused_run_that_runs_phased_warns(tmp_path, capsys, tiny):
     assert "warning: schedule='fused' runs phased: adv_estimator='gpg'" in err
     [line] = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert json.loads(line)["rollplex/fused"] == 0.0
+
+
+def test_log_mode_on_a_pipe_and_a_zero_width_terminal():
+    import fcntl
+    import struct
+    import termios
+
+    master, slave = os.openpty()
+    try:
+        with open(slave, "w", closefd=False) as tty:
+            for cols, lines in ((0, True), (20, True), (80, False)):
+                fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, cols, 0, 0))
+                assert demo_train.log_mode(tty) is lines, cols
+        r, w = os.pipe()
+        with open(w, "w") as pipe:
+            assert demo_train.log_mode(pipe) is True
+        os.close(r)
+    finally:
+        os.close(master)
+        os.close(slave)
