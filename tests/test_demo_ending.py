@@ -152,3 +152,15 @@ def test_log_mode_on_a_pipe_and_a_zero_width_terminal():
     finally:
         os.close(master)
         os.close(slave)
+
+
+def test_a_run_that_fails_a_step_still_writes_its_summary(tmp_path, capsys, tiny):
+    """Dynamic sampling that cannot fill a step ends the run with its message (exit 1), after its files."""
+    with pytest.raises(SystemExit) as e:
+        demo_train.main(["--model", tiny, *SMALL, "--steps", "3", "--filter-groups", "--max-num-gen-batches", "1",
+                         "--n", "2", "--prompts", "8", "--log-dir", str(tmp_path / "run")])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "rollplex.demo: step " in err and "dynamic sampling kept" in err
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["stopped"] == "an error" and s["steps"] < 3

@@ -67,7 +67,7 @@ class Signals:
 
 def summary(history: list[dict], target: float, window: int, stopped: str, seconds: float, **about) -> dict:
     """The run's result: steps, the first step's reward, the stopping statistic at the end, the step the target
-    was reached at (None if not), why it stopped ("target", "steps", "Ctrl-C", "SIGTERM"), and `about`."""
+    was reached at (None if not), why it stopped ("target", "steps", "Ctrl-C", "SIGTERM", "an error"), and `about`."""
     rewards = [h["critic/score/mean"] for h in history]
     last = rewards[-window:]
     reached = next((i + 1 for i in range(window - 1, len(rewards))

@@ -263,7 +263,7 @@ def _run(cfg: SystemConfig, args, tracker: Tracker, signals: Signals, threads: i
     bar = tqdm(range(args.steps), desc=f"{rl_cfg.adv_estimator} ({rl_cfg.mode})", unit="step", disable=lines)
     shown = {"reward": ""}  # the bar's reward text, which in-step progress on a terminal shows beside its own
     progress = _progress(args, model, engine, rl_cfg, bar, shown, lines)
-    stopped = "steps"
+    stopped, failed = "steps", None
     try:
         for _ in range(args.steps):
             if progress is not None:
@@ -272,8 +272,10 @@ def _run(cfg: SystemConfig, args, tracker: Tracker, signals: Signals, threads: i
             # dynamic sampling (--filter-groups) rolls out more rows, drawn the same way, to fill the step
             try:
                 m = rl.step(rng.sample(rows, args.prompts), more_rows=lambda: rng.sample(rows, args.prompts))
-            except ValueError as e:  # dynamic sampling found too few groups to train
-                raise SystemExit(f"rollplex.demo: step {len(history) + 1}: {e}") from None
+            except ValueError as e:  # dynamic sampling found too few groups to train: the run ends here
+                failed = f"rollplex.demo: step {len(history) + 1}: {e}"
+                stopped = "an error"
+                break
             if progress is not None:
                 progress.end()
             history.append(m)
@@ -297,9 +299,13 @@ def _run(cfg: SystemConfig, args, tracker: Tracker, signals: Signals, threads: i
             progress.close()
         bar.close()
     with signals.ignored():  # the run's files are written whatever comes now
-        if stopped not in ("steps", "target"):
+        if failed is not None:
+            print(failed, file=sys.stderr, flush=True)
+        elif stopped not in ("steps", "target"):
             print(f"\nstopped by {stopped} after {len(history)} steps; writing the run's files", flush=True)
         _finish(cfg, args, rl, rows, history, out, stopped, time.perf_counter() - t0, threads)
+    if failed is not None:
+        raise SystemExit(1)
     if stopped not in ("steps", "target"):
         raise SystemExit(signals.exit_code)
 
