@@ -95,8 +95,8 @@ def parser() -> ConfigParser:
                             "format_warmup_steps": "format warm-up steps (random option letters)",
                             "seed": "data, warm-up and sampling seed",
                             "loss_agg_mode": "loss aggregation (dr_grpo: seq-mean-token-sum-norm unless given)",
-                            "kl_coef": "KL coefficient (rloo, reinforce_plus_plus, dr_grpo: 0.1 unless given, a KL loss "
-                                       "to the reference; else 0: no reference model)",
+                            "kl_coef": "KL coefficient (rloo, reinforce_plus_plus, dr_grpo: 0.1 unless given, a KL "
+                                       "loss to the reference; else 0: no reference model)",
                             "lr": "the actor's lr (reinforce_plus_plus: 1.5e-3 unless given)"})
     ap.add_argument("--steps", type=int, default=300, help="max GRPO steps (stops early at --target)")
     ap.add_argument("--target", type=float, default=0.8, help=f"stop when the mean reward of {WINDOW} steps reaches it")

@@ -153,7 +153,8 @@ class PhasePlan:
         the others' rows are left out, and the critic's phase without a critic."""
         sizes = sizes or {}
         tags = TAGS if held is None else tuple(t for t in TAGS if t in held)
-        phases = PHASES if held is None or "critic_weights" in held else tuple(p for p in PHASES if p != "update_critic")
+        critic = held is None or "critic_weights" in held
+        phases = PHASES if critic else tuple(p for p in PHASES if p != "update_critic")
         head = f"memory plan '{self.name}'"
         rows = [f"{'tag':<17}" + ("" if not sizes else f"{'GiB':>7}") + "".join(f"{p:>14}" for p in phases)]
         for tag in tags:

@@ -23,7 +23,6 @@ are the app's middleware's (app.py): every one needs the API key when the server
 from __future__ import annotations
 
 import asyncio
-import time
 
 from fastapi import APIRouter, Query
 from fastapi.responses import PlainTextResponse, Response
