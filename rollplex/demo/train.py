@@ -132,11 +132,11 @@ def parser() -> ConfigParser:
 # entropy collapsed; with OFF_POLICY_MINI_BATCHES mini-batches per rollout (as DAPO's recipe runs: several
 # optimizer steps per rollout) the later ones are off-policy and the clip acts. DAPO's overlong buffer: see
 # own_defaults.
+OFF_POLICY_MINI_BATCHES = 4
 RUN_DEFAULTS = (("rl.adv_estimator", "dr_grpo", {"rl.loss_agg_mode": "seq-mean-token-sum-norm", "rl.kl_coef": 0.1}),
                 ("rl.adv_estimator", "rloo", {"rl.kl_coef": 0.1}),
                 ("rl.adv_estimator", "reinforce_plus_plus", {"rl.kl_coef": 0.1, "rl.lr": 1.5e-3}),
                 ("rl.filter_groups", True, {"rl.ppo_mini_batches": OFF_POLICY_MINI_BATCHES}))
-OFF_POLICY_MINI_BATCHES = 4
 RUN_DEFAULT_BASE = {"rl.adv_estimator": "grpo", "rl.policy_loss": "vanilla", "rl.filter_groups": False}
 
 
