@@ -50,6 +50,8 @@ def test_each_algorithm_brings_its_defaults_and_flags_win():
     no_kl = _defaults(["--adv-estimator", "dr_grpo", "--kl-coef", "0"])
     assert no_kl == {"rl.loss_agg_mode": "seq-mean-token-sum-norm"}
     assert _defaults(["--filter-groups", "--clip-ratio-high", "0.28"]) == {"rl.ppo_mini_batches": 4}
+    assert _defaults(["--policy-loss", "gspo"]) == {"rl.ppo_mini_batches": 4}
+    assert _defaults(["--policy-loss", "sapo"]) == {}
     # DAPO's overlong buffer gets room past the task's 4 new tokens, unless they are given
     assert _defaults(["--filter-groups", "--overlong-buffer-len", "2", "--ppo-mini-batches", "1"]) == {
         "rl.max_new_tokens": 6}

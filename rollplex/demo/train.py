@@ -35,7 +35,8 @@ rl/config.py): a step rolls out more prompts until it holds --prompts groups who
 with one, every update is on-policy, the clip-higher clips nothing and the entropy collapsed. Its overlong
 shaping (`--overlong-buffer-len B`) gets room past the answer: an answer is a letter and the end of the
 turn, 2 of the demo's 4 new tokens, and a buffer inside those 4 penalised every third token until the
-policy stopped answering; so the demo allows 4 + B new tokens unless `--max-new-tokens` is given.
+policy stopped answering; so the demo allows 4 + B new tokens unless `--max-new-tokens` is given. GSPO
+(`--policy-loss gspo`) trains in 4 mini-batches per rollout too, so that its sequence-level clip acts.
 
 The run says how many CPU threads it uses (rollplex/threads.py: 1 for the tiny model unless `--threads` or
 $OMP_NUM_THREADS says otherwise), and where it writes the tiny checkpoint on its first run. Ctrl-C or
@@ -126,17 +127,18 @@ def parser() -> ConfigParser:
 # by each group's reward spread: without more, the policy's entropy collapsed before it had learnt to see (every
 # group's samples then answer alike and get advantage 0); a KL loss to the format-warmed reference keeps it spread,
 # and reinforce_plus_plus, whose baseline is the batch's mean reward, needs a faster lr too (docs/BENCHMARKS.md:
-# "Other estimators on the demo's task", "Policy losses and DAPO on the demo's task"). DAPO (--filter-groups) and the
-# losses that shape the update by the policy ratio act only where the ratio moves: with one mini-batch per rollout
-# (the demo's default) every update is on-policy, the ratio is 1, and DAPO's clip-higher clipped nothing while its
-# entropy collapsed; with OFF_POLICY_MINI_BATCHES mini-batches per rollout (as DAPO's recipe runs: several
-# optimizer steps per rollout) the later ones are off-policy and the clip acts. DAPO's overlong buffer: see
-# own_defaults.
+# "Other estimators on the demo's task", "Policy losses and DAPO on the demo's task"). DAPO's clip-higher and GSPO's
+# sequence clip act only where the policy ratio moves: with one mini-batch per rollout (the demo's default) every
+# update is on-policy and the ratio is 1 (DAPO's entropy collapsed, GSPO was GRPO with per-sequence means); with
+# OFF_POLICY_MINI_BATCHES mini-batches per rollout (as their recipes run: several optimizer steps per rollout) the
+# later ones are off-policy and the clip acts. SAPO learnt without (its soft gate let the entropy collapse with 4).
+# DAPO's overlong buffer: see own_defaults.
 OFF_POLICY_MINI_BATCHES = 4
 RUN_DEFAULTS = (("rl.adv_estimator", "dr_grpo", {"rl.loss_agg_mode": "seq-mean-token-sum-norm", "rl.kl_coef": 0.1}),
                 ("rl.adv_estimator", "rloo", {"rl.kl_coef": 0.1}),
                 ("rl.adv_estimator", "reinforce_plus_plus", {"rl.kl_coef": 0.1, "rl.lr": 1.5e-3}),
-                ("rl.filter_groups", True, {"rl.ppo_mini_batches": OFF_POLICY_MINI_BATCHES}))
+                ("rl.filter_groups", True, {"rl.ppo_mini_batches": OFF_POLICY_MINI_BATCHES}),
+                ("rl.policy_loss", "gspo", {"rl.ppo_mini_batches": OFF_POLICY_MINI_BATCHES}))
 RUN_DEFAULT_BASE = {"rl.adv_estimator": "grpo", "rl.policy_loss": "vanilla", "rl.filter_groups": False}
 
 
