@@ -61,6 +61,8 @@ import httpx
 from tqdm import tqdm
 
 from rollplex.data import load_rows, save_rows
+from rollplex.demo.ending import Signals
+from rollplex.demo.progress import log_mode
 from rollplex.loggers import DEFAULT_NAMES as DEFAULT_LOGGERS
 from rollplex.loggers import LoggerConfig, Tracker, resolve_run_dir
 from rollplex.loggers import add_arguments as add_logger_arguments
@@ -473,47 +475,75 @@ def _train(args, client: Client, rows: list[dict], val_rows: list[dict], tracker
         val = validate(client, args, val_rows)
         tracker.log(val, start)
         print(_val_line(start, val), flush=True)
+    lines = log_mode(sys.stdout)  # a log file: a line per step instead of the bar's frames
     bar = tqdm(range(start, args.steps), desc=f"GRPO ({health['mode']})", unit="step", initial=start,
-               total=args.steps)
-    for step in bar:
-        t0 = time.perf_counter()
-        ids: list[str] = []  # this step's rollouts: more than one when --filter-groups refills the batch
-        while True:
-            batch = [row_to_wire(rows[i]) for i in batch_indices(len(rows), pos, args.rollout_batch_size, args.seed)]
-            pos += 1
-            ro = client.call("POST", "/rollout", {"prompts": batch, "n": args.n_samples, "sampling_params": sp})
-            ids.append(ro["rollout_id"])
-            body = {"rollout_id": ids[0], "reward": args.reward, **overrides}
-            if args.filter_groups:
-                body.update(more_rollout_ids=ids[1:], train_batch_size=args.rollout_batch_size)
-            refill = args.filter_groups and (not args.max_num_gen_batches or len(ids) < args.max_num_gen_batches)
-            # the server asks for more groups with a 400 starting "filter_groups:"; at the bound it ends the run
-            m = client.call("POST", "/train_step", body, tolerate="filter_groups:" if refill else None)
-            if m is not None:
+               total=args.steps, disable=lines)
+    signals, stopped = Signals(), None
+
+    def steps():
+        nonlocal pos, saved, val
+        for step in bar:
+            t0 = time.perf_counter()
+            ids: list[str] = []  # this step's rollouts: more than one when --filter-groups refills the batch
+            while True:
+                order = batch_indices(len(rows), pos, args.rollout_batch_size, args.seed)
+                batch = [row_to_wire(rows[i]) for i in order]
+                pos += 1
+                ro = client.call("POST", "/rollout", {"prompts": batch, "n": args.n_samples, "sampling_params": sp})
+                ids.append(ro["rollout_id"])
+                body = {"rollout_id": ids[0], "reward": args.reward, **overrides}
+                if args.filter_groups:
+                    body.update(more_rollout_ids=ids[1:], train_batch_size=args.rollout_batch_size)
+                refill = args.filter_groups and (not args.max_num_gen_batches or len(ids) < args.max_num_gen_batches)
+                # the server asks for more groups with a 400 starting "filter_groups:"; at the bound it ends the run
+                m = client.call("POST", "/train_step", body, tolerate="filter_groups:" if refill else None)
+                if m is not None:
+                    break
+            m["timing_s/driver_step"] = time.perf_counter() - t0
+            history.append(m)
+            recent = [h["critic/score/mean"] for h in history[-3:]]
+            bar.set_postfix(reward=f"{m['critic/score/mean']:.2f}", avg3=f"{sum(recent) / len(recent):.2f}")
+            if lines:
+                print(f"step {step + 1}/{args.steps}: reward {m['critic/score/mean']:.2f}, avg3 "
+                      f"{sum(recent) / len(recent):.2f}, {m['timing_s/driver_step']:.1f}s", flush=True)
+            reached = args.target_reward is not None and len(recent) == 3 and sum(recent) / 3 >= args.target_reward
+            last = reached or step + 1 == args.steps
+            if val_rows and args.eval_every and ((step + 1) % args.eval_every == 0 or last):
+                val = validate(client, args, val_rows)  # logged with the step it follows, as verl does
+                m.update(val)
+                bar.write(_val_line(step + 1, val))
+            tracker.log(m, step + 1)
+            if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
+                saved = _save(client, args, step + 1, pos)
+            if reached:
+                bar.write(f"target reward {args.target_reward} reached at step {step + 1}")
                 break
-        m["timing_s/driver_step"] = time.perf_counter() - t0
-        history.append(m)
-        recent = [h["critic/score/mean"] for h in history[-3:]]
-        bar.set_postfix(reward=f"{m['critic/score/mean']:.2f}", avg3=f"{sum(recent) / len(recent):.2f}")
-        reached = args.target_reward is not None and len(recent) == 3 and sum(recent) / 3 >= args.target_reward
-        last = reached or step + 1 == args.steps
-        if val_rows and args.eval_every and ((step + 1) % args.eval_every == 0 or last):
-            val = validate(client, args, val_rows)  # logged with the step it follows, as verl does
-            m.update(val)
-            bar.write(_val_line(step + 1, val))
-        tracker.log(m, step + 1)
-        if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
-            saved = _save(client, args, step + 1, pos)
-        if reached:
-            bar.write(f"target reward {args.target_reward} reached at step {step + 1}")
-            break
+
+    with signals:  # Ctrl-C or SIGTERM: stop where the run is, then save, plot and summarise as at its end
+        try:
+            steps()
+        except KeyboardInterrupt:
+            stopped = signals.name
     bar.close()
+    if stopped is not None:
+        print(f"\nstopped by {stopped} after {len(history)} steps; writing the run's files", flush=True)
+    with signals.ignored():
+        summary = _finish(args, client, rows, history, start, pos, saved, val)
+    if stopped is not None:
+        raise SystemExit(signals.exit_code)
+    return summary
+
+
+def _finish(args, client, rows, history, start, pos, saved, val) -> dict:
+    """The last checkpoint (with --save-dir), the reward plot (with the target and the 3-step mean) and the
+    summary, at the run's end or when it is stopped."""
     done = start + len(history)
     if args.save_dir and history and (not args.save_every or done % args.save_every):
         saved = _save(client, args, done, pos)
     log_dir = Path(args.log_dir)
     title, chance = reward_labels(r.get("data_source") for r in rows)
-    png = plot_rewards(history, log_dir / "reward.png", title, chance) if history else None
+    png = plot_rewards(history, log_dir / "reward.png", title, chance, target=args.target_reward, window=3) \
+        if history else None
     metrics_path = log_dir / "metrics.jsonl" if "jsonl" in args.logger else None
     summary = {"steps": len(history), "final_step": done, "log_dir": str(log_dir),
                "metrics": str(metrics_path) if metrics_path else None, "plot": str(png) if png else None,

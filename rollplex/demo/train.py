@@ -49,7 +49,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import random
 import sys
 import time
@@ -69,11 +68,10 @@ from ..system import SystemConfig, build, load_policy
 from ..threads import apply_threads
 from ..tiny import FAMILIES, ensure_tiny, shape_color, tiny_path, tiny_written
 from .ending import Signals, summary, summary_line
-from .progress import StepProgress, cpu_cost_warning, decoder_params, expected_passes
+from .progress import StepProgress, cpu_cost_warning, decoder_params, expected_passes, log_mode
 
 LOG_EVERY_S = 5.0  # in-step progress without a terminal: a line at most this often
 WINDOW = 3  # the run stops when the mean reward of this many steps reaches --target
-MIN_BAR_COLUMNS = 40  # a terminal narrower than this gets lines, as a log does
 
 
 # The demo's defaults, over SystemConfig's: the tiny task's 4 new tokens (an option letter and the end of the
@@ -335,16 +333,6 @@ def _finish(cfg: SystemConfig, args, rl, rows, history: list[dict], out: Path, s
     (out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
     print(summary_line(s), flush=True)
     print(f"logs: {out}" + (f", plot: {png}" if png else ""), flush=True)
-
-
-def log_mode(stream) -> bool:
-    """True when `stream` is no terminal, or one too narrow to draw a step bar in (a pseudo-terminal of width 0)."""
-    if not stream.isatty():
-        return True
-    try:
-        return os.get_terminal_size(stream.fileno()).columns < MIN_BAR_COLUMNS
-    except (OSError, ValueError, AttributeError):
-        return True
 
 
 def _progress(args, model, engine, cfg: RLConfig, bar, shown: dict, lines: bool) -> StepProgress | None:
