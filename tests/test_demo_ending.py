@@ -46,9 +46,9 @@ def _defaults(argv: list[str]) -> dict:
 def test_each_algorithm_brings_its_defaults_and_flags_win():
     assert _defaults([]) == {}
     assert _defaults(["--adv-estimator", "dr_grpo"]) == {"rl.loss_agg_mode": "seq-mean-token-sum-norm",
-                                                         "rl.kl_coef": 0.1}
+                                                         "rl.kl_coef": 0.1, "rl.ppo_mini_batches": 4}
     no_kl = _defaults(["--adv-estimator", "dr_grpo", "--kl-coef", "0"])
-    assert no_kl == {"rl.loss_agg_mode": "seq-mean-token-sum-norm"}
+    assert no_kl == {"rl.loss_agg_mode": "seq-mean-token-sum-norm", "rl.ppo_mini_batches": 4}
     assert _defaults(["--filter-groups", "--clip-ratio-high", "0.28"]) == {"rl.ppo_mini_batches": 4}
     assert _defaults(["--policy-loss", "gspo"]) == {"rl.ppo_mini_batches": 4}
     assert _defaults(["--policy-loss", "sapo"]) == {}
