@@ -33,7 +33,7 @@ def pick_threads(requested: int | None, device: str, tiny: bool) -> tuple[int, s
     if env.isdigit() and int(env) >= 1:
         return int(env), "$OMP_NUM_THREADS"
     if device == "cpu" and tiny:
-        return TINY_THREADS, "the tiny model's default on the CPU; --threads N for more"
+        return TINY_THREADS, "the tiny model's default on the CPU; OMP_NUM_THREADS=N or --threads N for more"
     return torch.get_num_threads(), "torch's default"
 
 
