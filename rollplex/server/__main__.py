@@ -159,9 +159,9 @@ def main(argv=None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import uvicorn
 
+    from ..threads import apply_threads
     from .app import create_app
     from .http import uvicorn_options
-    from ..threads import apply_threads
     from .state import ServerState
 
     commands = None
