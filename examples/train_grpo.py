@@ -68,6 +68,7 @@ from rollplex.loggers import LoggerConfig, Tracker, resolve_run_dir
 from rollplex.loggers import add_arguments as add_logger_arguments
 from rollplex.loggers import parse_names as parse_logger_names
 from rollplex.plots import plot_rewards, reward_labels
+from rollplex.rl import algos
 from rollplex.rl.rewards import get_reward_fn, score
 from rollplex.threads import apply_threads
 
@@ -101,10 +102,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature")
     ap.add_argument("--lr", type=float, default=None, help="default: 1e-3 for the demo, else the server's")
     ap.add_argument("--kl-coef", type=float, default=None, help="KL coefficient (default: the server's)")
-    ap.add_argument("--adv-estimator", default=None, help="grpo, dr_grpo, rloo, reinforce_plus_plus, "
-                    "reinforce_plus_plus_baseline or gae (PPO with a critic: the server must have been started with "
-                    "it; the in-process one is), sent with each /train_step (default: the server's; dr_grpo "
-                    "with loss aggregation seq-mean-token-sum-norm unless --loss-agg-mode says otherwise)")
+    ap.add_argument("--adv-estimator", default=None, choices=algos.ADV_ESTIMATORS,
+                    help=algos.describe(algos.ADV_ESTIMATOR_HELP) + ". Sent with each /train_step (default: the "
+                    "server's; dr_grpo with loss aggregation "
+                    "seq-mean-token-sum-norm unless --loss-agg-mode says otherwise); gae and remax need a server "
+                    "started with them (the in-process one is)")
     ap.add_argument("--critic-lr", type=float, default=None, help="gae: the critic's lr (default: the server's; the "
                     "in-process server's: --lr)")
     ap.add_argument("--critic-warmup", type=int, default=0, help="gae: the first steps train the critic only "
@@ -112,8 +114,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gamma", type=float, default=None, help="discount of gae's / reinforce_plus_plus's per-token "
                     "return (default: the server's)")
     ap.add_argument("--lam", type=float, default=None, help="gae's lambda (default: the server's)")
-    ap.add_argument("--policy-loss", default=None, help="vanilla or gspo (default: the server's)")
-    ap.add_argument("--loss-agg-mode", default=None, help="verl's loss_agg_mode (default: the server's)")
+    ap.add_argument("--policy-loss", default=None, choices=algos.POLICY_LOSSES,
+                    help=algos.describe(algos.POLICY_LOSS_HELP) + " (default: the server's)")
+    ap.add_argument("--loss-agg-mode", default=None, choices=algos.AGG_MODES,
+                    help=algos.describe(algos.AGG_MODE_HELP) + " (default: the server's)")
     ap.add_argument("--clip-ratio-low", type=float, default=None, help="PPO clip range below 1 (default: the server's)")
     ap.add_argument("--clip-ratio-high", type=float, default=None, help="PPO clip range above 1; DAPO's clip-higher: "
                     "0.28 (default: the server's)")
@@ -297,6 +301,8 @@ def start_server(args):
     # PPO with a critic needs a server that builds one: the in-process server does when asked for gae
     critic = dict(adv_estimator="gae", critic_lr=args.critic_lr or args.lr or 1e-6,
                   critic_warmup=args.critic_warmup) if args.adv_estimator == "gae" else {}
+    if args.adv_estimator == "remax":  # the server's /rollout then returns each prompt's greedy response
+        critic = dict(adv_estimator="remax")
     try:
         rl = RLConfig(mode=args.mode, n=args.n_samples, lr=args.lr or 1e-6, kl_coef=args.kl_coef or 0.0,
                       temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,

@@ -6,8 +6,10 @@ Rollplex, never the other way round: `PLUGINS` maps its name to its module (SGLa
 engine_patches/sglang/plugin.py), imported only when that backend is checked or built, so an optional
 engine costs nothing until it is asked for. A plugin module defines
 
-    require() -> str             the installed engine's version; ImportError naming the install command
-                                 when it is missing or too old
+    require(pythonpath=None) -> str
+                                 the installed engine's version (under `pythonpath` when the engine runs
+                                 in its own process); ImportError naming the install command when it is
+                                 missing or too old
     check_args(args: dict)       ValueError for engine arguments that the backend sets itself
     rollout(cfg, model_path, processor, dtype, seed, hook_spec)
                                  the engine started on the checkpoint `model_path`, as the RL step's
@@ -42,8 +44,14 @@ class BackendConfig:
     sglang_weights_cpu_backup: bool = False
     # the policy reaches SGLang in update_weights_from_tensor calls of at most this many MiB
     sglang_weight_bucket_mb: int = 512
+    # SGLang's memory saver (torch-memory-saver), which lets its weights and KV cache go outside the rollout;
+    # False: SGLang keeps them (nothing is released, the policy is still copied in after each update)
+    sglang_memory_saver: bool = True
     # further SGLang server arguments, a JSON object (e.g. '{"attention_backend": "fa3"}')
     sglang_args: str | None = None
+    # run SGLang in a process of its own with this directory first on its PYTHONPATH (its own pinned
+    # libraries, e.g. transformers), driven over a local socket; None: SGLang is imported in this process
+    sglang_pythonpath: str | None = None
 
     def __post_init__(self):
         check_backend(self.rollout_backend)
@@ -51,6 +59,8 @@ class BackendConfig:
             raise ValueError(f"sglang_mem_fraction_static must be in (0, 1), got {self.sglang_mem_fraction_static}")
         if self.sglang_weight_bucket_mb < 1:
             raise ValueError("sglang_weight_bucket_mb must be >= 1")
+        if self.sglang_pythonpath is not None and not self.sglang_pythonpath:
+            raise ValueError("sglang_pythonpath must name a directory (or be left unset)")
         self.extra_sglang_args()
 
     def extra_sglang_args(self) -> dict:
@@ -81,10 +91,13 @@ def plugin(name: str) -> ModuleType:
     return import_module(PLUGINS[name])
 
 
-def require_backend(name: str) -> str | None:
+def require_backend(name: str, cfg: BackendConfig | None = None) -> str | None:
     """The installed version of the engine behind the backend `name` (None for the native engine, which is
-    part of Rollplex); ImportError naming the install command when it is missing or too old."""
-    return None if check_backend(name) == "native" else plugin(name).require()
+    part of Rollplex), where `cfg` runs it (its own PYTHONPATH); ImportError naming the install command when
+    it is missing or too old."""
+    if check_backend(name) == "native":
+        return None
+    return plugin(name).require(cfg.sglang_pythonpath if cfg is not None else None)
 
 
 def rollout_backend(cfg: BackendConfig, model_path: str, processor=None, dtype: str = "bfloat16", seed: int = 0,

@@ -42,10 +42,6 @@ HELP = {
     "n": "samples per prompt (GRPO group size)",
     "kl_coef": "> 0 keeps a frozen reference model",
     "dual_clip": "verl's clip_ratio_c (caps a negative-advantage token's loss at c*|A|); 'none' turns it off",
-    "adv_estimator": "grpo, dr_grpo (no std; needs --loss-agg-mode seq-mean-token-sum-norm), rloo (leave-one-out "
-                     "baseline), reinforce_plus_plus (discounted per-token return, batch-whitened), "
-                     "reinforce_plus_plus_baseline (group mean subtracted, batch-whitened), gae (PPO with a critic: "
-                     "a value model is trained beside the policy)",
     "singleton_adv": "advantage of a group of one sample: reward (verl: the reward itself) or zero",
     "gamma": "discount of reinforce_plus_plus's and gae's per-token return",
     "lam": "GAE's lambda (adv_estimator gae)",
@@ -53,13 +49,19 @@ HELP = {
     "critic_lr": "the critic's AdamW lr (gae)",
     "critic_warmup": "the first steps train the critic only (gae)",
     "critic_model_path": "HF directory of the critic (gae; default: a copy of the policy and a fresh value head)",
-    "policy_loss": "vanilla: PPO-clip per token; gspo: sequence-level ratio clipped per sequence (verl's recipe: "
-                   "--clip-ratio-low 3e-4 --clip-ratio-high 4e-4)",
     "clip_ratio_high": "PPO clip range above 1 (DAPO's clip-higher: 0.28)",
     "loss_agg_norm": "seq-mean-token-sum-norm's constant divisor of a sequence's token sum (default: max_new_tokens)",
-    "tis_imp_ratio_cap": "truncated importance sampling: the pg loss times min(exp(old - rollout logprob), cap)",
-    "kl_loss_type": "estimator of the KL loss (use_kl_loss)",
-    "kl_penalty": "estimator of the KL-in-reward penalty (use_kl_loss false); verl's default kl (k1)",
+    "tis_imp_ratio_cap": "truncated importance sampling: the pg loss times min(exp(old - rollout logprob), cap) "
+                         "(--rollout-is token with this threshold)",
+    "rollout_is": "rollout correction's IS weights (verl's rollout_is): token or sequence, truncated at "
+                  "--rollout-is-threshold (default: off)",
+    "rollout_is_batch_normalize": "rollout correction: the IS weights divided by their batch mean",
+    "rollout_rs": "rollout correction's rejection (verl's rollout_rs): token (IcePop's mask), sequence or geometric "
+                  "weights outside [--rollout-rs-threshold-lower, --rollout-rs-threshold] leave the loss "
+                  "(default: off)",
+    "rollout_rs_threshold_lower": "default: 1 / --rollout-rs-threshold",
+    "rollout_token_veto_threshold": "rollout correction: a sequence with a token weight under this leaves the loss "
+                                    "(default: off)",
     "kl_ctrl": "KL-in-reward coefficient: fixed (kl_coef) or adaptive (verl's controller, from kl_coef towards "
                "kl_target over kl_horizon samples)",
     "lr_schedule_unit": "what advances the LR schedule: step (one train step, verl) or optimizer_step (each "
@@ -70,7 +72,7 @@ HELP = {
     "filter_groups": "DAPO's dynamic sampling: drop the groups whose samples all have the same "
                      "filter_groups_metric and roll out more prompts until the step is full",
     "filter_groups_metric": "seq_reward: the reward trained on (after overlong shaping); score: the reward "
-                            "function's score before it",
+                            "function's score before it; or a key of the reward function's dict, e.g. acc",
     "max_num_gen_batches": "rollouts per step at most with --filter-groups (0: unbounded; verl's recipe: 10)",
     "filter_groups_partial": "at --max-num-gen-batches train on the groups kept instead of stopping with an error",
     "micro_batch_prompts": "prompts (x n samples) per forward/backward",
@@ -142,6 +144,16 @@ TITLES = {"rl": "RL step (RLConfig)", "engine": "engine (EngineConfig)",
           "limits": "request limits (ServerLimits): over them a request is 413 (body) or 400"}
 
 
+def algorithm_help() -> dict[str, str]:
+    """The help of the algorithm flags, listing every option of rl/algos.py's menus (so it cannot go stale)."""
+    from .rl.algos import ADV_ESTIMATOR_HELP, AGG_MODE_HELP, POLICY_LOSS_HELP, describe, kl_help
+
+    return {"adv_estimator": describe(ADV_ESTIMATOR_HELP), "policy_loss": describe(POLICY_LOSS_HELP),
+            "loss_agg_mode": describe(AGG_MODE_HELP), "kl_loss_type": "estimator of the KL loss (use_kl_loss): "
+            + kl_help(), "kl_penalty": "estimator of the KL-in-reward penalty (use_kl_loss false; verl's default kl): "
+            + kl_help()}
+
+
 def choices() -> dict[str, tuple]:
     """Allowed values per field path (section.field, or field at the top)."""
     from .backends import ROLLOUT_BACKENDS
@@ -150,6 +162,7 @@ def choices() -> dict[str, tuple]:
     from .parallel.fsdp import DTYPES
     from .rl import config as rl
     from .rl.algos import AGG_MODES, KL_KINDS, POLICY_LOSSES, SINGLETON_ADV
+    from .rl.rollout_correction import IS_LEVELS, RS_LEVELS
     from .system import DEVICES
     from .system import DTYPES as SYSTEM_DTYPES
 
@@ -160,8 +173,9 @@ def choices() -> dict[str, tuple]:
     rl_choices = {"mode": rl.MODES, "adv_estimator": rl.ADV_ESTIMATORS, "loss_agg_mode": AGG_MODES,
                   "kl_loss_type": KL_KINDS, "kl_penalty": KL_KINDS, "lr_schedule": rl.LR_SCHEDULES,
                   "lr_schedule_unit": rl.LR_SCHEDULE_UNITS, "kl_ctrl": rl.KL_CTRLS, "policy_loss": POLICY_LOSSES,
-                  "singleton_adv": SINGLETON_ADV, "filter_groups_metric": rl.FILTER_GROUPS_METRICS,
-                  "schedule": rl.SCHEDULES, "fuse_admission": rl.FUSE_ADMISSIONS}
+                  "singleton_adv": SINGLETON_ADV,
+                  "schedule": rl.SCHEDULES, "fuse_admission": rl.FUSE_ADMISSIONS, "rollout_is": IS_LEVELS,
+                  "rollout_rs": RS_LEVELS}
     out.update({f"rl.{k}": v for k, v in rl_choices.items()})
     return out
 
@@ -221,7 +235,7 @@ class ConfigParser(argparse.ArgumentParser):
         self.config_cls, self.config_defaults = cls, dict(defaults or {})
         self.config_dests: dict[str, tuple[str, ...]] = {}  # argparse dest -> field paths it sets
         self._append: set[str] = set()
-        self._help = {**HELP, **(help or {})}
+        self._help = {**HELP, **algorithm_help(), **(help or {})}
         self._aliases = {**ALIASES, **(aliases or {})}
         self._kwargs, self._flags, self._skip = kwargs or {}, flags or {}, set(skip)
         self._choices = choices()

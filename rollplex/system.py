@@ -122,7 +122,7 @@ class SystemConfig:
                              f"{self.backend.rollout_backend} backend has its own (leave --tensor-parallel at 1)")
         if not native:
             try:  # before any model is loaded: a missing SGLang fails the start at once
-                require_backend(self.backend.rollout_backend)
+                require_backend(self.backend.rollout_backend, self.backend)
             except ImportError as e:
                 raise ValueError(str(e)) from None
 
@@ -181,16 +181,17 @@ class System:
     _parallel_group: object = "auto"
 
     def rl_step(self, rl: RLConfig | None = None, *, rollout: bool = True, cosched: CoschedConfig | None = None,
-                **kw) -> RLStep:
+                backend=None, **kw) -> RLStep:
         """Another RLStep over this system's model, rollout backend, memory manager and placement: `rl` and
         `cosched` (default: the config's), without a rollout backend when not `rollout` (train() on given
-        batches); kw: RLStep's reward_fn, ref_model, processor."""
+        batches), or with `backend` instead of the system's (a benchmark's second engine); kw: RLStep's
+        reward_fn, ref_model, processor."""
         cfg = self.config
         if self._policy is None:
             raise ValueError("the whole policy was dropped for its tensor-parallel shard: build with step=False "
                              "to make RL steps with System.rl_step")
         rl = rl or cfg.rl
-        backend = self.rollout if rollout else None
+        backend = backend if backend is not None else self.rollout if rollout else None
         kw.setdefault("processor", self.processor)
         return RLStep(self._policy, backend, rl, memory=self.memory, memory_cfg=cfg.memory,
                       cosched=cosched or cfg.cosched,

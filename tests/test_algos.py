@@ -90,7 +90,7 @@ def test_dr_grpo_and_its_aggregation():
     assert agg_loss(loss, mask, "seq-mean-token-sum-norm", norm=4).item() == pytest.approx(2.25)
     assert agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(18 / 6)  # default: padded length
     with pytest.raises(ValueError, match="adv_estimator must be one of"):
-        compute_advantages("remax", torch.zeros(2), torch.tensor([0, 0]), mask)
+        compute_advantages("remax_greedy", torch.zeros(2), torch.tensor([0, 0]), mask)
 
 
 def test_ppo_clip_and_dual_clip():
@@ -225,7 +225,7 @@ def test_score_samples():
 def test_rl_config_validates_the_algorithm_options():
     from rollplex.rl.config import RLConfig
 
-    for kw, msg in [(dict(adv_estimator="remax"), "adv_estimator must be one of"),
+    for kw, msg in [(dict(adv_estimator="remax_greedy"), "adv_estimator must be one of"),
                     (dict(policy_loss="gmpo"), "policy_loss must be one of"),
                     (dict(kl_penalty="k4"), "kl_penalty must be one of"),
                     (dict(singleton_adv="mean"), "singleton_adv must be one of"),

@@ -157,6 +157,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_serve_rounds_plan_the_servers_memory_for_their_response_length():
+    from rollplex.bench.serve import plan_args
+
+    assert plan_args("--kl-coef 0.001", 512) == "--kl-coef 0.001 --max-new-tokens 512"
+    assert plan_args("", 64) == "--max-new-tokens 64"
+    for given in ("--max-new-tokens 256", "--max-new-tokens=256 --kl-coef 0"):
+        assert plan_args(given, 512) == given
+
+
 def test_serve_load_runs_end_to_end(tiny_dir, capsys, tmp_path, monkeypatch):
     """Cold start, check, the measurements (batched, raw-socket, httpx with a pool of N and the default one,
     the client ceiling against the canned endpoint, streamed), warm start, tables: the server a subprocess
@@ -252,3 +261,30 @@ def test_serve_load_tie_gaps_are_logprob_differences_given_the_common_context(ti
         first = torch.log_softmax(model([ModelInputs(prompt)])[0, -1].float(), -1)
     expected = [abs(late[32] - late[40]).item(), abs(first[30] - first[77]).item()]
     assert gaps == pytest.approx(expected, abs=1e-4) and min(expected) > 0
+
+
+def test_step_bench_long_tail_against_packed_and_padded_serial(tiny_dir, capsys):
+    """w3b-long-tail: lengths per sample (different within a group, the longest one at the cap); serial rows
+    per token budget, packed, and the padded baseline beside them, all agreeing with rollplex."""
+    from rollplex.bench import step
+    from rollplex.bench.workloads import sample_lengths
+
+    lens = sample_lengths(2, 3, 24, 6, seed=11, sigma_prompt=0.5, sigma_sample=0.5)
+    assert max(map(max, lens)) == 24 and all(len(set(g)) > 1 for g in lens), lens
+    step.main(["--preset", f"{tiny_dir}/config.json", "--workloads", "w3b-long-tail", "--vision", "frozen",
+               "--modes", "serial,serial-padded,rollplex", "--serial-max-tokens", "64,4096", "--long-prompts", "2",
+               "--long-n", "3", "--long-new-tokens", "24", "--long-median", "6", "--no-warm", *STEP_ARGS])
+    rows = _rows(capsys)
+    check = next(r for r in rows if r["bench"] == "step_check")
+    for mode in ("serial", "serial-padded"):
+        assert math.isclose(check[f"{mode}_grad_norm"], check["rollplex_grad_norm"], rel_tol=1e-4)
+    ours = [r for r in rows if r["bench"] == "step" and r["workload"] == "w3b-long-tail"]
+    assert [(r["mode"], r["micro_batch_max_tokens"], r["packed"]) for r in ours] == [
+        ("serial", 64, True), ("serial", 4096, True), ("serial-padded", None, False), ("rollplex", 32768, True)]
+    assert all(r["n"] == 6 and r["gradient_checkpointing"] for r in ours)
+    for r in ours[1:]:
+        assert math.isclose(r["grad_norm"], ours[0]["grad_norm"], rel_tol=1e-4)
+    (summary,) = [r for r in rows if r["bench"] == "step_summary"]
+    assert summary["response_tokens"] == sum(map(sum, lens))
+    assert summary["serial"] == min(summary["serial_64"], summary["serial_4096"])
+    assert summary["serial_max_tokens"] in (64, 4096) and summary["serial_padded"] > summary["gen_s"]

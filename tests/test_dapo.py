@@ -58,7 +58,7 @@ def test_score_batch_adds_the_penalty_to_the_score():
 def test_options_are_checked():
     for bad in (dict(overlong_buffer_len=-1), dict(overlong_buffer_len=65, max_new_tokens=64),
                 dict(overlong_penalty_factor=-0.1), dict(overlong_penalty_factor=float("nan")),
-                dict(max_num_gen_batches=-1), dict(filter_groups_metric="acc")):
+                dict(max_num_gen_batches=-1), dict(filter_groups_metric="not a key")):
         with pytest.raises(ValueError):
             RLConfig(**bad)
     # DAPO's recipe is reachable: clip-higher, token-mean, no KL
@@ -161,6 +161,29 @@ def test_dynamic_sampling_stops_at_the_bound(tiny_dir, proc):
         rl.step(_rows(set(), 0, 2))
 
 
+def test_dynamic_sampling_filters_by_a_key_the_reward_returns(tiny_dir, proc):
+    """filter_groups_metric="acc" (verl's DAPO recipes): the groups whose samples all have the same `acc` are
+    dropped even where their scores differ; a key the reward function does not return is a ValueError."""
+    calls = itertools.count()
+
+    def reward(data_source, solution_str, ground_truth, extra_info=None):
+        k = next(calls) % 2  # n = 2: the group's two samples get k = 0 and 1
+        acc = float(k) if extra_info["vary"] else 1.0
+        return {"score": 0.9 * acc + 0.1 * k, "acc": acc, "format": float(k)}
+
+    rl, trained = _step(tiny_dir, proc, filter_groups_metric="acc", filter_groups_partial=True, max_num_gen_batches=1)
+    rl.reward_fn = reward
+    m = rl.step(_rows({0, 2}, 0, 4))
+    assert m["train/num_groups_kept"] == 2 and _ids(trained[-1]) == [0, 2]  # by score all four would stay
+    assert m["critic/score/acc"] == pytest.approx(0.75)
+    assert [d["acc"] for d in trained[-1].extras["reward_extra_info"]] == [0.0, 1.0, 0.0, 1.0]
+    rl.cfg = replace(rl.cfg, filter_groups_metric="score")
+    assert rl.step(_rows({0, 2}, 0, 4))["train/num_groups_kept"] == 4
+    rl.cfg = replace(rl.cfg, filter_groups_metric="pass_at_1")
+    with pytest.raises(ValueError, match=r"pass_at_1.*\['acc', 'format'\]"):
+        rl.step(_rows({0, 2}, 0, 4))
+
+
 def test_later_rollouts_of_a_step_draw_fresh_samples(tiny_dir, proc):
     rl, _ = _step(tiny_dir, proc, max_new_tokens=6)
     first, again, second = (dynamic_sampling._rollout(rl, ROWS[:4], k) for k in (0, 0, 1))
@@ -207,3 +230,25 @@ def test_server_flags_and_overrides(monkeypatch):
     for bad in (dict(overlong_buffer_len=-1), dict(overlong_penalty_factor=10.5), dict(max_num_gen_batches=2)):
         with pytest.raises(ValidationError):
             TrainStepRequest(rollout_id="r", reward="x", **bad)
+
+
+def test_server_filters_by_a_key_its_reward_returns():
+    """/train_step's filter (the server scored the rewards): a key of the reward's dict, e.g. acc; rewards a
+    client sent have no such key (400)."""
+    from fastapi import HTTPException
+
+    from rollplex.models import ModelInputs
+    from rollplex.server.routes_rl import _filter_groups
+    from rollplex.server.store import RetainedRollout
+
+    prompts = [ModelInputs(input_ids=[1, 2]) for _ in range(3)]
+    batch = RolloutBatch.from_samples(prompts, [0, 0, 1, 1, 2, 2], [[5]] * 6, pad_id=0)
+    batch.extras["reward_extra_info"] = [{"acc": a} for a in (0.0, 1.0, 1.0, 1.0, 1.0, 0.0)]
+    scores = [0.1, 1.0, 0.9, 1.0, 1.0, 0.0]  # group 1 differs in score, not in acc
+    entry = RetainedRollout(batch, temperature=1.0, gen_s=0.0)
+    kept, rewards, m = _filter_groups(entry, scores, scores, "acc", None, 1)
+    assert kept.batch.num_prompts == 2 and rewards == [0.1, 1.0, 1.0, 0.0] and m["train/num_groups_dropped"] == 1
+    assert _filter_groups(entry, scores, scores, "score", None, 1)[0].batch.num_prompts == 3
+    del batch.extras["reward_extra_info"]
+    with pytest.raises(HTTPException, match="filter_groups: .*only a score"):
+        _filter_groups(entry, scores, scores, "acc", None, 1)

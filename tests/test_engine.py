@@ -78,6 +78,23 @@ def test_n_samples_share_prefix_equal_independent_requests(tiny_dir, proc):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.samples[0].logprobs)) <= 1e-5
 
 
+def test_per_sample_length_caps_end_each_sample_where_given(tiny_dir, proc):
+    """`sample_max_new_tokens`: each sample of a group stops at its own cap, with the tokens it would have
+    drawn without one (the caps only cut), and a cap outside [1, max_new_tokens] or of the wrong count is
+    refused."""
+    eng = _engine(tiny_dir, proc)
+    p = _prompts(proc)[0]
+    base = dict(temperature=1.0, max_new_tokens=9, n=3, seed=7, ignore_eos=True)
+    whole = eng.generate([p], SamplingParams(**base))[0].samples
+    cut = eng.generate([p], SamplingParams(**base, sample_max_new_tokens=(2, 9, 5)))[0].samples
+    assert [len(s.token_ids) for s in cut] == [2, 9, 5]
+    assert [s.token_ids for s in cut] == [w.token_ids[: len(s.token_ids)] for s, w in zip(cut, whole)]
+    assert all(s.finish_reason == "length" for s in cut)
+    for bad in ((2, 9), (0, 1, 2), (1, 2, 10)):
+        with pytest.raises(ValueError, match="sample_max_new_tokens"):
+            SamplingParams(**base, sample_max_new_tokens=bad)
+
+
 def test_stop_conditions(tiny_dir, proc):
     eng = _engine(tiny_dir, proc)
     p = _prompts(proc)[0]

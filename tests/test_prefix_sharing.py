@@ -50,7 +50,16 @@ def _packed_logits(model, prompts, resp, resp_lens, index):
     return model.logits(hidden)
 
 
-@pytest.mark.parametrize("path", ["prefix_state", "packed"])
+def _sequence_logits(model, prompts, resp, resp_lens, index):
+    """No sharing: each sample its own full sequence, all packed without padding (sequence_hidden, serial)."""
+    return model.logits(model.sequence_hidden(prompts, resp, resp_lens.tolist(), index.tolist()))
+
+
+PATHS = {"packed": _packed_logits, "sequences": _sequence_logits,
+         "prefix_state": lambda model, prompts, resp, _lens, index: _shared_logits(model, prompts, resp, index)}
+
+
+@pytest.mark.parametrize("path", ["prefix_state", "packed", "sequences"])
 def test_shared_prefix_logits_equal_full_forwards(path):
     model = tiny_model().eval()
     prompts, resp, resp_lens, index = _group()
@@ -58,10 +67,7 @@ def test_shared_prefix_logits_equal_full_forwards(path):
     resp, resp_lens, index = resp[perm], resp_lens[perm], index[perm]
     with torch.no_grad():
         full = _full_logits(model, prompts, resp, resp_lens, index)
-        if path == "packed":
-            shared = _packed_logits(model, prompts, resp, resp_lens, index)
-        else:
-            shared = _shared_logits(model, prompts, resp, index)
+        shared = PATHS[path](model, prompts, resp, resp_lens, index)
     for i, ref in enumerate(full):
         assert_fp32_close(shared[i, : ref.shape[0]], ref, f"logits of sample {i}", FORWARD_TERMS)
 
@@ -75,17 +81,14 @@ def _loss(logits_rows, resp, resp_lens):
     return total
 
 
-@pytest.mark.parametrize("path", ["prefix_state", "packed"])
+@pytest.mark.parametrize("path", ["prefix_state", "packed", "sequences"])
 def test_shared_prefix_gradients_equal_full_forwards(path):
     prompts, resp, resp_lens, index = _group(1)
     grads = []
     for shared in (False, True):
         model = tiny_model(seed=3)
         if shared:
-            if path == "packed":
-                rows = _packed_logits(model, prompts, resp, resp_lens, index)
-            else:
-                rows = _shared_logits(model, prompts, resp, index)
+            rows = PATHS[path](model, prompts, resp, resp_lens, index)
             rows = [rows[i] for i in range(rows.shape[0])]
         else:
             rows = _full_logits(model, prompts, resp, resp_lens, index)

@@ -147,6 +147,8 @@ def _full(model, prompts, resp, lens, index):
 def _shared(model, path, prompts, resp, lens, index):
     if path == "packed":
         rows = model.logits(model.group_hidden(prompts, resp, lens.tolist(), index.tolist()))
+    elif path == "sequences":  # no sharing: every sample its own packed sequence (serial mode)
+        rows = model.logits(model.sequence_hidden(prompts, resp, lens.tolist(), index.tolist()))
     elif path == "prefix_packed":
         prefix = model.prefix(prompts)
         rows = model.logits(model.prefix_group_hidden(prefix, resp, lens.tolist(), index.tolist()))
@@ -164,7 +166,7 @@ def _loss(rows, resp, lens):
     return total
 
 
-@pytest.mark.parametrize("path", ["prefix_state", "packed", "prefix_packed"])
+@pytest.mark.parametrize("path", ["prefix_state", "packed", "prefix_packed", "sequences"])
 def test_shared_prefix_equals_full_forwards(path):
     """Logits, loss and every gradient (DeepStack mergers included) of the shared-prefix paths equal
     per-sample full forwards."""

@@ -1,5 +1,6 @@
-"""The RL step on the tiny model (CPU, fp32): `serial` and `rollplex` compute the same update (also
-with the RLOO, Dr.GRPO and REINFORCE++ estimators); metrics; the LR schedule's unit; the adaptive KL
+"""The RL step on the tiny model (CPU, fp32): `serial` (packed or padded sequences) and `rollplex` compute
+the same update on responses of different lengths within a group (also with the RLOO, Dr.GRPO and
+REINFORCE++ estimators); metrics; the LR schedule's unit; the adaptive KL
 controller; checkpoint/resume gives the same next step as not stopping."""
 
 import copy
@@ -32,12 +33,18 @@ def test_serial_and_rollplex_compute_the_same_update(tiny_dir, proc, updates):
     ref = _step(tiny_dir, proc, mode="rollplex", **updates)
     batch = ref.rollout(ROWS)
     batch.rewards = torch.tensor([float(i % 3 == 0) for i in range(batch.num_samples)])  # varied advantages
+    R = batch.responses.shape[1]
+    for i in range(batch.num_samples):  # responses of one group end at different tokens, as EOS makes them
+        batch.mask[i, 1 + (5 * i) % R:] = 0
+    lens = batch.response_lengths()
+    assert all(len(set(lens[g * 4: g * 4 + 4])) > 1 for g in range(batch.num_prompts))
     results = {}
     # micro-batches by a token budget (verl's dynamic batch size) split the same batch differently
     budget = dict(micro_batch_max_tokens=150)
     for key, mode, packed, extra in (("rollplex", "rollplex", True, {}), ("prefix_state", "rollplex", False, {}),
                                      ("rollplex_budget", "rollplex", True, budget),
-                                     ("serial_budget", "serial", True, budget), ("serial", "serial", True, {})):
+                                     ("serial_budget", "serial", True, budget),
+                                     ("serial_padded", "serial", False, budget), ("serial", "serial", True, {})):
         # a small lr: Adam's first steps are ~lr * sign(grad), which turns last-bit noise in near-zero
         # gradients into lr-sized weight differences at large lr
         rl = _step(tiny_dir, proc, mode=mode, lr=1e-4, packed=packed, **updates, **extra)
@@ -47,6 +54,7 @@ def test_serial_and_rollplex_compute_the_same_update(tiny_dir, proc, updates):
     for key in ("rollplex", "prefix_state", "rollplex_budget"):
         _assert_same_update(*results[key], *results["serial"], updates)
     _assert_same_update(*results["serial_budget"], *results["serial"], updates, dedup=1)
+    _assert_same_update(*results["serial_padded"], *results["serial"], updates, dedup=1)
 
 
 @pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")

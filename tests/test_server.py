@@ -490,7 +490,9 @@ def test_bad_requests_are_4xx_and_harmless(client, server):
         ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "unknown_knob": 1}, 400),
         ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "overlong_buffer_len": 5}, 400),  # > max_new_tokens 4
         ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "overlong_penalty_factor": 11.0}, 400),
-        ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "filter_groups_metric": "acc"}, 400),
+        ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "filter_groups_metric": "not a key"}, 400),
+        # a client's rewards hold no reward function's keys
+        ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "filter_groups": True, "filter_groups_metric": "acc"}, 400),
         ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "adv_estimator": "gae"}, 400),  # no critic on this server
         ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "critic_lr": 0.5}, 400),
         ({"rollout_id": rid, "rewards": [1, 0, 1, 0], "lam": 1.5}, 400),
@@ -590,7 +592,7 @@ def test_train_step_overrides_are_rl_config_fields():
     from rollplex.server.schemas import TrainStepRequest
 
     overrides = set(TrainStepRequest.model_fields) - {"rollout_id", "more_rollout_ids", "train_batch_size", "rewards",
-                                                      "reward", "off_policy"}
+                                                      "greedy_rewards", "reward", "off_policy"}
     assert overrides <= {f.name for f in dataclasses.fields(RLConfig)}
     req = TrainStepRequest(rollout_id="r", rewards=[1.0], lr=1e-4, micro_batch_prompts=2)
     assert dataclasses.replace(RLConfig(), **req.overrides()) == RLConfig(lr=1e-4, micro_batch_prompts=2)

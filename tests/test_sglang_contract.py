@@ -221,12 +221,11 @@ def test_rollout_backend_touches_only_contract_names():
     """The rollout backend calls SGLang's Engine only by contract names, with contract keywords; its
     requests use contract sampling names; it starts SGLang with the contract's server arguments."""
     engine = _names(("method",), "Engine")
-    tree = ast.parse((ROOT / "engine_patches/sglang/backend.py").read_text())
-    called = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-              and isinstance(n.func.value, ast.Attribute) and n.func.value.attr == "engine"}
-    assert called == {"generate", "async_generate", "shutdown"} and called <= engine
-    read = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
-            and n.value.attr == "engine"}
+    called, read = _engine_uses("backend.py", "self.engine")
+    assert called == {"generate", "shutdown"} and called <= engine
+    assert read - called == set()  # generate_groups is RemoteEngine's, looked up with getattr
+    called, read = _engine_uses("groups.py", "engine")
+    assert called == {"async_generate"} and called <= engine
     assert read - called == {"loop"} and read - called <= _names(("self_attr",), "Engine")
     assert _params("Engine", "async_generate") == _params("Engine", "generate")
     from engine_patches.sglang.outputs import generate_kwargs, sampling_dict
@@ -241,6 +240,41 @@ def test_rollout_backend_touches_only_contract_names():
     started = next(n for n in ast.walk(start) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
                    and n.func.id == "engine_cls")
     assert {k.arg for k in started.keywords} - {None, "hook_spec"} == set(contract.MANAGED_SERVER_ARGS)
+
+
+def _engine_uses(file: str, receiver: str) -> tuple[set[str], set[str]]:
+    """(methods called on, attributes read from) `receiver` ("self.engine", "engine") in a patch file."""
+    tree = ast.parse((ROOT / "engine_patches/sglang" / file).read_text())
+    on = lambda n: ast.unparse(n.value) == receiver  # noqa: E731
+    called = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+              and on(n.func)}
+    read = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and on(n)}
+    return called, read
+
+
+def test_engine_process_touches_only_contract_names():
+    """The engine process drives SGLang's Engine (RollplexEngine) by contract names and builds the weight
+    update request with the contract's fields, as Engine.update_weights_from_tensor does."""
+    engine = _names(("method",), "Engine") | {"call"}  # call: RollplexEngine's own
+    tree = ast.parse((ROOT / "engine_patches/sglang/engine_process.py").read_text())
+    funcs = {id(c.func) for c in ast.walk(tree) if isinstance(c, ast.Call)}
+    called, read = set(), set()
+    for n in ast.walk(tree):  # the engine is `e` in the OPS table, `engine` elsewhere
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in ("e", "engine"):
+            (called if id(n) in funcs else read).add(n.attr)
+    assert {"generate", "release_memory_occupation", "resume_memory_occupation", "collective_rpc", "call",
+            "shutdown"} <= called <= engine, called - engine
+    assert read <= _names(("self_attr",), "Engine") | {"server_args"}, read
+    assert {"loop", "tokenizer_manager"} <= read
+    update = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "update_weights")
+    req = next(n for n in ast.walk(update) if isinstance(n, ast.Call) and ast.unparse(n.func) ==
+               "UpdateWeightsFromTensorReqInput")
+    fields = next(e.names for e in CONTRACT if e.scope == "UpdateWeightsFromTensorReqInput")
+    assert {k.arg for k in req.keywords} == set(fields)
+    mirrored = next(e.names for e in CONTRACT if e.scope == "Engine.update_weights_from_tensor")
+    assert {ast.unparse(c.func) for c in ast.walk(update) if isinstance(c, ast.Call)} >= {
+        "UpdateWeightsFromTensorReqInput", "engine.tokenizer_manager.update_weights_from_tensor",
+        "engine.loop.run_until_complete"} == {m.replace("self.", "engine.") for m in mirrored}
 
 
 def test_server_generate_fields_are_the_contracts():

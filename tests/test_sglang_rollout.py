@@ -102,8 +102,9 @@ def test_requests_are_one_per_sample_with_the_native_seeds(proc):
     assert kw["sampling_params"][0]["stop"] == ["x"] and kw["sampling_params"][2]["top_k"] == 4
     assert kw["image_data"][:2] == [None, None]
     item = kw["image_data"][2]
-    assert item["format"] == "processor_output" and item["image_grid_thw"] is image.image_grid_thw
-    assert item["pixel_values"] is image.pixel_values
+    assert item["format"] == "processor_output" and torch.equal(item["image_grid_thw"], image.image_grid_thw)
+    assert torch.equal(item["pixel_values"], image.pixel_values) and item["pixel_values"].device.type == "cpu"
+    assert kw["image_data"][3] is item and kw["image_data"][4] is item  # one item per prompt, sent once
     assert "image_data" not in generate_kwargs([text], params[:1], [[1, 2]])
     unseeded = [SamplingParams(n=3)]
     seeds = sample_seeds(unseeded, random.Random(1))[0]
@@ -277,9 +278,11 @@ def test_backend_refusals(fake_sglang, tiny_dir, proc):
         rollout.close()
     image = row_to_inputs(proc, ROWS[0])
     old = SGLangRollout(engine=None, version="0.5.7")
-    with pytest.raises(ValueError, match=r"image prompts need SGLang >= 0\.5\.23"):
+    with pytest.raises(ValueError, match=r"image prompts need SGLang >= 0\.5\.17"):
         old.generate([image], [SamplingParams()])
+    assert SGLangRollout(engine=None, version="0.5.17").image_prompts
     assert SGLangRollout(engine=None, version="0.5.23.post1").image_prompts
+    assert not SGLangRollout(engine=None, version="0.5.16").image_prompts
 
 
 # ---- the server and the driver -----------------------------------------------------------------------

@@ -21,12 +21,15 @@ went back to the memory manager, and before SGLang's KV cache is resumed — not
 mini-batch optimizer steps, since nothing samples in between.
 
 Groups as they finish (`reports_groups`: the fused schedule trains finished groups beside the rollout's
-tail): each prompt's n sample requests go to SGLang as one batch request (`Engine.async_generate`), all
-of them at once on the Engine's event loop, so SGLang's scheduler batches every sample as in one
-`generate` call; a batch request answers when its last sample finishes, and its prompt is reported
-then, in finishing order (`meta["finish_index"]`, the native engine's convention). The requests and
-seeds are those of one `generate` call, prompt-major. If reporting fails, the prompts still decoding
-are cancelled and the error is raised.
+tail): each prompt's n sample requests go to SGLang as one batch request (groups.iter_groups, or the
+engine's own `generate_groups` when SGLang runs in its own process), all of them at once, so SGLang's
+scheduler batches every sample as in one `generate` call; a batch request answers when its last sample
+finishes, and its prompt is reported then, in finishing order (`meta["finish_index"]`, the native
+engine's convention). The requests and seeds are those of one `generate` call, prompt-major. If
+reporting fails, the prompts still decoding are cancelled and the error is raised.
+
+`engine` is SGLang's Engine in this process (engine.RollplexEngine) or in its own one
+(remote.RemoteEngine, with SGLang's own PYTHONPATH); both take the same calls.
 
 SGLang keeps no vision encodings for the trainer, so `keep_vision` has no effect here: a frozen vision
 tower runs in scoring as without it. Its KV cache lives in SGLang's memory pool, outside the step's
@@ -35,7 +38,6 @@ memory manager (`kv_cache_bytes()` is 0).
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import random
 from collections.abc import Sequence
@@ -43,6 +45,7 @@ from collections.abc import Sequence
 from rollplex.memory.plan import PhasePlan
 
 from .contract import IMAGE_PROMPTS_MIN_VERSION, release_tuple
+from .groups import iter_groups
 from .memory import SGLangMemoryAdapter, hf_named_tensors
 from .outputs import generate_kwargs, request_outputs, sample_seeds
 
@@ -52,10 +55,12 @@ class SGLangRollout:
     reports_groups = True
 
     def __init__(self, engine, processor=None, release_weights: bool = True, weights_cpu_backup: bool = False,
-                 bucket_bytes: int = 512 << 20, seed: int = 0, version: str | None = None):
-        """version: the installed SGLang's; image prompts need IMAGE_PROMPTS_MIN_VERSION or newer."""
+                 bucket_bytes: int = 512 << 20, seed: int = 0, version: str | None = None, memory_saver: bool = True):
+        """version: the installed SGLang's; image prompts need IMAGE_PROMPTS_MIN_VERSION or newer. memory_saver:
+        whether SGLang runs with its memory saver (without it nothing is released outside the rollout)."""
         self.engine, self.processor = engine, processor
-        self.memory_adapter = SGLangMemoryAdapter(engine, None, release_weights, weights_cpu_backup, bucket_bytes)
+        self.memory_adapter = SGLangMemoryAdapter(engine, None, release_weights, weights_cpu_backup, bucket_bytes,
+                                                  memory_saver=memory_saver)
         self.memory_adapter.weights_current = False  # the policy is copied in before the first rollout
         self.version = version
         self.image_prompts = version is None or release_tuple(version) >= release_tuple(IMAGE_PROMPTS_MIN_VERSION)
@@ -86,6 +91,9 @@ class SGLangRollout:
     def generate(self, prompts: Sequence, params: Sequence, keep_vision: bool = False, on_output=None) -> list:
         if len(prompts) != len(params):
             raise ValueError("one SamplingParams per prompt")
+        if any(getattr(sp, "n_greedy", 0) for sp in params):
+            raise ValueError("the sglang rollout backend does not roll out greedy continuations (n_greedy, "
+                             "adv_estimator='remax'): use the native backend")
         if not prompts:
             return []
         if not self.image_prompts and any(p.image_grids for p in prompts):
@@ -96,34 +104,24 @@ class SGLangRollout:
         kw = generate_kwargs(prompts, params, sample_seeds(params, self._rng))
         rids = [f"sglang-{next(self._ids)}" for _ in prompts]
         if on_output is not None:
-            return self.engine.loop.run_until_complete(self._grouped(prompts, params, kw, rids, on_output))
+            return self._grouped(prompts, params, kw, rids, on_output)
         return request_outputs(prompts, params, self.engine.generate(**kw), self._decode, rids)
 
-    async def _grouped(self, prompts: Sequence, params: Sequence, kw: dict, rids: list, on_output) -> list:
+    def _grouped(self, prompts: Sequence, params: Sequence, kw: dict, rids: list, on_output) -> list:
         """`generate`'s requests as one batch request per prompt, each reported when it answers."""
         starts = list(itertools.accumulate((sp.n for sp in params), initial=0))
-
-        async def group(i: int):  # prompt i's samples: rows starts[i]:starts[i + 1] of the flat request lists
-            part = {k: (v[starts[i]:starts[i + 1]] if isinstance(v, list) else v) for k, v in kw.items()}
-            return i, await self.engine.async_generate(**part)
-
-        pending = {asyncio.ensure_future(group(i)) for i in range(len(prompts))}
+        # an engine in its own process streams the groups from there (remote.RemoteEngine.generate_groups)
+        stream = getattr(self.engine, "generate_groups", None)
+        answers = stream(kw, starts) if stream is not None else iter_groups(self.engine, kw, starts)
         outs: list = [None] * len(prompts)
-        finished = 0
         try:
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in sorted(done, key=lambda t: t.result()[0]):  # ties: prompt order
-                    i, raw = task.result()
-                    out = request_outputs([prompts[i]], [params[i]], raw, self._decode, [rids[i]])[0]
-                    out.meta["finish_index"], finished = finished, finished + 1
-                    outs[i] = out
-                    on_output(i, out)
+            for finished, (i, raw) in enumerate(answers):
+                out = request_outputs([prompts[i]], [params[i]], raw, self._decode, [rids[i]])[0]
+                out.meta["finish_index"] = finished
+                outs[i] = out
+                on_output(i, out)
         finally:
-            for task in pending:
-                task.cancel()
-            if pending:
-                await asyncio.gather(*pending, return_exceptions=True)
+            answers.close()  # cancels the prompts still decoding when reporting failed
         return outs
 
     @property

@@ -214,6 +214,9 @@ def _check(e: Relied, mod: ast.Module, read, tree) -> list[str]:
     if e.kind == "fields":
         have = _class_fields(mod, scope)
         return [f"no field {x}" for x in e.names if x not in have]
+    if e.kind == "any_field":
+        have = _class_fields(mod, scope)
+        return [] if any(x in have for x in e.names) else [f"none of the fields {', '.join(e.names)}"]
     if e.kind == "calls":
         have = _calls(scope)
         return [f"does not call {x}" for x in e.names if x not in have]

@@ -14,6 +14,7 @@ Entry kinds (`Relied.kind`):
     function     the same for a module-level function                         (scope: "")
     fields       the class (or a base class in the same file) declares these fields or takes them in
                  __init__                                                     (scope: Class)
+    any_field    the same for at least one of these names (a field SGLang renamed) (scope: Class)
     calls        the scope calls these callables ("self.run_batch", "Scheduler"; "**parameters": a
                  call that spreads `<x>.parameters` as keyword arguments)     (scope: Class.method | function)
     reads        the scope reads these dotted names                           (scope: Class.method)
@@ -39,12 +40,13 @@ from dataclasses import dataclass
 # the oldest release with everything below (Engine.run_scheduler_process_func first appears in 0.5.7)
 MIN_VERSION = "0.5.7"
 # releases whose source the contract tests check; docs/SGLANG.md lists them
-CHECKED_VERSIONS = ("0.5.7", "0.5.23")
+CHECKED_VERSIONS = ("0.5.7", "0.5.17", "0.5.23")
 NEWEST_CHECKED = CHECKED_VERSIONS[-1]
 # the oldest checked release whose Qwen-VL processor takes the M-RoPE grids of processor_output images from
 # the items (0.5.7 passes the HF processor's output, None for such input, so image tokens would get text
-# positions); the rollout backend refuses image prompts on older releases
-IMAGE_PROMPTS_MIN_VERSION = "0.5.23"
+# positions; 0.5.17 and 0.5.23 read the grid from the item); the rollout backend refuses image prompts on
+# older releases
+IMAGE_PROMPTS_MIN_VERSION = "0.5.17"
 
 ENGINE = "sglang/srt/entrypoints/engine.py"
 SCHEDULER = "sglang/srt/managers/scheduler.py"
@@ -58,12 +60,13 @@ TOKENIZER = "sglang/srt/managers/tokenizer_manager.py"
 MM_BASE = "sglang/srt/multimodal/processors/base_processor.py"
 MM_QWEN_VL = "sglang/srt/multimodal/processors/qwen_vl.py"
 SERVER_ARGS = "sglang/srt/server_args.py"
+UTILS = "sglang/srt/utils/common.py"
 # where newer releases declare ServerArgs' fields (argument-group classes); absent in older ones
 SERVER_ARG_FIELDS = tuple(f"sglang/srt/arg_groups/fields/{m}.py" for m in (
     "device", "disagg", "exec_", "lora", "memory", "mm", "model", "observability", "parallel", "schedule",
     "serving", "spec"))
 FILES = (ENGINE, SCHEDULER, IO_STRUCT, FORWARD, BATCH, CONSTANTS, SAMPLING, QWEN_VL, TOKENIZER, MM_BASE,
-         MM_QWEN_VL, SERVER_ARGS, *SERVER_ARG_FIELDS)
+         MM_QWEN_VL, SERVER_ARGS, UTILS, *SERVER_ARG_FIELDS)
 
 # what the patched Scheduler adds: one RPC method and one attribute (the hook driver)
 RPC_METHOD = "rollplex_rpc"
@@ -86,6 +89,8 @@ GENERATE_FIELDS = (
     "input_embeds", "session_params", "token_ids_logprob", "bootstrap_host", "bootstrap_port", "bootstrap_room",
     "log_metrics", "modalities", "data_parallel_rank", "priority", "no_logs",
 )
+# the data-parallel rank's request field under its old and new names (0.5.17 has only routed_dp_rank)
+DP_RANK_FIELDS = ("data_parallel_rank", "routed_dp_rank")
 # sampling parameters rollplex/server accepts under SGLang's names (schemas.SGLangSamplingParams without
 # Rollplex's `seed` alias, + NEUTRAL_SAMPLING + IGNORED_SAMPLING)
 SAMPLING_FIELDS = (
@@ -126,7 +131,8 @@ def release_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(x) for x in m.group(0).split(".")) if m else ()
 
 
-KINDS = ("class_attr", "method", "function", "fields", "calls", "reads", "self_attr", "absent", "str_values",
+KINDS = ("class_attr", "method", "function", "fields", "any_field", "calls", "reads", "self_attr", "absent",
+         "str_values",
          "strings", "constant", "server_args")
 
 CONTRACT: tuple[Relied, ...] = (
@@ -154,6 +160,23 @@ CONTRACT: tuple[Relied, ...] = (
     Relied("method", ENGINE, "Engine", ("update_weights_from_tensor", "named_tensors", "load_format", "flush_cache"),
            "the trained policy's weights are copied into SGLang's model before each rollout"),
     Relied("method", ENGINE, "Engine", ("shutdown",), "the rollout backend's close() stops SGLang's processes"),
+    # ---- SGLang in its own process (remote.py): weights serialized in the trainer's process -----------
+    Relied("calls", ENGINE, "Engine.update_weights_from_tensor",
+           ("UpdateWeightsFromTensorReqInput", "self.tokenizer_manager.update_weights_from_tensor",
+            "self.loop.run_until_complete"),
+           "the engine process sends the trainer's pre-serialized weights the way Engine.update_weights_from_tensor "
+           "sends its own: one request to the tokenizer manager, on the engine's loop"),
+    Relied("calls", ENGINE, "Engine", ("MultiprocessingSerializer.serialize",),
+           "the payload is SGLang's serialization of the (name, tensor) list, one per TP rank"),
+    Relied("self_attr", ENGINE, "Engine", ("tokenizer_manager",), "the engine process reaches it for that request"),
+    Relied("calls", UTILS, "MultiprocessingSerializer.serialize", ("ForkingPickler",),
+           "that serialization is a ForkingPickler dump (CUDA tensors as IPC handles), which the trainer's process "
+           "makes without importing SGLang"),
+    Relied("fields", IO_STRUCT, "UpdateWeightsFromTensorReqInput", ("serialized_named_tensors", "load_format",
+                                                                    "flush_cache"),
+           "the weight update request the engine process builds"),
+    Relied("server_args", SERVER_ARGS, "ServerArgs", ("tp_size",),
+           "one serialized payload per tensor-parallel rank"),
     Relied("server_args", SERVER_ARGS, "ServerArgs", MANAGED_SERVER_ARGS,
            "the rollout backend starts the Engine on the policy's checkpoint with these server arguments"),
     Relied("constant", CONSTANTS, "", ("GPU_MEMORY_TYPE_KV_CACHE",), "memory tag of the KV cache", "kv_cache"),
@@ -224,13 +247,16 @@ CONTRACT: tuple[Relied, ...] = (
            "an image prompt's preprocessed images go as one processor_output item, not re-processed"),
     Relied("strings", MM_BASE, "BaseMultimodalProcessor.__init__", ("pixel_values", "image_grid_thw"),
            "the processor_output item carries the prompt's pixel_values and image_grid_thw"),
-    Relied("calls", MM_QWEN_VL, "QwenVLImageProcessor._process_mm_data_uncached",
-           ("self._get_grid_from_output_or_items",),
-           "M-RoPE positions of processor_output images come from the item's image_grid_thw",
+    Relied("calls", MM_QWEN_VL, "QwenVLImageProcessor", ("self._get_grid_from_output_or_items",),
+           "M-RoPE positions of processor_output images come from the item's image_grid_thw (in "
+           "process_mm_data_async in 0.5.17, in _process_mm_data_uncached in 0.5.23)",
            since=IMAGE_PROMPTS_MIN_VERSION),
     # ---- what rollplex/server mirrors ---------------------------------------------------------------
-    Relied("fields", IO_STRUCT, "GenerateReqInput", GENERATE_FIELDS,
+    Relied("fields", IO_STRUCT, "GenerateReqInput", tuple(f for f in GENERATE_FIELDS if f not in DP_RANK_FIELDS),
            "rollplex/server's /generate accepts these SGLang request fields"),
+    Relied("any_field", IO_STRUCT, "GenerateReqInput", DP_RANK_FIELDS,
+           "rollplex/server's /generate accepts (and ignores) data_parallel_rank; 0.5.17 names it routed_dp_rank, "
+           "0.5.23 takes both"),
     Relied("fields", SAMPLING, "SamplingParams", SAMPLING_FIELDS,
            "rollplex/server's sampling_params accepts these SGLang names"),
 )

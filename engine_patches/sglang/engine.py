@@ -38,10 +38,69 @@ from .spec import HookSpec
 _SCALARS = (str, int, float, bool, type(None))
 
 
+class HookControl:
+    """The hook's control ops over `self.call(op, **params)` and payload files at `self._path(what)`: shared by
+    the in-process Engine subclass and the engine in its own process (remote.RemoteEngine)."""
+
+    def start_admission(self, prompts: list) -> Any:
+        """Start a rollout's co-scheduled prefix work on `prompts` (ModelInputs, in rollout order)."""
+        from . import tensor_ipc
+
+        path = self._path("prompts.pkl")
+        tensor_ipc.dump(list(prompts), path)
+        try:
+            return self.call("start_admission", prompts_path=path)
+        finally:
+            os.unlink(path)
+
+    def stop_admission(self) -> dict:
+        return self.call("stop_admission")
+
+    def hook_metrics(self) -> dict:
+        return self.call("metrics")
+
+    def prefix_states(self) -> dict:
+        """{consumer: PrefixState} of the last rollout; valid until release_prefix_states()."""
+        from . import tensor_ipc
+
+        path = self._path("prefix.pkl")
+        self.call("export_prefix_states", states_path=path)
+        try:
+            return tensor_ipc.load(path)
+        finally:
+            os.unlink(path)
+
+    def release_prefix_states(self) -> None:
+        self.call("release_prefix_states")
+
+    def update_hook_weights(self, named_tensors: dict) -> Any:
+        """Copy `named_tensors` (Rollplex parameter names) into the hook's policy model."""
+        from . import tensor_ipc
+
+        path = self._path("weights.pkl")
+        tensor_ipc.dump(dict(named_tensors), path)
+        try:
+            return self.call("update_weights", weights_path=path)
+        finally:
+            os.unlink(path)
+
+    def hook_weights(self, model: str = "ref") -> dict:
+        """{parameter name: tensor} of the hook's `model` ("ref" | "policy"), mapped by CUDA IPC: they
+        alias the scheduler process's memory (read-only use; valid while the engine runs)."""
+        from . import tensor_ipc
+
+        path = self._path("hook-weights.pkl")
+        self.call("export_weights", model=model, weights_path=path)
+        try:
+            return tensor_ipc.load(path)
+        finally:
+            os.unlink(path)
+
+
 def make_engine_class(base: type) -> type:
     """A subclass of `base` (SGLang's Engine) whose schedulers run Rollplex's hooked Scheduler."""
 
-    class RollplexEngine(base):
+    class RollplexEngine(HookControl, base):
         run_scheduler_process_func = staticmethod(run_patched_scheduler_process)
 
         def __init__(self, hook_spec: HookSpec | None = None, **kwargs):
@@ -81,60 +140,6 @@ def make_engine_class(base: type) -> type:
             if not res["ok"]:
                 raise RuntimeError(f"control op {op!r} failed in the scheduler: {res['error']}")
             return res["result"]
-
-        def start_admission(self, prompts: list) -> Any:
-            """Start a rollout's co-scheduled prefix work on `prompts` (ModelInputs, in rollout order)."""
-            from . import tensor_ipc
-
-            path = self._path("prompts.pkl")
-            tensor_ipc.dump(list(prompts), path)
-            try:
-                return self.call("start_admission", prompts_path=path)
-            finally:
-                os.unlink(path)
-
-        def stop_admission(self) -> dict:
-            return self.call("stop_admission")
-
-        def hook_metrics(self) -> dict:
-            return self.call("metrics")
-
-        def prefix_states(self) -> dict:
-            """{consumer: PrefixState} of the last rollout; valid until release_prefix_states()."""
-            from . import tensor_ipc
-
-            path = self._path("prefix.pkl")
-            self.call("export_prefix_states", states_path=path)
-            try:
-                return tensor_ipc.load(path)
-            finally:
-                os.unlink(path)
-
-        def release_prefix_states(self) -> None:
-            self.call("release_prefix_states")
-
-        def update_hook_weights(self, named_tensors: dict) -> Any:
-            """Copy `named_tensors` (Rollplex parameter names) into the hook's policy model."""
-            from . import tensor_ipc
-
-            path = self._path("weights.pkl")
-            tensor_ipc.dump(dict(named_tensors), path)
-            try:
-                return self.call("update_weights", weights_path=path)
-            finally:
-                os.unlink(path)
-
-        def hook_weights(self, model: str = "ref") -> dict:
-            """{parameter name: tensor} of the hook's `model` ("ref" | "policy"), mapped by CUDA IPC: they
-            alias the scheduler process's memory (read-only use; valid while the engine runs)."""
-            from . import tensor_ipc
-
-            path = self._path("hook-weights.pkl")
-            self.call("export_weights", model=model, weights_path=path)
-            try:
-                return tensor_ipc.load(path)
-            finally:
-                os.unlink(path)
 
     RollplexEngine.__name__ = RollplexEngine.__qualname__ = f"Rollplex{base.__name__}"
     RollplexEngine.__module__ = __name__

@@ -6,7 +6,8 @@ MemoryManager.enter for them, by SGLang's memory tags (contract.MEMORY_TAGS):
 
     rollout      everything resumed
     ref, update  kv_cache + cuda_graph released where the Rollplex plan does not keep the KV cache
-                 resident (PhasePlan.get(phase, "kv_cache")); weights released when release_weights
+                 resident (PhasePlan.get(phase, "kv_cache")); weights released when release_weights;
+                 nothing when SGLang runs without its memory saver (memory_saver=False)
 
 Released weights lose their contents (unless SGLang backs them up on the host:
 `weights_cpu_backup=True`, matching its `enable_weights_cpu_backup`), and an update phase changes the
@@ -30,12 +31,14 @@ from .contract import MEMORY_TAGS
 
 class SGLangMemoryAdapter:
     def __init__(self, engine, plan: PhasePlan | None = None, release_weights: bool = True,
-                 weights_cpu_backup: bool = False, bucket_bytes: int = 512 << 20, ledger: Ledger | None = None):
+                 weights_cpu_backup: bool = False, bucket_bytes: int = 512 << 20, ledger: Ledger | None = None,
+                 memory_saver: bool = True):
         if bucket_bytes <= 0:
             raise ValueError("bucket_bytes must be > 0")
         self.engine, self.plan = engine, plan or PhasePlan.releases_only()
         self.release_weights, self.weights_cpu_backup = release_weights, weights_cpu_backup
         self.bucket_bytes, self.ledger = bucket_bytes, ledger
+        self.memory_saver = memory_saver  # False: SGLang runs without its memory saver and keeps everything
         self.released: set[str] = set()
         self.weights_current = True  # SGLang's weights hold the policy's latest values
         self.phase: str | None = None
@@ -44,7 +47,7 @@ class SGLangMemoryAdapter:
         """SGLang memory tags released during `phase`, in MEMORY_TAGS order."""
         if phase not in PHASES:
             raise ValueError(f"unknown phase {phase!r}; phases are {PHASES}")
-        if phase == "rollout":
+        if phase == "rollout" or not self.memory_saver:
             return ()
         tags = {"weights"} if self.release_weights else set()
         if self.plan.get(phase, "kv_cache") != "resident":
@@ -80,8 +83,10 @@ class SGLangMemoryAdapter:
             raise ValueError("refresh_weights needs the policy's named tensors (got none)")
         t0 = time.perf_counter()
         for i, bucket in enumerate(buckets):
-            self.engine.update_weights_from_tensor(named_tensors=bucket, load_format=None,
-                                                   flush_cache=i == len(buckets) - 1)
+            res = self.engine.update_weights_from_tensor(named_tensors=bucket, load_format=None,
+                                                         flush_cache=i == len(buckets) - 1)
+            if isinstance(res, tuple) and res and res[0] is False:  # SGLang answers (success, message)
+                raise RuntimeError(f"SGLang did not load the policy's weights: {res[1] if len(res) > 1 else res}")
         if self.ledger is not None:
             self.ledger.record_transition("resume", "sglang/weight_refresh", time.perf_counter() - t0)
         self.weights_current = True

@@ -8,8 +8,9 @@ n samples distinct under SGLang's deterministic sampling too (it seeds unseeded 
     input_ids        Rollplex's token ids, image placeholders already expanded: SGLang decodes exactly
                      the prompt the trainer scores
     image_data       per request None, or one {"format": "processor_output", "pixel_values",
-                     "image_grid_thw"} with the prompt's preprocessed images (SGLang takes one such
-                     item per request); only for prompts with images
+                     "image_grid_thw"} with the prompt's preprocessed images on the host (SGLang takes
+                     one such item per request; a prompt's samples share one item); only for prompts
+                     with images
     sampling_params  SGLang's names: max_new_tokens, temperature, top_p, top_k, min_p, stop,
                      stop_token_ids, ignore_eos, skip_special_tokens, sampling_seed
     return_logprob   True: the sampled tokens' logprobs come back with them
@@ -42,9 +43,10 @@ PROCESSOR_OUTPUT = "processor_output"
 FINISH_TYPES = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-def sampling_dict(sp: SamplingParams, seed: int) -> dict:
-    """One sample's SGLang sampling_params (n = 1)."""
-    d = {"max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
+def sampling_dict(sp: SamplingParams, seed: int, j: int = 0) -> dict:
+    """Sample j's SGLang sampling_params (n = 1; its own length cap when the request gives one)."""
+    cap = sp.max_new_tokens if sp.sample_max_new_tokens is None else sp.sample_max_new_tokens[j]
+    d = {"max_new_tokens": cap, "temperature": sp.temperature, "top_p": sp.top_p,
          "top_k": sp.top_k, "min_p": sp.min_p, "ignore_eos": sp.ignore_eos,
          "skip_special_tokens": sp.skip_special_tokens, "sampling_seed": int(seed), "n": 1}
     if sp.stop:
@@ -60,7 +62,10 @@ def image_item(prompt) -> dict | None:
         raise ValueError("video prompts are not supported by the sglang rollout backend (text and image prompts are)")
     if not prompt.image_grids:
         return None
-    return {"format": PROCESSOR_OUTPUT, "pixel_values": prompt.pixel_values, "image_grid_thw": prompt.image_grid_thw}
+    # on the host, as an HF processor's output: SGLang moves them to its own device (and they cross to an
+    # engine in another process by value, never as a CUDA IPC handle it would have to share again)
+    return {"format": PROCESSOR_OUTPUT, "pixel_values": prompt.pixel_values.detach().cpu(),
+            "image_grid_thw": prompt.image_grid_thw.detach().cpu()}
 
 
 def sample_seeds(params: Sequence[SamplingParams], rng: random.Random) -> list[list[int]]:
@@ -79,10 +84,10 @@ def generate_kwargs(prompts: Sequence, params: Sequence[SamplingParams], seeds: 
     ids, images, sps = [], [], []
     for p, sp, ss in zip(prompts, params, seeds):
         item = image_item(p)
-        for s in ss:
+        for j, s in enumerate(ss):
             ids.append(list(p.input_ids))
             images.append(item)
-            sps.append(sampling_dict(sp, s))
+            sps.append(sampling_dict(sp, s, j))
     kw = {"input_ids": ids, "sampling_params": sps, "return_logprob": True}
     if any(x is not None for x in images):
         kw["image_data"] = images

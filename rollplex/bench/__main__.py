@@ -6,7 +6,9 @@ import sys
 WORKLOADS = {
     "memory": "rollplex.bench.memory",
     "serve": "rollplex.bench.serve",
+    "spec": "rollplex.bench.spec",  # the rollout's tail with speculative decoding (replayed drafts)
     "step": "rollplex.bench.step",
+    "sglang": "rollplex.bench.sglang",  # SGLang (in its own process) beside the native engine: smoke | rollout
     "weights": "rollplex.bench.weights",  # the weight-sharing planner's tables (rollplex.weights)
     "parallel": "rollplex.bench.parallel",  # under torchrun: train | decode | disaggregated | step
 }

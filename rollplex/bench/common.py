@@ -73,7 +73,8 @@ def vit_flops(cfg: ModelConfig, grid: list[tuple[int, int, int]]) -> float:
 
 
 def update_flops(cfg: ModelConfig, batch: RolloutBatch, mode: str, grid) -> float:
-    """Executed FLOPs of one forward+backward over the batch in `mode` (x3 of the forward)."""
+    """Executed FLOPs of one forward+backward over the batch in `mode` (x3 of the forward): `rollplex` and
+    `serial` (packed) run each response to its own length, `serial-padded` every one to the longest."""
     t = cfg.text
     qkv = t.hidden_size * (t.num_attention_heads + 2 * t.num_key_value_heads) * t.head_dim
     layer = qkv + t.hidden_size**2 + 3 * t.hidden_size * t.intermediate_size
@@ -83,10 +84,11 @@ def update_flops(cfg: ModelConfig, batch: RolloutBatch, mode: str, grid) -> floa
     R = batch.responses.shape[1]
     N, B = batch.num_samples, batch.num_prompts
     vis = vit_flops(cfg, grid)
+    lens = [R] * N if mode == "serial-padded" else batch.response_lengths()
     if mode == "rollplex":
         prefix = B * (P * linear + attn_per_pair * P * P / 2 + vis)
-        resp = N * ((R - 1) * linear + attn_per_pair * (R - 1) * (P + R / 2))
+        resp = sum((n - 1) * linear + attn_per_pair * (n - 1) * (P + n / 2) for n in lens)
     else:
-        L = P + R - 1
-        prefix, resp = 0.0, N * (L * linear + attn_per_pair * L * L / 2 + vis)
+        prefix = 0.0
+        resp = sum((P + n - 1) * linear + attn_per_pair * (P + n - 1) ** 2 / 2 + vis for n in lens)
     return 3 * (prefix + resp)

@@ -8,6 +8,10 @@ table; the server is stopped at the end.
 
     python -m rollplex.bench serve --model qwen2.5-vl-3b --server-args "--kl-coef 0.001"
 
+The server is told the rounds' response length (`--max-new-tokens`, unless the server args give one): its
+memory plan sizes the update's activations from it when the server starts, and a plan made for the
+default 128 tokens under-counts a 512-token rollout's micro-batch 2.9x.
+
 `--load` runs the load mode instead (serve_load.py: engine speed against concurrent and streamed
 /generate clients, time to ready cold and warm): `python -m rollplex.bench serve --load --help`.
 Both modes start the server with server_proc.py.
@@ -56,7 +60,7 @@ def main(argv=None) -> None:
     import httpx
 
     url = f"http://127.0.0.1:{args.port}"
-    cmd = server_command(args.model, args.port, args.server_args)
+    cmd = server_command(args.model, args.port, plan_args(args.server_args, args.max_new_tokens))
     proc = start_server(cmd, args.log)
     rows = []
     try:
@@ -111,6 +115,13 @@ def main(argv=None) -> None:
               f"{upd:>13} {row.get('memory/transition_s', float('nan')):>10}")
     if any(r.get("error") for r in rows):
         raise SystemExit(1)
+
+
+def plan_args(server_args: str, max_new_tokens: int) -> str:
+    """The server's flags with `--max-new-tokens` set to the rounds' length when they do not set it."""
+    if "--max-new-tokens" in server_args.split() or any(a.startswith("--max-new-tokens=") for a in server_args.split()):
+        return server_args
+    return f"{server_args} --max-new-tokens {max_new_tokens}".strip()
 
 
 if __name__ == "__main__":

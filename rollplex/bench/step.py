@@ -1,9 +1,19 @@
 """`python -m rollplex.bench step`: one GRPO step, `serial` vs `rollplex`, side by side, warm.
 
-Workloads: W3B (32 prompts x n=8, one 448x448 image + 96 text tokens, 512 new tokens) and W3B-video
-(8 frames of 448x448 -> 1024 visual tokens). A step is one engine rollout, shared by both modes (the
-rollout is identical in both), then reference scoring and the actor update in each mode on that batch
-from the same initial weights. Correctness first: on a small batch the two modes' losses agree.
+Workloads (bench/workloads.py): W3B (32 prompts x n=8, one 448x448 image + 96 text tokens, 512 new tokens),
+W3B-video (8 frames of 448x448 -> 1024 visual tokens), their tails (lengths per sample from a long tail)
+and w3b-long-tail (16 x 16, log-normal lengths up to 4096, median 800); `--preset` picks the model
+(qwen3-vl-4b runs the same shapes on Qwen3-VL-4B).
+
+`serial` is verl's best configuration: each sample a full sequence with its image re-encoded, the
+sequences packed without padding (use_remove_padding) in micro-batches cut by a token budget
+(use_dynamic_bsz, `--serial-max-tokens`: a comma list, one row per budget, the fastest the summary's
+`serial`), old logprobs skipped with one update per rollout. `serial-padded` is the older baseline:
+`--micro-samples` sequences per pass, right-padded to the longest.
+
+A step is one engine rollout, shared by the modes (the rollout is identical in all), then reference
+scoring and the actor update in each mode on that batch from the same initial weights. Correctness
+first: on a small batch the modes' losses agree.
 
 Every phase is timed warm: a warm-up step of the same shapes (its own rollout, with another seed, and
 both modes' scoring + update) runs first and pays the one-off costs (dynamo compiles and recompiles at
@@ -33,7 +43,7 @@ import copy
 import gc
 import json
 import time
-from dataclasses import fields, replace
+from dataclasses import asdict, fields, replace
 
 import torch
 
@@ -48,8 +58,10 @@ from ..rl.config import RLConfig
 from ..rl.fuse_gate import FuseGate
 from ..rl.step import TRAINER_REGIONS, RLStep
 from ..system import System, SystemConfig, build
+from . import step_sglang
 from .common import PEAK_TFLOPS, make_prompts, sync, update_flops
 from .timing import env_info
+from .workloads import Workload, workload
 
 
 def rollout(eng: Engine, prompts: list, params: list[SamplingParams], seed: int,
@@ -90,7 +102,7 @@ def run_modes(system: System, batch: RolloutBatch, rl_kw: dict, grid, label: str
     rows = []
     for mode in modes:
         restore(model, init, frozen)
-        rl = trainer(system, RLConfig(mode=mode, freeze_vision_tower=frozen, **rl_kw), rollout=False,
+        rl = trainer(system, RLConfig(**mode_kw(mode, rl_kw), freeze_vision_tower=frozen), rollout=False,
                      reward_fn="exact", ref_model=ref)
         key = (label, mode, frozen)
         if backoffs is not None and key in backoffs:
@@ -101,6 +113,33 @@ def run_modes(system: System, batch: RolloutBatch, rl_kw: dict, grid, label: str
         del rl
         _drop_trainer(system)
     return rows
+
+
+def mode_kw(mode: str, rl_kw: dict) -> dict:
+    """A row's RLConfig fields: `serial@TOKENS` packs its sequences in passes of TOKENS tokens (verl's
+    use_remove_padding + use_dynamic_bsz), `serial-padded` pads `micro_batch_samples` sequences per pass,
+    any other mode takes rl_kw as given."""
+    if mode == "serial-padded":
+        return {**rl_kw, "mode": "serial", "packed": False, "micro_batch_max_tokens": None}
+    if mode.startswith("serial@"):
+        return {**rl_kw, "mode": "serial", "packed": True, "micro_batch_max_tokens": int(mode.split("@", 1)[1])}
+    return {**rl_kw, "mode": mode}
+
+
+def workload_kw(rl_kw: dict, wl: Workload, given: dict) -> None:
+    """Set the workload's RL fields in rl_kw (those given on the command line win): its samples per prompt and
+    longest response (what the memory plan's activation estimate reads), micro-batches that fit one 141 GB GPU
+    next to the KV cache, the reference and the optimizer state (8 serial video sequences per pass do not: a
+    video prompt has 3x the tokens), and for reasoning lengths activation checkpointing and rollplex passes cut
+    by a 32k-token budget (a 16-sample group of up to 4096-token responses does not fit one pass without)."""
+    video = wl.frames > 1
+    rl_kw["n"] = wl.n
+    rl_kw["max_new_tokens"] = given.get("rl.max_new_tokens") or wl.new_tokens
+    rl_kw["micro_batch_prompts"] = given.get("rl.micro_batch_prompts") or (2 if video else 1 if wl.long else 4)
+    rl_kw["micro_batch_samples"] = given.get("rl.micro_batch_samples") or (4 if video else 8)
+    rl_kw["micro_batch_max_tokens"] = given.get("rl.micro_batch_max_tokens") or (32768 if wl.long else None)
+    for flag in ("gradient_checkpointing", "vision_gradient_checkpointing"):
+        rl_kw[flag] = given[f"rl.{flag}"] if f"rl.{flag}" in given else (True if wl.long else None)
 
 
 def _backoffs(rl: RLStep) -> dict:
@@ -195,8 +234,9 @@ def _train_row(rl: RLStep, batch: RolloutBatch, cfg, grid, label: str, step: str
     m = rl.train(batch)
     sync()
     wall = time.perf_counter() - t0
-    fl = update_flops(cfg, batch, "rollplex" if mode == "cosched" else mode, grid)
-    r = {"bench": "step", "workload": label, "step": step, "mode": mode, "vision": "frozen" if frozen else "trained",
+    fl = update_flops(cfg, batch, "rollplex" if mode == "cosched" else mode.split("@")[0], grid)
+    r = {"bench": "step", "workload": label, "step": step, "mode": mode.split("@")[0],
+         "vision": "frozen" if frozen else "trained",
          "prompts": batch.num_prompts, "n": batch.num_samples, "ref_s": round(m.get("timing_s/ref", 0.0), 3),
          "update_actor_s": round(m["timing_s/update_actor"], 3), "ref_plus_update_s": round(wall, 3),
          "update_tflops": round(fl / m["timing_s/update_actor"] / 1e12, 1),
@@ -205,7 +245,8 @@ def _train_row(rl: RLStep, batch: RolloutBatch, cfg, grid, label: str, step: str
          "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else 0,
          "dynamo_graphs_compiled": counters["stats"]["unique_graphs"] - graphs0,
          "prefix_normal_phase_s": round(m.get("rollplex/prefix_ref_normal_phase_s", 0.0), 3),
-         "memory_plan": _plan_name(rl)}
+         "memory_plan": _plan_name(rl), "micro_batch_max_tokens": rl.cfg.micro_batch_max_tokens,
+         "packed": rl.cfg.packed, "gradient_checkpointing": rl.cfg.gradient_checkpointing}
     if any(k.startswith("memory/") and k.endswith("/peak_gib") for k in m):
         # under a plan, on the GPU: the manager's phase peaks, which leave out the regions paused in the phase
         # (the allocator's peak above still counts their tensors)
@@ -253,17 +294,20 @@ _TFLOPS: dict[str, float] = {}
 
 def fused_step(system: System, prompts, params, rl_kw: dict, fuse: tuple, cfg, grid, label: str,
                step: str, frozen: bool, init: dict, ref, seed: int, timeline: Timeline | None = None,
-               gate: FuseGate | None = None) -> dict:
+               gate: FuseGate | None = None, backend=None) -> dict:
     """A whole step on the fused schedule (fuse: (fuse_sms, fuse_below, fuse_chunk_tokens, fuse_admission)):
     groups scored and trained beside the rollout's tail, the rest after it, one optimizer step. Its rewards
     are the phased rows' (the same random 0/1 per sample, in prompt order), so the losses and gradient
-    norms compare. gate: the admission gate of the row's earlier steps (its measurements carry over)."""
+    norms compare. gate: the admission gate of the row's earlier steps (its measurements carry over).
+    backend: another rollout backend than the system's (SGLang): the restored policy is handed over to it
+    first (timed apart from the step)."""
     restore(system.model, init, frozen)
+    push_s = step_sglang.push(backend) if backend is not None else None
     sms, below, tokens, admission = fuse
     rl = trainer(system, RLConfig(mode="rollplex", schedule="fused", fuse_sms=sms, fuse_below=below,
                                   fuse_chunk_tokens=tokens, fuse_admission=admission, freeze_vision_tower=frozen,
                                   **rl_kw),
-                 reward_fn="exact", ref_model=ref)
+                 reward_fn="exact", ref_model=ref, backend=backend)
     rl.timeline = timeline
     rl.schedule.gate = gate
     offsets = [0]
@@ -281,7 +325,9 @@ def fused_step(system: System, prompts, params, rl_kw: dict, fuse: tuple, cfg, g
     batch, m = rl.run(prompts, params, rewards=rewards)
     sync()
     wall = time.perf_counter() - t0
-    r = {"bench": "step", "workload": label, "step": step, "mode": "fused", "vision": "frozen" if frozen else "trained",
+    r = {"bench": "step", "workload": label, "step": step,
+         "mode": "fused" if backend is None else f"{backend.name}-fused",
+         "vision": "frozen" if frozen else "trained",
          "fuse_sms": sms, "fuse_below": below, "fused": m.get("rollplex/fused", 0.0),
          "step_s": round(wall, 3), "gen_s": round(m["timing_s/gen"], 3),
          "tail_s": round(m.get("timing_s/fused_tail", 0.0), 3),
@@ -294,6 +340,8 @@ def fused_step(system: System, prompts, params, rl_kw: dict, fuse: tuple, cfg, g
          "grad_norm": m["actor/grad_norm"],
          "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else 0,
          "memory_plan": _plan_name(rl)}
+    if push_s is not None:
+        r["weight_push_s"] = round(push_s, 3)
     print(json.dumps(r), flush=True)
     r["gate"] = rl.schedule.gate
     del rl, batch
@@ -312,14 +360,6 @@ def prefix_standalone_s(ref, prompts, job_prompts: int) -> float:
         dt = time.perf_counter() - t0
         del rows
     return dt
-
-
-def tail_lengths(n_prompts: int, new_tokens: int, seed: int) -> list[int]:
-    """Per-prompt response lengths from a long tail (log-normal, median new_tokens / 4, at most
-    new_tokens): most groups finish early, a few run long, as in reasoning RL."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.exp(torch.randn(n_prompts, generator=g) * 0.9) * (new_tokens / 4)
-    return [int(v) for v in x.clamp(16, new_tokens).round().tolist()]
 
 
 # The bench's defaults, over SystemConfig's; the fields each row sets (mode, schedule, co-scheduling, the
@@ -352,8 +392,16 @@ def parser() -> ConfigParser:
     ap.add_argument("--preset", default="qwen2.5-vl-3b", help="a preset name or an HF config.json")
     ap.add_argument("--workloads", default="w3b,w3b-video,w3b-tail,w3b-video-tail")
     ap.add_argument("--modes", default="serial,rollplex,fused",
-                    help="serial: per-sample; rollplex: prefix sharing, phased; fused: sharing, groups trained "
-                    "beside the rollout's tail; cosched: sharing + the prefix co-scheduler")
+                    help="serial: per-sample full sequences, packed, token-budgeted (verl's best); serial-padded: "
+                    "--micro-samples padded sequences per pass; rollplex: prefix sharing, phased; fused: sharing, "
+                    "groups trained beside the rollout's tail; cosched: sharing + the prefix co-scheduler")
+    ap.add_argument("--serial-max-tokens", default=None,
+                    help="serial: token budget per pass (verl's ppo_max_token_len_per_gpu), a comma list, one serial "
+                    "row per value (the summary keeps the fastest); default 16384, 32768 for w3b-long-tail")
+    ap.add_argument("--long-prompts", type=int, default=16, help="w3b-long-tail: prompts")
+    ap.add_argument("--long-n", type=int, default=16, help="w3b-long-tail: samples per prompt")
+    ap.add_argument("--long-new-tokens", type=int, default=4096, help="w3b-long-tail: the longest response")
+    ap.add_argument("--long-median", type=int, default=800, help="w3b-long-tail: the median response length")
     ap.add_argument("--fuse-sms", default="0", help="fused: comma list, one row per value (crossed with "
                     "--fuse-below); N > 0 confines the fused work to a green context of N SMs")
     ap.add_argument("--fuse-admission", default="always", help="fused: comma list (always, pays), one row per "
@@ -364,7 +412,7 @@ def parser() -> ConfigParser:
     ap.add_argument("--vision", default="trained,frozen", help="trained and/or frozen (freeze_vision_tower)")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--video-prompts", type=int, default=16)
-    ap.add_argument("--new-tokens", type=int, default=512, help="response length (w3b-tail: the longest)")
+    ap.add_argument("--new-tokens", type=int, default=512, help="response length (the tails: the longest)")
     ap.add_argument("--image-size", type=int, default=448, help="image / video frame side in pixels")
     ap.add_argument("--text-tokens", type=int, default=96, help="text tokens per prompt around the image")
     ap.add_argument("--slowdown-bound", default=str(CoschedConfig.slowdown_bound),
@@ -377,6 +425,7 @@ def parser() -> ConfigParser:
                     help="torch.compile shapes: all symbolic (true) or only those that change (auto)")
     ap.add_argument("--trace", default=None, help="write the first workload's timed co-scheduled step as a "
                     "Chrome/Perfetto trace (JSON) to this path")
+    step_sglang.add_args(ap)
     return ap
 
 
@@ -395,6 +444,15 @@ def main(argv=None) -> None:
         scfg, plan_why = replace(scfg, memory=replace(scfg.memory, memory_plan="auto")), "gae: the critic's regions"
     device = scfg.device
     cfg = preset(args.preset) if not args.preset.endswith(".json") else ModelConfig.from_hf(args.preset)
+    try:
+        loads = [workload(label, args, scfg.rl.n) for label in args.workloads.split(",")]
+    except ValueError as e:
+        ap.error(str(e))
+    if "engine.max_model_len" not in given:  # room for the longest sequence of every workload
+        need = max(len(make_prompts(cfg, 1, w.frames, size=args.image_size, text=args.text_tokens, device="cpu",
+                                    dtype=torch.float32)[0][0].input_ids) + w.new_tokens for w in loads)
+        if need > scfg.engine.max_model_len:
+            scfg = replace(scfg, engine=replace(scfg.engine, max_model_len=need))
     dtype = getattr(torch, scfg.dtype)
     with torch.device(device):
         model = init_weights(Qwen25VL(cfg), seed=0, std=0.02)
@@ -405,10 +463,12 @@ def main(argv=None) -> None:
     system = build(replace(scfg, compile=False), model=model, step=False)
     eng = system.engine
     mm = system.memory
-    print(json.dumps({"bench": "step_setup", "kv_blocks": eng.runner.num_blocks, "memory_plan": scfg.memory.memory_plan,
+    print(json.dumps({"bench": "step_setup", "preset": args.preset, "kv_blocks": eng.runner.num_blocks,
+                      "max_model_len": scfg.engine.max_model_len, "memory_plan": scfg.memory.memory_plan,
                       "memory_plan_why": plan_why, "memory_backend": mm.backend.name if mm is not None else None,
                       **env_info()}), flush=True)
     modes = args.modes.split(",")
+    given_serial = [int(x) for x in args.serial_max_tokens.split(",")] if args.serial_max_tokens else None
     fuses = [(int(a), float(b), scfg.rl.fuse_chunk_tokens, c) for a in args.fuse_sms.split(",")
              for b in args.fuse_below.split(",") for c in args.fuse_admission.split(",")]
     gates: dict = {}  # (workload, vision, fuse) -> the fused rows' admission gate, carried from step to step
@@ -417,25 +477,20 @@ def main(argv=None) -> None:
                for b in args.slowdown_bound.split(",") for v in args.side_sms.split(",")]
     rl_kw = {f.name: getattr(scfg.rl, f.name) for f in fields(RLConfig) if f.init and f.name not in PER_ROW}
     init, ref = initial_weights(system), reference(system)
-    summary, fused_rows, traced = [], [], False
-    for label in args.workloads.split(","):
-        frames = 8 if label.startswith("w3b-video") else 1
-        # micro-batches that fit one 141 GB GPU next to the engine's KV cache, the reference model and the
-        # optimizer state (8 serial video sequences per pass do not: a video prompt has 3x the tokens)
-        rl_kw["micro_batch_prompts"] = given.get("rl.micro_batch_prompts") or (2 if frames > 1 else 4)
-        rl_kw["micro_batch_samples"] = given.get("rl.micro_batch_samples") or (4 if frames > 1 else 8)
-        n_prompts = args.video_prompts if frames > 1 else args.prompts
+    sgl = step_sglang.start(args, cfg, model, mm, asdict(scfg.cosched))
+    summary, fused_rows, sgl_rows, traced = [], [], [], False
+    for wl in loads:
+        label, frames, n_prompts = wl.label, wl.frames, wl.prompts
+        budgets = given_serial or [32768 if wl.long else 16384]
+        serial_modes = [f"serial@{b}" for b in budgets] if "serial" in modes else []
+        workload_kw(rl_kw, wl, given)
         prompts, grid = make_prompts(cfg, n_prompts, frames, size=args.image_size, text=args.text_tokens,
                                      device=device, dtype=dtype)
-        lens = (tail_lengths(n_prompts, args.new_tokens, seed=7) if label.endswith("-tail")
-                else [args.new_tokens] * n_prompts)
-
-        def params(seed, lens=lens):
-            return [SamplingParams(n=scfg.rl.n, max_new_tokens=n, ignore_eos=True, seed=seed * 100_003 + i)
-                    for i, n in enumerate(lens)]
+        params = wl.params
 
         visions = [v == "frozen" for v in args.vision.split(",")]
-        _check(system, prompts, rl_kw, co_cfgs[0], fuses[0], cfg, grid, label, init, ref, modes, visions[0])
+        _check(system, prompts, rl_kw, co_cfgs[0], fuses[0], cfg, grid, label, init, ref,
+               serial_modes[:1] + [m for m in modes if m != "serial"], visions[0])
         for frozen in visions:
             vis = "frozen" if frozen else "trained"
             restore(model, init, frozen)
@@ -447,22 +502,36 @@ def main(argv=None) -> None:
             steps = ([("cold", 1)] if not args.no_warm else []) + [("timed" if not args.no_warm else "first", 0)]
             for step, seed in steps:
                 row = {"workload": label, "vision": vis, "step": step, "movable_s": movable}
-                if "serial" in modes or "rollplex" in modes:
+                phased = serial_modes + [m for m in ("serial-padded", "rollplex") if m in modes]
+                if phased:
                     restore(model, init, frozen)  # the rollout's vision encodings come from these weights
                     enter(system, "rollout")
                     batch, gen_s, _ = rollout(eng, prompts, params(seed), seed, keep_vision=frozen)
                     row["gen_s"] = gen_s
-                    for mode in [m for m in ("serial", "rollplex") if m in modes]:
-                        b = strip_vision(batch) if mode == "serial" else batch
+                    row["response_tokens"] = int(batch.mask.sum())
+                    for mode in phased:
+                        b = strip_vision(batch) if mode.startswith("serial") else batch
                         r = run_modes(system, b, rl_kw, grid, label, cfg, step, modes=(mode,), frozen=frozen,
                                       init=init, ref=ref, backoffs=backoffs)[0]
-                        row[mode] = gen_s + r["ref_plus_update_s"]
-                        row[mode + "_ref_s"], row[mode + "_update_s"] = r["ref_s"], r["update_actor_s"]
+                        key = mode.split("@")[0].replace("-", "_")
+                        if "@" in mode:
+                            row[f"{key}_{mode.split('@')[1]}"] = gen_s + r["ref_plus_update_s"]
+                        if key in row and row[key] <= gen_s + r["ref_plus_update_s"]:
+                            continue  # the fastest serial budget is the row's serial
+                        row[key] = gen_s + r["ref_plus_update_s"]
+                        row[key + "_ref_s"], row[key + "_update_s"] = r["ref_s"], r["update_actor_s"]
+                        if "@" in mode:
+                            row["serial_max_tokens"] = int(mode.split("@")[1])
                         if "values_s" in r:
-                            row[mode + "_critic_s"] = r["values_s"] + r["update_critic_s"]
+                            row[key + "_critic_s"] = r["values_s"] + r["update_critic_s"]
                         row["memory_plan"] = r["memory_plan"]
                     del batch
                     _free()
+                if sgl is not None:  # the same step with SGLang decoding: phased, then with its scheduler hook
+                    for co in (False, True) if args.sglang_cosched else (False,):
+                        r = step_sglang.phased(_this(), system, sgl, prompts, params(seed), rl_kw, cfg, grid,
+                                               label, step, frozen, init, ref, seed, cosched=co)
+                        step_sglang.summary(row, r, "sglang_cosched" if co else "sglang")
                 for fuse in fuses if "fused" in modes else []:
                     tl = None
                     if args.trace and step != "cold" and not traced:
@@ -470,6 +539,12 @@ def main(argv=None) -> None:
                     r = fused_step(system, prompts, params(seed), rl_kw, fuse, cfg, grid, label, step, frozen,
                                    init, ref, seed, tl, gates.get((label, vis, fuse)))
                     gates[(label, vis, fuse)] = r.pop("gate")
+                    if sgl is not None:
+                        rs = fused_step(system, prompts, params(seed), rl_kw, fuse, cfg, grid, label, step, frozen,
+                                        init, ref, seed, None, gates.get((label, vis, fuse, "sglang")), backend=sgl)
+                        gates[(label, vis, fuse, "sglang")] = rs.pop("gate")
+                        row.update(sglang_fused=rs["step_s"], sglang_fused_gen_s=rs["gen_s"],
+                                   sglang_fused_push_s=rs["weight_push_s"], sglang_fused_on=rs["fused"])
                     frow = {**row, "fuse_sms": fuse[0], "fuse_below": fuse[1], "admission": fuse[3],
                             "decode_added_s": r["decode_added_s"], "held_buckets": r["held_buckets"],
                             "fused": r["step_s"],
@@ -503,10 +578,38 @@ def main(argv=None) -> None:
                     print(json.dumps({"bench": "step_summary", **{k: round(v, 4) if isinstance(v, float) else v
                                                                    for k, v in vrow.items()}}), flush=True)
                     summary.append(vrow)
+                if sgl is not None:
+                    sgl_rows.append({**row, **({"fused": fused_rows[-1]["fused"]} if fused_rows and "fused" in modes
+                                               else {})})
+    if sgl is not None:
+        sgl.close()
     if summary:
         _table(summary)
     if fused_rows:
         _fused_table(fused_rows)
+    if sgl_rows:
+        _sglang_table(sgl_rows)
+
+
+def _this():
+    import sys
+
+    return sys.modules[__name__]
+
+
+def _sglang_table(rows: list[dict]) -> None:
+    """The same steps with SGLang decoding beside the native engine (phased and fused), the policy's
+    hand-over to SGLang apart, and the co-scheduler hook's admitted work."""
+    fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)  # noqa: E731
+    print("\n| workload | vision | step | native phased s (gen) | SGLang phased s (gen) | hand-over s | "
+          "native fused s | SGLang fused s (gen) | SGLang + hook s (chunks, hidden s) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        hook = (f"{fmt(r.get('sglang_cosched'))} ({fmt(r.get('sglang_cosched_cosched_chunks'), '{:.0f}')}, "
+                f"{fmt(r.get('sglang_cosched_prefix_hidden_s'), '{:.3f}')})" if "sglang_cosched" in r else "-")
+        print(f"| {r['workload']} | {r['vision']} | {r['step']} | {fmt(r.get('rollplex'))} ({fmt(r.get('gen_s'))}) | "
+              f"{fmt(r.get('sglang'))} ({fmt(r.get('sglang_gen_s'))}) | {fmt(r.get('sglang_push_s'))} | "
+              f"{fmt(r.get('fused'))} | {fmt(r.get('sglang_fused'))} ({fmt(r.get('sglang_fused_gen_s'))}) | {hook} |")
 
 
 def _write_timeline(tl: Timeline, path: str, title: str) -> None:
@@ -557,7 +660,8 @@ def _check(system: System, prompts, rl_kw, co_cfg, fuse, cfg, grid, label, init,
     sb, _, _ = rollout(eng, prompts[:2], small, seed=1)
     kw = {**rl_kw, "n": 2}
     rows = run_modes(system, strip_vision(sb), kw, grid, label + "-check", cfg, "check",
-                     modes=[m for m in ("serial", "rollplex") if m in modes], frozen=frozen, init=init, ref=ref)
+                     modes=[m for m in modes if m.startswith("serial") or m == "rollplex"], frozen=frozen, init=init,
+                     ref=ref)
     out = {"bench": "step_check", "workload": label}
     out.update({f"{r['mode']}_{k}": r[k] for r in rows for k in ("pg_loss", "kl_loss", "grad_norm")})
     if "cosched" in modes:
@@ -572,16 +676,17 @@ def _check(system: System, prompts, rl_kw, co_cfg, fuse, cfg, grid, label, init,
 
 
 def _table(summary: list[dict]) -> None:
-    print("\n| workload | vision | step | movable s | serial s | rollplex s | bound | side SMs | cosched s (gen s) | "
-          "limit s | hidden of limit | decode slowdown | vs serial |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| workload | vision | step | movable s | serial s (budget) | serial-padded s | rollplex s | bound | "
+          "side SMs | cosched s (gen s) | limit s | hidden of limit | decode slowdown | vs serial |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in summary:
         base, share, co = r.get("serial"), r.get("rollplex"), r.get("cosched")
         limit = share - r["movable_s"] if share is not None else None
         frac = (share - co) / r["movable_s"] if share is not None and co is not None else None
         slow = r["cosched_gen_s"] / r["gen_s"] - 1 if co is not None and "gen_s" in r else None
         fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)  # noqa: E731
-        print(f"| {r['workload']} | {r['vision']} | {r['step']} | {r['movable_s']:.3f} | {fmt(base)} | {fmt(share)} | "
+        print(f"| {r['workload']} | {r['vision']} | {r['step']} | {r['movable_s']:.3f} | {fmt(base)} "
+              f"({r.get('serial_max_tokens', '-')}) | {fmt(r.get('serial_padded'))} | {fmt(share)} | "
               f"{fmt(r.get('slowdown_bound'), '{:g}')} | {r.get('side_sms', 0) or 'all'} | "
               f"{fmt(co)} ({fmt(r.get('cosched_gen_s'))}) | {fmt(limit)} | {fmt(frac, '{:.0%}')} | "
               f"{fmt(slow, '{:+.1%}')} | {fmt(base / co if base and co else None)}x |")

@@ -27,9 +27,9 @@ is trained beside it (`--critic-lr`, default 1e-3 as the actor's `--lr`; `--crit
 `--lam`).
 
 RLOO, REINFORCE++ and Dr.GRPO train with a KL loss to the format-warmed reference (`--kl-coef 0.1`;
-REINFORCE++ also `--lr 1.5e-3`, Dr.GRPO 4 mini-batches per rollout) unless those flags are given (`RUN_DEFAULTS`, said at the start of a run):
-their advantages are not divided by each group's reward spread as GRPO's are, and without it the policy's
-entropy collapsed before the model had learnt the task. DAPO (`--filter-groups`, `--clip-ratio-high 0.28`;
+REINFORCE++ also `--lr 1.5e-3`, Dr.GRPO 4 mini-batches per rollout) unless those flags are given
+(`RUN_DEFAULTS`, said at the start of a run): their advantages are not divided by each group's reward
+spread as GRPO's are, and without it the policy's entropy collapsed before the model had learnt the task. DAPO (`--filter-groups`, `--clip-ratio-high 0.28`;
 rl/config.py): a step rolls out more prompts until it holds --prompts groups whose samples' rewards differ
 (`train/num_gen_batches`). It trains in 4 mini-batches per rollout (`--ppo-mini-batches 4`) unless told:
 with one, every update is on-policy, the clip-higher clips nothing and the entropy collapsed. Its overlong
@@ -63,6 +63,7 @@ from ..engine import EngineConfig
 from ..loggers import LoggerConfig, Tracker, add_arguments, resolve_run_dir
 from ..memory import MemoryConfig
 from ..plots import plot_rewards, reward_labels
+from ..rl.algos import AGG_MODE_HELP, describe
 from ..rl.config import RLConfig
 from ..system import SystemConfig, build, load_policy
 from ..threads import apply_threads
@@ -94,7 +95,8 @@ def parser() -> ConfigParser:
                                      "demo trains)",
                             "format_warmup_steps": "format warm-up steps (random option letters)",
                             "seed": "data, warm-up and sampling seed",
-                            "loss_agg_mode": "loss aggregation (dr_grpo: seq-mean-token-sum-norm unless given)",
+                            "loss_agg_mode": describe(AGG_MODE_HELP) + " (with --adv-estimator dr_grpo the demo "
+                                             "uses seq-mean-token-sum-norm unless given)",
                             "kl_coef": "KL coefficient (rloo, reinforce_plus_plus, dr_grpo: 0.1 unless given, a KL "
                                        "loss to the reference; else 0: no reference model)",
                             "lr": "the actor's lr (reinforce_plus_plus: 1.5e-3 unless given)"})
@@ -260,8 +262,8 @@ def _run(cfg: SystemConfig, args, tracker: Tracker, signals: Signals, threads: i
                        warmup_rows=rows)
     except ValueError as e:
         raise SystemExit(f"rollplex.demo: {e}") from None
-    print(f"format warm-up: {cfg.format_warmup_steps} steps on random letters, loss {system.warmup_loss:.3f} "
-          f"({system.startup_s.get('format_warmup', 0.0):.1f}s)", flush=True)
+    print(warmup_line(cfg.format_warmup_steps, system.warmup_loss, system.startup_s.get("format_warmup", 0.0)),
+          flush=True)
     model, engine, rl = system.model, system.engine, system.rl
     if args.trace:
         rl.timeline = Timeline(model.inv_freq.device)
@@ -336,6 +338,13 @@ def _finish(cfg: SystemConfig, args, rl, rows, history: list[dict], out: Path, s
     (out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
     print(summary_line(s), flush=True)
     print(f"logs: {out}" + (f", plot: {png}" if png else ""), flush=True)
+
+
+def warmup_line(steps: int, loss: float | None, seconds: float) -> str:
+    """What the demo says of its format warm-up (none ran when `loss` is None: --warmup-steps 0)."""
+    if loss is None:
+        return "format warm-up: off (--warmup-steps 0)"
+    return f"format warm-up: {steps} steps on random letters, loss {loss:.3f} ({seconds:.1f}s)"
 
 
 def _progress(args, model, engine, cfg: RLConfig, bar, shown: dict, lines: bool) -> StepProgress | None:

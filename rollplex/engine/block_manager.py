@@ -4,6 +4,11 @@ Block 0 is reserved as a scratch block: padded rows of a CUDA-graph batch write 
 block tables are padded with it. A fork shares every *full* block of the parent (refcount + 1) and
 gives the child its own copy of the partially filled last block; the copy is returned as a
 (src, dst) pair for the runner to execute after the parent's prefill has written it.
+
+Speculative decoding writes the K/V of draft tokens past a sequence's length: `reserve` gives it the
+blocks for them (all or nothing) and `trim` hands back the blocks past the tokens it kept; rejected
+tokens left inside a kept block lie past the sequence's length, where attention never reads and the
+next token overwrites them.
 """
 
 from __future__ import annotations
@@ -71,6 +76,25 @@ class BlockManager:
         if self.needs_block(seq):
             seq.block_table.append(self._take())
         assert len(seq.block_table) * self.block_size >= len(seq)
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for seq's first `num_tokens` tokens; False (nothing taken) if too few are free."""
+        need = self.blocks_for(num_tokens) - len(seq.block_table)
+        if need > self.num_free:
+            return False
+        for _ in range(need):
+            seq.block_table.append(self._take())
+        return True
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free seq's blocks past those its first `num_tokens` tokens need (blocks it owns alone: a
+        sequence only ever appends to blocks of its own)."""
+        keep = self.blocks_for(num_tokens)
+        for b in seq.block_table[keep:]:
+            assert self.ref[b] == 1, "a trimmed block is shared"
+            self.ref[b] = 0
+            self.free_blocks.append(b)
+        del seq.block_table[keep:]
 
     def free(self, seq: Sequence) -> None:
         for b in seq.block_table:

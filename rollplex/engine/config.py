@@ -53,6 +53,22 @@ class EngineConfig:
     # all-reduces of [B] and an all-gather of [3, B]) instead of gathering the [B, V] logits; a batch
     # with top-k / top-p / min-p rows gathers them anyway. False: always gather
     vocab_parallel_sampling: bool = True
+    # lossless speculative decoding in the rollout's tail (engine/speculative.py): up to this many draft
+    # tokens per sequence and step, drafted from the request's other samples (and the prompt cache),
+    # verified by the policy in one pass; sampled tokens and logprobs are distributed exactly as without
+    # it. 0: off (the default). It runs only while no request waits and at most
+    # `speculative_max_batch` sequences decode, and at most `speculative_max_fraction` of the most that
+    # decoded at once since the engine was last idle (1.0: no such limit); else decode runs as usual.
+    speculative_tokens: int = 0
+    speculative_max_batch: int = 32
+    speculative_max_fraction: float = 0.25
+    speculative_ngram: int = 6  # longest context the drafter matches
+    # prompts whose earlier responses draft for a later request of the same prompt (images included
+    # in the key); 0: only the request's own samples draft
+    speculative_prompt_cache: int = 0
+    # a verification that accepts fewer draft tokens per sequence than this backs speculation off: the
+    # next 1, 2, 4 .. 64 decode steps (doubling while it keeps failing) run the plain overlapped path
+    speculative_min_accepted: float = 0.5
 
     def __post_init__(self):
         if self.block_size not in (None, 16, 32, 64):
@@ -72,7 +88,24 @@ class EngineConfig:
             swiglu_gemm.check_candidates(self.swiglu_candidates)
         if self.tuning_cache_dir is not None and not isinstance(self.tuning_cache_dir, str):
             raise ValueError(f"tuning_cache_dir must be a directory, 'auto', '' or None, got {self.tuning_cache_dir!r}")
+        if not 0 <= self.speculative_tokens <= 16:
+            raise ValueError(f"speculative_tokens must be in [0, 16] (0: off), got {self.speculative_tokens}")
+        if self.speculative_max_batch < 1:
+            raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
+        if not 0.0 < self.speculative_max_fraction <= 1.0:
+            raise ValueError(f"speculative_max_fraction must be in (0, 1], got {self.speculative_max_fraction}")
+        if not 1 <= self.speculative_ngram <= 32:
+            raise ValueError(f"speculative_ngram must be in [1, 32], got {self.speculative_ngram}")
+        if not 0.0 <= self.speculative_min_accepted <= 16.0:
+            raise ValueError(f"speculative_min_accepted must be in [0, 16], got {self.speculative_min_accepted}")
+        if self.speculative_prompt_cache < 0:
+            raise ValueError(f"speculative_prompt_cache must be >= 0, got {self.speculative_prompt_cache}")
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
+
+    @property
+    def speculative_rows(self) -> int:
+        """Rows of the largest verification pass (0 when speculation is off)."""
+        return self.speculative_max_batch * (self.speculative_tokens + 1) if self.speculative_tokens else 0
 
     def for_device(self, device_type: str) -> EngineConfig:
         """This config with the per-device defaults filled in (block_size)."""

@@ -13,6 +13,13 @@ GPU decodes. Host-side lengths count the in-flight token (`Sequence.pending`); a
 token stops is found one step late and its extra token is dropped. Outputs equal the plain loop
 (`overlap_schedule=False`), which the tests hold.
 
+Speculative decoding (`EngineConfig.speculative_tokens`, off by default; speculative.py): in the
+rollout's tail (no request waiting, few sequences decoding) a decode step becomes a verification
+step — drafts from the request's other samples, one pass of the policy over each sequence's last token
++ draft, the engine's own seeded draws accept the draft while they match it — which keeps every
+token (and logprob) exactly what plain decoding gives. Verification steps are synchronous; the plain
+path is unchanged.
+
 The engine decodes with the model object it is given — the trainer's — so there is no weight copy
 and no sync phase. It reads that model and never modifies it: prefill runs the model's own forward
 (compiled if its owner compiled it, `Qwen25VL.compile`), decode runs the engine's own layer function
@@ -48,6 +55,7 @@ from .sampler import Sampler, SamplingTensors
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Request, Sequence
+from .speculative import Speculator
 from .vocab_parallel_sampler import VocabParallelSampler
 
 
@@ -69,6 +77,7 @@ class RequestOutput:
     meta: dict = field(default_factory=dict)
     vision_embeds: torch.Tensor | None = None  # the prefill's visual features (add_request(keep_vision=True))
     error: Exception | None = None  # the request failed in a step and was dropped (samples: what it had)
+    greedy: list[SampleOutput] = field(default_factory=list)  # the n_greedy greedy continuations
 
 
 class Engine:
@@ -81,6 +90,8 @@ class Engine:
         same tokens); None: the model is whole."""
         self.model, self.processor, self.memory, self.tp = model, processor, memory, tp
         self.cfg = (config or EngineConfig()).for_device(next(model.parameters()).device.type)
+        if self.cfg.speculative_tokens and tp is not None:
+            raise ValueError("speculative decoding (speculative_tokens > 0) is not supported under tensor parallelism")
         self.runner = ModelRunner(model, self.cfg, memory, tp)
         self.blocks = BlockManager(self.runner.num_blocks, self.cfg.block_size)
         self.scheduler = Scheduler(self.cfg.scheduler_config(), self.blocks)
@@ -102,6 +113,13 @@ class Engine:
         self.decode_sampler = self.sampler
         if self.runner.vocab_parallel:
             self.decode_sampler = VocabParallelSampler(tp, model.cfg.text.vocab_size, self.sampler)
+        # speculative decoding in the tail (speculative.py); None: off
+        self.spec = Speculator(self.cfg) if self.cfg.speculative_tokens else None
+
+    @property
+    def spec_stats(self) -> dict:
+        """Speculation's counts since the engine started (empty with speculation off)."""
+        return {} if self.spec is None else self.spec.stats.as_dict()
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32, config: EngineConfig | None = None, **kw):
@@ -147,8 +165,9 @@ class Engine:
         keep_vision: return the prefill's visual features in the output (they can stand in for the
         vision tower of a frozen-vision trainer, `ModelInputs.vision_embeds`)."""
         params = params or SamplingParams()
-        if params.n > self.cfg.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.cfg.max_num_seqs}")
+        if params.num_seqs > self.cfg.max_num_seqs:
+            raise ValueError(f"n={params.n} (+ n_greedy={params.n_greedy}) exceeds "
+                             f"max_num_seqs={self.cfg.max_num_seqs}")
         inputs = self.encode(prompt, processor)
         vocab = self.model.cfg.text.vocab_size
         if not inputs.input_ids or any(not 0 <= t < vocab for t in inputs.input_ids):
@@ -158,7 +177,7 @@ class Engine:
                 inputs.input_ids):  # text-only prompts: positions 0..L-1 on all three axes, delta 0
             # ValueError on placeholders that do not match the images (the model's family places them)
             _, delta = self.model.prompt_positions(list(inputs.input_ids), inputs)
-        req = Request("", inputs, params, [0] * params.n, rope_delta=delta)  # id and seeds: `add`
+        req = Request("", inputs, params, [0] * params.num_seqs, rope_delta=delta)  # id and seeds: `add`
         req.max_len = min(req.num_prompt_tokens + params.max_new_tokens, self.cfg.max_model_len)
         req.keep_vision = keep_vision
         self.scheduler.check(req)  # reads only the limits and the cache size
@@ -173,6 +192,7 @@ class Engine:
             raise ValueError(f"duplicate request id {rid!r}")
         base = req.params.seed
         req.seeds = [base + i if base is not None else self._rng.getrandbits(62) for i in range(req.params.n)]
+        req.seeds += [0] * req.params.n_greedy  # greedy continuations draw no noise
         for seq, seed in zip(req.seqs, req.seeds):
             seq.seed = seed
         req.request_id, req.arrival = rid, time.monotonic()
@@ -209,8 +229,10 @@ class Engine:
         if self.memory is not None and self.memory.state["kv_cache"] != "resident":
             raise RuntimeError("the engine's KV cache is released (the memory manager is outside the rollout "
                                "phase): enter the rollout phase before generating")
-        if self._inflight is not None and self.scheduler.waiting:
-            touched = self._resolve()  # prefill (or a preempted re-entry) needs every token known
+        spec = self.spec is not None and self.spec.active(len(self.scheduler.running), len(self.scheduler.waiting))
+        if self._inflight is not None and (self.scheduler.waiting or spec):
+            # prefill (or a preempted re-entry) needs every token known; so does drafting
+            touched = self._resolve()
             self._last_end = None
             return self._outputs(touched)
         # a sequence whose in-flight token is its last (by length) does not decode again
@@ -220,6 +242,8 @@ class Engine:
             self._prefill(batch.prefill)
             touched = [s for item in batch.prefill for s in (item.seq, *item.forks)]
             self._last_end = None  # the next decode step does not follow a decode step: no period
+        elif batch.decode and spec:
+            touched = self._speculate(batch.decode)
         elif batch.decode:
             launched = self._launch_decode(batch.decode)  # None: every sequence's request was dropped
             touched = self._resolve()  # the previous step, while this one runs
@@ -287,11 +311,17 @@ class Engine:
             return keep, SamplingTensors.build([self._row(s) for s in keep], vocab, device)
 
     def _length_done(self, seq: Sequence, length: int) -> bool:
-        """Whether a sequence of `length` tokens has reached max_new_tokens or max_model_len."""
+        """Whether a sequence of `length` tokens has reached max_new_tokens (its sample's own cap, when the
+        request gives one) or max_model_len."""
+        caps = seq.request.params.sample_max_new_tokens
+        if caps is not None and seq.sample_index < len(caps) and length >= seq.num_prompt_tokens + caps[seq.sample_index]:
+            return True
         return length >= seq.request.max_len
 
     def _row(self, seq: Sequence) -> tuple:
         p = seq.request.params
+        if seq.sample_index >= p.n:  # a greedy continuation (n_greedy)
+            return (0.0, -1, 1.0, 0.0, seq.seed, seq.num_output_tokens)
         return (p.temperature, p.top_k, p.top_p, p.min_p, seq.seed, seq.num_output_tokens)
 
     def _prefill(self, items) -> None:
@@ -392,6 +422,67 @@ class Engine:
         self.decode_steps += 1
         return _Inflight(seqs, tokens, logprobs, host, start, end, t0, self.decode_steps - 1)
 
+    def _speculate(self, seqs: list[Sequence]) -> list[Sequence]:
+        """One verification step in place of a decode step (speculative.py): draft, score every
+        sequence's last token + draft in one pass, keep what the rule accepts, roll back the rest.
+        Synchronous: the next step drafts from the tokens this one keeps."""
+        info = None
+        if self.hooks:
+            info = DecodeStepInfo(self.decode_steps, len(seqs), self._last_step_ms, len(self.scheduler.waiting),
+                                  self.stream, None)
+            for h in self.hooks:
+                h.on_decode_step(info)
+        t0 = time.perf_counter()
+        drafts = self.spec.drafts(seqs, self.requests)
+        for s, d in zip(seqs, drafts):
+            if d and not self.blocks.reserve(s, len(s) + len(d)):
+                d.clear()  # no room for the draft's K/V: this sequence decodes one token
+        vocab = self.model.cfg.text.vocab_size
+
+        def rows():
+            return [(*self._row(s)[:5], s.num_output_tokens + j) for s, d in zip(seqs, drafts) for j in range(len(d) + 1)]
+
+        try:
+            st = SamplingTensors.build(rows(), vocab, self.runner.device)
+        except Exception:  # noqa: BLE001 - find whose row fails (their requests are dropped), go on without them
+            keep, _ = self._sampling_tensors(seqs, vocab, "cpu")
+            drafts = [d for s, d in zip(seqs, drafts) if s in keep]
+            seqs = keep
+            if not seqs:
+                return []
+            st = SamplingTensors.build(rows(), vocab, self.runner.device)
+        ids, positions, seq_lens, slots = [], [], [], []
+        for s, d in zip(seqs, drafts):
+            n = len(s)
+            for j, tok in enumerate([s.token_ids[-1], *d]):
+                ids.append(tok)
+                positions.append(n - 1 + j + s.request.rope_delta)
+                seq_lens.append(n + j)
+                slots.append(self.blocks.slot(s, n - 1 + j))
+        logits = self.runner.verify(ids, positions, [s.block_table for s in seqs], seq_lens, slots,
+                                    [len(d) + 1 for d in drafts])
+        for h in self.hooks:
+            if hasattr(h, "after_decode_launch"):
+                h.after_decode_launch(info)
+        results = self.spec.rule(self.sampler, logits, st, drafts)
+        self.spec.count(drafts, [len(toks) for toks, _ in results])
+        for seq, (toks, lps) in zip(seqs, results):
+            for tok, lp in zip(toks, lps):
+                if seq.finished:  # stopped by an earlier kept token (or its request was dropped)
+                    break
+                seq.token_ids.append(tok)
+                seq.logprobs.append(lp)
+                try:
+                    self._check_finish(seq, tok)
+                except Exception as e:  # noqa: BLE001 - this request's stop check: it alone is dropped
+                    self._drop(seq.request, e)
+            if not seq.finished:
+                self.blocks.trim(seq, len(seq))  # the rejected tokens' blocks
+        self._last_step_ms = (time.perf_counter() - t0) * 1e3
+        self._last_period_ms, self._last_end = None, None
+        self.decode_steps += 1
+        return seqs
+
     def _resolve(self) -> list[Sequence]:
         """Apply the tokens of the step in flight (waits for that step only); returns its sequences."""
         inf, self._inflight = self._inflight, None
@@ -456,7 +547,7 @@ class Engine:
 
     def _output(self, req: Request) -> RequestOutput:
         samples = []
-        for s in req.seqs:
+        for s in req.seqs:  # the n samples, then the greedy continuations
             text = None
             if self.processor is not None:
                 text = self.processor.decode(s.output_ids, skip_special_tokens=req.params.skip_special_tokens)
@@ -464,8 +555,12 @@ class Engine:
                     text = text[: text.index(s.matched_stop)]
             samples.append(SampleOutput(s.output_ids, s.logprobs, s.finish_reason, s.matched_stop, text))
         self.requests.pop(req.request_id, None)
-        return RequestOutput(req.request_id, list(req.inputs.input_ids), samples, req.input_logprobs,
-                             {"num_preemptions": sum(s.num_preemptions for s in req.seqs)}, req.vision_embeds)
+        if self.spec is not None:
+            self.spec.finish(req)
+        n = req.params.n
+        return RequestOutput(req.request_id, list(req.inputs.input_ids), samples[:n], req.input_logprobs,
+                             {"num_preemptions": sum(s.num_preemptions for s in req.seqs)}, req.vision_embeds,
+                             greedy=samples[n:])
 
     # ---- batch API ----------------------------------------------------------------------------
     def generate(self, prompts: Seq, params: SamplingParams | Seq[SamplingParams] | None = None,

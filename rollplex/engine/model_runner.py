@@ -39,6 +39,7 @@ from ..kernels.split_k import SPLIT_K_CANDIDATES
 from ..kernels.swiglu_gemm import SWIGLU_CANDIDATES
 from ..models import ForwardOps, ModelInputs, Qwen25VL
 from ..models.attention import sdpa
+from ..models.layers import apply_rotary
 from ..models.transfer import as_device_tensor, to_device
 from .config import EngineConfig
 from .decode_forward import DecodeForward
@@ -125,7 +126,8 @@ class ModelRunner:
         self.gemms_us: dict[int, dict] = {}  # graphed batch size -> the GEMM tuner's timings
         # one count per (sequence, KV head) for the attention kernel's in-kernel split merge; every
         # launch leaves it zeroed, so all layers and batch sizes share it (they run one after another)
-        self.attn_semaphore = torch.zeros(max(cfg.max_num_seqs, cfg.cuda_graph_max_bs) * self.num_kv_heads,
+        self.attn_semaphore = torch.zeros(max(cfg.max_num_seqs, cfg.cuda_graph_max_bs, cfg.speculative_rows)
+                                          * self.num_kv_heads,
                                           dtype=torch.int32, device=self.device)
         # host copy of the decode block table, updated incrementally (see _host_block_table)
         rows = min(cfg.cuda_graph_max_bs, cfg.max_num_seqs)
@@ -136,8 +138,12 @@ class ModelRunner:
         compile_decode = self.device.type == "cuda" if cfg.compile_decode is None else cfg.compile_decode
         self.decoder = DecodeForward(model, compile=compile_decode, reduce=None if self.tp is None else self.tp.reduce)
         self.use_graphs = self.device.type == "cuda" and cfg.cuda_graph
+        self._pool = None  # the decode graphs' memory pool, shared by the verify graphs
+        self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # sequences -> graph
         if self.use_graphs:
             self._capture()
+            if cfg.speculative_tokens:
+                self._capture_verify()
 
     def _attn(self):
         return self.model.model.layers[0].self_attn
@@ -273,6 +279,107 @@ class ModelRunner:
         graph.replay()
         return out[:B]
 
+    # ---- speculative verification -----------------------------------------------------------------
+    def _verify_forward(self, meta: torch.Tensor, block_table: torch.Tensor, attn_cfg=(None, None),
+                        gemms: SkinnyGemms | None = None) -> torch.Tensor:
+        """Several new tokens per sequence, each its own row: meta [4, R] (token id, position, KV length
+        = position in the sequence + 1, cache slot of that position), block_table [R, W] (a sequence's
+        table in each of its rows). Every row's K/V is written to the cache first, then each row attends
+        to its sequence's first `KV length` tokens: causal within a sequence's new tokens. -> logits [R, V]."""
+        m = self.model
+        ids, pos, seq_lens, slots = meta.unbind(0)
+        positions = pos[None, :, None].expand(3, -1, 1)
+        kv_shape = (-1, self.num_kv_heads, self.head_dim)
+
+        def attend(layer, q, k, v, cos, sin):
+            # rotated in fp32 and rounded once, as the decode kernel rotates what it loads
+            c, s = cos[:, None].float(), sin[:, None].float()
+            q = apply_rotary(q.float(), c, s).to(q.dtype)
+            k = apply_rotary(k.float(), c, s).to(k.dtype)
+            self.k_cache[layer].view(kv_shape).index_copy_(0, slots, k[:, :, 0])
+            self.v_cache[layer].view(kv_shape).index_copy_(0, slots, v[:, :, 0])
+            return paged_decode_attention(q[:, :, 0], self.k_cache[layer], self.v_cache[layer], block_table, seq_lens,
+                                          num_splits=attn_cfg[0], tile=attn_cfg[1],
+                                          semaphore=self.attn_semaphore)[:, :, None]
+
+        hidden = self.decoder(m.embed(ids, self.ops)[:, None], positions, attend, gemms)
+        return self.logits(hidden[:, 0])
+
+    def _verify_kernels(self, rows: int) -> tuple:
+        """The attention config and projection plan of the smallest tuned decode bucket >= rows (the same
+        grid and GEMM shapes); defaults where none was tuned."""
+        b = next((b for b in sorted(self.graphs) if b >= rows), None)
+        if b is None:
+            sk = self.cfg.decode_split_k
+            return (None, None), sk and SkinnyGemms(*sk)
+        return self.attn_cfg[b], self.gemms[b]
+
+    @torch.no_grad()
+    def verify(self, ids: list[int], positions: list[int], tables: list[list[int]], seq_lens: list[int],
+               slots: list[int], counts: list[int]) -> torch.Tensor:
+        """Score a few tokens per sequence in one pass: counts[i] rows for sequence i (its last token and
+        its draft), flattened in order in the other lists (tables: one per sequence). Writes the K/V of
+        every row. -> logits [sum(counts), V] (weights' dtype), row for row."""
+        B, R = len(counts), len(ids)
+        per = self.cfg.speculative_tokens + 1
+        bucket = next((b for b in sorted(self.verify_graphs) if b >= B), None)
+        if bucket is None or max(counts) > per:
+            meta = torch.tensor([ids, positions, seq_lens, slots])
+            table = [t for t, c in zip(tables, counts) for _ in range(c)]
+            width = max(len(t) for t in table)
+            bt = torch.tensor([t + [0] * (width - len(t)) for t in table], dtype=torch.int32)
+            return self._verify_forward(to_device(meta, self.device), to_device(bt, self.device),
+                                        *self._verify_kernels(R))
+        # graphed: sequence i owns rows i * per .. i * per + per - 1; unused rows are padding (token 0 at
+        # position 0, attending to and writing scratch slot 0)
+        rows = bucket * per
+        meta = torch.zeros(4, rows, dtype=torch.long)
+        meta[2] = 1
+        width = max(len(t) for t in tables)
+        bt = torch.zeros(rows, width, dtype=torch.int32)
+        index, r = [], 0
+        for i, (t, c) in enumerate(zip(tables, counts)):
+            dst = list(range(i * per, i * per + c))
+            meta[:, dst] = torch.tensor([ids[r:r + c], positions[r:r + c], seq_lens[r:r + c], slots[r:r + c]])
+            bt[dst, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            index += dst
+            r += c
+        graph, out = self.verify_graphs[bucket]
+        self.static_vmeta[:, :rows].copy_(to_device(meta, self.device))
+        # columns past `width` are never read: each row reads the blocks of its KV length only
+        self.static_vbt[:rows, :width].copy_(to_device(bt, self.device))
+        graph.replay()
+        return out[as_device_tensor(index, self.device, torch.long)]
+
+    def _capture_verify(self) -> None:
+        """One verify graph per bucket of sequences (speculative_max_batch at most), each sequence with
+        speculative_tokens + 1 rows."""
+        dev, per = self.device, self.cfg.speculative_tokens + 1
+        buckets = graph_buckets(self.cfg.speculative_max_batch)
+        rows = buckets[-1] * per
+        self.static_vmeta = torch.zeros(4, rows, dtype=torch.long, device=dev)
+        self.static_vmeta[2] = 1
+        self.static_vbt = torch.zeros(rows, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        t0 = time.perf_counter()
+        for b in reversed(buckets):
+            r = b * per
+            args = (self.static_vmeta[:, :r], self.static_vbt[:r], *self._verify_kernels(r))
+            with torch.no_grad():
+                side = torch.cuda.Stream(dev)
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):
+                    self._verify_forward(*args)  # warm-up; padding rows write scratch slot 0 only
+                torch.cuda.current_stream(dev).wait_stream(side)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self._pool):
+                    out = self._verify_forward(*args)
+            self._pool = g.pool()
+            self.verify_graphs[b] = (g, out)
+        torch.cuda.synchronize(dev)
+        self.startup_s["capture"] += time.perf_counter() - t0
+        log.info("verify graphs: %d buckets of up to %d sequences x %d tokens, %.1fs", len(buckets), buckets[-1],
+                 per, time.perf_counter() - t0)
+
     def _host_block_table(self, tables: list[list[int]], keys: list, rows: int) -> torch.Tensor:
         """The [rows, max_blocks] host block table, kept between steps: a row is rewritten only when
         another sequence takes it, and a sequence that gained a block gets one entry written. Rows past
@@ -401,7 +508,7 @@ class ModelRunner:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool):
                     out = self._decode_forward(*args)
-            pool = g.pool()
+            pool = self._pool = g.pool()
             self.graphs[b] = (g, out)
             capture_s += time.perf_counter() - t1
         torch.cuda.synchronize(dev)

@@ -12,6 +12,13 @@ Input-token logprobs (`logprob_start_len`) use the same formula.
 
 Sample i of a request with `n` samples and `seed=s` is drawn exactly as a request with `n=1` and
 `seed=s+i`; without a seed the engine draws one per sample from its own seeded generator.
+
+`n_greedy` adds that many greedy continuations (temperature 0, ReMax's baseline) after the n sampled
+ones: they fork the prompt's KV like the samples (one prefill for all), are not counted in `n`, draw
+no seed, and come back in `RequestOutput.greedy`; their logprobs are log_softmax(logits).
+`sample_max_new_tokens` (the SGLang backend sends it as each sample's max_new_tokens) gives each of the n samples its own
+length cap, at most `max_new_tokens`: with `ignore_eos` a benchmark's samples end at set, reproducible
+lengths that differ within a group, as EOS ends real ones.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprob_start_len: int = -1  # >= 0: also return input-token logprobs from this prompt position
+    n_greedy: int = 0  # greedy continuations beside the n samples (RequestOutput.greedy)
+    sample_max_new_tokens: tuple[int, ...] | None = None  # per sample: its own cap (see the docstring)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -59,8 +68,21 @@ class SamplingParams:
                              f"got {self.seed} with n={self.n}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if not isinstance(self.n_greedy, int) or self.n_greedy < 0:
+            raise ValueError(f"n_greedy must be an integer >= 0, got {self.n_greedy!r}")
+        if self.sample_max_new_tokens is not None:
+            caps = tuple(self.sample_max_new_tokens)
+            if len(caps) != self.n or any(not isinstance(c, int) or not 1 <= c <= self.max_new_tokens for c in caps):
+                raise ValueError(f"sample_max_new_tokens must give each of the n={self.n} samples an integer cap in "
+                                 f"[1, max_new_tokens={self.max_new_tokens}], got {self.sample_max_new_tokens!r}")
+            self.sample_max_new_tokens = caps
         if self.logprob_start_len < -1:
             raise ValueError("logprob_start_len must be -1 (off) or >= 0")
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences the request decodes: the n samples and the greedy continuations."""
+        return self.n + self.n_greedy
 
     @property
     def greedy(self) -> bool:

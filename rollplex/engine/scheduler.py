@@ -62,7 +62,7 @@ class Scheduler:
     # ---- queue management ---------------------------------------------------------------------
     def check(self, request: Request) -> None:
         """ValueError for a request that could never run (too long, or larger than the whole cache)."""
-        L, n = request.num_prompt_tokens, request.params.n
+        L, n = request.num_prompt_tokens, len(request.seqs)  # samples and greedy continuations
         if L >= self.cfg.max_model_len:
             raise ValueError(f"prompt of {L} tokens does not fit max_model_len={self.cfg.max_model_len}")
         if n > self.cfg.max_num_seqs:
@@ -98,7 +98,7 @@ class Scheduler:
     # ---- scheduling ---------------------------------------------------------------------------
     def _fresh_cost(self, r: Request) -> int:
         L = r.num_prompt_tokens
-        return self.blocks.blocks_for(L) + (r.params.n - 1) * self.blocks.fork_cost(L)
+        return self.blocks.blocks_for(L) + (len(r.seqs) - 1) * self.blocks.fork_cost(L)
 
     def schedule(self, hold: frozenset = frozenset()) -> Batch:
         """hold: running sequences to leave out of a decode batch (their last token is still in flight)."""

@@ -81,7 +81,8 @@ class Request:
     def __post_init__(self):
         prompt = list(self.inputs.input_ids)
         self.num_prompt_tokens = len(prompt)
-        self.seqs = [Sequence(self, i, list(prompt), self.seeds[i]) for i in range(self.params.n)]
+        # the n samples, then the greedy continuations (sample_index >= n: temperature 0)
+        self.seqs = [Sequence(self, i, list(prompt), self.seeds[i]) for i in range(self.params.num_seqs)]
 
     @property
     def finished(self) -> bool:

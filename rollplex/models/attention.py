@@ -298,6 +298,8 @@ class PackedLayout:
         for n in self.response_lens[:-1]:
             self.response_starts.append(self.response_starts[-1] + n)
         self.total = sum(self.prompt_lens) + sum(self.response_lens)
+        # no response segments (whole sequences, `sequence_hidden`): every segment's keys are its own queries'
+        self.keys_in_order = not any(self.response_lens)
 
     def segments(self):
         """(query rows start, length, key rows as (start, len) runs) of every non-empty segment."""
@@ -338,7 +340,10 @@ def packed_attention(q, k, v, layout: PackedLayout, backend: str = "auto") -> to
     _, H, T, D = q.shape
     if backend == "auto" and _use_flash_varlen(q) and varlen_bottom_right_ok(str(q.device), q.dtype):
         gather, cu_q, cu_k, max_q, max_k = layout.varlen()
-        keys, vals = k[0].transpose(0, 1)[gather], v[0].transpose(0, 1)[gather]  # [Tk, Hkv, D]
+        if layout.keys_in_order:  # the gather would be the identity: no copy through an index (nor its scatter)
+            keys, vals = k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous()
+        else:
+            keys, vals = k[0].transpose(0, 1)[gather], v[0].transpose(0, 1)[gather]  # [Tk, Hkv, D]
         out = _varlen_causal(q[0].transpose(0, 1).contiguous(), keys, vals, cu_q, cu_k, max_q, max_k)
         return out.transpose(0, 1)[None]
     return sdpa(q, k, v, mask=layout.mask())

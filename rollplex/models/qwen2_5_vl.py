@@ -5,6 +5,7 @@ The forward splits at the prompt/response boundary:
     prefix(prompts)                    vision tower + prompt tokens  -> PrefixState
     response_hidden(prefix, ids, idx)  response tokens attending to a PrefixState -> hidden
     forward(prompts)                   the composition (full sequences)
+    sequence_hidden(prompts, ids, ...) full sequences, one per sample, packed without padding (serial)
 
 A PrefixState holds, per layer, the prompt's rotated K/V ([B, Hkv, Pmax, D], right-padded), the
 prompt lengths, the M-RoPE delta and the last prompt token's final hidden state. Response i attends
@@ -350,6 +351,57 @@ class Qwen25VL(nn.Module):
         for i, (n, gi) in enumerate(zip(lens, group)):
             rows[i, 0] = layout.prompt_starts[gi] + P[gi] - 1
             rows[i, 1:n] = torch.arange(layout.response_starts[i], layout.response_starts[i] + n - 1)
+            keep[i, :n] = True
+        rows, keep = to_device(rows, dev), to_device(keep, dev)
+        return hidden[rows] * keep[..., None]
+
+    def sequence_hidden(self, prompts: Sequence[ModelInputs], response_ids: torch.Tensor,
+                        response_lens: Sequence[int], group: Sequence[int]) -> torch.Tensor:
+        """Hidden states predicting each response token, [N, R, C] (rows past a response's length are
+        zero), with every sample a whole sequence of its own — its prompt (images encoded again for each
+        sample) followed by its response — and the N sequences packed into one token row without padding,
+        each a causal segment of one varlen attention call per layer: verl's `use_remove_padding`. No
+        prefix is shared; the same values as `group_hidden` and as padded full forwards.
+        """
+        N, R = response_ids.shape
+        dev = self.inv_freq.device
+        lens, group = _check_responses(response_ids, response_lens, group, len(prompts))
+        seqs = [prompts[g] for g in group]
+        e = self.embed_prompts(seqs)  # [N, Pmax, C]: one vision-tower call over every sample's images
+        P = [len(p.input_ids) for p in seqs]
+        seg = [p + n - 1 for p, n in zip(P, lens)]  # a sample's tokens: its prompt, then its response's inputs
+        layout = PackedLayout(seg, [], [], dev)
+        starts = layout.prompt_starts
+        Pmax = e.embeds.shape[1]
+        # packed order, sample by sample, as rows of cat(padded prompt rows [N * Pmax], response inputs), built
+        # on the host (a device-side boolean mask would sync to learn its size)
+        resp_base = [N * Pmax]
+        for n in lens[:-1]:
+            resp_base.append(resp_base[-1] + n - 1)
+        src = torch.cat([torch.cat([torch.arange(i * Pmax, i * Pmax + p), torch.arange(b, b + n - 1)])
+                         for i, (p, b, n) in enumerate(zip(P, resp_base, lens))])
+        src = to_device(src, dev)
+        r_idx = to_device(torch.cat([torch.arange(n - 1) + i * R for i, n in enumerate(lens)]), dev)
+        r_off = to_device(torch.cat([torch.arange(n - 1) for n in lens]), dev)  # token index within its response
+        r_own = as_device_tensor([i for i, n in enumerate(lens) for _ in range(n - 1)], dev, torch.long)
+        ids = to_device(response_ids, dev).reshape(-1)
+        x = torch.cat([e.embeds.flatten(0, 1), self.model.embed_tokens(ids[r_idx])])[src]  # [T, C]
+        resp_pos = (e.lens + e.rope_delta)[r_own] + r_off  # response token j sits at P + delta + j
+        positions = torch.cat([e.positions.flatten(1, 2), resp_pos[None].expand(3, -1)], dim=1)[:, src]  # [3, T]
+
+        def attend(layer, q, k, v):
+            return packed_attention(q, k, v, layout)
+
+        deepstack = None
+        if e.deepstack is not None:  # its rows of the padded [N * Pmax] -> rows of the packed sequences
+            packed = [starts[r // Pmax] + r % Pmax for r in e.deepstack.rows]
+            deepstack = DeepStack(as_device_tensor(packed, dev, torch.long), e.deepstack.feats, packed)
+        hidden = self.forward_embeds(x[None], positions[:, None], attend, deepstack=deepstack)[0]  # [T, C]
+        # row j of sample i predicts its token j: its sequence's row P_i - 1 + j
+        rows = torch.zeros(N, R, dtype=torch.long)
+        keep = torch.zeros(N, R, dtype=torch.bool)
+        for i, (n, s, p) in enumerate(zip(lens, starts, P)):
+            rows[i, :n] = torch.arange(s + p - 1, s + p - 1 + n)
             keep[i, :n] = True
         rows, keep = to_device(rows, dev), to_device(keep, dev)
         return hidden[rows] * keep[..., None]

@@ -23,7 +23,7 @@ advances it after each applied optimizer step (and after one that stopped part-w
 
 Advantages are [N] (outcome estimators) or [N, R] (per token: reinforce_plus_plus*). The policy
 loss is `cfg.policy_loss` (rl/algos.py; gspo aggregates seq-mean-token-mean, as verl does), with
-truncated importance sampling against the batch's rollout logprobs when `tis_imp_ratio_cap` is set.
+the rollout correction's importance weights against the batch's rollout logprobs (rl/rollout_correction.py).
 
 Parameters are updated in place, so the engine — which reads the same tensors — sees the new
 policy at the next rollout. bf16 parameters (GPU) get fp32 master weights in the optimizer.
@@ -38,7 +38,7 @@ import torch
 
 from ..models import Qwen25VL
 from ..models.transfer import to_device
-from .algos import agg_denominator, agg_loss, kl_penalty, policy_agg_mode, ppo_policy_loss, tis_weights
+from .algos import agg_denominator, agg_loss, kl_penalty, policy_agg_mode, ppo_policy_loss
 from .batch import RolloutBatch
 from .config import RLConfig
 from .errors import NonFiniteUpdate as NonFiniteUpdate  # re-exported: where callers have long found them
@@ -47,6 +47,7 @@ from .errors import is_oom
 from .microbatch import MicroBatching
 from .optimizer import MasterAdamW
 from .placement import Placement, SingleProcess
+from .rollout_correction import is_weights
 from .scoring import score_with_backoff, token_logprobs
 from .trainer import Trainer, lr_lambda, retry_oom
 
@@ -109,9 +110,10 @@ class Actor(Trainer):
         return lrs[0]
 
     def old_logprobs(self, batch: RolloutBatch, cfg: RLConfig | None = None) -> torch.Tensor | None:
-        """Scored once before the first update when there are several; None when old = current."""
+        """Scored once before the first update when there are several or the rollout correction needs them for
+        the whole batch (rl/rollout_correction.py); None when old = current."""
         cfg = cfg or self.cfg
-        if cfg.num_updates == 1:
+        if cfg.num_updates == 1 and not cfg.rollout_corr.needs_whole_batch:
             return None
         return score_with_backoff(self.model, batch, cfg.mode, cfg.micro_batching, cfg.temperature, prefix_key="old",
                                   placement=self.placement, backoff=self.score_backoff, what="old-logprob")
@@ -306,7 +308,8 @@ class Actor(Trainer):
         denom, pg_denom, n_tok = norms or self._norms(cfg, mini.mask)
         # verl aggregates GSPO's loss per sequence whatever the mode
         pg_mode = policy_agg_mode(cfg.policy_loss, cfg.loss_agg_mode)
-        tis = cfg.tis_imp_ratio_cap is not None and rollout_all is not None
+        rc = cfg.rollout_corr  # IS weights (rl/rollout_correction.py): the batch's, or formed per micro-batch
+        tis = rc.rollout_is is not None and (rollout_all is not None or mini.is_weights is not None)
         local, local_idx = pl.share(mini, cfg.mode)
         # the entropy is a metric always (verl reports it): detached from the chunked pass, and through the
         # full logits only when a bonus needs its gradient
@@ -328,9 +331,11 @@ class Actor(Trainer):
                 old = logp.detach() if old_all is None else to_device(_rows(old_all, gidx, n_all), dev)
                 adv = to_device(_rows(advantages, gidx, n_all), dev)
                 weights = None
-                if tis:
+                if tis and mini.is_weights is not None:
+                    weights = to_device(_rows(mini.is_weights, local_idx[idx], n_all), dev)
+                elif tis:
                     rollout = to_device(_rows(rollout_all, gidx, n_all), dev)
-                    weights = tis_weights(old, rollout, cfg.tis_imp_ratio_cap)
+                    weights = is_weights(old, rollout, mask, rc.rollout_is, rc.rollout_is_threshold)
                 pg, clipfrac, ppo_kl, clip_lower = ppo_policy_loss(
                     logp, old, adv, mask, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.dual_clip, pg_mode, pg_denom,
                     cfg.policy_loss, weights, cfg.agg_norm, params=cfg.policy_loss_params)

@@ -30,8 +30,10 @@ response's last token; a KL-in-reward penalty is subtracted per token (verl's to
 Group statistics are accumulated in float64, so a group whose rewards are all equal gets exactly 0.
 A group of one sample: verl takes mean 0 (and std 1), so the advantage is the reward itself
 (`singleton="reward"`, the default); `singleton="zero"` gives it advantage 0 before any whitening
-(Rollplex's earlier behaviour: a lone sample has no baseline to compare with). `remax_advantages` is
-verl's ReMax estimator; it needs a greedy response per prompt, which the step does not roll out yet.
+(Rollplex's earlier behaviour: a lone sample has no baseline to compare with).
+
+  remax                         the reward-to-go of each token minus the reward of the prompt's greedy
+                                response (`baselines`, rolled out in the same call: rl/remax.py); [N, R]
 
 Policy losses (`ppo_policy_loss`, `RLConfig.policy_loss`), r = exp(logp - old) per token:
   vanilla    PPO-clip with verl's dual clip (clip_ratio_c; a negative-advantage token's loss is capped at
@@ -88,17 +90,62 @@ from dataclasses import dataclass
 
 import torch
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
-_KL_BASE = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+# The menu: each option with what it is in a line (the flags' help is made from these, rollplex/cli.py)
+AGG_MODE_HELP = {
+    "token-mean": "sum of token losses / tokens of the mini-batch",
+    "seq-mean-token-mean": "mean over sequences of each one's token mean",
+    "seq-mean-token-sum": "mean over sequences of each one's token sum",
+    "seq-mean-token-sum-norm": "mean over sequences of token sum / loss_agg_norm (Dr.GRPO)",
+    "token-sum": "sum of token losses",
+}
+KL_HELP = {
+    "k1": "logp - ref", "kl": "k1", "abs": "|logp - ref|", "k2": "(logp - ref)^2 / 2", "mse": "k2",
+    "k3": "exp(ref - logp) - (ref - logp) - 1", "low_var_kl": "k3",
+}
+ADV_ESTIMATOR_HELP = {
+    "grpo": "(r - group mean) / (group std + 1e-6)",
+    "dr_grpo": "r - group mean, no std (needs --loss-agg-mode seq-mean-token-sum-norm)",
+    "rloo": "leave-one-out baseline",
+    "reinforce_plus_plus": "discounted per-token return, batch-whitened",
+    "reinforce_plus_plus_baseline": "group mean subtracted, batch-whitened",
+    "gae": "PPO with a critic (a value model trained beside the policy)",
+    "opo": "length-weighted group baseline",
+    "grpo_passk": "only each group's best sample, by its lead over the second (n >= 2)",
+    "gpg": "group-centred, times N / non-zero rewards of the batch",
+    "remax": "reward-to-go minus the reward of the prompt's greedy response, rolled out in the same call",
+}
+POLICY_LOSS_HELP = {
+    "vanilla": "PPO-clip per token with the dual clip",
+    "gspo": "sequence-level ratio clipped per sequence (verl's recipe clips at --clip-ratio-low 3e-4 "
+            "--clip-ratio-high 4e-4)",
+    "sapo": "soft adaptive gate instead of the clip (--tau-pos, --tau-neg)",
+    "cispo": "clipped, detached IS weight times -A logp",
+    "gpg": "-A logp",
+    "clip_cov": "PPO-clip, high-covariance tokens' gradient cut (--clip-cov-*)",
+    "kl_cov": "-A r plus a KL term on the highest-covariance tokens (--kl-cov-ratio, --ppo-kl-coef)",
+    "geo_mean": "GMPO, the geometric mean of the clipped token ratios per sequence",
+    "reinforce": "-A logp (verl's REINFORCE loss)",
+}
+AGG_MODES = tuple(AGG_MODE_HELP)
+_KL_BASE = tuple(KL_HELP)
 KL_KINDS = _KL_BASE + tuple(k + "+" for k in _KL_BASE)  # "+": straight-through, the gradient of k2
-ADV_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae", "opo",
-                  "grpo_passk", "gpg")
+ADV_ESTIMATORS = tuple(ADV_ESTIMATOR_HELP)
 # estimators whose advantages depend on the whole batch, not on each group alone (whitening, GPG's alpha)
 BATCH_WIDE_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg")
-POLICY_LOSSES = ("vanilla", "gspo", "sapo", "cispo", "gpg", "clip_cov", "kl_cov", "geo_mean", "reinforce")
+POLICY_LOSSES = tuple(POLICY_LOSS_HELP)
 # losses aggregated per sequence (seq-mean-token-mean) whatever loss_agg_mode says, as verl does
 SEQ_LEVEL_LOSSES = ("gspo", "sapo", "geo_mean")
 SINGLETON_ADV = ("reward", "zero")
+
+
+def describe(options: dict[str, str]) -> str:
+    """A flag's help listing every option of a menu: "name: what; name: what; ..."."""
+    return "; ".join(f"{k}: {v}" for k, v in options.items())
+
+
+def kl_help() -> str:
+    """The KL estimators' help: the base ones, and their straight-through "+" forms."""
+    return describe(KL_HELP) + "; a name with + (k1+, k3+, low_var_kl+, ...): its value with k2's gradient"
 
 
 @dataclass(frozen=True)
@@ -306,8 +353,8 @@ def gpg_advantages(rewards: torch.Tensor, group: torch.Tensor, singleton: str = 
 def remax_advantages(token_rewards: torch.Tensor, baselines: torch.Tensor,
                      mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax (verl's compute_remax_outcome_advantage): (returns - b, returns), both [N, R], with returns the
-    undiscounted reward-to-go of each token and b [N] the reward of the prompt's greedy response. Not yet
-    an `adv_estimator`: the step has to roll out the greedy response beside the samples (docs/ALGORITHMS.md)."""
+    undiscounted reward-to-go of each token and b [N] the reward of the prompt's greedy response (rolled out
+    beside the samples: rl/remax.py)."""
     m = mask.float()
     returns = (token_rewards.float() * m).flip(-1).cumsum(-1).flip(-1)
     return returns - baselines.float()[:, None] * m, returns
@@ -325,16 +372,23 @@ def token_level_rewards(scores: torch.Tensor, mask: torch.Tensor,
 
 def compute_advantages(estimator: str, scores: torch.Tensor, group: torch.Tensor, mask: torch.Tensor,
                        token_penalty: torch.Tensor | None = None, norm_by_std: bool = True, gamma: float = 1.0,
-                       singleton: str = "reward") -> tuple[torch.Tensor, torch.Tensor]:
+                       singleton: str = "reward", baselines: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages [N] or [N, R], sequence rewards [N]) of outcome `scores` [N] minus an optional
     per-token penalty [N, R] (the KL-in-reward term, coefficient included). `gae` needs the critic's
-    values: `gae_advantages` on `token_level_rewards`. norm_by_std applies to grpo and grpo_passk."""
+    values: `gae_advantages` on `token_level_rewards`; `remax` the reward of each sample's prompt's greedy
+    response, `baselines` [N]. norm_by_std applies to grpo and grpo_passk."""
     if estimator not in ADV_ESTIMATORS:
         raise ValueError(f"adv_estimator must be one of {ADV_ESTIMATORS}, got {estimator!r}")
     if estimator == "gae":
         raise ValueError("adv_estimator='gae' needs the critic's values: gae_advantages(token_level_rewards(...))")
+    if estimator == "remax" and baselines is None:
+        raise ValueError("adv_estimator='remax' needs the reward of each prompt's greedy response (baselines): "
+                         "roll out with the step's rollout_requests, which ask for it")
     tok = token_level_rewards(scores, mask, token_penalty)
     rewards = tok.sum(-1)
+    if estimator == "remax":
+        return remax_advantages(tok, baselines, mask)[0], rewards
     if estimator == "grpo":
         return grpo_advantages(rewards, group, norm_by_std, singleton=singleton), rewards
     if estimator == "dr_grpo":

@@ -27,6 +27,13 @@ class RolloutBatch:
     prefix: dict = field(default_factory=dict)
     # [B] each prompt's place in the order the groups finished (sortable keys; None: unknown)
     finished: list[int] | None = None
+    # [N, R] the rollout correction's IS weights of the whole batch (rl/rollout_correction.py), set by the step
+    # for the update when they need the whole batch (batch normalisation); None: formed per micro-batch
+    is_weights: torch.Tensor | None = None
+    # ReMax (adv_estimator="remax"): each prompt's greedy response, rolled out in the same call (a batch of B
+    # samples, sample i of prompt i), and the reward of that response per sample [N] once scored (rl/remax.py)
+    greedy: RolloutBatch | None = None
+    baselines: torch.Tensor | None = None
 
     @property
     def num_samples(self) -> int:
@@ -72,6 +79,14 @@ class RolloutBatch:
             data_sources=per_sample(data_sources), ground_truths=per_sample(ground_truths),
             extra_infos=per_sample(extra_infos))
         batch.finished = done if all(d is not None for d in done) else None
+        if outputs and all(getattr(o, "greedy", None) for o in outputs):  # ReMax's greedy response per prompt
+            g = [o.greedy[0] for o in outputs]
+            every = lambda xs: list(xs) if xs is not None else [None] * len(outputs)  # noqa: E731
+            batch.greedy = cls.from_samples(
+                prompts, list(range(len(outputs))), [s.token_ids for s in g], pad_id,
+                logprobs=[s.logprobs for s in g], texts=[s.text or "" for s in g],
+                finish_reasons=[s.finish_reason for s in g], data_sources=every(data_sources),
+                ground_truths=every(ground_truths), extra_infos=every(extra_infos))
         return batch
 
     @classmethod
@@ -88,12 +103,17 @@ class RolloutBatch:
         pad = lambda t, v: torch.nn.functional.pad(t, (0, R - t.shape[1]), value=v)  # noqa: E731
         offsets = [sum(b.num_prompts for b in batches[:i]) for i in range(len(batches))]
         lp = None if batches[0].rollout_logprobs is None else torch.cat([pad(b.rollout_logprobs, 0.0) for b in batches])
-        return cls([p for b in batches for p in b.prompts],
+        out = cls([p for b in batches for p in b.prompts],
                    torch.cat([b.group + o for b, o in zip(batches, offsets)]),
                    torch.cat([pad(b.responses, pad_id) for b in batches]),
                    torch.cat([pad(b.mask, 0.0) for b in batches]),
                    lp, None if batches[0].rewards is None else torch.cat([b.rewards for b in batches]),
                    {k: [x for b in batches for x in b.extras[k]] for k in batches[0].extras})
+        if all(b.greedy is not None for b in batches):
+            out.greedy = cls.concat([b.greedy for b in batches], pad_id)
+        if all(b.baselines is not None for b in batches):
+            out.baselines = torch.cat([b.baselines for b in batches])
+        return out
 
     def response_lengths(self) -> list[int]:
         """Tokens each response contributes (through its last masked-in token; at least 1)."""
@@ -114,6 +134,7 @@ class RolloutBatch:
                          torch.tensor([remap[g] for g in self.group[idx].tolist()], dtype=torch.long))
         out.prefix = {k: rows.select(prompt_ids) for k, rows in self.prefix.items()}
         out.finished = None if self.finished is None else [self.finished[p] for p in prompt_ids]
+        out.greedy = None if self.greedy is None else self.greedy.select_prompts(prompt_ids)[0]
         return out, idx
 
     def select_samples(self, idx: torch.Tensor) -> RolloutBatch:
@@ -123,7 +144,8 @@ class RolloutBatch:
         pick = lambda t: None if t is None else t[idx]  # noqa: E731
         extras = {k: [v[i] for i in idx.tolist()] for k, v in self.extras.items()}
         return replace(self, prompts=prompts, group=group, responses=self.responses[idx], mask=self.mask[idx],
-                       rollout_logprobs=pick(self.rollout_logprobs), rewards=pick(self.rewards), extras=extras)
+                       rollout_logprobs=pick(self.rollout_logprobs), rewards=pick(self.rewards), extras=extras,
+                       is_weights=pick(self.is_weights), baselines=pick(self.baselines))
 
 
 def mask_after_eos(responses: torch.Tensor, eos_id: int, mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,9 +20,14 @@ overlong reward shaping (`overlong_buffer_len` > 0, verl's reward_model.overlong
 longer than max_new_tokens - overlong_buffer_len loses overlong_penalty_factor x the tokens past
 that, over overlong_buffer_len, from its score (rl/rewards.py: `overlong_penalty`);
 dynamic sampling (`filter_groups`, verl's algorithm.filter_groups): groups whose samples all have
-the same `filter_groups_metric` are dropped and more prompts rolled out until the step holds as many
-groups as it was given prompts, at most `max_num_gen_batches` rollouts (0: unbounded), then a
-ValueError, or training on the groups kept with `filter_groups_partial` (rl/dynamic_sampling.py).
+the same `filter_groups_metric` (seq_reward, score, or a key the reward function returns such as
+acc) are dropped and more prompts rolled out until the step holds as many groups as it was given
+prompts, at most `max_num_gen_batches` rollouts (0: unbounded), then a ValueError, or training on the
+groups kept with `filter_groups_partial` (rl/dynamic_sampling.py).
+
+Rollout correction (verl's algorithm.rollout_correction: `rollout_is*`, `rollout_rs*`,
+`rollout_token_veto_threshold`; `tis_imp_ratio_cap` is its token-level IS weights) weights or rejects
+what the update trains on by the rollout–trainer logprob gap (rl/rollout_correction.py, `rollout_corr`).
 
 Per-step overrides: the fields declared with `per_step(default, **bounds)` are the ones a server's
 /train_step may set for one step, bounded to what a step can use (an lr of 1000 destroys the policy in
@@ -40,6 +45,7 @@ from .algos import ADV_ESTIMATORS, AGG_MODES, KL_KINDS, POLICY_LOSSES, SINGLETON
 from .fuse_gate import POLICIES as FUSE_ADMISSIONS
 from .fuse_gate import parse_sms_by_batch
 from .microbatch import MicroBatching
+from .rollout_correction import RolloutCorrection
 
 PER_STEP = "per_step"  # the field metadata key of a per-step override's bounds
 
@@ -54,10 +60,11 @@ def per_step(default, **bounds):
 MODES = ("rollplex", "serial")
 LR_SCHEDULES = ("constant", "cosine")
 LR_SCHEDULE_UNITS = ("step", "optimizer_step")
-SCHEDULES = ("phased", "fused")
+SCHEDULES = ("phased", "fused", "auto")
 KL_CTRLS = ("fixed", "adaptive")
 # what dynamic sampling compares within a group (verl's filter_groups.metric): seq_reward, the reward
-# trained on (after overlong shaping); score, the reward function's score before it
+# trained on (after overlong shaping); score, the reward function's score before it; or any other key the
+# reward function returns in its dict (acc, format, ...), checked when the rewards are scored
 FILTER_GROUPS_METRICS = ("seq_reward", "score")
 
 
@@ -71,7 +78,7 @@ class RLConfig:
     max_new_tokens: int = 64
     # algorithm
     # grpo | dr_grpo | rloo | opo | grpo_passk | gpg | reinforce_plus_plus | reinforce_plus_plus_baseline |
-    # gae (PPO with a critic); rl/algos.py, docs/ALGORITHMS.md
+    # gae (PPO with a critic) | remax (greedy baseline, rl/remax.py); rl/algos.py, docs/ALGORITHMS.md
     adv_estimator: str = per_step("grpo")
     norm_adv_by_std: bool = per_step(True)  # grpo and grpo_passk (dr_grpo is grpo without it)
     singleton_adv: str = per_step("reward")  # a group of one sample: the reward itself (verl) | zero
@@ -100,6 +107,17 @@ class RLConfig:
     # truncated importance sampling (verl's tis_imp_ratio_cap): the pg loss per token times
     # min(exp(old - rollout logprob), cap) when the batch has rollout logprobs; None: off
     tis_imp_ratio_cap: float | None = per_step(None, gt=0.0, le=100.0)
+    # rollout correction (verl's algorithm.rollout_correction, rl/rollout_correction.py): IS weights per token or
+    # sequence truncated at rollout_is_threshold (optionally batch-normalised), rejection of the tokens (IcePop) or
+    # sequences whose weight lies outside [rollout_rs_threshold_lower, rollout_rs_threshold], and the veto of
+    # sequences with a token weight under rollout_token_veto_threshold; all off by default
+    rollout_is: str | None = per_step(None)  # token | sequence
+    rollout_is_threshold: float = per_step(2.0, gt=0.0, le=1e6)
+    rollout_is_batch_normalize: bool = per_step(False)
+    rollout_rs: str | None = per_step(None)  # token | sequence | geometric
+    rollout_rs_threshold: float | None = per_step(None, gt=0.0, le=1e6)
+    rollout_rs_threshold_lower: float | None = per_step(None, gt=0.0, le=1e6)  # default 1 / rollout_rs_threshold
+    rollout_token_veto_threshold: float | None = per_step(None, gt=0.0, le=1.0)
     # sapo's gate temperatures where A > 0 / A <= 0 (verl's actor.tau_pos / tau_neg)
     tau_pos: float = per_step(1.0, gt=0.0, le=100.0)
     tau_neg: float = per_step(1.05, gt=0.0, le=100.0)
@@ -160,6 +178,8 @@ class RLConfig:
     # responses over its PrefixState. Same values (tests hold both to the serial mode). Packed is the
     # default because it is faster and needs about half the memory of the padded responses, which is
     # what lets 4 prompts x 8 samples fit a micro-batch on one GPU (docs/BENCHMARKS.md).
+    # serial mode: True packs the micro-batch's full sequences without padding (verl's
+    # use_remove_padding, as its recipes run); False right-pads them to the longest ("serial-padded").
     packed: bool = True
     # per-layer activation checkpointing of the decoder / the vision tower in the actor's forward/backward
     # (verl: enable_gradient_checkpointing): activations stop growing with depth for about one extra forward.
@@ -183,6 +203,12 @@ class RLConfig:
     # mini-batches only the first one's groups train beside the rollout; the others follow its optimizer
     # step as phased. Data-parallel: each rank's pipeline takes its own engine's groups
     schedule: str = "phased"
+    # "auto" (rl/auto_schedule.py) runs fused or phased per step, whichever took fewer seconds per token on
+    # earlier steps (fused by at least auto_margin, and only while it trains some group beside decode), trying
+    # the other one again every auto_reprobe_steps steps. Not the default: which one ran shows in the weights
+    # at the level of summation order, so a resumed run need not repeat a continuous one bit for bit
+    auto_reprobe_steps: int = 16
+    auto_margin: float = 0.01
     # fused: start consuming groups when at most this fraction of them is still decoding (1.0: at once)
     fuse_below: float = 1.0
     # fused, on a GPU: the work beside decode runs in a green context of this many SMs (0: a low-priority
@@ -205,11 +231,16 @@ class RLConfig:
                               ("policy_loss", POLICY_LOSSES), ("loss_agg_mode", AGG_MODES),
                               ("kl_loss_type", KL_KINDS), ("kl_penalty", KL_KINDS), ("kl_ctrl", KL_CTRLS),
                               ("lr_schedule", LR_SCHEDULES), ("lr_schedule_unit", LR_SCHEDULE_UNITS),
-                              ("schedule", SCHEDULES), ("filter_groups_metric", FILTER_GROUPS_METRICS),
+                              ("schedule", SCHEDULES),
                               ("fuse_admission", FUSE_ADMISSIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not (isinstance(self.filter_groups_metric, str) and self.filter_groups_metric.isidentifier()):
+            raise ValueError(f"filter_groups_metric must be seq_reward, score or a key the reward function returns "
+                             f"(a name), got {self.filter_groups_metric!r}")
         _ = self.policy_loss_params  # ValueError on a bad sapo / clip_cov / kl_cov hyperparameter
+        if self.tis_imp_ratio_cap is not None and self.rollout_is is not None:
+            raise ValueError("tis_imp_ratio_cap is rollout_is='token' with rollout_is_threshold=cap: set one of them")
         if self.adv_estimator == "grpo_passk" and self.n < 2:
             raise ValueError("adv_estimator='grpo_passk' compares a group's two best samples: it needs n >= 2")
         if self.adv_estimator == "dr_grpo" and self.loss_agg_mode != "seq-mean-token-sum-norm":
@@ -249,6 +280,8 @@ class RLConfig:
             raise ValueError("lr and grad_clip must be > 0")
         if self.cosched and self.mode != "rollplex":
             raise ValueError("cosched needs mode='rollplex' (it hands shared prefix states to scoring)")
+        if self.auto_reprobe_steps < 2 or not 0.0 <= self.auto_margin < 1.0:
+            raise ValueError("auto_reprobe_steps must be >= 2 and auto_margin within [0, 1)")
         if not 0.0 < self.fuse_below <= 1.0:
             raise ValueError("fuse_below must be within (0, 1]")
         if self.fuse_chunk_tokens is not None and self.fuse_chunk_tokens < 1:
@@ -256,6 +289,7 @@ class RLConfig:
         if self.fuse_sms < 0:
             raise ValueError("fuse_sms must be >= 0 (0: share every SM)")
         parse_sms_by_batch(self.fuse_sms_by_batch)
+        _ = self.rollout_corr  # ValueError on a bad rollout-correction option
 
     @property
     def agg_norm(self) -> float:
@@ -267,6 +301,17 @@ class RLConfig:
         """The hyperparameters of the sapo / clip_cov / kl_cov losses (validated on construction)."""
         return PolicyLossParams(self.tau_pos, self.tau_neg, self.clip_cov_ratio, self.clip_cov_lb, self.clip_cov_ub,
                                 self.kl_cov_ratio, self.ppo_kl_coef)
+
+    @property
+    def rollout_corr(self) -> RolloutCorrection:
+        """The rollout correction (rl/rollout_correction.py); tis_imp_ratio_cap is its token-level IS weights."""
+        if self.tis_imp_ratio_cap is not None:
+            return RolloutCorrection("token", self.tis_imp_ratio_cap, self.rollout_is_batch_normalize, self.rollout_rs,
+                                     self.rollout_rs_threshold, self.rollout_rs_threshold_lower,
+                                     self.rollout_token_veto_threshold)
+        return RolloutCorrection(self.rollout_is, self.rollout_is_threshold, self.rollout_is_batch_normalize,
+                                 self.rollout_rs, self.rollout_rs_threshold, self.rollout_rs_threshold_lower,
+                                 self.rollout_token_veto_threshold)
 
     @property
     def uses_critic(self) -> bool:

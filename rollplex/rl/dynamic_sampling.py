@@ -3,7 +3,8 @@
 
 A step given B rows rolls them out and scores them, then drops every group whose samples all have
 the same `cfg.filter_groups_metric` (seq_reward: the reward trained on, after overlong shaping;
-score: the reward function's score before it). A group of one sample is kept, as in verl; "the same"
+score: the reward function's score before it; any other name: that key of the dict the reward function
+returns, e.g. `acc`, as verl's DAPO recipes filter). A group of one sample is kept, as in verl; "the same"
 is exact equality (verl's std > 0 up to rounding). While fewer than B groups are kept it rolls out
 the rows `more_rows()` returns (the next rows of the driver's data, as verl takes the next batch of
 its data loader), at most `cfg.max_num_gen_batches` rollouts in all (0: unbounded). Then the kept
@@ -32,7 +33,8 @@ from dataclasses import replace
 import torch
 
 from .batch import RolloutBatch
-from .rewards import score_batch
+from .remax import set_baselines
+from .rewards import REWARD_EXTRA_INFO, score_batch
 from .rollout import rollout_requests
 from .timing import phase_timer as _timer
 
@@ -47,6 +49,25 @@ def kept_groups(values: torch.Tensor, group: torch.Tensor, num_prompts: int) -> 
         if v.numel() == 1 or (v.numel() > 1 and bool((v != v[0]).any())):
             kept.append(g)
     return kept
+
+
+def metric_values(metric: str, batch: RolloutBatch, scores: list[float] | None) -> torch.Tensor:
+    """[N] the values dynamic sampling compares within a group (verl's filter_groups.metric): seq_reward, the
+    reward trained on (`batch.rewards`); score, the reward function's score (`scores`); any other name, that
+    key of what the reward function returned per sample (`acc`, ...: the batch's reward_extra_info).
+    ValueError when the batch has no such value for every sample."""
+    if metric == "seq_reward":
+        return batch.rewards
+    if metric == "score":
+        if scores is None:
+            raise ValueError("filter_groups_metric='score' needs the reward function's scores")
+        return torch.tensor(scores, dtype=torch.float64)
+    infos = batch.extras.get(REWARD_EXTRA_INFO)
+    if infos is None or len(infos) != batch.num_samples or any(metric not in d for d in infos):
+        known = sorted(set().union(*infos)) if infos else []
+        raise ValueError(f"filter_groups_metric={metric!r} is neither seq_reward, score nor a key the reward "
+                         f"function returned for every sample (it returned {known or 'only a score'})")
+    return torch.tensor([d[metric] for d in infos], dtype=torch.float64)
 
 
 def _rollout(rl, rows: list[dict], k: int) -> RolloutBatch:
@@ -80,12 +101,15 @@ def sample_groups(rl, rows: list[dict], more_rows: Callable[[], list[dict]] | No
         with _timer(m, "reward", rl.device):
             scores, batch.rewards, extra = score_batch(rl.reward_fn, batch, cfg.max_new_tokens, cfg.overlong_buffer_len,
                                                        cfg.overlong_penalty_factor)
+        if batch.greedy is not None:  # ReMax: the greedy responses' rewards, the kept groups' baselines
+            _, greedy_rewards, _ = score_batch(rl.reward_fn, batch.greedy, cfg.max_new_tokens, cfg.overlong_buffer_len,
+                                               cfg.overlong_penalty_factor)
+            set_baselines(batch, greedy_rewards)
         tries += 1
         for k, v in extra.items():  # averaged over every sample scored
             sums[k] = sums.get(k, 0.0) + v * batch.num_samples
             counts[k] = counts.get(k, 0) + batch.num_samples
-        values = batch.rewards if cfg.filter_groups_metric == "seq_reward" else torch.tensor(scores,
-                                                                                             dtype=torch.float64)
+        values = metric_values(cfg.filter_groups_metric, batch, scores)
         kept = kept_groups(values, batch.group, batch.num_prompts)
         num_kept += len(kept)
         num_dropped += batch.num_prompts - len(kept)

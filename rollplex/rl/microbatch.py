@@ -8,7 +8,8 @@ by count (`prompts` / `samples`) or, with `max_tokens`, as many as fit a token b
 use_dynamic_bsz + ppo_max_token_len_per_gpu). Tokens are what the pass computes: rollplex counts each
 prompt once plus its responses (padded to R on the prefix-state path), serial counts the prompt per
 sequence. `packed` picks how a rollplex micro-batch runs: all prompts and responses packed into one
-sequence, or a prefix pass then the padded responses over its PrefixState.
+sequence, or a prefix pass then the padded responses over its PrefixState; and how a serial one runs:
+its full sequences packed without padding (verl's use_remove_padding), or right-padded to the longest.
 """
 
 from __future__ import annotations

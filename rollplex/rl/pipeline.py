@@ -73,6 +73,7 @@ from .config import RLConfig
 from .errors import TrainOOM, is_oom
 from .fuse_gate import FuseGate
 from .handover import claim_handover
+from .remax import score_baselines
 from .trainer import mini_batch_sizes
 
 BATCH_WIDE = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg")  # whiten / scale over the batch
@@ -89,6 +90,9 @@ def fused_unsupported(cfg: RLConfig) -> str | None:
                 "known only then")
     if cfg.adv_estimator in BATCH_WIDE:
         return f"adv_estimator={cfg.adv_estimator!r} whitens or scales advantages over the whole batch"
+    if cfg.rollout_corr.needs_whole_batch:
+        return ("the rollout correction's batch normalisation, rejection or veto needs the whole batch's old "
+                "logprobs before the update")
     if fused_loss_norm(cfg) is None:
         return (f"policy_loss={cfg.policy_loss!r} divides its loss by sequences and the KL loss / entropy bonus by "
                 "tokens: one division at the end cannot reproduce both")
@@ -108,6 +112,7 @@ class ChunkResult:
     logprobs: torch.Tensor | None  # [n, R_c] the trainer's (device); None: a later mini-batch's groups
     old: torch.Tensor | None  # [n, R_c] old logprobs (several updates per rollout)
     seconds: float = 0.0  # the chunk's stages, timed where they ran (device events on a GPU)
+    baselines: torch.Tensor | None = None  # [n] ReMax: the reward of each sample's prompt's greedy response
 
 
 class GroupPipeline:
@@ -324,6 +329,7 @@ class GroupPipeline:
         chunk.prefix = claim_handover(st, self.handover, ids, lambda: self._stopping)
         scores, reward_metrics = self.rewards(chunk, ids)
         chunk.rewards = scores
+        score_baselines(self.rewards, chunk, ids)  # ReMax: the chunk's greedy responses
         train_b, ref_b = st.training_views(chunk)
         rt = st.runtime  # one process, or this data-parallel rank alone (no collective)
         ref = rt.fused_reference_logprobs(st.ref, st.actor, ref_b, cfg) if st.uses_reference(cfg) else None
@@ -333,14 +339,15 @@ class GroupPipeline:
         chunk.prefix.clear()  # consumed (the views share the dict): the update runs its own prefixes
         penalty, _, _ = st.kl_reward_penalty(chunk, ref, cfg)
         adv, seq_rewards = compute_advantages(cfg.adv_estimator, scores, chunk.group, chunk.mask, penalty,
-                                              cfg.norm_adv_by_std, cfg.gamma, cfg.singleton_adv)
+                                              cfg.norm_adv_by_std, cfg.gamma, cfg.singleton_adv, chunk.baselines)
         logp = None
         if trained:
             acc, logp = st.actor.accumulate_groups(cfg, train_b, adv, ref if cfg.use_kl_loss else None, old,
                                                    rt.fused_placement())
             self.acc = acc if self.acc is None else self.acc + acc
         rows = torch.cat([torch.arange(self.offsets[i], self.offsets[i + 1]) for i in ids])
-        self.results.append(ChunkResult(ids, rows, scores, reward_metrics, ref, adv, seq_rewards, logp, old))
+        self.results.append(ChunkResult(ids, rows, scores, reward_metrics, ref, adv, seq_rewards, logp, old,
+                                        baselines=chunk.baselines))
 
     def chunk_batch(self, ids: list[int]) -> RolloutBatch:
         """The finished groups `ids` as a RolloutBatch (group-indexed within the chunk)."""
@@ -355,24 +362,31 @@ class GroupPipeline:
         first mini-batch accumulated here (`Accumulated`). results: every rank's chunks (default: these)."""
         mine = [r.rows for r in self.results if r.logprobs is not None]
         N, R = batch.responses.shape
-        out = {"rewards": torch.zeros(N), "seq_rewards": torch.zeros(N), "logprobs": torch.zeros(N, R),
-               "advantages": torch.zeros(N)}
         results = self.results if results is None else results
+        per_token = any(r.advantages.dim() == 2 for r in results)  # remax: [n, R_c] per chunk
+        out = {"rewards": torch.zeros(N), "seq_rewards": torch.zeros(N), "logprobs": torch.zeros(N, R),
+               "advantages": torch.zeros(N, R) if per_token else torch.zeros(N)}
         has_ref = all(r.ref is not None for r in results)
         has_old = bool(results) and all(r.old is not None for r in results)
         out["ref"] = torch.zeros(N, R) if has_ref else None
         out["old"] = torch.zeros(N, R) if has_old else None
+        out["baselines"] = torch.zeros(N) if results and all(r.baselines is not None for r in results) else None
         sums: dict[str, float] = {}
         for r in results:
             out["rewards"][r.rows] = r.rewards.float()
             out["seq_rewards"][r.rows] = r.seq_rewards.float().cpu()
-            out["advantages"][r.rows] = r.advantages.float().cpu()
+            if per_token:
+                out["advantages"][r.rows, : r.advantages.shape[1]] = r.advantages.float().cpu()
+            else:
+                out["advantages"][r.rows] = r.advantages.float().cpu()
             if r.logprobs is not None:
                 out["logprobs"][r.rows, : r.logprobs.shape[1]] = r.logprobs.float().cpu()
             if has_ref:
                 out["ref"][r.rows, : r.ref.shape[1]] = r.ref.float().cpu()
             if has_old:
                 out["old"][r.rows, : r.old.shape[1]] = r.old.float().cpu()
+            if out["baselines"] is not None:
+                out["baselines"][r.rows] = r.baselines.float().cpu()
             for k, v in r.reward_metrics.items():
                 sums[k] = sums.get(k, 0.0) + v * len(r.rows)
         out["reward_metrics"] = {k: v / N for k, v in sums.items()}
@@ -390,7 +404,8 @@ class GroupPipeline:
         """The chunks' results on the host (to send to the other ranks of a data-parallel step)."""
         cpu = lambda t: None if t is None else t.detach().cpu()  # noqa: E731
         return [ChunkResult(r.prompts, r.rows, cpu(r.rewards), r.reward_metrics, cpu(r.ref), cpu(r.advantages),
-                            cpu(r.seq_rewards), cpu(r.logprobs), cpu(r.old), r.seconds) for r in self.results]
+                            cpu(r.seq_rewards), cpu(r.logprobs), cpu(r.old), r.seconds, cpu(r.baselines))
+                for r in self.results]
 
     def metrics(self, rollout_s: float, counts: tuple[int, int] | None = None) -> dict:
         """counts: (groups trained beside decode, groups) over every rank (default: `counts()`)."""

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .batch import RolloutBatch
 
 RewardFn = Callable[..., "float | dict"]
+REWARD_EXTRA_INFO = "reward_extra_info"  # the per-sample extra values in a scored batch's extras
 # characters of a response or ground truth the built-ins score: beyond any answer they compare, and a
 # bound on the work one sample can ask for
 MAX_TEXT_CHARS = 1 << 16
@@ -173,9 +174,12 @@ def score(fn: RewardFn, data_source, solution_str, ground_truth, extra_info=None
 
 
 def score_samples(fn: RewardFn, data_sources: Sequence, texts: Sequence[str], ground_truths: Sequence,
-                  extra_infos: Sequence, name: str | None = None) -> tuple[list[float], dict]:
+                  extra_infos: Sequence, name: str | None = None, per_sample: list | None = None
+                  ) -> tuple[list[float], dict]:
     """Score every sample: (scores, metrics averaged over the samples as `critic/score/<key>`).
-    ValueError, naming the sample, when the function raises or returns a non-finite score."""
+    per_sample: a list to append each sample's extra values to ({key: float}, the dict a reward function
+    returns without its score; verl's reward_extra_info). ValueError, naming the sample, when the function
+    raises or returns a non-finite score."""
     name = name or getattr(fn, "__name__", "reward")
     scores, extra = [], {}
     for i, args in enumerate(zip(data_sources, texts, ground_truths, extra_infos)):
@@ -186,6 +190,8 @@ def score_samples(fn: RewardFn, data_sources: Sequence, texts: Sequence[str], gr
         if not math.isfinite(s):
             raise ValueError(f"reward {name!r} returned {s} for sample {i}")
         scores.append(s)
+        if per_sample is not None:
+            per_sample.append(e)
         for k, v in e.items():
             extra.setdefault(k, []).append(v)
     return scores, {f"critic/score/{k}": sum(v) / len(v) for k, v in extra.items()}
@@ -207,10 +213,14 @@ def score_batch(fn: RewardFn, batch: RolloutBatch, max_new_tokens: int, overlong
                 ) -> tuple[list[float], torch.Tensor, dict]:
     """A rollout's (scores, rewards [N] fp32, metrics): the reward function's score per sample, and the
     reward trained on, the score plus its overlong penalty (module docstring; max_new_tokens: the
-    rollout's). ValueError as `score_samples`."""
+    rollout's). Each sample's extra values (the keys a reward function returns beside its score: `acc`, ...)
+    go into `batch.extras["reward_extra_info"]`, as verl keeps them, for dynamic sampling's
+    `filter_groups_metric`. ValueError as `score_samples`."""
     ex = batch.extras
+    infos: list[dict] = []
     scores, extra = score_samples(fn, ex["data_sources"], ex["texts"], ex["ground_truths"], ex["extra_infos"],
-                                  name=name)
+                                  name=name, per_sample=infos)
+    batch.extras[REWARD_EXTRA_INFO] = infos
     if not overlong_buffer_len:
         return scores, torch.tensor(scores, dtype=torch.float32), extra
     lengths = [int(n) for n in batch.mask.sum(-1).tolist()]

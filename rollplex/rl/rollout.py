@@ -37,6 +37,7 @@ from ..data import ground_truth, row_to_inputs
 from ..engine import Engine
 from ..engine.sampling_params import SamplingParams
 from .config import RLConfig
+from .remax import greedy_samples
 
 
 @runtime_checkable
@@ -101,11 +102,13 @@ def as_rollout_backend(engine) -> RolloutBackend | None:
 
 def rollout_requests(processor, rows: list[dict], cfg: RLConfig, step_idx: int) -> tuple[list, list, dict]:
     """(prompts, sampling params, per-prompt extras) of step `step_idx`'s rollout of `rows`. The seeds
-    depend only on (cfg.seed, step, prompt): wherever a prompt is generated, its samples are the same."""
+    depend only on (cfg.seed, step, prompt): wherever a prompt is generated, its samples are the same.
+    ReMax (adv_estimator="remax") asks each prompt for one greedy continuation beside its n samples."""
 
     prompts = [row_to_inputs(processor, r) for r in rows]
     params = [SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                             seed=(cfg.seed * 1_000_003 + step_idx * 10_007 + i * 101) % 2**62)
+                             seed=(cfg.seed * 1_000_003 + step_idx * 10_007 + i * 101) % 2**62,
+                             n_greedy=greedy_samples(cfg))
               for i in range(len(rows))]
     return prompts, params, dict(data_sources=[r.get("data_source") for r in rows],
                                  ground_truths=[ground_truth(r) for r in rows],

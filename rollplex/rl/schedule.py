@@ -5,6 +5,8 @@
     Fused    the same stages over prompt groups as they finish, beside the rollout's tail
              (rl/pipeline.py `GroupPipeline`), then the first mini-batch's optimizer step and the
              other mini-batches as phased runs them; equal to phased up to summation order
+    Auto     one of the two per step, chosen by what earlier steps measured (rl/auto_schedule.py);
+             the update is the same whichever runs, up to summation order
 
 Both run the prefix co-scheduler beside their rollout when `cfg.cosched` (rl/handover.py): Phased through
 `RLStep.generate`, Fused around its pipeline — the chunks read the prefix states it hands over and take
@@ -25,17 +27,20 @@ scored and trained phased. Any other error in a fused stage is raised with nothi
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from ..cosched.scheduler import decode_stream, on_stream, side_stream
 from ..cosched.timeline import DecodeMarks
+from .auto_schedule import AutoChooser
 from .batch import RolloutBatch
 from .config import RLConfig
 from .errors import TrainOOM
 from .fuse_gate import FuseGate, gate_settings
 from .handover import co_scheduled, complete_handover, plan_handover
 from .pipeline import GroupPipeline, fallback_on, fused_unsupported
+from .remax import score_baselines
 from .timing import phase_timer as _timer
 from .trainer import mini_batch_sizes
 
@@ -56,6 +61,7 @@ class Phased:
         """Rewards, then reference, advantages and the update (`RLStep.train`) of a finished rollout."""
         with _timer(m, "reward", step.device):
             batch.rewards, extra = rewards(batch, list(range(batch.num_prompts)))
+            score_baselines(rewards, batch, list(range(batch.num_prompts)))  # ReMax's greedy responses
         m.update(extra)
         m.update(step.train(batch))
         return batch
@@ -191,7 +197,7 @@ class Fused:
         pipe.resolve_times()
         assert len(mine) < len(prompts) or pipe.order == batch.finish_order(), "the first mini-batch is trained"
         got = pipe.assemble(batch, results)
-        batch.rewards = got["rewards"]
+        batch.rewards, batch.baselines = got["rewards"], got["baselines"]
         m.update(got["reward_metrics"])
         _, reward_kl, kl_m = step.kl_reward_penalty(batch, got["ref"], cfg)
         m.update(kl_m)
@@ -211,12 +217,48 @@ class Fused:
         return batch
 
 
-SCHEDULES = {"phased": Phased, "fused": Fused}
+class Auto:
+    """Fused or phased per step, by the seconds per token each took on earlier steps (`AutoChooser`): its
+    exploration, re-probes and the fused gate's report of whether any group trained beside decode. The
+    fused schedule's state (side streams, admission gate) persists across the steps it runs."""
+
+    def __init__(self, cfg: RLConfig):
+        self.phased, self.fused = Phased(), Fused()
+        self.chooser = AutoChooser(reprobe_steps=cfg.auto_reprobe_steps, margin=cfg.auto_margin)
+
+    @property
+    def gate(self) -> FuseGate | None:
+        return self.fused.gate
+
+    @gate.setter
+    def gate(self, gate: FuseGate | None) -> None:
+        self.fused.gate = gate
+
+    def run(self, step, prompts: list, params: list, rewards, per_prompt: dict, m: dict) -> RolloutBatch:
+        ch = self.chooser
+        if "fused" in ch.arms and step.fused_unsupported() is not None:
+            ch.unavailable("fused")
+        arm = ch.pick()
+        t0 = time.perf_counter()
+        batch = (self.fused if arm == "fused" else self.phased).run(step, prompts, params, rewards, per_prompt, m)
+        seconds = time.perf_counter() - t0
+        tokens = sum(len(batch.prompts[g].input_ids) for g in batch.group.tolist()) + float(batch.mask.sum())
+        groups = m.get("rollplex/fused_groups_in_rollout", 0.0) if arm == "fused" else None
+        if arm == "fused" and m.get("rollplex/fused", 1.0) == 0.0:  # it ran phased after all
+            if not m.get("rollplex/fused_fallback_oom"):
+                ch.unavailable("fused")  # it cannot run here; out of memory: not paying until re-probed
+        ch.record(arm, seconds, tokens, groups)
+        m.update(ch.metrics())
+        return batch
 
 
-def schedule_of(cfg: RLConfig) -> Phased | Fused:
-    """A new schedule of `cfg.schedule` (a Fused one keeps its side stream and warnings per step)."""
-    return SCHEDULES[cfg.schedule]()
+SCHEDULES = {"phased": Phased, "fused": Fused, "auto": Auto}
+
+
+def schedule_of(cfg: RLConfig) -> Phased | Fused | Auto:
+    """A new schedule of `cfg.schedule` (a Fused one keeps its side stream and warnings per step; an Auto one
+    its measurements)."""
+    return Auto(cfg) if cfg.schedule == "auto" else SCHEDULES[cfg.schedule]()
 
 
 def why_not_fused(step) -> str | None:

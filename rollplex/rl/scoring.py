@@ -5,7 +5,9 @@
               `group_hidden`, the default), or a prefix pass then the padded responses over its
               PrefixState
     serial:   every sample is a full sequence prompt + response (its images re-encoded per sample,
-              as verl repeats multimodal inputs n times) -> hidden rows of the response
+              as verl repeats multimodal inputs n times) -> hidden rows of the response; the
+              sequences packed into one pass without padding (packed=True, `sequence_hidden`: verl's
+              use_remove_padding, the default), or right-padded to the longest (packed=False)
 
 Both give, for each response token t, log softmax(logits / temperature)[t] — the distribution the
 engine sampled from — and, on request, the entropy of that distribution: `entropy="grad"` from the
@@ -55,6 +57,8 @@ def response_hidden(model: Qwen25VL, mb: RolloutBatch, mode: str, packed: bool,
     if mode == "rollplex":  # a prefix pass, then the padded responses over its PrefixState
         return model.response_hidden(model.prefix(mb.prompts), to_device(mb.responses, dev), to_device(mb.group, dev))
     groups = mb.group.tolist()
+    if packed:  # serial: whole sequences packed without padding, each its own causal segment
+        return model.sequence_hidden(mb.prompts, mb.responses, lens, groups)
     fulls = [mb.prompts[g].with_response(mb.responses[i, : lens[i]].tolist()) for i, g in enumerate(groups)]
     hidden = model.hidden(fulls)  # [n, Lmax, C]
     P = torch.tensor([len(mb.prompts[g].input_ids) for g in mb.group.tolist()], device=dev)

@@ -82,6 +82,7 @@ from .errors import TrainStepError, TrainStepFailed
 from .handover import co_scheduled, complete_handover, plan_handover
 from .rewards import RewardFn, get_reward_fn, score_batch
 from .rollout import NativeRollout, RolloutBackend, as_rollout_backend, rollout_requests
+from .rollout_correction import corrected_batch, rollout_correction
 from .runtime import LocalRuntime, Runtime
 from .schedule import schedule_of, why_not_fused
 from .step_memory import fit_memory as fit_memory  # re-exported: its home before rl/step_memory.py
@@ -337,7 +338,7 @@ class RLStep:
             rewards = tok.sum(-1)
         else:
             adv, rewards = compute_advantages(cfg.adv_estimator, batch.rewards, batch.group, batch.mask, penalty,
-                                              cfg.norm_adv_by_std, cfg.gamma, cfg.singleton_adv)
+                                              cfg.norm_adv_by_std, cfg.gamma, cfg.singleton_adv, batch.baselines)
         # verl's trainer.critic_warmup: the first steps update the critic only
         train_actor = not (cfg.uses_critic and self.step_idx < cfg.critic_warmup)
         old = old_logprobs
@@ -347,10 +348,12 @@ class RLStep:
                 complete_handover(self, batch, "old", m)
                 old = self.runtime.old_logprobs(self.model, self.actor, batch, cfg)
         batch.prefix = {}  # the prefix states are consumed: free them before the update
+        # rollout correction over the whole batch (batch-normalised weights, rejection): what the update trains
+        train_batch = corrected_batch(batch, old, cfg) if train_actor else batch
 
         def actor_update() -> tuple[dict, torch.Tensor | None]:
-            stats, first_lp = self.actor.update(batch, adv, ref_lp if cfg.use_kl_loss else None, old, self.step_idx,
-                                                cfg, nonfinite)
+            stats, first_lp = self.actor.update(train_batch, adv, ref_lp if cfg.use_kl_loss else None, old,
+                                                self.step_idx, cfg, nonfinite)
             return stats, old if old is not None and old_logprobs is None else first_lp
 
         self.update(batch, adv, rewards, reward_kl, cfg, m, actor_update if train_actor else None,
@@ -490,6 +493,8 @@ class RLStep:
             diff = (batch.rollout_logprobs.exp() - train_lp.exp()).abs()[sel]
             m["training/rollout_probs_diff_mean"] = float(diff.mean())
             m["training/rollout_probs_diff_max"] = float(diff.max())
+        if cfg.rollout_corr.active and batch.rollout_logprobs is not None and train_lp is not None:
+            m.update(rollout_correction(train_lp, batch.rollout_logprobs, batch.mask, cfg.rollout_corr)[2])
         lens = batch.mask.sum(-1)
         adv_tok = adv[batch.mask > 0] if adv.dim() == 2 else adv  # per-token advantages: over response tokens
         m["actor/kl_coef"] = self.kl_ctrl.value if self.kl_ctrl is not None else cfg.kl_coef

@@ -32,10 +32,6 @@ HELP = {
     "temperature": "default sampling temperature of /rollout",
     "top_p": "default top_p of /rollout",
     "max_new_tokens": "default for /generate and /rollout",
-    "adv_estimator": "grpo, dr_grpo (no std; needs --loss-agg-mode seq-mean-token-sum-norm), rloo (leave-one-out "
-                     "baseline), reinforce_plus_plus (discounted per-token return, batch-whitened), "
-                     "reinforce_plus_plus_baseline (group mean subtracted, batch-whitened), gae (PPO with a critic: "
-                     "the server builds a value model; /train_step may choose gae only on such a server)",
     "critic_warmup": "the first steps train the critic only (gae); not a /train_step override",
     "critic_model_path": "HF directory of the critic (gae; default: a copy of the policy and a fresh value head); "
                          "not a /train_step override",
@@ -49,7 +45,8 @@ HELP = {
     "filter_groups": "DAPO's dynamic sampling: /train_step drops the groups whose samples all have the same "
                      "filter_groups_metric and trains the rest (the client refills its batches)",
     "filter_groups_metric": "seq_reward: the reward trained on (after overlong shaping); score: the reward "
-                            "function's score before it (a client's rewards are both)",
+                            "function's score before it (a client's rewards are both); or a key of the server's "
+                            "reward function's dict, e.g. acc",
     "max_prompt_chars": "characters of one text prompt, checked before tokenising; default: 32 x --max-model-len",
     "max_image_pixels": "width x height of one image or video frame, read from its header before decoding",
     "api_key": "require 'Authorization: Bearer KEY' (default: $ROLLPLEX_API_KEY; an empty key is an error)",
@@ -79,13 +76,22 @@ HELP = {
 NO_FLAG = ("rl.max_num_gen_batches", "rl.filter_groups_partial", "cosched")
 
 
+def server_estimator_help() -> str:
+    """--adv-estimator's help on a server: every estimator (rl/algos.py), with what a server does for two."""
+    from ..rl.algos import ADV_ESTIMATOR_HELP, describe
+
+    return (describe(ADV_ESTIMATOR_HELP) + ". gae: the server builds a value model (/train_step may choose gae "
+            "only on such a server); remax: /rollout returns each prompt's greedy response (`greedy`) and "
+            "/train_step scores it or takes `greedy_rewards` (only on such a server)")
+
+
 def parser():
     from ..cli import ConfigParser
     from .state import KEEP_ALIVE_S, ServerConfig
 
     ap = ConfigParser(ServerConfig, prog="python -m rollplex.server", description=__doc__.splitlines()[0],
-                      skip=NO_FLAG, help=HELP, flags={"rollout_ttl_s": "--rollout-ttl",
-                                                      "reward_modules": "--reward-module"},
+                      skip=NO_FLAG, help={**HELP, "adv_estimator": server_estimator_help()},
+                      flags={"rollout_ttl_s": "--rollout-ttl", "reward_modules": "--reward-module"},
                       kwargs={"reward_modules": {"action": "append", "type": str, "nargs": None,
                                                  "metavar": "[NAME=]MODULE:FN"},
                               # read after parsing: a default would print the key in --help

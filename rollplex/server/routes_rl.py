@@ -68,8 +68,9 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import Response
 
 from ..rl.batch import RolloutBatch
-from ..rl.dynamic_sampling import kept_groups
+from ..rl.dynamic_sampling import kept_groups, metric_values
 from ..rl.errors import NonFiniteUpdate, TrainOOM, TrainStepError
+from ..rl.remax import greedy_samples, set_baselines
 from ..rl.rewards import score_batch
 from . import limits
 from .body import JSONOffLoop
@@ -114,6 +115,8 @@ def router(state) -> APIRouter:
         if req.for_training and sp.temperature <= 0:
             raise bad_request("training rollouts need temperature > 0 (the trainer scores that distribution)")
         params = group_params(sp, len(req.prompts), cfg.limits)  # prompt i: seed + i*n (400 past int64)
+        if req.for_training and greedy_samples(rl):  # ReMax: each prompt's greedy response in the same call
+            params = [replace(p, n_greedy=greedy_samples(rl)) for p in params]
         try:  # before any prompt is tokenised (limits.py)
             limits.check_count(cfg.limits, len(req.prompts), "prompts")
             for i, p in enumerate(req.prompts):
@@ -148,6 +151,10 @@ def router(state) -> APIRouter:
                     "logprobs": _json_floats(s.logprobs),
                     "finish_reason": finish_reason(s.finish_reason, s.matched_stop, len(s.token_ids))}
                    for i, out in enumerate(outs) for j, s in enumerate(out.samples)]
+        greedy = [{"prompt_index": i, "token_ids": s.token_ids, "text": s.text or "",
+                   "logprobs": _json_floats(s.logprobs),
+                   "finish_reason": finish_reason(s.finish_reason, s.matched_stop, len(s.token_ids))}
+                  for i, out in enumerate(outs) for s in getattr(out, "greedy", [])]
         state.metrics.inc("rollplex_rollouts_total")
         rollout_id = None
         if req.for_training and all(s.finish_reason != "abort" for out in outs for s in out.samples):
@@ -167,6 +174,7 @@ def router(state) -> APIRouter:
             rollout_id = entry.rollout_id
         return {"rollout_id": rollout_id, "weights_version": version, "num_prompts": len(req.prompts), "n": n,
                 "num_samples": len(samples), "samples": samples, "timing_s": gen_s,
+                **({"greedy": greedy} if greedy else {}),
                 "expires_in_s": cfg.rollout_ttl_s if rollout_id else None}
 
     @r.post("/train_step")
@@ -195,6 +203,15 @@ def router(state) -> APIRouter:
                                   "order /rollout returned them, rollout after rollout); the rollout is still "
                                   "retained")
             rewards = scores = list(req.rewards)
+            if req.greedy_rewards is not None:  # ReMax: the client's rewards of the greedy responses
+                if entry.batch.greedy is None:
+                    raise bad_request("greedy_rewards given for rollouts without greedy responses (a /rollout of a "
+                                      "server started with --adv-estimator remax has them)")
+                try:
+                    set_baselines(entry.batch, req.greedy_rewards)
+                except ValueError as e:
+                    raise bad_request(f"{e} (one per prompt, rollout after rollout); the rollout is still "
+                                      "retained") from None
         else:
             t0 = time.perf_counter()
             try:  # the RL step's reward loop, on a thread and outside the training lock: a slow reward
@@ -268,8 +285,12 @@ def _score(state, entry: RetainedRollout, reward: str | None, cfg) -> tuple[list
     """(scores, rewards, metrics) by a reward registered at startup (rewards.py; None: the server's --reward),
     with cfg's overlong reward shaping against the rollout's max_new_tokens."""
     fn = state.rewards.default if reward is None else state.rewards.get(reward)
-    return score_batch(fn, entry.batch, entry.max_new_tokens or cfg.max_new_tokens, cfg.overlong_buffer_len,
-                       cfg.overlong_penalty_factor)
+    limit = entry.max_new_tokens or cfg.max_new_tokens
+    out = score_batch(fn, entry.batch, limit, cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
+    if entry.batch.greedy is not None:  # ReMax: the greedy responses' rewards are the samples' baselines
+        _, greedy, _ = score_batch(fn, entry.batch.greedy, limit, cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
+        set_baselines(entry.batch, greedy)
+    return out
 
 
 def _combine(state, entries: list[RetainedRollout]) -> RetainedRollout:
@@ -290,8 +311,14 @@ def _filter_groups(entry: RetainedRollout, rewards: list, scores: list, metric: 
     """(entry, rewards) of the groups whose samples' `metric` differs (rl/dynamic_sampling.py), the first
     `target` of them when given, and the filter's metrics; 400 (the rollouts retained) when none is left
     to train, or fewer than `target`."""
-    values = torch.tensor(rewards if metric == "seq_reward" else scores, dtype=torch.float32)
     batch = entry.batch
+    if metric in ("seq_reward", "score"):
+        values = torch.tensor(rewards if metric == "seq_reward" else scores, dtype=torch.float32)
+    else:  # a key of the server's reward function's dict (a client's rewards have none)
+        try:
+            values = metric_values(metric, batch, None)
+        except ValueError as e:
+            raise bad_request(f"filter_groups: {e}") from None
     kept = kept_groups(values, batch.group, batch.num_prompts)
     if not kept or (target is not None and len(kept) < target):
         raise bad_request(f"filter_groups: {len(kept)} of the {batch.num_prompts} groups have samples whose {metric} "

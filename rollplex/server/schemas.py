@@ -236,6 +236,9 @@ class TrainStepRequest(RLOverrides):
     # for more rollouts (every rollout still retained)
     train_batch_size: int | None = Field(None, ge=1, le=1 << 16)
     rewards: list[Reward] | None = None
+    # ReMax (adv_estimator remax) with client rewards: the reward of each prompt's greedy response (/rollout's
+    # `greedy`), one per prompt, rollout after rollout; with `reward` the server scores them itself
+    greedy_rewards: list[Reward] | None = None
     reward: str | None = Field(None, min_length=1)
     # train a rollout sampled from older weights (otherwise 409): its sampling logprobs become the
     # PPO ratio's old logprobs, so the clipped ratio corrects for the policy having moved
@@ -245,6 +248,9 @@ class TrainStepRequest(RLOverrides):
     def _one_reward(self):
         if self.rewards is not None and self.reward is not None:
             raise ValueError("pass `rewards` or `reward`, not both")
+        if self.greedy_rewards is not None and self.rewards is None:
+            raise ValueError("greedy_rewards go with the client's `rewards` (with `reward` the server scores the "
+                             "greedy responses)")
         ids = [self.rollout_id, *self.more_rollout_ids]
         if len(set(ids)) != len(ids):
             raise ValueError("a rollout id appears twice in rollout_id / more_rollout_ids")

@@ -197,6 +197,7 @@ class ServerState:
         self.model_path, self.processor, self.model = system.model_path, system.processor, system.model
         self.warmup_loss, self.world_size = system.warmup_loss, system.world_size
         self.memory, self.engine, self.rl = system.memory, system.engine, system.rl
+        self._length_warned = False  # a rollout longer than the memory plan's max_new_tokens was reported
         self.store = RolloutStore(cfg.rollout_ttl_s, cfg.max_rollouts, cfg.limits.max_client_rollout_bytes,
                                   cfg.limits.max_retained_bytes)
         self.media = MediaPolicy(cfg.limits, cfg.media_root)
@@ -338,6 +339,7 @@ class ServerState:
             raise ValueError(f"rewards must be finite with |reward| <= {MAX_ABS_REWARD:g}: sample {bad[0]} has "
                              f"{float(rewards[bad[0]])} ({len(bad)} such)")
         rewards = rewards.float()
+        self._check_planned_length(entry.batch.responses.shape[1])
         if self.commands is not None:  # validated: every other rank runs this same step (group.py)
             self.commands.send("train", entry, rewards, overrides, reward_s, off_policy)
         t0 = time.perf_counter()
@@ -371,6 +373,18 @@ class ServerState:
                   "training/weights_version_lag": float(self.weights_version - 1 - entry.weights_version)})
         self.last_train = {k: v for k, v in m.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         return m
+
+    def _check_planned_length(self, width: int) -> None:
+        """Warn once when a rollout's responses run past the max_new_tokens the memory plan sized the update's
+        activations for at startup: its micro-batches may then run out of memory and back off (slower steps,
+        the first one most)."""
+        planned = self.rl.cfg.max_new_tokens
+        if self.memory is None or width <= planned or self._length_warned:
+            return
+        self._length_warned = True
+        log.warning("a rollout's responses run to %d tokens; the memory plan sized the update for max_new_tokens=%d "
+                    "(%.1fx fewer response tokens per micro-batch): start the server with --max-new-tokens %d",
+                    width, planned, width / planned, width)
 
     def checkpoint_path(self, path: str) -> Path:
         """`path` (relative: under the checkpoint root) resolved, symlinks included; ValueError when it

@@ -254,7 +254,7 @@ class EngineWorker:
             req = self.engine.requests.get(rid)
             if req is None:
                 continue
-            for j, seq in enumerate(req.seqs):
+            for j, seq in enumerate(req.seqs[: req.params.n]):  # the samples (not greedy continuations)
                 ids = seq.output_ids
                 if len(ids) > t.sent[j] and j not in t.unread:
                     t.sent[j] = len(ids)

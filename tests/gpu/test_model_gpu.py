@@ -103,3 +103,32 @@ def test_packed_varlen_path_matches_dense_mask(monkeypatch):
         grads.append(model.model.layers[0].self_attn.qkv_proj.weight.grad.float())
     assert (outs[0] - outs[1]).abs().mean() / outs[1].abs().mean() < 1e-2
     assert (grads[0] - grads[1]).norm() / grads[1].norm() < 3e-2
+
+
+def test_packed_sequences_varlen_matches_dense_and_group_hidden(monkeypatch):
+    """sequence_hidden (serial mode: each sample a whole sequence, packed) in bf16 on the GPU: its varlen
+    calls equal its dense-mask SDPA path, values and gradients, and its values equal group_hidden's."""
+    import rollplex.models.attention as att
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [make_prompt(g, images=[(1, 6, 10)]), make_prompt(g, text_len=(9, 3))]
+    for p in prompts:
+        if p.pixel_values is not None:
+            p.pixel_values = p.pixel_values.cuda().to(torch.bfloat16)
+    resp = random_text_ids((5, 11), g, vocab=290).cuda()
+    lens, group = [11, 1, 4, 11, 7], [0, 1, 0, 1, 1]
+    outs, grads = [], []
+    for flash in (True, False):
+        if not flash:
+            monkeypatch.setattr(att, "_use_flash_varlen", lambda q: False)
+        model = tiny_model(seed=4).cuda().to(torch.bfloat16)
+        h = model.sequence_hidden(prompts, resp, lens, group)
+        (h.float() * torch.linspace(-1, 1, h.shape[-1], device="cuda")).sum().backward()
+        outs.append(h.float().detach())
+        grads.append(model.model.layers[0].self_attn.qkv_proj.weight.grad.float())
+        if flash:
+            with torch.no_grad():
+                shared = model.group_hidden(prompts, resp, lens, group).float()
+            assert (shared - outs[0]).abs().mean() / shared.abs().mean() < 1e-2
+    assert (outs[0] - outs[1]).abs().mean() / outs[1].abs().mean() < 1e-2
+    assert (grads[0] - grads[1]).norm() / grads[1].norm() < 3e-2

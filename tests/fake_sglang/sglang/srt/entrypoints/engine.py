@@ -1,5 +1,6 @@
 """An Engine with SGLang's shape: launches `self.run_scheduler_process_func` in a spawned process and
 reaches it by collective_rpc. `run_script(script)` runs scripted batches there and waits for their results.
+Weight updates go as SGLang's do: serialized, then the tokenizer manager's request on `self.loop`.
 
 Started with `model_path`, it also generates with tiny_runtime.TinyRuntime (Rollplex's engine over its
 own copy of the checkpoint, answers in SGLang's shape), and its weight and memory calls act on that
@@ -12,8 +13,10 @@ of their lengths, as from a scheduler decoding them side by side.
 import asyncio
 import multiprocessing as mp
 
-from sglang.srt.managers.io_struct import RpcReqInput, RpcReqOutput
+from sglang.srt.managers.io_struct import RpcReqInput, RpcReqOutput, UpdateWeightsFromTensorReqInput
 from sglang.srt.managers.scheduler import run_scheduler_process
+from sglang.srt.managers.tokenizer_manager import TokenizerManager
+from sglang.srt.utils.common import MultiprocessingSerializer
 
 
 class Engine:
@@ -33,6 +36,7 @@ class Engine:
             raise RuntimeError("the scheduler process did not start")
         self.scheduler_info = reader.recv()
         self.loop = asyncio.new_event_loop()
+        self.tokenizer_manager = TokenizerManager(self)
         self.runtime = None
         if kwargs.get("model_path") is not None:
             from tiny_runtime import TinyRuntime
@@ -84,9 +88,9 @@ class Engine:
             self.runtime.resume(tags)
 
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
-        self.memory_calls.append(("update", [n for n, _ in named_tensors], flush_cache))
-        if self.runtime is not None:
-            self.runtime.update(named_tensors)
+        obj = UpdateWeightsFromTensorReqInput(serialized_named_tensors=[MultiprocessingSerializer.serialize(
+            named_tensors)], load_format=load_format, flush_cache=flush_cache)
+        return self.loop.run_until_complete(self.tokenizer_manager.update_weights_from_tensor(obj, None))
 
     def shutdown(self):
         self.loop.close()

@@ -11,3 +11,10 @@ class RpcReqInput:
 class RpcReqOutput:
     success: bool
     message: str
+
+
+@dataclass
+class UpdateWeightsFromTensorReqInput:
+    serialized_named_tensors: list
+    load_format: str | None = None
+    flush_cache: bool = True

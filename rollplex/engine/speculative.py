@@ -1,0 +1,169 @@
+"""Lossless speculative decoding for the rollout's tail: drafts from siblings, verified by the policy.
+
+In the tail of a rollout a few sequences decode one token per step on an otherwise idle GPU. While
+`Speculator.active` says so (speculation on, no request waiting, few sequences decoding), the engine
+replaces a decode step by a *verification* step:
+
+1. drafts: up to k tokens per sequence from `SuffixDrafter` (engine/drafter.py) over the request's
+   samples — finished or still decoding — and, with the prompt cache, earlier responses to the prompt;
+2. one pass of the policy over each sequence's last token + its draft (`ModelRunner.verify`: each
+   token a row over the paged KV, causal within the draft; their K/V written to the cache);
+3. the rule below picks the tokens to keep; the K/V of the rest is rolled back (`BlockManager.trim`:
+   blocks past the kept tokens are freed, slots inside a kept block lie past the sequence's length).
+
+Drafts that fail back it off: after a verification that accepted fewer than `speculative_min_accepted`
+draft tokens per sequence, the next 1, 2, 4 .. 64 decode steps run the plain overlapped path. Which
+steps verify never changes the tokens (below), only the time.
+
+The rule (`exact_rule`). Row j of a sequence (its last token + draft[:j] as input) gives the policy's
+distribution p_j for output token t + j. Sampling row j with the engine's own sampler — the Gumbel-max
+draw seeded by (seed, t + j), over the temperature-scaled, top-k/top-p/min-p-processed distribution
+— gives x_j ~ p_j. Draft token j is accepted iff x_j == draft[j]; the first x_j that differs is kept
+as the correction, and if all k are accepted x_k is the bonus token. This is speculative rejection
+sampling against a point-mass draft (Leviathan et al. 2023; Chen et al. 2023) realised with coupled
+noise: P(accept draft[j]) = P(x_j = draft[j]) = p_j(draft[j]), and given a rejection x_j is a draw
+from p_j with draft[j] removed and the rest renormalised, the residual distribution. So every kept
+token is distributed exactly as the policy's, and more: with the same noise the kept tokens *are*
+the ones plain decoding would draw, so a seeded request gives the same sample with speculation on or
+off (and under greedy decoding, accepting while the argmax matches, the same tokens). Logprobs are
+the sampler's for the kept tokens: the policy's, as without speculation.
+
+`rule` is an attribute so the tests can put a deliberately biased rule in its place and show that
+their statistic rejects it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+import torch
+
+from .config import EngineConfig
+from .drafter import DrafterConfig, SuffixDrafter
+from .sampler import Sampler, SamplingTensors
+from .sequence import Request, Sequence
+
+# rule(sampler, logits [R, V], st [R] rows, drafts) -> per sequence (kept tokens, their logprobs); the
+# rows of sequence i are its len(drafts[i]) + 1 rows, in order
+Rule = Callable[[Sampler, torch.Tensor, SamplingTensors, list[list[int]]], list[tuple[list[int], list[float]]]]
+
+
+def accepted(sampled: list[int], draft: list[int]) -> int:
+    """How many leading draft tokens the policy's own draws (row by row) accept."""
+    a = 0
+    while a < len(draft) and sampled[a] == draft[a]:
+        a += 1
+    return a
+
+
+def exact_rule(sampler: Sampler, logits: torch.Tensor, st: SamplingTensors,
+               drafts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    """Speculative rejection sampling against point-mass drafts (module docstring): the kept tokens
+    are the accepted draft and then the first draw that differs (or the bonus draw)."""
+    tokens, logprobs = sampler(logits, st)
+    tokens, logprobs = tokens.tolist(), logprobs.tolist()
+    out, r = [], 0
+    for d in drafts:
+        a = accepted(tokens[r : r + len(d)], d)
+        out.append((tokens[r : r + a + 1], logprobs[r : r + a + 1]))
+        r += len(d) + 1
+    return out
+
+
+@dataclass
+class SpecStats:
+    steps: int = 0  # verification passes
+    seq_steps: int = 0  # sequences verified, summed over passes
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
+    emitted: int = 0  # tokens kept (accepted + one correction or bonus per sequence and pass)
+
+    @property
+    def mean_accepted(self) -> float:
+        """Draft tokens accepted per sequence and pass."""
+        return self.accepted / max(self.seq_steps, 1)
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "seq_steps": self.seq_steps, "drafted": self.drafted,
+                "accepted": self.accepted, "emitted": self.emitted, "mean_accepted": self.mean_accepted,
+                "acceptance_rate": self.accepted / max(self.drafted, 1)}
+
+
+def prompt_key(req: Request) -> Hashable:
+    """What identifies a request's prompt for the prompt cache: its token ids and its pixels."""
+    parts = [tuple(req.inputs.input_ids)]
+    for t in (getattr(req.inputs, "pixel_values", None), getattr(req.inputs, "pixel_values_videos", None)):
+        if t is not None:
+            raw = t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy()
+            parts.append(hashlib.blake2b(raw.tobytes(), digest_size=16).hexdigest())
+    return tuple(parts)
+
+
+class Speculator:
+    """The engine's speculation state: when to speculate, the drafter, the rule, the counts."""
+
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.k = cfg.speculative_tokens
+        self.drafter = SuffixDrafter(DrafterConfig(max_ngram=cfg.speculative_ngram,
+                                                   cache_prompts=cfg.speculative_prompt_cache))
+        self.rule: Rule = exact_rule
+        self.stats = SpecStats()
+        self.peak = 0  # the most sequences decoding at once since the engine last had none running
+        self.skip, self.backoff = 0, 1  # decode steps left to run plain; the next failure's skip
+
+    MAX_BACKOFF = 64
+
+    def active(self, running: int, waiting: int) -> bool:
+        """Whether the next decode step verifies drafts (called once per engine step)."""
+        if running == 0:
+            self.peak = 0
+            return False
+        self.peak = max(self.peak, running)
+        if waiting or running > self.cfg.speculative_max_batch or running > self.cfg.speculative_max_fraction * self.peak:
+            return False
+        if self.skip:  # backed off after verifications that accepted too little
+            self.skip -= 1
+            return False
+        return True
+
+    def drafts(self, seqs: list[Sequence], open_requests) -> list[list[int]]:
+        """Up to k draft tokens per sequence (never past its request's length limit)."""
+        self.drafter.retain(open_requests)  # requests that left the engine
+        indexed = set()
+        out = []
+        for s in seqs:
+            req = s.request
+            rid = req.request_id
+            if rid not in self.drafter.groups:
+                self.drafter.open(rid, req.inputs.input_ids, self._key(req))
+            if rid not in indexed:
+                indexed.add(rid)
+                for sib in req.seqs:
+                    self.drafter.extend(rid, sib.sample_index, sib.output_ids)
+            k = min(self.k, req.max_len - len(s) - 1)
+            out.append(self.drafter.propose(rid, s.output_ids, k) if k > 0 else [])
+        return out
+
+    def finish(self, req: Request) -> None:
+        """A request left the engine finished: its responses go to the prompt cache (when on)."""
+        self.drafter.close(req.request_id)
+        if self.cfg.speculative_prompt_cache:
+            self.drafter.remember(req.inputs.input_ids, [s.output_ids for s in req.seqs], self._key(req))
+
+    def _key(self, req: Request) -> Hashable | None:
+        return prompt_key(req) if self.cfg.speculative_prompt_cache else None
+
+    def count(self, drafts: list[list[int]], kept: list[int]) -> None:
+        """Count a verification; back off (skip decode steps, doubling) when it accepted too little."""
+        if sum(kept) - len(kept) < self.cfg.speculative_min_accepted * len(kept):
+            self.skip, self.backoff = self.backoff, min(2 * self.backoff, self.MAX_BACKOFF)
+        else:
+            self.backoff = 1
+        self.stats.steps += 1
+        self.stats.seq_steps += len(drafts)
+        self.stats.drafted += sum(len(d) for d in drafts)
+        self.stats.emitted += sum(kept)
+        self.stats.accepted += sum(n - 1 for n in kept)

@@ -1,0 +1,203 @@
+"""Speculative decoding from siblings on the tiny model (CPU, fp32): the samples are distributed as plain
+sampling (a chi-square test that rejects a biased acceptance rule), seeded and greedy samples are the
+same tokens, logprobs are the policy's, the KV rollback survives preemption and stops."""
+
+import pytest
+import torch
+from test_engine import _full_logprobs, _prompts
+
+from rollplex.engine import Engine, EngineConfig, SamplingParams
+from rollplex.engine.sampler import keep_mask
+from rollplex.models import load_model
+from rollplex.rl.config import RLConfig
+from rollplex.rl.step import RLStep
+from rollplex.tiny import shape_color
+
+# speculation in every decode step, however little it accepts
+SPEC = dict(speculative_tokens=3, speculative_max_batch=4096, speculative_max_fraction=1.0, speculative_min_accepted=0.0)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir):
+    return load_model(tiny_dir).eval()
+
+
+def _engine(model, proc, **cfg):
+    return Engine(model, proc, EngineConfig(**cfg))
+
+
+def chi_square_p(a: list, b: list) -> float:
+    """p-value of a chi-square test that samples a and b come from one categorical distribution
+    (categories with fewer than 10 pooled draws merged into one)."""
+    cats = sorted(set(a) | set(b))
+    counts = torch.tensor([[a.count(c), b.count(c)] for c in cats], dtype=torch.float64)
+    small = counts.sum(1) < 10
+    counts = torch.cat([counts[~small], counts[small].sum(0, keepdim=True)]) if small.any() else counts
+    counts = counts[counts.sum(1) > 0]
+    expected = counts.sum(1, keepdim=True) * counts.sum(0, keepdim=True) / counts.sum()
+    stat = ((counts - expected) ** 2 / expected).sum()
+    dof = counts.shape[0] - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
+
+
+def resample_on_rejection(sampler, logits, st, drafts):
+    """A classic wrong rule: accept the draft with probability p(draft) but on a rejection draw again
+    from p itself (the draft included) instead of from the residual. It favours drafted tokens."""
+    lp = torch.log_softmax(logits.float() / st.temperature[:, None], -1)
+    probs = lp.masked_fill(~keep_mask(lp, st.top_k, st.top_p, st.min_p), float("-inf")).softmax(-1)
+    g = torch.Generator().manual_seed(int(st.seeds[0]) ^ int(st.steps[0]))
+    out, r = [], 0
+    for d in drafts:
+        toks = []
+        for j, x in enumerate(d):
+            if torch.rand((), generator=g) < probs[r + j, x]:
+                toks.append(x)
+                continue
+            toks.append(int(torch.multinomial(probs[r + j], 1, generator=g)))
+            break
+        else:
+            toks.append(int(torch.multinomial(probs[r + len(d)], 1, generator=g)))
+        out.append((toks, lp[r : r + len(toks)].gather(-1, torch.tensor(toks)[:, None]).squeeze(-1).tolist()))
+        r += len(d) + 1
+    return out
+
+
+def _draws(model, proc, spec: bool, seed: int, n: int = 800, rule=None) -> list[tuple]:
+    """n samples of 4 tokens (top-k 3: a few likely tokens per step, so drafts are often right and often
+    wrong). With speculation, an earlier request of the prompt fills the prompt cache the drafts come from."""
+    eng = _engine(model, proc, max_num_seqs=1024, speculative_prompt_cache=1, **(SPEC if spec else {}))
+    prompt = _prompts(proc)[3]
+    params = dict(temperature=1.0, top_k=3, max_new_tokens=4, ignore_eos=True)
+    if spec:
+        eng.generate([prompt], SamplingParams(n=16, seed=10**9, **params))
+        if rule is not None:
+            eng.spec.rule = rule
+    out = eng.generate([prompt], SamplingParams(n=n, seed=seed, **params))[0]
+    if spec:
+        s = eng.spec_stats
+        assert 0.1 < s["accepted"] / s["drafted"] < 0.9, s  # drafts are tested: accepted and rejected
+    return [tuple(s.token_ids) for s in out.samples]
+
+
+def test_speculative_samples_are_distributed_as_plain_sampling_and_a_biased_rule_is_not(model, proc):
+    plain = _draws(model, proc, spec=False, seed=0)
+    exact = _draws(model, proc, spec=True, seed=10**6)  # other seeds: an independent sample
+    biased = _draws(model, proc, spec=True, seed=10**6, rule=resample_on_rejection)
+    for j in (1, 2, 3):  # the tokens speculation draws (token 0 comes from the prefill)
+        assert chi_square_p([t[j] for t in plain], [t[j] for t in exact]) > 1e-3 / 3
+    assert min(chi_square_p([t[j] for t in plain], [t[j] for t in biased]) for j in (1, 2, 3)) < 1e-6
+
+
+def test_seeded_samples_are_the_same_tokens_and_logprobs_are_the_policys(model, proc):
+    prompts = _prompts(proc)
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=4, max_new_tokens=16, ignore_eos=True, n=3, seed=5)
+    plain = _engine(model, proc).generate(prompts, params)
+    eng = _engine(model, proc, speculative_prompt_cache=8, **SPEC)
+    eng.generate(prompts, SamplingParams(**{**params.__dict__, "seed": 77}))  # earlier responses to draft from
+    spec = eng.generate(prompts, params)
+    assert eng.spec_stats["accepted"] > 0
+    for p, a, b in zip(prompts, plain, spec):
+        for x, y in zip(a.samples, b.samples):
+            assert x.token_ids == y.token_ids
+            ref = _full_logprobs(model, p, y.token_ids, 0.8)
+            assert (torch.tensor(y.logprobs) - ref).abs().max().item() <= 1e-5
+
+
+def test_greedy_tokens_are_the_same_with_and_without_speculation(model, proc):
+    prompts = _prompts(proc)
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True, n=2)
+    plain = _engine(model, proc).generate(prompts, params)
+    eng = _engine(model, proc, **SPEC)
+    spec = eng.generate(prompts, params)
+    assert eng.spec_stats["accepted"] > 0
+    assert [[s.token_ids for s in o.samples] for o in plain] == [[s.token_ids for s in o.samples] for o in spec]
+
+
+def test_stops_and_preemption_under_a_tiny_kv_cache_give_the_same_outputs(model, proc):
+    prompts = _prompts(proc)
+    free = _engine(model, proc).generate(prompts[:1], SamplingParams(temperature=0, max_new_tokens=40,
+                                                                     ignore_eos=True))[0].samples[0].token_ids
+    stop = next(t for i, t in enumerate(free) if i >= 6 and t not in free[:i])  # first reached mid-response
+    params = [SamplingParams(temperature=0, max_new_tokens=40, stop_token_ids=[stop], ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=3, max_new_tokens=39, n=3, seed=5, ignore_eos=True)] * 2
+    ref = _engine(model, proc).generate(prompts, params)
+    # the prompt cache drafts the whole response, the stop token and what followed it included
+    eng = _engine(model, proc, kv_cache_tokens=16 * 14, speculative_prompt_cache=4, **SPEC)
+    for _ in range(2):
+        out = eng.generate(prompts, params)
+        for a, b in zip(ref, out):
+            for x, y in zip(a.samples, b.samples):
+                assert (x.token_ids, x.finish_reason) == (y.token_ids, y.finish_reason)
+                assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) <= 1e-5
+    assert eng.scheduler.num_preemptions > 0 and eng.spec_stats["accepted"] > 0
+    assert out[0].samples[0].finish_reason == "stop" and out[0].samples[0].token_ids[-1] == stop
+    assert eng.blocks.num_free == eng.blocks.num_blocks - 1  # every block back, drafts' included
+
+
+def test_speculation_runs_only_while_the_batch_is_small(model, proc):
+    eng = _engine(model, proc, speculative_tokens=2, speculative_max_batch=2, speculative_max_fraction=0.5)
+    calls = {"decode": [], "verify": []}
+    for name in calls:
+        real = getattr(eng.runner, name)
+
+        def spy(*a, _real=real, _name=name, **kw):
+            calls[_name].append(len(kw["ids"]) if _name == "decode" else len(a[-1]))
+            return _real(*a, **kw)
+
+        setattr(eng.runner, name, spy)
+    prompt = _prompts(proc)[3]
+    lengths = [4, 8, 12, 16]  # the batch shrinks by one sequence at a time
+    eng.generate([prompt] * 4, [SamplingParams(temperature=0, max_new_tokens=m, ignore_eos=True) for m in lengths])
+    assert calls["verify"] and calls["decode"]
+    # sequences verified / decoded per step: decode leaves off once at most 2 run (one step of 2 may come
+    # first: a sequence whose last token is in flight still counts as running)
+    assert max(calls["verify"]) <= 2 and min(calls["decode"]) >= 2 and calls["decode"].count(2) <= 1
+    off = _engine(model, proc)
+    assert off.spec is None and off.spec_stats == {}
+
+
+def test_drafts_that_fail_back_speculation_off(model, proc):
+    eng = _engine(model, proc, speculative_tokens=3, speculative_max_fraction=1.0)
+    eng.spec.drafts = lambda seqs, _: [[0, 0, 0] for _ in seqs]  # drafts greedy decoding never takes
+    params = SamplingParams(temperature=0, max_new_tokens=100, ignore_eos=True)
+    prompt = _prompts(proc)[3]
+    plain = _engine(model, proc).generate([prompt], params)[0].samples[0].token_ids
+    assert 0 not in plain
+    out = eng.generate([prompt], params)[0].samples[0].token_ids
+    assert out == plain
+    # verifications after 1, 2, 4, 8, 16, 32, 64 plain steps: 7 in the first 99 decode steps, then one per 65
+    assert eng.spec_stats["accepted"] == 0 and 6 <= eng.spec_stats["steps"] <= 8
+
+
+def test_speculative_options_are_validated():
+    for bad in ({"speculative_tokens": -1}, {"speculative_tokens": 17}, {"speculative_max_batch": 0},
+                {"speculative_max_fraction": 0.0}, {"speculative_max_fraction": 1.5}, {"speculative_ngram": 0},
+                {"speculative_prompt_cache": -1}, {"speculative_min_accepted": -0.1}):
+        with pytest.raises(ValueError, match="speculative"):
+            EngineConfig(**bad)
+
+
+def test_rl_step_trains_on_the_policys_logprobs_with_speculation(tiny_dir, proc):
+    policy = load_model(tiny_dir)
+    engine = Engine(policy, proc, EngineConfig(max_num_seqs=64, max_model_len=256, speculative_prompt_cache=8, **SPEC))
+    # a low temperature: the random tiny policy is near uniform, and drafts are tested only where it is not
+    cfg = RLConfig(n=4, max_new_tokens=12, lr=1e-2, kl_coef=0.05, micro_batch_prompts=2, temperature=0.03)
+    rl = RLStep(policy, engine, cfg, proc, reward_fn="shape_color")
+    rows = shape_color.make_rows(3, seed=3)
+    for _ in range(2):  # the second step drafts from the first one's responses too
+        m = rl.step(rows)
+        assert m["training/rollout_probs_diff_max"] < 1e-4  # engine and trainer agree on the sampled tokens
+    assert engine.spec_stats["accepted"] > 0
+
+
+def test_spec_bench_checks_tokens_and_prints_its_table(tiny_dir, capsys):
+    from rollplex.bench import spec as bench
+
+    bench.main(["--model", str(tiny_dir), "--device", "cpu", "--prompts", "4", "--n", "2", "--max-new-tokens", "32",
+                "--image-size", "56", "--accept", "0,2"])
+    out = capsys.readouterr().out
+    assert "correctness: every speculative rollout gave the greedy tokens" in out
+    table = out.strip().splitlines()[-5:]
+    assert table[0].startswith("| drafts |") and table[2].startswith("| off |")
+    assert table[3].startswith("| replay a=0 |") and table[4].startswith("| replay a=2 |")
+    assert float(table[4].split("|")[6]) > 1.0  # mean accepted length of the a=2 replay
