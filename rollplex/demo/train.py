@@ -28,15 +28,16 @@ is trained beside it (`--critic-lr`, default 1e-3 as the actor's `--lr`; `--crit
 
 RLOO, REINFORCE++ and Dr.GRPO train with a KL loss to the format-warmed reference (`--kl-coef 0.1`;
 REINFORCE++ also `--lr 1.5e-3`, Dr.GRPO 4 mini-batches per rollout) unless those flags are given
-(`RUN_DEFAULTS`, said at the start of a run): their advantages are not divided by each group's reward
-spread as GRPO's are, and without it the policy's entropy collapsed before the model had learnt the task.
-DAPO (`--filter-groups`, `--clip-ratio-high 0.28`; rl/config.py): a step rolls out more prompts until it holds --prompts groups whose samples' rewards differ
-(`train/num_gen_batches`). It trains in 4 mini-batches per rollout (`--ppo-mini-batches 4`) unless told:
-with one, every update is on-policy, the clip-higher clips nothing and the entropy collapsed. Its overlong
-shaping (`--overlong-buffer-len B`) gets room past the answer: an answer is a letter and the end of the
-turn, 2 of the demo's 4 new tokens, and a buffer inside those 4 penalised every third token until the
-policy stopped answering; so the demo allows 4 + B new tokens unless `--max-new-tokens` is given. GSPO
-(`--policy-loss gspo`) trains in 4 mini-batches per rollout too, so that its sequence-level clip acts.
+(`RUN_DEFAULTS`, said at the start of a run): their advantages are not divided by each group's reward spread
+as GRPO's are, and without it the policy's entropy collapsed before the model had learnt the task. DAPO
+(`--filter-groups`, `--clip-ratio-high 0.28`; rl/config.py): a step rolls out more prompts until it holds
+--prompts groups whose samples' rewards differ (`train/num_gen_batches`). It trains in 4 mini-batches per
+rollout (`--ppo-mini-batches 4`) unless told: with one, every update is on-policy, the clip-higher clips
+nothing and the entropy collapsed. Its overlong shaping (`--overlong-buffer-len B`) gets room past the answer:
+an answer is a letter and the end of the turn, 2 of the demo's 4 new tokens, and a buffer inside those 4
+penalised every third token until the policy stopped answering; so the demo allows 4 + B new tokens unless
+`--max-new-tokens` is given. GSPO (`--policy-loss gspo`) trains in 4 mini-batches per rollout too, so that its
+sequence-level clip acts.
 
 The run says how many CPU threads it uses (rollplex/threads.py: 1 for the tiny model unless `--threads` or
 $OMP_NUM_THREADS says otherwise), and where it writes the tiny checkpoint on its first run. Ctrl-C or
