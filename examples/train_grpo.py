@@ -61,6 +61,8 @@ import httpx
 from tqdm import tqdm
 
 from rollplex.data import load_rows, save_rows
+from rollplex.demo.ending import Signals
+from rollplex.demo.progress import log_mode
 from rollplex.loggers import DEFAULT_NAMES as DEFAULT_LOGGERS
 from rollplex.loggers import LoggerConfig, Tracker, resolve_run_dir
 from rollplex.loggers import add_arguments as add_logger_arguments
@@ -68,6 +70,7 @@ from rollplex.loggers import parse_names as parse_logger_names
 from rollplex.plots import plot_rewards, reward_labels
 from rollplex.rl import algos
 from rollplex.rl.rewards import get_reward_fn, score
+from rollplex.threads import apply_threads
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -140,6 +143,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--target-reward", type=float, default=None, help="stop when the mean reward of the last 3"
                     " steps reaches it (default: 0.8 for the demo, else off)")
     ap.add_argument("--seed", type=int, default=0, help="data order, sampling and the in-process server")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads of this process (and its in-process "
+                    "server); default: $OMP_NUM_THREADS if set, else 1 for the tiny model on the CPU, else torch's "
+                    "(rollplex/threads.py)")
     ap.add_argument("--save-dir", default=None, help="checkpoints: SAVE_DIR/global_step_K; in-process: the server's"
                     " checkpoint root, with --server: a folder under that server's --checkpoint-root")
     ap.add_argument("--save-every", type=int, default=0, help="save every K steps (0: only at the end)")
@@ -399,6 +405,21 @@ def validation_metrics(samples: list[tuple[str, int, dict[str, float]]]) -> dict
 
 
 # ---- training -----------------------------------------------------------------------------------
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _threads(n: int | None = None) -> int:
+    """torch's intra-op threads (set to `n` first when given)."""
+    import torch
+
+    if n is not None:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.replaced and not args.resume:
@@ -407,6 +428,12 @@ def main(argv=None) -> dict:
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     rows = load_dataset(args)
     val_rows = load_val_dataset(args)
+    device = args.device or ("cuda" if args.server is None and _cuda() else "cpu")
+    threads_before = _threads()
+    try:
+        print(apply_threads(args.threads, device, tiny=args.model is None), flush=True)
+    except ValueError as e:
+        raise SystemExit(f"train_grpo.py: {e}") from None
     # the loggers first: a missing optional package fails before the server loads a model
     tracker = Tracker(LoggerConfig.from_args(args, append=bool(args.resume)))
     embedded = None
@@ -423,6 +450,7 @@ def main(argv=None) -> dict:
         tracker.close()
         if embedded is not None:
             embedded.stop()
+        _threads(threads_before)  # a caller in the same process (a test) keeps its own
 
 
 def _train(args, client: Client, rows: list[dict], val_rows: list[dict], tracker: Tracker) -> dict:
@@ -453,47 +481,75 @@ def _train(args, client: Client, rows: list[dict], val_rows: list[dict], tracker
         val = validate(client, args, val_rows)
         tracker.log(val, start)
         print(_val_line(start, val), flush=True)
+    lines = log_mode(sys.stdout)  # a log file: a line per step instead of the bar's frames
     bar = tqdm(range(start, args.steps), desc=f"GRPO ({health['mode']})", unit="step", initial=start,
-               total=args.steps)
-    for step in bar:
-        t0 = time.perf_counter()
-        ids: list[str] = []  # this step's rollouts: more than one when --filter-groups refills the batch
-        while True:
-            batch = [row_to_wire(rows[i]) for i in batch_indices(len(rows), pos, args.rollout_batch_size, args.seed)]
-            pos += 1
-            ro = client.call("POST", "/rollout", {"prompts": batch, "n": args.n_samples, "sampling_params": sp})
-            ids.append(ro["rollout_id"])
-            body = {"rollout_id": ids[0], "reward": args.reward, **overrides}
-            if args.filter_groups:
-                body.update(more_rollout_ids=ids[1:], train_batch_size=args.rollout_batch_size)
-            refill = args.filter_groups and (not args.max_num_gen_batches or len(ids) < args.max_num_gen_batches)
-            # the server asks for more groups with a 400 starting "filter_groups:"; at the bound it ends the run
-            m = client.call("POST", "/train_step", body, tolerate="filter_groups:" if refill else None)
-            if m is not None:
+               total=args.steps, disable=lines)
+    signals, stopped = Signals(), None
+
+    def steps():
+        nonlocal pos, saved, val
+        for step in bar:
+            t0 = time.perf_counter()
+            ids: list[str] = []  # this step's rollouts: more than one when --filter-groups refills the batch
+            while True:
+                order = batch_indices(len(rows), pos, args.rollout_batch_size, args.seed)
+                batch = [row_to_wire(rows[i]) for i in order]
+                pos += 1
+                ro = client.call("POST", "/rollout", {"prompts": batch, "n": args.n_samples, "sampling_params": sp})
+                ids.append(ro["rollout_id"])
+                body = {"rollout_id": ids[0], "reward": args.reward, **overrides}
+                if args.filter_groups:
+                    body.update(more_rollout_ids=ids[1:], train_batch_size=args.rollout_batch_size)
+                refill = args.filter_groups and (not args.max_num_gen_batches or len(ids) < args.max_num_gen_batches)
+                # the server asks for more groups with a 400 starting "filter_groups:"; at the bound it ends the run
+                m = client.call("POST", "/train_step", body, tolerate="filter_groups:" if refill else None)
+                if m is not None:
+                    break
+            m["timing_s/driver_step"] = time.perf_counter() - t0
+            history.append(m)
+            recent = [h["critic/score/mean"] for h in history[-3:]]
+            bar.set_postfix(reward=f"{m['critic/score/mean']:.2f}", avg3=f"{sum(recent) / len(recent):.2f}")
+            if lines:
+                print(f"step {step + 1}/{args.steps}: reward {m['critic/score/mean']:.2f}, avg3 "
+                      f"{sum(recent) / len(recent):.2f}, {m['timing_s/driver_step']:.1f}s", flush=True)
+            reached = args.target_reward is not None and len(recent) == 3 and sum(recent) / 3 >= args.target_reward
+            last = reached or step + 1 == args.steps
+            if val_rows and args.eval_every and ((step + 1) % args.eval_every == 0 or last):
+                val = validate(client, args, val_rows)  # logged with the step it follows, as verl does
+                m.update(val)
+                bar.write(_val_line(step + 1, val))
+            tracker.log(m, step + 1)
+            if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
+                saved = _save(client, args, step + 1, pos)
+            if reached:
+                bar.write(f"target reward {args.target_reward} reached at step {step + 1}")
                 break
-        m["timing_s/driver_step"] = time.perf_counter() - t0
-        history.append(m)
-        recent = [h["critic/score/mean"] for h in history[-3:]]
-        bar.set_postfix(reward=f"{m['critic/score/mean']:.2f}", avg3=f"{sum(recent) / len(recent):.2f}")
-        reached = args.target_reward is not None and len(recent) == 3 and sum(recent) / 3 >= args.target_reward
-        last = reached or step + 1 == args.steps
-        if val_rows and args.eval_every and ((step + 1) % args.eval_every == 0 or last):
-            val = validate(client, args, val_rows)  # logged with the step it follows, as verl does
-            m.update(val)
-            bar.write(_val_line(step + 1, val))
-        tracker.log(m, step + 1)
-        if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
-            saved = _save(client, args, step + 1, pos)
-        if reached:
-            bar.write(f"target reward {args.target_reward} reached at step {step + 1}")
-            break
+
+    with signals:  # Ctrl-C or SIGTERM: stop where the run is, then save, plot and summarise as at its end
+        try:
+            steps()
+        except KeyboardInterrupt:
+            stopped = signals.name
     bar.close()
+    if stopped is not None:
+        print(f"\nstopped by {stopped} after {len(history)} steps; writing the run's files", flush=True)
+    with signals.ignored():
+        summary = _finish(args, client, rows, history, start, pos, saved, val)
+    if stopped is not None:
+        raise SystemExit(signals.exit_code)
+    return summary
+
+
+def _finish(args, client, rows, history, start, pos, saved, val) -> dict:
+    """The last checkpoint (with --save-dir), the reward plot (with the target and the 3-step mean) and the
+    summary, at the run's end or when it is stopped."""
     done = start + len(history)
     if args.save_dir and history and (not args.save_every or done % args.save_every):
         saved = _save(client, args, done, pos)
     log_dir = Path(args.log_dir)
     title, chance = reward_labels(r.get("data_source") for r in rows)
-    png = plot_rewards(history, log_dir / "reward.png", title, chance) if history else None
+    png = plot_rewards(history, log_dir / "reward.png", title, chance, target=args.target_reward, window=3) \
+        if history else None
     metrics_path = log_dir / "metrics.jsonl" if "jsonl" in args.logger else None
     summary = {"steps": len(history), "final_step": done, "log_dir": str(log_dir),
                "metrics": str(metrics_path) if metrics_path else None, "plot": str(png) if png else None,

@@ -46,6 +46,7 @@ each rank its role's part.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,7 +57,7 @@ import torch.distributed as dist
 from .backends import BackendConfig, require_backend, rollout_backend
 from .cosched import CoschedConfig
 from .engine import Engine, EngineConfig
-from .memory import MemoryConfig, MemoryManager, PhasePlan
+from .memory import TAGS, MemoryConfig, MemoryManager, PhasePlan
 from .models import load_model
 from .models.hub import looks_like_hub_id, resolve_model_dir
 from .parallel import new_rollout_group, tensor_parallel_copy
@@ -243,7 +244,7 @@ def build(cfg: SystemConfig, *, model=None, processor=None, model_path: Path | N
         t0 = time.perf_counter()
         rows = warmup_rows if warmup_rows is not None else shape_color.make_rows(256, seed=cfg.rl.seed)
         out.warmup_loss = format_warmup(model, out.processor, rows, shape_color.LETTERS, cfg.format_warmup_steps,
-                                        lr=1e-3, seed=cfg.rl.seed)
+                                        lr=1e-3, seed=cfg.rl.seed, progress=sys.stderr.isatty())  # no bar in a log
         model.eval()
         lg.info("startup: format warm-up in %.1fs (%d steps, loss %.3f)", phase("format_warmup", t0),
                 cfg.format_warmup_steps, out.warmup_loss)
@@ -306,8 +307,10 @@ def build(cfg: SystemConfig, *, model=None, processor=None, model_path: Path | N
         out.model = out.rl.model
         out._policy = None if out.model is not model else model
         if out.memory is not None:
+            held = tuple(t for t in TAGS if not ((t == "ref_weights" and out.rl.ref is None)
+                                                 or (t.startswith("critic_") and out.rl.critic is None)))
             lg.info("memory (%s backend):\n%s", out.memory.backend.name,
-                    out.memory.plan.table(out.rl.memory_sizes(), out.rl.activation_estimate()))
+                    out.memory.plan.table(out.rl.memory_sizes(), out.rl.activation_estimate(), held))
     return out
 
 

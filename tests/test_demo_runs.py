@@ -1,6 +1,6 @@
 """What a demo run leaves and says: its own folder per run (runs/PROJECT/demo-DATE-TIME, never the last
-run's), the reward plot's title and chance line from the data, the CPU cost warning, and the in-step
-progress (off without a terminal unless asked)."""
+run's), the reward plot's title, chance and target lines from the data and the run, the CPU cost warning,
+and in a log a line per step and the in-step progress."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def tiny(tmp_path_factory):
 
 
 def test_each_run_gets_its_own_folder(tmp_path, monkeypatch, capsys, tiny):
-    """Two runs without --experiment from the same directory: two folders, each with its own metrics and
-    plot; under pytest stdout is no terminal, so the default shows no in-step progress."""
+    """Two runs without --experiment from the same directory: two folders, each with its own metrics, plot and
+    summary; under pytest stdout is no terminal, so each step prints one line (and no bar frames)."""
     monkeypatch.chdir(tmp_path)
     demo_train.main(["--model", tiny, *SMALL])
     demo_train.main(["--model", tiny, *SMALL, "--seed", "1"])
@@ -40,8 +40,11 @@ def test_each_run_gets_its_own_folder(tmp_path, monkeypatch, capsys, tiny):
         assert json.loads(line)["step"] == 1
         if importlib.util.find_spec("matplotlib") is not None:
             assert (r / "reward.png").stat().st_size > 1000
+        summary = json.loads((r / "summary.json").read_text())
+        assert summary["steps"] == 1 and summary["stopped"] == "steps" and summary["last_window"] == 1
     out = capsys.readouterr().out
-    assert "step 1 rollout" not in out and "micro-batches" not in out
+    assert "\r" not in out and sum(ln.startswith("step 1/1: reward ") for ln in out.splitlines()) == 2
+    assert "(mean of the last step) in 1 steps" in out and "target 2 not reached: the step budget" in out
     assert sum(f"logs: {Path('runs') / 'rollplex' / r.name}," in out for r in runs) == 2
 
 
@@ -90,7 +93,14 @@ def test_reward_plot_title_and_chance_come_from_the_data():
     fig = reward_figure(HISTORY, *reward_labels(r["data_source"] for r in shape_color.make_rows(4)))
     ax = fig.axes[0]
     assert ax.get_title() == "shape colour: reward" and _hlines(ax) == [0.25]
-    assert ax.get_legend().get_texts()[0].get_text() == "chance (0.25)"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["reward", "chance (0.25)"]
+    plt.close(fig)
+    # a run that stops at a target: its line, and the mean of the last 3 steps it stops on
+    fig = reward_figure(HISTORY, "shape colour: reward", 0.25, target=0.8, window=3)
+    ax = fig.axes[0]
+    assert sorted(_hlines(ax)) == [0.25, 0.8]
+    curves = {ln.get_label(): list(ln.get_ydata()) for ln in ax.get_lines()}
+    assert curves["mean of 3 steps"] == pytest.approx([0.2, 0.3, 0.5])
     plt.close(fig)
     rows = [{"data_source": "geo3k"}] * 4
     fig = reward_figure(HISTORY, *reward_labels(r["data_source"] for r in rows))
@@ -124,7 +134,9 @@ def test_progress_on_and_the_cost_warning(tmp_path, monkeypatch, capsys, tiny):
     demo_train.main(["--model", tiny, *SMALL, "--steps", "2", "--prompts", "3", "--progress", "on",
                      "--log-dir", str(tmp_path / "log")])
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("warning: CPU run: one step is about") and "3 prompts of" in out[0]
+    assert out[0] == "CPU threads: 1 ($OMP_NUM_THREADS)" or out[0].startswith("CPU threads: 1 (the tiny model's")
+    [warning] = [ln for ln in out if ln.startswith("warning: CPU run: one step is about")]
+    assert "3 prompts of" in warning
     for step in (1, 2):
         rollout = [ln for ln in out if ln.startswith(f"step {step} rollout: ")]
         tokens = [int(ln.split(": ")[1].split(" tokens")[0].replace(",", "")) for ln in rollout]

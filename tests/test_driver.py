@@ -30,7 +30,7 @@ def driver():
 
 
 @pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")  # rollplex.rl.warmup.format_warmup
-def test_driver_trains_saves_and_resumes(tmp_path, driver):
+def test_driver_trains_saves_and_resumes(tmp_path, driver, capsys):
     tiny = write_tiny(tmp_path / "tiny", seed=1)
     data = save_rows(shape_color.make_rows(12, seed=1), tmp_path / "train.parquet")
     common = ["--model", str(tiny), "--data", str(data), "--device", "cpu", "--rollout-batch-size", "3",
@@ -38,6 +38,11 @@ def test_driver_trains_saves_and_resumes(tmp_path, driver):
               "--save-dir", str(tmp_path / "ckpt"), "--save-every", "2", "--format-warmup-steps", "2"]
     out = driver.main(common + ["--steps", "2"])
     assert out["steps"] == 2 and out["checkpoint"].endswith("global_step_2")
+    printed = capsys.readouterr()
+    assert printed.out.startswith("CPU threads: ")
+    # stdout is no terminal here: a line per step, no bar frames
+    assert [ln.split(":")[0] for ln in printed.out.splitlines() if ln.startswith("step ")] == ["step 1/2", "step 2/2"]
+    assert "\r" not in printed.out + printed.err
     lines = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
     assert [m["training/global_step"] for m in lines] == [m["step"] for m in lines] == [1, 2]
     assert not any(k.startswith("val") for k in lines[0])  # no validation without --val-data

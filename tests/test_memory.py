@@ -32,6 +32,12 @@ def test_plan_overrides_and_table():
     text = plan.table({"optimizer": 30 * GiB, "kv_cache": 10 * GiB}, {"update": 5 * GiB})
     assert "optimizer" in text and "30.0" in text and "peak GiB" in text
     assert ("optimizer", "offloaded", "resident") in plan.transitions("ref", "update")
+    # a step without a reference or a critic: their rows and the critic's phase are left out
+    held = ("weights", "kv_cache", "optimizer", "grads", "prefix_states")
+    lines = plan.table({"optimizer": 30 * GiB}, {"update": 5 * GiB}, held).splitlines()
+    assert [ln.split()[0] for ln in lines[2:]] == [*held, "activations", "peak"]
+    assert lines[1].split() == ["tag", "GiB", "rollout", "ref", "update"]
+    assert "critic_weights" in text and "update_critic" in text  # the whole plan without `held`
 
 
 def _fixed(sizes, acts):

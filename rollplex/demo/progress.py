@@ -1,4 +1,5 @@
-"""What a demo run says before and during its steps: the CPU cost warning and the in-step progress.
+"""What a demo run says before and during its steps: the CPU cost warning, the in-step progress, and
+whether stdout gets a step bar or lines (`log_mode`: lines in a log file or a terminal too narrow for a bar).
 
 `step_cost` estimates one GRPO step's work from the model's decoder parameters and the step's tokens
 (2 FLOP per parameter per token for the rollout and for reference scoring, 6 for the update's forward
@@ -18,12 +19,24 @@ terminal, a printed line otherwise.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 
 import torch
 
 WARN_STEP_S = 60.0  # a CPU step estimated at least this long gets the warning
+MIN_BAR_COLUMNS = 40  # a terminal narrower than this gets lines, as a log does
+
+
+def log_mode(stream) -> bool:
+    """True when `stream` is no terminal, or one too narrow to draw a step bar in (a pseudo-terminal of width 0)."""
+    if not stream.isatty():
+        return True
+    try:
+        return os.get_terminal_size(stream.fileno()).columns < MIN_BAR_COLUMNS
+    except (OSError, ValueError, AttributeError):
+        return True
 
 
 def decoder_params(model) -> int:

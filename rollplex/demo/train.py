@@ -2,9 +2,11 @@
 
 1. Write / load the tiny random-init checkpoint (it knows no language yet).
 2. Format warm-up: a few supervised steps on *randomly labelled* answers teach it to reply with one
-   option letter and stop — it learns the format, not the answer, so it scores chance (0.25).
+   option letter and stop — it learns the format, not the answer: its first GRPO step scores 0.14–0.20
+   (seeds 0–2), below chance (0.25), as some answers are not yet one clean letter.
 3. GRPO with the native engine (shared weights), shared-prefix scoring and training until the mean
-   reward reaches the target; a progress bar per step; a reward curve PNG at the end.
+   reward of 3 steps reaches the target; a progress bar (in a log: a line per step); a reward curve PNG
+   with the target and that mean, and LOG_DIR/summary.json, at the end.
 
 Each run writes into its own folder, LOG_DIR: runs/PROJECT/EXPERIMENT, EXPERIMENT defaulting to
 demo-YYYYMMDD-HHMMSS (loggers.resolve_run_dir), so a run never replaces the one before. Metrics (verl
@@ -24,17 +26,30 @@ PPO with a critic (`--adv-estimator gae`, rl/critic.py): a value model copied fr
 is trained beside it (`--critic-lr`, default 1e-3 as the actor's `--lr`; `--critic-warmup`, `--gamma`,
 `--lam`).
 
-RLOO and REINFORCE++ train with a KL loss to the format-warmed reference (`--kl-coef 0.1`; REINFORCE++ also
-`--lr 1.5e-3`) unless those flags are given (`ESTIMATOR_DEFAULTS`): their advantages are not divided by each
-group's reward spread as GRPO's are, and without it the policy's entropy collapsed before the model had
-learnt the task.
+RLOO, REINFORCE++ and Dr.GRPO train with a KL loss to the format-warmed reference (`--kl-coef 0.1`;
+REINFORCE++ also `--lr 1.5e-3`, Dr.GRPO 4 mini-batches per rollout) unless those flags are given
+(`RUN_DEFAULTS`, said at the start of a run): their advantages are not divided by each group's reward spread
+as GRPO's are, and without it the policy's entropy collapsed before the model had learnt the task. DAPO
+(`--filter-groups`, `--clip-ratio-high 0.28`; rl/config.py): a step rolls out more prompts until it holds
+--prompts groups whose samples' rewards differ (`train/num_gen_batches`). It trains in 4 mini-batches per
+rollout (`--ppo-mini-batches 4`) unless told: with one, every update is on-policy, the clip-higher clips
+nothing and the entropy collapsed. Its overlong shaping (`--overlong-buffer-len B`) gets room past the answer:
+an answer is a letter and the end of the turn, 2 of the demo's 4 new tokens, and a buffer inside those 4
+penalised every third token until the policy stopped answering; so the demo allows 4 + B new tokens unless
+`--max-new-tokens` is given. GSPO (`--policy-loss gspo`) trains in 4 mini-batches per rollout too, so that its
+sequence-level clip acts.
 
-DAPO (`--filter-groups`, `--overlong-buffer-len`, `--clip-ratio-high 0.28`; rl/config.py): a step rolls
-out more prompts until it holds --prompts groups whose samples' rewards differ (`train/num_gen_batches`).
+The run says how many CPU threads it uses (rollplex/threads.py: 1 for the tiny model unless `--threads` or
+$OMP_NUM_THREADS says otherwise), and where it writes the tiny checkpoint on its first run. Ctrl-C or
+SIGTERM stops it cleanly (demo/ending.py): the plot, LOG_DIR/summary.json and the metrics are written, then
+it exits with 130 / 143. With stdout a log file, each step prints one line.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 import random
 import sys
 import time
@@ -52,10 +67,13 @@ from ..plots import plot_rewards, reward_labels
 from ..rl.algos import AGG_MODE_HELP, describe
 from ..rl.config import RLConfig
 from ..system import SystemConfig, build, load_policy
-from ..tiny import shape_color
-from .progress import StepProgress, cpu_cost_warning, decoder_params, expected_passes
+from ..threads import apply_threads
+from ..tiny import FAMILIES, ensure_tiny, shape_color, tiny_path, tiny_written
+from .ending import Signals, summary, summary_line
+from .progress import StepProgress, cpu_cost_warning, decoder_params, expected_passes, log_mode
 
-LOG_EVERY_S = 5.0  # --progress without a terminal: a line at most this often
+LOG_EVERY_S = 5.0  # in-step progress without a terminal: a line at most this often
+WINDOW = 3  # the run stops when the mean reward of this many steps reaches --target
 
 
 # The demo's defaults, over SystemConfig's: the tiny task's 4 new tokens (an option letter and the end of the
@@ -80,48 +98,93 @@ def parser() -> ConfigParser:
                             "seed": "data, warm-up and sampling seed",
                             "loss_agg_mode": describe(AGG_MODE_HELP) + " (with --adv-estimator dr_grpo the demo "
                                              "uses seq-mean-token-sum-norm unless given)",
-                            "kl_coef": "KL coefficient (rloo, reinforce_plus_plus: 0.1 unless given, a KL loss to the "
-                                       "reference; else 0: no reference model)",
+                            "kl_coef": "KL coefficient (rloo, reinforce_plus_plus, dr_grpo: 0.1 unless given, a KL "
+                                       "loss to the reference; else 0: no reference model)",
                             "lr": "the actor's lr (reinforce_plus_plus: 1.5e-3 unless given)"})
     ap.add_argument("--steps", type=int, default=300, help="max GRPO steps (stops early at --target)")
-    ap.add_argument("--target", type=float, default=0.8, help="stop when the mean reward of 3 steps reaches it")
+    ap.add_argument("--target", type=float, default=0.8, help=f"stop when the mean reward of {WINDOW} steps reaches it")
     ap.add_argument("--prompts", type=int, default=32, help="prompts per step (with --filter-groups: groups kept)")
     ap.add_argument("--trace", default=None,
                     help="write the run's phases and co-scheduled work as a Chrome/Perfetto trace (JSON) here, "
                          "and its timeline as a PNG beside it")
     ap.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
-                    help="progress inside each step (rollout tokens, update micro-batches); auto: on when stdout is "
-                         "a terminal (the step bar's line), on elsewhere: a line every few seconds")
+                    help="progress inside each step (rollout tokens, update micro-batches): on a terminal in the "
+                         "step bar's line; in a log (stdout not a terminal) a line every few seconds, only inside "
+                         "a step that runs longer than that (every step gets its own line either way); off: none. "
+                         "auto and on are the same")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads (torch.set_num_threads); default: $OMP_NUM_THREADS if set, else 1 for the "
+                         "embedded tiny model on the CPU (more thrash a shared machine and change the trajectory), "
+                         "else torch's default. The run says what it picked")
+    ap.add_argument("--model-family", choices=FAMILIES, default=None,
+                    help="the embedded tiny model's family (default qwen2_5_vl); not with --model")
     add_arguments(ap, experiment="demo")
     ap.add_argument("--out", dest="log_dir", help="the same as --log-dir")
     return ap
 
 
-# Each estimator's own defaults on this task, where a flag does not set them. dr_grpo: its loss aggregation. rloo
-# and reinforce_plus_plus, whose advantages are not divided by each group's reward spread: without more, the
-# policy's entropy collapsed before it had learnt to see (every group's samples then answer alike and get advantage
-# 0); a KL loss to the format-warmed reference keeps it spread, and reinforce_plus_plus, whose baseline is the
-# batch's mean reward, needs a faster lr too (docs/BENCHMARKS.md: "Other estimators on the demo's task")
-ESTIMATOR_DEFAULTS = {"dr_grpo": {"rl.loss_agg_mode": "seq-mean-token-sum-norm"},
-                      "rloo": {"rl.kl_coef": 0.1},
-                      "reinforce_plus_plus": {"rl.kl_coef": 0.1, "rl.lr": 1.5e-3}}
+# Each algorithm's own defaults on this task, applied where no flag sets them: (the flag's key, its value, the defaults
+# it brings). dr_grpo: its loss aggregation. rloo, reinforce_plus_plus and dr_grpo, whose advantages are not divided
+# by each group's reward spread: without more, the policy's entropy collapsed before it had learnt to see (every
+# group's samples then answer alike and get advantage 0); a KL loss to the format-warmed reference keeps it spread,
+# and reinforce_plus_plus, whose baseline is the batch's mean reward, needs a faster lr too (docs/BENCHMARKS.md:
+# "Other estimators on the demo's task", "Policy losses and DAPO on the demo's task"). DAPO's clip-higher and GSPO's
+# sequence clip act only where the policy ratio moves: with one mini-batch per rollout (the demo's default) every
+# update is on-policy and the ratio is 1 (DAPO's entropy collapsed, GSPO was GRPO with per-sequence means); with
+# OFF_POLICY_MINI_BATCHES mini-batches per rollout (as their recipes run: several optimizer steps per rollout) the
+# later ones are off-policy and the clip acts. SAPO learnt without (its soft gate let the entropy collapse with 4).
+# dr_grpo learnt as slowly as rloo with the KL loss alone (not by step 300, seed 0): 4 optimizer steps per rollout
+# took it there at step 62.
+# DAPO's overlong buffer: see own_defaults.
+OFF_POLICY_MINI_BATCHES = 4
+RUN_DEFAULTS = (("rl.adv_estimator", "dr_grpo", {"rl.loss_agg_mode": "seq-mean-token-sum-norm", "rl.kl_coef": 0.1,
+                                                 "rl.ppo_mini_batches": OFF_POLICY_MINI_BATCHES}),
+                ("rl.adv_estimator", "rloo", {"rl.kl_coef": 0.1}),
+                ("rl.adv_estimator", "reinforce_plus_plus", {"rl.kl_coef": 0.1, "rl.lr": 1.5e-3}),
+                ("rl.filter_groups", True, {"rl.ppo_mini_batches": OFF_POLICY_MINI_BATCHES}),
+                ("rl.policy_loss", "gspo", {"rl.ppo_mini_batches": OFF_POLICY_MINI_BATCHES}))
+RUN_DEFAULT_BASE = {"rl.adv_estimator": "grpo", "rl.policy_loss": "vanilla", "rl.filter_groups": False}
 
 
 def config(ap: ConfigParser, args) -> SystemConfig:
-    """The demo's SystemConfig from its flags (ValueError when invalid), with the estimator's ESTIMATOR_DEFAULTS
-    where no flag was given."""
+    """The demo's SystemConfig from its flags (ValueError when invalid), with the estimator's, the policy loss's and
+    DAPO's RUN_DEFAULTS where no flag was given."""
+    cfg, _ = config_and_defaults(ap, args)
+    return cfg
+
+
+def own_defaults(given: dict) -> dict:
+    """The RUN_DEFAULTS that apply to a run with these given flags (ConfigParser.given), those flags left out.
+
+    DAPO's overlong buffer (`--overlong-buffer-len B`) gets its room: the task's answer is a letter and the end of
+    the turn, 2 of the demo's 4 new tokens, so a buffer inside those 4 penalised answers the task needs (with B = 2
+    every third token, until the policy stopped answering); unless --max-new-tokens is given, the demo allows
+    4 + B new tokens, and the penalty falls on what runs past the 4."""
+    own: dict = {}
+    for key, value, defaults in RUN_DEFAULTS:
+        if given.get(key, RUN_DEFAULT_BASE.get(key)) == value:
+            own.update({k: v for k, v in defaults.items() if k not in own})
+    if given.get("rl.overlong_buffer_len", 0) > 0:
+        own["rl.max_new_tokens"] = DEFAULTS["rl"].max_new_tokens + given["rl.overlong_buffer_len"]
+    return {k: v for k, v in own.items() if k not in given}
+
+
+def config_and_defaults(ap: ConfigParser, args) -> tuple[SystemConfig, dict]:
+    """(the SystemConfig, the RUN_DEFAULTS applied to it)."""
     given = ap.given(args)
-    own = ESTIMATOR_DEFAULTS.get(given.get("rl.adv_estimator"), {})
-    return ap.config(args, **{k: v for k, v in own.items() if k not in given})
+    own = own_defaults(given)
+    return ap.config(args, **own), own
 
 
 def main(argv=None) -> None:
     ap = parser()
     args = ap.parse_args(argv)
     try:
-        cfg = config(ap, args)
+        cfg, own = config_and_defaults(ap, args)
     except ValueError as e:
         ap.error(str(e))
+    if args.model_family is not None and cfg.model is not None:
+        ap.error("--model-family picks the embedded tiny model; --model names a checkpoint already")
     replaced = resolve_run_dir(args, "demo")
     if replaced:
         print(f"note: {args.log_dir} holds an earlier run; replacing {', '.join(Path(f).name for f in replaced)}")
@@ -129,16 +192,62 @@ def main(argv=None) -> None:
         logger_cfg = LoggerConfig.from_args(args)
     except ValueError as e:
         ap.error(str(e))
-    tracker = Tracker(logger_cfg)  # before the model: a missing logger package fails at once
+    threads_before = torch.get_num_threads()
     try:
-        _run(cfg, args, tracker)
+        threads = apply_threads(args.threads, cfg.device, tiny=cfg.model is None)
+    except ValueError as e:
+        ap.error(str(e))
+    print(threads, flush=True)
+    if own:
+        print("defaults for this algorithm on the demo's task (flags given win): "
+              + ", ".join(f"--{k.split('.')[-1].replace('_', '-')} {v}" for k, v in own.items()), flush=True)
+    tracker = Tracker(logger_cfg)  # before the model: a missing logger package fails at once
+    signals = Signals()
+    warnings = _show_warnings()
+    try:
+        with signals:
+            _run(cfg, args, tracker, signals, threads=torch.get_num_threads())
+    except KeyboardInterrupt:  # before the first step (loading, warm-up): nothing to plot
+        print(f"\nstopped by {signals.name} before the first step: nothing trained", flush=True)
+        raise SystemExit(signals.exit_code) from None
     finally:
         tracker.close()
+        torch.set_num_threads(threads_before)  # a caller in the same process (a test) keeps its own
+        logging.getLogger("rollplex").removeHandler(warnings)
 
 
-def _run(cfg: SystemConfig, args, tracker: Tracker) -> None:
+class _BarSafeHandler(logging.Handler):
+    """Rollplex's warnings as `warning: ...` lines on stderr, written around the step bar (tqdm.write)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(f"warning: {self.format(record)}", file=sys.stderr)
+
+
+def _show_warnings() -> logging.Handler:
+    """Rollplex's warnings (a fused step that runs phased, a memory plan over budget, ...) printed, whatever
+    logging a caller set up; the handler, to remove at the end."""
+    handler = _BarSafeHandler(logging.WARNING)
+    logging.getLogger("rollplex").addHandler(handler)
+    return handler
+
+
+def _tiny_model(cfg: SystemConfig, family: str | None) -> SystemConfig:
+    """cfg with the embedded tiny model of `family` (default qwen2_5_vl) as its model, written to the cache on the
+    first run (said, with where)."""
+    family = family or FAMILIES[0]
+    path = tiny_path(family=family)
+    if not tiny_written(path):
+        print(f"writing the embedded tiny {family} model (random weights, ~4 MB) to {path} (first run only; "
+              "$ROLLPLEX_CACHE moves it)", flush=True)
+    return dataclasses.replace(cfg, model=str(ensure_tiny(family=family)))
+
+
+def _run(cfg: SystemConfig, args, tracker: Tracker, signals: Signals, threads: int) -> None:
+    if cfg.model is None:
+        cfg = _tiny_model(cfg, args.model_family)
     torch.manual_seed(cfg.rl.seed)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     model_path, model, proc = load_policy(cfg)
     rows = shape_color.make_rows(512, seed=cfg.rl.seed)
     out = Path(args.log_dir)
@@ -154,50 +263,82 @@ def _run(cfg: SystemConfig, args, tracker: Tracker) -> None:
                        warmup_rows=rows)
     except ValueError as e:
         raise SystemExit(f"rollplex.demo: {e}") from None
-    print(warmup_line(cfg.format_warmup_steps, system.warmup_loss, system.startup_s.get("format_warmup", 0.0)))
+    print(warmup_line(cfg.format_warmup_steps, system.warmup_loss, system.startup_s.get("format_warmup", 0.0)),
+          flush=True)
     model, engine, rl = system.model, system.engine, system.rl
     if args.trace:
         rl.timeline = Timeline(model.inv_freq.device)
     rng = random.Random(cfg.rl.seed)
     history: list[dict] = []
+    lines = log_mode(sys.stdout)  # a log file (or a terminal too narrow for a bar): one line per step
     from tqdm import tqdm
 
-    bar = tqdm(range(args.steps), desc=f"{rl_cfg.adv_estimator} ({rl_cfg.mode})", unit="step")
+    bar = tqdm(range(args.steps), desc=f"{rl_cfg.adv_estimator} ({rl_cfg.mode})", unit="step", disable=lines)
     shown = {"reward": ""}  # the bar's reward text, which in-step progress on a terminal shows beside its own
-    progress = _progress(args, model, engine, rl_cfg, bar, shown)
+    progress = _progress(args, model, engine, rl_cfg, bar, shown, lines)
+    stopped, failed = "steps", None
     try:
-        for _ in bar:
+        for _ in range(args.steps):
             if progress is not None:
                 progress.begin(len(history) + 1)
+            t_step = time.perf_counter()
             # dynamic sampling (--filter-groups) rolls out more rows, drawn the same way, to fill the step
             try:
                 m = rl.step(rng.sample(rows, args.prompts), more_rows=lambda: rng.sample(rows, args.prompts))
-            except ValueError as e:  # dynamic sampling found too few groups to train
-                raise SystemExit(f"rollplex.demo: step {len(history) + 1}: {e}") from None
+            except ValueError as e:  # dynamic sampling found too few groups to train: the run ends here
+                failed = f"rollplex.demo: step {len(history) + 1}: {e}"
+                stopped = "an error"
+                break
             if progress is not None:
                 progress.end()
             history.append(m)
             tracker.log(m, len(history))
-            recent = sum(h["critic/score/mean"] for h in history[-3:]) / len(history[-3:])
-            shown["reward"] = f"reward={m['critic/score/mean']:.2f}, avg3={recent:.2f}" + (
+            recent = sum(h["critic/score/mean"] for h in history[-WINDOW:]) / len(history[-WINDOW:])
+            shown["reward"] = f"reward={m['critic/score/mean']:.2f}, avg{WINDOW}={recent:.2f}" + (
                 f", gen_batches={m['train/num_gen_batches']}" if rl_cfg.filter_groups else "")
-            bar.set_postfix_str(shown["reward"])
-            if len(history) >= 3 and recent >= args.target:
+            if lines:
+                print(f"step {len(history)}/{args.steps}: {shown['reward'].replace('=', ' ')}, "
+                      f"{time.perf_counter() - t_step:.1f}s, {time.perf_counter() - t0:.0f}s in", flush=True)
+            else:
+                bar.update(1)
+                bar.set_postfix_str(shown["reward"])
+            if len(history) >= WINDOW and recent >= args.target:
+                stopped = "target"
                 break
+    except KeyboardInterrupt:
+        stopped = signals.name
     finally:
         if progress is not None:
             progress.close()
         bar.close()
+    with signals.ignored():  # the run's files are written whatever comes now
+        if failed is not None:
+            print(failed, file=sys.stderr, flush=True)
+        elif stopped not in ("steps", "target"):
+            print(f"\nstopped by {stopped} after {len(history)} steps; writing the run's files", flush=True)
+        _finish(cfg, args, rl, rows, history, out, stopped, time.perf_counter() - t0, threads)
+    if failed is not None:
+        raise SystemExit(1)
+    if stopped not in ("steps", "target"):
+        raise SystemExit(signals.exit_code)
+
+
+def _finish(cfg: SystemConfig, args, rl, rows, history: list[dict], out: Path, stopped: str, seconds: float,
+            threads: int) -> None:
+    """The reward plot (with the target and the stopping statistic), the trace, summary.json and the last lines."""
     title, chance = reward_labels(r.get("data_source") for r in rows)
-    png = plot_rewards(history, out / "reward.png", title, chance)
+    png = plot_rewards(history, out / "reward.png", title, chance, target=args.target, window=WINDOW) \
+        if history else None
     if rl.timeline is not None:
         trace = rl.timeline.write_trace(args.trace)
         timeline_png = rl.timeline.plot(Path(args.trace).with_suffix(".png"), title="demo: phases and prefix work")
         print(f"trace: {trace}" + (f", timeline: {timeline_png}" if timeline_png else ""))
-    first, last = history[0]["critic/score/mean"], sum(h["critic/score/mean"] for h in history[-3:]) / 3
-    print(f"mean reward: {first:.2f} (step 1) -> {last:.2f} (last 3 steps) in {len(history)} steps, "
-          f"{time.perf_counter() - t0:.0f}s total")
-    print(f"logs: {out}" + (f", plot: {png}" if png else ""))
+    s = summary(history, args.target, WINDOW, stopped, seconds, seed=cfg.rl.seed, threads=threads,
+                model=cfg.model, adv_estimator=cfg.rl.adv_estimator, policy_loss=cfg.rl.policy_loss)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
+    print(summary_line(s), flush=True)
+    print(f"logs: {out}" + (f", plot: {png}" if png else ""), flush=True)
 
 
 def warmup_line(steps: int, loss: float | None, seconds: float) -> str:
@@ -207,14 +348,13 @@ def warmup_line(steps: int, loss: float | None, seconds: float) -> str:
     return f"format warm-up: {steps} steps on random letters, loss {loss:.3f} ({seconds:.1f}s)"
 
 
-def _progress(args, model, engine, cfg: RLConfig, bar, shown: dict) -> StepProgress | None:
-    """The in-step progress for `--progress`: on a terminal in the step bar's line (4 updates a second at
-    most), elsewhere a printed line every LOG_EVERY_S; None when off."""
-    tty = sys.stdout.isatty()
-    if args.progress == "off" or (args.progress == "auto" and not tty):
+def _progress(args, model, engine, cfg: RLConfig, bar, shown: dict, lines: bool) -> StepProgress | None:
+    """The in-step progress for `--progress` (auto: on): on a terminal in the step bar's line (4 updates a
+    second at most), in a log a printed line every LOG_EVERY_S inside a step that runs longer; None when off."""
+    if args.progress == "off":
         return None
     passes = expected_passes(cfg, args.prompts)
-    if tty:
+    if not lines:
         def sink(text: str) -> None:
             bar.set_postfix_str(", ".join(x for x in (shown["reward"], text) if x))
 

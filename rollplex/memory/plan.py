@@ -147,18 +147,24 @@ class PhasePlan:
         """(tag, from, to) for every tag whose residency changes going from phase src to phase dst."""
         return [(t, self.get(src, t), self.get(dst, t)) for t in TAGS if self.get(src, t) != self.get(dst, t)]
 
-    def table(self, sizes: dict[str, int] | None = None, activations: dict[str, int] | None = None) -> str:
+    def table(self, sizes: dict[str, int] | None = None, activations: dict[str, int] | None = None,
+              held: tuple[str, ...] | None = None) -> str:
+        """The plan as text, a row per tag and a column per phase. `held`: the tags a step holds (default all);
+        the others' rows are left out, and the critic's phase without a critic."""
         sizes = sizes or {}
+        tags = TAGS if held is None else tuple(t for t in TAGS if t in held)
+        critic = held is None or "critic_weights" in held
+        phases = PHASES if critic else tuple(p for p in PHASES if p != "update_critic")
         head = f"memory plan '{self.name}'"
-        rows = [f"{'tag':<17}" + ("" if not sizes else f"{'GiB':>7}") + "".join(f"{p:>14}" for p in PHASES)]
-        for tag in TAGS:
+        rows = [f"{'tag':<17}" + ("" if not sizes else f"{'GiB':>7}") + "".join(f"{p:>14}" for p in phases)]
+        for tag in tags:
             size = "" if not sizes else f"{_fmt_gib(sizes.get(tag, 0)):>7}"
-            rows.append(f"{tag:<17}{size}" + "".join(f"{self.get(p, tag):>14}" for p in PHASES))
+            rows.append(f"{tag:<17}{size}" + "".join(f"{self.get(p, tag):>14}" for p in phases))
         if sizes:
             acts = activations or {}
-            rows.append(f"{'activations':<17}{'':>7}" + "".join(f"{_fmt_gib(acts.get(p, 0)):>14}" for p in PHASES))
+            rows.append(f"{'activations':<17}{'':>7}" + "".join(f"{_fmt_gib(acts.get(p, 0)):>14}" for p in phases))
             rows.append(f"{'peak GiB':<17}{'':>7}" + "".join(
-                f"{_fmt_gib(self.peak(p, sizes, acts)):>14}" for p in PHASES))
+                f"{_fmt_gib(self.peak(p, sizes, acts)):>14}" for p in phases))
         return "\n".join([head] + rows)
 
     def to_dict(self) -> dict:

@@ -165,6 +165,7 @@ def main(argv=None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import uvicorn
 
+    from ..threads import apply_threads
     from .app import create_app
     from .http import uvicorn_options
     from .state import ServerState
@@ -174,6 +175,9 @@ def main(argv=None) -> None:
         cfg = config_from_args(args)
         if _world_size() > 1:
             cfg, commands = _join_group(cfg)
+        else:  # one process: the tiny model on the CPU runs on 1 thread unless $OMP_NUM_THREADS says (threads.py)
+            logging.getLogger("rollplex.server").info("startup: %s", apply_threads(None, cfg.device,
+                                                                                   tiny=cfg.model is None))
         state = ServerState(cfg, launched=launched)
     except ValueError as e:
         raise SystemExit(f"rollplex.server: {e}") from None

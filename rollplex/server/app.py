@@ -11,8 +11,9 @@
     GET  /memory   bytes per region: weights, ref_weights, kv_cache, optimizer_state, grads,
                    retained_rollouts (+ torch.cuda allocator stats on GPU); `manager`: the memory manager's
                    backend, current phase, plan, region states and the per-phase ledger
-    GET  /get_model_info  SGLang's model info (model_path, is_generation)
     POST /generate (routes_generate.py)   POST /rollout /train_step /save /load (routes_rl.py)
+    SGLang's utility endpoints (routes_sglang.py): GET /health_generate /get_model_info /model_info
+    /get_server_info /server_info /v1/models, GET|POST /flush_cache
 
 Auth: with an API key, every route except /health and /metrics needs `Authorization: Bearer KEY`
 (checked before the body is read, for every method, OPTIONS included; 401 otherwise). An empty key is
@@ -42,14 +43,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import routes_generate, routes_rl
+from . import routes_generate, routes_rl, routes_sglang
 from .limits import containers_message, count_containers, flag
 from .state import ServerState
 
 log = logging.getLogger("rollplex.server")
 OPEN_ROUTES = ("/health", "/metrics")
 BODY_ROUTES = ("/generate", "/rollout", "/train_step", "/save", "/load")  # POST, JSON body
-ROUTES = ("/health", "/checksum", "/metrics", "/memory", "/get_model_info", *BODY_ROUTES)
+SGLANG_ROUTES = ("/health_generate", "/get_model_info", "/model_info", "/get_server_info", "/server_info",
+                 "/flush_cache", "/v1/models")  # routes_sglang.py
+ROUTES = ("/health", "/checksum", "/metrics", "/memory", *SGLANG_ROUTES, *BODY_ROUTES)
 METHODS = ("GET", "POST", "HEAD", "OPTIONS", "PUT", "DELETE", "PATCH")  # metric labels; others are "other"
 
 
@@ -210,17 +213,13 @@ def create_app(state: ServerState) -> FastAPI:
         text = state.metrics.render(gauges, {"rollplex_requests_aborted_total": state.worker.num_aborted})
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    @app.get("/get_model_info")  # SGLang clients ask for it when they connect
-    async def model_info():
-        return {"model_path": str(state.model_path or state.cfg.model), "tokenizer_path": str(state.model_path),
-                "is_generation": True, "max_model_len": state.cfg.engine.max_model_len}
-
     @app.get("/memory")
     async def memory():
         return await state.worker.run(state.ledger)
 
     app.include_router(routes_generate.router(state))
     app.include_router(routes_rl.router(state))
+    app.include_router(routes_sglang.router(state))
     app.add_middleware(AuthAndCount, state=state)
     return app
 

@@ -11,6 +11,16 @@ Only models and the tokenizer library lie below it; the demo program (`python -m
 server's default model and format warm-up sit above it.
 """
 
-from .checkpoint import FAMILIES, TINY_PIXELS, ensure_tiny, tiny_config, tiny_qwen3_config, write_tiny
+from .checkpoint import (
+                         FAMILIES,
+                         TINY_PIXELS,
+                         ensure_tiny,
+                         tiny_config,
+                         tiny_path,
+                         tiny_qwen3_config,
+                         tiny_written,
+                         write_tiny,
+)
 
-__all__ = ["FAMILIES", "TINY_PIXELS", "ensure_tiny", "tiny_config", "tiny_qwen3_config", "write_tiny"]
+__all__ = ["FAMILIES", "TINY_PIXELS", "ensure_tiny", "tiny_config", "tiny_path", "tiny_qwen3_config", "tiny_written",
+           "write_tiny"]

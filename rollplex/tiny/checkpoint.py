@@ -77,13 +77,24 @@ def write_tiny(out_dir: str | os.PathLike, seed: int = 0, family: str = "qwen2_5
     return save_model(model, out)
 
 
-def ensure_tiny(cache_dir: str | os.PathLike | None = None, seed: int = 0, family: str = "qwen2_5_vl") -> Path:
-    """Path of the embedded tiny checkpoint of `family`, writing it first if it is not there yet."""
+def tiny_path(cache_dir: str | os.PathLike | None = None, seed: int = 0, family: str = "qwen2_5_vl") -> Path:
+    """Where `ensure_tiny` keeps the checkpoint of `family` (written or not): under `cache_dir`, else
+    $ROLLPLEX_CACHE, else ~/.cache/rollplex."""
     if family not in FAMILIES:
         raise ValueError(f"unknown tiny model family {family!r}; known: {FAMILIES}")
     root = Path(cache_dir or os.environ.get("ROLLPLEX_CACHE", Path.home() / ".cache" / "rollplex"))
-    path = root / (f"tiny-seed{seed}" if family == "qwen2_5_vl" else f"tiny-{family}-seed{seed}")
-    if not (path / "model.safetensors").exists():
+    return root / (f"tiny-seed{seed}" if family == "qwen2_5_vl" else f"tiny-{family}-seed{seed}")
+
+
+def tiny_written(path: Path) -> bool:
+    return (Path(path) / "model.safetensors").exists()
+
+
+def ensure_tiny(cache_dir: str | os.PathLike | None = None, seed: int = 0, family: str = "qwen2_5_vl") -> Path:
+    """Path of the embedded tiny checkpoint of `family`, writing it first if it is not there yet."""
+    path = tiny_path(cache_dir, seed, family)
+    root = path.parent
+    if not tiny_written(path):
         tmp = root / f".{path.name}.{os.getpid()}"
         write_tiny(tmp, seed, family)
         tmp.replace(path) if not path.exists() else None
