@@ -470,12 +470,7 @@ class Engine:
             for tok, lp in zip(toks, lps):
                 if seq.finished:  # stopped by an earlier kept token (or its request was dropped)
                     break
-                seq.token_ids.append(tok)
-                seq.logprobs.append(lp)
-                try:
-                    self._check_finish(seq, tok)
-                except Exception as e:  # noqa: BLE001 - this request's stop check: it alone is dropped
-                    self._drop(seq.request, e)
+                self._append(seq, tok, lp)
             if not seq.finished:
                 self.blocks.trim(seq, len(seq))  # the rejected tokens' blocks
         self._last_step_ms = (time.perf_counter() - t0) * 1e3
@@ -505,13 +500,17 @@ class Engine:
             seq.pending -= 1
             if seq.finished:  # stopped by an earlier token (or aborted): this one is discarded
                 continue
-            seq.token_ids.append(tok)
-            seq.logprobs.append(lp)
-            try:
-                self._check_finish(seq, tok)
-            except Exception as e:  # noqa: BLE001 - this request's stop check: it alone is dropped
-                self._drop(seq.request, e)
+            self._append(seq, tok, lp)
         return inf.seqs
+
+    def _append(self, seq: Sequence, tok: int, lp: float) -> None:
+        """One sampled token onto its sequence, then the stop checks (a failing check drops that request alone)."""
+        seq.token_ids.append(tok)
+        seq.logprobs.append(lp)
+        try:
+            self._check_finish(seq, tok)
+        except Exception as e:  # noqa: BLE001 - this request's stop check: it alone is dropped
+            self._drop(seq.request, e)
 
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor, st: SamplingTensors | None = None) -> None:
         if st is None:
