@@ -79,7 +79,7 @@ def test_a_sample_update_waits_until_its_last_one_is_read():
     from rollplex.server.worker import EngineWorker, Ticket
 
     seq = SimpleNamespace(output_ids=[5], logprobs=[-0.5])
-    req = SimpleNamespace(seqs=[seq], params=SimpleNamespace(skip_special_tokens=True))
+    req = SimpleNamespace(seqs=[seq], params=SimpleNamespace(n=1, skip_special_tokens=True))
     worker = EngineWorker.__new__(EngineWorker)  # no engine thread: only the publishing logic
     worker.engine, worker.decode, worker._outbox = SimpleNamespace(requests={"r": req}), None, {}
     loop = object()
