@@ -14,7 +14,8 @@ from rollplex.rl.step import RLStep
 from rollplex.tiny import shape_color
 
 # speculation in every decode step, however little it accepts
-SPEC = dict(speculative_tokens=3, speculative_max_batch=4096, speculative_max_fraction=1.0, speculative_min_accepted=0.0)
+SPEC = dict(speculative_tokens=3, speculative_max_batch=4096, speculative_max_fraction=1.0,
+            speculative_min_accepted=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -196,8 +197,10 @@ def test_spec_bench_checks_tokens_and_prints_its_table(tiny_dir, capsys):
     bench.main(["--model", str(tiny_dir), "--device", "cpu", "--prompts", "4", "--n", "2", "--max-new-tokens", "32",
                 "--image-size", "56", "--accept", "0,2"])
     out = capsys.readouterr().out
-    assert "correctness: every speculative rollout gave the greedy tokens" in out
+    assert "correctness (fp32): speculation at replayed acceptance 0,2 gave speculation off's greedy tokens for " \
+           "all 8 samples of 4 prompts" in out
     table = out.strip().splitlines()[-5:]
+    assert all(row.split("|")[8].strip() == "8/8" for row in table[2:])  # fp32 rows are checked exactly too
     assert table[0].startswith("| drafts |") and table[2].startswith("| off |")
     assert table[3].startswith("| replay a=0 |") and table[4].startswith("| replay a=2 |")
     assert float(table[4].split("|")[6]) > 1.0  # mean accepted length of the a=2 replay
