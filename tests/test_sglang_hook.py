@@ -77,6 +77,32 @@ def _run(sched_mod, loop: str, spec=None, clock=None, log=None, device=None):
     return s
 
 
+@pytest.mark.parametrize("module", ["sglang.srt.managers.mm_schedule", "sglang.srt.managers.mm_utils"])
+def test_flushing_caches_also_drops_the_vision_encodings(fake_sglang, monkeypatch, module):
+    """A weight update flushes through Scheduler.flush_cache; the patched one also empties SGLang's
+    multimodal embedding cache (where the release keeps it), so a repeated image is encoded by the new
+    tower, and leaves it when SGLang did not flush (requests queued)."""
+    import types
+
+    class Cache:
+        def __init__(self):
+            self.items = {1: "encoding by the old tower"}
+
+        def clear(self):
+            self.items.clear()
+
+    mod = types.ModuleType(module)
+    mod.embedding_cache = Cache()
+    monkeypatch.setitem(sys.modules, module, mod)
+    log = []
+    s = _run(fake_sglang, "normal", log=log)
+    s.waiting_queue = ["queued"]
+    assert s.flush_cache() is False and mod.embedding_cache.items
+    s.waiting_queue = []
+    assert s.flush_cache(empty_cache=False) is True and not mod.embedding_cache.items
+    assert log[-2:] == [("flush_cache", False), ("flush_cache", True)]
+
+
 # ---- the hooked scheduler in both event loops ------------------------------------------------------
 @pytest.mark.parametrize("loop", ["normal", "overlap"])
 def test_hook_is_called_once_per_decode_launch_in_both_loops(fake_sglang, loop):

@@ -193,6 +193,12 @@ def _check(e: Relied, mod: ast.Module, read, tree) -> list[str]:
                     return []
                 return [f"{name} = {ast.unparse(n.value)}, expected {e.value!r}"]
         return [f"no module-level {name}"]
+    if e.kind == "global":
+        have = set()
+        for n in mod.body:
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else []
+            have |= {t.id for t in targets if isinstance(t, ast.Name)}
+        return [f"no module-level {x}" for x in e.names if x not in have]
     if e.kind == "absent":
         text = read(e.file)
         found = [x for x in e.names if any(isinstance(n, ast.Name) and n.id == x or isinstance(n, ast.Attribute)

@@ -22,12 +22,14 @@ Entry kinds (`Relied.kind`):
     absent       these identifiers occur nowhere in the file (our additions cannot collide)
     str_values   the field's annotation is a dict whose values may be strings (scope: Class)
     strings      these string constants occur in the scope                    (scope: Class.method)
+    global       the module assigns these names at its top level              (scope: "")
     constant     a module-level constant has this value                      (scope: "", value)
     server_args  SGLang's server arguments include these names: fields of ServerArgs, or of the
                  argument-group classes it is assembled from in newer releases (SERVER_ARG_FIELDS)
 
 An entry with `since` holds from that release on; older checked releases are not held to it (the
-feature that needs it is refused there, e.g. IMAGE_PROMPTS_MIN_VERSION).
+feature that needs it is refused there, e.g. IMAGE_PROMPTS_MIN_VERSION). An entry with `before` holds
+in the releases before that one (a name SGLang moved).
 
 This module is import-light (no torch, no SGLang) so CI and the backend selector can read it.
 """
@@ -61,12 +63,14 @@ MM_BASE = "sglang/srt/multimodal/processors/base_processor.py"
 MM_QWEN_VL = "sglang/srt/multimodal/processors/qwen_vl.py"
 SERVER_ARGS = "sglang/srt/server_args.py"
 UTILS = "sglang/srt/utils/common.py"
+MM_UTILS = "sglang/srt/managers/mm_utils.py"
+MM_SCHEDULE = "sglang/srt/managers/mm_schedule.py"
 # where newer releases declare ServerArgs' fields (argument-group classes); absent in older ones
 SERVER_ARG_FIELDS = tuple(f"sglang/srt/arg_groups/fields/{m}.py" for m in (
     "device", "disagg", "exec_", "lora", "memory", "mm", "model", "observability", "parallel", "schedule",
     "serving", "spec"))
 FILES = (ENGINE, SCHEDULER, IO_STRUCT, FORWARD, BATCH, CONSTANTS, SAMPLING, QWEN_VL, TOKENIZER, MM_BASE,
-         MM_QWEN_VL, SERVER_ARGS, UTILS, *SERVER_ARG_FIELDS)
+         MM_QWEN_VL, SERVER_ARGS, UTILS, MM_UTILS, MM_SCHEDULE, *SERVER_ARG_FIELDS)
 
 # what the patched Scheduler adds: one RPC method and one attribute (the hook driver)
 RPC_METHOD = "rollplex_rpc"
@@ -112,6 +116,7 @@ class Relied:
     why: str
     value: str | None = None
     since: str | None = None  # the first release the entry holds in (None: every checked release)
+    before: str | None = None  # the first release it no longer holds in (None: none)
 
     def __post_init__(self):
         assert self.kind in KINDS, self.kind
@@ -119,10 +124,15 @@ class Relied:
         assert self.names, "an entry names at least one thing"
         assert (self.kind == "constant") == (self.value is not None)
         assert self.since is None or release_tuple(self.since) > release_tuple(MIN_VERSION)
+        assert self.before is None or release_tuple(self.before) > release_tuple(self.since or MIN_VERSION)
 
     def applies_to(self, version: str | None) -> bool:
         """Whether a release must hold this entry (None: an unnamed source, held to everything)."""
-        return self.since is None or version is None or release_tuple(version) >= release_tuple(self.since)
+        if version is None:
+            return True
+        v = release_tuple(version)
+        return ((self.since is None or v >= release_tuple(self.since))
+                and (self.before is None or v < release_tuple(self.before)))
 
 
 def release_tuple(version: str) -> tuple[int, ...]:
@@ -133,7 +143,7 @@ def release_tuple(version: str) -> tuple[int, ...]:
 
 KINDS = ("class_attr", "method", "function", "fields", "any_field", "calls", "reads", "self_attr", "absent",
          "str_values",
-         "strings", "constant", "server_args")
+         "strings", "constant", "server_args", "global")
 
 CONTRACT: tuple[Relied, ...] = (
     # ---- the engine: launching the patched scheduler, control RPCs, memory, weights ------------------
@@ -209,6 +219,13 @@ CONTRACT: tuple[Relied, ...] = (
     Relied("absent", SCHEDULER, "Scheduler", (RPC_METHOD, DRIVER_ATTR),
            "the names the patched Scheduler adds do not shadow SGLang's"),
     # ---- control RPCs -----------------------------------------------------------------------------
+    Relied("method", SCHEDULER, "Scheduler", ("flush_cache",),
+           "the patched scheduler clears the multimodal embedding cache when SGLang flushes its caches (a weight "
+           "update flushes): encodings of the old policy's vision tower must not serve a repeated image"),
+    Relied("global", MM_UTILS, "", ("embedding_cache",), "the multimodal embedding cache the flush clears",
+           before="0.5.23"),
+    Relied("global", MM_SCHEDULE, "", ("embedding_cache",), "the multimodal embedding cache the flush clears "
+           "(moved out of mm_utils)", since="0.5.23"),
     Relied("method", SCHEDULER, "Scheduler", ("handle_rpc_request", "recv_req"),
            "collective_rpc arrives here in each scheduler process"),
     Relied("calls", SCHEDULER, "Scheduler.handle_rpc_request", ("getattr", "**parameters"),

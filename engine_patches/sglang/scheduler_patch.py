@@ -16,6 +16,10 @@ base with the same shape — SGLang's Scheduler in production, a fake one in tes
                   after_decode_launch once it is queued, timed with CUDA events on the stream decode
                   runs on (forward_stream with overlap scheduling, else the current one)
     rollplex_rpc  the one control RPC (Engine.collective_rpc -> handle_rpc_request -> this), see driver.py
+    flush_cache   SGLang's, then, when it flushed, SGLang's multimodal embedding cache too: SGLang keeps
+                  the vision tower's encodings keyed by the image's hash across weight updates, so
+                  after a hand-over a repeated image would be encoded by the old policy's tower (the
+                  weight update flushes through this method)
 
 Everything the subclass touches on SGLang's objects is listed in contract.py.
 """
@@ -31,6 +35,19 @@ from .spec import HookSpec
 from .timing import StepTimer
 
 SGLANG_SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
+# where SGLang keeps the module-level multimodal embedding cache (0.5.23 moved it out of mm_utils)
+EMBEDDING_CACHE_MODULES = ("sglang.srt.managers.mm_schedule", "sglang.srt.managers.mm_utils")
+
+
+def clear_embedding_cache() -> bool:
+    """Empty SGLang's multimodal embedding cache in this process; False when there is none (not built yet,
+    or a release without one)."""
+    for name in EMBEDDING_CACHE_MODULES:
+        cache = getattr(sys.modules.get(name), "embedding_cache", None)
+        if cache is not None:
+            cache.clear()
+            return True
+    return False
 
 
 def device_clock() -> tuple[Any, Any]:
@@ -75,6 +92,12 @@ def make_hooked_scheduler(base: type, spec: HookSpec | None = None, clock=device
             result = super().run_batch(batch, *args, **kwargs)
             driver.after_decode(info)
             return result
+
+        def flush_cache(self, *args, **kwargs):
+            flushed = super().flush_cache(*args, **kwargs)
+            if flushed:
+                clear_embedding_cache()
+            return flushed
 
         def rollplex_rpc(self, op: str, out_path: str, **params):
             """Control op `op` (driver.OPS) with `params`; the result goes to `out_path`.<rank>.json."""

@@ -69,6 +69,11 @@ class Scheduler:
             success, exec = False, e
         return RpcReqOutput(success=success, message="" if not exec else str(exec))
 
+    def flush_cache(self, empty_cache: bool = True):
+        """SGLang's answer: False (nothing flushed) while requests are queued."""
+        self.log.append(("flush_cache", not self.waiting_queue))
+        return not self.waiting_queue
+
     def get_next_batch_to_run(self):
         if not self.pending:
             return None
