@@ -10,8 +10,8 @@ from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
 from rollplex.bench.model_dir import write_model_dir
 from rollplex.models import ModelConfig, Qwen3VLConfig
-from rollplex.processor import VLProcessor
 from rollplex.presets import preset
+from rollplex.processor import VLProcessor
 
 
 def test_preset_dir_has_the_config_and_qwen_special_ids(tmp_path):
