@@ -1,4 +1,5 @@
-"""Session fixtures: one embedded tiny checkpoint (written by rollplex.tiny) and its processor; `tail`,
+"""Session fixtures: one embedded tiny checkpoint (written by rollplex.tiny) and its processor; `sglang_source`
+(sglang_sources.py), each checked SGLang release's source; `tail`,
 which holds a rollout until the fused schedule has trained its first groups. Tests that spawn gloo ranks
 run once more when a rank dies of SIGABRT (below)."""
 
@@ -6,6 +7,7 @@ import inspect
 import time
 
 import pytest
+from sglang_sources import sglang_source  # noqa: F401  (a checked SGLang release's source)
 
 from rollplex.processor import VLProcessor
 from rollplex.rl.pipeline import GroupPipeline

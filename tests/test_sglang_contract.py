@@ -12,48 +12,21 @@ The download needs PyPI: without it the tests fail, unless ROLLPLEX_OFFLINE=1 (t
 from __future__ import annotations
 
 import ast
-import os
 import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
 
 import pytest
+from sglang_sources import _cache_dir
 
 from engine_patches.sglang import check, contract, plugin
-from engine_patches.sglang.check import FetchError, check_sources, extract_sources, fetch_wheel, reader
+from engine_patches.sglang.check import FetchError, check_sources, fetch_wheel, reader
 from engine_patches.sglang.contract import CHECKED_VERSIONS, CONTRACT, MIN_VERSION
 from rollplex import backends
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = Path(__file__).resolve().parent / "fake_sglang"
-
-
-def _cache_dir(config, tmp_path_factory) -> Path:
-    if getattr(config, "cache", None) is not None:  # .pytest_cache/d/sglang-wheels, kept across runs
-        return Path(config.cache.mkdir("sglang-wheels"))
-    return tmp_path_factory.mktemp("sglang-wheels")
-
-
-@pytest.fixture(scope="session", params=CHECKED_VERSIONS)
-def sglang_source(request, tmp_path_factory):
-    """(version, root of the extracted source files) of one checked SGLang release."""
-    version = request.param
-    cache = _cache_dir(request.config, tmp_path_factory)
-    wheel = check.cached_wheel(version, cache)
-    if wheel is None:
-        if os.environ.get("ROLLPLEX_OFFLINE") == "1":
-            pytest.skip(f"ROLLPLEX_OFFLINE=1 and no cached sglang {version} wheel in {cache}")
-        error = None
-        try:
-            wheel = fetch_wheel(version, cache)
-        except (FetchError, subprocess.TimeoutExpired) as e:
-            error = str(e)
-        if error is not None:
-            pytest.fail(f"could not download SGLang {version} for its contract check: {error}\n"
-                        "The contract tests need PyPI; set ROLLPLEX_OFFLINE=1 to skip them on a machine without it.",
-                        pytrace=False)
-    return version, extract_sources(wheel, cache)
 
 
 def test_real_sglang_has_every_name_the_patch_relies_on(sglang_source):

@@ -392,3 +392,28 @@ def test_backend_flags(monkeypatch):
         from rollplex.server.__main__ import main
 
         main(["--device", "cpu", "--sglang-mem-fraction-static", "1.5"])
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory):
+    from rollplex.processor import VLProcessor
+    from rollplex.tiny import write_tiny
+
+    out = write_tiny(tmp_path_factory.mktemp("tiny3"), seed=1, family="qwen3_vl")
+    return out, VLProcessor.from_pretrained(out)
+
+
+def test_sglang_backend_rolls_out_qwen3_vl_as_the_native_engine(fake_sglang, tiny_qwen3):
+    tiny_dir, proc = tiny_qwen3
+    native, sgl = _native(tiny_dir, proc), _sglang(tiny_dir, proc)
+    assert type(sgl.model).__name__ == "Qwen3VL"
+    be = sgl.backend
+    try:
+        a, b = native.rollout(ROWS), sgl.rollout(ROWS)
+        # the policy went in by its HF names (fused back by the fake as SGLang's loader does)
+        assert all(torch.equal(p, q) for p, q in zip(be.engine.runtime.model.parameters(), sgl.model.parameters()))
+        assert torch.equal(a.responses, b.responses) and torch.equal(a.mask, b.mask)
+        assert_fp32_close(b.rollout_logprobs, a.rollout_logprobs, "rollout logprobs", FORWARD_TERMS)
+        assert be.weight_pushes == 1
+    finally:
+        be.close()

@@ -58,6 +58,14 @@ BATCH = "sglang/srt/managers/schedule_batch.py"
 CONSTANTS = "sglang/srt/constants.py"
 SAMPLING = "sglang/srt/sampling/sampling_params.py"
 QWEN_VL = "sglang/srt/models/qwen2_5_vl.py"
+QWEN3_VL = "sglang/srt/models/qwen3_vl.py"
+QWEN3 = "sglang/srt/models/qwen3.py"
+QWEN2 = "sglang/srt/models/qwen2.py"
+VISION_ATTN = "sglang/srt/layers/attention/vision.py"
+LAYER_UTILS = "sglang/srt/layers/utils/common.py"
+# get_rope: a module before 0.5.17, a package from 0.5.17 on
+ROPE_OLD = "sglang/srt/layers/rotary_embedding.py"
+ROPE_FACTORY = "sglang/srt/layers/rotary_embedding/factory.py"
 TOKENIZER = "sglang/srt/managers/tokenizer_manager.py"
 MM_BASE = "sglang/srt/multimodal/processors/base_processor.py"
 MM_QWEN_VL = "sglang/srt/multimodal/processors/qwen_vl.py"
@@ -70,7 +78,8 @@ SERVER_ARG_FIELDS = tuple(f"sglang/srt/arg_groups/fields/{m}.py" for m in (
     "device", "disagg", "exec_", "lora", "memory", "mm", "model", "observability", "parallel", "schedule",
     "serving", "spec"))
 FILES = (ENGINE, SCHEDULER, IO_STRUCT, FORWARD, BATCH, CONSTANTS, SAMPLING, QWEN_VL, TOKENIZER, MM_BASE,
-         MM_QWEN_VL, SERVER_ARGS, UTILS, MM_UTILS, MM_SCHEDULE, *SERVER_ARG_FIELDS)
+         MM_QWEN_VL, SERVER_ARGS, UTILS, MM_UTILS, MM_SCHEDULE, *SERVER_ARG_FIELDS,
+         QWEN3_VL, QWEN3, QWEN2, VISION_ATTN, LAYER_UTILS, ROPE_OLD, ROPE_FACTORY)
 
 # what the patched Scheduler adds: one RPC method and one attribute (the hook driver)
 RPC_METHOD = "rollplex_rpc"
@@ -241,6 +250,56 @@ CONTRACT: tuple[Relied, ...] = (
     Relied("strings", QWEN_VL, "Qwen2_5_VLForConditionalGeneration.load_weights",
            (".q_proj", ".k_proj", ".v_proj", "gate_proj", "up_proj"),
            "it fuses split q/k/v and gate/up weights: Rollplex sends HF names (rollplex_to_hf)"),
+    # ---- the Qwen3-VL weight layout (tests/test_sglang_qwen3_vl.py runs load_weights' own source) --------
+    Relied("method", QWEN3_VL, "Qwen3VLForConditionalGeneration", ("load_weights", "weights"),
+           "update_weights_from_tensor hands the named tensors to the Qwen3-VL model's loader"),
+    Relied("strings", QWEN3_VL, "Qwen3VLForConditionalGeneration.load_weights",
+           (".q_proj", ".k_proj", ".v_proj", "gate_proj", "up_proj", "model.language_model.", "model.",
+            "model.visual.", "visual.", "attn.qkv.", "attn.qkv_proj.", "model.embed_tokens.weight",
+            "lm_head.weight"),
+           "it takes the released names (model.language_model.*, model.visual.*), fuses the text side's split "
+           "q/k/v and gate/up, takes the tower's fused attn.qkv, and skips names it does not know: Rollplex "
+           "sends exactly the released names (rollplex_to_hf)"),
+    Relied("calls", QWEN3_VL, "Qwen3VLForConditionalGeneration.load_weights",
+           ("self.named_parameters", "get_layer_id", "name.replace"),
+           "names are matched against the model's own parameters after the renames (the loader test runs this "
+           "method's source against the parameters below)"),
+    Relied("self_attr", QWEN3_VL, "Qwen3VLForConditionalGeneration", ("visual", "model", "lm_head"),
+           "the model's parameters are visual.*, model.* and lm_head.* (the embedding itself when tied)"),
+    Relied("self_attr", QWEN3_VL, "Qwen3VLMoeVisionModel",
+           ("patch_embed", "pos_embed", "blocks", "merger", "deepstack_merger_list"),
+           "the vision tower's parameters: patch embedding, learned positions, blocks, merger, DeepStack mergers"),
+    Relied("self_attr", QWEN3_VL, "Qwen3VLVisionPatchEmbed", ("proj",),
+           "the patch embedding is a Conv3d-shaped proj.weight [hidden, C, T, P, P] with a bias"),
+    Relied("self_attr", QWEN3_VL, "Qwen3_VisionBlock", ("norm1", "norm2", "attn", "mlp"), "a vision block"),
+    Relied("self_attr", QWEN3_VL, "Qwen3_VisionMLP", ("linear_fc1", "linear_fc2"), "the vision MLP (no gate)"),
+    Relied("self_attr", QWEN3_VL, "Qwen3VLMoeVisionPatchMerger", ("norm", "linear_fc1", "linear_fc2"),
+           "the merger and each DeepStack merger"),
+    Relied("self_attr", VISION_ATTN, "VisionAttention", ("qkv_proj", "proj"),
+           "the tower's attention: fused qkv_proj (loaded from attn.qkv) and proj"),
+    Relied("self_attr", QWEN3, "Qwen3Attention", ("qkv_proj", "o_proj", "q_norm", "k_norm"),
+           "the text attention: fused qkv_proj, o_proj and the q/k RMSNorms"),
+    Relied("self_attr", QWEN3, "Qwen3DecoderLayer", ("self_attn", "mlp", "input_layernorm",
+                                                    "post_attention_layernorm"), "a text layer"),
+    Relied("self_attr", QWEN2, "Qwen2MLP", ("gate_up_proj", "down_proj"), "the text MLP (Qwen3MLP is Qwen2MLP)"),
+    Relied("self_attr", QWEN2, "Qwen2Model", ("embed_tokens", "layers", "norm"), "the text model"),
+    Relied("function", LAYER_UTILS, "", ("get_layer_id", "weight_name"),
+           "the loader reads a name's layer index with it (the loader test runs its source too)"),
+    Relied("strings", ROPE_OLD, "get_rope", ("mrope_section", "mrope_interleaved"),
+           "interleaved M-RoPE is on only where config.json's rope_scaling says mrope_interleaved (write_model_dir "
+           "writes it, as the released checkpoints do)", before="0.5.17"),
+    Relied("strings", ROPE_FACTORY, "get_rope", ("mrope_section", "mrope_interleaved"),
+           "interleaved M-RoPE is on only where config.json's rope_scaling says mrope_interleaved (get_rope moved "
+           "into a package)", since="0.5.17"),
+    Relied("strings", MM_QWEN_VL, "QwenVLImageProcessor", ("qwen3_vl",),
+           "the Qwen-VL processor serves Qwen3-VL (model_type qwen3_vl): processor_output items as for Qwen2.5-VL"),
+    Relied("calls", MM_QWEN_VL, "QwenVLImageProcessor", ("self._compute_image_only_mrope_positions_from_offsets",),
+           "Qwen3-VL image-only prompts get M-RoPE positions from each item's offsets and image_grid_thw; a "
+           "processor_output item with several images falls back to get_rope_index on the items' grids",
+           since=IMAGE_PROMPTS_MIN_VERSION),
+    Relied("calls", MM_QWEN_VL, "QwenVLImageProcessor.process_mm_data_async", ("self._is_preprocessed_input",),
+           "Qwen3-VL requests with processor_output images take the uncached path (the one that reads the items' "
+           "grids), not the cached image-artifact path", since="0.5.23"),
     # ---- the rollout's requests and answers (outputs.py) ------------------------------------------------
     Relied("fields", SAMPLING, "SamplingParams", ROLLOUT_SAMPLING,
            "every sample is its own request (n = 1) with a seed: the native engine's sampling parameters"),

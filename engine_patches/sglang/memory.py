@@ -113,8 +113,21 @@ def _buckets(named_tensors: Iterable, limit: int):
 
 
 def hf_named_tensors(model) -> list:
-    """A Rollplex Qwen25VL's weights under the HF names SGLang's loader takes (q/k/v and gate/up split)."""
+    """A Rollplex model's weights under the HF names SGLang's loader takes, in the released checkpoints' layout.
+
+    Qwen2.5-VL: `model.layers.*` / `visual.*` with q/k/v and gate/up split (the loader fuses them).
+    Qwen3-VL: `model.language_model.*` / `model.visual.*`, q/k/v and gate/up split on the text side, the
+    tower's `attn.qkv` fused and its patch embedding Conv3d-shaped, as SGLang's Qwen3-VL `load_weights`
+    takes them (tests/test_sglang_qwen3_vl.py runs that method's source on them). SGLang skips a name it
+    does not know without a word, so the names must be exactly these.
+
+    `lm_head.weight` comes last: some releases (0.5.7) copy `embed_tokens` into `lm_head` whenever they
+    load `embed_tokens`, tied or not, so an untied head sent before the embedding would be overwritten.
+    A tied model sends no `lm_head.weight` (SGLang's head is the embedding).
+    """
     from rollplex.models import rollplex_to_hf
 
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    return list(rollplex_to_hf(state, model.cfg).items())
+    named = rollplex_to_hf(state, model.cfg)
+    head = named.pop("lm_head.weight", None)
+    return list(named.items()) + ([("lm_head.weight", head)] if head is not None else [])

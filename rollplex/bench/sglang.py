@@ -32,7 +32,7 @@ import torch
 
 from ..backends import BackendConfig, rollout_backend
 from ..engine import Engine, EngineConfig, SamplingParams
-from ..models import Qwen25VL, init_weights
+from ..models import build_model, init_weights
 from ..presets import preset
 from ..rl.batch import RolloutBatch
 from ..rl.config import RLConfig
@@ -132,7 +132,7 @@ def main(argv=None) -> None:
     out_dir = Path(args.model_dir or tempfile.mkdtemp(prefix="rollplex-sglang-model-"))
     write_model_dir(cfg, out_dir)
     with torch.device("cuda"):
-        model = init_weights(Qwen25VL(cfg), seed=0, std=0.02)
+        model = init_weights(build_model(cfg), seed=0, std=0.02)
     model = model.to(torch.bfloat16).eval().requires_grad_(False)
     emit({"bench": "sglang_setup", "what": args.what, "model_dir": str(out_dir), "attention_backend":
           args.attention_backend, "sglang_cuda_graph": cuda_graph, **env_info()})

@@ -2,14 +2,17 @@
 
 Skipped unless ROLLPLEX_SGLANG_PYTHONPATH names a folder where `import sglang` works (SGLang's pack untarred,
 e.g. /tmp/sgl: it carries its own transformers, so SGLang runs in a process of its own; this one keeps the
-machine's). The model is Qwen2.5-VL-3B's shape cut to 4 text layers and 4 vision blocks (real head dims and
-vocabulary), written as a directory (rollplex/bench/model_dir.py) that SGLang starts on with dummy weights;
+machine's). Each test runs for two models: Qwen2.5-VL-3B's shape and Qwen3-VL-4B's (DeepStack, interleaved
+M-RoPE, patch 16), each cut to 4 text layers and 4 vision blocks (real head dims and vocabulary), written as a
+directory (rollplex/bench/model_dir.py) that SGLang starts on with dummy weights;
 the trainer's policy has its final norm scaled up so that its next-token distributions are peaked (greedy
 ties cannot decide a comparison). SGLang's settings: triton attention for text and vision (the pack has no
 FA3, SGLang's vision default on Hopper), no CUDA graphs (a quicker start).
 
 - the policy reaches SGLang: before the hand-over SGLang's dummy weights decode other tokens, after it
-  SGLang decodes the native engine's greedy tokens, and its logprobs are the trainer's (verl's mismatch)
+  SGLang decodes the native engine's greedy tokens, and its logprobs are the trainer's (verl's mismatch),
+  on text-only prompts (the text weights) and on image prompts (the tower's weights and the image tokens'
+  M-RoPE positions) separately, so a failure says which
 - the grouped rollout reports each prompt as its samples finish, in the order of their lengths
 - the RL step on SGLang: two phased steps and a fused one, the policy handed over each step
 - the hooked scheduler counts decode steps and times them with CUDA events in SGLang's loop; the
@@ -49,32 +52,38 @@ ARGS = {"load_format": "dummy", "skip_tokenizer_init": True, "attention_backend"
         "log_level": "warning"}
 
 
-def _cfg():
+MODELS = ("qwen2.5-vl-3b", "qwen3-vl-4b")
+
+
+def _cfg(name: str):
     from rollplex.presets import preset
 
-    cfg = preset("qwen2.5-vl-3b")
-    return replace(cfg, text=replace(cfg.text, num_hidden_layers=4),
-                   vision=replace(cfg.vision, depth=4, fullatt_block_indexes=(1, 3)))
+    cfg = preset(name)
+    if name.startswith("qwen3-vl"):  # DeepStack into text layers 0-2 from blocks 0, 1, 3
+        vision = replace(cfg.vision, depth=4, deepstack_visual_indexes=(0, 1, 3))
+    else:
+        vision = replace(cfg.vision, depth=4, fullatt_block_indexes=(1, 3))
+    return replace(cfg, text=replace(cfg.text, num_hidden_layers=4), vision=vision)
 
 
 def _policy(cfg):
-    from rollplex.models import Qwen25VL, init_weights
+    from rollplex.models import build_model, init_weights
 
     with torch.device("cuda"):
-        model = init_weights(Qwen25VL(cfg), seed=0, std=0.02)
+        model = init_weights(build_model(cfg), seed=0, std=0.02)
     with torch.no_grad():
         model.model.norm.weight.mul_(30.0)  # peaked next-token distributions
     return model.to(torch.bfloat16)
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+@pytest.fixture(scope="module", params=MODELS)
+def setup(request, tmp_path_factory):
     from engine_patches.sglang.spec import HookSpec
     from rollplex.backends import BackendConfig, rollout_backend
     from rollplex.bench.model_dir import write_model_dir
     from rollplex.models import save_model
 
-    cfg = _cfg()
+    cfg = _cfg(request.param)
     out = write_model_dir(cfg, tmp_path_factory.mktemp("sgl-model"))
     model = _policy(cfg)
     save_model(model, out)  # the co-scheduler hook loads its reference model from here (SGLang does not)
@@ -86,7 +95,7 @@ def setup(tmp_path_factory):
                          sglang_release_weights=False, sglang_pythonpath=SGL, sglang_args=json.dumps(ARGS))
     t0 = time.perf_counter()
     rollout = rollout_backend(bcfg, str(out), None, "bfloat16", seed=0, hook_spec=spec)
-    print(f"SGLang {rollout.version} up in {time.perf_counter() - t0:.1f}s", flush=True)
+    print(f"SGLang {rollout.version} up on {request.param} in {time.perf_counter() - t0:.1f}s", flush=True)
     rollout.attach(model, None)
     yield cfg, model, rollout, out
     rollout.close()
@@ -96,6 +105,14 @@ def _prompts(cfg, n: int, size: int = 224):
     from rollplex.bench.common import make_prompts
 
     return make_prompts(cfg, n, 1, size=size, text=32, device="cuda", dtype=torch.bfloat16)[0]
+
+
+def _text_prompts(cfg, n: int, text: int = 48):
+    from rollplex.models import ModelInputs
+
+    g = torch.Generator().manual_seed(1)
+    return [ModelInputs(torch.randint(0, min(150000, cfg.image_token_id - 1), (text,), generator=g).tolist())
+            for _ in range(n)]
 
 
 def _native(model):
@@ -116,25 +133,33 @@ def test_policy_reaches_sglang_and_decodes_as_the_native_engine(setup):
     from rollplex.engine import SamplingParams
 
     cfg, model, rollout, _ = setup
-    prompts = _prompts(cfg, 4)
+    kinds = {"text": _text_prompts(cfg, 4), "image": _prompts(cfg, 4)}
     greedy = [SamplingParams(n=1, temperature=0, max_new_tokens=24, ignore_eos=True)] * 4
-    native = _native(model).generate(prompts, greedy)
+    native = {k: _native(model).generate(p, greedy) for k, p in kinds.items()}
     # SGLang's own dummy weights, before the hand-over (the backend would copy the policy in first)
-    kw = generate_kwargs(prompts, greedy, [[0]] * 4)
+    kw = generate_kwargs(kinds["image"], greedy, [[0]] * 4)
     t0 = time.perf_counter()
-    before = request_outputs(prompts, greedy, rollout.engine.generate(**kw))
+    before = request_outputs(kinds["image"], greedy, rollout.engine.generate(**kw))
     print(f"first generate (kernel JIT) {time.perf_counter() - t0:.1f}s", flush=True)
-    assert [o.samples[0].token_ids for o in before] != [o.samples[0].token_ids for o in native]
+    assert [o.samples[0].token_ids for o in before] != [o.samples[0].token_ids for o in native["image"]]
     t0 = time.perf_counter()
     rollout.update_weights()
     print(f"weight hand-over {time.perf_counter() - t0:.2f}s", flush=True)
-    after = rollout.generate(prompts, greedy)
-    same = sum(a.samples[0].token_ids == b.samples[0].token_ids for a, b in zip(after, native))
-    m = _mismatch(model, prompts, after)
-    print("after the hand-over:", same, "of 4 greedy samples as the native engine's;", m, flush=True)
-    assert same >= 3
-    assert m["rollout_probs_diff_mean"] < 0.02 and m["rollout_probs_diff_max"] < 0.5
-    assert all(o.samples[0].finish_reason == "length" and len(o.samples[0].token_ids) == 24 for o in after)
+    same, m = {}, {}
+    for k, prompts in kinds.items():
+        after = rollout.generate(prompts, greedy)
+        same[k] = sum(a.samples[0].token_ids == b.samples[0].token_ids for a, b in zip(after, native[k]))
+        m[k] = _mismatch(model, prompts, after)
+        print(f"after the hand-over, {k} prompts: {same[k]} of 4 greedy samples as the native engine's; {m[k]}",
+              flush=True)
+        assert all(o.samples[0].finish_reason == "length" and len(o.samples[0].token_ids) == 24 for o in after)
+    # text first: a failure here is the text weights (names, fusion, the head), not image positions
+    assert same["text"] >= 3, f"text-only prompts: {same['text']} of 4 agree (the text weights): {m['text']}"
+    assert m["text"]["rollout_probs_diff_mean"] < 0.02 and m["text"]["rollout_probs_diff_max"] < 0.5
+    # then images: with text agreeing, a failure is the vision tower's weights or the image tokens' positions
+    assert same["image"] >= 3, (f"image prompts: {same['image']} of 4 agree while text-only prompts agree: the "
+                                f"vision tower's weights or the image tokens' M-RoPE positions: {m['image']}")
+    assert m["image"]["rollout_probs_diff_mean"] < 0.02 and m["image"]["rollout_probs_diff_max"] < 0.5
 
 
 def test_grouped_rollout_reports_groups_as_they_finish(setup):
