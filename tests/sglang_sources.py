@@ -7,6 +7,7 @@ tests fail, unless ROLLPLEX_OFFLINE=1 (then they skip). Test modules import the 
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 from pathlib import Path
@@ -29,6 +30,13 @@ def sglang_source(request, tmp_path_factory):
     """(version, root of the extracted source files) of one checked SGLang release."""
     version = request.param
     cache = _cache_dir(request.config, tmp_path_factory)
+    # test processes running side by side (pytest -n) share the cache: one downloads and extracts at a time
+    with open(cache / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _source(version, cache)
+
+
+def _source(version: str, cache: Path) -> tuple[str, Path]:
     wheel = check.cached_wheel(version, cache)
     if wheel is None:
         if os.environ.get("ROLLPLEX_OFFLINE") == "1":

@@ -6,6 +6,7 @@ written, is the slow tier's (it trains until the target: minutes)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -51,6 +52,11 @@ def test_first_screen_shows_the_demo_and_the_tests():
     for install in re.findall(r'pip install -e "\.\[([a-z,]+)\]"', head):
         assert set(install.split(",")) <= set(extras), install
     assert readme_command("python -m rollplex.demo") == "python -m rollplex.demo"
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines() if ln.startswith("python -m pytest")]
+    assert ci == [readme_command("python -m pytest")]
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +133,8 @@ def test_the_demo_command_as_written(tmp_path):
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["stopped"] == "target" and summary["reached_at"] == summary["steps"]
     assert "reached the target 0.8 at step" in run.stdout and "\r" not in run.stdout
+    history = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert history[0]["critic/score/mean"] < 0.5, "the warmed-up model starts near chance (0.25)"
+    assert sum(h["critic/score/mean"] for h in history[-3:]) / 3 >= 0.8
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (folder / "reward.png").stat().st_size > 1000

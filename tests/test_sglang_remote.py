@@ -77,7 +77,7 @@ def test_remote_engine_takes_the_native_steps(tiny_dir, proc):
 
 
 @pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
-def test_remote_groups_stream_as_they_finish(tiny_dir, proc):
+def test_remote_groups_stream_as_they_finish(tiny_dir, proc, tail):
     lengths = [3, 9, 5, 12]  # the fake answers a batch request after 20 ms per token of its longest
     rl = _step(tiny_dir, proc, backends.rollout_backend(REMOTE, str(tiny_dir), proc, "float32", seed=0),
                schedule="fused", lr=1e-4)
