@@ -15,7 +15,6 @@ from rollplex.processor import VLProcessor
 from rollplex.rl.pipeline import GroupPipeline
 from rollplex.tiny import write_tiny
 
-
 # test processes side by side (pytest -n N) share the cores: each takes its share of torch's threads
 if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))

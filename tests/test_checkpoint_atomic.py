@@ -118,7 +118,8 @@ def _nested(depth: int) -> dict:
 
 
 DATA_STATES = {
-    "nested 512 deep": (json.dumps({"path": "keep", "overwrite": True, "data_state": _nested(512)}), "nested more than"),
+    "nested 512 deep": (json.dumps({"path": "keep", "overwrite": True, "data_state": _nested(512)}),
+                        "nested more than"),
     "700-digit int": ('{"path": "keep", "overwrite": true, "data_state": {"n": ' + "7" * 700 + "}}", "64-bit"),
     "NaN": ('{"path": "keep", "overwrite": true, "data_state": {"x": [NaN]}}', "not a finite number"),
     "Infinity": ('{"path": "keep", "overwrite": true, "data_state": {"x": -Infinity}}', "not a finite number"),

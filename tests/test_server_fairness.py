@@ -79,7 +79,7 @@ def test_one_clients_rollouts_never_evict_anothers(server, clients):
 def test_retained_rollouts_are_capped_in_bytes(server, clients, monkeypatch):
     a, b = clients
     store = server.state.store
-    first = _rid(a)
+    _rid(a)
     size = store.nbytes()
     assert size > 0
     monkeypatch.setattr(store, "cap", 100)  # the bytes decide here, not the count

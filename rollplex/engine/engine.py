@@ -290,7 +290,8 @@ class Engine:
             return RequestOutput(req.request_id, list(req.inputs.input_ids),
                                  [SampleOutput(s.output_ids, s.logprobs, "abort") for s in req.seqs], error=e)
 
-    def _sampling_tensors(self, seqs: list[Sequence], vocab: int, device) -> tuple[list[Sequence], SamplingTensors | None]:
+    def _sampling_tensors(self, seqs: list[Sequence], vocab: int,
+                          device) -> tuple[list[Sequence], SamplingTensors | None]:
         """(sequences, their sampling tensors); on a failure, the requests whose own row fails are dropped
         and the rest built again (None: nothing left)."""
         try:
@@ -314,8 +315,9 @@ class Engine:
         """Whether a sequence of `length` tokens has reached max_new_tokens (its sample's own cap, when the
         request gives one) or max_model_len."""
         caps = seq.request.params.sample_max_new_tokens
-        if caps is not None and seq.sample_index < len(caps) and length >= seq.num_prompt_tokens + caps[seq.sample_index]:
-            return True
+        if caps is not None and seq.sample_index < len(caps):
+            if length >= seq.num_prompt_tokens + caps[seq.sample_index]:
+                return True
         return length >= seq.request.max_len
 
     def _row(self, seq: Sequence) -> tuple:
@@ -440,7 +442,8 @@ class Engine:
         vocab = self.model.cfg.text.vocab_size
 
         def rows():
-            return [(*self._row(s)[:5], s.num_output_tokens + j) for s, d in zip(seqs, drafts) for j in range(len(d) + 1)]
+            return [(*self._row(s)[:5], s.num_output_tokens + j)
+                    for s, d in zip(seqs, drafts) for j in range(len(d) + 1)]
 
         try:
             st = SamplingTensors.build(rows(), vocab, self.runner.device)

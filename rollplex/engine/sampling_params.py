@@ -16,8 +16,8 @@ Sample i of a request with `n` samples and `seed=s` is drawn exactly as a reques
 `n_greedy` adds that many greedy continuations (temperature 0, ReMax's baseline) after the n sampled
 ones: they fork the prompt's KV like the samples (one prefill for all), are not counted in `n`, draw
 no seed, and come back in `RequestOutput.greedy`; their logprobs are log_softmax(logits).
-`sample_max_new_tokens` (the SGLang backend sends it as each sample's max_new_tokens) gives each of the n samples its own
-length cap, at most `max_new_tokens`: with `ignore_eos` a benchmark's samples end at set, reproducible
+`sample_max_new_tokens` (the SGLang backend sends it as each sample's max_new_tokens) gives each of the n
+samples its own length cap, at most `max_new_tokens`: with `ignore_eos` a benchmark's samples end at set, reproducible
 lengths that differ within a group, as EOS ends real ones.
 """
 

@@ -122,7 +122,8 @@ class Speculator:
             self.peak = 0
             return False
         self.peak = max(self.peak, running)
-        if waiting or running > self.cfg.speculative_max_batch or running > self.cfg.speculative_max_fraction * self.peak:
+        if (waiting or running > self.cfg.speculative_max_batch
+                or running > self.cfg.speculative_max_fraction * self.peak):
             return False
         if self.skip:  # backed off after verifications that accepted too little
             self.skip -= 1
