@@ -2,7 +2,7 @@
 
 A config's class says its family (`ModelConfig.family`, the `model_type` of config.json):
 `ModelConfig` is Qwen2.5-VL, `Qwen3VLConfig` Qwen3-VL. The rest of the runtime builds, loads and
-saves models through `build_model` / checkpoint.py, which dispatch here, so nothing outside models/
+saves models through `build_model` / hf_io.py, which dispatch here, so nothing outside models/
 names a family.
 """
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from ..models import ModelConfig, Qwen25VL, hf_to_rollplex, save_model
-from ..models.checkpoint import empty_model, read_safetensors
+from ..models.hf_io import empty_model, read_safetensors
 from ..models.transfer import to_device
 from .actor import _rows
 from .algos import agg_denominator, value_loss
