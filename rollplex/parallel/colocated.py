@@ -6,7 +6,7 @@ step's runtime (rl/runtime.py), whose step-facing operations live in parallel/st
     policy      what the engine decodes (`RLStep.model`): the full weights (per-rank rollout), or this
                 rank's tensor-parallel shard of them (then the whole weights are gathered from the
                 trainer, `full_state`)
-    trainer     the policy sharded by FSDP2 over the group (`DataParallelActor`), its shards windows of
+    trainer     the policy sharded by FSDP2 over the group (`place`), its shards windows of
                 the engine's tensors where the sharing plan allows (`shared_weights`): an update writes
                 those in place and `sync_weights` rebuilds only the rest
     reference   the frozen reference sharded the same way (or whole on every rank:
@@ -37,8 +37,8 @@ from ..rl.placement import SingleProcess
 from ..rl.rollout import NativeRollout
 from ..rl.scoring import logprobs
 from ..rl.trainer import Trainer
-from .data_parallel import DataParallelActor, check_passes
-from .fsdp import FSDPConfig, apply_fsdp, full_tensor, local_tensor
+from .data_parallel import check_passes, placed
+from .fsdp import FSDPConfig, apply_fsdp, full_tensor
 from .lockstep import ShardGather
 from .rollout_groups import rollout_slots
 from .shared_weights import SharedWeights, column_sharded, meta_copy
@@ -100,30 +100,34 @@ class Colocated(StepRuntime):
         self.fused = DataParallelFused(self)  # where the fused schedule's stages run (parallel/step_runtime.py)
 
     # ---- models -------------------------------------------------------------------------------
-    def actor(self, model: Qwen25VL, cfg: RLConfig, memory, optimizer_offload: str) -> DataParallelActor:
-        """The trainer: the structure of `model` (the whole policy) sharded on the meta device, its shards
-        then adopted into the engine's tensors where the plan shares them and cut from `model` otherwise
-        (`SharedWeights`): no transient copy of the whole weights is allocated."""
-        def adopt(sharded):
+    def place(self, build, region, trainable: bool, role: str) -> Trainer:
+        """`build()` (whole on every rank) sharded like the trainer over the group, only its shards in the region
+        `region()` enters, as a Trainer over them and the `DataParallel` placement of their passes:
+        - the policy (trained, a `Qwen25VL`): its structure sharded on the meta device, the shards then adopted
+          into the engine's tensors where the plan shares them and cut from the whole weights otherwise
+          (`SharedWeights`): no transient copy of the whole weights is allocated;
+        - PPO's value model (trained): sharded like the policy;
+        - the frozen reference: sharded without checkpointing (it only scores; the step scores it where the
+          actor's passes run), or whole on every rank in the region with `FSDPConfig(shard_reference=False)`,
+          each rank then scoring its share (`share_logprobs`)."""
+        if not trainable and not self.fsdp.shard_reference:
+            with region():
+                return Trainer(build(), role=role)
+        model = build()  # a transient whole copy: only its shards go into the region
+        if not trainable:
+            cfg = dataclasses.replace(self.fsdp, activation_checkpointing=False, vision_activation_checkpointing=False)
+            with region():
+                return Trainer(apply_fsdp(model, self.mesh, cfg), role=role)
+        if not isinstance(model, Qwen25VL):  # PPO's value model
+            with region():
+                sharded, dp = placed(model, self.mesh, self.fsdp)
+            return Trainer(sharded, placement=dp, role=role)
+        columns = column_sharded(model, self.world, self.tp_size)
+        with region():
+            sharded, dp = placed(meta_copy(model), self.mesh, self.fsdp, columns)
             self.weights = SharedWeights(sharded, self.policy, model, self.group,
                                          share=self.fsdp.share_policy_storage, slot_of=self.slot_of, tp=self.tp)
-
-        columns = column_sharded(model, self.world, self.tp_size)
-        return DataParallelActor(meta_copy(model), cfg, self.mesh, self.fsdp, memory, optimizer_offload, adopt=adopt,
-                                 column_sharded=columns)
-
-    def shard_reference(self, ref: Qwen25VL) -> Qwen25VL:
-        """The frozen reference sharded like the trainer (no checkpointing: it only scores), or whole
-        (`FSDPConfig.shard_reference` off)."""
-        if not self.fsdp.shard_reference:
-            return ref
-        cfg = dataclasses.replace(self.fsdp, activation_checkpointing=False, vision_activation_checkpointing=False)
-        return apply_fsdp(ref, self.mesh, cfg)
-
-    @staticmethod
-    def local_tensors(model: nn.Module) -> list[torch.Tensor]:
-        """The tensors a sharded model holds on this rank (what its memory region keeps)."""
-        return [local_tensor(t.detach()) for t in (*model.parameters(), *model.buffers())]
+        return Trainer(sharded, placement=dp, role=role)
 
     def sweep_gather(self, model: Qwen25VL):
         """The gather a co-scheduled sweep of `model` (sharded over this group) runs its units on

@@ -7,9 +7,8 @@ written against the group Colocated builds (its engine, FSDP config, rollout gro
 
     rollout    `DataParallelRollout`: the rank's engine as the step's rollout backend, the prompts dealt
                over the rollout groups and every output gathered to every rank
-    models     the trainer sharded over the group (`Colocated.actor`), the reference sharded like it
-               into its region (or whole on every rank), a critic's value model sharded like it too
-               into its region (`DataParallelCritic`), their local tensors for the memory regions
+    models     placed by `Colocated.place`: the trainer, the reference and a critic's value model sharded
+               over the group into their regions (or the reference whole on every rank)
     footprint  a rank's share of the trainable elements, the separate trainer shards' bytes, FSDP's
                own checkpointing flags
     scoring    a model each rank holds whole (the old policy with a per-rank engine, a reference not
@@ -22,26 +21,25 @@ written against the group Colocated builds (its engine, FSDP config, rollout gro
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.distributed as dist
 
 from ..models import Qwen25VL
+from ..rl.actor import Actor
 from ..rl.config import RLConfig
 from ..rl.placement import SingleProcess
 from ..rl.rollout import NativeRollout
 from ..rl.scoring import logprobs
 from ..rl.trainer import Trainer
-from .data_parallel import DataParallelActor, DataParallelCritic, LocalPasses
-from .fsdp import apply_fsdp, can_call_directly
+from .data_parallel import LocalPasses
+from .fsdp import can_call_directly
 
 
 class StepRuntime:
     """The RL step's runtime operations on a `Colocated` rank (see the module docstring). Reads Colocated's
     engine, fsdp, world, groups, rollout_group, rollout, policy, weights and its rollout and weight methods."""
 
-    # ---- models and footprint -----------------------------------------------------------------------
+    # ---- rollout and footprint -----------------------------------------------------------------------
     def bind_rollout(self, backend, model: Qwen25VL, memory):
         """The backend this rank rolls out on (`DataParallelRollout` over the engine this group was built over,
         or None without one): the step's must be that engine, under the step's memory."""
@@ -64,32 +62,6 @@ class StepRuntime:
             raise ValueError("cosched with schedule='fused' runs on one process only: a data-parallel step "
                              "co-schedules prefixes with schedule='phased', or fuses without cosched")
 
-    def reference(self, model: Qwen25VL, ref: Qwen25VL | None, wanted: bool, region) -> Qwen25VL | None:
-        """`ref` as given or (`wanted`) a copy of `model`, sharded like the trainer into the region `region()`
-        enters; with `FSDPConfig(shard_reference=False)` whole on every rank, as on one process."""
-        shard = self.fsdp.shard_reference
-        if ref is None and wanted:
-            if shard:
-                ref = copy.deepcopy(model)  # transient full copy: only its shards go into the region
-            else:
-                with region():
-                    ref = copy.deepcopy(model)
-        if ref is not None and shard:
-            with region():
-                ref = self.shard_reference(ref)
-        return ref
-
-    def value_model(self, build, region):
-        """PPO's value model sharded like the trainer: `build()` makes it whole on every rank, outside the region
-        (a transient copy), and only its shards are allocated in the region `region()` enters."""
-        vm = build()
-        with region():
-            return apply_fsdp(vm, self.mesh, self.fsdp)
-
-    def critic(self, value_model, cfg: RLConfig, memory, optimizer_offload: str) -> DataParallelCritic:
-        """PPO's critic over the sharded value model, its passes on the data-parallel placement."""
-        return DataParallelCritic(value_model, cfg, self.mesh, self.fsdp, memory, optimizer_offload)
-
     def trainer_footprint(self, trainable: int, param_bytes: int, decoder, vision) -> tuple[int, int, bool, bool]:
         """(this rank's share of the trainable elements, the bytes its shards add to the engine's weights where
         they are not windows of them, checkpointing with FSDP's own flags as choices given)."""
@@ -104,7 +76,7 @@ class StepRuntime:
             return self.share_logprobs(reference, batch, cfg, "ref")
         return reference.score(batch, logprobs(cfg.temperature), cfg, prefix_key="ref")
 
-    def old_logprobs(self, policy: Qwen25VL, actor: DataParallelActor, batch, cfg: RLConfig) -> torch.Tensor:
+    def old_logprobs(self, policy: Qwen25VL, actor: Actor, batch, cfg: RLConfig) -> torch.Tensor:
         if cfg.num_updates > 1 and self.holds_policy:  # each rank its share, on the policy its engine decodes
             return self.share_logprobs(Trainer(policy, role="old-logprob", score_backoff=actor.score_backoff), batch,
                                        cfg, "old")
@@ -122,7 +94,7 @@ class StepRuntime:
         return trainer, self.sweep_gather(trainer)
 
     # ---- weights ------------------------------------------------------------------------------------
-    def after_update(self, actor: DataParallelActor, m: dict, timed) -> None:
+    def after_update(self, actor: Actor, m: dict, timed) -> None:
         """The trainer's new weights into what the engine decodes (timed by `timed()`), and the metrics."""
         with timed():
             self.sync_weights()
@@ -160,7 +132,7 @@ class DataParallelFused:
             return "fused data-parallel passes run past FSDP2's hooks, which a mixed-precision policy needs"
         return None
 
-    def extra_bytes(self, actor: DataParallelActor) -> int:
+    def extra_bytes(self, actor: Actor) -> int:
         """What the fused rollout phase holds here besides one process's: the trainer's units and gradients,
         and a sharded reference's units, gathered."""
         dp = actor.placement
@@ -176,18 +148,18 @@ class DataParallelFused:
         share = self.rank.group_prompts(num_prompts)
         return share, sum(k * self.rank.groups + self.rank.rollout_group <= cut for k in range(len(share)))
 
-    def begin(self, actor: DataParallelActor, ref: Qwen25VL | None) -> None:
+    def begin(self, actor: Actor, ref: Qwen25VL | None) -> None:
         """The trainer and a sharded reference gathered on every rank for its local passes (a collective)."""
-        actor.dp.begin_local(actor.model, self._sharded(ref))
+        actor.placement.begin_local(actor.model, self._sharded(ref))
 
-    def end(self, actor: DataParallelActor, ref: Qwen25VL | None, flags: list[int]) -> list[int]:
+    def end(self, actor: Actor, ref: Qwen25VL | None, flags: list[int]) -> list[int]:
         """After every rank's fused stages: `flags` agreed over the ranks and, unless one is set, the
         trainer's gradients reduced once into its shards; everything resharded (`DataParallel.end_local`)."""
-        return actor.dp.end_local(actor.model, self._sharded(ref), flags)
+        return actor.placement.end_local(actor.model, self._sharded(ref), flags)
 
-    def abort(self, actor: DataParallelActor, ref: Qwen25VL | None) -> None:
+    def abort(self, actor: Actor, ref: Qwen25VL | None) -> None:
         """`begin` undone on this rank alone (a failed rollout: no collective)."""
-        actor.dp.abort_local(actor.model, self._sharded(ref))
+        actor.placement.abort_local(actor.model, self._sharded(ref))
 
     def results(self, pipe) -> tuple[list, tuple[int, int]]:
         """Every rank's chunks (for the whole batch's metrics and later mini-batches) and its (groups trained
@@ -200,7 +172,7 @@ class DataParallelFused:
         local = self.local_passes() if self.rank.fsdp.shard_reference else SingleProcess()
         return reference.score(batch, logprobs(cfg.temperature), cfg, placement=local)
 
-    def old_logprobs(self, policy: Qwen25VL, actor: DataParallelActor, batch, cfg: RLConfig) -> torch.Tensor:
+    def old_logprobs(self, policy: Qwen25VL, actor: Actor, batch, cfg: RLConfig) -> torch.Tensor:
         """Old logprobs of some finished groups, by this rank alone on the policy its engine decodes."""
         return Trainer(policy, role="old-logprob", score_backoff=actor.score_backoff).score(
             batch, logprobs(cfg.temperature), cfg)

@@ -8,11 +8,11 @@ the step's models are, where the rollout's samples come from, and which passes e
                                 policy and the step's memory (ValueError): the one given, or a data-parallel
                                 rank's over its engine (prompts dealt over the ranks, every output gathered)
     check(cfg)                  ValueError for a config the runtime cannot run
-    reference(model, ref, wanted, region)    the frozen reference, built into the "ref_weights" region
-    local_tensors(model)        the tensors a model holds here (what its memory region keeps)
-    actor(model, cfg, memory, optimizer_offload)   the trainer (rl/actor.py)
-    value_model(build, region) / critic(value_model, cfg, memory, optimizer_offload)   PPO's value model
-                                (`build()`, its tensors in the "critic_weights" region) and critic (rl/critic.py)
+    place(build, region, trainable, role)   a model placed here: `build()` (the policy, a copy of it as the
+                                reference, PPO's value model) in the memory region `region()` enters, as a
+                                Trainer (no optimizer yet) over it and where its passes run (a data-parallel
+                                rank's: sharded over the group); the step builds the actor, critic and
+                                reference on these
     trainer_footprint(trainable, param_bytes, decoder, vision)   (trainable elements held here, bytes
                                 the trainer adds to the weights, checkpointing flags) for the memory fit
     weight_bytes()              bytes the built trainer adds to the weights the rollout decodes
@@ -34,7 +34,7 @@ single-process one does; only the operations above differ.
 
 from __future__ import annotations
 
-import copy
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -43,7 +43,6 @@ from ..models import Qwen25VL
 from .actor import Actor
 from .batch import RolloutBatch
 from .config import RLConfig
-from .critic import Critic, ValueModel
 from .rollout import RolloutBackend
 from .scoring import logprobs
 from .trainer import Trainer
@@ -57,15 +56,7 @@ class Runtime(Protocol):
 
     def check(self, cfg: RLConfig) -> None: ...
 
-    def reference(self, model: Qwen25VL, ref: Qwen25VL | None, wanted: bool, region) -> Qwen25VL | None: ...
-
-    def local_tensors(self, model: torch.nn.Module) -> list[torch.Tensor]: ...
-
-    def actor(self, model: Qwen25VL, cfg: RLConfig, memory, optimizer_offload: str) -> Actor: ...
-
-    def value_model(self, build, region) -> ValueModel: ...
-
-    def critic(self, value_model: ValueModel, cfg: RLConfig, memory, optimizer_offload: str) -> Critic: ...
+    def place(self, build: Callable[[], torch.nn.Module], region, trainable: bool, role: str) -> Trainer: ...
 
     def trainer_footprint(self, trainable: int, param_bytes: int, decoder, vision) -> tuple[int, int, bool, bool]: ...
 
@@ -127,28 +118,11 @@ class LocalRuntime:
     def check(self, cfg: RLConfig) -> None:
         """Every config runs on one process."""
 
-    def reference(self, model: Qwen25VL, ref: Qwen25VL | None, wanted: bool, region) -> Qwen25VL | None:
-        """`ref` as given, or (`wanted`) a copy of `model` in the region `region()` enters."""
-        if ref is None and wanted:
-            with region():
-                ref = copy.deepcopy(model)
-        return ref
-
     @staticmethod
-    def local_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-        return [*model.parameters(), *model.buffers()]
-
-    def actor(self, model: Qwen25VL, cfg: RLConfig, memory, optimizer_offload: str) -> Actor:
-        return Actor(model, cfg, memory, optimizer_offload)
-
-    @staticmethod
-    def value_model(build, region) -> ValueModel:
+    def place(build: Callable[[], torch.nn.Module], region, trainable: bool, role: str) -> Trainer:
+        """`build()` in the region `region()` enters, its passes on this process."""
         with region():
-            return build()
-
-    @staticmethod
-    def critic(value_model: ValueModel, cfg: RLConfig, memory, optimizer_offload: str) -> Critic:
-        return Critic(value_model, cfg, memory, optimizer_offload)
+            return Trainer(build(), role=role)
 
     def trainer_footprint(self, trainable: int, param_bytes: int, decoder, vision) -> tuple[int, int, bool, bool]:
         return trainable, 0, decoder, vision  # the trainer trains the weights the rollout decodes
