@@ -15,7 +15,7 @@ the reference (one with no optimizer). Advantages come from `cfg.adv_estimator` 
 controller). `mode` changes where the work runs, never what is computed: `rollplex` runs each prompt's
 prefix once for its n responses, `serial` every sample in full (verl's order).
 
-Where the step runs is a runtime (rl/runtime.py): this process (`LocalRuntime`), or a data-parallel rank
+Where the step runs is a runtime (rl/runtime.py): this process (`Runtime`), or a data-parallel rank
 injected as `parallel` (rollplex.parallel; this module imports nothing of it), which computes what one
 process does. Under a memory manager the step is fitted to its device when built (rl/step_memory.py).
 `train(batch, cfg)` takes an optional config for that step alone; `self.cfg` never changes. What a failed
@@ -50,7 +50,7 @@ from .errors import TrainStepError, TrainStepFailed
 from .rewards import RewardFn, get_reward_fn, score_batch
 from .rollout import NativeRollout, RolloutBackend, as_rollout_backend, rollout_requests
 from .rollout_correction import corrected_batch, rollout_correction
-from .runtime import LocalRuntime, Runtime
+from .runtime import Runtime
 from .schedule import schedule_of, why_not_fused
 from .step_memory import fit_memory as fit_memory  # re-exported: its home before rl/step_memory.py
 from .step_memory import fit_step, local_tensors, step_sizes, update_activations
@@ -85,7 +85,7 @@ class RLStep:
                              "runs in its scheduler (engine_patches.sglang.CoschedHook), which RLStep does not drive")
         # where the step runs: this process alone, or the data-parallel rank injected (rl/runtime.py), and the
         # backend it rolls out on (a data-parallel rank's deals the prompts over the ranks)
-        self.runtime: Runtime = parallel or LocalRuntime(model)
+        self.runtime: Runtime = parallel or Runtime(model)
         self.backend = self.runtime.bind_rollout(backend, model, memory)
         # the native engine, whose decode loop the co-scheduler hooks into; None with another backend
         self.engine = self.backend.engine if isinstance(self.backend, NativeRollout) else None
@@ -492,7 +492,7 @@ class RLStep:
         self.step_idx += 1  # the weights changed: counted before anything else can fail
         self._update_kl_ctrl(reward_kl, n)
         # data-parallel: the trainer's new weights into what the engine decodes
-        self.runtime.after_update(self.actor, m, lambda: _timer(m, "sync_weights", self.device, self.timeline))
+        self.runtime.sync_weights(m, lambda: _timer(m, "sync_weights", self.device, self.timeline))
         m.update(stats)
         if self.memory is not None:
             m.update(self.memory.take_metrics())
