@@ -1,6 +1,6 @@
 """The fused schedule on a colocated data-parallel rank: each rank's pipeline on its own engine's groups.
 
-`DataParallelFused` is `Colocated.fused` (rl/runtime.py `Fused`): the trainer and a sharded reference gathered
+`DataParallelFused` is `Colocated.fused` (rl/runtime.py `FusedPlacement`): the trainer and a sharded reference gathered
 on every rank before the rollout, the stages' passes run past FSDP2's hooks (`LocalPasses`), one all-reduce
 after the last group, every rank's chunks shared for the whole batch's normalisers and metrics. More in
 docs/ARCHITECTURE.md ("The step as a pipeline of groups").
@@ -14,15 +14,15 @@ from ..models import Qwen25VL
 from ..rl.actor import Actor
 from ..rl.config import RLConfig
 from ..rl.placement import SingleProcess
-from ..rl.runtime import Fused
+from ..rl.runtime import FusedPlacement
 from ..rl.scoring import logprobs
 from ..rl.trainer import Trainer
 from .data_parallel import LocalPasses
 from .fsdp import can_call_directly
 
 
-class DataParallelFused(Fused):
-    """The fused schedule on a `Colocated` rank (rl/runtime.py `Fused`): each rank's pipeline on its own
+class DataParallelFused(FusedPlacement):
+    """The fused schedule on a `Colocated` rank (rl/runtime.py `FusedPlacement`): each rank's pipeline on its own
     engine's groups, the trainer and a sharded reference gathered before the rollout, passes past FSDP2's hooks
     (`LocalPasses`), one all-reduce after the last group that agrees on failures and reduces the gradients,
     every rank's chunks shared for the whole batch's normalisers and metrics."""

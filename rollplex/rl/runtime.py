@@ -19,7 +19,7 @@ computes what the single-process one does; only these operations differ.
     reference_logprobs / old_logprobs  the scoring passes of the phased step
     sync_weights(m, timed)      the updated weights into what the rollout decodes
     policy_state                {name: whole parameter}
-    fused                       where the fused schedule's stages run (`Fused`), read by rl/schedule.py
+    fused                       where the fused schedule's stages run (`FusedPlacement`), read by rl/schedule.py
                                 and rl/pipeline.py only
 """
 
@@ -39,7 +39,7 @@ from .scoring import logprobs
 from .trainer import Trainer
 
 
-class Fused:
+class FusedPlacement:
     """Where the fused schedule's stages run (rl/schedule.py, rl/pipeline.py): here, on this process alone, every
     group here, nothing to gather or agree; a data-parallel rank's (`rollplex.parallel.fused`) runs each rank's
     pipeline on its own engine's groups with no collective until the end."""
@@ -88,7 +88,7 @@ class Runtime:
 
     def __init__(self, policy: Qwen25VL):
         self.policy = policy
-        self.fused = Fused()
+        self.fused = FusedPlacement()
 
     def bind_rollout(self, backend: RolloutBackend | None, model: Qwen25VL, memory) -> RolloutBackend | None:
         """The backend the step rolls out on, checked to decode `model` under the step's memory manager."""
