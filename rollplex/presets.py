@@ -89,7 +89,7 @@ def random_model(name: str, device="cpu", dtype=None, seed: int = 0):
     import torch
 
     from .models import build_model, init_weights
-    from .models.checkpoint import empty_model
+    from .models.hf_io import empty_model
 
     cfg = preset(name)
     log.warning("%s", random_weights_warning(name))

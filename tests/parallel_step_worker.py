@@ -167,7 +167,9 @@ def worker(rank: int, world: int, init: str, tiny_dir, rows, cfg: RLConfig, roll
         if cfg.uses_critic:  # the critic's value model is sharded over the group, its passes dealt like the actor's
             from torch.distributed.tensor import DTensor
 
-            assert rl.critic.placement is rl.critic.dp and rl.critic.dp.world == world
+            from rollplex.parallel import DataParallel
+
+            assert isinstance(rl.critic.placement, DataParallel) and rl.critic.placement.world == world
             assert all(isinstance(p, DTensor) for p in rl.critic.model.parameters())
         got = run_steps(rl, rows, steps)
         # (old logprobs scored on the trainer's shards pack the prompts otherwise than the update's passes,

@@ -77,7 +77,7 @@ def test_empty_model_then_init_equals_float32_init_cast():
     """The accelerator path of a random preset (parameters allocated once in the target dtype, drawn in
     float32 and rounded in) gives the weights of a float32 model initialised and then cast."""
     from rollplex.models import ModelConfig, Qwen25VL, init_weights
-    from rollplex.models.checkpoint import empty_model
+    from rollplex.models.hf_io import empty_model
     from rollplex.tiny import ensure_tiny
 
     cfg = ModelConfig.from_hf(str(ensure_tiny()))

@@ -4,40 +4,12 @@ A decode hook calls `admit(step, batch_size, last_step_ms)` right after the engi
 step; the controller answers with the chunks to launch beside that step, and hears back through
 `complete(chunk)` or `oom(chunk)`. No clocks and no device calls here: times come in as arguments.
 
-Control law, per batch-size bucket (the buckets match the decode graphs' batch sizes, so one bucket
-has one no-overlap step time):
-- Baseline: steps run with nothing in flight are clean; they give the bucket's no-overlap step time:
-  a faster clean step replaces it at once (start-up effects and host hiccups only make steps slower,
-  and a baseline taken from one would make every loaded step look fast); slower ones move it up as
-  an EMA, each sample clipped to 1.5x (contexts grow, so the true time drifts up). A bucket admits
-  nothing until it has `baseline_samples` clean steps, and
-  every `reprobe_every` of its steps it forces one clean step (step time drifts as contexts grow).
-- Feedback: a loaded step's slowdown is `step_ms / baseline - 1`. Under the target band
-  (`bound * (1 - headroom)`) the per-step budget grows additively by `increase * baseline`; over the
-  bound it shrinks by the factor `decrease`; in the band it holds. The work admitted beside a step
-  that broke the bound becomes the bucket's ceiling: no step admits that much again (nor does the
-  budget grow past it) until the next forced clean step forgets it; without it, chunk granularity
-  would make AIMD cross the bound on every probe upward. A measured step is one or two steps
-  old (overlap scheduling), so the budget moves at most once per outcome of its current value: a step
-  admitted under an older budget is counted in the statistics but does not move it again.
-- Chunk size and depth follow the budget: chunks grow up to `max_chunk_ms`, then more chunks per
-  step up to `max_in_flight` outstanding.
-- Long tail: a bucket seen for the first time starts from the budget of the nearest larger bucket
-  (a smaller batch leaves more SMs idle), so admission rises as the batch shrinks.
-- Duty cycle: when the budget is below the smallest chunk (one whole unit slows its step past the
-  bound), the controller admits that chunk on one step in `duty`, with `duty` = the measured slowdown
-  of such a step over the target band, so the rollout's mean slowdown stays inside the bound even
-  though single steps break it. A try waits for the previous one's measurement.
-- Serial fallback: overlap pays only when the decode time a chunk adds is less than the chunk's own
-  cost (`1 - min_gain` of it); `serial_after` consecutive tries that do not pay mark the bucket
-  serial (it admits nothing).
-- OOM: the chunk goes back to the queue, every bucket's budget halves (memory is shared) and
-  nothing is admitted for `oom_cooldown_steps`; whatever is never admitted runs in its normal phase.
-
-Accounting: hidden = estimated standalone cost of the chunks finished beside decode; overhead = the
-decode time added over the baseline; hidden + in flight + claimed + left = total, where "claimed" is
-work a consumer took away before it was admitted (the fused schedule's pipeline, which runs it itself:
-`claimed`) and "left" runs in its normal phase (`WorkQueue.remaining`).
+Per batch-size bucket (the decode graphs' batch sizes, so one bucket has one no-overlap step time) it
+keeps a baseline from clean steps and an AIMD budget driven by the measured slowdown against `bound`,
+with a ceiling at the work that last broke the bound, a duty cycle below the smallest chunk, a serial
+fallback where overlap does not pay, and a back-off after an OOM. The control law in full, and the
+accounting (hidden + in flight + claimed + left = total): docs/ARCHITECTURE.md ("The co-scheduler":
+admission control).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ write load in `Qwen2_5_VLForConditionalGeneration.from_pretrained`.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,14 @@ class ModelConfig:
     pad_token_id: int | None = None
 
     family = "qwen2_5_vl"  # the model type of config.json; models.family builds the model class for it
+    # family -> config class: each family's config class enters here when it is defined (config3.py),
+    # so `ModelConfig.from_hf` reads any family without this module importing theirs
+    _families: ClassVar[dict[str, type[ModelConfig]]] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "family" in cls.__dict__:
+            ModelConfig._families[cls.family] = cls
 
     def __post_init__(self):
         if self.vision.out_hidden_size != self.text.hidden_size:
@@ -116,13 +124,11 @@ class ModelConfig:
         from transformers import Qwen2_5_VLConfig
 
         kind = model_type(hf)
-        if kind not in (None, "qwen2_5_vl", "qwen3_vl"):
+        if kind is not None and kind != ModelConfig.family and kind not in ModelConfig._families:
             raise ValueError(f"model type {kind!r} is not supported (Qwen2.5-VL and dense Qwen3-VL are; "
                              "docs/MODELS.md)")
-        if cls is ModelConfig and kind == "qwen3_vl":
-            from .config3 import Qwen3VLConfig
-
-            return Qwen3VLConfig.from_hf(hf)
+        if cls is ModelConfig and kind in ModelConfig._families:
+            return ModelConfig._families[kind].from_hf(hf)
         if isinstance(hf, str) or hasattr(hf, "__fspath__"):
             hf = Qwen2_5_VLConfig.from_pretrained(str(hf))
         elif isinstance(hf, dict):

@@ -2,24 +2,26 @@
 
 A config's class says its family (`ModelConfig.family`, the `model_type` of config.json):
 `ModelConfig` is Qwen2.5-VL, `Qwen3VLConfig` Qwen3-VL. The rest of the runtime builds, loads and
-saves models through `build_model` / checkpoint.py, which dispatch here, so nothing outside models/
+saves models through `build_model` / hf_io.py, which dispatch here, so nothing outside models/
 names a family.
 """
 
 from __future__ import annotations
 
 from .config import ModelConfig
+from .qwen2_5_vl import Qwen25VL
+from .qwen3_vl import Qwen3VL
+
+# family -> model class (the classes say their family; qwen2_5_vl.py keeps the same table for
+# `Qwen25VL(cfg)`, filled as each family's class is defined)
+_CLASSES = {c.family: c for c in (Qwen25VL, Qwen3VL)}
 
 
 def model_class(cfg: ModelConfig) -> type:
     """The model class of `cfg`'s family."""
-    from .qwen2_5_vl import Qwen25VL
-    from .qwen3_vl import Qwen3VL
-
-    classes = {"qwen2_5_vl": Qwen25VL, "qwen3_vl": Qwen3VL}
-    if cfg.family not in classes:
-        raise ValueError(f"unknown model family {cfg.family!r}; known: {sorted(classes)}")
-    return classes[cfg.family]
+    if cfg.family not in _CLASSES:
+        raise ValueError(f"unknown model family {cfg.family!r}; known: {sorted(_CLASSES)}")
+    return _CLASSES[cfg.family]
 
 
 def build_model(cfg: ModelConfig):

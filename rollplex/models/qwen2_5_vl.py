@@ -98,14 +98,24 @@ class Qwen25VL(nn.Module):
     # a tower whose output rows carry, after the merged features, this many more [C] blocks: the
     # DeepStack features of the first text layers (Qwen3-VL; vision_embeds keep the same layout)
     deepstack_layers = 0
+    family = "qwen2_5_vl"  # the `ModelConfig.family` this class builds
+    # family -> model class: each family's class enters here when it is defined (qwen3_vl.py), so
+    # this module names no other family
+    _families: dict[str, type[Qwen25VL]] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "family" in cls.__dict__:
+            Qwen25VL._families[cls.family] = cls
 
     def __new__(cls, cfg: ModelConfig | None = None, *args, **kwargs):
-        # `Qwen25VL(cfg)` builds the model of cfg's family (family.py), so code written against this
-        # class (benchmarks, weight plans) runs any family unchanged; a subclass is built as asked
-        if cls is Qwen25VL and cfg is not None and cfg.family != "qwen2_5_vl":
-            from .family import model_class
-
-            cls = model_class(cfg)
+        # `Qwen25VL(cfg)` builds the model of cfg's family, so code written against this class
+        # (benchmarks, weight plans) runs any family unchanged; a subclass is built as asked
+        if cls is Qwen25VL and cfg is not None and cfg.family != Qwen25VL.family:
+            if cfg.family not in Qwen25VL._families:
+                raise ValueError(f"unknown model family {cfg.family!r}; known: "
+                                 f"{sorted({Qwen25VL.family, *Qwen25VL._families})}")
+            cls = Qwen25VL._families[cfg.family]
         return super().__new__(cls)
 
     def __init__(self, cfg: ModelConfig):

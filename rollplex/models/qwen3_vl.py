@@ -35,6 +35,8 @@ from .vision3 import Qwen3VisionTower, tensor_parallel_post
 
 
 class Qwen3VL(Qwen25VL):
+    family = "qwen3_vl"
+
     def __init__(self, cfg: Qwen3VLConfig):
         if not isinstance(cfg, Qwen3VLConfig):
             raise ValueError(f"Qwen3VL needs a Qwen3VLConfig, got {type(cfg).__name__}")

@@ -2,10 +2,10 @@
 
     fsdp.py            FSDP2 units (decoder layers, vision blocks, root) for the trainer
     data_parallel.py   the data-parallel placement of scoring and the actor update (prompts dealt over ranks)
-    colocated.py       the data-parallel RL step (`RLStep(..., parallel=data_parallel(...))`): FSDP trainer
-                       and reference, per-rank or tensor-parallel rollout, weight sync into the engine's tensors
-    step_runtime.py    what the RL step asks of a colocated rank (its rl.runtime.Runtime): scoring shares,
-                       weight sync after an update, the fused schedule's per-rank pipeline
+    colocated.py       the data-parallel RL step's runtime (`RLStep(..., parallel=data_parallel(...))`): FSDP
+                       trainer and reference (`place`), scoring shares, weight sync into the engine's tensors
+    fused.py           the fused schedule's per-rank pipeline on a colocated rank
+    rollout.py         a colocated rank's rollout backend: prompts dealt over the rollout groups' engines
     rollout_groups.py  which ranks form each tensor-parallel rollout engine (chosen for weight sharing)
     tp.py              tensor-parallel text decoder for rollout (column/row-parallel, vocab-parallel head): a TPPlan
     broadcast.py       trainer -> rollout weight broadcast in buckets

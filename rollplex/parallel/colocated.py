@@ -1,12 +1,13 @@
 """The RL step data-parallel over a process group, colocated: every rank rolls out, scores and trains.
 
 `data_parallel(model, engine, cfg, group)` builds one of these for `rl.step.RLStep(..., parallel=...)`: the
-step's runtime (rl/runtime.py), whose step-facing operations live in parallel/step_runtime.py. Per rank:
+step's runtime (an `rl.runtime.Runtime`, each operation answered for this rank; the fused schedule's
+stages in parallel/fused.py, the rollout backend in parallel/rollout.py). Per rank:
 
     policy      what the engine decodes (`RLStep.model`): the full weights (per-rank rollout), or this
                 rank's tensor-parallel shard of them (then the whole weights are gathered from the
                 trainer, `full_state`)
-    trainer     the policy sharded by FSDP2 over the group (`DataParallelActor`), its shards windows of
+    trainer     the policy sharded by FSDP2 over the group (`place`), its shards windows of
                 the engine's tensors where the sharing plan allows (`shared_weights`): an update writes
                 those in place and `sync_weights` rebuilds only the rest
     reference   the frozen reference sharded the same way (or whole on every rank:
@@ -23,6 +24,7 @@ lockstep with the other ranks' (`sweep_gather`). More in docs/PARALLEL.md ("The 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -32,17 +34,20 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..engine import Engine
 from ..models import Qwen25VL
+from ..rl.actor import Actor
 from ..rl.config import RLConfig
 from ..rl.placement import SingleProcess
 from ..rl.rollout import NativeRollout
+from ..rl.runtime import Runtime
 from ..rl.scoring import logprobs
 from ..rl.trainer import Trainer
-from .data_parallel import DataParallelActor, check_passes
-from .fsdp import FSDPConfig, apply_fsdp, full_tensor, local_tensor
+from .data_parallel import check_passes, placed
+from .fsdp import FSDPConfig, apply_fsdp, full_tensor
+from .fused import DataParallelFused
 from .lockstep import ShardGather
+from .rollout import DataParallelRollout
 from .rollout_groups import rollout_slots
 from .shared_weights import SharedWeights, column_sharded, meta_copy
-from .step_runtime import DataParallelFused, StepRuntime
 
 
 def data_parallel(model: Qwen25VL, engine, cfg: RLConfig, group: dist.ProcessGroup | str | None = "auto",
@@ -65,9 +70,9 @@ def data_parallel(model: Qwen25VL, engine, cfg: RLConfig, group: dist.ProcessGro
     return Colocated(group, model, engine, cfg, fsdp)
 
 
-class Colocated(StepRuntime):
-    """This rank's part of the data-parallel RL step (see the module docstring); the runtime `RLStep` runs
-    over (rl/runtime.py: `StepRuntime`, parallel/step_runtime.py)."""
+class Colocated(Runtime):
+    """This rank's part of the data-parallel RL step (see the module docstring): the runtime `RLStep` runs
+    over (rl/runtime.py), each operation answered for this rank of the group."""
 
     def __init__(self, group: dist.ProcessGroup, model: Qwen25VL, engine, cfg: RLConfig,
                  fsdp: FSDPConfig | None = None):
@@ -95,35 +100,107 @@ class Colocated(StepRuntime):
         self.engine = engine
         # what the engine decodes, and RLStep.model: the policy itself or this rank's tensor-parallel copy
         self.policy = engine.model if self.rollout == "tensor" else model
-        self.weights: SharedWeights | None = None  # set when the trainer is built
+        self.weights: SharedWeights | None = None  # set when the trainer is placed
+        self.trainer_placement = None  # the trainer's DataParallel placement, set with it
         self._sweep_group: dist.ProcessGroup | None = None  # the co-scheduled gathers' own group
-        self.fused = DataParallelFused(self)  # where the fused schedule's stages run (parallel/step_runtime.py)
+        self.fused = DataParallelFused(self)  # where the fused schedule's stages run (parallel/fused.py)
 
-    # ---- models -------------------------------------------------------------------------------
-    def actor(self, model: Qwen25VL, cfg: RLConfig, memory, optimizer_offload: str) -> DataParallelActor:
-        """The trainer: the structure of `model` (the whole policy) sharded on the meta device, its shards
-        then adopted into the engine's tensors where the plan shares them and cut from `model` otherwise
-        (`SharedWeights`): no transient copy of the whole weights is allocated."""
-        def adopt(sharded):
-            self.weights = SharedWeights(sharded, self.policy, model, self.group,
-                                         share=self.fsdp.share_policy_storage, slot_of=self.slot_of, tp=self.tp)
-
-        columns = column_sharded(model, self.world, self.tp_size)
-        return DataParallelActor(meta_copy(model), cfg, self.mesh, self.fsdp, memory, optimizer_offload, adopt=adopt,
-                                 column_sharded=columns)
-
-    def shard_reference(self, ref: Qwen25VL) -> Qwen25VL:
-        """The frozen reference sharded like the trainer (no checkpointing: it only scores), or whole
-        (`FSDPConfig.shard_reference` off)."""
-        if not self.fsdp.shard_reference:
-            return ref
-        cfg = dataclasses.replace(self.fsdp, activation_checkpointing=False, vision_activation_checkpointing=False)
-        return apply_fsdp(ref, self.mesh, cfg)
+    # ---- the step's rollout, config and footprint ----------------------------------------------------------
+    def bind_rollout(self, backend, model: Qwen25VL, memory):
+        """The backend this rank rolls out on (`DataParallelRollout` over the engine this group was built over,
+        or None without one): the step's must be that engine, under the step's memory."""
+        engine = backend.engine if isinstance(backend, NativeRollout) else None
+        if backend is not None and engine is None:
+            raise ValueError(f"a data-parallel RL step needs the native rollout backend, not {backend.name}")
+        if self.engine is not engine:
+            raise ValueError("the data-parallel placement was built over another engine than the step's")
+        if engine is None:
+            return None
+        out = DataParallelRollout(self)
+        out.attach(model, memory)
+        return out
 
     @staticmethod
-    def local_tensors(model: nn.Module) -> list[torch.Tensor]:
-        """The tensors a sharded model holds on this rank (what its memory region keeps)."""
-        return [local_tensor(t.detach()) for t in (*model.parameters(), *model.buffers())]
+    def check(cfg: RLConfig) -> None:
+        if cfg.cosched and cfg.schedule == "fused":
+            # each rank co-schedules the prefixes its engine prefilled, a sharded model's as one sweep in
+            # lockstep with the other ranks': a chunk's worker cannot take a job over without a collective
+            raise ValueError("cosched with schedule='fused' runs on one process only: a data-parallel step "
+                             "co-schedules prefixes with schedule='phased', or fuses without cosched")
+
+    def trainer_footprint(self, trainable: int, param_bytes: int, decoder, vision) -> tuple[int, int, bool, bool]:
+        """(this rank's share of the trainable elements, the bytes its shards add to the engine's weights where
+        they are not windows of them, checkpointing with FSDP's own flags as choices given)."""
+        n = -(-trainable // self.world)
+        weights = 0 if self.fsdp.share_policy_storage else n * param_bytes
+        return (n, weights, True if self.fsdp.activation_checkpointing else decoder,
+                True if self.fsdp.vision_activation_checkpointing else vision)
+
+    # ---- scoring ------------------------------------------------------------------------------------
+    def reference_logprobs(self, reference: Trainer, batch, cfg: RLConfig) -> torch.Tensor:
+        if not self.fsdp.shard_reference:  # each rank its share
+            return self.share_logprobs(reference, batch, cfg, "ref")
+        return reference.score(batch, logprobs(cfg.temperature), cfg, prefix_key="ref")
+
+    def old_logprobs(self, policy: Qwen25VL, actor: Actor, batch, cfg: RLConfig) -> torch.Tensor:
+        if cfg.num_updates > 1 and self.holds_policy:  # each rank its share, on the policy its engine decodes
+            return self.share_logprobs(Trainer(policy, role="old-logprob", score_backoff=actor.score_backoff), batch,
+                                       cfg, "old")
+        return actor.old_logprobs(batch, cfg)
+
+    def reference_gather(self, ref: Qwen25VL):
+        """The gather a co-scheduled sweep of the reference runs on: a sharded one's (None: held whole)."""
+        return self.sweep_gather(ref) if self.fsdp.shard_reference else None
+
+    def old_policy(self, policy: Qwen25VL, trainer: Qwen25VL) -> tuple[Qwen25VL, object]:
+        """(the model whose prefixes the old logprobs read, its sweep's gather): the policy a per-rank engine
+        decodes, or the trainer's shards (a tensor-parallel engine holds only its own)."""
+        if self.holds_policy:
+            return policy, None
+        return trainer, self.sweep_gather(trainer)
+
+    # ---- the whole policy, every rank's objects ------------------------------------------------------
+    def policy_state(self, policy: Qwen25VL, trainer: Qwen25VL, keep: bool) -> dict | None:
+        if self.holds_policy:
+            return {n: p.detach() for n, p in policy.named_parameters()} if keep else None
+        return self.full_state(trainer, keep)
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's `obj` (picklable, on the host), in rank order."""
+        every: list = [None] * self.world
+        dist.all_gather_object(every, obj, group=self.group)
+        return every
+
+    # ---- models -------------------------------------------------------------------------------
+    def place(self, build, region, trainable: bool, role: str) -> Trainer:
+        """`build()` (whole on every rank) sharded like the trainer over the group, only its shards in the region
+        `region()` enters, as a Trainer over them and the `DataParallel` placement of their passes:
+        - the policy (trained, a `Qwen25VL`): its structure sharded on the meta device, the shards then adopted
+          into the engine's tensors where the plan shares them and cut from the whole weights otherwise
+          (`SharedWeights`): no transient copy of the whole weights is allocated;
+        - PPO's value model (trained): sharded like the policy;
+        - the frozen reference: sharded without checkpointing (it only scores; the step scores it where the
+          actor's passes run), or whole on every rank in the region with `FSDPConfig(shard_reference=False)`,
+          each rank then scoring its share (`share_logprobs`)."""
+        if not trainable and not self.fsdp.shard_reference:
+            with region():
+                return Trainer(build(), role=role)
+        model = build()  # a transient whole copy: only its shards go into the region
+        if not trainable:
+            cfg = dataclasses.replace(self.fsdp, activation_checkpointing=False, vision_activation_checkpointing=False)
+            with region():
+                return Trainer(apply_fsdp(model, self.mesh, cfg), role=role)
+        if not isinstance(model, Qwen25VL):  # PPO's value model
+            with region():
+                sharded, dp = placed(model, self.mesh, self.fsdp)
+            return Trainer(sharded, placement=dp, role=role)
+        columns = column_sharded(model, self.world, self.tp_size)
+        with region():
+            sharded, dp = placed(meta_copy(model), self.mesh, self.fsdp, columns)
+            self.weights = SharedWeights(sharded, self.policy, model, self.group,
+                                         share=self.fsdp.share_policy_storage, slot_of=self.slot_of, tp=self.tp)
+        self.trainer_placement = dp
+        return Trainer(sharded, placement=dp, role=role)
 
     def sweep_gather(self, model: Qwen25VL):
         """The gather a co-scheduled sweep of `model` (sharded over this group) runs its units on
@@ -195,10 +272,15 @@ class Colocated(StepRuntime):
         return self.rollout == "data"
 
     @torch.no_grad()
-    def sync_weights(self) -> None:
-        """After an update: the engine's elements that are not windows of this rank's trainer shards,
-        rebuilt from the shards that hold them. The engine's tensors and CUDA graphs stay valid."""
-        self.weights.rebuild()
+    def sync_weights(self, m: dict | None = None, timed=contextlib.nullcontext) -> None:
+        """After an update: the engine's elements that are not windows of this rank's trainer shards, rebuilt
+        from the shards that hold them (timed by `timed()`); the engine's tensors and CUDA graphs stay valid.
+        Into `m`: the weights' and the trainer placement's metrics."""
+        with timed():
+            self.weights.rebuild()
+        if m is not None:
+            m.update(self.weight_metrics())
+            m.update(self.trainer_placement.take_metrics())
 
     def full_state(self, trainer: nn.Module, keep: bool = True) -> dict[str, torch.Tensor] | None:
         """{name: whole parameter} of the policy, gathered from the trainer's shards (a collective:

@@ -388,6 +388,22 @@ class LocalPasses(SingleProcess):
         fsdp_mod.set_checkpointing(model, decoder, vision)
 
 
+def placed(model, mesh: DeviceMesh, fsdp: FSDPConfig, column_sharded=()) -> tuple:
+    """(`model` sharded in place by FSDP2 over `mesh` with `fsdp` unless it is already, the `DataParallel`
+    placement of its passes): a trained model on a data-parallel group."""
+    dtype = fsdp_mod.DTYPES.get(fsdp.param_dtype) or next(model.parameters()).dtype
+    dp = DataParallel(mesh, model.cfg, torch.empty((), dtype=dtype).element_size(), fsdp)
+    if not isinstance(model, fsdp_mod.FSDPModule):
+        model = apply_fsdp(model, mesh, fsdp, column_sharded)
+    # what reducing once per mini-batch holds: every parameter gathered, every trained one's gradient
+    # unsharded (in the reduce dtype where one is set)
+    grad_bytes = torch.empty((), dtype=fsdp_mod.DTYPES.get(fsdp.reduce_dtype) or dtype).element_size()
+    dp.unsharded_bytes = sum(p.numel() * (dp.dtype_bytes + (grad_bytes if p.requires_grad else 0))
+                             for p in model.parameters())
+    dp.gathered_bytes = sum(p.numel() for p in model.parameters()) * dp.dtype_bytes
+    return model, dp
+
+
 def shard(model, cfg: RLConfig, mesh: DeviceMesh, fsdp: FSDPConfig | None = None, column_sharded=()) -> tuple:
     """(`model` sharded in place by FSDP2 over `mesh` unless it is already, `cfg` with the checkpointing it
     or `fsdp` asks for, the `DataParallel` placement over it): what a data-parallel trainer (the actor's, a
@@ -399,16 +415,7 @@ def shard(model, cfg: RLConfig, mesh: DeviceMesh, fsdp: FSDPConfig | None = None
         vision_gradient_checkpointing=cfg.vision_gradient_checkpointing or fsdp.vision_activation_checkpointing)
     fsdp = dataclasses.replace(fsdp, activation_checkpointing=cfg.gradient_checkpointing,
                                vision_activation_checkpointing=cfg.vision_gradient_checkpointing)
-    dtype = fsdp_mod.DTYPES.get(fsdp.param_dtype) or next(model.parameters()).dtype
-    dp = DataParallel(mesh, model.cfg, torch.empty((), dtype=dtype).element_size(), fsdp)
-    if not isinstance(model, fsdp_mod.FSDPModule):
-        model = apply_fsdp(model, mesh, fsdp, column_sharded)
-    # what reducing once per mini-batch holds: every parameter gathered, every trained one's gradient
-    # unsharded (in the reduce dtype where one is set)
-    grad_bytes = torch.empty((), dtype=fsdp_mod.DTYPES.get(fsdp.reduce_dtype) or dtype).element_size()
-    dp.unsharded_bytes = sum(p.numel() * (dp.dtype_bytes + (grad_bytes if p.requires_grad else 0))
-                             for p in model.parameters())
-    dp.gathered_bytes = sum(p.numel() for p in model.parameters()) * dp.dtype_bytes
+    model, dp = placed(model, mesh, fsdp, column_sharded)
     return model, cfg, dp
 
 
@@ -430,7 +437,7 @@ class DataParallelActor(Actor):
 
 class DataParallelCritic(Critic):
     """`rl.critic.Critic` with the value model sharded by FSDP2 over `mesh` (here, or before: see
-    `StepRuntime.value_model`) and the prompts dealt over its ranks (the `DataParallel` placement), as
+    `Colocated.place`) and the prompts dealt over its ranks (the `DataParallel` placement), as
     `DataParallelActor` for the actor: same values, loss, mini-batches, clipping, lr and OOM ladder."""
 
     def __init__(self, model: ValueModel, cfg: RLConfig, mesh: DeviceMesh, fsdp: FSDPConfig | None = None,

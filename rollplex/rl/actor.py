@@ -142,7 +142,7 @@ class Actor(Trainer):
 
     def __init__(self, model: Qwen25VL, cfg: RLConfig, memory=None, optimizer_offload: str = "none",
                  placement: Placement | None = None):
-        """placement: where the passes run (default: this process; `rollplex.parallel.DataParallelActor`
+        """placement: where the passes run (default: this process; `rollplex.parallel.Colocated.place`
         gives a data-parallel one over an FSDP2-sharded model)."""
         self.cfg = cfg
         params = [p for p in model.parameters() if p.requires_grad]

@@ -2,86 +2,20 @@
 
 Names and semantics follow verl (core_algos.py); every function is pure tensor math, checked against
 hand-computed values (tests/test_algos.py) and against verl's formulas re-derived on random inputs
-(tests/test_algos_menu.py). docs/ALGORITHMS.md tables every option with its verl name and default.
+(tests/test_algos_verl.py). docs/ALGORITHMS.md tables every option with its formula, verl name, default
+and what differs from verl; the critic's part is in docs/ARCHITECTURE.md ("PPO with a critic").
 
-Advantage estimators (`compute_advantages`, `RLConfig.adv_estimator`). The outcome reward sits at a
-response's last token; a KL-in-reward penalty is subtracted per token (verl's token_level_rewards):
-
-  grpo                          (r - mean_group) / (std_group + 1e-6), std unbiased; [N]
-  dr_grpo                       r - mean_group (no std division, Dr.GRPO); meant with the
-                                `seq-mean-token-sum-norm` aggregation; [N]
-  rloo                          r - mean of the group's *other* samples = (n r - sum) / (n - 1); [N]
-  opo                           r - sum(len r) / sum(len) over the group (length-weighted baseline); [N]
-  grpo_passk                    the group's best sample: (r_max - r_second) / (std_group + 1e-6), the
-                                others 0; needs groups of >= 2; [N]
-  gpg                           alpha (r - mean_group), alpha = N / (non-zero rewards in the batch); [N]
-  reinforce_plus_plus           per-token discounted return G_t = r_t + gamma G_{t+1} over the response
-                                tokens (carried through masked gaps, 0 past the end), whitened over all
-                                response tokens of the batch ((G - mean) / sqrt(var_unbiased + 1e-8),
-                                mean not added back); [N, R]
-  reinforce_plus_plus_baseline  r - mean_group broadcast over the tokens, then whitened the same way; [N, R]
-  gae                           PPO with a critic (rl/critic.py): per-token rewards r_t and values V_t (the
-                                value predicted at the position before token t), TD errors
-                                delta_t = r_t + gamma V_{t+1} - V_t (V past the response's end = 0) and
-                                A_t = delta_t + gamma lam A_{t+1}; returns R_t = A_t + V_t (the critic's
-                                targets, before whitening); A whitened over the batch's response tokens
-                                (verl's masked_whiten); [N, R]
-
-Group statistics are accumulated in float64, so a group whose rewards are all equal gets exactly 0.
-A group of one sample: verl takes mean 0 (and std 1), so the advantage is the reward itself
-(`singleton="reward"`, the default); `singleton="zero"` gives it advantage 0 before any whitening
-(Rollplex's earlier behaviour: a lone sample has no baseline to compare with).
-
-  remax                         the reward-to-go of each token minus the reward of the prompt's greedy
-                                response (`baselines`, rolled out in the same call: rl/remax.py); [N, R]
-
-Policy losses (`ppo_policy_loss`, `RLConfig.policy_loss`), r = exp(logp - old) per token:
-  vanilla    PPO-clip with verl's dual clip (clip_ratio_c; a negative-advantage token's loss is capped at
-             c·|A|), log r clamped to ±20; `pg_clipfrac_lower`: where the dual clip is active.
-  gspo       the sequence ratio s_i = exp(token mean of log r), applied per token as
-             exp(sg[log s_i] + logp - sg[logp]) (log clamped at 10), PPO-clipped; no dual clip.
-  sapo       -A sigmoid(tau (r - 1)) 4 / tau, tau = tau_pos (A > 0) or tau_neg: a soft gate instead of a clip.
-  cispo      -sg[clip(r, 1 - low, 1 + high)] A logp: the clipped IS weight, detached; every token keeps a gradient.
-  gpg        -A logp (GPG's loss; verl's REINFORCE loss is the same term, selectable as `reinforce`).
-  clip_cov   PPO-clip, plus a random clip_cov_ratio of the unclipped tokens whose covariance
-             (A - mean A)(logp - mean logp) lies in (clip_cov_lb, clip_cov_ub) get no gradient.
-  kl_cov     -A r, plus ppo_kl_coef |log r| on the kl_cov_ratio tokens of largest covariance.
-  geo_mean   GMPO: per sequence -mean(A) exp(mean of log r clipped to [-low, high] on the side A favours).
-gspo, sapo and geo_mean aggregate per sequence (seq-mean-token-mean) whatever `loss_agg_mode` says, as
-verl does (`policy_agg_mode`). Truncated importance sampling (verl's tis_imp_ratio_cap / token-level
-rollout_is): every loss's per-token term times min(exp(old - rollout), cap), detached (geo_mean: their
-geometric mean per sequence).
-
-Aggregation (`agg_loss`, `loss_agg_mode`): token-mean, token-sum, seq-mean-token-mean,
-seq-mean-token-sum, seq-mean-token-sum-norm (the mean over sequences of token sum / C, C =
-`loss_agg_norm`, default max_new_tokens; verl's loss_scale_factor).
-
-KL estimators (`kl_penalty`): kl/k1 = logp - ref, abs = |logp - ref|, mse/k2 = (logp - ref)^2 / 2,
-low_var_kl/k3 = exp(ref - logp) - (ref - logp) - 1 with the difference clamped to ±20 and the result
-to ±10; a name with "+" (k1+, k3+, ...) has the value of its base estimator and the gradient of k2.
-The KL loss defaults to low_var_kl and the KL-in-reward penalty to kl (both verl's defaults).
-`AdaptiveKLController` is verl's: coef *= 1 + clip(kl / target - 1, ±0.2) · n_samples / horizon.
-
-Value loss (`value_loss`, verl's compute_value_loss): 0.5 max((v - R)^2, (clip(v, v_old ± cliprange_value)
-- R)^2) per token, aggregated by `loss_agg_mode`; vf_clipfrac is the fraction of response tokens where the
-clipped term is the larger.
-
-Aggregation with micro-batches: a loss computed on a micro-batch and divided by the *global*
-normaliser (`agg_denominator` over the whole mini-batch) sums to the mini-batch loss, so gradients
-do not depend on how samples were grouped into micro-batches — which is what lets the shared-prefix
-(`rollplex`) and per-sample (`serial`) modes produce the same update. clip_cov and kl_cov are the
-exception: their covariance and token count are the micro-batch's, as verl's.
-
-Differences from verl that remain (docs/ALGORITHMS.md has them per option):
-- `dual_clip=None` turns the dual clip off (verl always applies clip_ratio_c).
-- Clip fractions and ppo_kl are means over the mini-batch's response tokens (verl: over micro-batches);
-  kl_cov reports mean(old - new) as ppo_kl (verl: mean |log r|) and the fraction given the KL term as
-  pg_clipfrac (verl reports none).
-- geo_mean averages over the non-empty sequences (verl: over every row of the micro-batch).
-- The adaptive controller moves the reward penalty only (as verl's).
-- GAE skips masked positions inside a response as verl's current version does; with the usual
-  right-padded responses this is the same as the older unmasked recursion. The value loss aggregates
-  with the actor's `loss_agg_mode` (verl's critic.loss_agg_mode defaults to it too).
+    compute_advantages / gae_advantages   the estimators of `RLConfig.adv_estimator` ([N] or [N, R];
+                                          group statistics in float64, so an all-equal group gets 0)
+    ppo_policy_loss / agg_loss            the policy losses of `RLConfig.policy_loss`, aggregated by
+                                          `loss_agg_mode` over the *whole* mini-batch's normaliser
+                                          (`agg_denominator`), so micro-batching, the shared-prefix and
+                                          per-sample modes and data parallelism give the same gradient
+    kl_penalty / AdaptiveKLController     the KL estimators (k1/k2/k3, "+" variants) and verl's adaptive
+                                          KL-in-reward coefficient (it moves the reward penalty only)
+    value_loss                            verl's clipped value loss, aggregated like the policy loss
+    token_level_rewards                   the outcome reward at a response's last token, minus the
+                                          per-token KL penalty
 """
 
 from __future__ import annotations

@@ -4,30 +4,10 @@ Defaults follow verl where Rollplex used to differ, each with a named option for
 a group of one sample gets the reward itself as advantage (`singleton_adv="zero"`: 0); the LR
 schedule advances once per train step (`lr_schedule_unit="optimizer_step"`: once per mini-batch);
 the KL-in-reward penalty uses k1 (`kl_penalty`; it used `kl_loss_type`); dual clip 3.0
-(`dual_clip=None`: off). The estimators, losses and the differences that remain: rl/algos.py; the table
-of every option with its verl name and default: docs/ALGORITHMS.md.
-
-PPO with a critic (`adv_estimator="gae"`, rl/critic.py): a value model (the policy's backbone and a scalar
-head, copied from the policy or read from `critic_model_path`) is trained beside the actor with its own
-AdamW (`critic_lr`, warmed up over `critic_lr_warmup_steps`), the clipped value loss (`cliprange_value`)
-and the actor's mini-batches and epochs; advantages are GAE(`gamma`, `lam`) of the token-level rewards.
-For the first `critic_warmup` steps only the critic is updated (the actor's weights, optimizer and LR
-schedule stay as they are).
-
-DAPO (verl's recipe: clip_ratio_low 0.2, clip_ratio_high 0.28, loss_agg_mode token-mean, use_kl_loss
-False, kl_coef 0) adds two options, both off by default as in verl:
-overlong reward shaping (`overlong_buffer_len` > 0, verl's reward_model.overlong_buffer): a response
-longer than max_new_tokens - overlong_buffer_len loses overlong_penalty_factor x the tokens past
-that, over overlong_buffer_len, from its score (rl/rewards.py: `overlong_penalty`);
-dynamic sampling (`filter_groups`, verl's algorithm.filter_groups): groups whose samples all have
-the same `filter_groups_metric` (seq_reward, score, or a key the reward function returns such as
-acc) are dropped and more prompts rolled out until the step holds as many groups as it was given
-prompts, at most `max_num_gen_batches` rollouts (0: unbounded), then a ValueError, or training on the
-groups kept with `filter_groups_partial` (rl/dynamic_sampling.py).
-
-Rollout correction (verl's algorithm.rollout_correction: `rollout_is*`, `rollout_rs*`,
-`rollout_token_veto_threshold`; `tis_imp_ratio_cap` is its token-level IS weights) weights or rejects
-what the update trains on by the rollout–trainer logprob gap (rl/rollout_correction.py, `rollout_corr`).
+(`dual_clip=None`: off). Every option with its verl name, default and what differs from verl:
+docs/ALGORITHMS.md (estimators, losses, KL, rollout correction `rollout_is*` / `rollout_rs*`, DAPO's
+`overlong_buffer_*` and `filter_groups*`); PPO with a critic (`adv_estimator="gae"`, `critic_*`,
+`cliprange_value`): docs/ARCHITECTURE.md.
 
 Per-step overrides: the fields declared with `per_step(default, **bounds)` are the ones a server's
 /train_step may set for one step, bounded to what a step can use (an lr of 1000 destroys the policy in

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from ..models import ModelConfig, Qwen25VL, hf_to_rollplex, save_model
-from ..models.checkpoint import empty_model, read_safetensors
+from ..models.hf_io import empty_model, read_safetensors
 from ..models.transfer import to_device
 from .actor import _rows
 from .algos import agg_denominator, value_loss
@@ -172,7 +172,7 @@ class Critic(Trainer):
 
     def __init__(self, model: ValueModel, cfg: RLConfig, memory=None, optimizer_offload: str = "none",
                  placement: Placement | None = None):
-        """placement: where the passes run (default: this process; `rollplex.parallel.DataParallelCritic`
+        """placement: where the passes run (default: this process; `rollplex.parallel.Colocated.place`
         gives a data-parallel one over an FSDP2-sharded value model, as for the actor)."""
         self.cfg = cfg
         params = [p for p in model.parameters() if p.requires_grad]

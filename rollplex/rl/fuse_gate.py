@@ -6,30 +6,14 @@ alone). Fusing pays where the first is smaller. Both depend on the decode batch:
 the SMs busy and slows most; the tail's handful of sequences is bound by reading the weights and
 leaves most of the device idle. `FuseGate` measures both per decode-batch bucket, across steps, and
 holds chunks in buckets where fusing did not pay: they wait for the batch to shrink into a bucket that
-pays, or for the rollout's end. Torch-free: times come in as arguments.
-
-    on_decode_step(info, now)  the decode loop's hook, at each launch (`now`: host seconds). The loop's
-                               period from one launch to the next (what the rollout's wall time is made
-                               of, host gaps included) belongs to the step launched first: with no chunk
-                               in flight during it, it is clean and moves its batch bucket's baseline;
-                               beside a chunk (in flight at its launch, or started during it: a chunk
-                               started after the last launch delays the rollout's end), `period -
-                               baseline` is decode time the chunk added
-    finish(now)                the rollout ended: the last period closes
-    admit()                    whether a chunk may start now: `policy="always"`, or `"pays"` where the
-                               current bucket's measured (added decode time) < (chunk time saved), where
-                               nothing is measured yet, and once every `reprobe_steps` steps in a held
-                               bucket (so a bucket that stopped paying can be seen to pay again)
-    start(tokens) / end()      a chunk beside decode, its tokens (the saving's estimate: tokens x the
-                               standalone seconds per token)
-    alone(tokens, seconds)     a chunk that ran after the rollout, alone: the standalone rate (EMA)
-    settle()                   the step is over: its chunks' (added, saved) move their buckets' EMAs
-    sms(batch)                 the partition for a chunk starting beside `batch` decoding sequences:
-                               `sms_by_batch` ((min batch, SMs) pairs, largest first), else `default_sms`
+pays, or for the rollout's end. Torch-free: times come in as arguments. Its calls, in a step's order:
+`on_decode_step` at each launch, `admit` / `start` / `end` around a chunk beside decode, `alone` for
+one after the rollout, `finish` at the rollout's end, `settle` once the step is over.
 
 Baselines are per step (contexts restart with each rollout) and per bucket; a bucket with no clean
 step yet borrows the nearest measured one (decode time rises with the batch, so a larger bucket's
 baseline makes the added time an underestimate: the gate errs toward fusing, as before it existed).
+More in docs/ARCHITECTURE.md ("The step as a pipeline of groups": admission).
 """
 
 from __future__ import annotations
@@ -83,11 +67,17 @@ class FuseGate:
         self.clean_ms = self.added_ms = 0.0
 
     def on_decode_step(self, info, now: float) -> None:
+        """The decode loop's hook, at each launch (`now`: host seconds). The loop's period from one launch
+        to the next (what the rollout's wall time is made of, host gaps included) belongs to the step
+        launched first: with no chunk in flight during it, it is clean and moves its batch bucket's
+        baseline; beside a chunk (in flight at its launch, or started during it: a chunk started after
+        the last launch delays the rollout's end), `period - baseline` is decode time the chunk added."""
         self._close(now)
         self._open = (now, self._current, info.batch_size)
         self.batch = info.batch_size
 
     def finish(self, now: float) -> None:
+        """The rollout ended: the last period closes."""
         self._close(now)
         self._open = None
 
@@ -116,6 +106,9 @@ class FuseGate:
         return self._baseline[min(self._baseline, key=lambda k: (abs(BUCKETS.index(k) - BUCKETS.index(b)), -k))]
 
     def admit(self) -> bool:
+        """Whether a chunk may start now: `policy="always"`, or `"pays"` where the current bucket's measured
+        (added decode time) < (chunk time saved), where nothing is measured yet, and once every
+        `reprobe_steps` steps in a held bucket (so a bucket that stopped paying can be seen to pay again)."""
         if self.policy == "always":
             return True
         b = bucket_of(self.batch)
@@ -126,6 +119,8 @@ class FuseGate:
         return st.held_steps >= self.reprobe_steps and b not in self._admitted_held
 
     def start(self, tokens: int) -> None:
+        """A chunk starts beside decode; its tokens (the saving's estimate: tokens x the standalone seconds
+        per token)."""
         b = bucket_of(self.batch)
         if b in self.held():
             self._admitted_held.add(b)
@@ -135,9 +130,11 @@ class FuseGate:
             self._open = (self._open[0], self._current, self._open[2])
 
     def end(self) -> None:
+        """The chunk beside decode ended."""
         self._current = None
 
     def alone(self, tokens: int, seconds: float) -> None:
+        """A chunk that ran after the rollout, alone: the standalone rate (EMA)."""
         if tokens <= 0 or seconds <= 0:
             return
         rate = seconds * 1e3 / tokens
@@ -164,6 +161,8 @@ class FuseGate:
         self._open = self._current = None
 
     def sms(self, batch: int) -> int:
+        """The partition for a chunk starting beside `batch` decoding sequences: `sms_by_batch` ((min batch,
+        SMs) pairs, largest first), else `default_sms`."""
         for min_batch, n in self.sms_by_batch:
             if batch >= min_batch:
                 return n

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..models import hf_to_rollplex, save_model
-from ..models.checkpoint import read_safetensors
+from ..models.hf_io import read_safetensors
 from .atomic_dir import replace_dir, sync_tree
 from .critic import HEAD, save_value_model, value_state
 from .run_state_checks import (

@@ -1,41 +1,32 @@
-"""Where the RL step runs: this process alone, or one rank of a data-parallel group.
+"""Where the RL step runs: `Runtime` is this process alone; a subclass is one rank of a group.
 
-`RLStep` (rl/step.py) is written once, against the small interface below; the runtime decides what
-the step's models are, where the rollout's samples come from, and which passes each process runs:
+`RLStep` (rl/step.py) is written once, against the operations below; the runtime decides what the
+step's models are, where the rollout's samples come from, and which passes each process runs. This
+class answers them for one process: the backend given, every pass here, no communication.
+`rollplex.parallel.Colocated` (built by `rollplex.parallel.data_parallel` and injected as
+`RLStep(..., parallel=...)`: this package imports nothing of rollplex.parallel) overrides them for one
+rank of a data-parallel group. Because the step is the same code over both, the data-parallel step
+computes what the single-process one does; only these operations differ.
 
     policy                      what the rollout decodes (`RLStep.model`)
-    bind_rollout(backend, model, memory)   the rollout backend the step generates on, checked and bound to the
-                                policy and the step's memory (ValueError): the one given, or a data-parallel
-                                rank's over its engine (prompts dealt over the ranks, every output gathered)
-    check(cfg)                  ValueError for a config the runtime cannot run
-    reference(model, ref, wanted, region)    the frozen reference, built into the "ref_weights" region
-    local_tensors(model)        the tensors a model holds here (what its memory region keeps)
-    actor(model, cfg, memory, optimizer_offload)   the trainer (rl/actor.py)
-    value_model(build, region) / critic(value_model, cfg, memory, optimizer_offload)   PPO's value model
-                                (`build()`, its tensors in the "critic_weights" region) and critic (rl/critic.py)
-    trainer_footprint(trainable, param_bytes, decoder, vision)   (trainable elements held here, bytes
-                                the trainer adds to the weights, checkpointing flags) for the memory fit
-    weight_bytes()              bytes the built trainer adds to the weights the rollout decodes
-    reference_gather(ref) / old_policy(policy, trainer)   what a co-scheduled prefix sweep runs on
-    reference_logprobs(reference, ...) / old_logprobs   the scoring passes of the phased step (the
-                                reference a Trainer with no optimizer, rl/trainer.py `score`)
-    sync_weights() / after_update(actor, m, timed)   the updated weights into what the rollout decodes
-    policy_state(policy, trainer, keep)  {name: whole parameter}
-    fused                       where the fused schedule's stages run (`FusedPlacement`: its share of the
-                                groups, begin / end / abort around the rollout, every rank's results, the
-                                stages' scoring and training placement), read by rl/schedule.py only
-
-`LocalRuntime` is the identity runtime: the rollout backend given, every pass here, no communication.
-`rollplex.parallel.Colocated` (built by `rollplex.parallel.data_parallel` and injected as
-`RLStep(..., parallel=...)`: this package imports nothing of rollplex.parallel) is the data-parallel
-one. Because the step is the same code over both, the data-parallel step computes what the
-single-process one does; only the operations above differ.
+    bind_rollout / check        the rollout backend the step generates on; ValueError for a config
+                                the runtime cannot run
+    place(build, region, trainable, role)   a model (the policy, the reference, PPO's value model)
+                                built into its memory region, as a Trainer over it and where its passes
+                                run; the step builds the actor and critic on these
+    trainer_footprint / weight_bytes   what the trainer holds here, for the memory fit
+    reference_gather / old_policy      what a co-scheduled prefix sweep runs on
+    reference_logprobs / old_logprobs  the scoring passes of the phased step
+    sync_weights(m, timed)      the updated weights into what the rollout decodes
+    policy_state                {name: whole parameter}
+    fused                       where the fused schedule's stages run (`FusedPlacement`), read by rl/schedule.py
+                                and rl/pipeline.py only
 """
 
 from __future__ import annotations
 
-import copy
-from typing import Protocol
+import contextlib
+from collections.abc import Callable
 
 import torch
 
@@ -43,174 +34,107 @@ from ..models import Qwen25VL
 from .actor import Actor
 from .batch import RolloutBatch
 from .config import RLConfig
-from .critic import Critic, ValueModel
 from .rollout import RolloutBackend
 from .scoring import logprobs
 from .trainer import Trainer
 
 
-class Runtime(Protocol):
-    policy: Qwen25VL
-    fused: FusedPlacement  # where the fused schedule's stages run
+class FusedPlacement:
+    """Where the fused schedule's stages run (rl/schedule.py, rl/pipeline.py): here, on this process alone, every
+    group here, nothing to gather or agree; a data-parallel rank's (`rollplex.parallel.fused`) runs each rank's
+    pipeline on its own engine's groups with no collective until the end."""
 
-    def bind_rollout(self, backend: RolloutBackend | None, model: Qwen25VL, memory) -> RolloutBackend | None: ...
+    def unsupported(self) -> str | None:
+        """Why these ranks cannot run a fused step (None: they can)."""
+        return None
 
-    def check(self, cfg: RLConfig) -> None: ...
+    def extra_bytes(self, actor: Actor) -> int:
+        """What the fused rollout phase holds besides one process's."""
+        return 0
 
-    def reference(self, model: Qwen25VL, ref: Qwen25VL | None, wanted: bool, region) -> Qwen25VL | None: ...
+    def share(self, num_prompts: int, first: int) -> tuple[list[int], int]:
+        """(the prompts whose groups this process's pipeline gets, how many of them are among the `first`)."""
+        return list(range(num_prompts)), first
 
-    def local_tensors(self, model: torch.nn.Module) -> list[torch.Tensor]: ...
+    def begin(self, actor: Actor, ref: Qwen25VL | None) -> None:
+        """Before the rollout: the models the stages run on gathered."""
 
-    def actor(self, model: Qwen25VL, cfg: RLConfig, memory, optimizer_offload: str) -> Actor: ...
+    def end(self, actor: Actor, ref: Qwen25VL | None, flags: list[int]) -> list[int]:
+        """After the stages: `flags` agreed over the ranks, the gradients reduced."""
+        return flags
 
-    def value_model(self, build, region) -> ValueModel: ...
+    def abort(self, actor: Actor, ref: Qwen25VL | None) -> None:
+        """`begin` undone on this process alone."""
 
-    def critic(self, value_model: ValueModel, cfg: RLConfig, memory, optimizer_offload: str) -> Critic: ...
+    def results(self, pipe) -> tuple[list | None, tuple[int, int] | None]:
+        """Every rank's chunks and counts (None: the pipeline's own chunks are the whole batch's)."""
+        return None, None
 
-    def trainer_footprint(self, trainable: int, param_bytes: int, decoder, vision) -> tuple[int, int, bool, bool]: ...
+    def reference_logprobs(self, reference: Trainer, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
+        """The reference's logprobs of some finished groups."""
+        return reference.score(batch, logprobs(cfg.temperature), cfg, prefix_key="ref")
 
-    def weight_bytes(self) -> int: ...
+    def old_logprobs(self, policy: Qwen25VL, actor: Actor, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
+        """The old logprobs of some finished groups."""
+        return actor.old_logprobs(batch, cfg)
 
-    def reference_gather(self, ref: Qwen25VL): ...
-
-    def old_policy(self, policy: Qwen25VL, trainer: Qwen25VL) -> tuple[Qwen25VL, object]: ...
-
-    def reference_logprobs(self, reference: Trainer, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor: ...
-
-    def old_logprobs(self, policy: Qwen25VL, actor: Actor, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor: ...
-
-    def sync_weights(self) -> None: ...
-
-    def after_update(self, actor: Actor, m: dict, timed) -> None: ...
-
-    def policy_state(self, policy: Qwen25VL, trainer: Qwen25VL, keep: bool) -> dict | None: ...
-
-
-class FusedPlacement(Protocol):
-    """Where the fused schedule's stages run (rl/schedule.py `Fused`, rl/pipeline.py): one process, or each
-    data-parallel rank on its own engine's groups with no collective until the end."""
-
-    def unsupported(self) -> str | None: ...  # why these ranks cannot run a fused step (None: they can)
-
-    def extra_bytes(self, actor: Actor) -> int: ...  # what the fused rollout phase holds besides one process's
-
-    def share(self, num_prompts: int, first: int) -> tuple[list[int], int]: ...  # (my prompts, how many first)
-
-    def begin(self, actor: Actor, ref: Qwen25VL | None) -> None: ...  # before the rollout: models gathered
-
-    def end(self, actor: Actor, ref: Qwen25VL | None, flags: list[int]) -> list[int]: ...  # flags agreed, grads
-
-    def abort(self, actor: Actor, ref: Qwen25VL | None) -> None: ...  # `begin` undone here alone
-
-    def results(self, pipe) -> tuple[list | None, tuple[int, int] | None]: ...  # every rank's chunks
-
-    def reference_logprobs(self, reference: Trainer, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor: ...
-
-    def old_logprobs(self, policy: Qwen25VL, actor: Actor, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor: ...
-
-    def placement(self): ...  # where the stages' training passes run (None: the actor's)
+    def placement(self):
+        """Where the stages' training passes run (None: the actor's own)."""
+        return None
 
 
-class LocalRuntime:
-    """The step on this process alone: the backend given rolls out `policy`, the trainer's and the
-    reference's passes run here (rl/placement.py `SingleProcess`)."""
+class Runtime:
+    """The step on this process alone (see the module docstring)."""
 
     def __init__(self, policy: Qwen25VL):
         self.policy = policy
-        self.fused = LocalFused(self)
+        self.fused = FusedPlacement()
 
     def bind_rollout(self, backend: RolloutBackend | None, model: Qwen25VL, memory) -> RolloutBackend | None:
-        if backend is not None:  # the backend checks it decodes `model` under the step's memory manager
+        """The backend the step rolls out on, checked to decode `model` under the step's memory manager."""
+        if backend is not None:
             backend.attach(model, memory)
         return backend
 
     def check(self, cfg: RLConfig) -> None:
-        """Every config runs on one process."""
-
-    def reference(self, model: Qwen25VL, ref: Qwen25VL | None, wanted: bool, region) -> Qwen25VL | None:
-        """`ref` as given, or (`wanted`) a copy of `model` in the region `region()` enters."""
-        if ref is None and wanted:
-            with region():
-                ref = copy.deepcopy(model)
-        return ref
+        """ValueError for a config this runtime cannot run: every config runs on one process."""
 
     @staticmethod
-    def local_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-        return [*model.parameters(), *model.buffers()]
-
-    def actor(self, model: Qwen25VL, cfg: RLConfig, memory, optimizer_offload: str) -> Actor:
-        return Actor(model, cfg, memory, optimizer_offload)
-
-    @staticmethod
-    def value_model(build, region) -> ValueModel:
+    def place(build: Callable[[], torch.nn.Module], region, trainable: bool, role: str) -> Trainer:
+        """`build()` in the region `region()` enters, as a Trainer (no optimizer) whose passes run here."""
         with region():
-            return build()
-
-    @staticmethod
-    def critic(value_model: ValueModel, cfg: RLConfig, memory, optimizer_offload: str) -> Critic:
-        return Critic(value_model, cfg, memory, optimizer_offload)
+            return Trainer(build(), role=role)
 
     def trainer_footprint(self, trainable: int, param_bytes: int, decoder, vision) -> tuple[int, int, bool, bool]:
-        return trainable, 0, decoder, vision  # the trainer trains the weights the rollout decodes
+        """(trainable elements held here, bytes the trainer adds to the weights the rollout decodes, the
+        checkpointing flags with the runtime's own): here the trainer trains the weights the rollout decodes."""
+        return trainable, 0, decoder, vision
 
     def weight_bytes(self) -> int:
+        """Bytes the built trainer adds to the weights the rollout decodes."""
         return 0
 
     def reference_gather(self, ref: Qwen25VL):
+        """The gather a co-scheduled sweep of the reference runs on (None: it is held whole)."""
         return None
 
     def old_policy(self, policy: Qwen25VL, trainer: Qwen25VL) -> tuple[Qwen25VL, object]:
+        """(the model whose prefixes the old logprobs read, its sweep's gather)."""
         return policy, None
 
     def reference_logprobs(self, reference: Trainer, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
+        """The reference's logprobs [N, R] of the batch's responses."""
         return reference.score(batch, logprobs(cfg.temperature), cfg, prefix_key="ref")
 
     def old_logprobs(self, policy: Qwen25VL, actor: Actor, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
+        """The old logprobs [N, R] before the first update (None where old = current)."""
         return actor.old_logprobs(batch, cfg)
 
-    def sync_weights(self) -> None:
-        """Nothing to sync: the rollout decodes the trainer's own tensors (another backend copies them in
-        when it enters the rollout)."""
-
-    def after_update(self, actor: Actor, m: dict, timed) -> None:
-        pass
+    def sync_weights(self, m: dict | None = None, timed=contextlib.nullcontext) -> None:
+        """After an update: the trainer's weights into what the rollout decodes (timed by `timed()`), and their
+        metrics into `m`. Here nothing: the rollout decodes the trainer's own tensors (another backend copies them
+        in when it enters the rollout)."""
 
     def policy_state(self, policy: Qwen25VL, trainer: Qwen25VL, keep: bool) -> dict | None:
+        """{name: whole parameter} of the policy (where `keep`; a collective on a group)."""
         return {n: p.detach() for n, p in policy.named_parameters()} if keep else None
-
-
-class LocalFused:
-    """The fused schedule on this process alone: every group here, nothing to gather or agree."""
-
-    def __init__(self, runtime: LocalRuntime):
-        self.runtime = runtime
-
-    def unsupported(self) -> str | None:
-        return None
-
-    def extra_bytes(self, actor: Actor) -> int:
-        return 0
-
-    def share(self, num_prompts: int, first: int) -> tuple[list[int], int]:
-        return list(range(num_prompts)), first
-
-    def begin(self, actor: Actor, ref: Qwen25VL | None) -> None:
-        pass
-
-    def end(self, actor: Actor, ref: Qwen25VL | None, flags: list[int]) -> list[int]:
-        return flags
-
-    def abort(self, actor: Actor, ref: Qwen25VL | None) -> None:
-        pass
-
-    def results(self, pipe) -> tuple[list | None, tuple[int, int] | None]:
-        return None, None  # the pipeline's own chunks are the whole batch's
-
-    def reference_logprobs(self, reference: Trainer, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
-        return self.runtime.reference_logprobs(reference, batch, cfg)
-
-    def old_logprobs(self, policy: Qwen25VL, actor: Actor, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
-        return actor.old_logprobs(batch, cfg)
-
-    def placement(self):
-        return None  # the actor's own

@@ -15,7 +15,7 @@ the reference (one with no optimizer). Advantages come from `cfg.adv_estimator` 
 controller). `mode` changes where the work runs, never what is computed: `rollplex` runs each prompt's
 prefix once for its n responses, `serial` every sample in full (verl's order).
 
-Where the step runs is a runtime (rl/runtime.py): this process (`LocalRuntime`), or a data-parallel rank
+Where the step runs is a runtime (rl/runtime.py): this process (`Runtime`), or a data-parallel rank
 injected as `parallel` (rollplex.parallel; this module imports nothing of it), which computes what one
 process does. Under a memory manager the step is fitted to its device when built (rl/step_memory.py).
 `train(batch, cfg)` takes an optional config for that step alone; `self.cfg` never changes. What a failed
@@ -25,6 +25,7 @@ step leaves is in rl/errors.py. More in docs/ARCHITECTURE.md ("The RL step").
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from ..cosched.handover import co_scheduled, complete
 from ..engine import Engine, SamplingParams
 from ..memory import MemoryConfig, MemoryManager
 from ..models import Qwen25VL
+from .actor import Actor
 from .algos import AdaptiveKLController, compute_advantages, gae_advantages, kl_penalty, token_level_rewards
 from .batch import RolloutBatch
 from .config import RLConfig
@@ -48,12 +50,11 @@ from .errors import TrainStepError, TrainStepFailed
 from .rewards import RewardFn, get_reward_fn, score_batch
 from .rollout import NativeRollout, RolloutBackend, as_rollout_backend, rollout_requests
 from .rollout_correction import corrected_batch, rollout_correction
-from .runtime import LocalRuntime, Runtime
+from .runtime import Runtime
 from .schedule import schedule_of, why_not_fused
 from .step_memory import fit_memory as fit_memory  # re-exported: its home before rl/step_memory.py
-from .step_memory import fit_step, step_sizes, update_activations
+from .step_memory import fit_step, local_tensors, step_sizes, update_activations
 from .timing import phase_timer as _timer
-from .trainer import Trainer
 
 # the regions a step allocates in when built (resumed for that where the current phase has them paused)
 TRAINER_REGIONS = ("ref_weights", "optimizer", "grads", "critic_weights", "critic_optimizer", "critic_grads")
@@ -84,7 +85,7 @@ class RLStep:
                              "runs in its scheduler (engine_patches.sglang.CoschedHook), which RLStep does not drive")
         # where the step runs: this process alone, or the data-parallel rank injected (rl/runtime.py), and the
         # backend it rolls out on (a data-parallel rank's deals the prompts over the ranks)
-        self.runtime: Runtime = parallel or LocalRuntime(model)
+        self.runtime: Runtime = parallel or Runtime(model)
         self.backend = self.runtime.bind_rollout(backend, model, memory)
         # the native engine, whose decode loop the co-scheduler hooks into; None with another backend
         self.engine = self.backend.engine if isinstance(self.backend, NativeRollout) else None
@@ -121,43 +122,46 @@ class RLStep:
 
     def _build_trainers(self, model: Qwen25VL, ref_model: Qwen25VL | None, cfg: RLConfig) -> None:
         """The reference, the critic's value model, the memory fit, and the actor's and critic's trainers, each
-        allocated in its region."""
-        memory = self.memory
-        ref = self.runtime.reference(model, ref_model, cfg.kl_coef > 0, lambda: self._region("ref_weights"))
-        if ref is not None:
-            ref.requires_grad_(False).eval()
-            if memory is not None:
-                runtime = self.runtime
-                memory.preserve("ref_weights", lambda: runtime.local_tensors(ref))
+        placed by the runtime (`place`: this process, or sharded over a data-parallel group) in its region."""
+        memory, rt = self.memory, self.runtime
         # the reference: a trainer with no optimizer (it only scores), placed where the actor's passes run below
-        self.reference = None if ref is None else Trainer(ref, role="reference")
+        self.reference = None
+        if ref_model is not None or cfg.kl_coef > 0:
+            self.reference = rt.place(lambda: ref_model if ref_model is not None else copy.deepcopy(model),
+                                      lambda: self._region("ref_weights"), trainable=False, role="reference")
+            ref = self.reference.model.requires_grad_(False).eval()
+            if memory is not None:
+                memory.preserve("ref_weights", lambda: local_tensors(ref))
         # PPO-GAE's value model (rl/critic.py), in its region before the plan is fitted: its bytes are planned
         self.critic: Critic | None = None
-        value_model = None
+        value = None
         if cfg.uses_critic:
-            value_model = self.runtime.value_model(  # (a data-parallel rank's: sharded)
-                lambda: build_value_model(model, cfg.critic_model_path, cfg.seed),
-                lambda: self._region("critic_weights"))
+            value = rt.place(lambda: build_value_model(model, cfg.critic_model_path, cfg.seed),
+                             lambda: self._region("critic_weights"), trainable=True, role="critic")
             if cfg.freeze_vision_tower:
-                value_model.backbone.visual.requires_grad_(False)
+                value.model.backbone.visual.requires_grad_(False)
             if memory is not None:
-                runtime = self.runtime
-                memory.preserve("critic_weights", lambda: runtime.local_tensors(value_model))
+                memory.preserve("critic_weights", lambda: local_tensors(value.model))
         # before the trainer is built: what fits the device decides its checkpointing and where its optimizer
-        # state lives (memory/fit.py); without a memory manager what is left to the plan stays off
-        self.memory_fit = fit = fit_step(self, model, value_model) if memory is not None else None
+        # state lives (memory/fit.py); without a memory manager what is left to the plan stays off. Either way
+        # a runtime's own checkpointing (FSDP's) stays on
+        self.memory_fit = fit = fit_step(self, model, value and value.model) if memory is not None else None
+        if fit is not None:
+            decoder, vision = fit.gradient_checkpointing, fit.vision_gradient_checkpointing
+        else:
+            _, _, decoder, vision = rt.trainer_footprint(0, 0, bool(cfg.gradient_checkpointing),
+                                                         bool(cfg.vision_gradient_checkpointing))
+        self.cfg = cfg = replace(cfg, gradient_checkpointing=decoder, vision_gradient_checkpointing=vision)
         offload = self.memory_cfg.optimizer_offload
-        self.cfg = cfg = replace(
-            cfg, gradient_checkpointing=fit.gradient_checkpointing if fit else bool(cfg.gradient_checkpointing),
-            vision_gradient_checkpointing=fit.vision_gradient_checkpointing if fit
-            else bool(cfg.vision_gradient_checkpointing))
         self.memory_cfg = replace(self.memory_cfg, optimizer_offload=fit.optimizer_offload if fit
                                   else "none" if offload == "auto" else offload)
-        self.actor = self.runtime.actor(model, cfg, memory, self.memory_cfg.optimizer_offload)
+        offload = self.memory_cfg.optimizer_offload
+        policy = rt.place(lambda: model, contextlib.nullcontext, trainable=True, role="actor")
+        self.actor = Actor(policy.model, cfg, memory, offload, placement=policy.placement)
         if self.reference is not None:  # scored where the actor's passes run, backing off with its scoring
             self.reference.placement, self.reference.score_backoff = self.actor.placement, self.actor.score_backoff
-        if value_model is not None:
-            self.critic = self.runtime.critic(value_model, cfg, memory, self.memory_cfg.optimizer_offload)
+        if value is not None:
+            self.critic = Critic(value.model, cfg, memory, offload, placement=value.placement)
 
     # ---- memory -------------------------------------------------------------------------------
     @property
@@ -488,7 +492,7 @@ class RLStep:
         self.step_idx += 1  # the weights changed: counted before anything else can fail
         self._update_kl_ctrl(reward_kl, n)
         # data-parallel: the trainer's new weights into what the engine decodes
-        self.runtime.after_update(self.actor, m, lambda: _timer(m, "sync_weights", self.device, self.timeline))
+        self.runtime.sync_weights(m, lambda: _timer(m, "sync_weights", self.device, self.timeline))
         m.update(stats)
         if self.memory is not None:
             m.update(self.memory.take_metrics())

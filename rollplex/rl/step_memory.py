@@ -121,6 +121,11 @@ def fit_memory(model_cfg: ModelConfig, cfg: RLConfig, memory_cfg: MemoryConfig, 
                           host_capacity)
 
 
+def local_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors `model` holds on this process (a sharded model's local shards): what its memory region keeps."""
+    return [_local(t.detach()) for t in (*model.parameters(), *model.buffers())]
+
+
 def _nbytes(ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 

@@ -1,4 +1,4 @@
-"""HF checkpoint directories in and out, and the state-dict adapter between HF names and ours.
+"""HF weight I/O: checkpoint directories in and out, the state-dict adapter between HF names and ours.
 
 Our layout fuses q/k/v and gate/up into single GEMMs and runs the patch-embedding Conv3d as a
 Linear; the adapter maps both ways:
