@@ -4,10 +4,10 @@
     torch.set_num_threads(n)
 
 Order: `--threads N` when given, else `$OMP_NUM_THREADS` when set, else for the embedded tiny model on the
-CPU one thread, else torch's default (one per core). The tiny model's matmuls are a few hundred KFLOP each:
-a second thread buys little even on an idle machine (docs/BENCHMARKS.md, "The demo as a new user runs it")
-and, on a machine whose cores other jobs use, each step waits for the busiest core — with torch's default
-2 threads on a shared 2-core machine the demo ran 3–7× slower than with 1. The thread count also changes
+CPU one thread, else torch's default (one per core). On an idle 2-core machine a second thread makes the
+tiny model's step about 1.4× faster, but on a machine whose cores other jobs use each step waits for the
+busiest core — with torch's default 2 threads on a shared 2-core machine the demo ran 3–7× slower than with
+1 (docs/BENCHMARKS.md, "CPU benches"): one thread is the pick that never thrashes. The thread count also changes
 the order of fp32 sums and so the run's trajectory: the steps a seed needs hold at one thread count only,
 which is why every recorded number says its count. On a GPU the host threads do little; torch's default
 is kept.
