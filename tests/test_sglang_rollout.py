@@ -330,6 +330,35 @@ def test_server_serves_rollout_and_train_step_on_sglang(fake_sglang, tiny_dir, t
     assert not backend.engine.proc.is_alive()  # stopping the server shut SGLang down
 
 
+def test_rollout_intake_on_sglang_is_dropped_when_the_client_leaves(fake_sglang, tiny_dir, tmp_path, monkeypatch):
+    """The backend's /rollout prepares its prompts on the fair intake threads as the native path does: a
+    client that leaves stops the prompts not started yet, and the server serves the next client."""
+    import time
+
+    from rollplex.processor import VLProcessor
+    from rollplex.server import serve_in_thread
+
+    encode, started = VLProcessor.encode, []
+
+    def slow(self, text=None, **kw):  # /rollout's chat prompts come as messages
+        if "HEAVY" in str(kw.get("messages")):
+            started.append(time.perf_counter())
+            time.sleep(0.25)
+        return encode(self, text=text, **kw)
+
+    monkeypatch.setattr(VLProcessor, "encode", slow)
+    heavy = [{"prompt": [{"role": "user", "content": f"HEAVY {i}"}]} for i in range(16)]
+    cfg = _server_config(tiny_dir, tmp_path)
+    with serve_in_thread(cfg) as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/rollout", json={"prompts": heavy, "n": 2}, timeout=0.4)
+        time.sleep(0.25 * 16 + 0.5)  # all 16 would have run by now, even one after another
+        # started before the client left at 0.4 s: two rounds of the intake threads at most
+        assert len(started) <= 2 * cfg.intake_threads < 16, len(started)
+        ro = c.post("/rollout", json={"prompts": wire_rows(1), "n": 2})
+        assert ro.status_code == 200, ro.text
+
+
 def test_without_sglang_the_backend_fails_before_serving(no_sglang, tiny_dir, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"needs SGLang .*pip install 'rollplex\[sglang\]'"):
         _server_config(tiny_dir, tmp_path)

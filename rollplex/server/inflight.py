@@ -82,8 +82,7 @@ async def submit(state, encoders: list[Callable[[], object]], params: list, stre
         if inline:
             requests = [prepare(i) for i in range(len(encoders))]
         else:
-            requests = await _prepared(fair_intake(state), [lambda i=i: prepare(i) for i in range(len(encoders))],
-                                       request)
+            requests = await prepared(state, [lambda i=i: prepare(i) for i in range(len(encoders))], request)
     except ValueError as e:
         raise bad_request(str(e)) from None
     queue: asyncio.Queue = asyncio.Queue()
@@ -109,9 +108,10 @@ async def submit(state, encoders: list[Callable[[], object]], params: list, stre
     return tickets, [r.inputs for r in requests]
 
 
-async def _prepared(intake: FairIntake, tasks: list, request: Request | None) -> list:
-    """The tasks' results from the intake threads; ClientGone (the rest cancelled) if the client leaves first."""
-    batch = intake.run(tasks)
+async def prepared(state, tasks: list, request: Request | None) -> list:
+    """The tasks' results from the server's fair intake threads; ClientGone (the rest cancelled) if the client
+    leaves first."""
+    batch = fair_intake(state).run(tasks)
     done = asyncio.wrap_future(batch.future)
     if request is None:
         return await done

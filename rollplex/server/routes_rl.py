@@ -75,7 +75,7 @@ from ..rl.rewards import score_batch
 from . import limits
 from .body import JSONOffLoop
 from .errors import bad_request
-from .inflight import ClientGone, collect, submit
+from .inflight import ClientGone, collect, prepared, submit
 from .schemas import LoadRequest, RolloutRequest, SaveRequest, TrainStepRequest
 from .sglang import finish_reason, group_params, sampling_params
 from .state import CheckpointExists
@@ -133,7 +133,10 @@ def router(state) -> APIRouter:
         # process group the other ranks never prefilled these prompts, so every rank runs the frozen tower
         keep_vision = req.for_training and rl.freeze_vision_tower and rl.mode == "rollplex" and state.world_size == 1
         if state.engine is None or state.world_size > 1:  # the backend, or every rank's engine, samples it whole
-            outs, inputs, version = await _backend_rollout(state, encoders, params, keep_vision)
+            try:
+                outs, inputs, version = await _backend_rollout(state, encoders, params, keep_vision, request)
+            except ClientGone:
+                return Response(status_code=499)
         else:
             try:
                 tickets, inputs = await submit(state, encoders, params, what="prompts", keep_vision=keep_vision,
@@ -334,22 +337,22 @@ def _filter_groups(entry: RetainedRollout, rewards: list, scores: list, metric: 
     return replace(entry, batch=sub), [rewards[i] for i in idx.tolist()], metrics
 
 
-async def _backend_rollout(state, encoders: list, params: list, keep_vision: bool) -> tuple[list, list, int]:
+async def _backend_rollout(state, encoders: list, params: list, keep_vision: bool,
+                           request: Request) -> tuple[list, list, int]:
     """(outputs, encoded prompts, weights version) of a rollout through the RL step's backend: prompts
-    encoded on the intake thread (400 for a bad one), then sampled in one worker job."""
-    def encode() -> list:
-        out = []
-        for i, enc in enumerate(encoders):
-            try:
-                out.append(enc())
-                if state.engine is not None:  # what the engines would refuse, refused before any rank starts
-                    state.engine.prepare(out[-1], params[i], processor=state.intake_processor)
-            except Exception as e:  # processor / image errors, prompts the engine cannot run: the client's input
-                raise ValueError(f"prompts[{i}]: {e}") from e
-        return out
+    encoded on the intake threads, a prompt at a time in turn with other requests' (400 for a bad one;
+    ClientGone, the rest not started, if the client leaves meanwhile), then sampled in one worker job."""
+    def prepare(i: int):
+        try:
+            x = encoders[i]()
+            if state.engine is not None:  # what the engines would refuse, refused before any rank starts
+                state.engine.prepare(x, params[i], processor=state.intake_processor)
+        except Exception as e:  # processor / image errors, prompts the engine cannot run: the client's input
+            raise ValueError(f"prompts[{i}]: {e}") from e
+        return x
 
     try:
-        inputs = await asyncio.get_running_loop().run_in_executor(state.intake, encode)
+        inputs = await prepared(state, [lambda i=i: prepare(i) for i in range(len(encoders))], request)
     except ValueError as e:
         raise bad_request(str(e)) from None
     try:  # over a process group the engine's in-flight requests finish first: the job drives it alone
