@@ -376,6 +376,8 @@ class LocalPasses(SingleProcess):
     units past FSDP2's hooks (`direct_call`). No collective: each rank goes at its own rollout's pace."""
 
     def run(self, model: Qwen25VL, fn, *args):
+        if not isinstance(model, fsdp_mod.FSDPModule):  # a model held whole (the policy, a reference not sharded)
+            return fn(*args)
         return fsdp_mod.direct_call(model, fn, *args)
 
     def clip_grad_norm_(self, params, max_norm: float) -> torch.Tensor:

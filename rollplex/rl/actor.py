@@ -178,13 +178,16 @@ class Actor(Trainer):
             g["lr"] = lr
         return lrs[0]
 
-    def old_logprobs(self, batch: RolloutBatch, cfg: RLConfig | None = None) -> torch.Tensor | None:
+    def old_logprobs(self, batch: RolloutBatch, cfg: RLConfig | None = None,
+                     scorer: Trainer | None = None) -> torch.Tensor | None:
         """Scored once before the first update when there are several or the rollout correction needs them for
-        the whole batch (rl/rollout_correction.py); None when old = current."""
+        the whole batch (rl/rollout_correction.py); None when old = current. scorer: the trainer that scores
+        them (default: this one; a runtime's `old_scorer`)."""
         cfg = cfg or self.cfg
         if cfg.num_updates == 1 and not cfg.rollout_corr.needs_whole_batch:
             return None
-        return self.score(batch, logprobs(cfg.temperature), cfg, prefix_key="old", what="the old-logprob scoring")
+        return (scorer or self).score(batch, logprobs(cfg.temperature), cfg, prefix_key="old",
+                                      what="the old-logprob scoring")
 
     def update(self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None,
                old_all: torch.Tensor | None = None, step_idx: int = 0,

@@ -52,6 +52,7 @@ from .rollout import NativeRollout, RolloutBackend, as_rollout_backend, rollout_
 from .rollout_correction import corrected_batch, rollout_correction
 from .runtime import Runtime
 from .schedule import schedule_of, why_not_fused
+from .scoring import logprobs
 from .step_memory import fit_memory as fit_memory  # re-exported: its home before rl/step_memory.py
 from .step_memory import fit_step, local_tensors, step_sizes, update_activations
 from .timing import phase_timer as _timer
@@ -158,8 +159,10 @@ class RLStep:
         offload = self.memory_cfg.optimizer_offload
         policy = rt.place(lambda: model, contextlib.nullcontext, trainable=True, role="actor")
         self.actor = Actor(policy.model, cfg, memory, offload, placement=policy.placement)
-        if self.reference is not None:  # scored where the actor's passes run, backing off with its scoring
-            self.reference.placement, self.reference.score_backoff = self.actor.placement, self.actor.score_backoff
+        if self.reference is not None:  # backing off with the actor's scoring
+            self.reference.score_backoff = self.actor.score_backoff
+            if self.reference.placement.world == 1:  # placed on this process alone: scored where the actor's passes run
+                self.reference.placement = self.actor.placement
         if value is not None:
             self.critic = Critic(value.model, cfg, memory, offload, placement=value.placement)
 
@@ -358,7 +361,7 @@ class RLStep:
             with _timer(m, "old_log_prob", self.device, tl):
                 self.enter("ref")
                 self.complete_handover(batch, "old", m)
-                old = self.runtime.old_logprobs(self.model, self.actor, batch, cfg)
+                old = self.actor.old_logprobs(batch, cfg, self.runtime.old_scorer(self.actor, cfg))
         batch.prefix = {}  # the prefix states are consumed: free them before the update
         # rollout correction over the whole batch (batch-normalised weights, rejection): what the update trains
         train_batch = corrected_batch(batch, old, cfg) if train_actor else batch
@@ -389,7 +392,7 @@ class RLStep:
 
     def reference_logprobs(self, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
         """The reference's logprobs [N, R] of the batch's responses (backs off on OOM, rl/scoring.py)."""
-        return self.runtime.reference_logprobs(self.reference, batch, cfg)
+        return self.reference.score(batch, logprobs(cfg.temperature), cfg, prefix_key="ref")
 
     def kl_reward_penalty(self, batch: RolloutBatch, ref_lp: torch.Tensor | None,
                           cfg: RLConfig) -> tuple[torch.Tensor | None, float | None, dict]:
