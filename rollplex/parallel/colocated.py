@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 from ..engine import Engine
 from ..models import Qwen25VL
@@ -166,17 +167,6 @@ class Colocated(Runtime):
                            score_backoff=actor.score_backoff)
         return actor
 
-    def reference_gather(self, ref: Qwen25VL):
-        """The gather a co-scheduled sweep of the reference runs on: a sharded one's (None: held whole)."""
-        return self.sweep_gather(ref) if self.fsdp.shard_reference else None
-
-    def old_policy(self, policy: Qwen25VL, trainer: Qwen25VL) -> tuple[Qwen25VL, object]:
-        """(the model whose prefixes the old logprobs read, its sweep's gather): the policy a per-rank engine
-        decodes, or the trainer's shards (a tensor-parallel engine holds only its own)."""
-        if self.holds_policy:
-            return policy, None
-        return trainer, self.sweep_gather(trainer)
-
     # ---- the whole policy, every rank's objects ------------------------------------------------------
     def policy_state(self, policy: Qwen25VL, trainer: Qwen25VL, keep: bool) -> dict | None:
         if self.holds_policy:
@@ -221,9 +211,12 @@ class Colocated(Runtime):
         return Trainer(sharded, placement=dp, role=role)
 
     def sweep_gather(self, model: Qwen25VL):
-        """The gather a co-scheduled sweep of `model` (sharded over this group) runs its units on
-        (parallel/lockstep.py): on a process group of this group's ranks that nothing else uses, made on
-        first use (every rank plans its sweeps in the same rollout)."""
+        """The gather a co-scheduled sweep of `model` runs its units on: for a model sharded over this group (the
+        trainer, a sharded reference) a `ShardGather` (parallel/lockstep.py) on a process group of this group's
+        ranks that nothing else uses, made on first use (every rank plans its sweeps in the same rollout); None
+        for one held whole (the policy a per-rank engine decodes, a reference not sharded)."""
+        if not isinstance(model, FSDPModule):
+            return None
         if self._sweep_group is None:
             self._sweep_group = dist.new_group(dist.get_process_group_ranks(self.group), use_local_synchronization=True)
             assert dist.get_rank(self._sweep_group) == self.rank, "the sweep group orders the ranks like the mesh"

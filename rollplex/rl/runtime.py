@@ -15,7 +15,7 @@ computes what the single-process one does; only these operations differ.
                                 built into its memory region, as a Trainer over it and where its passes
                                 run; the step builds the actor and critic on these
     trainer_footprint / weight_bytes   what the trainer holds here, for the memory fit
-    reference_gather / old_policy      what a co-scheduled prefix sweep runs on
+    sweep_gather(model)         the gather a co-scheduled prefix sweep of a model runs on (None: held whole)
     old_scorer(actor, cfg)      the Trainer whose scores are the old logprobs (the actor, or one over the
                                 policy the rollout decodes); the reference and it score through
                                 `Trainer.score` over their placements
@@ -106,13 +106,10 @@ class Runtime:
         """Bytes the built trainer adds to the weights the rollout decodes."""
         return 0
 
-    def reference_gather(self, ref: Qwen25VL):
-        """The gather a co-scheduled sweep of the reference runs on (None: it is held whole)."""
+    def sweep_gather(self, model: torch.nn.Module):
+        """The gather a co-scheduled prefix sweep of `model` (the reference, the old policy's scorer) runs on
+        (None: it is held whole here, as every model is on this process)."""
         return None
-
-    def old_policy(self, policy: Qwen25VL, trainer: Qwen25VL) -> tuple[Qwen25VL, object]:
-        """(the model whose prefixes the old logprobs read, its sweep's gather)."""
-        return policy, None
 
     def old_scorer(self, actor: Actor, cfg: RLConfig) -> Trainer:
         """The trainer whose scores (`Trainer.score`) are the old logprobs under `cfg`: here the actor's own."""

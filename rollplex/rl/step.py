@@ -262,11 +262,11 @@ class RLStep:
             shared = frozen and self.ref_same_vision
             ref_prompts = prompts if shared or not frozen else [replace(p, vision_embeds=None) for p in prompts]
             out["ref"] = PrefixRows.plan(self.ref, ref_prompts, per_job, "ref", external_vision=shared, only=only,
-                                         gather=self.runtime.reference_gather(self.ref))
+                                         gather=self.runtime.sweep_gather(self.ref))
         if cfg.num_updates > 1:  # the policy, or the trainer's shards (a tensor-parallel engine holds only its own)
-            model, gather = self.runtime.old_policy(self.model, self.actor.model)
+            model = self.runtime.old_scorer(self.actor, cfg).model
             out["old"] = PrefixRows.plan(model, prompts, per_job, "old", external_vision=frozen, only=only,
-                                         gather=gather)
+                                         gather=self.runtime.sweep_gather(model))
         return out
 
     def complete_handover(self, batch: RolloutBatch, key: str, m: dict) -> None:
