@@ -153,7 +153,7 @@ class Actor(Trainer):
         super().__init__(model, optimizer, placement, memory,
                          torch.optim.lr_scheduler.LambdaLR(optimizer.opt, lr_lambda(cfg)),
                          cfg.lr_schedule_unit == "optimizer_step", role="actor")
-        self.placement.set_checkpointing(model, cfg.gradient_checkpointing, cfg.vision_gradient_checkpointing)
+        self.placement.checkpointing(model, (cfg.gradient_checkpointing, cfg.vision_gradient_checkpointing))
 
     @property
     def _backoff(self) -> MicroBatching | None:
