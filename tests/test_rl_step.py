@@ -13,6 +13,7 @@ from helpers import assert_fp32_close, assert_weights_close, capture_grads
 from rollplex.engine import Engine, EngineConfig
 from rollplex.models import ModelInputs, load_model
 from rollplex.rl.config import RLConfig
+from rollplex.rl.parts import build_parts
 from rollplex.rl.run_state import load_checkpoint, save_checkpoint
 from rollplex.rl.step import RLStep
 from rollplex.tiny import shape_color
@@ -20,11 +21,29 @@ from rollplex.tiny import shape_color
 ROWS = shape_color.make_rows(6, seed=3)
 
 
+BASE = dict(n=4, max_new_tokens=6, lr=1e-2, kl_coef=0.05, micro_batch_prompts=2, micro_batch_samples=3)
+
+
 def _step(tiny_dir, proc, **cfg):
     model = load_model(tiny_dir)
     engine = Engine(model, proc, EngineConfig(max_num_seqs=64, max_model_len=256))
-    base = dict(n=4, max_new_tokens=6, lr=1e-2, kl_coef=0.05, micro_batch_prompts=2, micro_batch_samples=3)
-    return RLStep(model, engine, RLConfig(**{**base, **cfg}), proc, reward_fn="shape_color")
+    return RLStep(model, engine, RLConfig(**{**BASE, **cfg}), proc, reward_fn="shape_color")
+
+
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")
+def test_a_step_over_built_parts_is_the_step_built_whole(tiny_dir, proc):
+    """`RLStep.from_parts` runs on the parts `build_parts` built (runtime, backend, actor, reference) and
+    computes the step `RLStep(model, engine, cfg, ...)` does."""
+    whole = _step(tiny_dir, proc)
+    model = load_model(tiny_dir)
+    engine = Engine(model, proc, EngineConfig(max_num_seqs=64, max_model_len=256))
+    parts = build_parts(model, engine, RLConfig(**BASE), proc)
+    rl = RLStep.from_parts(parts, reward_fn="shape_color")
+    assert rl.actor is parts.actor and rl.reference is parts.reference and rl.backend is parts.backend
+    assert rl.model is model and rl.actor.model is model and rl.engine is engine and rl.critic is None
+    a, b = whole.step(ROWS[:3]), rl.step(ROWS[:3])
+    assert all(a[k] == b[k] for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean"))
+    assert all(torch.equal(p, q) for p, q in zip(whole.model.parameters(), rl.model.parameters()))
 
 
 @pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")

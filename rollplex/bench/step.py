@@ -56,7 +56,8 @@ from ..presets import preset
 from ..rl.batch import RolloutBatch
 from ..rl.config import RLConfig
 from ..rl.fuse_gate import FuseGate
-from ..rl.step import TRAINER_REGIONS, RLStep
+from ..rl.parts import TRAINER_REGIONS
+from ..rl.step import RLStep
 from ..system import System, SystemConfig, build
 from . import step_sglang
 from .common import PEAK_TFLOPS, make_prompts, sync, update_flops

@@ -11,7 +11,7 @@ stages in parallel/fused.py, the rollout backend in parallel/rollout.py). Per ra
                 the engine's tensors where the sharing plan allows (`shared_weights`): an update writes
                 those in place and `sync_weights` rebuilds only the rest
     reference   the frozen reference sharded the same way (or whole on every rank:
-                `FSDPConfig(shard_reference=False)`, each rank scoring its share, `share_logprobs`)
+                `FSDPConfig(shard_reference=False)`, each rank scoring its share, `ShareScoring`)
     rollout     prompts dealt round-robin over rollout groups (a rank alone, or a tensor-parallel group of
                 ranks decoding its shards together), each group's engine generating its share, the
                 outputs gathered so every rank holds the whole batch
@@ -31,15 +31,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 from ..engine import Engine
 from ..models import Qwen25VL
 from ..rl.actor import Actor
 from ..rl.config import RLConfig
+from ..rl.microbatch import micro_batches
 from ..rl.placement import SingleProcess
 from ..rl.rollout import NativeRollout
 from ..rl.runtime import Runtime
-from ..rl.scoring import logprobs
 from ..rl.trainer import Trainer
 from .data_parallel import check_passes, placed
 from .fsdp import FSDPConfig, apply_fsdp, full_tensor
@@ -68,6 +69,27 @@ def data_parallel(model: Qwen25VL, engine, cfg: RLConfig, group: dist.ProcessGro
         raise ValueError("a data-parallel RL step needs the native rollout backend, not "
                          f"{getattr(engine, 'name', type(engine).__name__)}")
     return Colocated(group, model, engine, cfg, fsdp)
+
+
+class ShareScoring(SingleProcess):
+    """The scoring passes of a model every rank holds whole (the old policy a per-rank engine decodes, a
+    reference not sharded): each rank scores its share of the prompts (`Colocated.share`: those its engine
+    prefilled, whose prefix states its co-scheduler handed over), in the micro-batches one process plans with
+    no collective inside them, so an out-of-memory error backs off on that rank alone; the shares are summed
+    over the group."""
+
+    def __init__(self, rank: Colocated):
+        self.rank, self.world = rank, rank.world
+
+    def share(self, batch, mode: str) -> tuple:
+        return batch.select_prompts(self.rank.share(batch.num_prompts))
+
+    def passes(self, local, mode: str, plan, prefix: bool = False):
+        return micro_batches(local, mode, plan) if local.num_samples else []
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, group=self.rank.group)
+        return t
 
 
 class Colocated(Runtime):
@@ -137,27 +159,13 @@ class Colocated(Runtime):
                 True if self.fsdp.vision_activation_checkpointing else vision)
 
     # ---- scoring ------------------------------------------------------------------------------------
-    def reference_logprobs(self, reference: Trainer, batch, cfg: RLConfig) -> torch.Tensor:
-        if not self.fsdp.shard_reference:  # each rank its share
-            return self.share_logprobs(reference, batch, cfg, "ref")
-        return reference.score(batch, logprobs(cfg.temperature), cfg, prefix_key="ref")
-
-    def old_logprobs(self, policy: Qwen25VL, actor: Actor, batch, cfg: RLConfig) -> torch.Tensor:
-        if cfg.num_updates > 1 and self.holds_policy:  # each rank its share, on the policy its engine decodes
-            return self.share_logprobs(Trainer(policy, role="old-logprob", score_backoff=actor.score_backoff), batch,
-                                       cfg, "old")
-        return actor.old_logprobs(batch, cfg)
-
-    def reference_gather(self, ref: Qwen25VL):
-        """The gather a co-scheduled sweep of the reference runs on: a sharded one's (None: held whole)."""
-        return self.sweep_gather(ref) if self.fsdp.shard_reference else None
-
-    def old_policy(self, policy: Qwen25VL, trainer: Qwen25VL) -> tuple[Qwen25VL, object]:
-        """(the model whose prefixes the old logprobs read, its sweep's gather): the policy a per-rank engine
-        decodes, or the trainer's shards (a tensor-parallel engine holds only its own)."""
-        if self.holds_policy:
-            return policy, None
-        return trainer, self.sweep_gather(trainer)
+    def old_scorer(self, actor: Actor, cfg: RLConfig) -> Trainer:
+        """The trainer whose scores are the old logprobs: with several updates and a per-rank engine, one over
+        the policy that engine decodes, each rank scoring its share (`ShareScoring`); else the actor's own."""
+        if cfg.num_updates > 1 and self.holds_policy:
+            return Trainer(self.policy, placement=ShareScoring(self), role="old-logprob",
+                           score_backoff=actor.score_backoff)
+        return actor
 
     # ---- the whole policy, every rank's objects ------------------------------------------------------
     def policy_state(self, policy: Qwen25VL, trainer: Qwen25VL, keep: bool) -> dict | None:
@@ -181,10 +189,10 @@ class Colocated(Runtime):
         - PPO's value model (trained): sharded like the policy;
         - the frozen reference: sharded without checkpointing (it only scores; the step scores it where the
           actor's passes run), or whole on every rank in the region with `FSDPConfig(shard_reference=False)`,
-          each rank then scoring its share (`share_logprobs`)."""
+          each rank then scoring its share (`ShareScoring`)."""
         if not trainable and not self.fsdp.shard_reference:
             with region():
-                return Trainer(build(), role=role)
+                return Trainer(build(), placement=ShareScoring(self), role=role)
         model = build()  # a transient whole copy: only its shards go into the region
         if not trainable:
             cfg = dataclasses.replace(self.fsdp, activation_checkpointing=False, vision_activation_checkpointing=False)
@@ -203,9 +211,12 @@ class Colocated(Runtime):
         return Trainer(sharded, placement=dp, role=role)
 
     def sweep_gather(self, model: Qwen25VL):
-        """The gather a co-scheduled sweep of `model` (sharded over this group) runs its units on
-        (parallel/lockstep.py): on a process group of this group's ranks that nothing else uses, made on
-        first use (every rank plans its sweeps in the same rollout)."""
+        """The gather a co-scheduled sweep of `model` runs its units on: for a model sharded over this group (the
+        trainer, a sharded reference) a `ShardGather` (parallel/lockstep.py) on a process group of this group's
+        ranks that nothing else uses, made on first use (every rank plans its sweeps in the same rollout); None
+        for one held whole (the policy a per-rank engine decodes, a reference not sharded)."""
+        if not isinstance(model, FSDPModule):
+            return None
         if self._sweep_group is None:
             self._sweep_group = dist.new_group(dist.get_process_group_ranks(self.group), use_local_synchronization=True)
             assert dist.get_rank(self._sweep_group) == self.rank, "the sweep group orders the ranks like the mesh"
@@ -218,28 +229,9 @@ class Colocated(Runtime):
 
     def share(self, num_prompts: int) -> list[int]:
         """This rank's part of its rollout group's prompts (all of them with a per-rank engine): the
-        prompts a model it holds whole scores here (`share_logprobs`) and whose prefixes its
+        prompts a model it holds whole scores here (`ShareScoring`) and whose prefixes its
         co-scheduler computes beside its decode — prompts its own engine prefilled."""
         return self.group_prompts(num_prompts)[self.tp_rank :: self.tp_size]
-
-    @torch.no_grad()
-    def share_logprobs(self, scorer: Trainer, batch, cfg: RLConfig, key: str) -> torch.Tensor:
-        """Logprobs [N, R] on every rank of a model each rank holds whole (the old policy, `key`
-        "old"; a reference not sharded, "ref"): each rank scores its share (no collective inside the
-        passes; the prefixes its co-scheduler handed over for those prompts under `key` are used), and
-        the shares are summed over the group. An out-of-memory error in this rank's passes backs off
-        there alone (`scorer`: a Trainer over the model, placed on this process); its passes hold no
-        collective."""
-
-        device = scorer.model.inv_freq.device
-        out = torch.zeros(batch.responses.shape, dtype=torch.float32, device=device)
-        mine = self.share(batch.num_prompts)
-        if mine:
-            sub, idx = batch.select_prompts(mine)
-            out[idx.to(device)] = scorer.score(sub, logprobs(cfg.temperature), cfg, prefix_key=key,
-                                               placement=SingleProcess()).to(device)
-        dist.all_reduce(out, group=self.group)
-        return out.cpu()
 
     def generate(self, prompts: list, params: list, keep_vision: bool = False, on_output=None) -> list:
         """The engine's outputs for every prompt, on every rank (see the module docstring). on_output(i,

@@ -359,12 +359,12 @@ class DataParallel:
             torch._foreach_mul_(gs, coef.to(gs[0].device))
         return total
 
-    def checkpointing(self, model: Qwen25VL) -> tuple[bool, bool]:
+    def checkpointing(self, model: Qwen25VL, to: tuple[bool, bool] | None = None) -> tuple[bool, bool]:
+        if to is not None:
+            fsdp_mod.set_checkpointing(model, *to)
+            self._checkpointing = to
+            return to
         return fsdp_mod.checkpointing(model)
-
-    def set_checkpointing(self, model: Qwen25VL, decoder: bool, vision: bool) -> None:
-        fsdp_mod.set_checkpointing(model, decoder, vision)
-        self._checkpointing = (decoder, vision)
 
     def recoverable_oom(self) -> bool:
         return self.world == 1
@@ -376,16 +376,18 @@ class LocalPasses(SingleProcess):
     units past FSDP2's hooks (`direct_call`). No collective: each rank goes at its own rollout's pace."""
 
     def run(self, model: Qwen25VL, fn, *args):
+        if not isinstance(model, fsdp_mod.FSDPModule):  # a model held whole (the policy, a reference not sharded)
+            return fn(*args)
         return fsdp_mod.direct_call(model, fn, *args)
 
     def clip_grad_norm_(self, params, max_norm: float) -> torch.Tensor:
         raise AssertionError("the fused stages accumulate; the data-parallel placement clips")
 
-    def checkpointing(self, model: Qwen25VL) -> tuple[bool, bool]:
+    def checkpointing(self, model: Qwen25VL, to: tuple[bool, bool] | None = None) -> tuple[bool, bool]:
+        if to is not None:
+            fsdp_mod.set_checkpointing(model, *to)
+            return to
         return fsdp_mod.checkpointing(model)
-
-    def set_checkpointing(self, model: Qwen25VL, decoder: bool, vision: bool) -> None:
-        fsdp_mod.set_checkpointing(model, decoder, vision)
 
 
 def placed(model, mesh: DeviceMesh, fsdp: FSDPConfig, column_sharded=()) -> tuple:

@@ -8,15 +8,9 @@ docs/ARCHITECTURE.md ("The step as a pipeline of groups").
 
 from __future__ import annotations
 
-import torch
-
 from ..models import Qwen25VL
 from ..rl.actor import Actor
-from ..rl.config import RLConfig
-from ..rl.placement import SingleProcess
 from ..rl.runtime import FusedPlacement
-from ..rl.scoring import logprobs
-from ..rl.trainer import Trainer
 from .data_parallel import LocalPasses
 from .fsdp import can_call_directly
 
@@ -75,23 +69,9 @@ class DataParallelFused(FusedPlacement):
         every = self.rank.gather_objects((pipe.shareable(), pipe.counts()))
         return [r for part, _ in every for r in part], tuple(map(sum, zip(*(c for _, c in every))))
 
-    def reference_logprobs(self, reference: Trainer, batch, cfg: RLConfig) -> torch.Tensor:
-        """The reference's logprobs of some finished groups, scored by this rank alone."""
-        local = self.local_passes() if self.rank.fsdp.shard_reference else SingleProcess()
-        return reference.score(batch, logprobs(cfg.temperature), cfg, placement=local)
-
-    def old_logprobs(self, policy: Qwen25VL, actor: Actor, batch, cfg: RLConfig) -> torch.Tensor:
-        """Old logprobs of some finished groups, by this rank alone on the policy its engine decodes."""
-        return Trainer(policy, role="old-logprob", score_backoff=actor.score_backoff).score(
-            batch, logprobs(cfg.temperature), cfg)
-
     def placement(self) -> LocalPasses:
-        """Where the fused stages' training passes run: this rank alone, over units `begin` gathered."""
-        return self.local_passes()
-
-    @staticmethod
-    def local_passes() -> LocalPasses:
-        """The placement of this rank's fused passes over a sharded model gathered by `begin`."""
+        """Where the fused stages' passes run, trained and scored: this rank alone, over units `begin` gathered
+        (a model held whole called as it is)."""
         return LocalPasses()
 
     def _sharded(self, ref: Qwen25VL | None) -> list[Qwen25VL]:

@@ -153,7 +153,7 @@ class Actor(Trainer):
         super().__init__(model, optimizer, placement, memory,
                          torch.optim.lr_scheduler.LambdaLR(optimizer.opt, lr_lambda(cfg)),
                          cfg.lr_schedule_unit == "optimizer_step", role="actor")
-        self.placement.set_checkpointing(model, cfg.gradient_checkpointing, cfg.vision_gradient_checkpointing)
+        self.placement.checkpointing(model, (cfg.gradient_checkpointing, cfg.vision_gradient_checkpointing))
 
     @property
     def _backoff(self) -> MicroBatching | None:
@@ -178,13 +178,16 @@ class Actor(Trainer):
             g["lr"] = lr
         return lrs[0]
 
-    def old_logprobs(self, batch: RolloutBatch, cfg: RLConfig | None = None) -> torch.Tensor | None:
+    def old_logprobs(self, batch: RolloutBatch, cfg: RLConfig | None = None,
+                     scorer: Trainer | None = None) -> torch.Tensor | None:
         """Scored once before the first update when there are several or the rollout correction needs them for
-        the whole batch (rl/rollout_correction.py); None when old = current."""
+        the whole batch (rl/rollout_correction.py); None when old = current. scorer: the trainer that scores
+        them (default: this one; a runtime's `old_scorer`)."""
         cfg = cfg or self.cfg
         if cfg.num_updates == 1 and not cfg.rollout_corr.needs_whole_batch:
             return None
-        return self.score(batch, logprobs(cfg.temperature), cfg, prefix_key="old", what="the old-logprob scoring")
+        return (scorer or self).score(batch, logprobs(cfg.temperature), cfg, prefix_key="old",
+                                      what="the old-logprob scoring")
 
     def update(self, batch: RolloutBatch, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None,
                old_all: torch.Tensor | None = None, step_idx: int = 0,

@@ -180,8 +180,7 @@ class Critic(Trainer):
                                 regions=("critic_optimizer", "critic_grads"), lr=cfg.critic_lr,
                                 betas=cfg.betas, weight_decay=cfg.weight_decay)
         super().__init__(model, optimizer, placement, memory, role="critic")
-        self.placement.set_checkpointing(model, bool(cfg.gradient_checkpointing),
-                                         bool(cfg.vision_gradient_checkpointing))
+        self.placement.checkpointing(model, (bool(cfg.gradient_checkpointing), bool(cfg.vision_gradient_checkpointing)))
         model.eval()
 
     @staticmethod

@@ -39,6 +39,7 @@ from .config import RLConfig
 from .errors import TrainOOM, is_oom
 from .fuse_gate import FuseGate
 from .remax import score_baselines
+from .scoring import logprobs
 from .trainer import mini_batch_sizes
 
 BATCH_WIDE = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg")  # whiten / scale over the batch
@@ -296,19 +297,22 @@ class GroupPipeline:
         chunk.rewards = scores
         score_baselines(self.rewards, chunk, ids)  # ReMax: the chunk's greedy responses
         train_b, ref_b = st.training_views(chunk)
-        rt = st.runtime  # one process, or this data-parallel rank alone (no collective)
-        ref = rt.fused.reference_logprobs(st.reference, ref_b, cfg) if st.uses_reference(cfg) else None
+        rt = st.runtime
+        local = rt.fused.placement()  # this data-parallel rank alone (no collective); None: each trainer's own
+        lp = logprobs(cfg.temperature)
+        ref = st.reference.score(ref_b, lp, cfg, prefix_key="ref", placement=local) if st.uses_reference(cfg) \
+            else None
         # several updates: the ratio's denominator, by the weights the rollout sampled from (phased scores it
         # before the first optimizer step too)
-        old = rt.fused.old_logprobs(st.model, st.actor, train_b, cfg) if cfg.num_updates > 1 else None
+        old = rt.old_scorer(st.actor, cfg).score(train_b, lp, cfg, prefix_key="old", placement=local,
+                                                 what="the old-logprob scoring") if cfg.num_updates > 1 else None
         chunk.prefix.clear()  # consumed (the views share the dict): the update runs its own prefixes
         penalty, _, _ = st.kl_reward_penalty(chunk, ref, cfg)
         adv, seq_rewards = compute_advantages(cfg.adv_estimator, scores, chunk.group, chunk.mask, penalty,
                                               cfg.norm_adv_by_std, cfg.gamma, cfg.singleton_adv, chunk.baselines)
         logp = None
         if trained:
-            acc, logp = st.actor.accumulate_groups(cfg, train_b, adv, ref if cfg.use_kl_loss else None, old,
-                                                   rt.fused.placement())
+            acc, logp = st.actor.accumulate_groups(cfg, train_b, adv, ref if cfg.use_kl_loss else None, old, local)
             self.acc = acc if self.acc is None else self.acc + acc
         rows = torch.cat([torch.arange(self.offsets[i], self.offsets[i + 1]) for i in ids])
         self.results.append(ChunkResult(ids, rows, scores, reward_metrics, ref, adv, seq_rewards, logp, old,

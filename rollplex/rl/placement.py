@@ -13,7 +13,8 @@ they are cut into passes, how a pass calls the model, and how per-process result
     sum_(t)                     t summed over the processes, in place
     clip_grad_norm_(params, m)  the gradients' global 2-norm, every gradient scaled so that it is at
                                 most m (torch's clip_grad_norm_ over the whole model)
-    checkpointing / set_checkpointing   per-layer activation checkpointing of the model
+    checkpointing(model, to)    per-layer activation checkpointing of the model: (decoder, vision), or
+                                set to `to` (and `to` returned) when given
     defer_oom()                 called on an out-of-memory error inside a training pass: whether it can
                                 wait for `end_passes` (the passes run no collective), this process
                                 running no more passes of the mini-batch
@@ -62,9 +63,7 @@ class Placement(Protocol):
 
     def clip_grad_norm_(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor: ...
 
-    def checkpointing(self, model: Qwen25VL) -> tuple[bool, bool]: ...
-
-    def set_checkpointing(self, model: Qwen25VL, decoder: bool, vision: bool) -> None: ...
+    def checkpointing(self, model: Qwen25VL, to: tuple[bool, bool] | None = None) -> tuple[bool, bool]: ...
 
     def defer_oom(self) -> bool: ...
 
@@ -94,11 +93,11 @@ class SingleProcess:
     def clip_grad_norm_(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
-    def checkpointing(self, model: Qwen25VL) -> tuple[bool, bool]:
+    def checkpointing(self, model: Qwen25VL, to: tuple[bool, bool] | None = None) -> tuple[bool, bool]:
+        if to is not None:
+            set_activation_checkpointing(model, *to)
+            return to
         return activation_checkpointing(model)
-
-    def set_checkpointing(self, model: Qwen25VL, decoder: bool, vision: bool) -> None:
-        set_activation_checkpointing(model, decoder, vision)
 
     def defer_oom(self) -> bool:
         return False

@@ -15,8 +15,10 @@ computes what the single-process one does; only these operations differ.
                                 built into its memory region, as a Trainer over it and where its passes
                                 run; the step builds the actor and critic on these
     trainer_footprint / weight_bytes   what the trainer holds here, for the memory fit
-    reference_gather / old_policy      what a co-scheduled prefix sweep runs on
-    reference_logprobs / old_logprobs  the scoring passes of the phased step
+    sweep_gather(model)         the gather a co-scheduled prefix sweep of a model runs on (None: held whole)
+    old_scorer(actor, cfg)      the Trainer whose scores are the old logprobs (the actor, or one over the
+                                policy the rollout decodes); the reference and it score through
+                                `Trainer.score` over their placements
     sync_weights(m, timed)      the updated weights into what the rollout decodes
     policy_state                {name: whole parameter}
     fused                       where the fused schedule's stages run (`FusedPlacement`), read by rl/schedule.py
@@ -32,10 +34,8 @@ import torch
 
 from ..models import Qwen25VL
 from .actor import Actor
-from .batch import RolloutBatch
 from .config import RLConfig
 from .rollout import RolloutBackend
-from .scoring import logprobs
 from .trainer import Trainer
 
 
@@ -70,16 +70,8 @@ class FusedPlacement:
         """Every rank's chunks and counts (None: the pipeline's own chunks are the whole batch's)."""
         return None, None
 
-    def reference_logprobs(self, reference: Trainer, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
-        """The reference's logprobs of some finished groups."""
-        return reference.score(batch, logprobs(cfg.temperature), cfg, prefix_key="ref")
-
-    def old_logprobs(self, policy: Qwen25VL, actor: Actor, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
-        """The old logprobs of some finished groups."""
-        return actor.old_logprobs(batch, cfg)
-
     def placement(self):
-        """Where the stages' training passes run (None: the actor's own)."""
+        """Where the stages' passes run, trained and scored (None: each trainer's own)."""
         return None
 
 
@@ -114,21 +106,14 @@ class Runtime:
         """Bytes the built trainer adds to the weights the rollout decodes."""
         return 0
 
-    def reference_gather(self, ref: Qwen25VL):
-        """The gather a co-scheduled sweep of the reference runs on (None: it is held whole)."""
+    def sweep_gather(self, model: torch.nn.Module):
+        """The gather a co-scheduled prefix sweep of `model` (the reference, the old policy's scorer) runs on
+        (None: it is held whole here, as every model is on this process)."""
         return None
 
-    def old_policy(self, policy: Qwen25VL, trainer: Qwen25VL) -> tuple[Qwen25VL, object]:
-        """(the model whose prefixes the old logprobs read, its sweep's gather)."""
-        return policy, None
-
-    def reference_logprobs(self, reference: Trainer, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
-        """The reference's logprobs [N, R] of the batch's responses."""
-        return reference.score(batch, logprobs(cfg.temperature), cfg, prefix_key="ref")
-
-    def old_logprobs(self, policy: Qwen25VL, actor: Actor, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
-        """The old logprobs [N, R] before the first update (None where old = current)."""
-        return actor.old_logprobs(batch, cfg)
+    def old_scorer(self, actor: Actor, cfg: RLConfig) -> Trainer:
+        """The trainer whose scores (`Trainer.score`) are the old logprobs under `cfg`: here the actor's own."""
+        return actor
 
     def sync_weights(self, m: dict | None = None, timed=contextlib.nullcontext) -> None:
         """After an update: the trainer's weights into what the rollout decodes (timed by `timed()`), and their

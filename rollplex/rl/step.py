@@ -10,7 +10,9 @@ advantages -> update. `RLStep` keeps the algorithm; where its work runs and in w
     update(...)                         the tail both schedules end in: actor, critic, step counted
 
 The models are Trainers (rl/trainer.py): the actor (rl/actor.py), the critic under gae (rl/critic.py),
-the reference (one with no optimizer). Advantages come from `cfg.adv_estimator` (rl/algos.py); with
+the reference (one with no optimizer), built and placed with the runtime and rollout backend by
+rl/parts.py (`build_parts`; `RLStep.from_parts` takes them built, `RLStep(model, engine, cfg, ...)` builds
+them). Advantages come from `cfg.adv_estimator` (rl/algos.py); with
 `use_kl_loss=False` the KL to the reference is a per-token reward penalty (fixed or verl's adaptive
 controller). `mode` changes where the work runs, never what is computed: `rollplex` runs each prompt's
 prefix once for its n responses, `serial` every sample in full (verl's order).
@@ -25,7 +27,6 @@ step leaves is in rl/errors.py. More in docs/ARCHITECTURE.md ("The RL step").
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import time
 from collections.abc import Callable
@@ -40,24 +41,21 @@ from ..cosched.handover import co_scheduled, complete
 from ..engine import Engine, SamplingParams
 from ..memory import MemoryConfig, MemoryManager
 from ..models import Qwen25VL
-from .actor import Actor
 from .algos import AdaptiveKLController, compute_advantages, gae_advantages, kl_penalty, token_level_rewards
 from .batch import RolloutBatch
 from .config import RLConfig
-from .critic import Critic, build_value_model
 from .dynamic_sampling import sample_groups
 from .errors import TrainStepError, TrainStepFailed
+from .parts import StepParts, build_parts
 from .rewards import RewardFn, get_reward_fn, score_batch
-from .rollout import NativeRollout, RolloutBackend, as_rollout_backend, rollout_requests
+from .rollout import NativeRollout, RolloutBackend, rollout_requests
 from .rollout_correction import corrected_batch, rollout_correction
-from .runtime import Runtime
 from .schedule import schedule_of, why_not_fused
+from .scoring import logprobs
 from .step_memory import fit_memory as fit_memory  # re-exported: its home before rl/step_memory.py
-from .step_memory import fit_step, local_tensors, step_sizes, update_activations
+from .step_memory import step_sizes, update_activations
 from .timing import phase_timer as _timer
 
-# the regions a step allocates in when built (resumed for that where the current phase has them paused)
-TRAINER_REGIONS = ("ref_weights", "optimizer", "grads", "critic_weights", "critic_optimizer", "critic_grads")
 log = logging.getLogger("rollplex.rl")
 
 
@@ -78,37 +76,46 @@ class RLStep:
         the engine by `rollplex.parallel.data_parallel` (a `Colocated`), or None: this process alone.
         Data-parallel, `model` holds the full weights on every rank and the engine decodes it, or this
         rank's tensor-parallel shard of it (`parallel.tensor_parallel_copy`); then `self.model` is that
-        shard, and `model` is read only here (drop it to free the whole weights)."""
-        backend = as_rollout_backend(engine)
-        if cfg.cosched and backend is not None and not isinstance(backend, NativeRollout):
-            raise ValueError(f"cosched needs the native rollout backend: with {backend.name} the co-scheduler "
-                             "runs in its scheduler (engine_patches.sglang.CoschedHook), which RLStep does not drive")
-        # where the step runs: this process alone, or the data-parallel rank injected (rl/runtime.py), and the
-        # backend it rolls out on (a data-parallel rank's deals the prompts over the ranks)
-        self.runtime: Runtime = parallel or Runtime(model)
-        self.backend = self.runtime.bind_rollout(backend, model, memory)
+        shard, and `model` is read only here (drop it to free the whole weights).
+
+        The parts are built and placed by rl/parts.py (`build_parts`) and the step assembled from them
+        (`from_parts`); the reward function is resolved first (an unknown one: ValueError, nothing built)."""
+        reward = reward_fn if callable(reward_fn) else get_reward_fn(reward_fn)
+        self._assemble(build_parts(model, engine, cfg, processor, ref_model, memory, memory_cfg, parallel), reward,
+                       cosched)
+
+    @classmethod
+    def from_parts(cls, parts: StepParts, reward_fn: RewardFn | str | None = None,
+                   cosched: CoschedConfig | None = None) -> RLStep:
+        """The step over parts already built and placed (rl/parts.py `build_parts`, which `RLStep(...)` runs):
+        the runtime, rollout backend, actor, reference and critic, and the settings chosen with them."""
+        step = cls.__new__(cls)
+        step._assemble(parts, reward_fn if callable(reward_fn) else get_reward_fn(reward_fn), cosched)
+        return step
+
+    def _assemble(self, parts: StepParts, reward_fn: RewardFn, cosched: CoschedConfig | None) -> None:
+        """The step over `parts`: the algorithm's own state (reward, KL controller, step count, schedule), and the
+        memory plan the fit chose set on the manager."""
+        self.runtime, self.backend = parts.runtime, parts.backend
+        self.parallel = parts.data_parallel  # for what reads its group (checkpoints, the server)
         # the native engine, whose decode loop the co-scheduler hooks into; None with another backend
         self.engine = self.backend.engine if isinstance(self.backend, NativeRollout) else None
-        self.runtime.check(cfg)
-        self.model, self.cfg = self.runtime.policy, cfg  # what the engine decodes: the policy or its TP shard
-        self.memory, self.memory_cfg = memory, memory_cfg or MemoryConfig()
-        self.processor = processor or (self.backend.processor if self.backend is not None else None)
-        self.parallel = parallel  # the data-parallel runtime or None, for what reads its group (checkpoints)
-        if cfg.freeze_vision_tower:  # before the optimizer is built: the vision tower has no trainable state
-            model.visual.requires_grad_(False)
-        self.reward_fn = reward_fn if callable(reward_fn) else get_reward_fn(reward_fn)
+        self.model = self.runtime.policy  # what the engine decodes: the policy or its TP shard
+        self.cfg = cfg = parts.cfg
+        self.memory, self.memory_cfg, self.memory_fit = parts.memory, parts.memory_cfg, parts.memory_fit
+        self.processor = parts.processor
+        self.actor, self.reference, self.critic = parts.actor, parts.reference, parts.critic
+        self.reward_fn = reward_fn
         # the KL-in-reward coefficient under kl_ctrl="adaptive" (verl's controller), moved after each step
         self.kl_ctrl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) \
             if cfg.kl_ctrl == "adaptive" else None
-        with self._resident(TRAINER_REGIONS):  # a step may be built in any phase of the plan it replaces
-            self._build_trainers(model, ref_model, cfg)
-        cfg = self.cfg
         self.step_idx = 0
-        self.device = model.inv_freq.device
+        self.device = self.model.inv_freq.device
         self._cosched_cfg, self._cosched = cosched or CoschedConfig(), None
         self.timeline: Timeline | None = None  # set one to record phases and co-scheduled work
         self.rollout_metrics: dict = {}  # the last rollout's co-scheduling metrics
         self.schedule = schedule_of(cfg)  # the order of `run`'s work (rl/schedule.py)
+        memory = self.memory
         if memory is not None:
             fit = self.memory_fit
             memory.set_plan(fit.plan, fit.to_dict())
@@ -120,57 +127,11 @@ class RLStep:
                             fit.budget / 2**30, fit.plan.table(sizes, acts))
         self.refresh_vision_check()
 
-    def _build_trainers(self, model: Qwen25VL, ref_model: Qwen25VL | None, cfg: RLConfig) -> None:
-        """The reference, the critic's value model, the memory fit, and the actor's and critic's trainers, each
-        placed by the runtime (`place`: this process, or sharded over a data-parallel group) in its region."""
-        memory, rt = self.memory, self.runtime
-        # the reference: a trainer with no optimizer (it only scores), placed where the actor's passes run below
-        self.reference = None
-        if ref_model is not None or cfg.kl_coef > 0:
-            self.reference = rt.place(lambda: ref_model if ref_model is not None else copy.deepcopy(model),
-                                      lambda: self._region("ref_weights"), trainable=False, role="reference")
-            ref = self.reference.model.requires_grad_(False).eval()
-            if memory is not None:
-                memory.preserve("ref_weights", lambda: local_tensors(ref))
-        # PPO-GAE's value model (rl/critic.py), in its region before the plan is fitted: its bytes are planned
-        self.critic: Critic | None = None
-        value = None
-        if cfg.uses_critic:
-            value = rt.place(lambda: build_value_model(model, cfg.critic_model_path, cfg.seed),
-                             lambda: self._region("critic_weights"), trainable=True, role="critic")
-            if cfg.freeze_vision_tower:
-                value.model.backbone.visual.requires_grad_(False)
-            if memory is not None:
-                memory.preserve("critic_weights", lambda: local_tensors(value.model))
-        # before the trainer is built: what fits the device decides its checkpointing and where its optimizer
-        # state lives (memory/fit.py); without a memory manager what is left to the plan stays off. Either way
-        # a runtime's own checkpointing (FSDP's) stays on
-        self.memory_fit = fit = fit_step(self, model, value and value.model) if memory is not None else None
-        if fit is not None:
-            decoder, vision = fit.gradient_checkpointing, fit.vision_gradient_checkpointing
-        else:
-            _, _, decoder, vision = rt.trainer_footprint(0, 0, bool(cfg.gradient_checkpointing),
-                                                         bool(cfg.vision_gradient_checkpointing))
-        self.cfg = cfg = replace(cfg, gradient_checkpointing=decoder, vision_gradient_checkpointing=vision)
-        offload = self.memory_cfg.optimizer_offload
-        self.memory_cfg = replace(self.memory_cfg, optimizer_offload=fit.optimizer_offload if fit
-                                  else "none" if offload == "auto" else offload)
-        offload = self.memory_cfg.optimizer_offload
-        policy = rt.place(lambda: model, contextlib.nullcontext, trainable=True, role="actor")
-        self.actor = Actor(policy.model, cfg, memory, offload, placement=policy.placement)
-        if self.reference is not None:  # scored where the actor's passes run, backing off with its scoring
-            self.reference.placement, self.reference.score_backoff = self.actor.placement, self.actor.score_backoff
-        if value is not None:
-            self.critic = Critic(value.model, cfg, memory, offload, placement=value.placement)
-
     # ---- memory -------------------------------------------------------------------------------
     @property
     def ref(self) -> Qwen25VL | None:
         """The frozen reference model (None without one)."""
         return self.reference.model if self.reference is not None else None
-
-    def _region(self, tag: str):
-        return self.memory.region(tag) if self.memory is not None else contextlib.nullcontext()
 
     def enter(self, name: str) -> None:
         """Enter phase `name` (rollout / ref / update / update_critic) on the memory manager and on the
@@ -259,11 +220,11 @@ class RLStep:
             shared = frozen and self.ref_same_vision
             ref_prompts = prompts if shared or not frozen else [replace(p, vision_embeds=None) for p in prompts]
             out["ref"] = PrefixRows.plan(self.ref, ref_prompts, per_job, "ref", external_vision=shared, only=only,
-                                         gather=self.runtime.reference_gather(self.ref))
+                                         gather=self.runtime.sweep_gather(self.ref))
         if cfg.num_updates > 1:  # the policy, or the trainer's shards (a tensor-parallel engine holds only its own)
-            model, gather = self.runtime.old_policy(self.model, self.actor.model)
+            model = self.runtime.old_scorer(self.actor, cfg).model
             out["old"] = PrefixRows.plan(model, prompts, per_job, "old", external_vision=frozen, only=only,
-                                         gather=gather)
+                                         gather=self.runtime.sweep_gather(model))
         return out
 
     def complete_handover(self, batch: RolloutBatch, key: str, m: dict) -> None:
@@ -358,7 +319,7 @@ class RLStep:
             with _timer(m, "old_log_prob", self.device, tl):
                 self.enter("ref")
                 self.complete_handover(batch, "old", m)
-                old = self.runtime.old_logprobs(self.model, self.actor, batch, cfg)
+                old = self.actor.old_logprobs(batch, cfg, self.runtime.old_scorer(self.actor, cfg))
         batch.prefix = {}  # the prefix states are consumed: free them before the update
         # rollout correction over the whole batch (batch-normalised weights, rejection): what the update trains
         train_batch = corrected_batch(batch, old, cfg) if train_actor else batch
@@ -389,7 +350,7 @@ class RLStep:
 
     def reference_logprobs(self, batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
         """The reference's logprobs [N, R] of the batch's responses (backs off on OOM, rl/scoring.py)."""
-        return self.runtime.reference_logprobs(self.reference, batch, cfg)
+        return self.reference.score(batch, logprobs(cfg.temperature), cfg, prefix_key="ref")
 
     def kl_reward_penalty(self, batch: RolloutBatch, ref_lp: torch.Tensor | None,
                           cfg: RLConfig) -> tuple[torch.Tensor | None, float | None, dict]:

@@ -3,9 +3,9 @@
     step_sizes(step)        bytes per memory tag at steady state (`RLStep.memory_sizes`): the weights the
                             rollout decodes and the trainer shards a data-parallel rank adds to them, the
                             reference, KV cache, gradients, optimizer state and a critic's regions
-    fit_step(step, model)   the plan, checkpointing and optimizer offload for the step's device, before
-                            its trainer is built (`RLStep.memory_fit`; the trainer's share from the
-                            step's runtime, rl/runtime.py)
+    fit_step(runtime, ...)  the plan, checkpointing and optimizer offload for the step's device, before
+                            its trainer is built (rl/parts.py, `RLStep.memory_fit`; the trainer's share
+                            from the step's runtime, rl/runtime.py)
     update_activations      transient bytes per phase: one update micro-batch (the actor's, a critic's), a
                             scoring pass
     fit_memory              `MemoryConfig.fit` (memory/fit.py) for a step of a config on a model
@@ -53,25 +53,26 @@ def ref_bytes(ref: Qwen25VL | None) -> int:
     return _nbytes(_local(p.detach()) for p in ref.parameters()) if ref is not None else 0
 
 
-def fit_step(step, model: Qwen25VL, value_model=None) -> MemoryFit:
-    """The plan and trainer settings for `step`'s device (memory/fit.py), before its trainer is built: its
-    parameters are `model`'s trainable ones (a data-parallel rank's shards: its share of them);
-    value_model: the critic's, already in its region."""
+def fit_step(runtime, backend, cfg: RLConfig, memory, memory_cfg: MemoryConfig, model: Qwen25VL,
+             ref: Qwen25VL | None = None, value_model=None) -> MemoryFit:
+    """The plan and trainer settings for a step's device (memory/fit.py), before its trainer is built (by
+    rl/parts.py, on `runtime` rolling out on `backend` under `memory`): its parameters are `model`'s trainable
+    ones (a data-parallel rank's shards: its share of them); ref, value_model: the reference and the critic's
+    model, already in their regions."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     n, param_bytes = sum(p.numel() for p in trainable), trainable[0].element_size()
-    weights = _nbytes(step.model.parameters())
+    weights = _nbytes(runtime.policy.parameters())
     # a data-parallel rank's share of the trainer, and its own checkpointing flags as choices given
-    n, trainer_bytes, decoder, vision = step.runtime.trainer_footprint(
-        n, param_bytes, step.cfg.gradient_checkpointing, step.cfg.vision_gradient_checkpointing)
+    n, trainer_bytes, decoder, vision = runtime.trainer_footprint(
+        n, param_bytes, cfg.gradient_checkpointing, cfg.vision_gradient_checkpointing)
     weights += trainer_bytes
-    footprint = Footprint(weights, ref_bytes(step.ref),
-                          step.backend.kv_cache_bytes() if step.backend is not None else 0, n, param_bytes,
-                          **critic_footprint(value_model))
-    capacity = device_capacity(model.inv_freq.device, step.memory.backend, step.memory_cfg.device_capacity_gib)
-    cfg = replace(step.cfg, gradient_checkpointing=decoder, vision_gradient_checkpointing=vision)
+    footprint = Footprint(weights, ref_bytes(ref), backend.kv_cache_bytes() if backend is not None else 0, n,
+                          param_bytes, **critic_footprint(value_model))
+    capacity = device_capacity(model.inv_freq.device, memory.backend, memory_cfg.device_capacity_gib)
+    cfg = replace(cfg, gradient_checkpointing=decoder, vision_gradient_checkpointing=vision)
     # a region's pool keeps the bytes an earlier owner mapped (a trainer dropped for a smaller one)
-    mapped = {t: step.memory.region_bytes(t) for t in TAGS}
-    return fit_memory(model.cfg, cfg, step.memory_cfg, footprint, capacity,
+    mapped = {t: memory.region_bytes(t) for t in TAGS}
+    return fit_memory(model.cfg, cfg, memory_cfg, footprint, capacity,
                       host_memory() if model.inv_freq.is_cuda and capacity is not None else None, mapped)
 
 

@@ -109,7 +109,7 @@ def retry_oom(attempt: Callable[[MicroBatching], T], plan: MicroBatching, mode: 
                 # last rung: recompute activations in backward instead of keeping them
                 log.warning("%s out of memory at the smallest micro-batch: turning on activation checkpointing "
                             "for the rest of the run", what)
-                placement.set_checkpointing(model, True, True)
+                placement.checkpointing(model, (True, True))
                 continue
             if smaller is None:
                 raise TrainOOM(f"{what} ran out of device memory at one {unit} per micro-batch; {hints[1]}",
