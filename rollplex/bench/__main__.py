@@ -24,3 +24,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from rollplex.parallel.launch import end_rank
+
+    end_rank()

@@ -7,7 +7,9 @@ process's LOCAL_RANK) on CUDA, gloo on CPU.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -43,3 +45,16 @@ def init_from_env(device: str = "cpu") -> Process:
         dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world,
                                 **({"device_id": dev} if device == "cuda" else {}))
     return Process(rank, world, local, dev)
+
+
+def end_rank() -> None:
+    """End a torchrun rank's process after its command returned cleanly (process groups destroyed, output
+    written): the interpreter's own teardown can abort in torch's gloo threads ("terminate called without
+    an active exception", exit code -6), which torchrun then reports as a failed rank. Outside a group of
+    more than one rank it does nothing."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -212,3 +212,6 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    from ..parallel.launch import end_rank
+
+    end_rank()
