@@ -31,6 +31,22 @@ def proc(tiny_dir):
 
 
 @pytest.fixture
+def heavy_encode(monkeypatch):
+    """The real encode, 0.25 s longer for prompts containing HEAVY (text, or chat messages as /rollout sends
+    them: a costly image stands in); the start times of those encodes."""
+    encode, started = VLProcessor.encode, []
+
+    def slow(self, text=None, **kw):
+        if "HEAVY" in str(text) + str(kw.get("messages")):
+            started.append(time.perf_counter())
+            time.sleep(0.25)
+        return encode(self, text=text, **kw)
+
+    monkeypatch.setattr(VLProcessor, "encode", slow)
+    return started
+
+
+@pytest.fixture
 def tail(monkeypatch):
     """The decode loop waits, once two groups are done, until the worker has trained them: the
     rollout's tail made long enough that fused work runs beside it whatever the machine's speed."""

@@ -23,7 +23,6 @@ from test_engine import _engine, _prompts
 
 from rollplex.engine import EngineConfig, SamplingParams
 from rollplex.engine.engine import Engine
-from rollplex.processor import VLProcessor
 from rollplex.rl.config import RLConfig
 from rollplex.server import ServerConfig, serve_in_thread
 from rollplex.server.limits import ServerLimits
@@ -374,21 +373,6 @@ def test_auth_comes_before_any_body(tiny_dir):
 
 
 # ---- intake: shared fairly, dropped when the client leaves ---------------------------------------------------
-@pytest.fixture
-def heavy_encode(monkeypatch):
-    """The real encode, 0.25 s longer for prompts containing HEAVY (a costly image stands in); counts them."""
-    encode, started = VLProcessor.encode, []
-
-    def slow(self, text=None, **kw):
-        if text is not None and "HEAVY" in text:
-            started.append(time.perf_counter())
-            time.sleep(0.25)
-        return encode(self, text=text, **kw)
-
-    monkeypatch.setattr(VLProcessor, "encode", slow)
-    return started
-
-
 def test_intake_is_shared_between_requests(client, server, heavy_encode):
     heavy = {"text": [f"HEAVY {i}" for i in range(6)], "sampling_params": GREEDY}
     answers = []

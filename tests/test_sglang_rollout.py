@@ -330,23 +330,14 @@ def test_server_serves_rollout_and_train_step_on_sglang(fake_sglang, tiny_dir, t
     assert not backend.engine.proc.is_alive()  # stopping the server shut SGLang down
 
 
-def test_rollout_intake_on_sglang_is_dropped_when_the_client_leaves(fake_sglang, tiny_dir, tmp_path, monkeypatch):
+def test_rollout_intake_on_sglang_is_dropped_when_the_client_leaves(fake_sglang, tiny_dir, tmp_path, heavy_encode):
     """The backend's /rollout prepares its prompts on the fair intake threads as the native path does: a
     client that leaves stops the prompts not started yet, and the server serves the next client."""
     import time
 
-    from rollplex.processor import VLProcessor
     from rollplex.server import serve_in_thread
 
-    encode, started = VLProcessor.encode, []
-
-    def slow(self, text=None, **kw):  # /rollout's chat prompts come as messages
-        if "HEAVY" in str(kw.get("messages")):
-            started.append(time.perf_counter())
-            time.sleep(0.25)
-        return encode(self, text=text, **kw)
-
-    monkeypatch.setattr(VLProcessor, "encode", slow)
+    started = heavy_encode
     heavy = [{"prompt": [{"role": "user", "content": f"HEAVY {i}"}]} for i in range(16)]
     cfg = _server_config(tiny_dir, tmp_path)
     with serve_in_thread(cfg) as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
