@@ -5,9 +5,13 @@ Imports neither transformers nor the engine, so a spawned rank starts in about t
 from __future__ import annotations
 
 import faulthandler
+import logging
+import os
+import sys
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from helpers import IMG, VE, VID, VS, make_prompt, random_text_ids
 
 from rollplex.models import ModelConfig, Qwen25VL, TextConfig, VisionConfig, init_weights
@@ -52,3 +56,20 @@ def init_group(rank: int, world: int, init: str) -> None:
     faulthandler.dump_traceback_later(240, exit=True)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     torch.set_num_threads(1)  # the ranks share two cores
+
+
+def spawn(worker, args: tuple, nprocs: int) -> None:
+    """Run `worker(rank, *args)` in `nprocs` spawned processes and wait for them. A rank whose worker
+    returned ends with os._exit(0) after flushing its output, as `parallel.launch.end_rank` ends a
+    torchrun rank: the interpreter's teardown can abort in gloo's threads ("terminate called without an
+    active exception"), which mp.spawn reports as a failed rank although every check passed. A worker
+    that raised is reported by mp.spawn as before (its traceback is written before teardown)."""
+    mp.spawn(_rank_main, args=(worker, *args), nprocs=nprocs, join=True)
+
+
+def _rank_main(rank: int, worker, *args) -> None:
+    worker(rank, *args)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

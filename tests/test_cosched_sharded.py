@@ -3,7 +3,7 @@ lockstep with the other ranks' but at its own pace (spawned gloo ranks), and com
 model's `prefix` computes."""
 
 import pytest
-import torch.multiprocessing as mp
+from parallel_helpers import spawn
 from sharded_prefix_worker import worker
 
 
@@ -13,4 +13,4 @@ def test_sharded_prefix_sweep_equals_the_whole_models_prefix(tmp_path, layers_pe
     # two cases per run: rank 0 with the vision prompts and rank 1 text-only; rank 1 with no prompt at all
     # (it still issues every gather). Rank 0 issues ahead of rank 1, which then chunks the sweep otherwise
     shares = [[[0, 2, 3], [1, 4]], [[0, 1, 2, 3, 4], []]]
-    mp.spawn(worker, args=(2, f"file://{tmp_path}/store", shares, layers_per_unit), nprocs=2, join=True)
+    spawn(worker, args=(2, f"file://{tmp_path}/store", shares, layers_per_unit), nprocs=2)

@@ -3,8 +3,8 @@ update) computes the single-process step: same rollouts, metrics and weights ove
 the tiny checkpoint), in serial and rollplex mode."""
 
 import pytest
-import torch.multiprocessing as mp
 from disaggregated_step_worker import worker
+from parallel_helpers import spawn
 from parallel_step_worker import build, run_steps
 
 from rollplex.parallel import DisaggregatedLayout
@@ -23,5 +23,5 @@ BASE = dict(n=4, max_new_tokens=6, lr=1e-4, kl_coef=0.05, micro_batch_prompts=2)
 def test_disaggregated_step_equals_single_process(tmp_path, tiny_dir, layout, mode):
     cfg = RLConfig(**BASE, mode=mode)
     want = run_steps(build(tiny_dir, cfg, group=None), ROWS, 2)
-    mp.spawn(worker, args=(layout.world, f"file://{tmp_path}/store", tiny_dir, ROWS, cfg, layout, want),
-             nprocs=layout.world, join=True)
+    spawn(worker, args=(layout.world, f"file://{tmp_path}/store", tiny_dir, ROWS, cfg, layout, want),
+             nprocs=layout.world)

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 from helpers import assert_fp32_close, assert_weights_close, capture_grads
+from parallel_helpers import spawn
 
 from rollplex.cosched import CoschedConfig, CoScheduler, PrefixJob
 from rollplex.cosched.controller import AdmissionController
@@ -210,12 +211,11 @@ def test_fused_data_parallel_equals_phased(tmp_path, tiny_dir):
     finish 0, 4, 2 and rank 1's 5, 1, 3, so the whole rollout's order interleaves them as 0, 5, 4, 1, 2, 3
     and the first of two mini-batches is two of rank 0's groups and one of rank 1's. The gradients are
     reduced once after the rollout; normalisers, metrics and updated weights are the phased step's."""
-    import torch.multiprocessing as mp
     from fused_dp_worker import worker
 
     # three samples: each group of the first mini-batch then has unequal rewards (non-zero advantages)
     cfg = RLConfig(n=3, max_new_tokens=12, lr=1e-4, kl_coef=0.05, micro_batch_prompts=1, ppo_mini_batches=2)
-    mp.spawn(worker, args=(2, f"file://{tmp_path}/store", tiny_dir, ROWS, LENGTHS, cfg), nprocs=2, join=True)
+    spawn(worker, args=(2, f"file://{tmp_path}/store", tiny_dir, ROWS, LENGTHS, cfg), nprocs=2)
 
 
 @pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")

@@ -4,7 +4,7 @@ directory is the policy (and PPO's critic, gathered from its shards); a checkpoi
 refused on every rank."""
 
 import pytest
-import torch.multiprocessing as mp
+from parallel_helpers import spawn
 from parallel_step_worker import checkpoint_worker
 
 from rollplex.rl.config import RLConfig
@@ -18,5 +18,5 @@ ROWS = shape_color.make_rows(5, seed=3)
 @pytest.mark.parametrize("rollout,rl", [("data", dict(adv_estimator="gae", use_kl_loss=False)), ("tensor", {})])
 def test_data_parallel_checkpoint_resumes_the_same_run(tmp_path, tiny_dir, rollout, rl):
     cfg = RLConfig(n=4, max_new_tokens=6, lr=1e-4, kl_coef=0.05, micro_batch_prompts=2, temperature=1.0, **rl)
-    mp.spawn(checkpoint_worker, args=(2, f"file://{tmp_path}/store", tiny_dir, ROWS, cfg, str(tmp_path / "ck"),
-                                      rollout), nprocs=2, join=True)
+    spawn(checkpoint_worker, args=(2, f"file://{tmp_path}/store", tiny_dir, ROWS, cfg, str(tmp_path / "ck"),
+                                      rollout), nprocs=2)

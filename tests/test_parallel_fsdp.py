@@ -5,9 +5,8 @@ import dataclasses
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from parallel_dp_worker import worker
-from parallel_helpers import rollout_batch, tiny_cfg, tiny_model
+from parallel_helpers import rollout_batch, spawn, tiny_cfg, tiny_model
 
 from rollplex.models import ModelInputs
 from rollplex.parallel import FSDPConfig, assign_prompts
@@ -56,8 +55,7 @@ def test_fsdp_update_equals_single_process(tmp_path, world, rl, fsdp, tie):
     cfg = RLConfig(**{**BASE, **rl})
     want = _single_process(cfg, tie)
     refuse_on = 1 if cfg.mode == "serial" else None
-    mp.spawn(worker, args=(world, f"file://{tmp_path}/store", cfg, fsdp, tie, want, refuse_on), nprocs=world,
-             join=True)
+    spawn(worker, args=(world, f"file://{tmp_path}/store", cfg, fsdp, tie, want, refuse_on), nprocs=world)
 
 
 def test_assign_prompts_balances_by_cost():

@@ -4,7 +4,7 @@ weights, over two steps (the second rolls out with the synced weights); per-rank
 rollout; world size 1 through the distributed path too."""
 
 import pytest
-import torch.multiprocessing as mp
+from parallel_helpers import spawn
 from parallel_step_worker import build, run_steps, worker
 
 from rollplex.memory import MemoryConfig
@@ -20,8 +20,8 @@ BASE = dict(n=4, max_new_tokens=6, lr=1e-4, kl_coef=0.05, micro_batch_prompts=2)
 
 def _spawn(tmp_path, tiny_dir, world, cfg, rollout="data", steps=2, memory_cfg=None, oom=None, fsdp=None):
     want = run_steps(build(tiny_dir, cfg, group=None), ROWS, steps)
-    mp.spawn(worker, args=(world, f"file://{tmp_path}/store", tiny_dir, ROWS, cfg, rollout, steps, memory_cfg, want,
-                           oom, fsdp), nprocs=world, join=True)
+    spawn(worker, args=(world, f"file://{tmp_path}/store", tiny_dir, ROWS, cfg, rollout, steps, memory_cfg, want,
+                           oom, fsdp), nprocs=world)
 
 
 @pytest.mark.slow

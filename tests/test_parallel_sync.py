@@ -3,8 +3,7 @@ every rollout rank's live parameters then equal its (tensor-parallel) shard of t
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from parallel_helpers import tiny_cfg
+from parallel_helpers import spawn, tiny_cfg
 from parallel_sync_worker import worker
 
 from rollplex.parallel import DisaggregatedLayout, bucket_plan
@@ -18,7 +17,7 @@ from rollplex.parallel import DisaggregatedLayout, bucket_plan
     DisaggregatedLayout(train=1, rollout_tp=1, replicas=2),
 ])
 def test_rollout_ranks_receive_the_trainers_weights(tmp_path, layout):
-    mp.spawn(worker, args=(layout.world, f"file://{tmp_path}/store", layout), nprocs=layout.world, join=True)
+    spawn(worker, args=(layout.world, f"file://{tmp_path}/store", layout), nprocs=layout.world)
 
 
 def test_bucket_plan_and_layout():

@@ -3,9 +3,8 @@ model, and the engine's greedy and seeded generations equal token for token (log
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from helpers import make_prompt
-from parallel_helpers import tiny_cfg, tiny_model
+from parallel_helpers import spawn, tiny_cfg, tiny_model
 from parallel_tp_worker import ENGINE, module_state, plan_worker, run, worker
 
 from rollplex.engine import Engine, EngineConfig, SamplingParams
@@ -24,7 +23,7 @@ def _prompts():
 def test_tp_decode_equals_single_process(tmp_path, world, tie, vision):
     prompts = _prompts()
     want = run(tiny_model(tiny_cfg(tie)), prompts)
-    mp.spawn(worker, args=(world, f"file://{tmp_path}/store", tie, prompts, want, vision), nprocs=world, join=True)
+    spawn(worker, args=(world, f"file://{tmp_path}/store", tie, prompts, want, vision), nprocs=world)
 
 
 def test_shard_state_dict_cuts_megatron_shards():
@@ -58,7 +57,7 @@ def test_applying_tp_replaces_parameters_only(tmp_path):
         want = dict(logits=model(prompts), lens=[len(p.input_ids) for p in prompts])
     sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     want["greedy"] = [r.samples[0].token_ids for r in Engine(model, None, EngineConfig(**ENGINE)).generate(prompts, sp)]
-    mp.spawn(plan_worker, args=(2, f"file://{tmp_path}/store", prompts, want), nprocs=2, join=True)
+    spawn(plan_worker, args=(2, f"file://{tmp_path}/store", prompts, want), nprocs=2)
 
 
 def test_engine_refuses_a_plan_its_model_was_not_split_by():

@@ -3,7 +3,7 @@ rank's shards are the right slices, and tensor-parallel decode over gloo ranks e
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from parallel_helpers import spawn
 from qwen3_helpers import qwen3_prompt, tiny_qwen3
 from qwen3_tp_worker import worker
 
@@ -46,7 +46,7 @@ def test_tp_decode_equals_single_process(tmp_path, vision):
     prompts = [qwen3_prompt(g, text_len=(6, 3)), qwen3_prompt(g, images=[(1, 4, 6)], text_len=(4, 5)),
                qwen3_prompt(g, text_len=(2, 2))]
     want = run(tiny_qwen3(seed=7).eval(), prompts)
-    mp.spawn(worker, args=(2, f"file://{tmp_path}/store", prompts, want, vision), nprocs=2, join=True)
+    spawn(worker, args=(2, f"file://{tmp_path}/store", prompts, want, vision), nprocs=2)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from parallel_helpers import spawn
 from safetensors.torch import load_file, save_file
 
 from rollplex.engine import EngineConfig
@@ -532,7 +533,5 @@ def _dp_optimizer_oom(rank: int, world: int, init: str, rl: RLConfig) -> None:
 
 @pytest.mark.slow
 def test_data_parallel_ranks_agree_on_an_optimizer_oom(tmp_path):
-    import torch.multiprocessing as mp
-
     rl = RLConfig(lr=1e-4, kl_coef=0.05, micro_batch_prompts=1, ppo_mini_batches=2)
-    mp.spawn(_dp_optimizer_oom, args=(2, f"file://{tmp_path}/store", rl), nprocs=2, join=True)
+    spawn(_dp_optimizer_oom, args=(2, f"file://{tmp_path}/store", rl), nprocs=2)

@@ -4,8 +4,7 @@ gathered weights, and a padded FSDP2 chunk falls back to a separate shard that t
 The engine decodes the policy itself, or its tensor-parallel copy (then nothing holds the policy whole)."""
 
 import pytest
-import torch.multiprocessing as mp
-from parallel_helpers import tiny_cfg
+from parallel_helpers import spawn, tiny_cfg
 from shared_weights_worker import tp_worker, worker
 
 from rollplex.models import Qwen25VL
@@ -41,7 +40,7 @@ def test_trainer_shards_live_in_the_policy(tmp_path, world, tie):
     want = _expected(world, tie)
     if world == 3:
         assert want["shared"][0] and want["separate"][2] > 0  # both kinds occur
-    mp.spawn(worker, args=(world, f"file://{tmp_path}/store", tie, want), nprocs=world, join=True)
+    spawn(worker, args=(world, f"file://{tmp_path}/store", tie, want), nprocs=world)
 
 
 @pytest.mark.slow
@@ -51,4 +50,4 @@ def test_trainer_shards_live_in_the_policy(tmp_path, world, tie):
     (4, 2, False, True),  # two engines of 2, chosen for sharing: ranks {0, 2} and {1, 3}
 ])
 def test_trainer_shards_live_in_the_tensor_parallel_engine(tmp_path, world, tp, tie, best):
-    mp.spawn(tp_worker, args=(world, f"file://{tmp_path}/store", tp, tie, best), nprocs=world, join=True)
+    spawn(tp_worker, args=(world, f"file://{tmp_path}/store", tp, tie, best), nprocs=world)

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 import torch
-from parallel_helpers import rollout_batch, tiny_cfg, tiny_model
+from parallel_helpers import rollout_batch, spawn, tiny_cfg, tiny_model
 
 from rollplex.rl import critic as critic_mod
 from rollplex.rl.actor import Actor
@@ -178,7 +178,5 @@ def _dp_critic_optimizer_oom(rank: int, world: int, init: str, cfg: RLConfig) ->
 
 
 def test_data_parallel_ranks_agree_on_a_critic_optimizer_oom(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_dp_critic_optimizer_oom, args=(2, f"file://{tmp_path}/store", GAE), nprocs=2, join=True)
+    spawn(_dp_critic_optimizer_oom, args=(2, f"file://{tmp_path}/store", GAE), nprocs=2)
 

@@ -1,7 +1,7 @@
 """The rebuild with real collectives: gloo, world sizes 2 and 4, one spawned process per rank."""
 
 import pytest
-import torch.multiprocessing as mp
+from parallel_helpers import spawn
 from weights_dist_worker import worker
 from weights_helpers import tiny_cfg
 
@@ -15,4 +15,4 @@ from rollplex.weights import RolloutLayout, TrainLayout, model_specs
 ])
 def test_gloo_rebuild_matches_the_gathered_truth(tmp_path, train, roll):
     specs = model_specs(tiny_cfg())
-    mp.spawn(worker, args=(train.world, f"file://{tmp_path}/store", specs, train, roll), nprocs=train.world, join=True)
+    spawn(worker, args=(train.world, f"file://{tmp_path}/store", specs, train, roll), nprocs=train.world)
