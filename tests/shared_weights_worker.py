@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from rollplex.parallel import DataParallelActor, full_tensor
 from rollplex.parallel.shared_weights import SharedWeights, meta_copy
 from rollplex.rl.config import RLConfig
+from rollplex.rl.step_memory import separate_bytes
 
 
 def worker(rank: int, world: int, init: str, tie: bool, want: dict) -> None:
@@ -29,6 +30,8 @@ def worker(rank: int, world: int, init: str, tie: bool, want: dict) -> None:
         report = shared.report()
         assert shared.shared == want["shared"][rank], sorted(shared.shared ^ want["shared"][rank])[:4]
         assert report["separate_bytes"] == want["separate"][rank], report
+        # the memory plan counts the same bytes from the storages alone
+        assert separate_bytes(policy, actor.model) == report["separate_bytes"]
         # a shared shard is a window of the policy's tensor: same storage, its rows
         for name in shared.shared:
             local, full = trainer[name].to_local(), policy.get_parameter(name)
@@ -122,6 +125,7 @@ def tp_worker(rank: int, world: int, init: str, tp_size: int, tie: bool, best: b
         for name in shared.shared:  # same storage, at the plan's offset
             assert local_tensor(trainer[name]).untyped_storage().data_ptr() == params[name].untyped_storage().data_ptr()
         report = shared.report()
+        assert separate_bytes(engine, actor.model) == report["separate_bytes"]
         # one engine: every trainer shard lies in an engine tensor (nothing separate); what the engine
         # replicates (the vision tower, norms, a KV head over two ranks) still takes other ranks' rows
         whole = one and tp_size <= cfg.text.num_key_value_heads

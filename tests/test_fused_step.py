@@ -334,12 +334,12 @@ def test_fused_unsupported_names_the_reason():
     assert "gspo" in fused_unsupported(RLConfig(policy_loss="gspo", kl_coef=0.1))
     assert fused_unsupported(RLConfig(policy_loss="gspo", kl_coef=0.1, use_kl_loss=False)) is None
     RLConfig(schedule="fused", cosched=True)  # one process: the co-scheduler feeds the pipeline
-    from rollplex.parallel.colocated import Colocated
+    from rollplex.parallel.colocated import check_config
 
     with pytest.raises(ValueError, match="one process only"):
-        Colocated.check(RLConfig(schedule="fused", cosched=True))
-    Colocated.check(RLConfig(schedule="fused"))
-    Colocated.check(RLConfig(cosched=True))
+        check_config(RLConfig(schedule="fused", cosched=True))
+    check_config(RLConfig(schedule="fused"))
+    check_config(RLConfig(cosched=True))
     with pytest.raises(ValueError, match="fuse_below"):
         RLConfig(fuse_below=0.0)
     with pytest.raises(ValueError, match="schedule"):

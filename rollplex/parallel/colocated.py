@@ -19,7 +19,7 @@ stages in parallel/fused.py, the rollout backend in parallel/rollout.py). Per ra
 Sampling is seeded per prompt and sample, so the data-parallel step computes the single-process step
 (the first epoch's mini-batches follow the engines' interleaved finishing order). The co-scheduler runs
 per rank on the prompts its engine prefilled (`share`), a sharded model's prefixes as one sweep in
-lockstep with the other ranks' (`sweep_gather`). More in docs/PARALLEL.md ("The data-parallel RL step").
+lockstep with the other ranks' (`Trainer.sweep_gather`). More in docs/PARALLEL.md ("The data-parallel RL step").
 """
 
 from __future__ import annotations
@@ -31,13 +31,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 
 from ..engine import Engine
 from ..models import Qwen25VL
 from ..rl.actor import Actor
 from ..rl.config import RLConfig
-from ..rl.microbatch import micro_batches
 from ..rl.placement import SingleProcess
 from ..rl.rollout import NativeRollout
 from ..rl.runtime import Runtime
@@ -71,6 +69,15 @@ def data_parallel(model: Qwen25VL, engine, cfg: RLConfig, group: dist.ProcessGro
     return Colocated(group, model, engine, cfg, fsdp)
 
 
+def check_config(cfg: RLConfig) -> None:
+    """ValueError for a config a data-parallel step cannot run."""
+    if cfg.cosched and cfg.schedule == "fused":
+        # each rank co-schedules the prefixes its engine prefilled, a sharded model's as one sweep in
+        # lockstep with the other ranks': a chunk's worker cannot take a job over without a collective
+        raise ValueError("cosched with schedule='fused' runs on one process only: a data-parallel step "
+                         "co-schedules prefixes with schedule='phased', or fuses without cosched")
+
+
 class ShareScoring(SingleProcess):
     """The scoring passes of a model every rank holds whole (the old policy a per-rank engine decodes, a
     reference not sharded): each rank scores its share of the prompts (`Colocated.share`: those its engine
@@ -83,9 +90,6 @@ class ShareScoring(SingleProcess):
 
     def share(self, batch, mode: str) -> tuple:
         return batch.select_prompts(self.rank.share(batch.num_prompts))
-
-    def passes(self, local, mode: str, plan, prefix: bool = False):
-        return micro_batches(local, mode, plan) if local.num_samples else []
 
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t, group=self.rank.group)
@@ -128,27 +132,21 @@ class Colocated(Runtime):
         self.fused = DataParallelFused(self)  # where the fused schedule's stages run (parallel/fused.py)
 
     # ---- the step's rollout, config and footprint ----------------------------------------------------------
-    def bind_rollout(self, backend, model: Qwen25VL, memory):
+    def bind(self, backend, model: Qwen25VL, memory, cfg: RLConfig):
         """The backend this rank rolls out on (`DataParallelRollout` over the engine this group was built over,
-        or None without one): the step's must be that engine, under the step's memory."""
+        or None without one): the step's must be that engine, under the step's memory. ValueError for a config
+        a data-parallel step cannot run."""
         engine = backend.engine if isinstance(backend, NativeRollout) else None
         if backend is not None and engine is None:
             raise ValueError(f"a data-parallel RL step needs the native rollout backend, not {backend.name}")
         if self.engine is not engine:
             raise ValueError("the data-parallel placement was built over another engine than the step's")
+        check_config(cfg)
         if engine is None:
             return None
         out = DataParallelRollout(self)
         out.attach(model, memory)
         return out
-
-    @staticmethod
-    def check(cfg: RLConfig) -> None:
-        if cfg.cosched and cfg.schedule == "fused":
-            # each rank co-schedules the prefixes its engine prefilled, a sharded model's as one sweep in
-            # lockstep with the other ranks': a chunk's worker cannot take a job over without a collective
-            raise ValueError("cosched with schedule='fused' runs on one process only: a data-parallel step "
-                             "co-schedules prefixes with schedule='phased', or fuses without cosched")
 
     def trainer_footprint(self, trainable: int, param_bytes: int, decoder, vision) -> tuple[int, int, bool, bool]:
         """(this rank's share of the trainable elements, the bytes its shards add to the engine's weights where
@@ -197,30 +195,31 @@ class Colocated(Runtime):
         if not trainable:
             cfg = dataclasses.replace(self.fsdp, activation_checkpointing=False, vision_activation_checkpointing=False)
             with region():
-                return Trainer(apply_fsdp(model, self.mesh, cfg), role=role)
+                ref = apply_fsdp(model, self.mesh, cfg)
+            return Trainer(ref, role=role, sweeps=self._sweeps(ref))
         if not isinstance(model, Qwen25VL):  # PPO's value model
             with region():
                 sharded, dp = placed(model, self.mesh, self.fsdp)
-            return Trainer(sharded, placement=dp, role=role)
+            return Trainer(sharded, placement=dp, role=role, sweeps=self._sweeps(sharded))
         columns = column_sharded(model, self.world, self.tp_size)
         with region():
             sharded, dp = placed(meta_copy(model), self.mesh, self.fsdp, columns)
             self.weights = SharedWeights(sharded, self.policy, model, self.group,
                                          share=self.fsdp.share_policy_storage, slot_of=self.slot_of, tp=self.tp)
         self.trainer_placement = dp
-        return Trainer(sharded, placement=dp, role=role)
+        return Trainer(sharded, placement=dp, role=role, sweeps=self._sweeps(sharded))
 
-    def sweep_gather(self, model: Qwen25VL):
-        """The gather a co-scheduled sweep of `model` runs its units on: for a model sharded over this group (the
-        trainer, a sharded reference) a `ShardGather` (parallel/lockstep.py) on a process group of this group's
-        ranks that nothing else uses, made on first use (every rank plans its sweeps in the same rollout); None
-        for one held whole (the policy a per-rank engine decodes, a reference not sharded)."""
-        if not isinstance(model, FSDPModule):
-            return None
-        if self._sweep_group is None:
-            self._sweep_group = dist.new_group(dist.get_process_group_ranks(self.group), use_local_synchronization=True)
-            assert dist.get_rank(self._sweep_group) == self.rank, "the sweep group orders the ranks like the mesh"
-        return ShardGather(model, self._sweep_group).gather
+    def _sweeps(self, model: nn.Module):
+        """What makes the gather a co-scheduled sweep of `model` (sharded over this group: the trainer, a sharded
+        reference) runs its units on: a `ShardGather` (parallel/lockstep.py) on a process group of this group's
+        ranks that nothing else uses, made on first use (every rank plans its sweeps in the same rollout)."""
+        def make():
+            if self._sweep_group is None:
+                self._sweep_group = dist.new_group(dist.get_process_group_ranks(self.group),
+                                                   use_local_synchronization=True)
+                assert dist.get_rank(self._sweep_group) == self.rank, "the sweep group orders the ranks like the mesh"
+            return ShardGather(model, self._sweep_group).gather
+        return make
 
     # ---- rollout ------------------------------------------------------------------------------
     def group_prompts(self, num_prompts: int) -> list[int]:
@@ -292,7 +291,3 @@ class Colocated(Runtime):
         return {"perf/weights_shared_gib": r["shared_bytes"] / 2**30,
                 "perf/weights_separate_gib": r["separate_bytes"] / 2**30,
                 "perf/weights_rebuilt_gib": r["rebuilt_bytes"] / 2**30}
-
-    def weight_bytes(self) -> int:
-        """Bytes the trainer's shards add to the engine's weights on this rank (those not stored in them)."""
-        return self.weights.report()["separate_bytes"]

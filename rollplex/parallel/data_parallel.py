@@ -10,7 +10,7 @@ prompts (each with all its samples) are dealt to ranks by token cost (`assign_pr
 divided by the whole mini-batch's normaliser and FSDP sums the gradients over ranks, so the summed
 gradient is the single-process step's. FSDP's collectives pair up by order, so every rank runs the same
 passes: short ranks run masked-out dummies (exact zeros). Out of memory is agreed before a mini-batch's
-first pass (`fits`) or, with the passes gathered and reduced once, after its last (`defer_oom`,
+first pass (`fits`) or, with the passes gathered and reduced once, after its last (`on_oom`,
 `end_passes`): every rank raises `CollectiveOOM` together and backs off alike. The fused schedule's
 passes run past FSDP2's hooks on units gathered before the rollout (`begin_local`, `LocalPasses`,
 `end_local`). More in docs/PARALLEL.md ("Data-parallel training").
@@ -32,7 +32,7 @@ from ..rl.batch import RolloutBatch
 from ..rl.config import RLConfig
 from ..rl.critic import Critic, ValueModel
 from ..rl.microbatch import MicroBatching, micro_batches
-from ..rl.placement import CollectiveOOM, SingleProcess
+from ..rl.placement import CollectiveOOM, SingleProcess, in_batch
 from . import fsdp as fsdp_mod
 from .fsdp import FSDPConfig, apply_fsdp, local_tensor, sharded_call
 
@@ -136,8 +136,15 @@ class DataParallel:
         """This rank's prompts of `batch` with all their samples, and the samples' indices in `batch`."""
         return batch.select_prompts(assign_prompts(prompt_costs(batch, mode), self.world)[self.rank])
 
-    def passes(self, local: RolloutBatch, mode: str, plan: MicroBatching,
-               prefix: bool = False) -> list[tuple[RolloutBatch, torch.Tensor]]:
+    def passes(self, batch: RolloutBatch, mode: str, plan: MicroBatching, prefix: bool = False,
+               prompts: list[int] | None = None) -> list[tuple[RolloutBatch, torch.Tensor]]:
+        """This rank's micro-batches of its share of `batch` (`prompts`: these prompts instead), each with its
+        real samples' indices in `batch` (see `_passes`)."""
+        local, local_idx = self.share(batch, mode) if prompts is None else batch.select_prompts(prompts)
+        return list(in_batch(local_idx, self._passes(local, mode, plan, prefix)))
+
+    def _passes(self, local: RolloutBatch, mode: str, plan: MicroBatching,
+                prefix: bool = False) -> list[tuple[RolloutBatch, torch.Tensor]]:
         """This rank's micro-batches (samples indexed into `local`), padded with dummies so that every
         rank runs the same number of passes and the vision tower in the same ones. A collective; in
         training (autograd on) it raises CollectiveOOM on every rank when some rank's passes would not
@@ -220,7 +227,7 @@ class DataParallel:
             self._left -= 1
             if self._accumulate and not self._began:
                 # every unit gathered before the first pass: the passes then run no collective, so an
-                # out-of-memory error inside one leaves no other rank waiting (`defer_oom`)
+                # out-of-memory error inside one leaves no other rank waiting (`on_oom`)
                 fsdp_mod.set_accumulating(model, True, self.fsdp)
                 self._open = True
                 fsdp_mod.gather_all(model)
@@ -229,14 +236,15 @@ class DataParallel:
                 return fsdp_mod.direct_call(model, fn, *args)
         return sharded_call(model, fn, *args)
 
-    def defer_oom(self) -> bool:
-        """Whether an out-of-memory error inside the current training pass can wait for `end_passes`:
-        yes when the mini-batch's passes run no collective (gradients reduced once, after them); this
-        rank then runs no more passes of the mini-batch."""
+    def on_oom(self) -> str:
+        """What an out-of-memory error means here: inside a training pass whose mini-batch's passes run no
+        collective (gradients reduced once, after them) it waits for `end_passes` ("defer"; this rank then
+        runs no more passes of the mini-batch); else a group of one retries it and a larger one cannot (its
+        other ranks wait in the pass's collectives)."""
         if self._accumulate and self._began:
             self._failed = True
-            return True
-        return False
+            return "defer"
+        return "retry" if self.world == 1 else "raise"
 
     def end_passes(self, model: Qwen25VL, forward) -> None:
         """After a mini-batch's passes: where they accumulated unsharded gradients, every rank learns
@@ -365,9 +373,6 @@ class DataParallel:
             self._checkpointing = to
             return to
         return fsdp_mod.checkpointing(model)
-
-    def recoverable_oom(self) -> bool:
-        return self.world == 1
 
 
 class LocalPasses(SingleProcess):

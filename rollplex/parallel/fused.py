@@ -8,6 +8,8 @@ docs/ARCHITECTURE.md ("The step as a pipeline of groups").
 
 from __future__ import annotations
 
+import contextlib
+
 from ..models import Qwen25VL
 from ..rl.actor import Actor
 from ..rl.runtime import FusedPlacement
@@ -50,24 +52,28 @@ class DataParallelFused(FusedPlacement):
         share = self.rank.group_prompts(num_prompts)
         return share, sum(k * self.rank.groups + self.rank.rollout_group <= cut for k in range(len(share)))
 
-    def begin(self, actor: Actor, ref: Qwen25VL | None) -> None:
-        """The trainer and a sharded reference gathered on every rank for its local passes (a collective)."""
+    @contextlib.contextmanager
+    def gathered(self, actor: Actor, ref: Qwen25VL | None):
+        """The trainer and a sharded reference gathered on every rank for its local passes (a collective), and
+        undone on this rank alone when the body (the rollout) fails: no collective."""
         actor.placement.begin_local(actor.model, self._sharded(ref))
+        try:
+            yield
+        except BaseException:
+            actor.placement.abort_local(actor.model, self._sharded(ref))
+            raise
 
-    def end(self, actor: Actor, ref: Qwen25VL | None, flags: list[int]) -> list[int]:
+    def end(self, actor: Actor, ref: Qwen25VL | None, flags: list[int],
+            pipe) -> tuple[list[int], list | None, tuple[int, int] | None]:
         """After every rank's fused stages: `flags` agreed over the ranks and, unless one is set, the
-        trainer's gradients reduced once into its shards; everything resharded (`DataParallel.end_local`)."""
-        return actor.placement.end_local(actor.model, self._sharded(ref), flags)
-
-    def abort(self, actor: Actor, ref: Qwen25VL | None) -> None:
-        """`begin` undone on this rank alone (a failed rollout: no collective)."""
-        actor.placement.abort_local(actor.model, self._sharded(ref))
-
-    def results(self, pipe) -> tuple[list, tuple[int, int]]:
-        """Every rank's chunks (for the whole batch's metrics and later mini-batches) and its (groups trained
+        trainer's gradients reduced once into its shards (everything resharded, `DataParallel.end_local`) and
+        every rank's chunks (for the whole batch's metrics and later mini-batches) with its (groups trained
         beside decode, groups) summed."""
+        flags = actor.placement.end_local(actor.model, self._sharded(ref), flags)
+        if any(flags):
+            return flags, None, None
         every = self.rank.gather_objects((pipe.shareable(), pipe.counts()))
-        return [r for part, _ in every for r in part], tuple(map(sum, zip(*(c for _, c in every))))
+        return flags, [r for part, _ in every for r in part], tuple(map(sum, zip(*(c for _, c in every))))
 
     def placement(self) -> LocalPasses:
         """Where the fused stages' passes run, trained and scored: this rank alone, over units `begin` gathered

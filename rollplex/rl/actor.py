@@ -141,9 +141,9 @@ class Actor(Trainer):
     update_name = "the actor update"
 
     def __init__(self, model: Qwen25VL, cfg: RLConfig, memory=None, optimizer_offload: str = "none",
-                 placement: Placement | None = None):
+                 placement: Placement | None = None, sweeps=None):
         """placement: where the passes run (default: this process; `rollplex.parallel.Colocated.place`
-        gives a data-parallel one over an FSDP2-sharded model)."""
+        gives a data-parallel one over an FSDP2-sharded model); sweeps: as `Trainer`'s (the placed policy's)."""
         self.cfg = cfg
         params = [p for p in model.parameters() if p.requires_grad]
         kw = dict(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
@@ -152,7 +152,7 @@ class Actor(Trainer):
         # the schedule's unit is the actor's (a step's config cannot change what its steps count)
         super().__init__(model, optimizer, placement, memory,
                          torch.optim.lr_scheduler.LambdaLR(optimizer.opt, lr_lambda(cfg)),
-                         cfg.lr_schedule_unit == "optimizer_step", role="actor")
+                         cfg.lr_schedule_unit == "optimizer_step", role="actor", sweeps=sweeps)
         self.placement.checkpointing(model, (cfg.gradient_checkpointing, cfg.vision_gradient_checkpointing))
 
     @property

@@ -65,8 +65,7 @@ def build_parts(model: Qwen25VL, engine, cfg: RLConfig, processor=None, ref_mode
     # where the step runs: this process alone, or the data-parallel rank injected (rl/runtime.py), and the
     # backend it rolls out on (a data-parallel rank's deals the prompts over the ranks)
     runtime = parallel or Runtime(model)
-    backend = runtime.bind_rollout(backend, model, memory)
-    runtime.check(cfg)
+    backend = runtime.bind(backend, model, memory, cfg)
     memory_cfg = memory_cfg or MemoryConfig()
     processor = processor or (backend.processor if backend is not None else None)
     if cfg.freeze_vision_tower:  # before the optimizer is built: the vision tower has no trainable state
@@ -117,7 +116,7 @@ def _trainers(model: Qwen25VL, ref_model: Qwen25VL | None, cfg: RLConfig, rt: Ru
                          else "none" if offload == "auto" else offload)
     offload = memory_cfg.optimizer_offload
     policy = rt.place(lambda: model, contextlib.nullcontext, trainable=True, role="actor")
-    actor = Actor(policy.model, cfg, memory, offload, placement=policy.placement)
+    actor = Actor(policy.model, cfg, memory, offload, placement=policy.placement, sweeps=policy.sweeps)
     if reference is not None:  # backing off with the actor's scoring
         reference.score_backoff = actor.score_backoff
         if reference.placement.world == 1:  # placed on this process alone: scored where the actor's passes run

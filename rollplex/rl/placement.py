@@ -1,28 +1,29 @@
 """Where the passes of scoring and of the actor update run: this process, or a data-parallel group.
 
-Scoring (`scoring.score`) and the update (`actor.Actor`) are one loop each, written against the
+Scoring (`Trainer.score`) and the update (`Trainer.accumulate`) are one loop each, written against the
 small interface below; the placement decides which of a batch's samples this process computes, how
 they are cut into passes, how a pass calls the model, and how per-process results are combined:
 
-    share(batch, mode)          this process's prompts (each with all its samples) and their indices
-    passes(local, mode, plan, prefix)   (micro-batch, sample indices into `local`) per forward/
-                                backward; a data-parallel placement may append masked-out dummy
-                                samples (rows past the indices), so every rank runs the same passes;
-                                prefix: the passes read the rollout's prefix states (no vision tower)
+    passes(batch, mode, plan, prefix, prompts)   (micro-batch, its real samples' indices in `batch`) per
+                                forward/backward over this process's share of the prompts (each with all
+                                its samples; `prompts`: these prompts instead); a data-parallel placement
+                                may append masked-out dummy samples (rows past the indices), so every rank
+                                runs the same passes; prefix: the passes read the rollout's prefix states
+                                (no vision tower)
     run(model, fn, *args)       fn(*args): one pass over the model (a sharded model gathers around it)
     sum_(t)                     t summed over the processes, in place
     clip_grad_norm_(params, m)  the gradients' global 2-norm, every gradient scaled so that it is at
                                 most m (torch's clip_grad_norm_ over the whole model)
     checkpointing(model, to)    per-layer activation checkpointing of the model: (decoder, vision), or
                                 set to `to` (and `to` returned) when given
-    defer_oom()                 called on an out-of-memory error inside a training pass: whether it can
-                                wait for `end_passes` (the passes run no collective), this process
-                                running no more passes of the mini-batch
+    on_oom()                    what an out-of-memory error means here: "defer" (inside a training pass
+                                whose passes run no collective: this process runs no more passes of the
+                                mini-batch and `end_passes` backs every process off), "retry" (every
+                                process can retry it: one process), or "raise" (other processes wait in
+                                a pass's collectives). A `CollectiveOOM`, raised by every process at the
+                                same point before a pass, is always retried
     end_passes(model, forward)  after a mini-batch's passes: reduce what they accumulated, or raise
                                 CollectiveOOM on every process when one deferred an OOM
-    recoverable_oom()           whether an out-of-memory error inside a pass leaves every process able
-                                to retry it (one process: always); a `CollectiveOOM`, raised by every
-                                process at the same point before a pass, always does
 
 `SingleProcess` is the identity placement: every sample here, passes from `micro_batches`, no
 communication. `rollplex.parallel.DataParallel` deals prompt groups over the ranks of a process group
@@ -52,10 +53,8 @@ class CollectiveOOM(torch.OutOfMemoryError):
 class Placement(Protocol):
     world: int
 
-    def share(self, batch: RolloutBatch, mode: str) -> tuple[RolloutBatch, torch.Tensor]: ...
-
-    def passes(self, local: RolloutBatch, mode: str, plan: MicroBatching,
-               prefix: bool = False) -> Iterable[tuple[RolloutBatch, torch.Tensor]]: ...
+    def passes(self, batch: RolloutBatch, mode: str, plan: MicroBatching, prefix: bool = False,
+               prompts: list[int] | None = None) -> Iterable[tuple[RolloutBatch, torch.Tensor]]: ...
 
     def run(self, model: Qwen25VL, fn, *args): ...
 
@@ -65,11 +64,15 @@ class Placement(Protocol):
 
     def checkpointing(self, model: Qwen25VL, to: tuple[bool, bool] | None = None) -> tuple[bool, bool]: ...
 
-    def defer_oom(self) -> bool: ...
+    def on_oom(self) -> str: ...
 
     def end_passes(self, model: Qwen25VL, forward) -> None: ...
 
-    def recoverable_oom(self) -> bool: ...
+
+def in_batch(local_idx: torch.Tensor, passes: Iterable[tuple[RolloutBatch, torch.Tensor]]):
+    """Passes over a selection of a batch's samples (`local_idx`: their indices in the batch) with each pass's
+    sample indices mapped from the selection into the batch."""
+    return ((mb, local_idx[idx]) for mb, idx in passes)
 
 
 class SingleProcess:
@@ -78,11 +81,15 @@ class SingleProcess:
     world = 1
 
     def share(self, batch: RolloutBatch, mode: str) -> tuple[RolloutBatch, torch.Tensor]:
+        """This process's prompts of `batch` with all their samples, and the samples' indices in `batch`."""
         return batch, torch.arange(batch.num_samples)
 
-    def passes(self, local: RolloutBatch, mode: str, plan: MicroBatching,
-               prefix: bool = False) -> Iterable[tuple[RolloutBatch, torch.Tensor]]:
-        return micro_batches(local, mode, plan)
+    def passes(self, batch: RolloutBatch, mode: str, plan: MicroBatching, prefix: bool = False,
+               prompts: list[int] | None = None) -> Iterable[tuple[RolloutBatch, torch.Tensor]]:
+        local, local_idx = self.share(batch, mode) if prompts is None else batch.select_prompts(prompts)
+        if not local.num_samples:
+            return iter(())
+        return in_batch(local_idx, micro_batches(local, mode, plan))
 
     def run(self, model: Qwen25VL, fn, *args):
         return fn(*args)
@@ -99,11 +106,8 @@ class SingleProcess:
             return to
         return activation_checkpointing(model)
 
-    def defer_oom(self) -> bool:
-        return False
+    def on_oom(self) -> str:
+        return "retry"
 
     def end_passes(self, model: Qwen25VL, forward) -> None:
         pass
-
-    def recoverable_oom(self) -> bool:
-        return True

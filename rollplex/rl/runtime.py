@@ -9,13 +9,12 @@ rank of a data-parallel group. Because the step is the same code over both, the 
 computes what the single-process one does; only these operations differ.
 
     policy                      what the rollout decodes (`RLStep.model`)
-    bind_rollout / check        the rollout backend the step generates on; ValueError for a config
-                                the runtime cannot run
+    bind(backend, model, memory, cfg)   the rollout backend the step generates on; ValueError for a
+                                backend or config the runtime cannot run
     place(build, region, trainable, role)   a model (the policy, the reference, PPO's value model)
-                                built into its memory region, as a Trainer over it and where its passes
-                                run; the step builds the actor and critic on these
-    trainer_footprint / weight_bytes   what the trainer holds here, for the memory fit
-    sweep_gather(model)         the gather a co-scheduled prefix sweep of a model runs on (None: held whole)
+                                built into its memory region, as a Trainer over it: where its passes run
+                                and the gather a co-scheduled prefix sweep of it runs on
+    trainer_footprint           what the trainer will hold here, for the memory fit
     old_scorer(actor, cfg)      the Trainer whose scores are the old logprobs (the actor, or one over the
                                 policy the rollout decodes); the reference and it score through
                                 `Trainer.score` over their placements
@@ -56,19 +55,17 @@ class FusedPlacement:
         """(the prompts whose groups this process's pipeline gets, how many of them are among the `first`)."""
         return list(range(num_prompts)), first
 
-    def begin(self, actor: Actor, ref: Qwen25VL | None) -> None:
-        """Before the rollout: the models the stages run on gathered."""
+    @contextlib.contextmanager
+    def gathered(self, actor: Actor, ref: Qwen25VL | None):
+        """Around the rollout: the models the stages run on gathered, undone on this process alone when the
+        body fails (`end` takes them back otherwise)."""
+        yield
 
-    def end(self, actor: Actor, ref: Qwen25VL | None, flags: list[int]) -> list[int]:
-        """After the stages: `flags` agreed over the ranks, the gradients reduced."""
-        return flags
-
-    def abort(self, actor: Actor, ref: Qwen25VL | None) -> None:
-        """`begin` undone on this process alone."""
-
-    def results(self, pipe) -> tuple[list | None, tuple[int, int] | None]:
-        """Every rank's chunks and counts (None: the pipeline's own chunks are the whole batch's)."""
-        return None, None
+    def end(self, actor: Actor, ref: Qwen25VL | None, flags: list[int],
+            pipe) -> tuple[list[int], list | None, tuple[int, int] | None]:
+        """After the stages: (`flags` agreed over the ranks, and unless one is set every rank's chunks and
+        counts: None when the pipeline's own are the whole batch's), the gradients reduced."""
+        return flags, None, None
 
     def placement(self):
         """Where the stages' passes run, trained and scored (None: each trainer's own)."""
@@ -82,18 +79,17 @@ class Runtime:
         self.policy = policy
         self.fused = FusedPlacement()
 
-    def bind_rollout(self, backend: RolloutBackend | None, model: Qwen25VL, memory) -> RolloutBackend | None:
-        """The backend the step rolls out on, checked to decode `model` under the step's memory manager."""
+    def bind(self, backend: RolloutBackend | None, model: Qwen25VL, memory, cfg: RLConfig) -> RolloutBackend | None:
+        """The backend the step rolls out on, checked to decode `model` under the step's memory manager;
+        ValueError for a backend or config this runtime cannot run (one process runs every config)."""
         if backend is not None:
             backend.attach(model, memory)
         return backend
 
-    def check(self, cfg: RLConfig) -> None:
-        """ValueError for a config this runtime cannot run: every config runs on one process."""
-
     @staticmethod
     def place(build: Callable[[], torch.nn.Module], region, trainable: bool, role: str) -> Trainer:
-        """`build()` in the region `region()` enters, as a Trainer (no optimizer) whose passes run here."""
+        """`build()` in the region `region()` enters, as a Trainer (no optimizer) whose passes run here (a
+        co-scheduled sweep of it too: held whole, it needs no gather)."""
         with region():
             return Trainer(build(), role=role)
 
@@ -101,15 +97,6 @@ class Runtime:
         """(trainable elements held here, bytes the trainer adds to the weights the rollout decodes, the
         checkpointing flags with the runtime's own): here the trainer trains the weights the rollout decodes."""
         return trainable, 0, decoder, vision
-
-    def weight_bytes(self) -> int:
-        """Bytes the built trainer adds to the weights the rollout decodes."""
-        return 0
-
-    def sweep_gather(self, model: torch.nn.Module):
-        """The gather a co-scheduled prefix sweep of `model` (the reference, the old policy's scorer) runs on
-        (None: it is held whole here, as every model is on this process)."""
-        return None
 
     def old_scorer(self, actor: Actor, cfg: RLConfig) -> Trainer:
         """The trainer whose scores (`Trainer.score`) are the old logprobs under `cfg`: here the actor's own."""

@@ -146,10 +146,12 @@ class Fused:
         outs = self._roll_out(step, prompts, params, pipe, handover, marks, hooked, ref, m)
         batch = step.rollout_batch(prompts, outs, **per_prompt)
         batch.prefix = handover
-        if not self._end_stages(step, batch, pipe, handover, ref, m):  # out of memory in a stage: phased
+        # every rank's chunks and counts (None: this pipeline's are all)
+        ended = self._end_stages(step, batch, pipe, handover, ref, m)
+        if ended is None:  # out of memory in a stage: phased
             return Phased.after_rollout(step, batch, rewards, m)  # reads the handover's prefix states
+        results, counts = ended
         batch.prefix = {}  # consumed by the chunks: free them before the update
-        results, counts = rt.fused.results(pipe)  # every rank's chunks; None: this pipeline's are all
         pipe.resolve_times()
         assert len(mine) < len(prompts) or pipe.order == batch.finish_order(), "the first mini-batch is trained"
         got = pipe.assemble(batch, results)
@@ -176,10 +178,10 @@ class Fused:
                   ref, m: dict) -> list:
         """The rollout with the pipeline (and the co-scheduler) beside it: the backend's outputs."""
         rt, tl, actor, frozen = step.runtime, step.timeline, step.actor, step.keeps_vision
-        with _timer(m, "gen", step.device, tl):  # in the rollout phase, entered by `_fused`
-            rt.fused.begin(actor, ref)  # data-parallel: trainer and reference gathered, no collective until the end
-            # the co-scheduler finishes (its metrics, the main stream joins its stream) after the worker stopped:
-            # no claim comes in while it settles
+        # in the rollout phase, entered by `_fused`; data-parallel: trainer and reference gathered, no collective
+        # until the end (undone here if the rollout fails). The co-scheduler finishes (its metrics, the main
+        # stream joins its stream) after the worker stopped: no claim comes in while it settles
+        with _timer(m, "gen", step.device, tl), rt.fused.gathered(actor, ref):
             with co_scheduled(step.cosched, step.engine, handover, prompts if frozen else (), tl,
                               priority=False) as cosched_metrics:
                 pipe.start()
@@ -197,17 +199,18 @@ class Fused:
                     if marks is not None:
                         marks.close()
                     if not done:  # a failed rollout: what the chunks accumulated goes with it
-                        rt.fused.abort(actor, ref)
                         actor.discard_groups()
         step.rollout_metrics = cosched_metrics
         m.update(cosched_metrics)
         return outs
 
     @staticmethod
-    def _end_stages(step, batch: RolloutBatch, pipe: GroupPipeline, handover: dict, ref, m: dict) -> bool:
+    def _end_stages(step, batch: RolloutBatch, pipe: GroupPipeline, handover: dict, ref,
+                    m: dict) -> tuple[list | None, tuple[int, int] | None] | None:
         """The chunks left after the rollout, then every rank's agreement on the stages and the gradients reduced
-        once: whether the fused update goes on (False: a stage ran out of memory somewhere, the accumulated
-        chunks are dropped and the step runs phased); any other stage's error is raised."""
+        once: every rank's chunks and counts (None, None: this pipeline's are the whole batch's) when the fused
+        update goes on; None when a stage ran out of memory somewhere (the accumulated chunks are dropped and
+        the step runs phased); any other stage's error is raised."""
         actor = step.actor
         with _timer(m, "fused_tail", step.device, step.timeline):
             # prefix work no chunk claimed beside decode: in its normal phase, as the phased step runs it
@@ -218,22 +221,23 @@ class Fused:
             except BaseException as e:  # noqa: BLE001 - as a fused stage's: chunks dropped, out of memory runs phased
                 pipe.error = pipe.error or e
             pipe.drain()
-        # every rank agrees whether some rank's stage failed, then the gradients are reduced once
+        # every rank agrees whether some rank's stage failed, then the gradients are reduced once and the
+        # ranks' chunks shared
         err = pipe.error
-        oom, other = step.runtime.fused.end(actor, ref, [int(err is not None and fallback_on(err)),
-                                                         int(err is not None and not fallback_on(err))])
+        flags = [int(err is not None and fallback_on(err)), int(err is not None and not fallback_on(err))]
+        (oom, other), results, counts = step.runtime.fused.end(actor, ref, flags, pipe)
         if other and err is None:
             pipe.error = RuntimeError("a fused stage failed on another data-parallel rank")
         elif oom and err is None:
             pipe.error = TrainOOM("a fused stage ran out of device memory on another data-parallel rank", 0)
         if pipe.error is None:
-            return True
+            return results, counts
         actor.discard_groups()
         if not fallback_on(pipe.error):
             raise pipe.error
         log.warning("fused schedule: a stage ran out of device memory (%s); this step runs phased", pipe.error)
         m["rollplex/fused"], m["rollplex/fused_fallback_oom"] = 0.0, 1.0
-        return False
+        return None
 
 
 class Auto:

@@ -220,11 +220,11 @@ class RLStep:
             shared = frozen and self.ref_same_vision
             ref_prompts = prompts if shared or not frozen else [replace(p, vision_embeds=None) for p in prompts]
             out["ref"] = PrefixRows.plan(self.ref, ref_prompts, per_job, "ref", external_vision=shared, only=only,
-                                         gather=self.runtime.sweep_gather(self.ref))
+                                         gather=self.reference.sweep_gather())
         if cfg.num_updates > 1:  # the policy, or the trainer's shards (a tensor-parallel engine holds only its own)
-            model = self.runtime.old_scorer(self.actor, cfg).model
-            out["old"] = PrefixRows.plan(model, prompts, per_job, "old", external_vision=frozen, only=only,
-                                         gather=self.runtime.sweep_gather(model))
+            scorer = self.runtime.old_scorer(self.actor, cfg)
+            out["old"] = PrefixRows.plan(scorer.model, prompts, per_job, "old", external_vision=frozen, only=only,
+                                         gather=scorer.sweep_gather())
         return out
 
     def complete_handover(self, batch: RolloutBatch, key: str, m: dict) -> None:

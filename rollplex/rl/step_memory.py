@@ -33,7 +33,7 @@ def step_sizes(step, optimizer_offload: str | None = None) -> dict[str, int]:
     trainer = [_local(p.detach()) for p in step.actor.model.parameters()]
     params = [t for t, p in zip(trainer, step.actor.model.parameters()) if p.requires_grad]
     return Footprint(
-        weights=_nbytes(step.model.parameters()) + step.runtime.weight_bytes(),
+        weights=_nbytes(step.model.parameters()) + separate_bytes(step.model, step.actor.model),
         ref_weights=ref_bytes(step.ref), kv_cache=step.backend.kv_cache_bytes() if step.backend is not None else 0,
         trainable=sum(p.numel() for p in params), param_bytes=params[0].element_size(),
         **critic_footprint(step.critic.model if step.critic is not None else None),
@@ -120,6 +120,19 @@ def fit_memory(model_cfg: ModelConfig, cfg: RLConfig, memory_cfg: MemoryConfig, 
               f"micro_batch_max_tokens={cfg.micro_batch_max_tokens}, n={cfg.n}, max_new_tokens={cfg.max_new_tokens}")
     return memory_cfg.fit(estimate, capacity, cfg.gradient_checkpointing, cfg.vision_gradient_checkpointing, detail,
                           host_capacity)
+
+
+def separate_bytes(policy: torch.nn.Module, trainer: torch.nn.Module) -> int:
+    """Bytes of the storages of the trainer's parameters (its local shards, with FSDP2's padding) that are not
+    those of the weights the rollout decodes (`policy`): nothing when it trains them, a data-parallel trainer's
+    shards that are not windows of them."""
+    decoded = {p.untyped_storage().data_ptr() for p in policy.parameters()}
+    own = {}
+    for p in trainer.parameters():
+        storage = _local(p.detach()).untyped_storage()
+        if storage.data_ptr() not in decoded:
+            own[storage.data_ptr()] = storage.nbytes()
+    return sum(own.values())
 
 
 def local_tensors(model: torch.nn.Module) -> list[torch.Tensor]:

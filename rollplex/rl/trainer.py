@@ -101,7 +101,7 @@ def retry_oom(attempt: Callable[[MicroBatching], T], plan: MicroBatching, mode: 
             if not is_oom(e):
                 raise
             (recover or (lambda: _empty_cache(model)))()
-            if not (isinstance(e, CollectiveOOM) or placement.recoverable_oom()):
+            if not (isinstance(e, CollectiveOOM) or placement.on_oom() == "retry"):
                 raise TrainOOM(f"{what} ran out of device memory inside a data-parallel pass (the other ranks wait "
                                f"in its collectives, so it cannot be retried); {hints[0]}", applied) from e
             smaller = halve(current, mode)
@@ -153,18 +153,27 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, optimizer: MasterAdamW | None = None,
                  placement: Placement | None = None, memory=None,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, per_optimizer_step: bool = False,
-                 role: str = "trainer", score_backoff: Backoff | None = None):
+                 role: str = "trainer", score_backoff: Backoff | None = None,
+                 sweeps: Callable[[], Callable] | None = None):
         """optimizer: None for a model that only scores (the reference); placement: where the passes run
         (default: this process); scheduler: an LR schedule stepped after each applied optimizer step when
         `per_optimizer_step` (its unit; otherwise the caller steps it per train step); role: the metrics'
-        prefix ("actor"); score_backoff: the scoring back-off to share (the reference's is the actor's)."""
+        prefix ("actor"); score_backoff: the scoring back-off to share (the reference's is the actor's);
+        sweeps: for a model sharded over ranks, what makes the gather of a co-scheduled prefix sweep
+        (`sweep_gather`; None: the model is held whole here)."""
         self.model, self.optimizer, self.memory = model, optimizer, memory
         self.placement = placement or SingleProcess()
+        self.sweeps = sweeps
         self.scheduler, self.per_optimizer_step, self.role = scheduler, per_optimizer_step, role
         self.name = f"the {role}"  # how errors call it
         self.applied = 0  # optimizer steps the current (or last) update applied
         # the micro-batchings out-of-memory back-offs halved to, kept for later steps: training and scoring
         self.train_backoff, self.score_backoff = Backoff(), score_backoff or Backoff()
+
+    def sweep_gather(self):
+        """The gather a co-scheduled prefix sweep of the model runs its units on (cosched/sharded.py), made for
+        one rollout's sweep; None for a model held whole here."""
+        return self.sweeps() if self.sweeps is not None else None
 
     @torch.no_grad()
     def score(self, batch: RolloutBatch, forward: Forward, cfg: RLConfig, prefix_key: str | None = None,
@@ -179,18 +188,16 @@ class Trainer:
         if prefix_key is not None and (mode != "rollplex" or prefix_key not in batch.prefix):
             prefix_key = None
         rows = batch.prefix[prefix_key] if prefix_key is not None else None
-        if rows is not None and pl.world > 1:  # each process scores the prompts whose prefix states it holds
-            local, local_idx = batch.select_prompts(rows.planned())
-        else:
-            local, local_idx = pl.share(batch, mode)
+        # each process scores the prompts whose prefix states it holds
+        prompts = rows.planned() if rows is not None and pl.world > 1 else None
 
         def attempt(plan: MicroBatching) -> torch.Tensor:
             out = torch.zeros(batch.responses.shape, dtype=torch.float32, device=model.inv_freq.device)
-            for mb, idx in pl.passes(local, mode, plan, prefix=prefix_key is not None):
+            for mb, idx in pl.passes(batch, mode, plan, prefix=prefix_key is not None, prompts=prompts):
                 v = pl.run(model, forward, model, mb, mode, plan.packed, prefix_key)
                 n = idx.shape[0]  # rows past n: a placement's masked-out dummies
                 # stays on the device: no sync per micro-batch
-                out[to_device(local_idx[idx], out.device)] = v[:n] * to_device(mb.mask[:n], out.device)
+                out[to_device(idx, out.device)] = v[:n] * to_device(mb.mask[:n], out.device)
             return pl.sum_(out).cpu()
 
         return retry_oom(attempt, cfg.micro_batching, mode, self.score_backoff, pl, model,
@@ -257,7 +264,7 @@ class Trainer:
         Every loss term is divided by the *whole mini-batch's* normaliser (`loss.norms` over all processes'
         tokens or sequences), so summing the gradients over micro-batches and processes gives the
         mini-batch's gradient. Rows of a pass past its sample indices are a placement's masked-out dummies.
-        An out-of-memory error in a pass the placement defers (`defer_oom`) ends this process's passes, and
+        An out-of-memory error in a pass the placement defers (`on_oom`) ends this process's passes, and
         `end_passes` backs every process off together.
 
         plan: the micro-batching (default: the step's, capped by the update's back-off); norms: instead of the
@@ -266,19 +273,18 @@ class Trainer:
         model, pl = self.model, placement or self.placement
         plan = plan or self.train_backoff.plan(cfg.micro_batching)
         norms = norms or loss.norms(mini.mask)
-        local, local_idx = pl.share(mini, cfg.mode)
         if zero:
             self.optimizer.zero_grad()
         acc = torch.zeros(len(loss.metrics), device=model.inv_freq.device)
-        for mb, idx in pl.passes(local, cfg.mode, plan):
+        for mb, idx in pl.passes(mini, cfg.mode, plan):
             try:
-                gidx = mini_idx[local_idx[idx]]  # the real samples' indices in the whole batch
+                gidx = mini_idx[idx]  # the real samples' indices in the whole batch
                 out = pl.run(model, loss.forward, model, mb, cfg.mode, plan.packed)
                 value, metrics = loss(out, mb, gidx, norms)
                 value.backward()
                 acc += metrics
             except Exception as err:  # noqa: BLE001 - only OOM is deferred
-                if not (is_oom(err) and pl.defer_oom()):
+                if not (is_oom(err) and pl.on_oom() == "defer"):
                     raise
                 break  # this rank's part of the mini-batch is lost: `end_passes` backs every rank off
         # a placement whose passes accumulated gradients reduces them now (or raises CollectiveOOM)
