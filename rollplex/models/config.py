@@ -136,50 +136,18 @@ class ModelConfig:
         t, v = hf.text_config, hf.vision_config
         rope = dict(getattr(t, "rope_parameters", None) or getattr(t, "rope_scaling", None) or {})
         text = TextConfig(
-            vocab_size=t.vocab_size,
-            hidden_size=t.hidden_size,
-            intermediate_size=t.intermediate_size,
-            num_hidden_layers=t.num_hidden_layers,
-            num_attention_heads=t.num_attention_heads,
-            num_key_value_heads=t.num_key_value_heads,
-            rms_norm_eps=t.rms_norm_eps,
+            **hf_attrs(t, TEXT_ATTRS),
             rope_theta=float(rope.get("rope_theta", getattr(t, "rope_theta", 1e6))),
             mrope_section=tuple(rope.get("mrope_section", (16, 24, 24))),
-            max_position_embeddings=t.max_position_embeddings,
             tie_word_embeddings=bool(hf.tie_word_embeddings),
-            hidden_act=t.hidden_act,
         )
         vrope = dict(getattr(v, "rope_parameters", None) or {})
         vision = VisionConfig(
-            depth=v.depth,
-            hidden_size=v.hidden_size,
-            intermediate_size=v.intermediate_size,
-            num_heads=v.num_heads,
-            in_channels=v.in_channels,
-            patch_size=v.patch_size,
-            temporal_patch_size=v.temporal_patch_size,
-            spatial_merge_size=v.spatial_merge_size,
-            window_size=v.window_size,
-            out_hidden_size=v.out_hidden_size,
+            **hf_attrs(v, VISION_ATTRS + " window_size out_hidden_size tokens_per_second"),
             fullatt_block_indexes=tuple(v.fullatt_block_indexes),
-            tokens_per_second=v.tokens_per_second,
             rope_theta=float(vrope.get("rope_theta", 10000.0)),
-            hidden_act=v.hidden_act,
         )
-        eos = t.eos_token_id if t.eos_token_id is not None else getattr(hf, "eos_token_id", None)
-        if isinstance(eos, (list, tuple)):
-            eos = eos[0] if eos else None
-        return cls(
-            text=text,
-            vision=vision,
-            image_token_id=hf.image_token_id,
-            video_token_id=hf.video_token_id,
-            vision_start_token_id=hf.vision_start_token_id,
-            vision_end_token_id=hf.vision_end_token_id,
-            bos_token_id=t.bos_token_id,
-            eos_token_id=eos,
-            pad_token_id=t.pad_token_id,
-        )
+        return cls(text=text, vision=vision, **hf_token_ids(hf))
 
     def to_hf_dict(self) -> dict:
         """A config.json dict in the layout of the released Qwen2.5-VL checkpoints (flat text fields)."""
@@ -218,6 +186,33 @@ class ModelConfig:
             "torch_dtype": "bfloat16",
             "vision_config": vision,
         }
+
+
+# the fields our configs take from an HF config's text / vision config by the same name
+TEXT_ATTRS = ("vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
+              "rms_norm_eps max_position_embeddings hidden_act")
+VISION_ATTRS = "depth hidden_size intermediate_size num_heads in_channels patch_size temporal_patch_size " \
+               "spatial_merge_size hidden_act"
+
+
+def hf_attrs(src: Any, names: str) -> dict[str, Any]:
+    """{name: src.name} for the space-separated `names`: fields an HF config and ours share."""
+    return {n: getattr(src, n) for n in names.split()}
+
+
+def hf_token_ids(hf: Any) -> dict[str, int | None]:
+    """The special token ids of an HF vision-language config (eos: the text config's, else the top level's;
+    the first of a list)."""
+    t = hf.text_config
+    eos = getattr(t, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(hf, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return dict(image_token_id=hf.image_token_id, video_token_id=hf.video_token_id,
+                vision_start_token_id=hf.vision_start_token_id, vision_end_token_id=hf.vision_end_token_id,
+                bos_token_id=getattr(t, "bos_token_id", None), eos_token_id=eos,
+                pad_token_id=getattr(t, "pad_token_id", None))
 
 
 def model_type(hf: Any) -> str | None:

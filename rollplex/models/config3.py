@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import ModelConfig, TextConfig
+from .config import TEXT_ATTRS, VISION_ATTRS, ModelConfig, TextConfig, hf_attrs, hf_token_ids
 
 _VISION_ACTS = ("gelu_pytorch_tanh", "gelu")
 
@@ -110,51 +110,20 @@ class Qwen3VLConfig(ModelConfig):
         if getattr(t, "attention_bias", False):
             raise ValueError("attention_bias=True is not a Qwen3-VL decoder")
         text = qwen3_text(
-            vocab_size=t.vocab_size,
-            hidden_size=t.hidden_size,
-            intermediate_size=t.intermediate_size,
-            num_hidden_layers=t.num_hidden_layers,
-            num_attention_heads=t.num_attention_heads,
-            num_key_value_heads=t.num_key_value_heads,
+            **hf_attrs(t, TEXT_ATTRS),
             explicit_head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
-            rms_norm_eps=t.rms_norm_eps,
             rope_theta=float(rope.get("rope_theta", getattr(t, "rope_theta", 5e6))),
             mrope_section=tuple(rope.get("mrope_section", (24, 20, 20))),
             mrope_interleaved=bool(rope.get("mrope_interleaved", True)),
-            max_position_embeddings=t.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            hidden_act=t.hidden_act,
         )
         vrope = dict(getattr(v, "rope_parameters", None) or {})
         vision = Qwen3VisionConfig(
-            depth=v.depth,
-            hidden_size=v.hidden_size,
-            intermediate_size=v.intermediate_size,
-            num_heads=v.num_heads,
-            in_channels=v.in_channels,
-            patch_size=v.patch_size,
-            temporal_patch_size=v.temporal_patch_size,
-            spatial_merge_size=v.spatial_merge_size,
-            out_hidden_size=v.out_hidden_size,
-            num_position_embeddings=v.num_position_embeddings,
+            **hf_attrs(v, VISION_ATTRS + " out_hidden_size num_position_embeddings"),
             deepstack_visual_indexes=tuple(v.deepstack_visual_indexes),
-            hidden_act=v.hidden_act,
             rope_theta=float(vrope.get("rope_theta", 10000.0)),
         )
-        eos = t.eos_token_id if getattr(t, "eos_token_id", None) is not None else getattr(hf, "eos_token_id", None)
-        if isinstance(eos, (list, tuple)):
-            eos = eos[0] if eos else None
-        return cls(
-            text=text,
-            vision=vision,
-            image_token_id=hf.image_token_id,
-            video_token_id=hf.video_token_id,
-            vision_start_token_id=hf.vision_start_token_id,
-            vision_end_token_id=hf.vision_end_token_id,
-            bos_token_id=getattr(t, "bos_token_id", None),
-            eos_token_id=eos,
-            pad_token_id=getattr(t, "pad_token_id", None),
-        )
+        return cls(text=text, vision=vision, **hf_token_ids(hf))
 
     def to_hf_dict(self) -> dict:
         """A config.json dict in the nested layout of the released Qwen3-VL checkpoints."""
