@@ -77,7 +77,7 @@ def mrope_cos_sin(
     j = 1, 4, ... < 3 * section[1] from h, j = 2, 5, ... < 3 * section[2] from w, the rest from t)."""
     freqs = positions[..., None].float() * inv_freq.float()  # [3, ..., D/2]
     if interleaved:
-        axis = mrope_axis(section, freqs.shape[-1]).to(freqs.device)  # [D/2] in {0, 1, 2}
+        axis = mrope_axis(section, freqs.shape[-1], freqs.device)  # [D/2] in {0, 1, 2}
         freqs = torch.where(axis == 1, freqs[1], torch.where(axis == 2, freqs[2], freqs[0]))
     else:
         bands = freqs.split(list(section), dim=-1)
@@ -86,9 +86,10 @@ def mrope_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def mrope_axis(section: tuple[int, int, int], half: int) -> torch.Tensor:
-    """The axis (0 t, 1 h, 2 w) of each of the `half` = D/2 frequencies under interleaved M-RoPE."""
-    axis = torch.zeros(half, dtype=torch.long)
+def mrope_axis(section: tuple[int, int, int], half: int, device: torch.device | None = None) -> torch.Tensor:
+    """The axis (0 t, 1 h, 2 w) of each of the `half` = D/2 frequencies under interleaved M-RoPE, made on
+    `device` (no host-to-device copy, so a captured CUDA graph may build it)."""
+    axis = torch.zeros(half, dtype=torch.long, device=device)
     axis[1 : 3 * section[1] : 3] = 1
     axis[2 : 3 * section[2] : 3] = 2
     return axis
