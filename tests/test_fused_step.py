@@ -4,6 +4,7 @@ reward penalty, trained and frozen vision tower, RLOO, groups finishing out of p
 step that fused work cannot reproduce, or whose fused stage runs out of memory, runs phased."""
 
 import dataclasses
+import weakref
 
 import pytest
 import torch
@@ -253,15 +254,27 @@ def test_fused_stage_out_of_memory_runs_the_step_phased(tiny_dir, proc, tail, mo
     calls = []
     accumulate = Actor.accumulate_groups
 
+    held, freed_before_update = [], []
+
     def oom_on_second(self, *a, **kw):
         calls.append(1)
         if len(calls) == 2:
+            activations = torch.ones(1024)  # what the failed pass's frame holds
+            held.append(weakref.ref(activations))
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return accumulate(self, *a, **kw)
 
+    train = RLStep.train
+
+    def phased_train(self, *a, **kw):
+        freed_before_update.append(all(r() is None for r in held))
+        return train(self, *a, **kw)
+
     monkeypatch.setattr(Actor, "accumulate_groups", oom_on_second)
+    monkeypatch.setattr(RLStep, "train", phased_train)
     fused = _run(_step(tiny_dir, proc, schedule="fused"))
     assert len(calls) == 2  # the first chunk was accumulated, then dropped
+    assert held and freed_before_update == [True]  # the phased update does not run beside the failed pass's tensors
     assert fused[0]["rollplex/fused"] == 0.0 and fused[0]["rollplex/fused_fallback_oom"] == 1.0
     _assert_same_step(fused, phased)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 
 import torch
 
@@ -237,7 +238,18 @@ class Fused:
             raise pipe.error
         log.warning("fused schedule: a stage ran out of device memory (%s); this step runs phased", pipe.error)
         m["rollplex/fused"], m["rollplex/fused_fallback_oom"] = 0.0, 1.0
+        release_frames(pipe.error)
         return None
+
+
+def release_frames(err: BaseException | None) -> None:
+    """Clear the frames of `err`'s traceback (and of the errors it chains): a failed pass's frames hold its
+    activations, which would otherwise stay allocated through the phased update that replaces it."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        traceback.clear_frames(err.__traceback__)
+        err = err.__cause__ or err.__context__
 
 
 class Auto:
