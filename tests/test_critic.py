@@ -14,6 +14,7 @@ from helpers import assert_weights_close
 from rollplex.engine import Engine, EngineConfig
 from rollplex.memory import MemoryConfig, MemoryManager, PhasePlan
 from rollplex.models import load_model
+from rollplex.rl.activation_checkpointing import activation_checkpointing
 from rollplex.rl.algos import compute_advantages, gae_advantages, value_loss
 from rollplex.rl.config import RLConfig
 from rollplex.rl.critic import ValueModel, build_value_model, save_value_model
@@ -170,7 +171,7 @@ def test_critic_passes_back_off_on_out_of_memory(tiny_dir, proc, monkeypatch):
     critic0 = _weights(rl.critic.model)
     with pytest.raises(TrainOOM, match="critic's update ran out of device memory at one prompt"):
         rl.train(copy.deepcopy(batch))
-    assert rl.step_idx == 2 and rl.critic.placement.checkpointing(rl.critic.model) == (True, True)
+    assert rl.step_idx == 2 and activation_checkpointing(rl.critic.model) == (True, True)
     assert all(torch.equal(critic0[k], v) for k, v in _weights(rl.critic.model).items())
 
 

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from rollplex.engine import EngineConfig
 from rollplex.rl import actor as actor_mod
 from rollplex.rl import scoring as scoring_mod
+from rollplex.rl.activation_checkpointing import set_activation_checkpointing
 from rollplex.rl.config import RLConfig
 from rollplex.server import ServerConfig, serve_in_thread
 
@@ -146,7 +147,7 @@ def test_oom_in_micro_batch_j_of_the_first_mini_batch_changes_nothing(server, cl
     assert r.status_code == 507 and "unchanged" in _error(r) and "retained" in _error(r), r.text
     _assert_same(before, _snapshot(server, client))
     monkeypatch.undo()
-    st.rl.actor.placement.checkpointing(st.model, (False, False))  # the last rung it took
+    set_activation_checkpointing(st.model, False, False)  # the last rung it took
     st.rl.actor._backoff = None
     assert _train(client, rid).status_code == 200
 
@@ -175,7 +176,7 @@ def test_oom_in_mini_batch_k_of_2(server, client, monkeypatch, k):
     monkeypatch.setattr(actor_mod, "token_logprobs", oom_after)
     r = _train(client, rid, ppo_mini_batches=2)
     monkeypatch.undo()
-    st.rl.actor.placement.checkpointing(st.model, (False, False))
+    set_activation_checkpointing(st.model, False, False)
     st.rl.actor._backoff = None
     assert r.status_code == 507, r.text
     msg, after = _error(r), _snapshot(server, client)

@@ -59,6 +59,7 @@ from ..engine import EngineConfig
 from ..models import ModelConfig, Qwen25VL, init_weights
 from ..parallel.launch import Process, init_from_env
 from ..presets import preset
+from ..rl.activation_checkpointing import activation_checkpointing
 from ..rl.config import RLConfig
 from ..rl.step import RLStep
 from ..system import SystemConfig
@@ -191,7 +192,7 @@ def bench(proc: Process, args, system: SystemConfig) -> list[dict]:
                                            if cuda else 0),
                          "peak_gib": round(torch.cuda.max_memory_allocated(proc.device) / 2**30, 1) if cuda else 0.0,
                          "oom_backoff": None if backoff is None else f"{backoff.prompts}x{backoff.samples}",
-                         "checkpointing": rl is not None and any(rl.actor.placement.checkpointing(rl.actor.model)),
+                         "checkpointing": rl is not None and any(activation_checkpointing(rl.actor.model)),
                          # co-scheduled prefix work: hidden beside decode; a sharded model's rest at the rollout's end
                          "hidden_s": round(m.get("rollplex/prefix_hidden_s", 0.0), 3),
                          "sweep_end_s": round(m.get("rollplex/prefix_sweep_rollout_end_s", 0.0), 3)})

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..memory import activation_bytes
 from ..models import ModelConfig, ModelInputs, Qwen25VL
+from ..rl.activation_checkpointing import activation_checkpointing
 from ..rl.actor import Actor
 from ..rl.batch import RolloutBatch
 from ..rl.config import RLConfig
@@ -130,7 +131,7 @@ class DataParallel:
         # where this group's collectives take their tensors (NCCL: the rank's GPU)
         cuda = mesh.device_type == "cuda"
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device(mesh.device_type)
-        self._checkpointing = (False, False)
+        self.model: Qwen25VL | None = None  # the model whose passes these are (`placed`)
 
     def share(self, batch: RolloutBatch, mode: str) -> tuple[RolloutBatch, torch.Tensor]:
         """This rank's prompts of `batch` with all their samples, and the samples' indices in `batch`."""
@@ -201,7 +202,8 @@ class DataParallel:
             return True
         t = self.model_cfg.text
         need = extra + activation_bytes(t.hidden_size, t.num_hidden_layers, sum(prompt_costs(mb, mode)),
-                                        self.dtype_bytes, self._checkpointing[0])
+                                        self.dtype_bytes,
+                                        self.model is not None and activation_checkpointing(self.model)[0])
         free = torch.cuda.mem_get_info(self.device)[0]
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         return need <= free + cached
@@ -367,13 +369,6 @@ class DataParallel:
             torch._foreach_mul_(gs, coef.to(gs[0].device))
         return total
 
-    def checkpointing(self, model: Qwen25VL, to: tuple[bool, bool] | None = None) -> tuple[bool, bool]:
-        if to is not None:
-            fsdp_mod.set_checkpointing(model, *to)
-            self._checkpointing = to
-            return to
-        return fsdp_mod.checkpointing(model)
-
 
 class LocalPasses(SingleProcess):
     """The placement of one rank's fused stages (between `DataParallel.begin_local` and `end_local`): this
@@ -388,12 +383,6 @@ class LocalPasses(SingleProcess):
     def clip_grad_norm_(self, params, max_norm: float) -> torch.Tensor:
         raise AssertionError("the fused stages accumulate; the data-parallel placement clips")
 
-    def checkpointing(self, model: Qwen25VL, to: tuple[bool, bool] | None = None) -> tuple[bool, bool]:
-        if to is not None:
-            fsdp_mod.set_checkpointing(model, *to)
-            return to
-        return fsdp_mod.checkpointing(model)
-
 
 def placed(model, mesh: DeviceMesh, fsdp: FSDPConfig, column_sharded=()) -> tuple:
     """(`model` sharded in place by FSDP2 over `mesh` with `fsdp` unless it is already, the `DataParallel`
@@ -402,6 +391,7 @@ def placed(model, mesh: DeviceMesh, fsdp: FSDPConfig, column_sharded=()) -> tupl
     dp = DataParallel(mesh, model.cfg, torch.empty((), dtype=dtype).element_size(), fsdp)
     if not isinstance(model, fsdp_mod.FSDPModule):
         model = apply_fsdp(model, mesh, fsdp, column_sharded)
+    dp.model = model
     # what reducing once per mini-batch holds: every parameter gathered, every trained one's gradient
     # unsharded (in the reduce dtype where one is set)
     grad_bytes = torch.empty((), dtype=fsdp_mod.DTYPES.get(fsdp.reduce_dtype) or dtype).element_size()

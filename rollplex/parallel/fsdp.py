@@ -23,9 +23,10 @@ Gradients are *summed* over ranks, not averaged (`set_gradient_divide_factor(1)`
 trainer divides each rank's loss by the whole mini-batch's normaliser, so the sum is the
 single-process gradient (data_parallel.py).
 
-Activation checkpointing composes the same way: `set_checkpointing` puts the plain or the
-checkpointed layer function back into the slot and routes the modules through it again, so the
-update's OOM ladder can turn checkpointing on after sharding.
+Activation checkpointing composes the same way: the plan registers its routing with
+`rl.activation_checkpointing.route_layers`, so turning checkpointing on or off puts the plain or the
+checkpointed layer function back into the slot and routes the modules through it again (the update's
+OOM ladder turns it on after sharding).
 
 Every rank must call the units in the same order and the same number of times per backward (FSDP's
 collectives pair up by order): the caller keeps the micro-batch structure equal across ranks.
@@ -47,7 +48,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from ..models import ForwardOps, Qwen25VL
-from ..rl.activation_checkpointing import set_activation_checkpointing
+from ..rl.activation_checkpointing import route_layers, set_activation_checkpointing
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ROOT_METHOD = "run_sharded"
@@ -139,7 +140,7 @@ def _merged(ops: ForwardOps | None, routed: ForwardOps | None) -> ForwardOps | N
 def set_layer_ops(model: nn.Module, ops: ForwardOps | None) -> None:
     """Run every decoder layer call of a model `apply_fsdp` sharded with `ops` (models.ForwardOps; the steps
     a caller's own ops leave to the model): how the sharding's owner has the layers read what it stores,
-    e.g. fused projections stored in another row order (shared_weights.py). Kept across `set_checkpointing`;
+    e.g. fused projections stored in another row order (shared_weights.py). Kept across changes of checkpointing;
     the model object's class and methods are untouched."""
     _layer_ops(model)[0] = ops
 
@@ -162,7 +163,7 @@ def apply_fsdp(model: Qwen25VL, mesh: DeviceMesh, cfg: FSDPConfig | None = None,
     if isinstance(model, FSDPModule):
         raise ValueError("the model is already sharded")
     set_activation_checkpointing(model, cfg.activation_checkpointing, cfg.vision_activation_checkpointing)
-    _route_through_modules(model)
+    route_layers(model, _route_through_modules)
     kw = dict(mesh=mesh, mp_policy=cfg.mp_policy())
     by_columns = {id(p) for n, p in model.named_parameters() if n in set(column_sharded)}
     if by_columns:
@@ -324,25 +325,6 @@ def reduce_gathered(model: nn.Module, present: list[bool], group) -> None:
                     hook(sp)
                 fp._unsharded_param.grad = None
     assert i == len(present), "one presence flag per parameter of the units"
-
-
-def set_checkpointing(model: Qwen25VL, decoder: bool, vision: bool) -> None:
-    """Per-layer activation checkpointing of the decoder / the vision tower of a model `apply_fsdp`
-    sharded, on or off: the slots get the plain methods back, then the (un)wrapped functions are
-    routed through the layer modules again (the FSDP units and their hooks are untouched)."""
-    text, vis = model.model, model.visual
-    vars(text).pop("layer", None)
-    vars(vis).pop("block", None)
-    set_activation_checkpointing(model, decoder, vision)
-    _route_through_modules(model)
-
-
-def checkpointing(model: Qwen25VL) -> tuple[bool, bool]:
-    """Whether the decoder layers / vision blocks of a model `apply_fsdp` sharded run checkpointed."""
-    def wrapped(mods) -> bool:
-        return len(mods) > 0 and hasattr(mods[0].forward.func, "__wrapped__")
-
-    return wrapped(model.model.layers), wrapped(model.visual.blocks)
 
 
 def _owned(out):

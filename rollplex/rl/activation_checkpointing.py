@@ -34,11 +34,32 @@ def _unwrap(obj, name: str) -> None:
     vars(obj).pop(name, None)
 
 
+_FLAGS = "_activation_checkpointing"  # vars(model): (decoder, vision) as last set
+_ROUTE = "_layer_route"  # vars(model): how a wrapper routes the layer slots through its modules
+
+
 def set_activation_checkpointing(model: Qwen25VL, decoder: bool, vision: bool) -> None:
-    """Turn per-layer checkpointing of the decoder and/or the vision tower on or off."""
+    """Turn per-layer checkpointing of the decoder and/or the vision tower on or off. On a model whose
+    layer calls a wrapper routes (`route_layers`: FSDP2's units), the slots get the plain methods back,
+    are (un)wrapped, then routed again: the wrapper's units and hooks are untouched."""
+    route = vars(model).get(_ROUTE)
+    if route is not None:
+        vars(model.model).pop("layer", None)
+        vars(model.visual).pop("block", None)
     for on, obj, name in ((decoder, model.model, "layer"), (vision, model.visual, "block")):
         (_wrap if on else _unwrap)(obj, name)
+    vars(model)[_FLAGS] = (bool(decoder), bool(vision))
+    if route is not None:
+        route(model)
+
+
+def route_layers(model: Qwen25VL, route) -> None:
+    """Route the model's layer slots with `route(model)`, now and after every change of checkpointing (a
+    wrapper whose units must see each layer call: FSDP2)."""
+    vars(model)[_ROUTE] = route
+    route(model)
 
 
 def activation_checkpointing(model: Qwen25VL) -> tuple[bool, bool]:
-    return "layer" in vars(model.model), "block" in vars(model.visual)
+    """Whether the decoder layers / vision blocks run checkpointed."""
+    return vars(model).get(_FLAGS, (False, False))

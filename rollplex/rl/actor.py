@@ -24,6 +24,7 @@ import torch
 
 from ..models import Qwen25VL
 from ..models.transfer import to_device
+from .activation_checkpointing import set_activation_checkpointing
 from .algos import agg_denominator, agg_loss, kl_penalty, policy_agg_mode, ppo_policy_loss
 from .batch import RolloutBatch
 from .config import RLConfig
@@ -153,7 +154,7 @@ class Actor(Trainer):
         super().__init__(model, optimizer, placement, memory,
                          torch.optim.lr_scheduler.LambdaLR(optimizer.opt, lr_lambda(cfg)),
                          cfg.lr_schedule_unit == "optimizer_step", role="actor", sweeps=sweeps)
-        self.placement.checkpointing(model, (cfg.gradient_checkpointing, cfg.vision_gradient_checkpointing))
+        set_activation_checkpointing(model, cfg.gradient_checkpointing, cfg.vision_gradient_checkpointing)
 
     @property
     def _backoff(self) -> MicroBatching | None:

@@ -28,6 +28,7 @@ import torch.nn as nn
 from ..models import ModelConfig, Qwen25VL, hf_to_rollplex, save_model
 from ..models.hf_io import empty_model, read_safetensors
 from ..models.transfer import to_device
+from .activation_checkpointing import set_activation_checkpointing
 from .actor import _rows
 from .algos import agg_denominator, value_loss
 from .batch import RolloutBatch
@@ -180,7 +181,7 @@ class Critic(Trainer):
                                 regions=("critic_optimizer", "critic_grads"), lr=cfg.critic_lr,
                                 betas=cfg.betas, weight_decay=cfg.weight_decay)
         super().__init__(model, optimizer, placement, memory, role="critic")
-        self.placement.checkpointing(model, (bool(cfg.gradient_checkpointing), bool(cfg.vision_gradient_checkpointing)))
+        set_activation_checkpointing(model, bool(cfg.gradient_checkpointing), bool(cfg.vision_gradient_checkpointing))
         model.eval()
 
     @staticmethod

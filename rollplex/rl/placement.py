@@ -14,8 +14,6 @@ they are cut into passes, how a pass calls the model, and how per-process result
     sum_(t)                     t summed over the processes, in place
     clip_grad_norm_(params, m)  the gradients' global 2-norm, every gradient scaled so that it is at
                                 most m (torch's clip_grad_norm_ over the whole model)
-    checkpointing(model, to)    per-layer activation checkpointing of the model: (decoder, vision), or
-                                set to `to` (and `to` returned) when given
     on_oom()                    what an out-of-memory error means here: "defer" (inside a training pass
                                 whose passes run no collective: this process runs no more passes of the
                                 mini-batch and `end_passes` backs every process off), "retry" (every
@@ -40,7 +38,6 @@ from typing import Protocol
 import torch
 
 from ..models import Qwen25VL
-from .activation_checkpointing import activation_checkpointing, set_activation_checkpointing
 from .batch import RolloutBatch
 from .microbatch import MicroBatching, micro_batches
 
@@ -61,8 +58,6 @@ class Placement(Protocol):
     def sum_(self, t: torch.Tensor) -> torch.Tensor: ...
 
     def clip_grad_norm_(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor: ...
-
-    def checkpointing(self, model: Qwen25VL, to: tuple[bool, bool] | None = None) -> tuple[bool, bool]: ...
 
     def on_oom(self) -> str: ...
 
@@ -99,12 +94,6 @@ class SingleProcess:
 
     def clip_grad_norm_(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-
-    def checkpointing(self, model: Qwen25VL, to: tuple[bool, bool] | None = None) -> tuple[bool, bool]:
-        if to is not None:
-            set_activation_checkpointing(model, *to)
-            return to
-        return activation_checkpointing(model)
 
     def on_oom(self) -> str:
         return "retry"

@@ -31,6 +31,7 @@ from typing import Protocol, TypeVar
 import torch
 
 from ..models.transfer import to_device
+from .activation_checkpointing import activation_checkpointing, set_activation_checkpointing
 from .batch import RolloutBatch
 from .config import RLConfig
 from .errors import NonFiniteUpdate, TrainOOM, TrainStepError, TrainStepFailed, is_oom
@@ -105,11 +106,11 @@ def retry_oom(attempt: Callable[[MicroBatching], T], plan: MicroBatching, mode: 
                 raise TrainOOM(f"{what} ran out of device memory inside a data-parallel pass (the other ranks wait "
                                f"in its collectives, so it cannot be retried); {hints[0]}", applied) from e
             smaller = halve(current, mode)
-            if smaller is None and checkpointing and placement.checkpointing(model) != (True, True):
+            if smaller is None and checkpointing and activation_checkpointing(model) != (True, True):
                 # last rung: recompute activations in backward instead of keeping them
                 log.warning("%s out of memory at the smallest micro-batch: turning on activation checkpointing "
                             "for the rest of the run", what)
-                placement.checkpointing(model, (True, True))
+                set_activation_checkpointing(model, True, True)
                 continue
             if smaller is None:
                 raise TrainOOM(f"{what} ran out of device memory at one {unit} per micro-batch; {hints[1]}",
