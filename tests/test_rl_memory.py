@@ -4,6 +4,7 @@ Same updated weights as without memory management; the engine's tokens survive a
 OOM in the update backs off or leaves the weights and optimizer as they were."""
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -15,7 +16,10 @@ from rollplex.rl import actor as actor_mod
 from rollplex.rl.activation_checkpointing import activation_checkpointing
 from rollplex.rl.actor import TrainOOM
 from rollplex.rl.config import RLConfig
+from rollplex.rl.microbatch import Backoff, MicroBatching
+from rollplex.rl.placement import SingleProcess
 from rollplex.rl.step import RLStep
+from rollplex.rl.trainer import retry_oom
 from rollplex.tiny import shape_color
 
 ROWS = shape_color.make_rows(4, seed=5)
@@ -199,3 +203,22 @@ def test_checkpoint_while_regions_are_offloaded(tiny_dir, proc, tmp_path):
         for x, y in zip(a.ref.parameters(), b.ref.parameters()):
             assert torch.equal(x, y) and not torch.isnan(x).any()
     assert a.memory.state["ref_weights"] == "offloaded"
+
+
+def test_out_of_memory_back_off_recovers_after_the_failed_pass_is_freed():
+    held, freed_at_recover = [], []
+
+    def attempt(plan: MicroBatching) -> MicroBatching:
+        if not held:
+            activations = torch.ones(1024)  # what the failed pass's frame holds
+            held.append(weakref.ref(activations))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return plan
+
+    backoff = Backoff()
+    out = retry_oom(attempt, MicroBatching(4, 8, None, True), "rollplex", backoff, SingleProcess(), None,
+                    "the actor update", ("", ""), recover=lambda: freed_at_recover.append(held[0]() is None))
+    # the cached blocks are returned (`recover`) once the failed pass's tensors are gone, not while its
+    # exception still holds them
+    assert freed_at_recover == [True]
+    assert out == backoff.cap == MicroBatching(2, 8, None, True)

@@ -22,6 +22,8 @@ afterwards.
 
 from __future__ import annotations
 
+import traceback
+
 
 class TrainStepError(RuntimeError):
     def __init__(self, msg: str, applied_updates: int, partial_update: bool = False, chunks_written: int = 0,
@@ -59,6 +61,16 @@ def is_oom(e: BaseException) -> bool:
     import torch
 
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def release_frames(err: BaseException | None) -> None:
+    """Clear the finished frames of `err`'s traceback (and of the errors it chains): a failed pass's frames
+    hold its activations, which would otherwise stay allocated for as long as the error is kept."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        traceback.clear_frames(err.__traceback__)
+        err = err.__cause__ or err.__context__
 
 
 class TrainStepFailed(TrainStepError):

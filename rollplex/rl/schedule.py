@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import time
-import traceback
 
 import torch
 
@@ -38,7 +37,7 @@ from ..cosched.timeline import DecodeMarks
 from .auto_schedule import AutoChooser
 from .batch import RolloutBatch
 from .config import RLConfig
-from .errors import TrainOOM
+from .errors import TrainOOM, release_frames
 from .fuse_gate import FuseGate, gate_settings
 from .pipeline import GroupPipeline, fallback_on, fused_unsupported
 from .remax import score_baselines
@@ -238,18 +237,8 @@ class Fused:
             raise pipe.error
         log.warning("fused schedule: a stage ran out of device memory (%s); this step runs phased", pipe.error)
         m["rollplex/fused"], m["rollplex/fused_fallback_oom"] = 0.0, 1.0
-        release_frames(pipe.error)
+        release_frames(pipe.error)  # the failed pass's activations, before the phased update
         return None
-
-
-def release_frames(err: BaseException | None) -> None:
-    """Clear the frames of `err`'s traceback (and of the errors it chains): a failed pass's frames hold its
-    activations, which would otherwise stay allocated through the phased update that replaces it."""
-    seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        traceback.clear_frames(err.__traceback__)
-        err = err.__cause__ or err.__context__
 
 
 class Auto:

@@ -34,7 +34,7 @@ from ..models.transfer import to_device
 from .activation_checkpointing import activation_checkpointing, set_activation_checkpointing
 from .batch import RolloutBatch
 from .config import RLConfig
-from .errors import NonFiniteUpdate, TrainOOM, TrainStepError, TrainStepFailed, is_oom
+from .errors import NonFiniteUpdate, TrainOOM, TrainStepError, TrainStepFailed, is_oom, release_frames
 from .microbatch import Backoff, MicroBatching, halve
 from .optimizer import MasterAdamW, OptimizerStepOOM
 from .placement import CollectiveOOM, Placement, SingleProcess
@@ -101,6 +101,7 @@ def retry_oom(attempt: Callable[[MicroBatching], T], plan: MicroBatching, mode: 
         except Exception as e:  # noqa: BLE001 - only OOM is retried
             if not is_oom(e):
                 raise
+            release_frames(e)  # the failed attempt's tensors, so that `recover` can return their memory
             (recover or (lambda: _empty_cache(model)))()
             if not (isinstance(e, CollectiveOOM) or placement.on_oom() == "retry"):
                 raise TrainOOM(f"{what} ran out of device memory inside a data-parallel pass (the other ranks wait "
