@@ -11,7 +11,10 @@ Both backends give a region the same semantics, so every path above them runs in
 `TorchMemorySaverBackend` (CUDA) is torch-memory-saver in `hook_mode="torch"`: one CUDA MemPool per
 tag through its pluggable allocator, pause/resume unmap and remap the physical pages behind fixed
 virtual addresses. It exits the process on a double pause or a resume of an active tag, so the
-manager checks region states before every call.
+manager checks region states before every call. At interpreter exit the region pools release their
+blocks outside any `region()`, which the package (0.0.10, CUDA) reports as misuse and answers by ending
+the process with status 1 after all work ran; `_let_exit_frees_through` marks the exiting thread as
+inside a region so those frees reach the saver, which owns every block of the pools.
 
 `AccountingBackend` (CPU, or CUDA without the package) records the storages allocated in a region
 with a dispatch mode and *poisons* them on pause (NaN bytes), so a test that reads a released region
@@ -21,6 +24,7 @@ sees garbage exactly as it would on the GPU. With `capacity` set it also plays a
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import weakref
 
@@ -124,6 +128,8 @@ class TorchMemorySaverBackend:
             pass  # already initialised (one saver per process, e.g. a second manager): its hook mode stands
         self.device = device
         self._bytes: dict[str, int] = {}
+        atexit.unregister(_let_exit_frees_through)  # one hook per process, however many backends
+        atexit.register(_let_exit_frees_through, self.tms)
 
     @contextlib.contextmanager
     def region(self, tag: str):
@@ -152,6 +158,16 @@ class TorchMemorySaverBackend:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+
+def _let_exit_frees_through(tms) -> None:
+    """Runs at exit (atexit, on the main thread, before module teardown frees the pools' tensors).
+    The package frees pool blocks through `tms_torch_free`, which requires the calling thread to be
+    inside a region; its own exit hook (HIP and XPU only) clears the pools early instead."""
+    impl = getattr(tms, "_impl", None)  # None: no region was ever entered, nothing to free
+    cdll = getattr(getattr(impl, "_binary_wrapper", None), "cdll", None)
+    if cdll is not None and hasattr(cdll, "tms_set_interesting_region"):
+        cdll.tms_set_interesting_region(True)
 
 
 def make_backend(kind: str, device: torch.device, capacity: int | None = None):

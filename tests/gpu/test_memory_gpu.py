@@ -2,6 +2,10 @@
 contents survive an offload, CUDA graphs that captured a region replay correctly after resume, and misuse
 is an exception rather than a process exit."""
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -89,3 +93,26 @@ def test_misuse_raises(mm):
     t.fill_(1)
     with pytest.raises(MemoryRegionError):
         mm.resume("prefix_states")
+
+
+def test_process_with_regions_exits_cleanly(mm):
+    """A process that used regions (one live, one paused, one freed) ends with status 0: the pools'
+    blocks freed at interpreter exit must not be taken for misuse."""
+    code = textwrap.dedent("""
+        import torch
+        from rollplex.memory import MemoryManager, PhasePlan
+        mm = MemoryManager(PhasePlan.releases_only(), device="cuda", backend="tms")
+        with mm.region("optimizer"):
+            kept = torch.ones(1 << 20, device="cuda")
+        with mm.region("kv_cache"):
+            paused = torch.ones(1 << 20, device="cuda")
+        with mm.region("prefix_states"):
+            freed = torch.ones(1 << 20, device="cuda")
+        del freed
+        mm.pause("kv_cache")
+        torch.cuda.synchronize()
+        print("done", float(kept.sum()))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "done 1048576.0" in r.stdout, r.stderr[-2000:]
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
