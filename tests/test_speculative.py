@@ -199,8 +199,11 @@ def test_spec_bench_checks_tokens_and_prints_its_table(tiny_dir, capsys):
     out = capsys.readouterr().out
     assert "correctness (fp32): speculation at replayed acceptance 0,2 gave speculation off's greedy tokens for " \
            "all 8 samples of 4 prompts" in out
-    table = out.strip().splitlines()[-5:]
+    table = out.strip().splitlines()[-7:]
     assert all(row.split("|")[8].strip() == "8/8" for row in table[2:])  # fp32 rows are checked exactly too
     assert table[0].startswith("| drafts |") and table[2].startswith("| off |")
     assert table[3].startswith("| replay a=0 |") and table[4].startswith("| replay a=2 |")
+    # teacher-forced timing rows: a + 1 tokens kept per pass; in fp32 the policy drew every forced token
+    assert table[5].startswith("| forced a=0 |") and table[6].startswith("| forced a=2 |")
+    assert float(table[6].split("|")[6]) > 1.0 and table[6].split("|")[10].strip() == "100%"
     assert float(table[4].split("|")[6]) > 1.0  # mean accepted length of the a=2 replay

@@ -16,9 +16,14 @@ Correctness first, in fp32: an fp32 copy of the model decodes the first `--check
 greedily with speculation off and then at every replayed acceptance, and every token must agree. The
 timed rows run in `--dtype` (bf16 by default), where greedy decoding is not batch-invariant: the verify
 pass's k+1-row GEMMs round differently from graphed decode's, so a near-tie of the random weights'
-logits can flip and a sample part from speculation off's. The table says how many samples kept every
-token and where the rest parted. Then one JSON line per row and a table last: tail time, tail decode
-tokens/s, speed-up over speculation off, the measured mean accepted length and acceptance rate.
+logits can flip and a sample part from speculation off's; from there on its replayed drafts are wrong,
+so the exact rule's rows (`replay a=`) accept less than `a` (on an H100, 0.1-0.9 tokens at a = 1-4). The
+`forced a=` rows then keep each sample on the reference (`ForcedReplay`: the right draft tokens and the
+reference's next token kept whatever the policy drew; not exact, timing only): each pass keeps a + 1
+tokens at the cost real speculation pays at that acceptance, and `agreed` is how many of those tokens the
+policy's own draws matched. The table says how many samples kept every token and where the rest parted.
+Then one JSON line per row and a table last: tail time, tail decode tokens/s, speed-up over speculation
+off, the measured mean accepted length and acceptance rate.
 """
 
 from __future__ import annotations
@@ -44,19 +49,49 @@ def tail_lengths(n_prompts: int, new_tokens: int, seed: int) -> list[int]:
 
 
 class ReplayDrafts:
-    """Drafts from a reference run: the next `accept` reference tokens, then wrong tokens up to k."""
+    """Drafts from a reference run: the next `accept` reference tokens, then wrong tokens up to k. `forced`:
+    the reference token after each draft's right part (what `ForcedReplay` keeps as the bonus)."""
 
     def __init__(self, reference: dict[int, list[int]], accept: int, k: int, vocab: int):
         self.reference, self.accept, self.k, self.vocab = reference, accept, k, vocab
+        self.forced: list[int | None] = []
 
     def __call__(self, seqs, open_requests) -> list[list[int]]:
-        out = []
+        out, self.forced = [], []
         for s in seqs:
             ref = self.reference[id(s.request.inputs)]
             k = min(self.k, s.request.max_len - len(s) - 1)
             pos = s.num_output_tokens
             nxt = ref[pos : pos + k]
             out.append([t if j < self.accept else (t + 1) % self.vocab for j, t in enumerate(nxt)])
+            a = min(self.accept, len(nxt))
+            self.forced.append(ref[pos + a] if pos + a < len(ref) else None)
+        return out
+
+
+class ForcedReplay:
+    """A timing rule: the verify step's sampling as the exact rule's, then, whatever the policy drew, the
+    draft's `accept` right tokens and the reference's next token kept (teacher-forced). In bf16 a verify pass
+    rounds differently from decode, a near-tie of random weights flips, and a sample that parts from the
+    reference is drafted wrong tokens from then on; forcing keeps every sample on the reference, so each pass
+    keeps exactly accept + 1 tokens, at the cost real speculation pays at that acceptance. Not exact: for
+    timing rows only (the exact rule's rows and the fp32 check stand beside them). `agreed` / `forced_total`:
+    how many kept tokens the policy's own draws matched."""
+
+    def __init__(self, replay: ReplayDrafts):
+        self.replay, self.agreed, self.forced_total = replay, 0, 0
+
+    def __call__(self, sampler, logits, st, drafts):
+        tokens, logprobs = sampler(logits, st)
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        out, r = [], 0
+        for d, nxt in zip(drafts, self.replay.forced):
+            a = min(self.replay.accept, len(d))
+            keep = d[:a] + [nxt if nxt is not None else tokens[r + a]]
+            self.agreed += sum(x == y for x, y in zip(tokens[r : r + a + 1], keep))
+            self.forced_total += a + 1
+            out.append((keep, logprobs[r : r + a + 1]))
+            r += len(d) + 1
         return out
 
 
@@ -160,6 +195,8 @@ def main(argv=None) -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="the engine's share of GPU memory "
                     "(0.7 on an H200 for --max-new-tokens 4096 without preemption)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-forced", dest="forced", action="store_false",
+                    help="no teacher-forced rows (ForcedReplay): only the exact rule's")
     ap.add_argument("--json", default=None, help="append the rows as JSON lines to this file")
     a = ap.parse_args(argv)
     accepts = [int(x) for x in a.accept.split(",")]
@@ -207,19 +244,25 @@ def main(argv=None) -> None:
     eng.spec = spec
     spec.drafts = ReplayDrafts(reference, max(accepts), a.k, vocab)
     run(eng, prompts, params, limit)  # warm-up of the verify path
-    for acc in accepts:
-        spec.drafts = ReplayDrafts(reference, acc, a.k, vocab)
-        before = dict(spec.stats.__dict__)
-        got, total_s, tail_s, _ = run(eng, prompts, params, limit)
-        same, n_samples, kept = agreement(got, reference, prompts)
-        if dtype == torch.float32 and same != n_samples:
-            raise SystemExit(f"speculation changed greedy tokens of {n_samples - same} of {n_samples} samples "
-                             f"(replayed acceptance {acc})")
-        d = {k: spec.stats.__dict__[k] - before[k] for k in before}
-        rows.append({"workload": "spec-tail", "model": name, "drafts": f"replay a={acc}", "rollout_s": total_s,
-                     "tail_s": tail_s, "tail_tok_s": n_tail / tail_s, "speedup": rows[0]["tail_s"] / tail_s,
-                     "mean_accepted": d["accepted"] / max(d["seq_steps"], 1),
-                     "acceptance": d["accepted"] / max(d["drafted"], 1), "same_samples": same, "kept": kept})
+    exact = spec.rule
+    for forced in (False, True) if a.forced else (False,):
+        for acc in accepts:
+            spec.drafts = ReplayDrafts(reference, acc, a.k, vocab)
+            spec.rule = ForcedReplay(spec.drafts) if forced else exact
+            before = dict(spec.stats.__dict__)
+            got, total_s, tail_s, _ = run(eng, prompts, params, limit)
+            same, n_samples, kept = agreement(got, reference, prompts)
+            if dtype == torch.float32 and same != n_samples:
+                raise SystemExit(f"speculation changed greedy tokens of {n_samples - same} of {n_samples} samples "
+                                 f"(replayed acceptance {acc}{', forced' if forced else ''})")
+            d = {k: spec.stats.__dict__[k] - before[k] for k in before}
+            rows.append({"workload": "spec-tail", "model": name, "drafts": f"{'forced' if forced else 'replay'} "
+                         f"a={acc}", "rollout_s": total_s, "tail_s": tail_s, "tail_tok_s": n_tail / tail_s,
+                         "speedup": rows[0]["tail_s"] / tail_s,
+                         "mean_accepted": d["accepted"] / max(d["seq_steps"], 1),
+                         "acceptance": d["accepted"] / max(d["drafted"], 1), "same_samples": same, "kept": kept,
+                         "policy_agreed": (spec.rule.agreed / max(spec.rule.forced_total, 1)) if forced else None})
+    spec.rule = exact
     print(f"{total} samples, tail = at most {limit} sequences decoding, {n_tail} tail tokens; "
           f"{a.dtype or str(dtype).split('.')[-1]}: 'same' counts samples with every token of speculation off")
     meta = {**env, "prompts": a.prompts, "n": a.n, "max_new_tokens": a.max_new_tokens, "k": a.k,
@@ -232,12 +275,13 @@ def main(argv=None) -> None:
                 f.write(line + "\n")
     print(f"\n{name}, {a.prompts}x{a.n}, up to {a.max_new_tokens} tokens, k={a.k}, {env.get('gpu', a.device)}")
     print("| drafts | rollout s | tail s | tail tok/s | tail speed-up | mean accepted | acceptance | same | "
-          "tokens before parting |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "tokens before parting | agreed |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['drafts']} | {r['rollout_s']:.2f} | {r['tail_s']:.3f} | {r['tail_tok_s']:.0f} | "
               f"{r['speedup']:.2f}x | {r['mean_accepted']:.2f} | {r['acceptance']:.2f} | "
-              f"{r['same_samples']}/{total} | {r['kept']:.0%} |")
+              f"{r['same_samples']}/{total} | {r['kept']:.0%} | "
+              f"{'' if r.get('policy_agreed') is None else format(r['policy_agreed'], '.0%')} |")
 
 
 if __name__ == "__main__":
