@@ -129,9 +129,11 @@ def test_step_bench_carries_a_rows_back_off_to_its_next_step(tiny_dir, capsys, m
     step.main(["--preset", f"{tiny_dir}/config.json", "--workloads", "w3b", "--vision", "frozen", "--modes",
                "rollplex", "--adv-estimator", "gae", *STEP_ARGS])
     rows = [r for r in _rows(capsys) if r["bench"] == "step"]
-    assert [(r["workload"], r["step"]) for r in rows] == [("w3b-check", "check"), ("w3b", "cold"), ("w3b", "timed")]
+    # the check trains the rollplex row twice: as configured and with one group per pass
+    assert [(r["workload"], r["step"]) for r in rows] == [("w3b-check", "check")] * 2 + [("w3b", "cold"),
+                                                                                          ("w3b", "timed")]
     assert all(math.isfinite(r["vf_loss"]) for r in rows)
-    # 4 -> 2 -> 1 prompts per pass by the check's trainer and by the cold step's; the timed step kept 1
+    # 4 -> 2 -> 1 prompts per pass by the check's first trainer and by the cold step's; the timed step kept 1
     assert ooms == [2] * 4
 
 
@@ -288,3 +290,12 @@ def test_step_bench_long_tail_against_packed_and_padded_serial(tiny_dir, capsys)
     assert summary["response_tokens"] == sum(map(sum, lens))
     assert summary["serial"] == min(summary["serial_64"], summary["serial_4096"])
     assert summary["serial_max_tokens"] in (64, 4096) and summary["serial_padded"] > summary["gen_s"]
+
+
+def test_step_check_verdict_flags_a_mode_whose_kl_departs():
+    from rollplex.bench.step import check_verdict
+
+    ok = check_verdict({"serial_kl_loss": 8.18e-6, "rollplex_kl_loss": 1.03e-5, "fused_kl_loss": 8.18e-6})
+    assert ok.startswith("check: ok")
+    bad = check_verdict({"serial_kl_loss": 8.18e-6, "rollplex_kl_loss": 1.31e-3, "fused_kl_loss": 8.18e-6})
+    assert bad.startswith("check: MISMATCH") and "rollplex 0.00131" in bad and "fused" not in bad

@@ -223,6 +223,13 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
+def _probs_diff(m: dict) -> dict:
+    """The engine-trainer mismatch of a row (verl's `training/rollout_probs_diff_*`): with the KL loss (trainer
+    against reference), it says which side departs when a check row's KL differs between modes."""
+    return {k.split("/")[1]: m[k] for k in ("training/rollout_probs_diff_mean", "training/rollout_probs_diff_max")
+            if k in m}
+
+
 def _train_row(rl: RLStep, batch: RolloutBatch, cfg, grid, label: str, step: str, mode: str, frozen: bool,
                gen_s: float | None = None, extra: dict | None = None) -> dict:
     from torch._dynamo.utils import counters
@@ -243,6 +250,7 @@ def _train_row(rl: RLStep, batch: RolloutBatch, cfg, grid, label: str, step: str
          "update_tflops": round(fl / m["timing_s/update_actor"] / 1e12, 1),
          "update_mfu": round(fl / m["timing_s/update_actor"] / 1e12 / PEAK_TFLOPS, 3),
          "pg_loss": m["actor/pg_loss"], "kl_loss": m["actor/kl_loss"], "grad_norm": m["actor/grad_norm"],
+         **_probs_diff(m),
          "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else 0,
          "dynamo_graphs_compiled": counters["stats"]["unique_graphs"] - graphs0,
          "prefix_normal_phase_s": round(m.get("rollplex/prefix_ref_normal_phase_s", 0.0), 3),
@@ -338,7 +346,7 @@ def fused_step(system: System, prompts, params, rl_kw: dict, fuse: tuple, cfg, g
          "decode_added_s": round(m.get("rollplex/fused_decode_added_s", 0.0), 3),
          "held_buckets": m.get("rollplex/fused_held_buckets", 0.0), "admission": admission,
          "groups": batch.num_prompts, "pg_loss": m["actor/pg_loss"], "kl_loss": m["actor/kl_loss"],
-         "grad_norm": m["actor/grad_norm"],
+         "grad_norm": m["actor/grad_norm"], **_probs_diff(m),
          "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else 0,
          "memory_plan": _plan_name(rl)}
     if push_s is not None:
@@ -663,8 +671,13 @@ def _check(system: System, prompts, rl_kw, co_cfg, fuse, cfg, grid, label, init,
     rows = run_modes(system, strip_vision(sb), kw, grid, label + "-check", cfg, "check",
                      modes=[m for m in modes if m.startswith("serial") or m == "rollplex"], frozen=frozen, init=init,
                      ref=ref)
+    if "rollplex" in modes and kw["micro_batch_prompts"] > 1:  # one group per pass too: packing apart from sharing
+        one = run_modes(system, strip_vision(sb), {**kw, "micro_batch_prompts": 1}, grid, label + "-check", cfg,
+                        "check", modes=["rollplex"], frozen=frozen, init=init, ref=ref)
+        rows += [{**r, "mode": "rollplex_one_group"} for r in one]
     out = {"bench": "step_check", "workload": label}
-    out.update({f"{r['mode']}_{k}": r[k] for r in rows for k in ("pg_loss", "kl_loss", "grad_norm")})
+    keys = ("pg_loss", "kl_loss", "grad_norm", "rollout_probs_diff_max")
+    out.update({f"{r['mode']}_{k}": r[k] for r in rows for k in keys if k in r})
     if "cosched" in modes:
         r = cosched_step(system, prompts[:2], small, kw, co_cfg, cfg, grid, label + "-check", "check", frozen,
                          init, ref, seed=1)
@@ -672,8 +685,23 @@ def _check(system: System, prompts, rl_kw, co_cfg, fuse, cfg, grid, label, init,
     if "fused" in modes:
         r = fused_step(system, prompts[:2], small, {**kw, "micro_batch_prompts": 1}, fuse, cfg, grid,
                        label + "-check", "check", frozen, init, ref, seed=1)
-        out.update({f"fused_{k}": r[k] for k in ("pg_loss", "kl_loss", "grad_norm")})
+        out.update({f"fused_{k}": r[k] for k in keys if k in r})
     print(json.dumps(out), flush=True)
+    print(check_verdict(out), flush=True)
+
+
+def check_verdict(out: dict) -> str:
+    """One line on a check row: every mode's KL loss (the trainer's first pass against the reference, both
+    from the same initial weights) within rounding of the first mode's; rounding in bf16 leaves ~1e-5."""
+    kls = {k[: -len("_kl_loss")]: v for k, v in out.items() if k.endswith("_kl_loss")}
+    if not kls:
+        return "check: no KL loss to compare"
+    base_mode, base = next(iter(kls.items()))
+    off = {m: v for m, v in kls.items() if abs(v - base) > 4 * abs(base) + 1e-4}
+    if not off:
+        return f"check: ok (KL loss {', '.join(f'{m} {v:.3g}' for m, v in kls.items())})"
+    return (f"check: MISMATCH: KL loss {', '.join(f'{m} {v:.3g}' for m, v in off.items())} against {base_mode} "
+            f"{base:.3g} from the same weights (the trainer's first pass departs from the reference's)")
 
 
 def _table(summary: list[dict]) -> None:
