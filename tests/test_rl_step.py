@@ -44,6 +44,20 @@ def test_a_step_over_built_parts_is_the_step_built_whole(tiny_dir, proc):
     a, b = whole.step(ROWS[:3]), rl.step(ROWS[:3])
     assert all(a[k] == b[k] for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean"))
     assert all(torch.equal(p, q) for p, q in zip(whole.model.parameters(), rl.model.parameters()))
+    assert a["perf/compiled_graphs"] == 0 and a["timing_s/compile"] == 0.0  # eager on CPU: nothing compiled
+
+
+def test_compile_metrics_count_what_a_block_compiled():
+    from rollplex.rl.timing import compile_metrics
+
+    f = torch.compile(lambda x: (x * 3).sin(), backend="eager")
+    first, again = {}, {}
+    with compile_metrics(first):
+        f(torch.ones(5))
+    with compile_metrics(again):
+        f(torch.ones(5))
+    assert first["perf/compiled_graphs"] == 1 and first["timing_s/compile"] > 0
+    assert again == {"perf/compiled_graphs": 0, "timing_s/compile": 0.0}
 
 
 @pytest.mark.filterwarnings(r"ignore:Seems like `optimizer\.step\(\)`")

@@ -98,6 +98,7 @@ def main(argv=None) -> None:
             mem = client.get("/memory").json()
             row.update({k: round(v, 3) for k, v in m.items() if k.startswith(("timing_s/", "memory/"))
                         and isinstance(v, float)})
+            row["compiled_graphs"] = m.get("perf/compiled_graphs")
             row["phases"] = _phases(mem) or mem_gen
             row["cuda_max_allocated_gib"] = round((mem.get("cuda") or {}).get("max_allocated", 0) / GiB, 2)
             rows.append(row)
@@ -106,13 +107,14 @@ def main(argv=None) -> None:
         stop_server(proc)
     # the update phase's peak as the step measured it (memory/update/peak_gib: CUDA's peak in the phase)
     print(f"\n{'round':>5} {'rollout':>8} {'tok/s':>8} {'train':>6} {'train s':>8} {'step s':>7} {'upd peak GiB':>13} "
-          f"{'transit s':>10}")
+          f"{'transit s':>10} {'compile s':>10}")
     for row in rows:
         upd = row.get("memory/update/peak_gib", float("nan"))
         step = row.get("timing_s/step", float("nan"))
         print(f"{row['round']:>5} {row['rollout_status']:>8} {row.get('rollout_tok_s', 0):>8} "
               f"{row.get('train_status', '-'):>6} {row.get('train_s', 0):>8} {step:>7} "
-              f"{upd:>13} {row.get('memory/transition_s', float('nan')):>10}")
+              f"{upd:>13} {row.get('memory/transition_s', float('nan')):>10} "
+              f"{row.get('timing_s/compile', float('nan')):>10}")
     if any(r.get("error") for r in rows):
         raise SystemExit(1)
 

@@ -54,6 +54,7 @@ from .schedule import schedule_of, why_not_fused
 from .scoring import logprobs
 from .step_memory import fit_memory as fit_memory  # re-exported: its home before rl/step_memory.py
 from .step_memory import step_sizes, update_activations
+from .timing import compile_metrics
 from .timing import phase_timer as _timer
 
 log = logging.getLogger("rollplex.rl")
@@ -280,8 +281,10 @@ class RLStep:
         critic's update after the actor's counts the step too. Every error after an optimizer step is a
         TrainStepError saying what was applied (TrainStepFailed, caused by it, for one that is neither out
         of memory nor a non-finite update)."""
-        with self._failures_reported():
-            return self._train(batch, cfg, old_logprobs, nonfinite)
+        compiled: dict = {}
+        with self._failures_reported(), compile_metrics(compiled):
+            m = self._train(batch, cfg, old_logprobs, nonfinite)
+        return {**m, **compiled}
 
     def _train(self, batch: RolloutBatch, cfg: RLConfig | None, old_logprobs: torch.Tensor | None,
                nonfinite: str) -> dict:
@@ -518,7 +521,7 @@ class RLStep:
         rewards = rewards or (lambda b, _ids: self.compute_rewards(b))
         m: dict = {}
         t0 = time.perf_counter()
-        with self._failures_reported():
+        with self._failures_reported(), compile_metrics(m):
             batch = self.schedule.run(self, prompts, params, rewards, per_prompt, m)
         return batch, self._step_metrics(batch, m, t0)
 
