@@ -299,3 +299,18 @@ def test_step_check_verdict_flags_a_mode_whose_kl_departs():
     assert ok.startswith("check: ok")
     bad = check_verdict({"serial_kl_loss": 8.18e-6, "rollplex_kl_loss": 1.31e-3, "fused_kl_loss": 8.18e-6})
     assert bad.startswith("check: MISMATCH") and "rollplex 0.00131" in bad and "fused" not in bad
+
+
+def test_step_bench_check_only_trains_the_check_rows(tiny_dir, capsys):
+    from rollplex.bench import step
+
+    step.main(["--preset", f"{tiny_dir}/config.json", "--workloads", "w3b-tail", "--vision", "frozen", "--modes",
+               "serial,rollplex,fused", "--check-only", *STEP_ARGS])
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    steps = [(r["mode"], r["step"]) for r in rows if r["bench"] == "step"]
+    assert steps == [("serial", "check"), ("rollplex", "check"), ("rollplex", "check"), ("fused", "check")]
+    check = next(r for r in rows if r["bench"] == "step_check")
+    assert {"rollplex_one_group_kl_loss", "fused_rollout_probs_diff_max"} <= set(check)
+    verdict = next(line for line in out.splitlines() if line.startswith("check:"))
+    assert verdict.startswith("check: ok") and "rollplex_one_group" in verdict  # fp32: every mode's KL ~0

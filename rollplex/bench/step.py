@@ -428,6 +428,8 @@ def parser() -> ConfigParser:
                     help="comma list: one co-scheduled row per value (crossed with --side-sms)")
     ap.add_argument("--side-sms", default="0", help="comma list: one co-scheduled row per value; 0 shares every SM "
                     "with decode, N > 0 confines the admitted work to a green context of N SMs")
+    ap.add_argument("--check-only", action="store_true",
+                    help="only the correctness check of each workload (two prompts, every mode), no timed rows")
     ap.add_argument("--no-warm", action="store_true",
                     help="no warm-up step: time the first step (compiles and first-call costs included)")
     ap.add_argument("--compile-dynamic", default="auto", choices=["true", "auto"],
@@ -500,7 +502,7 @@ def main(argv=None) -> None:
         visions = [v == "frozen" for v in args.vision.split(",")]
         _check(system, prompts, rl_kw, co_cfgs[0], fuses[0], cfg, grid, label, init, ref,
                serial_modes[:1] + [m for m in modes if m != "serial"], visions[0])
-        for frozen in visions:
+        for frozen in visions if not args.check_only else ():
             vis = "frozen" if frozen else "trained"
             restore(model, init, frozen)
             if frozen:
