@@ -185,10 +185,15 @@ def test_rl_step_trains_on_the_policys_logprobs_with_speculation(tiny_dir, proc)
     cfg = RLConfig(n=4, max_new_tokens=12, lr=1e-2, kl_coef=0.05, micro_batch_prompts=2, temperature=0.03)
     rl = RLStep(policy, engine, cfg, proc, reward_fn="shape_color")
     rows = shape_color.make_rows(3, seed=3)
+    accepted = 0
     for _ in range(2):  # the second step drafts from the first one's responses too
         m = rl.step(rows)
         assert m["training/rollout_probs_diff_max"] < 1e-4  # engine and trainer agree on the sampled tokens
-    assert engine.spec_stats["accepted"] > 0
+        # the step's own speculation counts (the engine's are since it started)
+        assert m["rollout/spec_verify_steps"] > 0 and 0 <= m["rollout/spec_acceptance_rate"] <= 1
+        assert m["rollout/spec_draft_tokens"] >= m["rollout/spec_accepted_tokens"] >= 0
+        accepted += m["rollout/spec_accepted_tokens"]
+    assert engine.spec_stats["accepted"] == accepted > 0
 
 
 def test_spec_bench_checks_tokens_and_prints_its_table(tiny_dir, capsys):

@@ -504,7 +504,8 @@ class RLStep:
         if self.cfg.filter_groups:
             m: dict = {}
             t0 = time.perf_counter()
-            batch = sample_groups(self, rows, more_rows, m)
+            with self._speculation(m):
+                batch = sample_groups(self, rows, more_rows, m)
             m.update(self.train(batch))
             return self._step_metrics(batch, m, t0)
         prompts, params, per_prompt = rollout_requests(self.processor, rows, self.cfg, self.step_idx)
@@ -521,9 +522,25 @@ class RLStep:
         rewards = rewards or (lambda b, _ids: self.compute_rewards(b))
         m: dict = {}
         t0 = time.perf_counter()
-        with self._failures_reported(), compile_metrics(m):
+        with self._failures_reported(), compile_metrics(m), self._speculation(m):
             batch = self.schedule.run(self, prompts, params, rewards, per_prompt, m)
         return batch, self._step_metrics(batch, m, t0)
+
+    @contextmanager
+    def _speculation(self, m: dict):
+        """The engine's speculative decoding during the block (nothing with it off): verification passes,
+        draft tokens proposed, and of them accepted, as `rollout/spec_*` (mean accepted length: draft tokens
+        kept per sequence and pass)."""
+        eng = self.engine
+        before = eng.spec_stats if eng is not None else {}
+        yield
+        if not before:
+            return
+        d = {k: eng.spec_stats[k] - before[k] for k in ("steps", "seq_steps", "drafted", "accepted")}
+        m.update({"rollout/spec_verify_steps": d["steps"], "rollout/spec_draft_tokens": d["drafted"],
+                  "rollout/spec_accepted_tokens": d["accepted"],
+                  "rollout/spec_mean_accepted": d["accepted"] / max(d["seq_steps"], 1),
+                  "rollout/spec_acceptance_rate": d["accepted"] / max(d["drafted"], 1)})
 
     def _step_metrics(self, batch: RolloutBatch, m: dict, t0: float) -> dict:
         m["timing_s/step"] = time.perf_counter() - t0
