@@ -108,9 +108,10 @@ class TailClock:
 
 
 def run(eng: Engine, prompts, params, limit: int):
+    """(outputs, rollout s, tail s, the speculation counts of this run or None with speculation off)."""
     clock = TailClock(limit)
     eng.hooks.append(clock)
-    stats0 = dict(eng.spec_stats) if eng.spec is not None else {}
+    stats0 = eng.spec.stats.copy() if eng.spec is not None else None
     try:
         sync()
         t0 = time.perf_counter()
@@ -119,7 +120,7 @@ def run(eng: Engine, prompts, params, limit: int):
         end = time.perf_counter()
     finally:
         eng.hooks.remove(clock)
-    return outs, end - t0, end - (clock.start or end), stats0
+    return outs, end - t0, end - (clock.start or end), None if stats0 is None else eng.spec.stats.since(stats0)
 
 
 def tail_tokens(outs, lengths: list[int], limit: int) -> int:
@@ -249,18 +250,16 @@ def main(argv=None) -> None:
         for acc in accepts:
             spec.drafts = ReplayDrafts(reference, acc, a.k, vocab)
             spec.rule = ForcedReplay(spec.drafts) if forced else exact
-            before = dict(spec.stats.__dict__)
-            got, total_s, tail_s, _ = run(eng, prompts, params, limit)
+            got, total_s, tail_s, d = run(eng, prompts, params, limit)
             same, n_samples, kept = agreement(got, reference, prompts)
             if dtype == torch.float32 and same != n_samples:
                 raise SystemExit(f"speculation changed greedy tokens of {n_samples - same} of {n_samples} samples "
                                  f"(replayed acceptance {acc}{', forced' if forced else ''})")
-            d = {k: spec.stats.__dict__[k] - before[k] for k in before}
             rows.append({"workload": "spec-tail", "model": name, "drafts": f"{'forced' if forced else 'replay'} "
                          f"a={acc}", "rollout_s": total_s, "tail_s": tail_s, "tail_tok_s": n_tail / tail_s,
                          "speedup": rows[0]["tail_s"] / tail_s,
-                         "mean_accepted": d["accepted"] / max(d["seq_steps"], 1),
-                         "acceptance": d["accepted"] / max(d["drafted"], 1), "same_samples": same, "kept": kept,
+                         "mean_accepted": d.mean_accepted, "acceptance": d.acceptance_rate,
+                         "same_samples": same, "kept": kept,
                          "policy_agreed": (spec.rule.agreed / max(spec.rule.forced_total, 1)) if forced else None})
     spec.rule = exact
     print(f"{total} samples, tail = at most {limit} sequences decoding, {n_tail} tail tokens; "

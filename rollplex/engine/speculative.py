@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -85,10 +85,22 @@ class SpecStats:
         """Draft tokens accepted per sequence and pass."""
         return self.accepted / max(self.seq_steps, 1)
 
+    @property
+    def acceptance_rate(self) -> float:
+        """Draft tokens accepted per draft token proposed."""
+        return self.accepted / max(self.drafted, 1)
+
+    def copy(self) -> SpecStats:
+        return replace(self)
+
+    def since(self, earlier: SpecStats) -> SpecStats:
+        """The counts added after `earlier` (a `copy` taken then)."""
+        return SpecStats(*(getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)))
+
     def as_dict(self) -> dict:
         return {"steps": self.steps, "seq_steps": self.seq_steps, "drafted": self.drafted,
                 "accepted": self.accepted, "emitted": self.emitted, "mean_accepted": self.mean_accepted,
-                "acceptance_rate": self.accepted / max(self.drafted, 1)}
+                "acceptance_rate": self.acceptance_rate}
 
 
 def prompt_key(req: Request) -> Hashable:

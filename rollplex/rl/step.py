@@ -531,16 +531,15 @@ class RLStep:
         """The engine's speculative decoding during the block (nothing with it off): verification passes,
         draft tokens proposed, and of them accepted, as `rollout/spec_*` (mean accepted length: draft tokens
         kept per sequence and pass)."""
-        eng = self.engine
-        before = eng.spec_stats if eng is not None else {}
+        spec = self.engine.spec if self.engine is not None else None
+        before = spec.stats.copy() if spec is not None else None
         yield
-        if not before:
+        if before is None:
             return
-        d = {k: eng.spec_stats[k] - before[k] for k in ("steps", "seq_steps", "drafted", "accepted")}
-        m.update({"rollout/spec_verify_steps": d["steps"], "rollout/spec_draft_tokens": d["drafted"],
-                  "rollout/spec_accepted_tokens": d["accepted"],
-                  "rollout/spec_mean_accepted": d["accepted"] / max(d["seq_steps"], 1),
-                  "rollout/spec_acceptance_rate": d["accepted"] / max(d["drafted"], 1)})
+        d = spec.stats.since(before)
+        m.update({"rollout/spec_verify_steps": d.steps, "rollout/spec_draft_tokens": d.drafted,
+                  "rollout/spec_accepted_tokens": d.accepted, "rollout/spec_mean_accepted": d.mean_accepted,
+                  "rollout/spec_acceptance_rate": d.acceptance_rate})
 
     def _step_metrics(self, batch: RolloutBatch, m: dict, t0: float) -> dict:
         m["timing_s/step"] = time.perf_counter() - t0
