@@ -49,23 +49,23 @@ def tail_lengths(n_prompts: int, new_tokens: int, seed: int) -> list[int]:
 
 
 class ReplayDrafts:
-    """Drafts from a reference run: the next `accept` reference tokens, then wrong tokens up to k. `forced`:
-    the reference token after each draft's right part (what `ForcedReplay` keeps as the bonus)."""
+    """Drafts from a reference run: the next `accept` reference tokens, then wrong tokens up to k. `ahead`: each
+    sequence's next k + 1 reference tokens (what `ForcedReplay` keeps, however much of the draft the engine
+    left: it drops a draft with no room for its K/V)."""
 
     def __init__(self, reference: dict[int, list[int]], accept: int, k: int, vocab: int):
         self.reference, self.accept, self.k, self.vocab = reference, accept, k, vocab
-        self.forced: list[int | None] = []
+        self.ahead: list[list[int]] = []
 
     def __call__(self, seqs, open_requests) -> list[list[int]]:
-        out, self.forced = [], []
+        out, self.ahead = [], []
         for s in seqs:
             ref = self.reference[id(s.request.inputs)]
             k = min(self.k, s.request.max_len - len(s) - 1)
             pos = s.num_output_tokens
             nxt = ref[pos : pos + k]
             out.append([t if j < self.accept else (t + 1) % self.vocab for j, t in enumerate(nxt)])
-            a = min(self.accept, len(nxt))
-            self.forced.append(ref[pos + a] if pos + a < len(ref) else None)
+            self.ahead.append(ref[pos : pos + k + 1])
         return out
 
 
@@ -85,9 +85,9 @@ class ForcedReplay:
         tokens, logprobs = sampler(logits, st)
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
         out, r = [], 0
-        for d, nxt in zip(drafts, self.replay.forced):
+        for d, ahead in zip(drafts, self.replay.ahead):
             a = min(self.replay.accept, len(d))
-            keep = d[:a] + [nxt if nxt is not None else tokens[r + a]]
+            keep = d[:a] + [ahead[a] if a < len(ahead) else tokens[r + a]]
             self.agreed += sum(x == y for x, y in zip(tokens[r : r + a + 1], keep))
             self.forced_total += a + 1
             out.append((keep, logprobs[r : r + a + 1]))
