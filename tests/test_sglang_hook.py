@@ -403,3 +403,35 @@ def test_cosched_hook_admits_beside_decode_and_hands_over_exact_prefixes(tiny_di
         hook.update_weights(str(tmp_path / "bad.pkl"))
     with pytest.raises(ValueError, match="ref_path"):
         CoschedHook()
+
+
+def test_cuda_tensors_sent_from_an_sglang_process_load_without_sglang(monkeypatch):
+    """In SGLang's processes torch's reduce_tensor names the device by UUID through sglang's own rebuild
+    function; what they send (prefix states, exported weights) must load in a process without sglang."""
+    from types import SimpleNamespace
+
+    from engine_patches.sglang import tensor_ipc
+    from torch.multiprocessing import reductions
+
+    uuids = ["GPU-aaaa", "GPU-bbbb"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=uuids[i]))
+    args = ("cls", (2, 3), (3, 1), 0, "storage", torch.float32, 1, b"handle", 24, 0, False, b"rc", 0, None, False)
+
+    def sglang_reduce(t):  # what sglang's patch leaves as the original: its rebuild replaced the module's
+        return reductions.rebuild_cuda_tensor, args
+
+    monkeypatch.setattr(reductions, "_reduce_tensor_original", sglang_reduce, raising=False)
+    fn, sent = tensor_ipc._reduce_cuda(torch.zeros(1))
+    assert fn is tensor_ipc._rebuild_cuda and sent[6] == "GPU-bbbb" and sent[:6] + sent[7:] == args[:6] + args[7:]
+    assert b"sglang.srt" not in pickle.dumps((fn, sent)) and b"engine_patches.sglang.tensor_ipc" in pickle.dumps(fn)
+
+    got = []
+    monkeypatch.delattr(reductions, "_reduce_tensor_original")
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *a: got.append(a) or "tensor")
+    assert tensor_ipc._rebuild_cuda(*sent) == "tensor" and got == [args]  # the UUID back to this process's index
+    with pytest.raises(RuntimeError, match="no visible CUDA device has UUID GPU-cccc"):
+        tensor_ipc._rebuild_cuda(*sent[:6], "GPU-cccc", *sent[7:])
+    # where torch is unpatched (this process sending), torch's own pair is used unchanged
+    monkeypatch.setattr(reductions, "reduce_tensor", lambda t: ("torch-rebuild", args))
+    assert tensor_ipc._reduce_cuda(torch.zeros(1)) == ("torch-rebuild", args)

@@ -14,7 +14,8 @@ FA3, SGLang's vision default on Hopper), no CUDA graphs (a quicker start).
   on text-only prompts (the text weights) and on image prompts (the tower's weights and the image tokens'
   M-RoPE positions) separately, so a failure says which
 - the grouped rollout reports each prompt as its samples finish, in the order of their lengths
-- the RL step on SGLang: two phased steps and a fused one, the policy handed over each step
+- the RL step on SGLang: two phased steps and a fused one, the policy handed over each step, each step's
+  rollout-trainer mismatch within the native engine's on the same prompts
 - the hooked scheduler counts decode steps and times them with CUDA events in SGLang's loop; the
   co-scheduler hook admits prefix work beside SGLang's decode and hands over exact prefix states
 """
@@ -194,18 +195,25 @@ def test_rl_step_on_sglang_hands_the_policy_over_each_step(setup):
         return torch.tensor([float(i % 2) for i in range(batch.num_samples)]), {}
 
     model.requires_grad_(True)
-    pushes = rollout.weight_pushes
+    pushes, diffs = rollout.weight_pushes, []
     for schedule in ("phased", "phased", "fused"):
         rl = RLStep(model, rollout, RLConfig(n=4, kl_coef=0.0, lr=1e-5, micro_batch_prompts=2, schedule=schedule))
         batch, m = rl.run(prompts, params, rewards=rewards)
         print(schedule, {k: round(v, 4) for k, v in m.items() if k.startswith(("timing_s/", "training/",
                                                                                    "rollplex/fused"))}, flush=True)
         assert not rollout.memory_adapter.weights_current  # the update moved the policy: copied in next rollout
-        assert m["training/rollout_probs_diff_mean"] < 0.02  # SGLang sampled from the policy the trainer scores
+        diffs.append(m["training/rollout_probs_diff_mean"])
         assert m["actor/grad_norm"] > 0
         if schedule == "fused":
             assert m["rollplex/fused"] == 1.0
     assert rollout.weight_pushes == pushes + 2  # before the second and the third step's rollouts
+    # SGLang sampled from the policy the trainer scores: its mismatch is the native engine's, sampling the same
+    # prompts from the same (now trained) policy (bf16 rounding; a stale or wrong policy differs by far more)
+    _, m = RLStep(model, _native(model), RLConfig(n=4, kl_coef=0.0, lr=1e-5, micro_batch_prompts=2)).run(
+        prompts, params, rewards=rewards)
+    native = m["training/rollout_probs_diff_mean"]
+    print(f"rollout_probs_diff_mean: SGLang {[round(d, 4) for d in diffs]}, native engine {native:.4f}", flush=True)
+    assert all(d <= 1.5 * native + 0.005 for d in diffs), (diffs, native)
     model.requires_grad_(False)
 
 
