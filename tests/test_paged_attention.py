@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollplex.kernels.paged_attention import choose_num_splits, paged_decode_attention
+from rollplex.kernels.paged_attention import choose_num_splits, paged_decode_attention, paged_verify_attention
 
 
 def make_case(
@@ -336,3 +336,44 @@ def test_launch_configs_that_do_not_apply_are_left_out() -> None:
     assert fits({"tma": True, "tile_n": 32}, 64, cpu) and not fits({"tma": True, "tile_n": 64}, 32, cpu)
     assert fits({"tile_n": 64}, 16, cpu) and not fits({"tile_n": 32}, 64, cpu)
     assert {attn_variant(t) for _, t in DECODE_CANDIDATES} == {"gather", "tma"} and attn_variant(None) == "gather"
+
+
+def _verify_case(lens: list[int], rows: int, H: int, Hkv: int, D: int, block_size: int, device: str = "cpu",
+                 seed: int = 0):
+    """A case for paged_verify_attention: sequence b's rows see lens[b] - rows + 1 .. lens[b] tokens (a
+    sequence's last token and its draft), except sequence 0's last row, a padding row of length 1."""
+    q, k, v, table, last = make_case(lens, H, Hkv, D, block_size, device=device, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    qr = torch.randn(len(lens), rows, H, D, generator=g).to(device)
+    seq_lens = (last.long()[:, None] - rows + 1 + torch.arange(rows, device=last.device)).clamp(min=0)
+    seq_lens[0, -1] = 1
+    return qr, k, v, table, seq_lens.to(torch.int32)
+
+
+def test_verify_rows_equal_one_decode_row_each() -> None:
+    """Row j of a sequence in paged_verify_attention == a decode query over that sequence's first
+    seq_lens[b, j] tokens (dense SDPA per row)."""
+    q, k, v, table, lens = _verify_case([70, 17, 33, 5], 5, 4, 2, 64, 16)
+    out = paged_verify_attention(q, k, v, table, lens, backend="reference")
+    B, R, H, D = q.shape
+    for j in range(R):
+        torch.testing.assert_close(out[:, j], naive(q[:, j], k, v, table, lens[:, j]), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="seq_lens \\[B, R\\]"):
+        paged_verify_attention(q, k, v, table, lens[:, 0], backend="reference")
+
+
+@triton_only
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("tile", [{}, {"tile_n": 32}])
+def test_triton_verify_rows_match_reference(num_splits: int | None, tile: dict) -> None:
+    """The Triton kernel with the rows in the GQA group (K/V read once per sequence) equals the per-row
+    reference, also where a split or tile holds no key for some row (the padding row of length 1)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    case = _verify_case([70, 17, 40, 33], 5, 4, 2, 64, 16, device=device, seed=3)
+    out = paged_verify_attention(*case, backend="triton", num_splits=num_splits, tile=tile)
+    ref = paged_verify_attention(*case, backend="reference")
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    sem = torch.zeros(8, dtype=torch.int32, device=device)
+    fused = paged_verify_attention(*case, backend="triton", num_splits=num_splits or 3, tile=tile, semaphore=sem)
+    torch.testing.assert_close(fused, ref, rtol=1e-4, atol=1e-4)
+    assert int(sem.abs().sum()) == 0

@@ -2,6 +2,9 @@
 sampling (a chi-square test that rejects a biased acceptance rule), seeded and greedy samples are the
 same tokens, logprobs are the policy's, the KV rollback survives preemption and stops."""
 
+import importlib.util
+import os
+
 import pytest
 import torch
 from test_engine import _full_logprobs, _prompts
@@ -16,6 +19,11 @@ from rollplex.tiny import shape_color
 # speculation in every decode step, however little it accepts
 SPEC = dict(speculative_tokens=3, speculative_max_batch=4096, speculative_max_fraction=1.0,
             speculative_min_accepted=0.0)
+
+
+def _triton_runnable() -> bool:
+    return importlib.util.find_spec("triton") is not None and (
+        torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @pytest.fixture(scope="module")
@@ -212,3 +220,33 @@ def test_spec_bench_checks_tokens_and_prints_its_table(tiny_dir, capsys):
     assert table[5].startswith("| forced a=0 |") and table[6].startswith("| forced a=2 |")
     assert float(table[6].split("|")[6]) > 1.0 and table[6].split("|")[10].strip() == "100%"
     assert float(table[4].split("|")[6]) > 1.0  # mean accepted length of the a=2 replay
+
+
+@pytest.mark.skipif(not _triton_runnable(), reason="needs triton and CUDA (or TRITON_INTERPRET=1)")
+def test_greedy_tokens_are_the_same_with_the_triton_verify_kernel(model, proc, monkeypatch):
+    """The verification pass through the Triton kernel (a sequence's rows read its K/V once, as on the GPU;
+    here under the interpreter) gives plain decoding's greedy tokens; head_dim 64, as that kernel needs."""
+    import dataclasses
+    import functools
+
+    from rollplex.engine import model_runner
+    from rollplex.kernels import paged_attention
+    from rollplex.models import build_model, init_weights
+
+    text = dataclasses.replace(model.cfg.text, num_attention_heads=2, num_key_value_heads=1, mrope_section=(8, 12, 12))
+    m64 = init_weights(build_model(dataclasses.replace(model.cfg, text=text)), seed=3, std=0.05).eval()
+    calls = []
+
+    def triton_verify(*args, **kw):
+        calls.append(args[0].shape)
+        return paged_attention.paged_verify_attention(*args, **{**kw, "backend": "triton"})
+
+    monkeypatch.setattr(model_runner, "paged_verify_attention", functools.partial(triton_verify))
+    prompts = _prompts(proc)[:2]
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True, n=2)
+    plain = _engine(m64, proc, block_size=16).generate(prompts, params)
+    eng = _engine(m64, proc, block_size=16, **SPEC)
+    spec = eng.generate(prompts, params)
+    assert any(len(s) == 4 and s[1] > 1 for s in calls)  # [B, rows, H, D]: several rows per sequence
+    assert eng.spec_stats["accepted"] > 0
+    assert [[s.token_ids for s in o.samples] for o in plain] == [[s.token_ids for s in o.samples] for o in spec]

@@ -34,7 +34,8 @@ import torch
 
 from ..kernels import tuning_cache
 from ..kernels.decode_gemms import SkinnyGemms, tune_decode_gemms
-from ..kernels.paged_attention import DECODE_CANDIDATES, paged_decode_attention, tune_decode
+from ..kernels.paged_attention import (DECODE_CANDIDATES, paged_decode_attention, paged_verify_attention,
+                                       tune_decode)
 from ..kernels.split_k import SPLIT_K_CANDIDATES
 from ..kernels.swiglu_gemm import SWIGLU_CANDIDATES
 from ..models import ForwardOps, ModelInputs, Qwen25VL
@@ -280,16 +281,20 @@ class ModelRunner:
         return out[:B]
 
     # ---- speculative verification -----------------------------------------------------------------
-    def _verify_forward(self, meta: torch.Tensor, block_table: torch.Tensor, attn_cfg=(None, None),
+    def _verify_forward(self, meta: torch.Tensor, block_table: torch.Tensor, per: int,
                         gemms: SkinnyGemms | None = None) -> torch.Tensor:
-        """Several new tokens per sequence, each its own row: meta [4, R] (token id, position, KV length
-        = position in the sequence + 1, cache slot of that position), block_table [R, W] (a sequence's
-        table in each of its rows). Every row's K/V is written to the cache first, then each row attends
-        to its sequence's first `KV length` tokens: causal within a sequence's new tokens. -> logits [R, V]."""
+        """Several new tokens per sequence, each its own row: meta [4, B * per] (token id, position, KV
+        length = position in the sequence + 1, cache slot of that position), sequence i's rows at
+        i * per .. i * per + per - 1; block_table [B, W]. Every row's K/V is written to the cache first,
+        then each row attends to its sequence's first `KV length` tokens: causal within a sequence's new
+        tokens. The attention reads a sequence's K/V once for all its rows (`paged_verify_attention`).
+        -> logits [B * per, V]."""
         m = self.model
         ids, pos, seq_lens, slots = meta.unbind(0)
         positions = pos[None, :, None].expand(3, -1, 1)
         kv_shape = (-1, self.num_kv_heads, self.head_dim)
+        B = block_table.shape[0]
+        lens = seq_lens.view(B, per)
 
         def attend(layer, q, k, v, cos, sin):
             # rotated in fp32 and rounded once, as the decode kernel rotates what it loads
@@ -298,21 +303,40 @@ class ModelRunner:
             k = apply_rotary(k.float(), c, s).to(k.dtype)
             self.k_cache[layer].view(kv_shape).index_copy_(0, slots, k[:, :, 0])
             self.v_cache[layer].view(kv_shape).index_copy_(0, slots, v[:, :, 0])
-            return paged_decode_attention(q[:, :, 0], self.k_cache[layer], self.v_cache[layer], block_table, seq_lens,
-                                          num_splits=attn_cfg[0], tile=attn_cfg[1],
-                                          semaphore=self.attn_semaphore)[:, :, None]
+            R, H, _, D = q.shape
+            out = paged_verify_attention(q[:, :, 0].reshape(B, per, H, D), self.k_cache[layer], self.v_cache[layer],
+                                         block_table, lens, semaphore=self.attn_semaphore)
+            return out.reshape(R, H, D)[:, :, None]
 
         hidden = self.decoder(m.embed(ids, self.ops)[:, None], positions, attend, gemms)
         return self.logits(hidden[:, 0])
 
-    def _verify_kernels(self, rows: int) -> tuple:
-        """The attention config and projection plan of the smallest tuned decode bucket >= rows (the same
-        grid and GEMM shapes); defaults where none was tuned."""
+    def _verify_gemms(self, rows: int) -> SkinnyGemms | None:
+        """The projection plan of the smallest tuned decode bucket >= rows (the same GEMM shapes); the
+        configured default where none was tuned."""
         b = next((b for b in sorted(self.graphs) if b >= rows), None)
         if b is None:
             sk = self.cfg.decode_split_k
-            return (None, None), sk and SkinnyGemms(*sk)
-        return self.attn_cfg[b], self.gemms[b]
+            return sk and SkinnyGemms(*sk)
+        return self.gemms[b]
+
+    @staticmethod
+    def _verify_layout(ids, positions, tables, seq_lens, slots, counts, seqs: int, per: int):
+        """(meta [4, seqs * per], block table [seqs, W], the rows holding the real tokens): sequence i's
+        counts[i] rows first in its `per`; the other rows (and sequences past len(counts)) are padding:
+        token 0 at position 0, KV length 1, writing scratch slot 0."""
+        meta = torch.zeros(4, seqs * per, dtype=torch.long)
+        meta[2] = 1
+        width = max(len(t) for t in tables)
+        bt = torch.zeros(seqs, width, dtype=torch.int32)
+        index, r = [], 0
+        for i, (t, c) in enumerate(zip(tables, counts)):
+            dst = list(range(i * per, i * per + c))
+            meta[:, dst] = torch.tensor([ids[r:r + c], positions[r:r + c], seq_lens[r:r + c], slots[r:r + c]])
+            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            index += dst
+            r += c
+        return meta, bt, index
 
     @torch.no_grad()
     def verify(self, ids: list[int], positions: list[int], tables: list[list[int]], seq_lens: list[int],
@@ -320,34 +344,21 @@ class ModelRunner:
         """Score a few tokens per sequence in one pass: counts[i] rows for sequence i (its last token and
         its draft), flattened in order in the other lists (tables: one per sequence). Writes the K/V of
         every row. -> logits [sum(counts), V] (weights' dtype), row for row."""
-        B, R = len(counts), len(ids)
+        B = len(counts)
         per = self.cfg.speculative_tokens + 1
         bucket = next((b for b in sorted(self.verify_graphs) if b >= B), None)
         if bucket is None or max(counts) > per:
-            meta = torch.tensor([ids, positions, seq_lens, slots])
-            table = [t for t, c in zip(tables, counts) for _ in range(c)]
-            width = max(len(t) for t in table)
-            bt = torch.tensor([t + [0] * (width - len(t)) for t in table], dtype=torch.int32)
-            return self._verify_forward(to_device(meta, self.device), to_device(bt, self.device),
-                                        *self._verify_kernels(R))
-        # graphed: sequence i owns rows i * per .. i * per + per - 1; unused rows are padding (token 0 at
-        # position 0, attending to and writing scratch slot 0)
-        rows = bucket * per
-        meta = torch.zeros(4, rows, dtype=torch.long)
-        meta[2] = 1
-        width = max(len(t) for t in tables)
-        bt = torch.zeros(rows, width, dtype=torch.int32)
-        index, r = [], 0
-        for i, (t, c) in enumerate(zip(tables, counts)):
-            dst = list(range(i * per, i * per + c))
-            meta[:, dst] = torch.tensor([ids[r:r + c], positions[r:r + c], seq_lens[r:r + c], slots[r:r + c]])
-            bt[dst, : len(t)] = torch.tensor(t, dtype=torch.int32)
-            index += dst
-            r += c
+            per = max(counts)
+            meta, bt, index = self._verify_layout(ids, positions, tables, seq_lens, slots, counts, B, per)
+            out = self._verify_forward(to_device(meta, self.device), to_device(bt, self.device), per,
+                                       self._verify_gemms(B * per))
+            return out[as_device_tensor(index, self.device, torch.long)]
+        # graphed: the bucket's sequences x per rows, padded
+        meta, bt, index = self._verify_layout(ids, positions, tables, seq_lens, slots, counts, bucket, per)
         graph, out = self.verify_graphs[bucket]
-        self.static_vmeta[:, :rows].copy_(to_device(meta, self.device))
-        # columns past `width` are never read: each row reads the blocks of its KV length only
-        self.static_vbt[:rows, :width].copy_(to_device(bt, self.device))
+        self.static_vmeta[:, : bucket * per].copy_(to_device(meta, self.device))
+        # columns past the batch's widest table are never read: each row reads the blocks of its KV length only
+        self.static_vbt[:bucket, : bt.shape[1]].copy_(to_device(bt, self.device))
         graph.replay()
         return out[as_device_tensor(index, self.device, torch.long)]
 
@@ -356,14 +367,12 @@ class ModelRunner:
         speculative_tokens + 1 rows."""
         dev, per = self.device, self.cfg.speculative_tokens + 1
         buckets = graph_buckets(self.cfg.speculative_max_batch)
-        rows = buckets[-1] * per
-        self.static_vmeta = torch.zeros(4, rows, dtype=torch.long, device=dev)
+        self.static_vmeta = torch.zeros(4, buckets[-1] * per, dtype=torch.long, device=dev)
         self.static_vmeta[2] = 1
-        self.static_vbt = torch.zeros(rows, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.static_vbt = torch.zeros(buckets[-1], self.max_blocks_per_seq, dtype=torch.int32, device=dev)
         t0 = time.perf_counter()
         for b in reversed(buckets):
-            r = b * per
-            args = (self.static_vmeta[:, :r], self.static_vbt[:r], *self._verify_kernels(r))
+            args = (self.static_vmeta[:, : b * per], self.static_vbt[:b], per, self._verify_gemms(b * per))
             with torch.no_grad():
                 side = torch.cuda.Stream(dev)
                 side.wait_stream(torch.cuda.current_stream(dev))

@@ -7,7 +7,8 @@ replaces a decode step by a *verification* step:
 1. drafts: up to k tokens per sequence from `SuffixDrafter` (engine/drafter.py) over the request's
    samples — finished or still decoding — and, with the prompt cache, earlier responses to the prompt;
 2. one pass of the policy over each sequence's last token + its draft (`ModelRunner.verify`: each
-   token a row over the paged KV, causal within the draft; their K/V written to the cache);
+   token a row over the paged KV, causal within the draft; their K/V written to the cache; the
+   attention reads a sequence's K/V once for all its rows, `paged_verify_attention`);
 3. the rule below picks the tokens to keep; the K/V of the rest is rolled back (`BlockManager.trim`:
    blocks past the kept tokens are freed, slots inside a kept block lie past the sequence's length).
 

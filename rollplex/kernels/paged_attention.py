@@ -23,7 +23,7 @@ from .tuning import graph_time_us, round_robin
 log = logging.getLogger(__name__)
 
 __all__ = ["DECODE_CANDIDATES", "attn_variant", "check_candidates", "choose_num_splits", "fits",
-           "paged_decode_attention", "tune_decode"]
+           "paged_decode_attention", "paged_verify_attention", "tune_decode"]
 
 
 def paged_decode_attention(
@@ -84,6 +84,40 @@ def paged_decode_attention(
         return triton_forward(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits, k_new, v_new, tile,
                               cos, sin, semaphore)
     raise ValueError(f"unknown backend {backend!r}: expected 'auto', 'triton' or 'reference'")
+
+
+def paged_verify_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    backend: str = "auto",
+    *,
+    num_splits: int | None = None,
+    tile: dict | None = None,
+    semaphore: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Several query rows per sequence, q [B, R, H, D] (speculative verification: a sequence's last token
+    and its draft, their K/V already in the cache and rotated): row j of sequence b attends to its first
+    seq_lens[b, j] cached tokens -> [B, R, H, D]. The Triton backend reads each sequence's K/V once for
+    all its rows (rows as query heads of the GQA group); the reference treats each row as a sequence."""
+    B, R, H, D = q.shape
+    if block_table.shape[0] != B or seq_lens.shape != (B, R):
+        raise ValueError(f"block_table must be [B, max_blocks] and seq_lens [B, R] = {(B, R)} for q {tuple(q.shape)}")
+    if backend == "auto":
+        fits_kernel = D in (64, 128) and k_cache.shape[1] in (16, 32, 64)
+        backend = "triton" if q.is_cuda and fits_kernel and triton_available() else "reference"
+    if backend == "triton":
+        scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+        return triton_forward(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits, tile=tile,
+                              semaphore=semaphore)
+    if backend != "reference":
+        raise ValueError(f"unknown backend {backend!r}: expected 'auto', 'triton' or 'reference'")
+    out = paged_decode_attention(q.reshape(B * R, H, D), k_cache, v_cache, block_table.repeat_interleave(R, 0),
+                                 seq_lens.reshape(B * R), scale, "reference")
+    return out.view(B, R, H, D)
 
 
 # (num_splits, tile) candidates the engine times per graphed batch size (EngineConfig.attn_candidates

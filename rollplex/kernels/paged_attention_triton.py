@@ -31,6 +31,11 @@ Design of the Triton backend (flash-decoding):
 * Fused rotary (decode): given the new token's cos/sin [B, D], q and k_new arrive un-rotated and the
   kernel rotates them as it loads them (x * cos + rotate_half(x) * sin in fp32, rounded once to the
   cache dtype, as the compiled glue does), which saves the separate rotary kernel per layer.
+* Several query rows per sequence (``ROWS`` > 1, q [B, ROWS, H, D], seq_lens [B, ROWS]): speculative
+  verification scores a sequence's last token and its draft in one pass, row j seeing the first
+  seq_lens[b, j] tokens. The rows join the GQA group (ROWS * G queries per program), so a sequence's
+  K/V is read once for all its rows, not once per row; each score is masked by its own row's length.
+  A tile may then hold no key for some row, so the online softmax guards its running max.
 * Tokens are gathered per token (block id looked up for each of the TILE_N tokens of a tile), so block
   sizes 16/32/64 share one code path and table entries past a sequence's end are never dereferenced.
 * TMA variant (``tile={"tma": True}``, CUDA sm_90+): a tile is one KV block (or, with a smaller
@@ -104,7 +109,15 @@ def triton_forward(
     if tile and not tile.keys() <= TILE_KEYS:
         raise ValueError(f"unknown tile knobs {sorted(tile.keys() - TILE_KEYS)}; known: {sorted(TILE_KEYS)}")
     require_triton(q, "backend='triton'")
-    B, H, D = q.shape
+    rows = 1
+    if q.dim() == 4:  # several query rows per sequence (speculative verification)
+        B, rows, H, D = q.shape
+        if k_new is not None or cos is not None:
+            raise ValueError("query rows per sequence take no new token and no rotary (write and rotate first)")
+        if seq_lens.shape != (B, rows):
+            raise ValueError(f"seq_lens must be [B, rows] = {(B, rows)} for q [B, rows, H, D]")
+    else:
+        B, H, D = q.shape
     _, block_size, Hkv, _ = k_cache.shape
     if D not in (64, 128) or block_size not in (16, 32, 64):
         raise ValueError(f"triton backend supports head_dim 64/128 and block_size 16/32/64, got {D}/{block_size}")
@@ -147,10 +160,10 @@ def triton_forward(
         num_splits = choose_num_splits(B, Hkv, max_blocks, block_size, sms, tile_n)
     num_splits = max(1, int(num_splits))
     G = H // Hkv
-    out = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
+    out = torch.empty(B * rows, H, D, device=q.device, dtype=q.dtype)
     single = num_splits == 1  # the split kernel then writes `out` itself and no merge is needed
-    part_out = out if single else torch.empty(B, H, num_splits, D, device=q.device, dtype=torch.float32)
-    part_lse = out if single else torch.empty(B, H, num_splits, device=q.device, dtype=torch.float32)
+    part_out = out if single else torch.empty(B * rows, H, num_splits, D, device=q.device, dtype=torch.float32)
+    part_lse = out if single else torch.empty(B * rows, H, num_splits, device=q.device, dtype=torch.float32)
     fused_merge = not single and semaphore is not None
     if fused_merge and (semaphore.dtype != torch.int32 or semaphore.numel() < B * Hkv or not semaphore.is_contiguous()):
         raise ValueError(f"semaphore must be a contiguous int32 tensor of >= B * Hkv = {B * Hkv} zeros")
@@ -170,12 +183,12 @@ def triton_forward(
         split_kernel[(B, Hkv, num_splits)](
             q, k_cache, v_cache, k_desc, v_desc, block_table, seq_lens, part_out, part_lse, k_new, v_new, cos, sin,
             sem, out,
-            scale * math.log2(math.e), q.stride(0), q.stride(1), cos.stride(0),
+            scale * math.log2(math.e), q.stride(0), q.stride(-2), q.stride(1) if rows > 1 else 0, cos.stride(0),
             k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_table.stride(0), max_blocks, num_splits,
-            G=G, G_PAD=max(16, _next_pow2(G)), D=D, BLOCK_SIZE=block_size, TILE_N=tile_n,
+            G=G, ROWS=rows, G_PAD=max(16, _next_pow2(G * rows)), D=D, BLOCK_SIZE=block_size, TILE_N=tile_n,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # only matters for fp32: exact, not tf32
             SINGLE=single, HAS_NEW=has_new, ROTARY=rotary, FUSED_MERGE=fused_merge,
             S_PAD=_next_pow2(num_splits), TMA=tma,
@@ -184,8 +197,9 @@ def triton_forward(
             num_stages=int(tile.get("num_stages", _NUM_STAGES)),
         )
         if not single and not fused_merge:
-            merge_kernel[(B * H,)](part_out, part_lse, out, num_splits, D=D, S_PAD=_next_pow2(num_splits), num_warps=4)
-    return out
+            merge_kernel[(B * rows * H,)](part_out, part_lse, out, num_splits, D=D, S_PAD=_next_pow2(num_splits),
+                                          num_warps=4)
+    return out.view(B, rows, H, D) if q.dim() == 4 else out
 
 
 def _next_pow2(n: int) -> int:
@@ -200,10 +214,12 @@ def _kernels() -> tuple[Any, Any]:
 
     @triton.jit
     def split_kernel(
-        Q, K, V, KD, VD, BT, LENS, PO, PL, KN, VN, COS, SIN, SEM, OUT, scale_log2, stride_qb, stride_qh, stride_cb,
+        Q, K, V, KD, VD, BT, LENS, PO, PL, KN, VN, COS, SIN, SEM, OUT, scale_log2, stride_qb, stride_qh, stride_qr,
+        stride_cb,
         stride_knb, stride_knh, stride_vnb, stride_vnh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb, max_blocks, num_splits,
-        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+        G: tl.constexpr, ROWS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        TILE_N: tl.constexpr,
         PRECISION: tl.constexpr, SINGLE: tl.constexpr, HAS_NEW: tl.constexpr, ROTARY: tl.constexpr,
         FUSED_MERGE: tl.constexpr, S_PAD: tl.constexpr, TMA: tl.constexpr,
         MAX_NB: tl.constexpr,
@@ -211,18 +227,24 @@ def _kernels() -> tuple[Any, Any]:
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
-        seq_len = tl.minimum(tl.maximum(tl.load(LENS + b).to(tl.int32), 0), max_blocks * BLOCK_SIZE)
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D)
+        n = tl.arange(0, TILE_N)
+        g_ok = g < G * ROWS
+        heads = kvh * G + g % G
+        r = g // G  # the query row of each of the program's queries (0 with one row per sequence)
+        cap = max_blocks * BLOCK_SIZE
+        if ROWS == 1:
+            seq_len = tl.minimum(tl.maximum(tl.load(LENS + b).to(tl.int32), 0), cap)
+        else:  # each row its own length; the program covers the longest
+            row_len = tl.load(LENS + b * ROWS + r, mask=g_ok, other=0).to(tl.int32)
+            row_len = tl.minimum(tl.maximum(row_len, 0), cap)
+            seq_len = tl.max(row_len, axis=0)
         num_tiles = tl.cdiv(seq_len, TILE_N)
         per_split = tl.cdiv(num_tiles, num_splits)
         t_start = split * per_split
         t_end = tl.minimum(t_start + per_split, num_tiles)
-
-        g = tl.arange(0, G_PAD)
-        d = tl.arange(0, D)
-        n = tl.arange(0, TILE_N)
-        g_ok = g < G
-        heads = kvh * G + g
-        q_rows = Q + b * stride_qb + heads[:, None] * stride_qh
+        q_rows = Q + b * stride_qb + r[:, None] * stride_qr + heads[:, None] * stride_qh
         q = tl.load(q_rows + d[None, :], mask=g_ok[:, None], other=0.0)
         if ROTARY:  # rotate_half partner of lane d is lane (d + D/2) % D, negated in the first half
             d_rot = (d + D // 2) % D
@@ -265,9 +287,14 @@ def _kernels() -> tuple[Any, Any]:
                 ok = t * TILE_N + n < n_cached
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
                 s = tl.where(ok[None, :], s, float("-inf"))
+                if ROWS > 1:
+                    s = tl.where((t * TILE_N + n)[None, :] < row_len[:, None], s, float("-inf"))
                 m_new = tl.maximum(m, tl.max(s, axis=1))
-                alpha = tl.exp2(m - m_new)
-                p = tl.exp2(s - m_new[:, None])
+                m_use = m_new
+                if ROWS > 1:  # a row may have no key up to this tile: exp2(-inf - -inf) would be NaN
+                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m - m_use)
+                p = tl.exp2(s - m_use[:, None])
                 l_sum = l_sum * alpha + tl.sum(p, axis=1)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
                 m = m_new
@@ -292,9 +319,14 @@ def _kernels() -> tuple[Any, Any]:
                             mask=ok[:, None], other=0.0)
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G_PAD, TILE_N], log2 units
                 s = tl.where(ok[None, :], s, float("-inf"))
+                if ROWS > 1:
+                    s = tl.where(pos[None, :] < row_len[:, None], s, float("-inf"))
                 m_new = tl.maximum(m, tl.max(s, axis=1))
-                alpha = tl.exp2(m - m_new)
-                p = tl.exp2(s - m_new[:, None])
+                m_use = m_new
+                if ROWS > 1:  # a row may have no key up to this tile: exp2(-inf - -inf) would be NaN
+                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m - m_use)
+                p = tl.exp2(s - m_use[:, None])
                 l_sum = l_sum * alpha + tl.sum(p, axis=1)
                 v = tl.load(V + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
                             mask=ok[:, None], other=0.0)
@@ -303,8 +335,9 @@ def _kernels() -> tuple[Any, Any]:
         has = l_sum > 0.0
         lse = tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))
         o = acc / tl.where(has, l_sum, 1.0)[:, None]
-        row = (b * tl.num_programs(1) * G + heads).to(tl.int64) * num_splits + split  # part layout [B, H, S, D]
-        if SINGLE:  # PO is the output [B, H, D]
+        out_rows = ((b * ROWS + r) * tl.num_programs(1) * G + heads).to(tl.int64)  # rows of [B * ROWS, H]
+        row = out_rows * num_splits + split  # part layout [B * ROWS, H, S, D]
+        if SINGLE:  # PO is the output [B * ROWS, H, D]
             tl.store(PO + row[:, None] * D + d[None, :], o.to(PO.dtype.element_ty), mask=g_ok[:, None])
         else:
             tl.store(PL + row, lse, mask=g_ok)
@@ -314,7 +347,7 @@ def _kernels() -> tuple[Any, Any]:
                 sem_ptr = SEM + b * tl.num_programs(1) + kvh
                 done = tl.atomic_add(sem_ptr, 1, sem="acq_rel")
                 if done == num_splits - 1:  # the last split of this (sequence, KV head): merge all
-                    base = (b * tl.num_programs(1) * G + heads).to(tl.int64) * num_splits  # [G_PAD]
+                    base = out_rows * num_splits  # [G_PAD]
                     sidx = tl.arange(0, S_PAD)
                     s_ok = g_ok[:, None] & (sidx < num_splits)[None, :]
                     lse_all = tl.load(PL + base[:, None] + sidx[None, :], mask=s_ok, other=float("-inf"),
@@ -329,7 +362,6 @@ def _kernels() -> tuple[Any, Any]:
                                       cache_modifier=".cg")
                         res += tl.exp2(lse_s - m_all)[:, None] * o_s  # empty splits (lse = -inf) weigh 0
                     res = res / tl.where(denom > 0.0, denom, 1.0)[:, None]
-                    out_rows = (b * tl.num_programs(1) * G + heads).to(tl.int64)
                     tl.store(OUT + out_rows[:, None] * D + d[None, :], res.to(OUT.dtype.element_ty), mask=g_ok[:, None])
                     tl.atomic_xchg(sem_ptr, 0)  # ready for the next launch
 

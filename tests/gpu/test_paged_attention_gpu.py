@@ -1,13 +1,14 @@
 """GPU checks of the Triton paged decode attention (skipped without CUDA): bf16 at serving-like shapes
-against the torch reference, and capture/replay in a CUDA graph with new seq_lens / block tables."""
+against the torch reference, and capture/replay in a CUDA graph with new seq_lens / block tables; the
+verification variant (several query rows per sequence) in bf16 with the gather and TMA loops."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_paged_attention import make_case
+from test_paged_attention import _verify_case, make_case
 
-from rollplex.kernels.paged_attention import paged_decode_attention
+from rollplex.kernels.paged_attention import paged_decode_attention, paged_verify_attention
 
 pytestmark = pytest.mark.gpu
 
@@ -122,3 +123,19 @@ def test_in_kernel_merge_and_rotary_in_a_graph(num_splits: int) -> None:
             torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=0)
             assert torch.equal(vc, vr)  # the new k may differ from the reference's by an FMA's last bit
             torch.testing.assert_close(kc.float(), kr.float(), atol=1e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("tile", [{}, {"tile_n": 128, "num_warps": 8}, {"tma": True, "num_stages": 3}])
+def test_verify_rows_bf16_match_reference(tile: dict) -> None:
+    """Five query rows per sequence (a token and a 4-token draft) at Qwen2.5-VL-3B's heads, in bf16."""
+    if tile.get("tma") and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs sm_90")
+    case = _verify_case(_random_lens(4, 64, n=24), 5, H, HKV, D, 64, device="cuda", seed=4)
+    q, k, v, table, lens = case
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    ref = paged_verify_attention(q, k, v, table.clamp(min=0), lens, backend="reference").float()
+    for num_splits in (None, 1, 5):
+        sem = torch.zeros(24 * HKV, dtype=torch.int32, device="cuda")
+        out = paged_verify_attention(q, k, v, table.clamp(min=0), lens, backend="triton", num_splits=num_splits,
+                                     tile=tile, semaphore=sem)
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=0)
