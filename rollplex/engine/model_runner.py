@@ -324,19 +324,23 @@ class ModelRunner:
     def _verify_layout(ids, positions, tables, seq_lens, slots, counts, seqs: int, per: int):
         """(meta [4, seqs * per], block table [seqs, W], the rows holding the real tokens): sequence i's
         counts[i] rows first in its `per`; the other rows (and sequences past len(counts)) are padding:
-        token 0 at position 0, KV length 1, writing scratch slot 0."""
-        meta = torch.zeros(4, seqs * per, dtype=torch.long)
-        meta[2] = 1
-        width = max(len(t) for t in tables)
-        bt = torch.zeros(seqs, width, dtype=torch.int32)
+        token 0 at position 0, KV length 1, writing scratch slot 0. Built as lists, one tensor each (a
+        tensor per sequence cost ~1.5 ms of host time per verify step at 64 sequences)."""
+        cols = ([], [], [], [])
         index, r = [], 0
-        for i, (t, c) in enumerate(zip(tables, counts)):
-            dst = list(range(i * per, i * per + c))
-            meta[:, dst] = torch.tensor([ids[r:r + c], positions[r:r + c], seq_lens[r:r + c], slots[r:r + c]])
-            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-            index += dst
+        for i, c in enumerate(counts):
+            pad = per - c
+            for col, src, fill in zip(cols, (ids, positions, seq_lens, slots), (0, 0, 1, 0)):
+                col.extend(src[r:r + c])
+                col.extend([fill] * pad)
+            index.extend(range(i * per, i * per + c))
             r += c
-        return meta, bt, index
+        rest = (seqs - len(counts)) * per
+        for col, fill in zip(cols, (0, 0, 1, 0)):
+            col.extend([fill] * rest)
+        width = max(len(t) for t in tables)
+        bt = [t + [0] * (width - len(t)) for t in tables] + [[0] * width] * (seqs - len(tables))
+        return torch.tensor(cols, dtype=torch.long), torch.tensor(bt, dtype=torch.int32), index
 
     @torch.no_grad()
     def verify(self, ids: list[int], positions: list[int], tables: list[list[int]], seq_lens: list[int],
