@@ -69,6 +69,19 @@ def test_incremental_extend_counts_each_ngram_once():
     assert one.groups["g"].table[(1, 2)] == {1: 1, 3: 2}
 
 
+def test_a_sequence_passes_its_whole_token_list_and_prompt_length():
+    """extend / propose over tokens[offset:] (no copy of the output) == over the output itself."""
+    sliced, offset = _drafter(max_ngram=3), _drafter(max_ngram=3)
+    prompt = [100, 101, 102, 103]
+    text = [1, 2, 1, 2, 3, 1, 2, 3, 4]
+    for i in range(len(text) + 1):
+        sliced.extend("g", 0, text[:i])
+        offset.extend("g", 0, prompt + text[:i], len(prompt))
+        assert offset.groups["g"].table == sliced.groups["g"].table
+        for j in range(i + 1):
+            assert offset.propose("g", prompt + text[:j], 3, len(prompt)) == sliced.propose("g", text[:j], 3)
+
+
 def test_prompt_cache_seeds_a_later_group_of_the_same_prompt():
     d = SuffixDrafter(DrafterConfig(cache_prompts=2))
     d.remember(PROMPT, [[1, 2, 3, 4], []])

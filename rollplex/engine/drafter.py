@@ -68,17 +68,20 @@ class _Group:
                 else:
                     row[nxt] = row.get(nxt, 0) + 1
 
-    def extend(self, member: Hashable, output: Sequence[int]) -> None:
+    def extend(self, member: Hashable, tokens: Sequence[int], offset: int = 0) -> None:
+        """Count the n-grams of the member's output tokens[offset:] that end at tokens not seen yet (the
+        output is not copied: a sequence passes its whole token list and its prompt length)."""
+        n_out = len(tokens) - offset
         done = self.seen.get(member, 0)
-        if len(output) <= done:
+        if n_out <= done:
             return
         h = len(self.head)
         # the new tokens and the max_ngram tokens before them (from the head where the output is short)
         lo = max(done - self.cfg.max_ngram, 0)
         ctx = (self.head[max(h - (self.cfg.max_ngram - done), 0):] if done < self.cfg.max_ngram else []) + list(
-            output[lo:])
-        self.add_text(ctx, len(ctx) - (len(output) - done))
-        self.seen[member] = len(output)
+            tokens[offset + lo:])
+        self.add_text(ctx, len(ctx) - (n_out - done))
+        self.seen[member] = n_out
 
     def propose(self, context: list[int], k: int) -> list[int]:
         cfg, table = self.cfg, self.table
@@ -124,16 +127,17 @@ class SuffixDrafter:
             for j, resp in enumerate(self.cache[key]):
                 g.extend(("cached", j), resp)
 
-    def extend(self, group: Hashable, member: Hashable, output: Sequence[int]) -> None:
-        """Index a member's output so far (only the tokens added since its last call are counted)."""
-        self.groups[group].extend(member, output)
+    def extend(self, group: Hashable, member: Hashable, output: Sequence[int], offset: int = 0) -> None:
+        """Index a member's output so far, output[offset:] (only the tokens added since its last call are
+        counted)."""
+        self.groups[group].extend(member, output, offset)
 
-    def propose(self, group: Hashable, output: Sequence[int], k: int) -> list[int]:
-        """Up to k draft tokens to follow `output` (a member's output so far) in `group`."""
+    def propose(self, group: Hashable, output: Sequence[int], k: int, offset: int = 0) -> list[int]:
+        """Up to k draft tokens to follow output[offset:] (a member's output so far) in `group`."""
         if k < 1:
             return []
         g = self.groups[group]
-        context = list(output[-self.cfg.max_ngram:])
+        context = list(output[max(offset, len(output) - self.cfg.max_ngram):])
         if len(context) < self.cfg.max_ngram:
             context = g.head[max(len(g.head) - (self.cfg.max_ngram - len(context)), 0):] + context
         return g.propose(context, k)

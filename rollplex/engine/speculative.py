@@ -156,9 +156,9 @@ class Speculator:
             if rid not in indexed:
                 indexed.add(rid)
                 for sib in req.seqs:
-                    self.drafter.extend(rid, sib.sample_index, sib.output_ids)
+                    self.drafter.extend(rid, sib.sample_index, sib.token_ids, sib.num_prompt_tokens)
             k = min(self.k, req.max_len - len(s) - 1)
-            out.append(self.drafter.propose(rid, s.output_ids, k) if k > 0 else [])
+            out.append(self.drafter.propose(rid, s.token_ids, k, s.num_prompt_tokens) if k > 0 else [])
         return out
 
     def finish(self, req: Request) -> None:
