@@ -410,8 +410,9 @@ def test_cuda_tensors_sent_from_an_sglang_process_load_without_sglang(monkeypatc
     function; what they send (prefix states, exported weights) must load in a process without sglang."""
     from types import SimpleNamespace
 
-    from engine_patches.sglang import tensor_ipc
     from torch.multiprocessing import reductions
+
+    from engine_patches.sglang import tensor_ipc
 
     uuids = ["GPU-aaaa", "GPU-bbbb"]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

@@ -441,9 +441,12 @@ class Engine:
                 d.clear()  # no room for the draft's K/V: this sequence decodes one token
         vocab = self.model.cfg.text.vocab_size
 
-        def rows():
-            return [(*self._row(s)[:5], s.num_output_tokens + j)
-                    for s, d in zip(seqs, drafts) for j in range(len(d) + 1)]
+        def rows():  # each sequence's sampling row, for each of its draft positions
+            out = []
+            for s, d in zip(seqs, drafts):
+                *head, step = self._row(s)
+                out += [(*head, step + j) for j in range(len(d) + 1)]
+            return out
 
         try:
             st = SamplingTensors.build(rows(), vocab, self.runner.device)

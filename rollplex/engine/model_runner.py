@@ -34,8 +34,7 @@ import torch
 
 from ..kernels import tuning_cache
 from ..kernels.decode_gemms import SkinnyGemms, tune_decode_gemms
-from ..kernels.paged_attention import (DECODE_CANDIDATES, paged_decode_attention, paged_verify_attention,
-                                       tune_decode)
+from ..kernels.paged_attention import DECODE_CANDIDATES, paged_decode_attention, paged_verify_attention, tune_decode
 from ..kernels.split_k import SPLIT_K_CANDIDATES
 from ..kernels.swiglu_gemm import SWIGLU_CANDIDATES
 from ..models import ForwardOps, ModelInputs, Qwen25VL
