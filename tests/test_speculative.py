@@ -250,3 +250,23 @@ def test_greedy_tokens_are_the_same_with_the_triton_verify_kernel(model, proc, m
     assert any(len(s) == 4 and s[1] > 1 for s in calls)  # [B, rows, H, D]: several rows per sequence
     assert eng.spec_stats["accepted"] > 0
     assert [[s.token_ids for s in o.samples] for o in plain] == [[s.token_ids for s in o.samples] for o in spec]
+
+
+def test_drafts_follow_a_sibling_once_its_tokens_are_indexed():
+    """Speculator: a new request's samples are indexed before its first drafts; later tokens are counted by
+    `index` (the engine calls it while the verification pass runs) and only then drafted from."""
+    from types import SimpleNamespace
+
+    from rollplex.engine.sequence import Request
+    from rollplex.engine.speculative import Speculator
+
+    spec = Speculator(EngineConfig(speculative_tokens=3))
+    req = Request("r", SimpleNamespace(input_ids=[7, 8, 9]), SamplingParams(n=2), seeds=[0, 1])
+    a, b = req.seqs
+    a.token_ids += [1, 2, 3, 4]
+    b.token_ids += [1, 2]
+    assert spec.drafts([b], ["r"]) == [[3, 4]]  # sibling a's text after (1, 2), indexed when the group opened
+    a.token_ids += [5, 6]
+    assert spec.drafts([b], ["r"]) == [[3, 4]]  # a's new tokens are not counted yet
+    spec.index([b])
+    assert spec.drafts([b], ["r"]) == [[3, 4, 5]]

@@ -467,6 +467,7 @@ class Engine:
                 slots.append(self.blocks.slot(s, n - 1 + j))
         logits = self.runner.verify(ids, positions, [s.block_table for s in seqs], seq_lens, slots,
                                     [len(d) + 1 for d in drafts])
+        self.spec.index(seqs)  # host work while the pass runs: the next drafts' counts
         for h in self.hooks:
             if hasattr(h, "after_decode_launch"):
                 h.after_decode_launch(info)

@@ -5,7 +5,8 @@ In the tail of a rollout a few sequences decode one token per step on an otherwi
 replaces a decode step by a *verification* step:
 
 1. drafts: up to k tokens per sequence from `SuffixDrafter` (engine/drafter.py) over the request's
-   samples — finished or still decoding — and, with the prompt cache, earlier responses to the prompt;
+   samples — finished or still decoding — and, with the prompt cache, earlier responses to the prompt
+   (the samples' new tokens are counted while the GPU runs the previous verification, `index`);
 2. one pass of the policy over each sequence's last token + its draft (`ModelRunner.verify`: each
    token a row over the paged KV, causal within the draft; their K/V written to the cache; the
    attention reads a sequence's K/V once for all its rows, `paged_verify_attention`);
@@ -144,22 +145,34 @@ class Speculator:
         return True
 
     def drafts(self, seqs: list[Sequence], open_requests) -> list[list[int]]:
-        """Up to k draft tokens per sequence (never past its request's length limit)."""
+        """Up to k draft tokens per sequence (never past its request's length limit), from what `index`
+        has counted (a request seen for the first time is indexed here first)."""
         self.drafter.retain(open_requests)  # requests that left the engine
-        indexed = set()
         out = []
         for s in seqs:
             req = s.request
             rid = req.request_id
             if rid not in self.drafter.groups:
                 self.drafter.open(rid, req.inputs.input_ids, self._key(req))
-            if rid not in indexed:
-                indexed.add(rid)
-                for sib in req.seqs:
-                    self.drafter.extend(rid, sib.sample_index, sib.token_ids, sib.num_prompt_tokens)
+                self._index(req)
             k = min(self.k, req.max_len - len(s) - 1)
             out.append(self.drafter.propose(rid, s.token_ids, k, s.num_prompt_tokens) if k > 0 else [])
         return out
+
+    def index(self, seqs: list[Sequence]) -> None:
+        """Count the tokens the requests of `seqs` have drawn since the last call, for the next drafts. The
+        engine calls it once the verification pass is launched, so the host does it while the GPU runs; the
+        next drafts then miss only the tokens that pass keeps (a draft never changes what is sampled)."""
+        done = set()
+        for s in seqs:
+            req = s.request
+            if req.request_id not in done and req.request_id in self.drafter.groups:
+                done.add(req.request_id)
+                self._index(req)
+
+    def _index(self, req: Request) -> None:
+        for sib in req.seqs:
+            self.drafter.extend(req.request_id, sib.sample_index, sib.token_ids, sib.num_prompt_tokens)
 
     def finish(self, req: Request) -> None:
         """A request left the engine finished: its responses go to the prompt cache (when on)."""
