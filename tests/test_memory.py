@@ -331,3 +331,18 @@ def test_a_critic_trains_in_a_phase_of_its_own_and_regions_are_planned_at_their_
     assert big.sizes["optimizer"] == mapped["optimizer"] and big.sizes["grads"] == fit.sizes["grads"]
     assert "critic offloaded" in big.measures and _fits(big)
     assert big.plan.get("rollout", "critic_optimizer") == "offloaded"
+
+
+def test_ledger_counts_device_allocations_per_phase_and_step():
+    """`memory/<phase>/device_mallocs`: segments the allocator requested during the phase, summed over the
+    step's entries of that phase and reset with the step's metrics (a first step shows its allocator warming)."""
+    from rollplex.memory.ledger import Ledger
+
+    led = Ledger()
+    led.record_phase("update", {})
+    led.record_mallocs("update", 40)
+    led.record_mallocs("update", 2)
+    led.record_mallocs("rollout", 0)
+    m = led.take_metrics()
+    assert m["memory/update/device_mallocs"] == 42.0 and m["memory/rollout/device_mallocs"] == 0.0
+    assert led.take_metrics()["memory/update/device_mallocs"] == 0.0

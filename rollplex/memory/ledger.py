@@ -15,6 +15,7 @@ GiB = 2**30
 class PhaseRecord:
     resident: dict[str, int] = field(default_factory=dict)  # tag -> bytes resident during the phase
     peak: int = 0  # peak device bytes allocated during the phase (0 when unknown)
+    mallocs: int = 0  # device segments the allocator requested during the phase (cudaMalloc calls), this step
     entered: int = 0  # how many times the phase was entered
 
 
@@ -34,6 +35,10 @@ class Ledger:
         rec = self.phases.setdefault(phase, PhaseRecord())
         rec.peak = max(rec.peak, peak)
 
+    def record_mallocs(self, phase: str, count: int) -> None:
+        rec = self.phases.setdefault(phase, PhaseRecord())
+        rec.mallocs += count
+
     def record_transition(self, kind: str, tag: str, seconds: float, copied: int = 0) -> None:
         d = self.pause_s if kind == "pause" else self.resume_s
         d[tag] = d.get(tag, 0.0) + seconds
@@ -43,11 +48,14 @@ class Ledger:
         return sum(self.pause_s.values()) + sum(self.resume_s.values())
 
     def metrics(self) -> dict[str, float]:
-        """verl-style `memory/*` metrics: per-phase peaks and resident bytes, transition costs."""
+        """verl-style `memory/*` metrics: per-phase peaks, resident bytes and device allocations (segments
+        the caching allocator asked the device for: many in a step's first pass, none once its pools are
+        warm), transition costs."""
         m: dict[str, float] = {}
         for phase, rec in self.phases.items():
             m[f"memory/{phase}/peak_gib"] = rec.peak / GiB
             m[f"memory/{phase}/resident_gib"] = sum(rec.resident.values()) / GiB
+            m[f"memory/{phase}/device_mallocs"] = float(rec.mallocs)
         for tag, s in self.pause_s.items():
             m[f"memory/pause_s/{tag}"] = s
         for tag, s in self.resume_s.items():
@@ -63,7 +71,7 @@ class Ledger:
         self.resume_s.clear()
         self.copy_bytes = 0
         for rec in self.phases.values():
-            rec.peak = 0
+            rec.peak = rec.mallocs = 0
         return m
 
     def to_dict(self) -> dict:

@@ -47,6 +47,7 @@ class MemoryManager:
         self.state = {t: "resident" for t in TAGS}  # resident | released | offloaded
         self.current: str | None = None
         self.ledger = Ledger()
+        self._segments0 = 0  # the allocator's segment count when the current phase's measurement began
         self._preserve: dict[str, Callable[[], Iterable[torch.Tensor]]] = {}
         self._on_resume: dict[str, Callable[[], None]] = {}
         self._copies: dict[str, tuple[tuple, list[torch.Tensor]]] = {}  # tag -> (key of the sources, cpu buffers)
@@ -154,18 +155,28 @@ class MemoryManager:
         paused = sum(self.backend.region_bytes(t) for t, s in self.state.items() if s != "resident")
         return max(0, torch.cuda.max_memory_allocated(self.device) - paused)
 
+    def _segments(self) -> int:
+        """Device segments the caching allocator has requested so far (one cudaMalloc or region map each)."""
+        return int(torch.cuda.memory_stats(self.device).get("segment.all.allocated", 0))
+
     def _close_peak(self) -> None:
-        """Record the current phase's peak device memory and start a new measurement."""
+        """Record the current phase's peak device memory and allocations, and start a new measurement."""
         if self.device.type != "cuda":
             return
+        segments = self._segments()
         if self.current is not None:
             self.ledger.record_peak(self.current, self._device_peak())
+            self.ledger.record_mallocs(self.current, segments - self._segments0)
+        self._segments0 = segments
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def take_metrics(self) -> dict[str, float]:
-        """`memory/*` metrics since the last call (the current phase's peak so far included)."""
+        """`memory/*` metrics since the last call (the current phase's peak and allocations so far included)."""
         if self.device.type == "cuda" and self.current is not None:
             self.ledger.record_peak(self.current, self._device_peak())
+            segments = self._segments()
+            self.ledger.record_mallocs(self.current, segments - self._segments0)
+            self._segments0 = segments
         return self.ledger.take_metrics()
 
     @contextlib.contextmanager
