@@ -86,19 +86,10 @@ def paged_decode_attention(
     raise ValueError(f"unknown backend {backend!r}: expected 'auto', 'triton' or 'reference'")
 
 
-def paged_verify_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float | None = None,
-    backend: str = "auto",
-    *,
-    num_splits: int | None = None,
-    tile: dict | None = None,
-    semaphore: torch.Tensor | None = None,
-) -> torch.Tensor:
+def paged_verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float | None = None, backend: str = "auto", *,
+                           num_splits: int | None = None, tile: dict | None = None,
+                           semaphore: torch.Tensor | None = None) -> torch.Tensor:
     """Several query rows per sequence, q [B, R, H, D] (speculative verification: a sequence's last token
     and its draft, their K/V already in the cache and rotated): row j of sequence b attends to its first
     seq_lens[b, j] cached tokens -> [B, R, H, D]. The Triton backend reads each sequence's K/V once for
