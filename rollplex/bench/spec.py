@@ -96,20 +96,24 @@ class ForcedReplay:
 
 
 class TailClock:
-    """A decode hook: the host time of the first decode step with at most `limit` sequences."""
+    """A decode hook: the host time of the first decode step with at most `limit` sequences, and the steps
+    (decode or verification) from there on."""
 
     def __init__(self, limit: int):
-        self.limit, self.start = limit, None
+        self.limit, self.start, self.steps = limit, None, 0
 
     def on_decode_step(self, info) -> None:
         if self.start is None and info.batch_size <= self.limit:
             sync()
             self.start = time.perf_counter()
+        if self.start is not None:
+            self.steps += 1
 
 
-def run(eng: Engine, prompts, params, limit: int):
-    """(outputs, rollout s, tail s, the speculation counts of this run or None with speculation off)."""
-    clock = TailClock(limit)
+def run(eng: Engine, prompts, params, limit: int, clock: TailClock | None = None):
+    """(outputs, rollout s, tail s, the speculation counts of this run or None with speculation off); `clock`
+    (a fresh one by default) counts the tail's steps."""
+    clock = clock or TailClock(limit)
     eng.hooks.append(clock)
     stats0 = eng.spec.stats.copy() if eng.spec is not None else None
     try:
@@ -234,13 +238,15 @@ def main(argv=None) -> None:
     spec: Speculator = eng.spec
     eng.spec = None  # speculation off: the normal graphed decode path
     run(eng, prompts, params, limit)  # warm-up (compiles the sampler and prefill shapes)
-    outs, total_s, tail_s, _ = run(eng, prompts, params, limit)
+    clock = TailClock(limit)
+    outs, total_s, tail_s, _ = run(eng, prompts, params, limit, clock)
     reference = {id(p): o.samples[0].token_ids for p, o in zip(prompts, outs)}
     vocab = model.cfg.text.vocab_size
     n_tail = tail_tokens(outs, lengths, limit)
     env = env_info()
     rows = [{"workload": "spec-tail", "model": name, "drafts": "off", "rollout_s": total_s, "tail_s": tail_s,
              "tail_tok_s": n_tail / tail_s, "speedup": 1.0, "mean_accepted": 0.0, "acceptance": 0.0,
+             "tail_steps": clock.steps, "step_ms": 1e3 * tail_s / max(clock.steps, 1),
              **dict(zip(("same_samples", "_", "kept"), agreement(outs, reference, prompts)))}]
     eng.spec = spec
     spec.drafts = ReplayDrafts(reference, max(accepts), a.k, vocab)
@@ -250,14 +256,16 @@ def main(argv=None) -> None:
         for acc in accepts:
             spec.drafts = ReplayDrafts(reference, acc, a.k, vocab)
             spec.rule = ForcedReplay(spec.drafts) if forced else exact
-            got, total_s, tail_s, d = run(eng, prompts, params, limit)
+            clock = TailClock(limit)
+            got, total_s, tail_s, d = run(eng, prompts, params, limit, clock)
             same, n_samples, kept = agreement(got, reference, prompts)
             if dtype == torch.float32 and same != n_samples:
                 raise SystemExit(f"speculation changed greedy tokens of {n_samples - same} of {n_samples} samples "
                                  f"(replayed acceptance {acc}{', forced' if forced else ''})")
             rows.append({"workload": "spec-tail", "model": name, "drafts": f"{'forced' if forced else 'replay'} "
                          f"a={acc}", "rollout_s": total_s, "tail_s": tail_s, "tail_tok_s": n_tail / tail_s,
-                         "speedup": rows[0]["tail_s"] / tail_s,
+                         "speedup": rows[0]["tail_s"] / tail_s, "tail_steps": clock.steps,
+                         "step_ms": 1e3 * tail_s / max(clock.steps, 1),
                          "mean_accepted": d.mean_accepted, "acceptance": d.acceptance_rate,
                          "same_samples": same, "kept": kept,
                          "policy_agreed": (spec.rule.agreed / max(spec.rule.forced_total, 1)) if forced else None})
@@ -273,12 +281,15 @@ def main(argv=None) -> None:
             with open(a.json, "a") as f:
                 f.write(line + "\n")
     print(f"\n{name}, {a.prompts}x{a.n}, up to {a.max_new_tokens} tokens, k={a.k}, {env.get('gpu', a.device)}")
-    print("| drafts | rollout s | tail s | tail tok/s | tail speed-up | mean accepted | acceptance | same | "
-          "tokens before parting | agreed |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    # step ms: the tail's seconds per step (a decode or a verification); where every step verifies (forced, no
+    # back-off), its ratio to speculation off's row is what a verification costs in decode steps
+    print("| drafts | rollout s | tail s | tail tok/s | tail speed-up | tail steps | step ms | vs off | "
+          "mean accepted | acceptance | same | tokens before parting | agreed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['drafts']} | {r['rollout_s']:.2f} | {r['tail_s']:.3f} | {r['tail_tok_s']:.0f} | "
-              f"{r['speedup']:.2f}x | {r['mean_accepted']:.2f} | {r['acceptance']:.2f} | "
+              f"{r['speedup']:.2f}x | {r['tail_steps']} | {r['step_ms']:.2f} | "
+              f"{r['step_ms'] / rows[0]['step_ms']:.2f}x | {r['mean_accepted']:.2f} | {r['acceptance']:.2f} | "
               f"{r['same_samples']}/{total} | {r['kept']:.0%} | "
               f"{'' if r.get('policy_agreed') is None else format(r['policy_agreed'], '.0%')} |")
 
