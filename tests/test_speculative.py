@@ -273,3 +273,52 @@ def test_drafts_follow_a_sibling_once_its_tokens_are_indexed():
     assert spec.drafts([b], ["r"]) == [[3, 4]]  # a's new tokens are not counted yet
     spec.index([b])
     assert spec.drafts([b], ["r"]) == [[3, 4, 5]]
+
+
+def test_adaptive_back_off_asks_a_verification_to_pay_for_itself():
+    """speculative_adaptive: the bar is max(speculative_min_accepted, verify ms / decode ms - 1), from step
+    times measured in the tail only (its first tail decodes two steps plainly to time one); off, the
+    configured bar."""
+    from rollplex.engine.speculative import Speculator
+
+    spec = Speculator(EngineConfig(speculative_tokens=4, speculative_adaptive=True, speculative_max_batch=8))
+    assert spec.min_accepted() == 0.5  # nothing measured yet
+    spec.active(running=64, waiting=0)  # a large batch: not the tail, its steps are not counted
+    spec.note_step(30.0, verify=False)
+    assert spec.decode_ms is None
+    # the first tail: two plain decode steps, to time one, before speculating
+    assert [spec.active(running=4, waiting=0) for _ in range(3)] == [False, False, True]
+    spec.note_step(4.0, verify=False)
+    spec.note_step(10.0, verify=True)
+    assert spec.min_accepted() == pytest.approx(1.5)  # a pass of 10 ms must keep 2.5 tokens per sequence
+    spec.count([[1, 2, 3, 4]] * 2, [2, 3])  # 1.5 accepted per sequence: not below the bar
+    assert spec.skip == 0
+    spec.count([[1, 2, 3, 4]] * 2, [2, 2])  # 1.0 accepted: above the configured 0.5, below what the pass costs
+    assert spec.skip == 1
+    spec.note_step(2.0, verify=True)  # moving averages: 10 + 0.25 * (2 - 10) = 8 ms
+    assert spec.verify_ms == pytest.approx(8.0) and spec.min_accepted() == pytest.approx(1.0)
+    fixed = Speculator(EngineConfig(speculative_tokens=4, speculative_max_batch=8))
+    fixed.active(running=4, waiting=0)
+    fixed.note_step(4.0, verify=False)
+    fixed.note_step(40.0, verify=True)
+    assert fixed.min_accepted() == 0.5
+
+
+def test_adaptive_back_off_verifies_less_where_a_pass_is_dear(model, proc, monkeypatch):
+    """With every verification made slow, the adaptive engine verifies fewer steps than the fixed bar lets
+    it, and the tokens are the same (which steps verify never changes them)."""
+    import time as _time
+
+    prompts = _prompts(proc)
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True, n=2)
+    cfg = dict(speculative_tokens=3, speculative_max_batch=4096, speculative_max_fraction=1.0,
+               speculative_min_accepted=0.5)
+    outs, steps = [], []
+    for adaptive in (False, True):
+        eng = _engine(model, proc, speculative_adaptive=adaptive, **cfg)
+        verify = eng.runner.verify
+        monkeypatch.setattr(eng.runner, "verify", lambda *a, _v=verify: (_time.sleep(0.02), _v(*a))[1])
+        outs.append([[s.token_ids for s in o.samples] for o in eng.generate(prompts, params)])
+        steps.append(eng.spec_stats["steps"])
+    assert outs[0] == outs[1]
+    assert 0 < steps[1] < steps[0], steps

@@ -69,6 +69,10 @@ class EngineConfig:
     # a verification that accepts fewer draft tokens per sequence than this backs speculation off: the
     # next 1, 2, 4 .. 64 decode steps (doubling while it keeps failing) run the plain overlapped path
     speculative_min_accepted: float = 0.5
+    # also back off where a verification accepted fewer tokens than it costs: with the tail's measured step
+    # times, verification ms / decode-step ms - 1 accepted tokens per sequence pay for the pass (where the
+    # pass is dear, e.g. host-bound, speculation at a low acceptance is slower than decoding)
+    speculative_adaptive: bool = False
 
     def __post_init__(self):
         if self.block_size not in (None, 16, 32, 64):

@@ -14,7 +14,9 @@ replaces a decode step by a *verification* step:
    blocks past the kept tokens are freed, slots inside a kept block lie past the sequence's length).
 
 Drafts that fail back it off: after a verification that accepted fewer than `speculative_min_accepted`
-draft tokens per sequence, the next 1, 2, 4 .. 64 decode steps run the plain overlapped path. Which
+draft tokens per sequence, the next 1, 2, 4 .. 64 decode steps run the plain overlapped path. With
+`speculative_adaptive` the bar rises to what a verification costs, from the tail's measured step times
+(a pass keeping 1 + a tokens per sequence pays when it takes less than 1 + a decode steps). Which
 steps verify never changes the tokens (below), only the time.
 
 The rule (`exact_rule`). Row j of a sequence (its last token + draft[:j] as input) gives the policy's
@@ -127,8 +129,12 @@ class Speculator:
         self.stats = SpecStats()
         self.peak = 0  # the most sequences decoding at once since the engine last had none running
         self.skip, self.backoff = 0, 1  # decode steps left to run plain; the next failure's skip
+        self.in_tail = False  # whether the last active() call found the batch small enough to speculate
+        self.verify_ms = self.decode_ms = None  # moving averages of the tail's step times (adaptive back-off)
+        self.probed = False  # the adaptive back-off's first tail ran plain decode steps to time one
 
     MAX_BACKOFF = 64
+    EMA = 0.25  # weight of the newest step time in the moving averages
 
     def active(self, running: int, waiting: int) -> bool:
         """Whether the next decode step verifies drafts (called once per engine step)."""
@@ -136,9 +142,12 @@ class Speculator:
             self.peak = 0
             return False
         self.peak = max(self.peak, running)
-        if (waiting or running > self.cfg.speculative_max_batch
-                or running > self.cfg.speculative_max_fraction * self.peak):
+        self.in_tail = not (waiting or running > self.cfg.speculative_max_batch
+                            or running > self.cfg.speculative_max_fraction * self.peak)
+        if not self.in_tail:
             return False
+        if self.cfg.speculative_adaptive and self.decode_ms is None and not self.probed:
+            self.probed, self.skip = True, max(self.skip, 2)  # a period needs two consecutive decode steps
         if self.skip:  # backed off after verifications that accepted too little
             self.skip -= 1
             return False
@@ -183,9 +192,27 @@ class Speculator:
     def _key(self, req: Request) -> Hashable | None:
         return prompt_key(req) if self.cfg.speculative_prompt_cache else None
 
+    def note_step(self, ms: float | None, verify: bool) -> None:
+        """A tail step's wall time (a verification, or a plain decode step's period), for the adaptive back-off."""
+        if ms is None or not self.in_tail:
+            return
+        old = self.verify_ms if verify else self.decode_ms
+        new = ms if old is None else old + self.EMA * (ms - old)
+        if verify:
+            self.verify_ms = new
+        else:
+            self.decode_ms = new
+
+    def min_accepted(self) -> float:
+        """Accepted draft tokens per sequence below which a verification backs speculation off."""
+        floor = self.cfg.speculative_min_accepted
+        if not self.cfg.speculative_adaptive or self.verify_ms is None or not self.decode_ms:
+            return floor
+        return max(floor, self.verify_ms / self.decode_ms - 1.0)  # (1 + a) tokens per pass vs 1 per decode step
+
     def count(self, drafts: list[list[int]], kept: list[int]) -> None:
         """Count a verification; back off (skip decode steps, doubling) when it accepted too little."""
-        if sum(kept) - len(kept) < self.cfg.speculative_min_accepted * len(kept):
+        if sum(kept) - len(kept) < self.min_accepted() * len(kept):
             self.skip, self.backoff = self.backoff, min(2 * self.backoff, self.MAX_BACKOFF)
         else:
             self.backoff = 1
