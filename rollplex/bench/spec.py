@@ -202,6 +202,8 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-forced", dest="forced", action="store_false",
                     help="no teacher-forced rows (ForcedReplay): only the exact rule's")
+    ap.add_argument("--adaptive", action="store_true",
+                    help="speculative_adaptive: back off below what a verification costs (measured step times)")
     ap.add_argument("--json", default=None, help="append the rows as JSON lines to this file")
     a = ap.parse_args(argv)
     accepts = [int(x) for x in a.accept.split(",")]
@@ -225,7 +227,7 @@ def main(argv=None) -> None:
     cfg = EngineConfig(max_num_seqs=max(256, total), max_model_len=a.max_new_tokens + 512,
                        gpu_memory_utilization=a.gpu_memory_utilization, max_num_batched_tokens=40000,
                        speculative_tokens=a.k, speculative_max_batch=max(limit, 1),
-                       speculative_max_fraction=a.tail_fraction)
+                       speculative_max_fraction=a.tail_fraction, speculative_adaptive=a.adaptive)
     prompts, _ = make_prompts(model.cfg, a.prompts, 1, size=a.image_size, seed=a.seed, device=a.device, dtype=dtype)
     lengths = tail_lengths(a.prompts, a.max_new_tokens, a.seed)
     checked = check_fp32(model, prompts, lengths, a, accepts)
@@ -273,14 +275,15 @@ def main(argv=None) -> None:
     print(f"{total} samples, tail = at most {limit} sequences decoding, {n_tail} tail tokens; "
           f"{a.dtype or str(dtype).split('.')[-1]}: 'same' counts samples with every token of speculation off")
     meta = {**env, "prompts": a.prompts, "n": a.n, "max_new_tokens": a.max_new_tokens, "k": a.k,
-            "tail_limit": limit, "startup_s": startup}
+            "tail_limit": limit, "startup_s": startup, "adaptive": a.adaptive}
     for r in rows:
         line = json.dumps({**r, **meta})
         print(line)
         if a.json:
             with open(a.json, "a") as f:
                 f.write(line + "\n")
-    print(f"\n{name}, {a.prompts}x{a.n}, up to {a.max_new_tokens} tokens, k={a.k}, {env.get('gpu', a.device)}")
+    print(f"\n{name}, {a.prompts}x{a.n}, up to {a.max_new_tokens} tokens, k={a.k}"
+          f"{', adaptive back-off' if a.adaptive else ''}, {env.get('gpu', a.device)}")
     # step ms: the tail's seconds per step (a decode or a verification); where every step verifies (forced, no
     # back-off), its ratio to speculation off's row is what a verification costs in decode steps
     print("| drafts | rollout s | tail s | tail tok/s | tail speed-up | tail steps | step ms | vs off | "
