@@ -110,10 +110,10 @@ class TailClock:
             self.steps += 1
 
 
-def run(eng: Engine, prompts, params, limit: int, clock: TailClock | None = None):
-    """(outputs, rollout s, tail s, the speculation counts of this run or None with speculation off); `clock`
-    (a fresh one by default) counts the tail's steps."""
-    clock = clock or TailClock(limit)
+def run(eng: Engine, prompts, params, limit: int):
+    """(outputs, rollout s, tail s, the speculation counts of this run or None with speculation off, the tail's
+    steps)."""
+    clock = TailClock(limit)
     eng.hooks.append(clock)
     stats0 = eng.spec.stats.copy() if eng.spec is not None else None
     try:
@@ -124,7 +124,14 @@ def run(eng: Engine, prompts, params, limit: int, clock: TailClock | None = None
         end = time.perf_counter()
     finally:
         eng.hooks.remove(clock)
-    return outs, end - t0, end - (clock.start or end), None if stats0 is None else eng.spec.stats.since(stats0)
+    return (outs, end - t0, end - (clock.start or end), None if stats0 is None else eng.spec.stats.since(stats0),
+            clock.steps)
+
+
+def _tail_row(name: str, drafts: str, total_s: float, tail_s: float, n_tail: int, steps: int) -> dict:
+    """A row's timing fields: rollout and tail seconds, tail tokens/s, the tail's steps and seconds per step."""
+    return {"workload": "spec-tail", "model": name, "drafts": drafts, "rollout_s": total_s, "tail_s": tail_s,
+            "tail_tok_s": n_tail / tail_s, "tail_steps": steps, "step_ms": 1e3 * tail_s / max(steps, 1)}
 
 
 def tail_tokens(outs, lengths: list[int], limit: int) -> int:
@@ -240,16 +247,13 @@ def main(argv=None) -> None:
     spec: Speculator = eng.spec
     eng.spec = None  # speculation off: the normal graphed decode path
     run(eng, prompts, params, limit)  # warm-up (compiles the sampler and prefill shapes)
-    clock = TailClock(limit)
-    outs, total_s, tail_s, _ = run(eng, prompts, params, limit, clock)
+    outs, total_s, tail_s, _, steps = run(eng, prompts, params, limit)
     reference = {id(p): o.samples[0].token_ids for p, o in zip(prompts, outs)}
     vocab = model.cfg.text.vocab_size
     n_tail = tail_tokens(outs, lengths, limit)
     env = env_info()
-    rows = [{"workload": "spec-tail", "model": name, "drafts": "off", "rollout_s": total_s, "tail_s": tail_s,
-             "tail_tok_s": n_tail / tail_s, "speedup": 1.0, "mean_accepted": 0.0, "acceptance": 0.0,
-             "tail_steps": clock.steps, "step_ms": 1e3 * tail_s / max(clock.steps, 1),
-             **dict(zip(("same_samples", "_", "kept"), agreement(outs, reference, prompts)))}]
+    rows = [{**_tail_row(name, "off", total_s, tail_s, n_tail, steps), "speedup": 1.0, "mean_accepted": 0.0,
+             "acceptance": 0.0, **dict(zip(("same_samples", "_", "kept"), agreement(outs, reference, prompts)))}]
     eng.spec = spec
     spec.drafts = ReplayDrafts(reference, max(accepts), a.k, vocab)
     run(eng, prompts, params, limit)  # warm-up of the verify path
@@ -258,17 +262,15 @@ def main(argv=None) -> None:
         for acc in accepts:
             spec.drafts = ReplayDrafts(reference, acc, a.k, vocab)
             spec.rule = ForcedReplay(spec.drafts) if forced else exact
-            clock = TailClock(limit)
-            got, total_s, tail_s, d = run(eng, prompts, params, limit, clock)
+            got, total_s, tail_s, d, steps = run(eng, prompts, params, limit)
             same, n_samples, kept = agreement(got, reference, prompts)
             if dtype == torch.float32 and same != n_samples:
                 raise SystemExit(f"speculation changed greedy tokens of {n_samples - same} of {n_samples} samples "
                                  f"(replayed acceptance {acc}{', forced' if forced else ''})")
-            rows.append({"workload": "spec-tail", "model": name, "drafts": f"{'forced' if forced else 'replay'} "
-                         f"a={acc}", "rollout_s": total_s, "tail_s": tail_s, "tail_tok_s": n_tail / tail_s,
-                         "speedup": rows[0]["tail_s"] / tail_s, "tail_steps": clock.steps,
-                         "step_ms": 1e3 * tail_s / max(clock.steps, 1),
-                         "mean_accepted": d.mean_accepted, "acceptance": d.acceptance_rate,
+            label = f"{'forced' if forced else 'replay'} a={acc}"
+            rows.append({**_tail_row(name, label, total_s, tail_s, n_tail, steps),
+                         "speedup": rows[0]["tail_s"] / tail_s, "mean_accepted": d.mean_accepted,
+                         "acceptance": d.acceptance_rate,
                          "same_samples": same, "kept": kept,
                          "policy_agreed": (spec.rule.agreed / max(spec.rule.forced_total, 1)) if forced else None})
     spec.rule = exact

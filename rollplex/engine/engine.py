@@ -482,7 +482,8 @@ class Engine:
                 self.blocks.trim(seq, len(seq))  # the rejected tokens' blocks
         self._last_step_ms = (time.perf_counter() - t0) * 1e3
         self._last_period_ms, self._last_end = None, None
-        self.spec.note_step(self._last_step_ms, verify=True)
+        if self.cfg.speculative_adaptive:
+            self.spec.note_step(self._last_step_ms, verify=True)
         self.decode_steps += 1
         return seqs
 
@@ -504,7 +505,7 @@ class Engine:
             self._last_step_ms = (end - inf.t0) * 1e3
             prev, self._last_end = self._last_end, (inf.step, end)
             self._last_period_ms = (end - prev[1]) * 1e3 if prev and prev[0] == inf.step - 1 else None
-        if self.spec is not None:  # in the tail (backed off): what a decode step costs there
+        if self.spec is not None and self.cfg.speculative_adaptive:  # in the tail: what a decode step costs there
             self.spec.note_step(self._last_period_ms, verify=False)
         for seq, tok, lp in zip(inf.seqs, tokens, logprobs):
             seq.pending -= 1

@@ -159,24 +159,25 @@ class MemoryManager:
         """Device segments the caching allocator has requested so far (one cudaMalloc or region map each)."""
         return int(torch.cuda.memory_stats(self.device).get("segment.all.allocated", 0))
 
-    def _close_peak(self) -> None:
-        """Record the current phase's peak device memory and allocations, and start a new measurement."""
-        if self.device.type != "cuda":
-            return
+    def _record_current(self) -> None:
+        """Into the ledger: the current phase's peak device memory and the allocations since the last record."""
         segments = self._segments()
         if self.current is not None:
             self.ledger.record_peak(self.current, self._device_peak())
             self.ledger.record_mallocs(self.current, segments - self._segments0)
         self._segments0 = segments
+
+    def _close_peak(self) -> None:
+        """Record the current phase's peak device memory and allocations, and start a new measurement."""
+        if self.device.type != "cuda":
+            return
+        self._record_current()
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def take_metrics(self) -> dict[str, float]:
         """`memory/*` metrics since the last call (the current phase's peak and allocations so far included)."""
-        if self.device.type == "cuda" and self.current is not None:
-            self.ledger.record_peak(self.current, self._device_peak())
-            segments = self._segments()
-            self.ledger.record_mallocs(self.current, segments - self._segments0)
-            self._segments0 = segments
+        if self.device.type == "cuda":
+            self._record_current()
         return self.ledger.take_metrics()
 
     @contextlib.contextmanager
