@@ -46,6 +46,10 @@ class DrafterConfig:
             raise ValueError("cache_prompts must be >= 0 and cache_responses >= 1")
 
 
+def _by_count(kv: tuple[int, int]) -> tuple[int, int]:
+    return kv[1], -kv[0]  # the most frequent continuation, ties to the smaller token
+
+
 class _Group:
     """The n-gram continuation counts of one request's texts."""
 
@@ -68,13 +72,14 @@ class _Group:
                 else:
                     row[nxt] = row.get(nxt, 0) + 1
 
-    def extend(self, member: Hashable, tokens: Sequence[int], offset: int = 0) -> None:
+    def extend(self, member: Hashable, tokens: Sequence[int], offset: int = 0) -> int:
         """Count the n-grams of the member's output tokens[offset:] that end at tokens not seen yet (the
-        output is not copied: a sequence passes its whole token list and its prompt length)."""
+        output is not copied: a sequence passes its whole token list and its prompt length); returns how
+        many tokens were new."""
         n_out = len(tokens) - offset
         done = self.seen.get(member, 0)
         if n_out <= done:
-            return
+            return 0
         h = len(self.head)
         # the new tokens and the max_ngram tokens before them (from the head where the output is short)
         lo = max(done - self.cfg.max_ngram, 0)
@@ -82,6 +87,7 @@ class _Group:
             tokens[offset + lo:])
         self.add_text(ctx, len(ctx) - (n_out - done))
         self.seen[member] = n_out
+        return n_out - done
 
     def propose(self, context: list[int], k: int) -> list[int]:
         cfg, table = self.cfg, self.table
@@ -95,7 +101,10 @@ class _Group:
                     break
             if row is None:
                 break
-            tok, cnt = max(row.items(), key=lambda kv: (kv[1], -kv[0]))
+            if len(row) == 1:  # most contexts of a few tokens or more were followed by one token
+                (tok, cnt), = row.items()
+            else:
+                tok, cnt = max(row.items(), key=_by_count)
             if cfg.min_share > 0 and cnt < cfg.min_share * sum(row.values()):
                 break
             out.append(tok)
@@ -127,10 +136,10 @@ class SuffixDrafter:
             for j, resp in enumerate(self.cache[key]):
                 g.extend(("cached", j), resp)
 
-    def extend(self, group: Hashable, member: Hashable, output: Sequence[int], offset: int = 0) -> None:
+    def extend(self, group: Hashable, member: Hashable, output: Sequence[int], offset: int = 0) -> int:
         """Index a member's output so far, output[offset:] (only the tokens added since its last call are
-        counted)."""
-        self.groups[group].extend(member, output, offset)
+        counted); returns how many tokens were new."""
+        return self.groups[group].extend(member, output, offset)
 
     def propose(self, group: Hashable, output: Sequence[int], k: int, offset: int = 0) -> list[int]:
         """Up to k draft tokens to follow output[offset:] (a member's output so far) in `group`."""
