@@ -275,6 +275,71 @@ def test_drafts_follow_a_sibling_once_its_tokens_are_indexed():
     assert spec.drafts([b], ["r"]) == [[3, 4, 5]]
 
 
+def test_groups_counted_ahead_within_the_budget_draft_as_counted_at_once():
+    """`prepare` (the host's idle time during plain decode steps) counts the samples' tokens a budget at a
+    time, every group in turn; once it has caught up, drafts are those of groups counted in one go."""
+    from types import SimpleNamespace
+
+    from rollplex.engine.sequence import Request
+    from rollplex.engine.speculative import Speculator
+
+    def requests():
+        out = []
+        for r in range(3):
+            req = Request(f"r{r}", SimpleNamespace(input_ids=[7, 8, 9 + r]), SamplingParams(n=3), seeds=[0, 1, 2])
+            for i, s in enumerate(req.seqs):
+                s.token_ids += [(r + i + j) % 5 for j in range(40)]
+            out.append(req)
+        return out
+
+    ahead, once = Speculator(EngineConfig(speculative_tokens=3)), Speculator(EngineConfig(speculative_tokens=3))
+    reqs, reqs_once = requests(), requests()
+    seqs = [s for r in reqs for s in r.seqs]
+    ahead.prepare(seqs, 0.0)
+    assert ahead.drafter.groups == {}  # no idle time, nothing done
+    calls = 0
+    while any(g.seen.get(s.sample_index, 0) < 40 for r in reqs for s in r.seqs
+              for g in [ahead.drafter.groups.get(r.request_id, SimpleNamespace(seen={}))]):
+        ahead.prepare(seqs, 1e-9)  # each call stops after one sample
+        calls += 1
+    assert calls >= 9 and set(ahead.drafter.groups) == {"r0", "r1", "r2"}
+    for r in reqs:
+        r.seqs[0].token_ids += [4, 4]
+    for r in reqs_once:
+        r.seqs[0].token_ids += [4, 4]
+    ahead.prepare(seqs, 1e3)  # caught up: the new tokens are counted too
+    probe = [r.seqs[1] for r in reqs]
+    assert ahead.drafts(probe, ["r0", "r1", "r2"]) == once.drafts([r.seqs[1] for r in reqs_once], ["r0", "r1", "r2"])
+    assert ahead.drafter.groups["r0"].table == once.drafter.groups["r0"].table
+
+
+def test_counting_ahead_in_the_hosts_idle_time_keeps_the_tokens(model, proc, monkeypatch):
+    """The engine gives `prepare` half the time its host waited for a decode step (on a GPU); with a wait
+    made up on the CPU the groups are counted during plain decode steps and the tokens are unchanged."""
+    prompts = _prompts(proc)
+    params = [SamplingParams(temperature=0, max_new_tokens=8 + 8 * i, ignore_eos=True, n=2)
+              for i in range(len(prompts))]
+    plain = _engine(model, proc).generate(prompts, params)
+    eng = _engine(model, proc, speculative_tokens=3, speculative_max_fraction=0.5, speculative_min_accepted=0.0)
+    budgets = []
+    prepare, resolve = eng.spec.prepare, eng._resolve
+    monkeypatch.setattr(eng.spec, "prepare", lambda seqs, ms: (budgets.append(ms), prepare(seqs, ms))[1])
+    opened = []  # at each verification: were its groups counted before it?
+    drafts = eng.spec.drafts
+    monkeypatch.setattr(eng.spec, "drafts", lambda seqs, reqs: (
+        opened.append(all(x.request.request_id in eng.spec.drafter.groups for x in seqs)), drafts(seqs, reqs))[1])
+
+    def waited():
+        out = resolve()
+        eng._idle_ms = 20.0  # as if the host had waited 20 ms for the step
+        return out
+
+    monkeypatch.setattr(eng, "_resolve", waited)
+    out = eng.generate(prompts, params)
+    assert [[s.token_ids for s in o.samples] for o in plain] == [[s.token_ids for s in o.samples] for o in out]
+    assert budgets and max(budgets) >= 10.0 and eng.spec_stats["steps"] > 0 and opened and all(opened)
+
+
 def test_adaptive_back_off_asks_a_verification_to_pay_for_itself():
     """speculative_adaptive: the bar is max(speculative_min_accepted, verify ms / decode ms - 1), from step
     times measured in the tail only (its first tail decodes two steps plainly to time one); off, the

@@ -103,6 +103,7 @@ class Engine:
         self._last_step_ms: float | None = None
         self._last_period_ms: float | None = None
         self._last_end: tuple[int, object] | None = None  # (step, end event) of the last resolved step
+        self._idle_ms = 0.0  # how long the host waited for the last decode step (work done ahead uses a share)
         self._inflight: _Inflight | None = None  # a launched decode step whose tokens are not applied yet
         self._failed: dict[str, Exception] = {}  # requests dropped in this step, by id (see `_drop`)
         self.eos_token_id = model.cfg.eos_token_id
@@ -246,7 +247,13 @@ class Engine:
             touched = self._speculate(batch.decode)
         elif batch.decode:
             launched = self._launch_decode(batch.decode)  # None: every sequence's request was dropped
+            ahead = 0.0
+            if self.spec is not None:  # drafting's counts, in half the time the host would wait
+                t = time.perf_counter()
+                self.spec.prepare(batch.decode, self._idle_ms / 2)
+                ahead = (time.perf_counter() - t) * 1e3
             touched = self._resolve()  # the previous step, while this one runs
+            self._idle_ms += ahead
             self._inflight = launched
             if not self.cfg.overlap_schedule:
                 touched += self._resolve()
@@ -490,10 +497,13 @@ class Engine:
     def _resolve(self) -> list[Sequence]:
         """Apply the tokens of the step in flight (waits for that step only); returns its sequences."""
         inf, self._inflight = self._inflight, None
+        self._idle_ms = 0.0
         if inf is None:
             return []
         if inf.end is not None:
+            t = time.perf_counter()
             inf.end.synchronize()
+            self._idle_ms = (time.perf_counter() - t) * 1e3
             self._last_step_ms = inf.start.elapsed_time(inf.end)
             prev, self._last_end = self._last_end, (inf.step, inf.end)
             # end-to-end time from the previous step: also counts gaps where the device waited for the host

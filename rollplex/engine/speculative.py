@@ -6,7 +6,8 @@ replaces a decode step by a *verification* step:
 
 1. drafts: up to k tokens per sequence from `SuffixDrafter` (engine/drafter.py) over the request's
    samples — finished or still decoding — and, with the prompt cache, earlier responses to the prompt
-   (the samples' new tokens are counted while the GPU runs the previous verification, `index`);
+   (the samples' tokens are counted ahead, in the time the host waits for plain decode steps, `prepare`,
+   and while the GPU runs the previous verification, `index`);
 2. one pass of the policy over each sequence's last token + its draft (`ModelRunner.verify`: each
    token a row over the paged KV, causal within the draft; their K/V written to the cache; the
    attention reads a sequence's K/V once for all its rows, `paged_verify_attention`);
@@ -39,6 +40,7 @@ their statistic rejects it.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, fields, replace
 
@@ -132,6 +134,7 @@ class Speculator:
         self.in_tail = False  # whether the last active() call found the batch small enough to speculate
         self.verify_ms = self.decode_ms = None  # moving averages of the tail's step times (adaptive back-off)
         self.probed = False  # the adaptive back-off's first tail ran plain decode steps to time one
+        self._cursor = 0  # where `prepare` goes on
 
     MAX_BACKOFF = 64
     EMA = 0.25  # weight of the newest step time in the moving averages
@@ -178,6 +181,30 @@ class Speculator:
             if req.request_id not in done and req.request_id in self.drafter.groups:
                 done.add(req.request_id)
                 self._index(req)
+
+    def prepare(self, seqs: list[Sequence], budget_ms: float) -> None:
+        """Index ahead: open the groups of `seqs` and count their samples' tokens for at most `budget_ms`
+        (the engine passes a share of the time its host waited for the last decode step). The first
+        verification then finds its groups' texts counted instead of counting them all while the GPU idles
+        (16 samples of ~800 tokens are ~13k tokens, each a dictionary update per n-gram length); where the
+        budget runs out, the rest is counted as before. A draft never changes what is sampled."""
+        if budget_ms <= 0 or not seqs:
+            return
+        deadline = time.perf_counter() + budget_ms / 1e3
+        first = self._cursor % len(seqs)  # start where the last call stopped: every group gets its turn
+        done = set()
+        for j in range(len(seqs)):
+            req = seqs[(first + j) % len(seqs)].request
+            if req.request_id in done:
+                continue
+            done.add(req.request_id)
+            if req.request_id not in self.drafter.groups:
+                self.drafter.open(req.request_id, req.inputs.input_ids, self._key(req))
+            for sib in req.seqs:
+                new = self.drafter.extend(req.request_id, sib.sample_index, sib.token_ids, sib.num_prompt_tokens)
+                if new and time.perf_counter() > deadline:
+                    self._cursor = first + j + 1  # the next call starts at the next request
+                    return
 
     def _index(self, req: Request) -> None:
         for sib in req.seqs:
