@@ -164,8 +164,7 @@ class Speculator:
         for s in seqs:
             req = s.request
             rid = req.request_id
-            if rid not in self.drafter.groups:
-                self.drafter.open(rid, req.inputs.input_ids, self._key(req))
+            if self._open(req):
                 self._index(req)
             k = min(self.k, req.max_len - len(s) - 1)
             out.append(self.drafter.propose(rid, s.token_ids, k, s.num_prompt_tokens) if k > 0 else [])
@@ -198,13 +197,19 @@ class Speculator:
             if req.request_id in done:
                 continue
             done.add(req.request_id)
-            if req.request_id not in self.drafter.groups:
-                self.drafter.open(req.request_id, req.inputs.input_ids, self._key(req))
+            self._open(req)
             for sib in req.seqs:
                 new = self.drafter.extend(req.request_id, sib.sample_index, sib.token_ids, sib.num_prompt_tokens)
                 if new and time.perf_counter() > deadline:
                     self._cursor = first + j + 1  # the next call starts at the next request
                     return
+
+    def _open(self, req: Request) -> bool:
+        """Open the request's group unless it is open; whether it was opened now."""
+        if req.request_id in self.drafter.groups:
+            return False
+        self.drafter.open(req.request_id, req.inputs.input_ids, self._key(req))
+        return True
 
     def _index(self, req: Request) -> None:
         for sib in req.seqs:
