@@ -175,7 +175,24 @@ def test_drafts_that_fail_back_speculation_off(model, proc):
     out = eng.generate([prompt], params)[0].samples[0].token_ids
     assert out == plain
     # verifications after 1, 2, 4, 8, 16, 32, 64 plain steps: 7 in the first 99 decode steps, then one per 65
-    assert eng.spec_stats["accepted"] == 0 and 6 <= eng.spec_stats["steps"] <= 8
+    first = eng.spec_stats["steps"]
+    assert eng.spec_stats["accepted"] == 0 and 6 <= first <= 8
+    # the next rollout's tail starts afresh: the back-off of the last one does not skip its first steps
+    assert eng.generate([prompt], params)[0].samples[0].token_ids == plain
+    assert eng.spec_stats["steps"] == 2 * first
+
+
+def test_a_back_off_ends_with_its_rollout():
+    from rollplex.engine.speculative import Speculator
+
+    spec = Speculator(EngineConfig(speculative_tokens=4, speculative_max_batch=8))
+    assert not spec.active(running=16, waiting=0) and spec.active(running=4, waiting=0)  # the tail of 16
+    for _ in range(7):  # nothing accepted: skip 1, 2, 4, ... 64 decode steps
+        spec.count([[1, 2, 3, 4]] * 4, [1, 1, 1, 1])
+    assert spec.skip == 64 and not spec.active(running=4, waiting=0)
+    assert not spec.active(running=0, waiting=16)  # the next rollout: its prompts wait for prefill
+    assert not spec.active(running=16, waiting=0)
+    assert spec.skip == 0 and spec.backoff == 1 and spec.active(running=4, waiting=0)
 
 
 def test_speculative_options_are_validated():

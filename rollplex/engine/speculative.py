@@ -141,8 +141,8 @@ class Speculator:
 
     def active(self, running: int, waiting: int) -> bool:
         """Whether the next decode step verifies drafts (called once per engine step)."""
-        if running == 0:
-            self.peak = 0
+        if running == 0:  # a rollout ended (or has not begun): the next tail starts afresh
+            self.peak, self.skip, self.backoff = 0, 0, 1  # a back-off is about one tail's drafts, not the next's
             return False
         self.peak = max(self.peak, running)
         self.in_tail = not (waiting or running > self.cfg.speculative_max_batch
