@@ -134,11 +134,11 @@ def test_policy_reaches_sglang_and_decodes_as_the_native_engine(setup):
     from rollplex.engine import SamplingParams
 
     cfg, model, rollout, _ = setup
-    kinds = {"text": _text_prompts(cfg, 4), "image": _prompts(cfg, 4)}
-    greedy = [SamplingParams(n=1, temperature=0, max_new_tokens=24, ignore_eos=True)] * 4
+    kinds = {"text": _text_prompts(cfg, 8), "image": _prompts(cfg, 8)}
+    greedy = [SamplingParams(n=1, temperature=0, max_new_tokens=24, ignore_eos=True)] * 8
     native = {k: _native(model).generate(p, greedy) for k, p in kinds.items()}
     # SGLang's own dummy weights, before the hand-over (the backend would copy the policy in first)
-    kw = generate_kwargs(kinds["image"], greedy, [[0]] * 4)
+    kw = generate_kwargs(kinds["image"], greedy, [[0]] * 8)
     t0 = time.perf_counter()
     before = request_outputs(kinds["image"], greedy, rollout.engine.generate(**kw))
     print(f"first generate (kernel JIT) {time.perf_counter() - t0:.1f}s", flush=True)
@@ -152,18 +152,22 @@ def test_policy_reaches_sglang_and_decodes_as_the_native_engine(setup):
         same[k] = sum(a.samples[0].token_ids == b.samples[0].token_ids for a, b in zip(after, native[k]))
         m[k] = _mismatch(model, prompts, after)
         base[k] = _mismatch(model, prompts, native[k])  # our own engine against the same trainer, same dtype
-        print(f"after the hand-over, {k} prompts: {same[k]} of 4 greedy samples as the native engine's; SGLang "
+        print(f"after the hand-over, {k} prompts: {same[k]} of 8 greedy samples as the native engine's; SGLang "
               f"{m[k]}; native engine {base[k]}", flush=True)
         assert all(o.samples[0].finish_reason == "length" and len(o.samples[0].token_ids) == 24 for o in after)
     # SGLang is as close to the trainer as the native engine is (bf16: both differ from the trainer's pass by
-    # rounding; wrong weights or positions differ by far more, as the dummy weights' samples above do)
+    # rounding; wrong weights or positions differ by far more, as the dummy weights' samples above do). The
+    # rounding's scale is the native engine's mismatch, the larger of the two kinds': over 8 x 24 tokens it
+    # varies by 1.5x between kinds, and on image prompts the native engine runs the trainer's own tower
+    # (the same arithmetic), which SGLang's tower does not.
+    noise = {key: max(b[key] for b in base.values()) for key in ("rollout_probs_diff_mean", "logprob_diff_max")}
     for k, what in (("text", "the text weights (names, fusion, the head)"),
                     ("image", "the vision tower's weights or the image tokens' M-RoPE positions")):
         # text first: with text agreeing, an image failure is the tower or the positions
         assert same[k] >= 1, f"{k} prompts: no greedy sample as the native engine's: {what}: {m[k]}"
-        assert m[k]["rollout_probs_diff_mean"] <= 1.5 * base[k]["rollout_probs_diff_mean"] + 0.005, \
-            f"{k} prompts: SGLang's mismatch {m[k]} against the native engine's {base[k]}: {what}"
-        assert m[k]["logprob_diff_max"] <= 2 * base[k]["logprob_diff_max"] + 0.1, (k, m[k], base[k])
+        assert m[k]["rollout_probs_diff_mean"] <= 1.5 * noise["rollout_probs_diff_mean"] + 0.005, \
+            f"{k} prompts: SGLang's mismatch {m[k]} against the native engine's {base}: {what}"
+        assert m[k]["logprob_diff_max"] <= 2 * noise["logprob_diff_max"] + 0.1, (k, m[k], base)
 
 
 def test_grouped_rollout_reports_groups_as_they_finish(setup):
@@ -195,6 +199,8 @@ def test_rl_step_on_sglang_hands_the_policy_over_each_step(setup):
         return torch.tensor([float(i % 2) for i in range(batch.num_samples)]), {}
 
     model.requires_grad_(True)
+    if not rollout.memory_adapter.weights_current:  # run alone: the policy reaches SGLang here, not in a step
+        rollout.update_weights()
     pushes, diffs = rollout.weight_pushes, []
     for schedule in ("phased", "phased", "fused"):
         rl = RLStep(model, rollout, RLConfig(n=4, kl_coef=0.0, lr=1e-5, micro_batch_prompts=2, schedule=schedule))
@@ -240,11 +246,13 @@ def test_hooked_scheduler_times_decode_and_admits_prefix_work(setup):
         ref = load_model(out, "cuda", torch.bfloat16).eval()  # the hook's reference: the saved initial policy
         with torch.no_grad():
             want = ref.prefix(prompts)
-        for layer in range(len(want.keys)):  # the same ops; jobs of 2 prompts may pick other GEMM kernels
-            for i in range(4):
+        for layer in range(len(want.keys)):  # the same ops; jobs of 2 prompts may pick other GEMM kernels, so
+            for i in range(4):                # bf16 results differ by an ulp or two, never by their own size
                 n = int(want.lens[i])
-                torch.testing.assert_close(got.keys[layer][i, :, :n], want.keys[layer][i, :, :n], rtol=2e-2,
-                                           atol=2e-2)
+                g, w = got.keys[layer][i, :, :n].float(), want.keys[layer][i, :, :n].float()
+                d = (g - w).abs()
+                assert d.mean() <= 1e-2 * w.abs().mean() and d.max() <= 2 ** -5 * w.abs().max(), \
+                    (layer, i, d.mean().item(), d.max().item(), w.abs().mean().item(), w.abs().max().item())
     finally:
         del rows
         engine.release_prefix_states()
