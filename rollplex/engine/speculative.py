@@ -198,11 +198,9 @@ class Speculator:
                 continue
             done.add(req.request_id)
             self._open(req)
-            for sib in req.seqs:
-                new = self.drafter.extend(req.request_id, sib.sample_index, sib.token_ids, sib.num_prompt_tokens)
-                if new and time.perf_counter() > deadline:
-                    self._cursor = first + j + 1  # the next call starts at the next request
-                    return
+            if not self._index(req, deadline):
+                self._cursor = first + j + 1  # the next call starts at the next request
+                return
 
     def _open(self, req: Request) -> bool:
         """Open the request's group unless it is open; whether it was opened now."""
@@ -211,9 +209,14 @@ class Speculator:
         self.drafter.open(req.request_id, req.inputs.input_ids, self._key(req))
         return True
 
-    def _index(self, req: Request) -> None:
+    def _index(self, req: Request, deadline: float | None = None) -> bool:
+        """Count the request's samples' new tokens; False where `deadline` (perf_counter s) passed after a
+        sample that had new tokens (a caught-up sample costs nothing, so a tiny budget still moves on)."""
         for sib in req.seqs:
-            self.drafter.extend(req.request_id, sib.sample_index, sib.token_ids, sib.num_prompt_tokens)
+            new = self.drafter.extend(req.request_id, sib.sample_index, sib.token_ids, sib.num_prompt_tokens)
+            if new and deadline is not None and time.perf_counter() > deadline:
+                return False
+        return True
 
     def finish(self, req: Request) -> None:
         """A request left the engine finished: its responses go to the prompt cache (when on)."""
