@@ -219,7 +219,11 @@ def test_rl_step_on_sglang_hands_the_policy_over_each_step(setup):
         prompts, params, rewards=rewards)
     native = m["training/rollout_probs_diff_mean"]
     print(f"rollout_probs_diff_mean: SGLang {[round(d, 4) for d in diffs]}, native engine {native:.4f}", flush=True)
-    assert all(d <= 1.5 * native + 0.005 for d in diffs), (diffs, native)
+    # the first step's rollout had the policy copied in fresh: its mismatch is SGLang's own rounding, up to ~2x
+    # the native engine's (its kernels; the hand-over test measures the same). A later step sampled from a
+    # policy one update stale would add that update's change to the mismatch.
+    assert diffs[0] <= 2 * native + 0.01, (diffs, native)
+    assert all(d <= 1.5 * diffs[0] + 0.005 for d in diffs[1:]), (diffs, native)
     model.requires_grad_(False)
 
 
