@@ -252,8 +252,9 @@ def main(argv=None) -> None:
     vocab = model.cfg.text.vocab_size
     n_tail = tail_tokens(outs, lengths, limit)
     env = env_info()
-    rows = [{**_tail_row(name, "off", total_s, tail_s, n_tail, steps), "speedup": 1.0, "mean_accepted": 0.0,
-             "acceptance": 0.0, **dict(zip(("same_samples", "_", "kept"), agreement(outs, reference, prompts)))}]
+    rows = [{**_tail_row(name, "off", total_s, tail_s, n_tail, steps), "speedup": 1.0, "verifications": 0,
+             "mean_accepted": 0.0, "acceptance": 0.0,
+             **dict(zip(("same_samples", "_", "kept"), agreement(outs, reference, prompts)))}]
     eng.spec = spec
     spec.drafts = ReplayDrafts(reference, max(accepts), a.k, vocab)
     run(eng, prompts, params, limit)  # warm-up of the verify path
@@ -269,8 +270,8 @@ def main(argv=None) -> None:
                                  f"(replayed acceptance {acc}{', forced' if forced else ''})")
             label = f"{'forced' if forced else 'replay'} a={acc}"
             rows.append({**_tail_row(name, label, total_s, tail_s, n_tail, steps),
-                         "speedup": rows[0]["tail_s"] / tail_s, "mean_accepted": d.mean_accepted,
-                         "acceptance": d.acceptance_rate,
+                         "speedup": rows[0]["tail_s"] / tail_s, "verifications": d.steps,
+                         "mean_accepted": d.mean_accepted, "acceptance": d.acceptance_rate,
                          "same_samples": same, "kept": kept,
                          "policy_agreed": (spec.rule.agreed / max(spec.rule.forced_total, 1)) if forced else None})
     spec.rule = exact
@@ -288,12 +289,12 @@ def main(argv=None) -> None:
           f"{', adaptive back-off' if a.adaptive else ''}, {env.get('gpu', a.device)}")
     # step ms: the tail's seconds per step (a decode or a verification); where every step verifies (forced, no
     # back-off), its ratio to speculation off's row is what a verification costs in decode steps
-    print("| drafts | rollout s | tail s | tail tok/s | tail speed-up | tail steps | step ms | vs off | "
-          "mean accepted | acceptance | same | tokens before parting | agreed |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| drafts | rollout s | tail s | tail tok/s | tail speed-up | tail steps | verifications | step ms | "
+          "vs off | mean accepted | acceptance | same | tokens before parting | agreed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['drafts']} | {r['rollout_s']:.2f} | {r['tail_s']:.3f} | {r['tail_tok_s']:.0f} | "
-              f"{r['speedup']:.2f}x | {r['tail_steps']} | {r['step_ms']:.2f} | "
+              f"{r['speedup']:.2f}x | {r['tail_steps']} | {r['verifications']} | {r['step_ms']:.2f} | "
               f"{r['step_ms'] / rows[0]['step_ms']:.2f}x | {r['mean_accepted']:.2f} | {r['acceptance']:.2f} | "
               f"{r['same_samples']}/{total} | {r['kept']:.0%} | "
               f"{'' if r.get('policy_agreed') is None else format(r['policy_agreed'], '.0%')} |")
