@@ -97,8 +97,8 @@ HELP = {
                               "plan needs it to fit the device)",
     "vision_gradient_checkpointing": "the same for the vision blocks (default: on when the memory plan turns "
                                      "checkpointing on)",
-    "device_capacity_gib": "device memory the memory plan fits the step into (default: the GPU's total memory; "
-                           "unchecked on CPU)",
+    "device_capacity_gib": "device memory the memory plan fits the step into (default: the GPU's total memory "
+                           "less what an SGLang rollout backend took at its start; unchecked on CPU)",
     "decode_split_k": "S_o S_down K slices of the graphed decode's o/down projections; default: timed per bucket",
     "tuning_cache_dir": "keeps the decode-kernel tuning between starts; auto: $ROLLPLEX_CACHE_DIR/tuning or "
                         "~/.cache/rollplex/tuning; '' turns it off",

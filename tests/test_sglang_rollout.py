@@ -248,6 +248,29 @@ def test_phases_follow_the_memory_plan_and_report_transitions(fake_sglang, tiny_
         rl.backend.close()
 
 
+def test_the_step_plans_into_what_sglang_left_of_the_device(fake_sglang, tiny_dir, proc, monkeypatch):
+    """SGLang's processes take their share of the device when they start (measured as the device's free memory
+    before and after); the step's memory plan fits into the rest, unless the operator gave the capacity."""
+    from engine_patches.sglang import plugin as sgl_plugin
+
+    free = iter([40 << 30, 30 << 30])  # SGLang took 10 GiB
+    monkeypatch.setattr(sgl_plugin, "_device_free", lambda: next(free))
+    mm = MemoryManager(PhasePlan.releases_only(), backend="accounting", capacity=64 << 30)
+    rl = _sglang(tiny_dir, proc, memory=mm, memory_cfg=MemoryConfig(memory_plan="auto"))
+    try:
+        assert rl.backend.device_bytes == 10 << 30
+        assert rl.memory_fit.capacity == 54 << 30
+    finally:
+        rl.backend.close()
+    free = iter([40 << 30, 30 << 30])
+    mm = MemoryManager(PhasePlan.releases_only(), backend="accounting", capacity=64 << 30)
+    rl = _sglang(tiny_dir, proc, memory=mm, memory_cfg=MemoryConfig(memory_plan="auto", device_capacity_gib=20))
+    try:
+        assert rl.memory_fit.capacity == 20 << 30  # given: kept as is
+    finally:
+        rl.backend.close()
+
+
 def test_checkpoint_load_copies_the_policy_in(fake_sglang, tiny_dir, proc, tmp_path):
     from rollplex.rl.run_state import load_checkpoint, save_checkpoint
 

@@ -33,7 +33,8 @@ reporting fails, the prompts still decoding are cancelled and the error is raise
 
 SGLang keeps no vision encodings for the trainer, so `keep_vision` has no effect here: a frozen vision
 tower runs in scoring as without it. Its KV cache lives in SGLang's memory pool, outside the step's
-memory manager (`kv_cache_bytes()` is 0).
+memory manager (`kv_cache_bytes()` is 0); `device_bytes` is what SGLang's processes took of the device when
+they started (plugin.rollout measures it), which the step's memory plan leaves to them.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from .outputs import generate_kwargs, request_outputs, sample_seeds
 class SGLangRollout:
     name = "sglang"
     reports_groups = True
+    device_bytes = 0  # set by plugin.rollout: the device memory SGLang took at its start
 
     def __init__(self, engine, processor=None, release_weights: bool = True, weights_cpu_backup: bool = False,
                  bucket_bytes: int = 512 << 20, seed: int = 0, version: str | None = None, memory_saver: bool = True):

@@ -96,15 +96,28 @@ def rollout(cfg, model_path: str, processor=None, dtype: str = "bfloat16", seed:
         engine_cls = functools.partial(RemoteEngine, pythonpath=cfg.sglang_pythonpath)
     else:
         engine_cls = engine_class()
+    free0 = _device_free()
     engine = engine_cls(hook_spec=hook_spec, model_path=str(model_path), dtype=dtype,
                         mem_fraction_static=cfg.sglang_mem_fraction_static,
                         enable_memory_saver=cfg.sglang_memory_saver,
                         enable_weights_cpu_backup=cfg.sglang_weights_cpu_backup, random_seed=seed,
                         **cfg.extra_sglang_args())
-    return SGLangRollout(engine, processor, release_weights=cfg.sglang_release_weights,
-                         weights_cpu_backup=cfg.sglang_weights_cpu_backup,
-                         bucket_bytes=cfg.sglang_weight_bucket_mb << 20, seed=seed,
-                         version=engine.version if remote else version, memory_saver=cfg.sglang_memory_saver)
+    backend = SGLangRollout(engine, processor, release_weights=cfg.sglang_release_weights,
+                            weights_cpu_backup=cfg.sglang_weights_cpu_backup,
+                            bucket_bytes=cfg.sglang_weight_bucket_mb << 20, seed=seed,
+                            version=engine.version if remote else version, memory_saver=cfg.sglang_memory_saver)
+    # what SGLang's processes took (weights, KV pool, CUDA context; its mem_fraction_static is a share of
+    # the device less what others already hold), measured: the step's memory plan fits into the rest. Its
+    # releases outside the rollout are not counted back.
+    backend.device_bytes = max(0, free0 - _device_free()) if free0 is not None else 0
+    return backend
+
+
+def _device_free() -> int | None:
+    """Free bytes of the current CUDA device, all processes counted (None without CUDA)."""
+    import torch
+
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
 
 
 def cosched_hook(ref_path: str, dtype: str = "bfloat16", config: dict | None = None):

@@ -489,6 +489,10 @@ def main(argv=None) -> None:
     rl_kw = {f.name: getattr(scfg.rl, f.name) for f in fields(RLConfig) if f.init and f.name not in PER_ROW}
     init, ref = initial_weights(system), reference(system)
     sgl = step_sglang.start(args, cfg, model, mm, asdict(scfg.cosched))
+    if sgl is not None and sgl.device_bytes and "memory.device_capacity_gib" not in given:
+        # SGLang's processes hold their share through every row, native ones too: each row's plan fits the rest
+        left = (torch.cuda.mem_get_info()[1] - sgl.device_bytes) / 2**30
+        system.config = replace(system.config, memory=replace(system.config.memory, device_capacity_gib=left))
     summary, fused_rows, sgl_rows, traced = [], [], [], False
     for wl in loads:
         label, frames, n_prompts = wl.label, wl.frames, wl.prompts

@@ -78,7 +78,8 @@ def start(args, cfg, model, memory, cosched_config: dict | None):
     sgl = rollout_backend(bcfg, str(out), None, "bfloat16", seed=0, hook_spec=hook)
     sgl.attach(model, memory)
     print(json.dumps({"bench": "step_sglang_setup", "sglang_version": sgl.version, "start_s":
-                      round(time.perf_counter() - t0, 1), "model_dir": str(out), "cosched_hook": hook is not None,
+                      round(time.perf_counter() - t0, 1), "device_gib": round(sgl.device_bytes / 2**30, 2),
+                      "model_dir": str(out), "cosched_hook": hook is not None,
                       "args": extra}), flush=True)
     return sgl
 

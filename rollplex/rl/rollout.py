@@ -17,6 +17,8 @@
     update_weights()                         the policy changed outside an update phase (a checkpoint
                                              load): copy it in
     kv_cache_bytes()                         bytes of KV cache the step's memory manager holds for it
+    device_bytes                             device memory the backend holds outside the step's memory
+                                             manager (SGLang's processes); the step's plan fits into the rest
     share(num_prompts)                       (the native engine's) the prompts whose prefill it runs, whose
                                              prefixes the co-scheduler computes beside its decode (None: all)
     close()
@@ -57,6 +59,8 @@ class RolloutBackend(Protocol):
 
     def kv_cache_bytes(self) -> int: ...
 
+    device_bytes: int
+
     def close(self) -> None: ...
 
 
@@ -65,6 +69,7 @@ class NativeRollout:
 
     name = "native"
     reports_groups = True
+    device_bytes = 0  # its KV cache is a region of the step's memory manager
 
     def __init__(self, engine):
         self.engine = engine

@@ -69,6 +69,8 @@ def fit_step(runtime, backend, cfg: RLConfig, memory, memory_cfg: MemoryConfig, 
     footprint = Footprint(weights, ref_bytes(ref), backend.kv_cache_bytes() if backend is not None else 0, n,
                           param_bytes, **critic_footprint(value_model))
     capacity = device_capacity(model.inv_freq.device, memory.backend, memory_cfg.device_capacity_gib)
+    if capacity is not None and backend is not None and memory_cfg.device_capacity_gib is None:
+        capacity -= backend.device_bytes  # held by the backend's own processes (SGLang's): not the step's
     cfg = replace(cfg, gradient_checkpointing=decoder, vision_gradient_checkpointing=vision)
     # a region's pool keeps the bytes an earlier owner mapped (a trainer dropped for a smaller one)
     mapped = {t: memory.region_bytes(t) for t in TAGS}
