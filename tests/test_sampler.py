@@ -45,3 +45,33 @@ def test_greedy_rows_and_batch_independence():
     u = uniform_noise(torch.tensor([5, 5, 6]), torch.tensor([0, 1, 0]), token_keys(1000, "cpu"))
     assert (u > 0).all() and (u < 1).all() and not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
     assert abs(u.mean().item() - 0.5) < 0.02
+
+
+def test_a_compiled_call_runs_while_another_thread_traces_a_graph():
+    """The fused schedule compiles training graphs on a worker thread while the engine calls its compiled
+    sampler on another; torch.fx's tracing flag is process-wide, so without the setting in compile_fn
+    the decode thread's call raised "using FX to symbolically trace a dynamo-optimized function"."""
+    import threading
+
+    from rollplex.models.layers import compile_fn
+
+    f = compile_fn(lambda x: x * 2 + 1, backend="eager")
+    x = torch.arange(3.0)
+    assert torch.equal(f(x), x * 2 + 1)
+    inside, release = threading.Event(), threading.Event()
+
+    class Slow(torch.nn.Module):
+        def forward(self, y):
+            inside.set()
+            release.wait(30)
+            return y + 1
+
+    tracer = threading.Thread(target=torch.fx.symbolic_trace, args=(Slow(),))
+    tracer.start()
+    assert inside.wait(30)
+    try:
+        out = f(x)
+    finally:
+        release.set()
+        tracer.join()
+    assert torch.equal(out, x * 2 + 1)

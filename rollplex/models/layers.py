@@ -63,6 +63,16 @@ def compile_fn(fn, **kwargs):
     import torch._dynamo.config as dcfg
 
     dcfg.recompile_limit = max(dcfg.recompile_limit, RECOMPILE_LIMIT)
+    # The fused schedule trains (and may compile a new shape) on a worker thread while the engine
+    # decodes on the caller's. torch.fx marks symbolic tracing with one process-wide flag, so while the
+    # worker's compile traces its graph, a compiled call on the decode thread reads as a compiled
+    # function traced by FX and raises. Nothing here FX-traces a compiled function, so such calls run
+    # their compiled code as at any other time (torch without that setting runs them eagerly: the
+    # same ops, rounded as eager rounds them).
+    if hasattr(dcfg, "force_compile_during_fx_trace"):
+        dcfg.force_compile_during_fx_trace = True
+    else:
+        dcfg.error_on_nested_fx_trace = False
     return torch.compile(fn, **kwargs)
 
 
