@@ -250,13 +250,23 @@ def test_hooked_scheduler_times_decode_and_admits_prefix_work(setup):
         ref = load_model(out, "cuda", torch.bfloat16).eval()  # the hook's reference: the saved initial policy
         with torch.no_grad():
             want = ref.prefix(prompts)
-        for layer in range(len(want.keys)):  # the same ops; jobs of 2 prompts may pick other GEMM kernels, so
-            for i in range(4):                # bf16 results differ by an ulp or two, never by their own size
+            halves = [ref.prefix(prompts[:2]), ref.prefix(prompts[2:])]  # the hook's jobs hold 2 prompts
+        # The same ops in other batch shapes pick other GEMM kernels, and bf16's ulp-sized differences
+        # grow layer by layer; the bar is what two references of the same weights differ by, batched 4
+        # and 2 + 2, plus one ulp. A prefix of another prompt or position differs by its own size.
+        for layer in range(len(want.keys)):
+            got_d, ref_d, scale = [], [], []
+            for i in range(4):
                 n = int(want.lens[i])
                 g, w = got.keys[layer][i, :, :n].float(), want.keys[layer][i, :, :n].float()
-                d = (g - w).abs()
-                assert d.mean() <= 1e-2 * w.abs().mean() and d.max() <= 2 ** -5 * w.abs().max(), \
-                    (layer, i, d.mean().item(), d.max().item(), w.abs().mean().item(), w.abs().max().item())
+                h = halves[i // 2].keys[layer][i % 2, :, :n].float()
+                got_d.append(torch.minimum((g - w).abs(), (g - h).abs()).mean())
+                ref_d.append((w - h).abs().mean())
+                scale.append(w.abs().mean())
+            got_d, ref_d, scale = (torch.stack(v).max().item() for v in (got_d, ref_d, scale))
+            print(f"layer {layer}: hook's prefix keys off by {got_d:.2e}, references by {ref_d:.2e}, "
+                  f"mean |k| {scale:.3f}", flush=True)
+            assert got_d <= 2 * ref_d + 2 ** -8 * scale, (layer, got_d, ref_d, scale)
     finally:
         del rows
         engine.release_prefix_states()
