@@ -23,6 +23,7 @@ are released outside the rollout, as the backend does in training; without it th
 
 from __future__ import annotations
 
+import argparse
 import json
 import tempfile
 import time
@@ -44,7 +45,9 @@ def add_args(ap) -> None:
     ap.add_argument("--sglang-attention-backend", default="triton", help="SGLang's text attention (its vision "
                     "tower: triton_attn, unless --sglang-args sets mm_attention_backend)")
     ap.add_argument("--sglang-mem-fraction", type=float, default=0.25)
-    ap.add_argument("--sglang-cuda-graph", action="store_true", help="SGLang's CUDA graphs (a slower start)")
+    ap.add_argument("--sglang-cuda-graph", action=argparse.BooleanOptionalAction, default=True,
+                    help="SGLang's CUDA graphs for its decode steps (SGLang's default; --no-sglang-cuda-graph "
+                    "starts faster and decodes slower)")
     ap.add_argument("--sglang-memory-saver", action="store_true",
                     help="release SGLang's KV cache and weights outside the rollout (torch-memory-saver)")
     ap.add_argument("--sglang-cosched", action="store_true",
