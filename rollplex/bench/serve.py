@@ -61,10 +61,11 @@ def main(argv=None) -> None:
 
     url = f"http://127.0.0.1:{args.port}"
     cmd = server_command(args.model, args.port, plan_args(args.server_args, args.max_new_tokens))
+    t0 = time.perf_counter()
     proc = start_server(cmd, args.log)
     rows = []
     try:
-        ready_s = wait_ready(proc, url, args.ready_timeout)
+        ready_s = wait_ready(proc, url, args.ready_timeout, since=t0)
         print(json.dumps({"ready_s": round(ready_s, 1), "cmd": " ".join(cmd)}), flush=True)
         rng = random.Random(0)
         lo, hi = (int(x) for x in args.token_range.split(","))
