@@ -65,7 +65,7 @@ def main(argv=None) -> None:
     proc = start_server(cmd, args.log)
     rows = []
     try:
-        ready_s = wait_ready(proc, url, args.ready_timeout, since=t0)
+        ready_s = wait_ready(proc, url, args.ready_timeout, t0)
         print(json.dumps({"ready_s": round(ready_s, 1), "cmd": " ".join(cmd)}), flush=True)
         rng = random.Random(0)
         lo, hi = (int(x) for x in args.token_range.split(","))

@@ -371,7 +371,7 @@ def _start(cmd, url, env, log, append, timeout, rows, label, cache_dir: Path):
     files = sum(1 for _ in cache_dir.glob("*.json")) if cache_dir.is_dir() else 0
     t0 = time.perf_counter()
     proc = start_server(cmd, log, env, append=append)
-    ready_s = wait_ready(proc, url, timeout, since=t0)
+    ready_s = wait_ready(proc, url, timeout, t0)
     phases = _health(url).get("startup_s", {})
     # uvicorn's defaults take httptools and uvloop where installed (per request: C parsing instead of h11's)
     have = {m: importlib.util.find_spec(m) is not None for m in ("httptools", "uvloop")}

@@ -26,19 +26,17 @@ def start_server(cmd: list[str], log: str | None = None, env: dict | None = None
                             env=dict(os.environ) if env is None else env)
 
 
-def wait_ready(proc: subprocess.Popen, url: str, timeout: float, poll: float = 0.1,
-               since: float | None = None) -> float:
-    """Seconds until /health answers 200, counted from `since` (a `time.perf_counter()` taken before the
-    server was started: the process may run a while before Popen returns to us), else from now."""
+def wait_ready(proc: subprocess.Popen, url: str, timeout: float, since: float, poll: float = 0.1) -> float:
+    """Seconds until /health answers 200, counted from `since`: a `time.perf_counter()` taken before the
+    server was started (the process may run a while before Popen returns to us)."""
     import httpx
 
-    t0 = time.perf_counter() if since is None else since
-    while time.perf_counter() - t0 < timeout:
+    while time.perf_counter() - since < timeout:
         if proc.poll() is not None:
             raise SystemExit(f"the server exited with code {proc.returncode} before it was ready")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return time.perf_counter() - t0
+                return time.perf_counter() - since
         except httpx.HTTPError:
             pass
         time.sleep(poll)
