@@ -103,6 +103,7 @@ class Engine:
         self._last_step_ms: float | None = None
         self._last_period_ms: float | None = None
         self._last_end: tuple[int, object] | None = None  # (step, end event) of the last resolved step
+        self._last_forward: tuple[int, float] | None = None  # (step, device ms of its forward alone)
         self._idle_ms = 0.0  # how long the host waited for the last decode step (work done ahead uses a share)
         self._inflight: _Inflight | None = None  # a launched decode step whose tokens are not applied yet
         self._failed: dict[str, Exception] = {}  # requests dropped in this step, by id (see `_drop`)
@@ -385,14 +386,16 @@ class Engine:
         info = None
         if self.hooks:
             info = DecodeStepInfo(self.decode_steps, len(seqs), self._last_step_ms,
-                                  len(self.scheduler.waiting), self.stream, self._last_period_ms)
+                                  len(self.scheduler.waiting), self.stream, self._last_period_ms, self._last_forward)
             for h in self.hooks:
                 h.on_decode_step(info)
         t0 = time.perf_counter()
-        start = end = None
+        start = end = forward = None
         if self.stream is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            if self.hooks:  # the forward's own device time, for hooks that tell device from host delays
+                forward = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         # sampling parameters go up through fresh pinned buffers (as do the step's inputs in the runner):
         # a copy from pageable memory may make the host wait for the step still in flight
         seqs, st = self._sampling_tensors(seqs, self.model.cfg.text.vocab_size, self.runner.device)
@@ -413,6 +416,7 @@ class Engine:
             prev_tokens=None if prev is None else prev.tokens,
             src=src,
             table_keys=[(s.seq_id, s.num_preemptions) for s in seqs],  # a re-prefilled sequence has a new table
+            timing=forward,
         )
         tokens, logprobs = self.decode_sampler(logits, st)
         host = None
@@ -429,7 +433,7 @@ class Engine:
             if hasattr(h, "after_decode_launch"):
                 h.after_decode_launch(info)
         self.decode_steps += 1
-        return _Inflight(seqs, tokens, logprobs, host, start, end, t0, self.decode_steps - 1)
+        return _Inflight(seqs, tokens, logprobs, host, start, end, t0, self.decode_steps - 1, forward)
 
     def _speculate(self, seqs: list[Sequence]) -> list[Sequence]:
         """One verification step in place of a decode step (speculative.py): draft, score every
@@ -511,6 +515,8 @@ class Engine:
             prev, self._last_end = self._last_end, (inf.step, inf.end)
             # end-to-end time from the previous step: also counts gaps where the device waited for the host
             self._last_period_ms = prev[1].elapsed_time(inf.end) if prev and prev[0] == inf.step - 1 else None
+            if inf.forward is not None:
+                self._last_forward = (inf.step, inf.forward[0].elapsed_time(inf.forward[1]))
             tokens, logprobs = inf.host[0].tolist(), inf.host[1].tolist()
         else:
             tokens, logprobs = inf.tokens.tolist(), inf.logprobs.tolist()
@@ -638,3 +644,4 @@ class _Inflight:
     end: torch.cuda.Event | None
     t0: float
     step: int
+    forward: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # around the forward alone (hooks on)

@@ -80,6 +80,16 @@ def check_tensor_parallel(model: Qwen25VL, tp: TensorParallelPlan | None) -> Non
                          f"tower {'split' if vision else 'whole'} (apply_tensor_parallel(vision=...))")
 
 
+@contextlib.contextmanager
+def _timed(events: tuple | None):
+    """Record events[0] before the body's device work and events[1] after it (None: nothing)."""
+    if events is not None:
+        events[0].record()
+    yield
+    if events is not None:
+        events[1].record()
+
+
 def graph_buckets(max_bs: int) -> list[int]:
     small = [b for b in (1, 2, 4, 8) if b < max_bs]
     return small + list(range(16, max_bs, 16)) + [max_bs]
@@ -249,12 +259,12 @@ class ModelRunner:
     @torch.no_grad()
     def decode(self, ids: list[int], positions: list[int], tables: list[list[int]], seq_lens: list[int],
                slots: list[int], prev_tokens: torch.Tensor | None = None, src: list[int] | None = None,
-               table_keys: list | None = None) -> torch.Tensor:
+               table_keys: list | None = None, timing: tuple | None = None) -> torch.Tensor:
         """One token per sequence -> logits [B, V] (weights' dtype; this rank's [B, V/tp] when
         `vocab_parallel`). With prev_tokens (a step still in flight, on
         the device) and src, row i's input token is prev_tokens[src[i]] where src[i] >= 0.
         table_keys (a stable id per sequence) lets the block table be updated row by row instead
-        of rebuilt from lists every step."""
+        of rebuilt from lists every step. timing: two CUDA events recorded around the forward alone."""
         B = len(ids)
         bucket = next((b for b in sorted(self.graphs) if b >= B), B)
         pad = bucket - B  # padded rows: token 0 at position 0, attending to (and writing) scratch slot 0
@@ -270,13 +280,16 @@ class ModelRunner:
             meta = to_device(meta, self.device)
             self._patch_ids(meta[0, :B], prev_tokens, src)
             sk = self.cfg.decode_split_k
-            return self._decode_forward(meta, to_device(bt, self.device), gemms=sk and SkinnyGemms(*sk))
+            bt = to_device(bt, self.device)
+            with _timed(timing):
+                return self._decode_forward(meta, bt, gemms=sk and SkinnyGemms(*sk))
         graph, out = self.graphs[bucket]
         self.static_meta[:, :bucket].copy_(to_device(meta, self.device))
         self._patch_ids(self.static_meta[0, :B], prev_tokens, src)
         # only the columns this batch uses: entries past a sequence's last block are never read
         self.static_bt[:bucket, :width].copy_(to_device(bt, self.device))
-        graph.replay()
+        with _timed(timing):
+            graph.replay()
         return out[:B]
 
     # ---- speculative verification -----------------------------------------------------------------

@@ -13,6 +13,10 @@ one after the rollout, `finish` at the rollout's end, `settle` once the step is 
 Baselines are per step (contexts restart with each rollout) and per bucket; a bucket with no clean
 step yet borrows the nearest measured one (decode time rises with the batch, so a larger bucket's
 baseline makes the added time an underestimate: the gate errs toward fusing, as before it existed).
+The same accounting runs on the decode forward's own device time where the engine reports it
+(`DecodeStepInfo.last_forward`, a GPU measure): its added time counts what kernels sharing the device
+cost the forward; what the period added beyond it was spent outside the forward (the sampling kernels,
+or the decode loop's host work waiting, e.g. on the worker thread's launches).
 More in docs/ARCHITECTURE.md ("The step as a pipeline of groups": admission).
 """
 
@@ -59,7 +63,10 @@ class FuseGate:
     # ---- one step ---------------------------------------------------------------------------------
     def begin(self) -> None:
         self._baseline: dict[int, float] = {}
-        self._open: tuple[float, _Chunk | None, int] | None = None  # (launch time, chunk in flight, batch)
+        self._open: tuple[float, _Chunk | None, int, int] | None = None  # (launch time, chunk, batch, step)
+        self._forward_base: dict[int, float] = {}  # the forward's device ms, per bucket, in clean steps
+        self._closed: dict[int, tuple[int, bool]] = {}  # step -> (bucket, beside a chunk) until its forward is in
+        self.forward_added_ms = 0.0
         self._chunks: list[_Chunk] = []
         self._current: _Chunk | None = None
         self._admitted_held: set[int] = set()
@@ -73,8 +80,11 @@ class FuseGate:
         baseline; beside a chunk (in flight at its launch, or started during it: a chunk started after
         the last launch delays the rollout's end), `period - baseline` is decode time the chunk added."""
         self._close(now)
-        self._open = (now, self._current, info.batch_size)
+        self._open = (now, self._current, info.batch_size, info.step)
         self.batch = info.batch_size
+        forward = getattr(info, "last_forward", None)
+        if forward is not None and forward[0] in self._closed:
+            self._forward(*self._closed.pop(forward[0]), forward[1])
 
     def finish(self, now: float) -> None:
         """The rollout ended: the last period closes."""
@@ -84,26 +94,33 @@ class FuseGate:
     def _close(self, now: float) -> None:
         if self._open is None:
             return
-        t0, chunk, batch = self._open
+        t0, chunk, batch, step = self._open
         ms, b = (now - t0) * 1e3, bucket_of(batch)
+        self._closed[step] = (b, chunk is not None)
         if chunk is None:
-            old = self._baseline.get(b)
-            # a faster clean period replaces the baseline at once (hiccups only slow steps); slower ones drift it up
-            self._baseline[b] = ms if old is None or ms < old else old + self.baseline_ema * (ms - old)
+            self._clean(self._baseline, b, ms)
             self.clean_ms += ms
             return
-        base = self._baseline_for(b)
+        base = _nearest(self._baseline, b)
         if base is not None:
             extra = max(ms - base, 0.0)
             chunk.added_ms += extra
             self.added_ms += extra
 
-    def _baseline_for(self, b: int) -> float | None:
-        if b in self._baseline:
-            return self._baseline[b]
-        if not self._baseline:
-            return None
-        return self._baseline[min(self._baseline, key=lambda k: (abs(BUCKETS.index(k) - BUCKETS.index(b)), -k))]
+    def _forward(self, b: int, beside: bool, ms: float) -> None:
+        """A closed step's forward device time: a clean one moves the bucket's baseline, one beside a chunk
+        adds what it exceeds it by."""
+        if not beside:
+            self._clean(self._forward_base, b, ms)
+            return
+        base = _nearest(self._forward_base, b)
+        if base is not None:
+            self.forward_added_ms += max(ms - base, 0.0)
+
+    def _clean(self, baselines: dict[int, float], b: int, ms: float) -> None:
+        old = baselines.get(b)
+        # a faster clean time replaces the baseline at once (hiccups only slow steps); slower ones drift it up
+        baselines[b] = ms if old is None or ms < old else old + self.baseline_ema * (ms - old)
 
     def admit(self) -> bool:
         """Whether a chunk may start now: `policy="always"`, or `"pays"` where the current bucket's measured
@@ -127,7 +144,7 @@ class FuseGate:
         self._current = _Chunk(b, tokens)
         self._chunks.append(self._current)
         if self._open is not None and self._open[1] is None:  # the open period runs beside it from here on
-            self._open = (self._open[0], self._current, self._open[2])
+            self._open = (self._open[0], self._current, *self._open[2:])
 
     def end(self) -> None:
         """The chunk beside decode ended."""
@@ -175,6 +192,7 @@ class FuseGate:
 
     def metrics(self) -> dict:
         m = {"rollplex/fused_decode_added_s": self.added_ms / 1e3,
+             "rollplex/fused_decode_forward_added_s": self.forward_added_ms / 1e3,
              "rollplex/fused_decode_slowdown": self.added_ms / self.clean_ms if self.clean_ms > 0 else 0.0,
              "rollplex/fused_held_buckets": float(len(self.held()))}
         if self.ms_per_token is not None:
@@ -186,6 +204,15 @@ def gate_settings(cfg) -> tuple[str, tuple[tuple[int, int], ...], int]:
     """A config's (policy, sms_by_batch largest first, default_sms): FuseGate's settings, as it holds them."""
     return (cfg.fuse_admission, tuple(sorted(parse_sms_by_batch(cfg.fuse_sms_by_batch), reverse=True)),
             cfg.fuse_sms)
+
+
+def _nearest(baselines: dict[int, float], b: int) -> float | None:
+    """Bucket b's baseline, else the nearest measured bucket's (the larger on a tie), None if none is."""
+    if b in baselines:
+        return baselines[b]
+    if not baselines:
+        return None
+    return baselines[min(baselines, key=lambda k: (abs(BUCKETS.index(k) - BUCKETS.index(b)), -k))]
 
 
 def bucket_of(batch: int) -> int:

@@ -44,3 +44,27 @@ def test_graphed_engine_matches_reference_decoder(kernel):
             ref = torch.log_softmax(logits[P - 1 : P - 1 + len(s.token_ids)] / 0.9, -1)
             ref = ref.gather(-1, torch.tensor(s.token_ids, device="cuda")[:, None]).squeeze(-1)
             assert (ref.cpu() - torch.tensor(s.logprobs)).abs().max().item() < 1e-4
+
+
+def test_a_hook_hears_each_steps_forward_device_time():
+    """With a hook listening, each decode step's forward (the graph replay alone) is timed on the device and
+    reported once that step completed: an earlier step's index, a time within that step's start..end."""
+    model = _model()
+    eng = Engine(model, None, EngineConfig(max_num_seqs=32, max_model_len=512, kv_cache_tokens=64 * 512,
+                                           cuda_graph_max_bs=32))
+    infos = []
+
+    class Hook:
+        def on_decode_step(self, info):
+            infos.append(info)
+
+    eng.hooks.append(Hook())
+    g = torch.Generator().manual_seed(0)
+    prompts = [make_prompt(g, images=[(1, 4, 6)], text_len=(3, 5)) for _ in range(3)]
+    for p in prompts:
+        p.pixel_values = p.pixel_values.cuda()
+    eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True))
+    timed = [(i.step, i.last_forward, i.last_step_ms) for i in infos if i.last_forward is not None]
+    assert len(timed) >= 20
+    for step, (fwd_step, ms), step_ms in timed:  # both from the same completed step
+        assert fwd_step < step and 0 < ms <= step_ms + 1e-3
