@@ -88,3 +88,15 @@ def test_incremental_host_block_table_equals_a_rebuilt_one(tiny_dir, proc):
         want = torch.tensor([t + [0] * (width - len(t)) for t in tables] + [[0] * width] * (rows - len(live)),
                             dtype=torch.int32)
         assert torch.equal(got[:, :width], want)
+
+
+def test_a_hook_hears_how_long_the_host_took_to_launch_the_last_step(tiny_dir, proc):
+    """With a hook listening, each launch after the first reports the host's time launching the one before
+    (there is no device forward to time on the CPU)."""
+    eng = _engine(tiny_dir, proc, overlap_schedule=True)
+    infos = []
+    eng.hooks.append(type("Hook", (), {"on_decode_step": lambda self, info: infos.append(info)})())
+    eng.generate(_prompts(proc)[:2], SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
+    assert len(infos) >= 5 and infos[0].last_launch_ms is None
+    assert all(i.last_launch_ms is not None and i.last_launch_ms > 0 for i in infos[1:])
+    assert all(i.last_forward is None for i in infos)

@@ -122,14 +122,16 @@ def test_a_chunk_started_after_the_last_launch_is_charged_the_rollouts_end():
     assert gate.added_ms == pytest.approx(395.0) and gate.clean_ms == pytest.approx(15.0)
 
 
-def test_the_forwards_device_time_is_measured_beside_the_period():
+def test_the_forward_and_the_launch_are_measured_beside_the_period():
     """Steps beside a chunk: the period grows 10 ms over its clean 5 ms, the forward's device time 2 ms over
-    its clean 3 ms. Forward times arrive two launches late (overlap scheduling) and are charged by the step
-    they belong to; the last two never arrive (the rollout ended)."""
+    its clean 3 ms, the host's launch 3 ms over its clean 1 ms. Forward times arrive two launches late
+    (overlap scheduling) and are charged by the step they belong to, the last two never (the rollout
+    ended); a launch's time arrives with the next launch."""
     gate = FuseGate("always")
     busy = [False] * 4 + [True] * 4 + [False] * 3
     period = [15.0 if b else 5.0 for b in busy]
     forward = [5.0 if b else 3.0 for b in busy]
+    launch = [4.0 if b else 1.0 for b in busy]
     now, active = 0.0, False
     for k, b in enumerate(busy):
         if b and not active:
@@ -137,13 +139,15 @@ def test_the_forwards_device_time_is_measured_beside_the_period():
         elif active and not b:
             gate.end()
         active = b
-        info = SimpleNamespace(step=k, batch_size=8, last_forward=(k - 2, forward[k - 2]) if k >= 2 else None)
+        info = SimpleNamespace(step=k, batch_size=8, last_forward=(k - 2, forward[k - 2]) if k >= 2 else None,
+                               last_launch_ms=launch[k - 1] if k >= 1 else None)
         gate.on_decode_step(info, now)
         now += period[k] / 1e3
     gate.finish(now)
     m = gate.metrics()
     assert m["rollplex/fused_decode_added_s"] == pytest.approx(0.040)
     assert m["rollplex/fused_decode_forward_added_s"] == pytest.approx(0.008)
+    assert m["rollplex/fused_decode_launch_added_s"] == pytest.approx(0.012)
     # a forward time for a step the gate never closed, or reported twice, is not counted
     gate.on_decode_step(SimpleNamespace(step=99, batch_size=8, last_forward=(7, 50.0)), now)
     gate.on_decode_step(SimpleNamespace(step=100, batch_size=8, last_forward=(42, 50.0)), now)

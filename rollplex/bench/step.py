@@ -344,8 +344,9 @@ def fused_step(system: System, prompts, params, rl_kw: dict, fuse: tuple, cfg, g
          "in_rollout_s": round(m.get("timing_s/fused_in_rollout", 0.0), 3),
          "groups_in_rollout": m.get("rollplex/fused_groups_in_rollout", 0.0),
          "decode_added_s": round(m.get("rollplex/fused_decode_added_s", 0.0), 3),
-         # of which the decode forward's own device time (the rest: off the device, e.g. host launch gaps)
+         # two parts of it: the decode forward's own device time, the host's time launching decode steps
          "decode_forward_added_s": round(m.get("rollplex/fused_decode_forward_added_s", 0.0), 3),
+         "decode_launch_added_s": round(m.get("rollplex/fused_decode_launch_added_s", 0.0), 3),
          "held_buckets": m.get("rollplex/fused_held_buckets", 0.0), "admission": admission,
          "groups": batch.num_prompts, "pg_loss": m["actor/pg_loss"], "kl_loss": m["actor/kl_loss"],
          "grad_norm": m["actor/grad_norm"], **_probs_diff(m),
@@ -564,7 +565,8 @@ def main(argv=None) -> None:
                                    sglang_fused_push_s=rs["weight_push_s"], sglang_fused_on=rs["fused"])
                     frow = {**row, "fuse_sms": fuse[0], "fuse_below": fuse[1], "admission": fuse[3],
                             "decode_added_s": r["decode_added_s"],
-                            "decode_forward_added_s": r["decode_forward_added_s"], "held_buckets": r["held_buckets"],
+                            "decode_forward_added_s": r["decode_forward_added_s"],
+                            "decode_launch_added_s": r["decode_launch_added_s"], "held_buckets": r["held_buckets"],
                             "fused": r["step_s"],
                             "fused_gen_s": r["gen_s"], "fused_tail_s": r["tail_s"],
                             "fused_update_s": r["update_actor_s"],
@@ -640,7 +642,7 @@ def _fused_table(rows: list[dict]) -> None:
     """Fused against phased. Movable: the reference + update work of every chunk but the last (the last
     can only start when the rollout ends); limit: the phased step minus it; share: of it hidden."""
     print("\n| workload | vision | step | serial s | phased s (gen) | fused s (gen / tail / update) | SMs | below | "
-          "admission (held buckets) | in rollout s | decode added s (forward) | movable s | limit s | share | "
+          "admission (held buckets) | in rollout s | decode added s (forward / launch) | movable s | limit s | share | "
           "fused vs phased | vs serial |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)  # noqa: E731
@@ -656,7 +658,7 @@ def _fused_table(rows: list[dict]) -> None:
               f"{fused:.2f} ({r['fused_gen_s']:.2f} / {r['fused_tail_s']:.2f} / {r['fused_update_s']:.2f})"
               f"{'' if r['fused_on'] else ' phased'} | {r['fuse_sms'] or 'all'} | {r['fuse_below']:g} | "
               f"{r['admission']} ({r['held_buckets']:g}) | {r['in_rollout_s']:.2f} | {r['decode_added_s']:.2f} "
-              f"({fmt(r.get('decode_forward_added_s'))}) | "
+              f"({fmt(r.get('decode_forward_added_s'))} / {fmt(r.get('decode_launch_added_s'))}) | "
               f"{fmt(movable)} | {fmt(limit)} | {fmt(share, '{:.0%}')} | "
               f"{fmt(phased / fused - 1 if phased else None, '{:+.1%}')} | {fmt(base / fused if base else None)}x |")
 

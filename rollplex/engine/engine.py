@@ -104,6 +104,7 @@ class Engine:
         self._last_period_ms: float | None = None
         self._last_end: tuple[int, object] | None = None  # (step, end event) of the last resolved step
         self._last_forward: tuple[int, float] | None = None  # (step, device ms of its forward alone)
+        self._last_launch_ms: float | None = None  # host ms the last decode launch took (hooks on)
         self._idle_ms = 0.0  # how long the host waited for the last decode step (work done ahead uses a share)
         self._inflight: _Inflight | None = None  # a launched decode step whose tokens are not applied yet
         self._failed: dict[str, Exception] = {}  # requests dropped in this step, by id (see `_drop`)
@@ -386,7 +387,8 @@ class Engine:
         info = None
         if self.hooks:
             info = DecodeStepInfo(self.decode_steps, len(seqs), self._last_step_ms,
-                                  len(self.scheduler.waiting), self.stream, self._last_period_ms, self._last_forward)
+                                  len(self.scheduler.waiting), self.stream, self._last_period_ms, self._last_forward,
+                                  self._last_launch_ms)
             for h in self.hooks:
                 h.on_decode_step(info)
         t0 = time.perf_counter()
@@ -429,6 +431,8 @@ class Engine:
             end.record()
         for s in seqs:
             s.pending += 1
+        if self.hooks:
+            self._last_launch_ms = (time.perf_counter() - t0) * 1e3
         for h in self.hooks:  # the step is queued: work launched now runs beside it on the device
             if hasattr(h, "after_decode_launch"):
                 h.after_decode_launch(info)

@@ -32,6 +32,9 @@ class DecodeStepInfo:
     # (step, ms): the device time of that completed step's model forward alone (the graph replay: no host
     # work inside, so it grows only when other kernels share the device); timed only while hooks listen
     last_forward: tuple[int, float] | None = None
+    # host ms the previous decode launch took (inputs, graph replay, sampler, copies; no waiting on the
+    # device), measured while hooks listen: it grows when the loop's host work waits, e.g. for the GIL
+    last_launch_ms: float | None = None
 
 
 @runtime_checkable

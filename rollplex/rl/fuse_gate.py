@@ -13,10 +13,10 @@ one after the rollout, `finish` at the rollout's end, `settle` once the step is 
 Baselines are per step (contexts restart with each rollout) and per bucket; a bucket with no clean
 step yet borrows the nearest measured one (decode time rises with the batch, so a larger bucket's
 baseline makes the added time an underestimate: the gate errs toward fusing, as before it existed).
-The same accounting runs on the decode forward's own device time where the engine reports it
-(`DecodeStepInfo.last_forward`, a GPU measure): its added time counts what kernels sharing the device
-cost the forward; what the period added beyond it was spent outside the forward (the sampling kernels,
-or the decode loop's host work waiting, e.g. on the worker thread's launches).
+The same accounting runs on two parts of a period where the engine reports them: the decode forward's
+own device time (`DecodeStepInfo.last_forward`, a GPU measure), which grows when kernels share the
+device, and the host's time launching the step (`last_launch_ms`), which grows when the decode loop's
+host work waits (e.g. for the GIL while the worker thread launches kernels).
 More in docs/ARCHITECTURE.md ("The step as a pipeline of groups": admission).
 """
 
@@ -66,7 +66,8 @@ class FuseGate:
         self._open: tuple[float, _Chunk | None, int, int] | None = None  # (launch time, chunk, batch, step)
         self._forward_base: dict[int, float] = {}  # the forward's device ms, per bucket, in clean steps
         self._closed: dict[int, tuple[int, bool]] = {}  # step -> (bucket, beside a chunk) until its forward is in
-        self.forward_added_ms = 0.0
+        self._launch_base: dict[int, float] = {}  # the host's launch ms, per bucket, in clean periods
+        self.forward_added_ms = self.launch_added_ms = 0.0
         self._chunks: list[_Chunk] = []
         self._current: _Chunk | None = None
         self._admitted_held: set[int] = set()
@@ -79,7 +80,7 @@ class FuseGate:
         launched first: with no chunk in flight during it, it is clean and moves its batch bucket's
         baseline; beside a chunk (in flight at its launch, or started during it: a chunk started after
         the last launch delays the rollout's end), `period - baseline` is decode time the chunk added."""
-        self._close(now)
+        self._close(now, getattr(info, "last_launch_ms", None))
         self._open = (now, self._current, info.batch_size, info.step)
         self.batch = info.batch_size
         forward = getattr(info, "last_forward", None)
@@ -91,7 +92,8 @@ class FuseGate:
         self._close(now)
         self._open = None
 
-    def _close(self, now: float) -> None:
+    def _close(self, now: float, launch_ms: float | None = None) -> None:
+        """The open period ends at `now`; launch_ms: the host's time launching its step (None: unknown)."""
         if self._open is None:
             return
         t0, chunk, batch, step = self._open
@@ -100,12 +102,17 @@ class FuseGate:
         if chunk is None:
             self._clean(self._baseline, b, ms)
             self.clean_ms += ms
+            if launch_ms is not None:
+                self._clean(self._launch_base, b, launch_ms)
             return
         base = _nearest(self._baseline, b)
         if base is not None:
             extra = max(ms - base, 0.0)
             chunk.added_ms += extra
             self.added_ms += extra
+        base = _nearest(self._launch_base, b)
+        if launch_ms is not None and base is not None:
+            self.launch_added_ms += max(launch_ms - base, 0.0)
 
     def _forward(self, b: int, beside: bool, ms: float) -> None:
         """A closed step's forward device time: a clean one moves the bucket's baseline, one beside a chunk
@@ -193,6 +200,7 @@ class FuseGate:
     def metrics(self) -> dict:
         m = {"rollplex/fused_decode_added_s": self.added_ms / 1e3,
              "rollplex/fused_decode_forward_added_s": self.forward_added_ms / 1e3,
+             "rollplex/fused_decode_launch_added_s": self.launch_added_ms / 1e3,
              "rollplex/fused_decode_slowdown": self.added_ms / self.clean_ms if self.clean_ms > 0 else 0.0,
              "rollplex/fused_held_buckets": float(len(self.held()))}
         if self.ms_per_token is not None:
