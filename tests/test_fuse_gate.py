@@ -123,7 +123,7 @@ def test_a_chunk_started_after_the_last_launch_is_charged_the_rollouts_end():
 
 
 def test_the_forward_and_the_launch_are_measured_beside_the_period():
-    """Steps beside a chunk: the period grows 10 ms over its clean 5 ms, the forward's device time 2 ms over
+    """Steps beside a chunk: the period grows 10 ms over its clean 5 ms, the forward's GPU time 2 ms over
     its clean 3 ms, the host's launch 3 ms over its clean 1 ms. Forward times arrive two launches late
     (overlap scheduling) and are charged by the step they belong to, the last two never (the rollout
     ended); a launch's time arrives with the next launch."""

@@ -344,7 +344,7 @@ def fused_step(system: System, prompts, params, rl_kw: dict, fuse: tuple, cfg, g
          "in_rollout_s": round(m.get("timing_s/fused_in_rollout", 0.0), 3),
          "groups_in_rollout": m.get("rollplex/fused_groups_in_rollout", 0.0),
          "decode_added_s": round(m.get("rollplex/fused_decode_added_s", 0.0), 3),
-         # two parts of it: the decode forward's own device time, the host's time launching decode steps
+         # two parts of it: the decode forward's own GPU time, the host's time launching decode steps
          "decode_forward_added_s": round(m.get("rollplex/fused_decode_forward_added_s", 0.0), 3),
          "decode_launch_added_s": round(m.get("rollplex/fused_decode_launch_added_s", 0.0), 3),
          "held_buckets": m.get("rollplex/fused_held_buckets", 0.0), "admission": admission,

@@ -396,7 +396,7 @@ class Engine:
         if self.stream is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            if self.hooks:  # the forward's own device time, for hooks that tell device from host delays
+            if self.hooks:  # the forward's own GPU time, for hooks that tell device from host delays
                 forward = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         # sampling parameters go up through fresh pinned buffers (as do the step's inputs in the runner):
         # a copy from pageable memory may make the host wait for the step still in flight

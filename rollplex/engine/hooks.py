@@ -29,7 +29,7 @@ class DecodeStepInfo:
     # end-to-end time between the ends of the last two completed decode steps when they were consecutive
     # (None otherwise): unlike last_step_ms it includes gaps where the device waited for the host
     last_period_ms: float | None = None
-    # (step, ms): the device time of that completed step's model forward alone (the graph replay: no host
+    # (step, ms): the GPU time of that completed step's model forward alone (the graph replay: no host
     # work inside, so it grows only when other kernels share the device); timed only while hooks listen
     last_forward: tuple[int, float] | None = None
     # host ms the previous decode launch took (inputs, graph replay, sampler, copies; no waiting on the

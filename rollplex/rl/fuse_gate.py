@@ -14,7 +14,7 @@ Baselines are per step (contexts restart with each rollout) and per bucket; a bu
 step yet borrows the nearest measured one (decode time rises with the batch, so a larger bucket's
 baseline makes the added time an underestimate: the gate errs toward fusing, as before it existed).
 The same accounting runs on two parts of a period where the engine reports them: the decode forward's
-own device time (`DecodeStepInfo.last_forward`, a GPU measure), which grows when kernels share the
+own GPU time (`DecodeStepInfo.last_forward`), which grows when kernels share the
 device, and the host's time launching the step (`last_launch_ms`), which grows when the decode loop's
 host work waits (e.g. for the GIL while the worker thread launches kernels).
 More in docs/ARCHITECTURE.md ("The step as a pipeline of groups": admission).
@@ -115,7 +115,7 @@ class FuseGate:
             self.launch_added_ms += max(launch_ms - base, 0.0)
 
     def _forward(self, b: int, beside: bool, ms: float) -> None:
-        """A closed step's forward device time: a clean one moves the bucket's baseline, one beside a chunk
+        """A closed step's forward GPU time: a clean one moves the bucket's baseline, one beside a chunk
         adds what it exceeds it by."""
         if not beside:
             self._clean(self._forward_base, b, ms)

@@ -46,8 +46,8 @@ def test_graphed_engine_matches_reference_decoder(kernel):
             assert (ref.cpu() - torch.tensor(s.logprobs)).abs().max().item() < 1e-4
 
 
-def test_a_hook_hears_each_steps_forward_device_time():
-    """With a hook listening, each decode step's forward (the graph replay alone) is timed on the device and
+def test_a_hook_hears_each_steps_forward_gpu_time():
+    """With a hook listening, each decode step's forward (the graph replay alone) is timed with CUDA events and
     reported once that step completed: an earlier step's index, a time within that step's start..end."""
     model = _model()
     eng = Engine(model, None, EngineConfig(max_num_seqs=32, max_model_len=512, kv_cache_tokens=64 * 512,
