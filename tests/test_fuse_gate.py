@@ -152,3 +152,11 @@ def test_the_forward_and_the_launch_are_measured_beside_the_period():
     gate.on_decode_step(SimpleNamespace(step=99, batch_size=8, last_forward=(7, 50.0)), now)
     gate.on_decode_step(SimpleNamespace(step=100, batch_size=8, last_forward=(42, 50.0)), now)
     assert gate.metrics()["rollplex/fused_decode_forward_added_s"] == pytest.approx(0.008)
+
+
+def test_steps_whose_forward_never_comes_are_not_kept():
+    """On the CPU no forward time is reported: the steps waiting for one stay a handful, however long the rollout."""
+    gate = FuseGate("always")
+    for k in range(1000):
+        gate.on_decode_step(SimpleNamespace(step=k, batch_size=8), k * 0.005)
+    assert len(gate._closed) <= 8

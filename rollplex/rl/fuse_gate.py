@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 POLICIES = ("always", "pays")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # upper edges of decode-batch buckets; larger: the last
+FORWARD_LAG = 8  # steps a forward's time may arrive after its step closed (overlap scheduling: two)
 
 
 @dataclass
@@ -99,6 +100,7 @@ class FuseGate:
         t0, chunk, batch, step = self._open
         ms, b = (now - t0) * 1e3, bucket_of(batch)
         self._closed[step] = (b, chunk is not None)
+        self._closed.pop(step - FORWARD_LAG, None)  # its forward time never came (none on CPU): bounded
         if chunk is None:
             self._clean(self._baseline, b, ms)
             self.clean_ms += ms
