@@ -10,24 +10,32 @@ without checkpointing (held by the tests).
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..models import Qwen25VL
 
 
-def _wrap(obj, name: str) -> None:
-    if name in vars(obj):  # already wrapped
-        return
-    orig = getattr(obj, name)
-
-    def run(*args):
+def _checkpointed(name: str):
+    """`obj.name` as a checkpoint region, as a function of the instance it is bound to. Bound with
+    `types.MethodType`, a deep copy of the instance (a reference or critic copied from the policy) binds
+    the wrapper to the copy: a closure over the original's bound method would run the original's layers,
+    weights and gradients from the copy."""
+    def run(self, *args):
+        orig = getattr(type(self), name).__get__(self)
         if not torch.is_grad_enabled():
             return orig(*args)
         return checkpoint(orig, *args, use_reentrant=False)
 
-    run.__wrapped__ = orig
-    setattr(obj, name, run)
+    return run
+
+
+def _wrap(obj, name: str) -> None:
+    if name in vars(obj):  # already wrapped
+        return
+    setattr(obj, name, types.MethodType(_checkpointed(name), obj))
 
 
 def _unwrap(obj, name: str) -> None:
