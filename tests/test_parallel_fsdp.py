@@ -1,16 +1,19 @@
 """FSDP2 data-parallel actor update on gloo (spawned ranks) equals the single-process `Actor.update`:
 gradients, updated weights, metrics and first-pass logprobs."""
 
+import copy
 import dataclasses
 
 import pytest
 import torch
+from helpers import make_prompt
 from parallel_dp_worker import worker
 from parallel_helpers import rollout_batch, spawn, tiny_cfg, tiny_model
 
 from rollplex.models import ModelInputs
-from rollplex.parallel import FSDPConfig, assign_prompts
+from rollplex.parallel import FSDPConfig, assign_prompts, fsdp
 from rollplex.parallel.data_parallel import dummy_prompt, uses_vision, with_dummy
+from rollplex.rl.activation_checkpointing import route_layers, set_activation_checkpointing
 from rollplex.rl.actor import Actor
 from rollplex.rl.config import RLConfig
 
@@ -97,3 +100,27 @@ def test_prefix_state_path_is_refused():
     check_passes("serial", False)  # serial runs one full-sequence pass either way
     with pytest.raises(ValueError, match="packed"):
         check_passes("rollplex", False)
+
+
+def test_a_copy_of_a_routed_model_runs_its_own_layers():
+    """The routing apply_fsdp installs before sharding (layer and block slots calling the modules) is bound
+    to its instances: a deep copy of the model computes with the copy's layers and blocks, and its switches
+    are its own."""
+    model = tiny_model(tiny_cfg())
+    route_layers(model, fsdp._route_through_modules)
+    set_activation_checkpointing(model, True, False)  # routed again over the checkpointed slot, as the OOM ladder does
+    twin = copy.deepcopy(model)
+    assert twin.model.layer.__self__ is twin.model and twin.visual.block.__self__ is twin.visual
+    plain = tiny_model(tiny_cfg())
+    with torch.no_grad():
+        for p, q in zip(twin.parameters(), plain.parameters()):
+            p.mul_(0.5)
+            q.mul_(0.5)
+    prompt = [make_prompt(torch.Generator().manual_seed(0), images=[(1, 4, 4)])]
+    with torch.no_grad():
+        torch.testing.assert_close(twin(prompt), plain(prompt))  # the copy's weights, not the original's
+    vars(twin)["_fsdp_direct"][0] = True
+    assert vars(twin.model)["_fsdp_direct"][0] and vars(twin.visual)["_fsdp_direct"][0]
+    assert not vars(model.model)["_fsdp_direct"][0]
+    with torch.no_grad():
+        torch.testing.assert_close(twin(prompt), plain(prompt))

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -102,22 +103,32 @@ class FSDPConfig:
 
 def _route_through_modules(model: Qwen25VL) -> None:
     """Give every decoder layer and vision block a `forward` running its math, and make the decoder's
-    `layer` / the tower's `block` slot call those modules."""
+    `layer` / the tower's `block` slot call those modules. Everything is bound to its instance (bound
+    methods, partials of them, flags shared through the instances' own attributes), so a deep copy of
+    the model routes through the copy's modules: a closure would keep calling the original's layers."""
     text, vis = model.model, model.visual
     layer_fn, block_fn = text.layer, vis.block  # bound methods, or checkpointing wrappers
     for i, lyr in enumerate(text.layers):
         lyr.forward = functools.partial(layer_fn, i)
     for blk in vis.blocks:
         blk.forward = functools.partial(block_fn, blk)
-    direct = _direct_flag(model)  # set: the module's own forward, past FSDP2's hooks (`direct_call`)
-    routed = _layer_ops(model)  # the forward ops every layer call runs with (`set_layer_ops`)
+    # set: the module's own forward, past FSDP2's hooks (`direct_call`); the ops every layer call runs
+    # with (`set_layer_ops`). The slots read them from their own instance: one list object each, shared
+    # with the model's, which a deep copy keeps shared among the copies
+    vars(text)["_fsdp_direct"] = vars(vis)["_fsdp_direct"] = _direct_flag(model)
+    vars(text)["_fsdp_layer_ops"] = _layer_ops(model)
+    text.layer = types.MethodType(_routed_layer, text)
+    vis.block = types.MethodType(_routed_block, vis)
 
-    def layer(i, x, delta, cos, sin, attend, ops=None):
-        ops = _merged(ops, routed[0])
-        return (text.layers[i].forward if direct[0] else text.layers[i])(x, delta, cos, sin, attend, ops)
 
-    text.layer = layer
-    vis.block = lambda blk, *args: (blk.forward if direct[0] else blk)(*args)
+def _routed_layer(text, i, x, delta, cos, sin, attend, ops=None):
+    ops = _merged(ops, vars(text)["_fsdp_layer_ops"][0])
+    lyr = text.layers[i]
+    return (lyr.forward if vars(text)["_fsdp_direct"][0] else lyr)(x, delta, cos, sin, attend, ops)
+
+
+def _routed_block(vis, blk, *args):
+    return (blk.forward if vars(vis)["_fsdp_direct"][0] else blk)(*args)
 
 
 def _direct_flag(model: nn.Module) -> list[bool]:
