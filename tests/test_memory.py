@@ -346,3 +346,17 @@ def test_ledger_counts_device_allocations_per_phase_and_step():
     m = led.take_metrics()
     assert m["memory/update/device_mallocs"] == 42.0 and m["memory/rollout/device_mallocs"] == 0.0
     assert led.take_metrics()["memory/update/device_mallocs"] == 0.0
+
+
+def test_ledger_counts_host_buffers_made_per_step():
+    """`memory/host_alloc_s` / `_gib`: host buffers made for offloaded state since the last step's metrics (on
+    a GPU page-locked: the first step's cost of paging, reported apart from the copies)."""
+    from rollplex.memory.ledger import Ledger
+
+    led = Ledger()
+    led.record_host_alloc(1.5, 3 * 2**30)
+    led.record_host_alloc(0.5, 2**30)
+    m = led.take_metrics()
+    assert m["memory/host_alloc_s"] == 2.0 and m["memory/host_alloc_gib"] == 4.0
+    m = led.take_metrics()
+    assert m["memory/host_alloc_s"] == 0.0 and m["memory/host_alloc_gib"] == 0.0

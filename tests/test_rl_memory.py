@@ -118,9 +118,18 @@ def test_a_step_too_large_for_the_device_takes_the_measures_it_needs(tiny_dir, p
     assert rl.memory.plan.fits(rl.memory_sizes(), rl.activation_estimate(), rl.memory_fit.budget)
     assert not plain.cfg.gradient_checkpointing and not plain.actor.optimizer.offload  # no manager: all left off
     plain.step(ROWS)
-    rl.step(ROWS)
+    first = rl.step(ROWS)
     for (n, a), b in zip(_weights(plain).items(), _weights(rl).values()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
+    # the host buffers the step made (pinned on a GPU: the first step's slow part), once: the paged moments
+    # at the first page-out and the offloaded regions' copies at their first pause
+    moments = 2 * 4 * sum(m.numel() for m in rl.actor.optimizer.master)
+    copies = sum(b.numel() * b.element_size() for _, bufs in rl.memory._copies.values() for b in bufs)
+    assert moments > 0 and copies > 0
+    assert first["memory/host_alloc_gib"] * 2**30 == pytest.approx(moments + copies, rel=1e-12)
+    assert first["memory/host_alloc_s"] > 0
+    second = rl.step(ROWS)
+    assert second["memory/host_alloc_gib"] == 0 and second["memory/host_alloc_s"] == 0
 
 
 def test_a_step_that_cannot_fit_fails_when_built(tiny_dir, proc):

@@ -107,9 +107,10 @@ def main(argv=None) -> None:
     finally:
         stop_server(proc)
     # the update phase's peak as the step measured it (memory/update/peak_gib: CUDA's peak in the phase) and the
-    # device segments its allocator requested (a first step's extra time beyond compiling may be these)
+    # device segments its allocator requested and the host buffers it pinned for offloads (a first step's extra
+    # time beyond compiling may be these)
     print(f"\n{'round':>5} {'rollout':>8} {'tok/s':>8} {'train':>6} {'train s':>8} {'step s':>7} {'upd peak GiB':>13} "
-          f"{'transit s':>10} {'compile s':>10} {'upd mallocs':>12}")
+          f"{'transit s':>10} {'compile s':>10} {'upd mallocs':>12} {'host alloc s':>13}")
     for row in rows:
         upd = row.get("memory/update/peak_gib", float("nan"))
         step = row.get("timing_s/step", float("nan"))
@@ -117,7 +118,8 @@ def main(argv=None) -> None:
               f"{row.get('train_status', '-'):>6} {row.get('train_s', 0):>8} {step:>7} "
               f"{upd:>13} {row.get('memory/transition_s', float('nan')):>10} "
               f"{row.get('timing_s/compile', float('nan')):>10} "
-              f"{row.get('memory/update/device_mallocs', float('nan')):>12}")
+              f"{row.get('memory/update/device_mallocs', float('nan')):>12} "
+              f"{row.get('memory/host_alloc_s', float('nan')):>13}")
     if any(r.get("error") for r in rows):
         raise SystemExit(1)
 

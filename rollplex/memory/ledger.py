@@ -1,4 +1,4 @@
-"""The memory ledger: bytes resident per tag per phase, peak per phase, pause/resume times.
+"""The memory ledger: bytes resident per tag per phase, peak per phase, pause/resume times, host buffers made.
 
 Filled by the manager at each phase transition; read as `memory/*` metrics after a step and as the
 per-phase table of `GET /memory`. Torch-free.
@@ -25,6 +25,10 @@ class Ledger:
     pause_s: dict[str, float] = field(default_factory=dict)  # tag -> seconds, since the last take()
     resume_s: dict[str, float] = field(default_factory=dict)
     copy_bytes: int = 0  # bytes copied host<->device by offloads, since the last take()
+    # host buffers allocated for offloads (the regions' copies, paged optimizer state), since the last take():
+    # page-locked on a GPU, where cudaHostAlloc takes seconds per 10 GiB the first time a buffer is made
+    host_alloc_s: float = 0.0
+    host_alloc_bytes: int = 0
 
     def record_phase(self, phase: str, resident: dict[str, int]) -> None:
         rec = self.phases.setdefault(phase, PhaseRecord())
@@ -44,6 +48,10 @@ class Ledger:
         d[tag] = d.get(tag, 0.0) + seconds
         self.copy_bytes += copied
 
+    def record_host_alloc(self, seconds: float, nbytes: int) -> None:
+        self.host_alloc_s += seconds
+        self.host_alloc_bytes += nbytes
+
     def transition_s(self) -> float:
         return sum(self.pause_s.values()) + sum(self.resume_s.values())
 
@@ -62,6 +70,8 @@ class Ledger:
             m[f"memory/resume_s/{tag}"] = s
         m["memory/transition_s"] = self.transition_s()
         m["memory/offload_copy_gib"] = self.copy_bytes / GiB
+        m["memory/host_alloc_s"] = self.host_alloc_s
+        m["memory/host_alloc_gib"] = self.host_alloc_bytes / GiB
         return m
 
     def take_metrics(self) -> dict[str, float]:
@@ -70,6 +80,7 @@ class Ledger:
         self.pause_s.clear()
         self.resume_s.clear()
         self.copy_bytes = 0
+        self.host_alloc_s, self.host_alloc_bytes = 0.0, 0
         for rec in self.phases.values():
             rec.peak = rec.mallocs = 0
         return m

@@ -216,7 +216,9 @@ class MemoryManager:
         if old is not None and [(b.shape, b.dtype) for b in old[1]] == [(t.shape, t.dtype) for t in src]:
             bufs = old[1]
         else:
+            t0 = time.perf_counter()
             bufs = _host_buffers(src, pin)
+            self.record_host_alloc(time.perf_counter() - t0, sum(b.numel() * b.element_size() for b in bufs))
         for b, t in zip(bufs, src):
             b.copy_(t.detach(), non_blocking=pin)
         if pin:
@@ -239,6 +241,11 @@ class MemoryManager:
             for t, b in zip(src, entry[1]):
                 t.copy_(b, non_blocking=pin)
         return sum(t.numel() * t.element_size() for t in src)
+
+    def record_host_alloc(self, seconds: float, nbytes: int) -> None:
+        """A host buffer made for offloaded state (this manager's copies, an optimizer's paged state): its
+        seconds and bytes reach the step's `memory/host_alloc_*` metrics."""
+        self.ledger.record_host_alloc(seconds, nbytes)
 
     # ---- reporting ----------------------------------------------------------------------------
     def report(self) -> dict:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -92,8 +93,17 @@ class MasterAdamW:
     def _region(self, tag: str):
         return self.memory.region(tag) if self.memory is not None else contextlib.nullcontext()
 
+    def _host_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor for paged state (page-locked on a GPU), its allocation time reported to the memory
+        manager: pinning is slow the first time (cudaHostAlloc, seconds per 10 GiB)."""
+        t0 = time.perf_counter()
+        out = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self._pin)
+        if self.memory is not None:
+            self.memory.record_host_alloc(time.perf_counter() - t0, out.numel() * out.element_size())
+        return out
+
     def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self._pin)
+        out = self._host_empty(t.shape, t.dtype)
         out.copy_(t)
         return out
 
@@ -104,7 +114,7 @@ class MasterAdamW:
         one allocation rounds once."""
         if self._slots is None:
             n = sum(m.numel() for m in self.master)
-            buf = torch.empty(len(MOMENTS) * n, dtype=torch.float32, device="cpu", pin_memory=self._pin)
+            buf = self._host_empty((len(MOMENTS) * n,), torch.float32)
             self._slots, off = {}, 0
             for j, m in enumerate(self.master):
                 for name in MOMENTS:

@@ -48,6 +48,7 @@ def test_pause_returns_memory_and_offload_keeps_contents(mm):
     assert float(x[-1]) == 3.0
     m = mm.ledger.take_metrics()
     assert m["memory/pause_s/optimizer"] > 0 and m["memory/offload_copy_gib"] >= 2 * 0.99
+    assert m["memory/host_alloc_gib"] == pytest.approx(1.0) and m["memory/host_alloc_s"] > 0  # one pinned copy
 
 
 def test_graph_replays_after_resume(mm):
