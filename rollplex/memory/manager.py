@@ -22,6 +22,7 @@ resident one, allocating into a paused one, resuming without enough free memory.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -216,9 +217,7 @@ class MemoryManager:
         if old is not None and [(b.shape, b.dtype) for b in old[1]] == [(t.shape, t.dtype) for t in src]:
             bufs = old[1]
         else:
-            t0 = time.perf_counter()
-            bufs = _host_buffers(src, pin)
-            self.record_host_alloc(time.perf_counter() - t0, sum(b.numel() * b.element_size() for b in bufs))
+            bufs = host_buffers([(t.shape, t.dtype) for t in src], pin, self.record_host_alloc)
         for b, t in zip(bufs, src):
             b.copy_(t.detach(), non_blocking=pin)
         if pin:
@@ -280,13 +279,20 @@ def host_memory() -> int | None:
         return None
 
 
-def _host_buffers(like: list[torch.Tensor], pin: bool) -> list[torch.Tensor]:
-    """CPU tensors shaped like `like`, as views of one (pinned) allocation: one cudaHostAlloc for a region
-    instead of one per tensor, which is what makes the first offload of many tensors slow."""
+def host_buffers(specs: list[tuple[torch.Size, torch.dtype]], pin: bool,
+                 record: Callable[[float, int], None] | None = None) -> list[torch.Tensor]:
+    """CPU tensors of the given (shape, dtype)s, views of one (pinned) allocation: one cudaHostAlloc instead
+    of one per tensor, which is what makes the first offload of many tensors slow, and one rounding (torch's
+    pinned allocator rounds each allocation up to a power of two). `record(seconds, bytes)` hears the time
+    and the views' bytes (MemoryManager.record_host_alloc)."""
     align = 64
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
     offsets, total = [], 0
-    for t in like:
+    for n in sizes:
         offsets.append(total)
-        total += -(-t.numel() * t.element_size() // align) * align
+        total += -(-n // align) * align
+    t0 = time.perf_counter()
     flat = torch.empty(total, dtype=torch.uint8, device="cpu", pin_memory=pin)
-    return [flat[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape) for o, t in zip(offsets, like)]
+    if record is not None:
+        record(time.perf_counter() - t0, sum(sizes))
+    return [flat[o:o + n].view(dtype).view(shape) for o, n, (shape, dtype) in zip(offsets, sizes, specs)]

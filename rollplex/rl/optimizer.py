@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from ..memory import host_buffers
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 OFFLOAD_MODES = ("none", "moments", "all", "cpu")
@@ -59,7 +60,9 @@ class MasterAdamW:
         self.local = [_local(p.detach()) if isinstance(p, DTensor) else p for p in params]
         with torch.no_grad(), self._region(self.state_tag):
             if self._page_masters or self._cpu_step:
-                self.master = [self._host_copy(t.detach().float()) for t in self.local]
+                self.master = self._host_buffers([(t.shape, torch.float32) for t in self.local])
+                for m, t in zip(self.master, self.local):
+                    m.copy_(t.detach())
             elif params[0].dtype == torch.float32:
                 self.master = self.local  # fp32 parameters are their own masters
             else:
@@ -93,19 +96,10 @@ class MasterAdamW:
     def _region(self, tag: str):
         return self.memory.region(tag) if self.memory is not None else contextlib.nullcontext()
 
-    def _host_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        """A host tensor for paged state (page-locked on a GPU), its allocation time reported to the memory
-        manager: pinning is slow the first time (cudaHostAlloc, seconds per 10 GiB)."""
-        t0 = time.perf_counter()
-        out = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self._pin)
-        if self.memory is not None:
-            self.memory.record_host_alloc(time.perf_counter() - t0, out.numel() * out.element_size())
-        return out
-
-    def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
-        out = self._host_empty(t.shape, t.dtype)
-        out.copy_(t)
-        return out
+    def _host_buffers(self, specs: list) -> list[torch.Tensor]:
+        """Host tensors for paged state, views of one allocation (memory.host_buffers), page-locked on a GPU,
+        their allocation time reported to the memory manager: pinning is slow the first time."""
+        return host_buffers(specs, self._pin, self.memory.record_host_alloc if self.memory is not None else None)
 
     def _moment_slot(self, i: int, k: str) -> torch.Tensor:
         """The host tensor that keeps master i's moment k between paged steps: a view of one allocation for
@@ -113,13 +107,9 @@ class MasterAdamW:
         power of two, so a pinned tensor per moment took 121 GiB of host memory for the 7B's 62 GiB of moments;
         one allocation rounds once."""
         if self._slots is None:
-            n = sum(m.numel() for m in self.master)
-            buf = self._host_empty((len(MOMENTS) * n,), torch.float32)
-            self._slots, off = {}, 0
-            for j, m in enumerate(self.master):
-                for name in MOMENTS:
-                    self._slots[j, name] = buf[off:off + m.numel()].view(m.shape)
-                    off += m.numel()
+            keys = [(j, name) for j in range(len(self.master)) for name in MOMENTS]
+            bufs = self._host_buffers([(self.master[j].shape, torch.float32) for j, _ in keys])
+            self._slots = dict(zip(keys, bufs))
         return self._slots[i, k]
 
     # ---- gradients ----------------------------------------------------------------------------
