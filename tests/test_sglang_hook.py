@@ -436,3 +436,28 @@ def test_cuda_tensors_sent_from_an_sglang_process_load_without_sglang(monkeypatc
     # where torch is unpatched (this process sending), torch's own pair is used unchanged
     monkeypatch.setattr(reductions, "reduce_tensor", lambda t: ("torch-rebuild", args))
     assert tensor_ipc._reduce_cuda(torch.zeros(1)) == ("torch-rebuild", args)
+
+
+def test_renamed_server_arguments_go_under_the_release_name():
+    from engine_patches.sglang.engine import server_args_for
+
+    newer = {"model_path", "cuda_graph_max_bs_decode"}
+    older = {"model_path", "cuda_graph_max_bs"}
+    assert server_args_for({"model_path": "m", "cuda_graph_max_bs": 64}, newer) == \
+        {"model_path": "m", "cuda_graph_max_bs_decode": 64}
+    assert server_args_for({"cuda_graph_max_bs_decode": 64}, older) == {"cuda_graph_max_bs": 64}
+    assert server_args_for({"cuda_graph_max_bs": 64}, older) == {"cuda_graph_max_bs": 64}
+    assert server_args_for({"cuda_graph_max_bs": 64}, None) == {"cuda_graph_max_bs": 64}
+    with pytest.raises(ValueError, match="one argument"):
+        server_args_for({"cuda_graph_max_bs": 64, "cuda_graph_max_bs_decode": 32}, newer)
+
+
+def test_the_engine_starts_sglang_with_the_renamed_argument():
+    seen = {}
+
+    class Engine:
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+
+    make_engine_class(Engine, {"model_path", "cuda_graph_max_bs_decode"})(model_path="m", cuda_graph_max_bs=8)
+    assert seen == {"model_path": "m", "cuda_graph_max_bs_decode": 8}

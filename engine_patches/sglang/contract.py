@@ -90,6 +90,12 @@ MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 # server arguments the rollout backend sets when it starts SGLang's Engine (plugin.rollout)
 MANAGED_SERVER_ARGS = ("model_path", "dtype", "mem_fraction_static", "enable_memory_saver",
                        "enable_weights_cpu_backup", "random_seed")
+# server arguments SGLang renamed, {old name: new name, release of the rename}: the Engine passes a tool's
+# argument under the name its release has (engine.server_args_for)
+SERVER_ARG_RENAMES = {"cuda_graph_max_bs": ("cuda_graph_max_bs_decode", "0.5.17")}
+# server arguments the SGLang benches set (rollplex/bench/sglang.py), under their older names
+BENCH_SERVER_ARGS = ("load_format", "skip_tokenizer_init", "attention_backend", "mm_attention_backend",
+                     "sampling_backend", "disable_cuda_graph", "log_level", "cuda_graph_max_bs")
 # sampling parameters the rollout backend sends (outputs.sampling_dict)
 ROLLOUT_SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "stop_token_ids",
                     "ignore_eos", "skip_special_tokens", "sampling_seed")
@@ -198,6 +204,12 @@ CONTRACT: tuple[Relied, ...] = (
            "one serialized payload per tensor-parallel rank"),
     Relied("server_args", SERVER_ARGS, "ServerArgs", MANAGED_SERVER_ARGS,
            "the rollout backend starts the Engine on the policy's checkpoint with these server arguments"),
+    Relied("server_args", SERVER_ARGS, "ServerArgs", tuple(a for a in BENCH_SERVER_ARGS if a not in SERVER_ARG_RENAMES),
+           "the SGLang benches start the Engine with these (dummy weights, token ids, the attention backends)"),
+    *(Relied("server_args", SERVER_ARGS, "ServerArgs", (old,), f"a bench argument, renamed {new} in {since}",
+             before=since) for old, (new, since) in SERVER_ARG_RENAMES.items()),
+    *(Relied("server_args", SERVER_ARGS, "ServerArgs", (new,), f"the bench argument {old}, renamed", since=since)
+      for old, (new, since) in SERVER_ARG_RENAMES.items()),
     Relied("constant", CONSTANTS, "", ("GPU_MEMORY_TYPE_KV_CACHE",), "memory tag of the KV cache", "kv_cache"),
     Relied("constant", CONSTANTS, "", ("GPU_MEMORY_TYPE_WEIGHTS",), "memory tag of the weights", "weights"),
     Relied("constant", CONSTANTS, "", ("GPU_MEMORY_TYPE_CUDA_GRAPH",), "memory tag of the CUDA graphs",

@@ -22,6 +22,7 @@ through files in a private directory (removed with the engine): tensors by CUDA 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -30,7 +31,7 @@ import tempfile
 import weakref
 from typing import Any
 
-from .contract import RPC_METHOD
+from .contract import RPC_METHOD, SERVER_ARG_RENAMES
 from .driver import result_path
 from .scheduler_patch import bind_hook, run_patched_scheduler_process
 from .spec import HookSpec
@@ -97,8 +98,33 @@ class HookControl:
             os.unlink(path)
 
 
-def make_engine_class(base: type) -> type:
-    """A subclass of `base` (SGLang's Engine) whose schedulers run Rollplex's hooked Scheduler."""
+def server_args_for(kwargs: dict, names: set[str] | None) -> dict:
+    """`kwargs` with each server argument SGLang renamed (contract.SERVER_ARG_RENAMES) under the name this
+    release takes; `names` are its ServerArgs fields (None: unknown, nothing renamed). ValueError when both
+    names of one argument are given."""
+    if names is None:
+        return dict(kwargs)
+    out = dict(kwargs)
+    for old, (new, _) in SERVER_ARG_RENAMES.items():
+        if old in out and new in out:
+            raise ValueError(f"server arguments {old} and {new} are one argument: give one")
+        for have, want in ((old, new), (new, old)):
+            if have in out and have not in names and want in names:
+                out[want] = out.pop(have)
+    return out
+
+
+def server_arg_names(server_args: type) -> set[str] | None:
+    """The fields of SGLang's ServerArgs class (a dataclass up to 0.5.17; None when they cannot be read)."""
+    if dataclasses.is_dataclass(server_args):
+        return {f.name for f in dataclasses.fields(server_args)}
+    names = {n for c in server_args.__mro__ for n in getattr(c, "__annotations__", {})}
+    return names or None
+
+
+def make_engine_class(base: type, server_args: set[str] | None = None) -> type:
+    """A subclass of `base` (SGLang's Engine) whose schedulers run Rollplex's hooked Scheduler; `server_args`
+    (the release's ServerArgs fields) lets it pass renamed arguments under the release's names."""
 
     class RollplexEngine(HookControl, base):
         run_scheduler_process_func = staticmethod(run_patched_scheduler_process)
@@ -111,7 +137,7 @@ def make_engine_class(base: type) -> type:
             self.rollplex_dir = tempfile.mkdtemp(prefix="rollplex-sglang-")
             self._rollplex_calls = itertools.count()
             weakref.finalize(self, shutil.rmtree, self.rollplex_dir, True)
-            super().__init__(**kwargs)
+            super().__init__(**server_args_for(kwargs, server_args))
 
         # ---- control RPCs ---------------------------------------------------------------------
         def _path(self, what: str) -> str:
@@ -149,5 +175,6 @@ def make_engine_class(base: type) -> type:
 def load_engine_class() -> type:
     """make_engine_class over sglang.srt.entrypoints.engine.Engine (imports SGLang)."""
     from sglang.srt.entrypoints.engine import Engine
+    from sglang.srt.server_args import ServerArgs
 
-    return make_engine_class(Engine)
+    return make_engine_class(Engine, server_arg_names(ServerArgs))
