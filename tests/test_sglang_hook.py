@@ -461,3 +461,21 @@ def test_the_engine_starts_sglang_with_the_renamed_argument():
 
     make_engine_class(Engine, {"model_path", "cuda_graph_max_bs_decode"})(model_path="m", cuda_graph_max_bs=8)
     assert seen == {"model_path": "m", "cuda_graph_max_bs_decode": 8}
+
+
+def test_server_argument_names_of_each_release_shape():
+    import dataclasses
+
+    from engine_patches.sglang.engine import server_arg_names
+
+    @dataclasses.dataclass
+    class Older:  # 0.5.7 / 0.5.17: a dataclass
+        model_path: str = ""
+        cuda_graph_max_bs: int | None = None
+
+    class Newer:  # 0.5.23: a msgspec Struct, its fields in __struct_fields__
+        __struct_fields__ = ("model_path", "cuda_graph_max_bs_decode")
+
+    assert server_arg_names(Older) == {"model_path", "cuda_graph_max_bs"}
+    assert server_arg_names(Newer) == {"model_path", "cuda_graph_max_bs_decode"}
+    assert server_arg_names(type("Unknown", (), {})) is None

@@ -115,10 +115,12 @@ def server_args_for(kwargs: dict, names: set[str] | None) -> dict:
 
 
 def server_arg_names(server_args: type) -> set[str] | None:
-    """The fields of SGLang's ServerArgs class (a dataclass up to 0.5.17; None when they cannot be read)."""
+    """The fields of SGLang's ServerArgs class (a dataclass up to 0.5.17, a msgspec Struct in 0.5.23; None when
+    they cannot be read)."""
     if dataclasses.is_dataclass(server_args):
         return {f.name for f in dataclasses.fields(server_args)}
-    names = {n for c in server_args.__mro__ for n in getattr(c, "__annotations__", {})}
+    names = set(getattr(server_args, "__struct_fields__", ()))
+    names |= {n for c in server_args.__mro__ for n in vars(c).get("__annotations__", {})}
     return names or None
 
 
