@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -199,6 +200,8 @@ def _rollout(args, cfg, model, rollout) -> None:
             row.update({f"{name}_cold_s": cold, f"{name}_gen_s": warm, f"{name}_tokens": n_tok,
                         f"{name}_tok_s": n_tok / warm,
                         **{f"{name}_{k}": v for k, v in mismatch(model, prompts, outs).items()}})
+            print(f"{label} {name}: {n_tok} tokens in {warm:.2f} s ({n_tok / warm:,.0f} tok/s; cold {cold:.1f} s)",
+                  file=sys.stderr, flush=True)  # progress: a run cut short still tells SGLang's speed
             del outs
         greedy = [SamplingParams(n=1, temperature=0, max_new_tokens=args.greedy_tokens, ignore_eos=True)] \
             * args.greedy_prompts
