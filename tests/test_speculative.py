@@ -174,12 +174,42 @@ def test_drafts_that_fail_back_speculation_off(model, proc):
     assert 0 not in plain
     out = eng.generate([prompt], params)[0].samples[0].token_ids
     assert out == plain
-    # verifications after 1, 2, 4, 8, 16, 32, 64 plain steps: 7 in the first 99 decode steps, then one per 65
-    first = eng.spec_stats["steps"]
-    assert eng.spec_stats["accepted"] == 0 and 6 <= first <= 8
-    # the next rollout's tail starts afresh: the back-off of the last one does not skip its first steps
+    # one verification; from then on plain steps, drafting in shadow: no draft matches, none verifies again
+    s = eng.spec_stats
+    assert s["steps"] == 1 and s["accepted"] == 0 and s["shadow_drafts"] >= 20 and s["shadow_accepted"] == 0
+    # the next rollout's tail starts afresh: it verifies first, then backs off again
     assert eng.generate([prompt], params)[0].samples[0].token_ids == plain
-    assert eng.spec_stats["steps"] == 2 * first
+    assert eng.spec_stats["steps"] == 2
+
+
+def test_verification_resumes_once_shadow_drafts_match(model, proc):
+    """Drafts that fail back speculation off; when they start to match the tokens plain decoding draws, the
+    shadow drafts say so and verification resumes (and accepts). Tokens unchanged throughout."""
+    params = SamplingParams(temperature=0, max_new_tokens=60, ignore_eos=True)
+    prompt = _prompts(proc)[3]
+    plain = _engine(model, proc).generate([prompt], params)[0].samples[0]
+    ref = plain.token_ids
+    eng = _engine(model, proc, speculative_tokens=3, speculative_max_fraction=1.0)
+    verified_at = []
+
+    def drafts(seqs, _):  # wrong before output token 20, then the reference's next tokens (greedy: right)
+        out = []
+        for s in seqs:
+            pos = s.num_output_tokens  # the first position to draft (past a token in flight)
+            k = min(3, s.request.max_len - len(s) - 1)
+            out.append([0] * k if pos < 20 else ref[pos : pos + k])
+            if s.pending == 0:
+                verified_at.append(pos)
+        return out
+
+    eng.spec.drafts = drafts
+    out = eng.generate([prompt], params)[0].samples[0]
+    assert out.token_ids == ref and out.logprobs == pytest.approx(plain.logprobs, abs=1e-5)
+    s = eng.spec_stats
+    assert s["accepted"] > 0 and s["shadow_drafts"] > 0 and s["shadow_accepted"] > 0
+    # the first verification failed; the next ones came only after drafts turned right, and then most
+    # steps verified (about 4 tokens each: the 40 tokens after position 20 in well under 40 steps)
+    assert verified_at[0] < 20 and all(p >= 20 for p in verified_at[1:]) and 1 < s["steps"] <= 16
 
 
 def test_a_back_off_ends_with_its_rollout():
@@ -187,12 +217,50 @@ def test_a_back_off_ends_with_its_rollout():
 
     spec = Speculator(EngineConfig(speculative_tokens=4, speculative_max_batch=8))
     assert not spec.active(running=16, waiting=0) and spec.active(running=4, waiting=0)  # the tail of 16
-    for _ in range(7):  # nothing accepted: skip 1, 2, 4, ... 64 decode steps
-        spec.count([[1, 2, 3, 4]] * 4, [1, 1, 1, 1])
-    assert spec.skip == 64 and not spec.active(running=4, waiting=0)
+    spec.count([[1, 2, 3, 4]] * 4, [1, 1, 1, 1])  # nothing accepted: backed off
+    assert spec.backed_off and not spec.active(running=4, waiting=0)
     assert not spec.active(running=0, waiting=16)  # the next rollout: its prompts wait for prefill
     assert not spec.active(running=16, waiting=0)
-    assert spec.skip == 0 and spec.backoff == 1 and spec.active(running=4, waiting=0)
+    assert not spec.backed_off and spec.active(running=4, waiting=0)
+
+
+def test_shadow_drafts_score_what_a_verification_would_accept():
+    """Backed off, each shadow draft is scored by the leading tokens of it that plain decoding then drew
+    (a token in flight at drafting time drafted past); verification resumes once the latest scores reach the
+    bar, and not before every decoding sequence has one (up to the window)."""
+    from rollplex.engine.sequence import Request
+    from rollplex.engine.speculative import Speculator
+
+    spec = Speculator(EngineConfig(speculative_tokens=3, speculative_max_batch=8, speculative_max_fraction=1.0,
+                                   speculative_min_accepted=1.0))
+    from types import SimpleNamespace
+
+    req = Request("r", SimpleNamespace(input_ids=[7, 7]), SamplingParams(max_new_tokens=100, n=2), [0, 0])
+    a, b = req.seqs
+    a.pending = b.pending = 1
+    future = {id(a): [10, 11, 12, 13, 14], id(b): [20, 21, 22, 23, 24]}  # what decoding will draw
+    guess = {id(a): [11, 12, 13], id(b): [21, 99, 23]}  # drafts for the positions after the token in flight
+    spec.drafts = lambda seqs, _: [list(guess[id(s)]) for s in seqs]
+    assert spec.active(running=2, waiting=0)
+    spec.count([[1, 2, 3]] * 2, [1, 1])
+    assert spec.backed_off
+    spec.shadow([a, b], ["r"])  # drafted at 3 tokens known + 1 in flight: positions 3, 4, 5
+    assert spec.stats.shadow_drafts == 0
+
+    def draw(n):  # n decode steps resolve
+        for s in (a, b):
+            for _ in range(n):
+                s.token_ids.append(future[id(s)][len(s.token_ids) - 2])
+
+    draw(2)  # a: 10 (in flight), 11 -> matches so far; b: 20, 21 -> 1 of 1 so far
+    spec.shadow([a, b], ["r"])
+    assert spec.stats.shadow_drafts == 0 and spec.backed_off
+    draw(1)  # b's 22 parts from its draft's 99: b scores 1; a: 11, 12 match, one more to come
+    spec.shadow([a, b], ["r"])
+    assert spec.stats.shadow_drafts == 1 and spec.stats.shadow_accepted == 1 and spec.backed_off
+    draw(1)  # a's 13: all 3 accepted -> scores (1 + 3) / 2 = 2 per sequence >= 1: verify again
+    spec.shadow([a, b], ["r"])
+    assert spec.stats.shadow_accepted == 4 and not spec.backed_off and spec.active(running=2, waiting=0)
 
 
 def test_speculative_options_are_validated():
@@ -217,6 +285,7 @@ def test_rl_step_trains_on_the_policys_logprobs_with_speculation(tiny_dir, proc)
         # the step's own speculation counts (the engine's are since it started)
         assert m["rollout/spec_verify_steps"] > 0 and 0 <= m["rollout/spec_acceptance_rate"] <= 1
         assert m["rollout/spec_draft_tokens"] >= m["rollout/spec_accepted_tokens"] >= 0
+        assert m["rollout/spec_shadow_drafts"] == 0  # a bar of 0 never backs off: nothing drafted in shadow
         accepted += m["rollout/spec_accepted_tokens"]
     assert engine.spec_stats["accepted"] == accepted > 0
 
@@ -378,9 +447,9 @@ def test_adaptive_back_off_asks_a_verification_to_pay_for_itself():
     spec.note_step(10.0, verify=True)
     assert spec.min_accepted() == pytest.approx(1.5)  # a pass of 10 ms must keep 2.5 tokens per sequence
     spec.count([[1, 2, 3, 4]] * 2, [2, 3])  # 1.5 accepted per sequence: not below the bar
-    assert spec.skip == 0
+    assert not spec.backed_off
     spec.count([[1, 2, 3, 4]] * 2, [2, 2])  # 1.0 accepted: above the configured 0.5, below what the pass costs
-    assert spec.skip == 1
+    assert spec.backed_off
     spec.note_step(2.0, verify=True)  # moving averages: 10 + 0.25 * (2 - 10) = 8 ms
     assert spec.verify_ms == pytest.approx(8.0) and spec.min_accepted() == pytest.approx(1.0)
     fixed = Speculator(EngineConfig(speculative_tokens=4, speculative_max_batch=8))

@@ -66,8 +66,9 @@ class EngineConfig:
     # prompts whose earlier responses draft for a later request of the same prompt (images included
     # in the key); 0: only the request's own samples draft
     speculative_prompt_cache: int = 0
-    # a verification that accepts fewer draft tokens per sequence than this backs speculation off: the
-    # next 1, 2, 4 .. 64 decode steps (doubling while it keeps failing) run the plain overlapped path
+    # a verification that accepts fewer draft tokens per sequence than this backs speculation off: decode
+    # steps run the plain overlapped path, drafting on the host in shadow, until the latest shadow drafts
+    # (scored against the tokens plain decoding draws) accept this many per sequence again
     speculative_min_accepted: float = 0.5
     # also back off where a verification accepted fewer tokens than it costs: with the tail's measured step
     # times, verification ms / decode-step ms - 1 accepted tokens per sequence pay for the pass (where the

@@ -18,7 +18,7 @@ rollout's tail (no request waiting, few sequences decoding) a decode step become
 step — drafts from the request's other samples, one pass of the policy over each sequence's last token
 + draft, the engine's own seeded draws accept the draft while they match it — which keeps every
 token (and logprob) exactly what plain decoding gives. Verification steps are synchronous; the plain
-path is unchanged.
+path is unchanged but for drafting in shadow on the host while speculation is backed off.
 
 The engine decodes with the model object it is given — the trainer's — so there is no weight copy
 and no sync phase. It reads that model and never modifies it: prefill runs the model's own forward
@@ -255,6 +255,8 @@ class Engine:
                 self.spec.prepare(batch.decode, self._idle_ms / 2)
                 ahead = (time.perf_counter() - t) * 1e3
             touched = self._resolve()  # the previous step, while this one runs
+            if self.spec is not None:  # backed off: drafts scored against what this loop draws (no GPU work)
+                self.spec.shadow(batch.decode, self.requests)
             self._idle_ms += ahead
             self._inflight = launched
             if not self.cfg.overlap_schedule:

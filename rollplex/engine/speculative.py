@@ -15,10 +15,15 @@ replaces a decode step by a *verification* step:
    blocks past the kept tokens are freed, slots inside a kept block lie past the sequence's length).
 
 Drafts that fail back it off: after a verification that accepted fewer than `speculative_min_accepted`
-draft tokens per sequence, the next 1, 2, 4 .. 64 decode steps run the plain overlapped path. With
-`speculative_adaptive` the bar rises to what a verification costs, from the tail's measured step times
-(a pass keeping 1 + a tokens per sequence pays when it takes less than 1 + a decode steps). Which
-steps verify never changes the tokens (below), only the time.
+draft tokens per sequence, decode steps run the plain overlapped path, and drafting goes on *in shadow*
+(`shadow`): at each plain step a few sequences get a draft from the tokens known then, and the tokens
+plain decoding then appends score it — the leading tokens it matches are exactly what a verification
+would have accepted (with the engine's coupled noise a verification keeps the tokens plain decoding
+draws; unseeded, the same in distribution). Verification resumes once the latest shadow drafts accept
+enough, and costs nothing on the GPU until then: drafts that never match cost one verification per
+tail, not a probe every few steps. With `speculative_adaptive` the bar rises to what a verification
+costs, from the tail's measured step times (a pass keeping 1 + a tokens per sequence pays when it takes
+less than 1 + a decode steps). Which steps verify never changes the tokens (below), only the time.
 
 The rule (`exact_rule`). Row j of a sequence (its last token + draft[:j] as input) gives the policy's
 distribution p_j for output token t + j. Sampling row j with the engine's own sampler — the Gumbel-max
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, fields, replace
 
@@ -85,6 +91,8 @@ class SpecStats:
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens accepted
     emitted: int = 0  # tokens kept (accepted + one correction or bonus per sequence and pass)
+    shadow_drafts: int = 0  # drafts scored in shadow (backed off: against the tokens plain decoding drew)
+    shadow_accepted: int = 0  # of their tokens, those a verification would have accepted
 
     @property
     def mean_accepted(self) -> float:
@@ -106,7 +114,8 @@ class SpecStats:
     def as_dict(self) -> dict:
         return {"steps": self.steps, "seq_steps": self.seq_steps, "drafted": self.drafted,
                 "accepted": self.accepted, "emitted": self.emitted, "mean_accepted": self.mean_accepted,
-                "acceptance_rate": self.acceptance_rate}
+                "acceptance_rate": self.acceptance_rate, "shadow_drafts": self.shadow_drafts,
+                "shadow_accepted": self.shadow_accepted}
 
 
 def prompt_key(req: Request) -> Hashable:
@@ -130,19 +139,24 @@ class Speculator:
         self.rule: Rule = exact_rule
         self.stats = SpecStats()
         self.peak = 0  # the most sequences decoding at once since the engine last had none running
-        self.skip, self.backoff = 0, 1  # decode steps left to run plain; the next failure's skip
+        self.skip = 0  # decode steps left to run plain (the adaptive back-off's timing steps)
+        self.backed_off = False  # a verification accepted too little: plain steps until shadow drafts pay
+        self._shadow: dict[int, tuple[Sequence, int, list[int]]] = {}  # id(seq) -> (seq, first position, draft)
+        self._scores: deque[int] = deque(maxlen=self.SHADOW_WINDOW)  # accepted tokens of the latest shadow drafts
         self.in_tail = False  # whether the last active() call found the batch small enough to speculate
         self.verify_ms = self.decode_ms = None  # moving averages of the tail's step times (adaptive back-off)
         self.probed = False  # the adaptive back-off's first tail ran plain decode steps to time one
         self._cursor = 0  # where `prepare` goes on
 
-    MAX_BACKOFF = 64
     EMA = 0.25  # weight of the newest step time in the moving averages
+    SHADOW_WINDOW = 16  # the latest shadow drafts the decision to verify again reads
+    SHADOW_PER_STEP = 16  # sequences drafted in shadow per plain step (host work: a few µs each)
 
     def active(self, running: int, waiting: int) -> bool:
         """Whether the next decode step verifies drafts (called once per engine step)."""
         if running == 0:  # a rollout ended (or has not begun): the next tail starts afresh
-            self.peak, self.skip, self.backoff = 0, 0, 1  # a back-off is about one tail's drafts, not the next's
+            self.peak, self.skip = 0, 0  # a back-off is about one tail's drafts, not the next's
+            self._back_off(False)
             return False
         self.peak = max(self.peak, running)
         self.in_tail = not (waiting or running > self.cfg.speculative_max_batch
@@ -151,14 +165,15 @@ class Speculator:
             return False
         if self.cfg.speculative_adaptive and self.decode_ms is None and not self.probed:
             self.probed, self.skip = True, max(self.skip, 2)  # a period needs two consecutive decode steps
-        if self.skip:  # backed off after verifications that accepted too little
+        if self.skip:
             self.skip -= 1
             return False
-        return True
+        return not self.backed_off
 
     def drafts(self, seqs: list[Sequence], open_requests) -> list[list[int]]:
-        """Up to k draft tokens per sequence (never past its request's length limit), from what `index`
-        has counted (a request seen for the first time is indexed here first)."""
+        """Up to k draft tokens per sequence for its positions from len(seq) on (never past its request's
+        length limit; a token still in flight is drafted past, as `shadow` needs), from what `index` has
+        counted (a request seen for the first time is indexed here first)."""
         self.drafter.retain(open_requests)  # requests that left the engine
         out = []
         for s in seqs:
@@ -167,8 +182,40 @@ class Speculator:
             if self._open(req):
                 self._index(req)
             k = min(self.k, req.max_len - len(s) - 1)
-            out.append(self.drafter.propose(rid, s.token_ids, k, s.num_prompt_tokens) if k > 0 else [])
+            d = self.drafter.propose(rid, s.token_ids, k + s.pending, s.num_prompt_tokens) if k > 0 else []
+            out.append(d[s.pending :])
         return out
+
+    def shadow(self, seqs: list[Sequence], open_requests) -> None:
+        """Backed off, at a plain decode step: score the shadow drafts whose outcome the tokens appended
+        since tell, draft for a few more of `seqs` (those without one outstanding), and end the back-off
+        once the latest `SHADOW_WINDOW` scores (at least one per sequence decoding, up to that) reach the
+        bar. A draft made here is for the positions past the token in flight, as a verification's would be."""
+        if not (self.backed_off and self.in_tail):
+            return
+        for key, (s, start, draft) in list(self._shadow.items()):
+            got = s.token_ids[start : start + len(draft)]
+            a = accepted(got, draft[: len(got)])
+            if a == len(got) < len(draft) and not s.finished:
+                continue  # every token so far matches and more are coming
+            del self._shadow[key]
+            self._scores.append(a)
+            self.stats.shadow_drafts += 1
+            self.stats.shadow_accepted += a
+        need = min(self.SHADOW_WINDOW, len(seqs))
+        if len(self._scores) >= need and sum(self._scores) >= self.min_accepted() * len(self._scores):
+            self._back_off(False)
+            return
+        fresh = [s for s in seqs if id(s) not in self._shadow and not s.finished][: self.SHADOW_PER_STEP]
+        if fresh:
+            for s, d in zip(fresh, self.drafts(fresh, open_requests)):
+                self._shadow[id(s)] = (s, len(s), list(d))
+
+    def _back_off(self, on: bool) -> None:
+        """Enter (or leave) the backed-off state; its shadow drafts and scores start afresh either way."""
+        self.backed_off = on
+        self._shadow.clear()
+        self._scores.clear()
 
     def index(self, seqs: list[Sequence]) -> None:
         """Count the tokens the requests of `seqs` have drawn since the last call, for the next drafts. The
@@ -246,11 +293,9 @@ class Speculator:
         return max(floor, self.verify_ms / self.decode_ms - 1.0)  # (1 + a) tokens per pass vs 1 per decode step
 
     def count(self, drafts: list[list[int]], kept: list[int]) -> None:
-        """Count a verification; back off (skip decode steps, doubling) when it accepted too little."""
+        """Count a verification; back off (plain steps, drafting in shadow) when it accepted too little."""
         if sum(kept) - len(kept) < self.min_accepted() * len(kept):
-            self.skip, self.backoff = self.backoff, min(2 * self.backoff, self.MAX_BACKOFF)
-        else:
-            self.backoff = 1
+            self._back_off(True)
         self.stats.steps += 1
         self.stats.seq_steps += len(drafts)
         self.stats.drafted += sum(len(d) for d in drafts)

@@ -530,7 +530,7 @@ class RLStep:
     def _speculation(self, m: dict):
         """The engine's speculative decoding during the block (nothing with it off): verification passes,
         draft tokens proposed, and of them accepted, as `rollout/spec_*` (mean accepted length: draft tokens
-        kept per sequence and pass)."""
+        kept per sequence and pass; backed off, the drafts scored in shadow and their accepted tokens)."""
         spec = self.engine.spec if self.engine is not None else None
         before = spec.stats.copy() if spec is not None else None
         yield
@@ -539,7 +539,8 @@ class RLStep:
         d = spec.stats.since(before)
         m.update({"rollout/spec_verify_steps": d.steps, "rollout/spec_draft_tokens": d.drafted,
                   "rollout/spec_accepted_tokens": d.accepted, "rollout/spec_mean_accepted": d.mean_accepted,
-                  "rollout/spec_acceptance_rate": d.acceptance_rate})
+                  "rollout/spec_acceptance_rate": d.acceptance_rate, "rollout/spec_shadow_drafts": d.shadow_drafts,
+                  "rollout/spec_shadow_accepted_tokens": d.shadow_accepted})
 
     def _step_metrics(self, batch: RolloutBatch, m: dict, t0: float) -> dict:
         m["timing_s/step"] = time.perf_counter() - t0
