@@ -299,20 +299,24 @@ def test_spec_bench_checks_tokens_and_prints_its_table(tiny_dir, capsys):
     assert "correctness (fp32): speculation at replayed acceptance 0,2 gave speculation off's greedy tokens for " \
            "all 8 samples of 4 prompts" in out
     table = out.strip().splitlines()[-7:]
-    assert all(row.split("|")[12].strip() == "8/8" for row in table[2:])  # fp32 rows are checked exactly too
+    assert all(row.split("|")[13].strip() == "8/8" for row in table[2:])  # fp32 rows are checked exactly too
     assert table[0].startswith("| drafts |") and table[2].startswith("| off |")
     assert table[3].startswith("| replay a=0 |") and table[4].startswith("| replay a=2 |")
     # teacher-forced timing rows: a + 1 tokens kept per pass; in fp32 the policy drew every forced token
     assert table[5].startswith("| forced a=0 |") and table[6].startswith("| forced a=2 |")
-    assert float(table[6].split("|")[10]) > 1.0 and table[6].split("|")[14].strip() == "100%"
-    assert float(table[4].split("|")[10]) > 1.0  # mean accepted length of the a=2 replay
+    assert float(table[6].split("|")[11]) > 1.0 and table[6].split("|")[15].strip() == "100%"
+    assert float(table[4].split("|")[11]) > 1.0  # mean accepted length of the a=2 replay
     # the tail's steps: three tokens kept per verification take fewer steps than one per decode step
     assert 0 < int(table[6].split("|")[6]) < int(table[2].split("|")[6])
     # the off row verifies nothing; the forced a = 2 row (never backed off) verifies in every tail step but
     # the one that first takes the plain step in flight
     steps, verified = int(table[6].split("|")[6]), int(table[6].split("|")[7])
     assert int(table[2].split("|")[7]) == 0 and steps - 1 <= verified <= steps
-    assert table[2].split("|")[9].strip() == "1.00x"  # the off row's step time against itself
+    assert table[2].split("|")[10].strip() == "1.00x"  # the off row's step time against itself
+    # a verification's wall time and, within it, its pass's (on CPU the pass's own wall time)
+    assert table[2].split("|")[8].strip() == ""
+    wall, pass_ms = table[6].split("|")[8].strip().rstrip(")").split(" (")
+    assert 0 < float(pass_ms) < float(wall)
 
 
 @pytest.mark.skipif(not _triton_runnable(), reason="needs triton and CUDA (or TRITON_INTERPRET=1)")
@@ -472,7 +476,7 @@ def test_adaptive_back_off_verifies_less_where_a_pass_is_dear(model, proc, monke
     for adaptive in (False, True):
         eng = _engine(model, proc, speculative_adaptive=adaptive, **cfg)
         verify = eng.runner.verify
-        monkeypatch.setattr(eng.runner, "verify", lambda *a, _v=verify: (_time.sleep(0.02), _v(*a))[1])
+        monkeypatch.setattr(eng.runner, "verify", lambda *a, _v=verify, **kw: (_time.sleep(0.02), _v(*a, **kw))[1])
         outs.append([[s.token_ids for s in o.samples] for o in eng.generate(prompts, params)])
         steps.append(eng.spec_stats["steps"])
     assert outs[0] == outs[1]

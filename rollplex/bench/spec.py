@@ -271,6 +271,7 @@ def main(argv=None) -> None:
             label = f"{'forced' if forced else 'replay'} a={acc}"
             rows.append({**_tail_row(name, label, total_s, tail_s, n_tail, steps),
                          "speedup": rows[0]["tail_s"] / tail_s, "verifications": d.steps,
+                         "verify_ms": d.wall_ms / max(d.steps, 1), "verify_pass_ms": d.forward_ms / max(d.steps, 1),
                          "mean_accepted": d.mean_accepted, "acceptance": d.acceptance_rate,
                          "same_samples": same, "kept": kept,
                          "policy_agreed": (spec.rule.agreed / max(spec.rule.forced_total, 1)) if forced else None})
@@ -289,12 +290,15 @@ def main(argv=None) -> None:
           f"{', adaptive back-off' if a.adaptive else ''}, {env.get('gpu', a.device)}")
     # step ms: the tail's seconds per step (a decode or a verification); where every step verifies (forced, no
     # back-off), its ratio to speculation off's row is what a verification costs in decode steps
-    print("| drafts | rollout s | tail s | tail tok/s | tail speed-up | tail steps | verifications | step ms | "
-          "vs off | mean accepted | acceptance | same | tokens before parting | agreed |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    # verify ms: a verification step's wall time on the host; pass: of it, the pass's device time (the rest is
+    # host work before and after it — drafting, inputs, the rule — and sampling)
+    print("| drafts | rollout s | tail s | tail tok/s | tail speed-up | tail steps | verifications | "
+          "verify ms (pass) | step ms | vs off | mean accepted | acceptance | same | tokens before parting | agreed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        v = f"{r['verify_ms']:.2f} ({r['verify_pass_ms']:.2f})" if r["verifications"] else ""
         print(f"| {r['drafts']} | {r['rollout_s']:.2f} | {r['tail_s']:.3f} | {r['tail_tok_s']:.0f} | "
-              f"{r['speedup']:.2f}x | {r['tail_steps']} | {r['verifications']} | {r['step_ms']:.2f} | "
+              f"{r['speedup']:.2f}x | {r['tail_steps']} | {r['verifications']} | {v} | {r['step_ms']:.2f} | "
               f"{r['step_ms'] / rows[0]['step_ms']:.2f}x | {r['mean_accepted']:.2f} | {r['acceptance']:.2f} | "
               f"{r['same_samples']}/{total} | {r['kept']:.0%} | "
               f"{'' if r.get('policy_agreed') is None else format(r['policy_agreed'], '.0%')} |")

@@ -118,6 +118,9 @@ class Engine:
             self.decode_sampler = VocabParallelSampler(tp, model.cfg.text.vocab_size, self.sampler)
         # speculative decoding in the tail (speculative.py); None: off
         self.spec = Speculator(self.cfg) if self.cfg.speculative_tokens else None
+        self._verify_events = None  # around each verification's device work (its share of the step's time)
+        if self.spec is not None and self.runner.device.type == "cuda":
+            self._verify_events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(2))
 
     @property
     def spec_stats(self) -> dict:
@@ -482,8 +485,11 @@ class Engine:
                 positions.append(n - 1 + j + s.request.rope_delta)
                 seq_lens.append(n + j)
                 slots.append(self.blocks.slot(s, n - 1 + j))
+        timing = self._verify_events
+        tv = time.perf_counter()
         logits = self.runner.verify(ids, positions, [s.block_table for s in seqs], seq_lens, slots,
-                                    [len(d) + 1 for d in drafts])
+                                    [len(d) + 1 for d in drafts], timing=timing)
+        forward_ms = (time.perf_counter() - tv) * 1e3  # on CPU the pass ran in the call
         self.spec.index(seqs)  # host work while the pass runs: the next drafts' counts
         for h in self.hooks:
             if hasattr(h, "after_decode_launch"):
@@ -499,6 +505,9 @@ class Engine:
                 self.blocks.trim(seq, len(seq))  # the rejected tokens' blocks
         self._last_step_ms = (time.perf_counter() - t0) * 1e3
         self._last_period_ms, self._last_end = None, None
+        # the rule read the tokens on the host: the pass's end event has completed
+        self.spec.stats.forward_ms += timing[0].elapsed_time(timing[1]) if timing is not None else forward_ms
+        self.spec.stats.wall_ms += self._last_step_ms
         if self.cfg.speculative_adaptive:
             self.spec.note_step(self._last_step_ms, verify=True)
         self.decode_steps += 1

@@ -356,18 +356,20 @@ class ModelRunner:
 
     @torch.no_grad()
     def verify(self, ids: list[int], positions: list[int], tables: list[list[int]], seq_lens: list[int],
-               slots: list[int], counts: list[int]) -> torch.Tensor:
+               slots: list[int], counts: list[int], timing: tuple | None = None) -> torch.Tensor:
         """Score a few tokens per sequence in one pass: counts[i] rows for sequence i (its last token and
         its draft), flattened in order in the other lists (tables: one per sequence). Writes the K/V of
-        every row. -> logits [sum(counts), V] (weights' dtype), row for row."""
+        every row. timing: two CUDA events recorded around the pass's device work. -> logits [sum(counts),
+        V] (weights' dtype), row for row."""
         B = len(counts)
         per = self.cfg.speculative_tokens + 1
         bucket = next((b for b in sorted(self.verify_graphs) if b >= B), None)
         if bucket is None or max(counts) > per:
             per = max(counts)
             meta, bt, index = self._verify_layout(ids, positions, tables, seq_lens, slots, counts, B, per)
-            out = self._verify_forward(to_device(meta, self.device), to_device(bt, self.device), per,
-                                       self._verify_gemms(B * per))
+            meta, bt = to_device(meta, self.device), to_device(bt, self.device)
+            with _timed(timing):
+                out = self._verify_forward(meta, bt, per, self._verify_gemms(B * per))
             return out[as_device_tensor(index, self.device, torch.long)]
         # graphed: the bucket's sequences x per rows, padded
         meta, bt, index = self._verify_layout(ids, positions, tables, seq_lens, slots, counts, bucket, per)
@@ -375,7 +377,8 @@ class ModelRunner:
         self.static_vmeta[:, : bucket * per].copy_(to_device(meta, self.device))
         # columns past the batch's widest table are never read: each row reads the blocks of its KV length only
         self.static_vbt[:bucket, : bt.shape[1]].copy_(to_device(bt, self.device))
-        graph.replay()
+        with _timed(timing):
+            graph.replay()
         return out[as_device_tensor(index, self.device, torch.long)]
 
     def _capture_verify(self) -> None:

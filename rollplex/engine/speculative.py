@@ -93,6 +93,8 @@ class SpecStats:
     emitted: int = 0  # tokens kept (accepted + one correction or bonus per sequence and pass)
     shadow_drafts: int = 0  # drafts scored in shadow (backed off: against the tokens plain decoding drew)
     shadow_accepted: int = 0  # of their tokens, those a verification would have accepted
+    wall_ms: float = 0.0  # verification steps' host wall time, summed
+    forward_ms: float = 0.0  # of it, the passes' device time (CUDA events; on CPU the pass's wall time)
 
     @property
     def mean_accepted(self) -> float:
@@ -115,7 +117,7 @@ class SpecStats:
         return {"steps": self.steps, "seq_steps": self.seq_steps, "drafted": self.drafted,
                 "accepted": self.accepted, "emitted": self.emitted, "mean_accepted": self.mean_accepted,
                 "acceptance_rate": self.acceptance_rate, "shadow_drafts": self.shadow_drafts,
-                "shadow_accepted": self.shadow_accepted}
+                "shadow_accepted": self.shadow_accepted, "wall_ms": self.wall_ms, "forward_ms": self.forward_ms}
 
 
 def prompt_key(req: Request) -> Hashable:
