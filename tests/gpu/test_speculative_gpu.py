@@ -46,3 +46,27 @@ def test_speculation_keeps_greedy_tokens_samples_and_logprobs(graphs):
     s = spec.spec_stats
     assert s["accepted"] > 0 and s["drafted"] > s["accepted"]
     assert spec.blocks.num_free == spec.blocks.num_blocks - 1
+
+
+def test_failing_drafts_verify_once_then_draft_in_shadow():
+    """Drafts the policy never takes: one verification per rollout, then graphed plain decode with drafts
+    scored in shadow (the overlapped path: a token in flight at every shadow draft); tokens unchanged, and
+    the verification's pass timed by CUDA events within its step's wall time."""
+    model = kernel_model("cuda")
+    base = dict(max_num_seqs=32, max_model_len=512, kv_cache_tokens=64 * 512, cuda_graph_max_bs=32)
+    plain = Engine(model, None, EngineConfig(**base))
+    spec = Engine(model, None, EngineConfig(**base, speculative_tokens=4, speculative_max_batch=16,
+                                            speculative_max_fraction=1.0))
+    g = torch.Generator().manual_seed(1)
+    prompts = [make_prompt(g, images=[(1, 4, 6)], text_len=(3, 5)) for _ in range(4)]
+    for p in prompts:
+        p.pixel_values = p.pixel_values.cuda()
+    params = SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True, n=2)
+    ref = plain.generate(prompts, params)
+    vocab = model.cfg.text.vocab_size
+    spec.spec.drafts = lambda seqs, _: [[(s.token_ids[-1] + 1) % vocab] * 4 for s in seqs]
+    outs = spec.generate(prompts, params)
+    assert [[x.token_ids for x in o.samples] for o in ref] == [[x.token_ids for x in o.samples] for o in outs]
+    s = spec.spec_stats
+    assert s["steps"] == 1 and s["shadow_drafts"] > 8
+    assert 0 < s["forward_ms"] < s["wall_ms"]
