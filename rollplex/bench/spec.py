@@ -290,7 +290,7 @@ def main(argv=None) -> None:
           f"{', adaptive back-off' if a.adaptive else ''}, {env.get('gpu', a.device)}")
     # step ms: the tail's seconds per step (a decode or a verification); where every step verifies (forced, no
     # back-off), its ratio to speculation off's row is what a verification costs in decode steps
-    # verify ms: a verification step's wall time on the host; pass: of it, the pass's device time (the rest is
+    # verify ms: a verification step's wall time on the host; pass: of it, the pass's GPU time (the rest is
     # host work before and after it — drafting, inputs, the rule — and sampling)
     print("| drafts | rollout s | tail s | tail tok/s | tail speed-up | tail steps | verifications | "
           "verify ms (pass) | step ms | vs off | mean accepted | acceptance | same | tokens before parting | agreed |")

@@ -118,7 +118,7 @@ class Engine:
             self.decode_sampler = VocabParallelSampler(tp, model.cfg.text.vocab_size, self.sampler)
         # speculative decoding in the tail (speculative.py); None: off
         self.spec = Speculator(self.cfg) if self.cfg.speculative_tokens else None
-        self._verify_events = None  # around each verification's device work (its share of the step's time)
+        self._verify_events = None  # around each verification's GPU work (its share of the step's time)
         if self.spec is not None and self.runner.device.type == "cuda":
             self._verify_events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(2))
 

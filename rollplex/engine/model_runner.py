@@ -359,7 +359,7 @@ class ModelRunner:
                slots: list[int], counts: list[int], timing: tuple | None = None) -> torch.Tensor:
         """Score a few tokens per sequence in one pass: counts[i] rows for sequence i (its last token and
         its draft), flattened in order in the other lists (tables: one per sequence). Writes the K/V of
-        every row. timing: two CUDA events recorded around the pass's device work. -> logits [sum(counts),
+        every row. timing: two CUDA events recorded around the pass's GPU work. -> logits [sum(counts),
         V] (weights' dtype), row for row."""
         B = len(counts)
         per = self.cfg.speculative_tokens + 1

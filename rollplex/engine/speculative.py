@@ -94,7 +94,7 @@ class SpecStats:
     shadow_drafts: int = 0  # drafts scored in shadow (backed off: against the tokens plain decoding drew)
     shadow_accepted: int = 0  # of their tokens, those a verification would have accepted
     wall_ms: float = 0.0  # verification steps' host wall time, summed
-    forward_ms: float = 0.0  # of it, the passes' device time (CUDA events; on CPU the pass's wall time)
+    forward_ms: float = 0.0  # of it, the passes' GPU time (CUDA events; on CPU the pass's wall time)
 
     @property
     def mean_accepted(self) -> float:
