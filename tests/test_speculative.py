@@ -228,13 +228,13 @@ def test_shadow_drafts_score_what_a_verification_would_accept():
     """Backed off, each shadow draft is scored by the leading tokens of it that plain decoding then drew
     (a token in flight at drafting time drafted past); verification resumes once the latest scores reach the
     bar, and not before every decoding sequence has one (up to the window)."""
+    from types import SimpleNamespace
+
     from rollplex.engine.sequence import Request
     from rollplex.engine.speculative import Speculator
 
     spec = Speculator(EngineConfig(speculative_tokens=3, speculative_max_batch=8, speculative_max_fraction=1.0,
                                    speculative_min_accepted=1.0))
-    from types import SimpleNamespace
-
     req = Request("r", SimpleNamespace(input_ids=[7, 7]), SamplingParams(max_new_tokens=100, n=2), [0, 0])
     a, b = req.seqs
     a.pending = b.pending = 1
