@@ -562,14 +562,8 @@ class Engine:
             st = SamplingTensors.build([self._row(s) for s in seqs], logits.shape[-1], logits.device)
         tokens, logprobs = self.sampler(logits, st)
         for seq, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
-            if seq.finished:  # its request was dropped by a fork's failed stop check
-                continue
-            seq.token_ids.append(tok)
-            seq.logprobs.append(lp)
-            try:
-                self._check_finish(seq, tok)
-            except Exception as e:  # noqa: BLE001 - this request's stop check: it alone is dropped
-                self._drop(seq.request, e)
+            if not seq.finished:  # else its request was dropped by a fork's failed stop check
+                self._append(seq, tok, lp)
 
     def _check_finish(self, seq: Sequence, tok: int) -> None:
         p = seq.request.params
